@@ -1,0 +1,39 @@
+# Quick start: `make demo` and `make test`. Both create .venv when missing and install what they need.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# torch first, pinned, so pip does not pick a newer multi-GB build by itself; override with TORCH_SPEC=...
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test lint bench clean install install-dev
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.torch: | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_SPEC)" || $(PIP) install -q "torch>=2.4"
+	touch $@
+
+$(VENV)/.installed-base: pyproject.toml $(VENV)/.torch
+	$(PIP) install -q -e ".[plot]"
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
+	$(PIP) install -q -e ".[dev]"
+	touch $@ $(VENV)/.installed-base
+
+install: $(VENV)/.installed-base
+install-dev: $(VENV)/.installed-dev
+
+demo: $(VENV)/.installed-base
+	$(PY) -m knitdata demo
+
+test: $(VENV)/.installed-dev
+	@$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+
+lint: $(VENV)/.installed-dev
+	$(PY) -m ruff check knitdata tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

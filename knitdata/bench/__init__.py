@@ -1,0 +1,1 @@
+"""Benchmarks behind ``knitdata bench <name>``: each prints a table, writes JSON and (optionally) a plot."""

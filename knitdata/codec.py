@@ -1,0 +1,329 @@
+"""Binary encoding of trajectories (and of any named tensors) for wire and disk, without pickle.
+
+Layout of one record (all integers little-endian)::
+
+    offset  size  field
+    0       4     magic  b"KNTD"
+    4       2     format version (1)
+    6       2     flags (0)
+    8       4     header length H in bytes
+    12      4     reserved (0)
+    16      8     total length T of the record in bytes, checksum included
+    24      H     header: UTF-8 JSON object (typed description of every buffer)
+    ...           raw tensor buffers, each starting at a 64-byte aligned offset
+    T-4     4     CRC32 of bytes [0, T-4)
+
+The decoder checks, in this order and before any allocation that depends on the header: the fixed
+prefix, that ``T`` equals the buffer length, that ``H`` fits, the CRC32, and then that every buffer
+described by the header lies inside the record with a size equal to ``prod(shape) * itemsize``. Any
+violation raises :class:`~knitdata.errors.CodecError`. Decoded tensors are zero-copy views into the
+record (a read-only input is copied once, as a whole).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from knitdata.errors import CodecError
+from knitdata.record import MediaItem, Trajectory
+
+__all__ = [
+    "MAGIC",
+    "FORMAT_VERSION",
+    "MAX_HEADER_BYTES",
+    "encode_tensors",
+    "decode_tensors",
+    "encode_trajectory",
+    "decode_trajectory",
+    "iter_records",
+    "record_length",
+]
+
+MAGIC = b"KNTD"
+FORMAT_VERSION = 1
+#: Largest JSON header accepted (a header is metadata, never payload).
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+_PREFIX = struct.Struct("<4sHHIIQ")  # magic, version, flags, header_len, reserved, total_len
+_CRC = struct.Struct("<I")
+_ALIGN = 64
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bool": torch.bool,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "uint16": torch.uint16,
+    "uint32": torch.uint32,
+    "uint64": torch.uint64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_BYTES = "bytes"  # pseudo dtype for raw byte strings
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def encode_tensors(meta: Mapping[str, Any], tensors: Mapping[str, torch.Tensor | bytes]) -> bytearray:
+    """Encode a JSON-serializable ``meta`` dict and named tensors (or raw bytes) into one record.
+
+    Args:
+        meta: JSON-serializable metadata stored in the header under ``"meta"``.
+        tensors: Named CPU tensors (any whitelisted dtype, any shape) or ``bytes`` values.
+
+    Returns:
+        The record as a ``bytearray`` (allocated once).
+
+    Raises:
+        CodecError: On an unsupported dtype or a non-serializable ``meta``.
+    """
+    specs: dict[str, dict[str, Any]] = {}
+    bodies: list[tuple[str, torch.Tensor | bytes]] = list(tensors.items())
+    # first pass: sizes (offsets relative to the data section)
+    rel = 0
+    for name, value in bodies:
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            nbytes = len(value)
+            specs[name] = {"dtype": _BYTES, "shape": [nbytes], "offset": rel, "nbytes": nbytes}
+        elif isinstance(value, torch.Tensor):
+            if value.dtype not in _DTYPE_NAMES:
+                raise CodecError(f"tensor {name!r}: dtype {value.dtype} is not supported by the codec")
+            nbytes = value.numel() * value.element_size()
+            specs[name] = {
+                "dtype": _DTYPE_NAMES[value.dtype],
+                "shape": list(value.shape),
+                "offset": rel,
+                "nbytes": nbytes,
+            }
+        else:
+            raise CodecError(f"value {name!r}: expected a tensor or bytes, got {type(value).__name__}")
+        rel = _align(rel + nbytes)
+    try:
+        header = json.dumps({"meta": meta, "buffers": specs}, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise CodecError(f"metadata is not JSON-serializable: {e}") from e
+    data_start = _align(_PREFIX.size + len(header))
+    total = data_start + rel + _CRC.size
+    out = bytearray(total)
+    _PREFIX.pack_into(out, 0, MAGIC, FORMAT_VERSION, 0, len(header), 0, total)
+    out[_PREFIX.size : _PREFIX.size + len(header)] = header
+    mv = memoryview(out)
+    for name, value in bodies:
+        spec = specs[name]
+        start = data_start + spec["offset"]
+        if isinstance(value, torch.Tensor):
+            t = value.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            t = t.contiguous()
+            if spec["nbytes"]:
+                dst = torch.frombuffer(mv[start : start + spec["nbytes"]], dtype=torch.uint8)
+                dst.copy_(t.reshape(-1).view(torch.uint8))
+        else:
+            mv[start : start + spec["nbytes"]] = value
+    crc = zlib.crc32(mv[: total - _CRC.size])
+    _CRC.pack_into(out, total - _CRC.size, crc)
+    return out
+
+
+def record_length(buf: bytes | bytearray | memoryview, offset: int = 0) -> int:
+    """Return the total length of the record starting at ``offset`` (reads only the fixed prefix).
+
+    Raises:
+        CodecError: If the prefix is truncated or not knitdata's.
+    """
+    mv = memoryview(buf)
+    if len(mv) - offset < _PREFIX.size + _CRC.size:
+        raise CodecError(f"truncated record: {len(mv) - offset} bytes, need at least {_PREFIX.size + _CRC.size}")
+    magic, version, _flags, header_len, _res, total = _PREFIX.unpack_from(mv, offset)
+    if magic != MAGIC:
+        raise CodecError(f"not a knitdata record (magic {bytes(magic)!r}, expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise CodecError(f"unsupported record format version {version} (this knitdata reads {FORMAT_VERSION})")
+    if total < _PREFIX.size + header_len + _CRC.size:
+        raise CodecError(f"record length {total} is smaller than its header ({header_len} bytes) needs")
+    return int(total)
+
+
+def _decode_frame(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], memoryview]:
+    mv = memoryview(buf)
+    if mv.ndim != 1 or mv.itemsize != 1:
+        mv = mv.cast("B")
+    total = record_length(mv)
+    if total != len(mv):
+        kind = "truncated" if total > len(mv) else "oversized"
+        raise CodecError(f"{kind} record: header says {total} bytes, buffer has {len(mv)}")
+    _m, _v, _f, header_len, _r, _t = _PREFIX.unpack_from(mv, 0)
+    if header_len > MAX_HEADER_BYTES:
+        raise CodecError(f"header of {header_len} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    (stored,) = _CRC.unpack_from(mv, total - _CRC.size)
+    actual = zlib.crc32(mv[: total - _CRC.size])
+    if stored != actual:
+        raise CodecError(f"checksum mismatch (stored {stored:#010x}, computed {actual:#010x}): corrupted record")
+    try:
+        header = json.loads(bytes(mv[_PREFIX.size : _PREFIX.size + header_len]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CodecError(f"record header is not valid JSON: {e}") from e
+    if not isinstance(header, dict) or not isinstance(header.get("buffers"), dict):
+        raise CodecError("record header lacks its 'buffers' table")
+    return header, mv
+
+
+def decode_tensors(
+    buf: bytes | bytearray | memoryview, *, copy: bool = False
+) -> tuple[Any, dict[str, torch.Tensor | bytes]]:
+    """Decode a record written by :func:`encode_tensors`.
+
+    Args:
+        buf: The record (exactly one, no trailing bytes).
+        copy: Copy the record once so tensors do not alias ``buf``. A read-only ``buf`` is always
+            copied once, since tensors must own writable memory.
+
+    Returns:
+        ``(meta, values)``: the metadata and a dict of tensors (views into the record) or bytes.
+
+    Raises:
+        CodecError: If the record is truncated, corrupted or inconsistent.
+    """
+    header, mv = _decode_frame(buf)
+    total = len(mv)
+    data_start = _align(_PREFIX.size + _PREFIX.unpack_from(mv, 0)[3])
+    data_end = total - _CRC.size
+    specs = header["buffers"]
+    checked: list[tuple[str, str, list[int], int, int]] = []
+    for name, spec in specs.items():
+        if not isinstance(spec, dict):
+            raise CodecError(f"buffer {name!r}: bad description {spec!r}")
+        dtype_name, shape, offset, nbytes = spec.get("dtype"), spec.get("shape"), spec.get("offset"), spec.get("nbytes")
+        if dtype_name != _BYTES and dtype_name not in _DTYPES:
+            raise CodecError(f"buffer {name!r}: unsupported dtype {dtype_name!r}")
+        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+            raise CodecError(f"buffer {name!r}: bad shape {shape!r}")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (offset, nbytes)):
+            raise CodecError(f"buffer {name!r}: bad offset/nbytes {offset!r}/{nbytes!r}")
+        itemsize = 1 if dtype_name == _BYTES else torch.empty((), dtype=_DTYPES[dtype_name]).element_size()
+        if math.prod(shape) * itemsize != nbytes:
+            raise CodecError(f"buffer {name!r}: shape {shape} and dtype {dtype_name} do not match {nbytes} bytes")
+        if data_start + offset + nbytes > data_end:
+            raise CodecError(
+                f"buffer {name!r}: [{offset}, {offset + nbytes}) exceeds the record's data section "
+                f"of {data_end - data_start} bytes"
+            )
+        checked.append((name, dtype_name, shape, offset, nbytes))
+    if copy or mv.readonly:
+        mv = memoryview(bytearray(mv))
+    values: dict[str, torch.Tensor | bytes] = {}
+    for name, dtype_name, shape, offset, nbytes in checked:
+        start = data_start + offset
+        if dtype_name == _BYTES:
+            values[name] = bytes(mv[start : start + nbytes])
+        elif nbytes == 0:
+            values[name] = torch.empty(shape, dtype=_DTYPES[dtype_name])
+        else:
+            values[name] = torch.frombuffer(mv, dtype=_DTYPES[dtype_name], count=math.prod(shape), offset=start).view(shape)
+    return header.get("meta"), values
+
+
+def iter_records(buf: bytes | bytearray | memoryview) -> Iterator[memoryview]:
+    """Split a concatenation of records into one memoryview per record.
+
+    Raises:
+        CodecError: If the concatenation ends inside a record.
+    """
+    mv = memoryview(buf)
+    pos = 0
+    while pos < len(mv):
+        n = record_length(mv, pos)
+        if pos + n > len(mv):
+            raise CodecError(f"truncated record at byte {pos}: needs {n} bytes, {len(mv) - pos} left")
+        yield mv[pos : pos + n]
+        pos += n
+
+
+# ---------------------------------------------------------------------------------------- trajectories
+
+
+def encode_trajectory(traj: Trajectory) -> bytearray:
+    """Encode one trajectory into a self-describing, checksummed record (no pickle).
+
+    Args:
+        traj: A validated trajectory.
+
+    Returns:
+        The record bytes.
+    """
+    values: dict[str, torch.Tensor | bytes] = {"prompt_ids": traj.prompt_ids, "response_ids": traj.response_ids}
+    if traj.loss_mask is not None:
+        values["loss_mask"] = traj.loss_mask
+    if traj.token_versions is not None:
+        values["token_versions"] = traj.token_versions
+    for k, v in traj.tensors.items():
+        values[f"t/{k}"] = v
+    media = []
+    for i, m in enumerate(traj.media):
+        key = f"m/{i}"
+        values[key] = m.tensor if m.tensor is not None else bytes(m.data)  # type: ignore[arg-type]
+        media.append({"kind": m.kind, "digest": m.digest, "sample_rate": m.sample_rate, "encoded": m.data is not None})
+    meta = {
+        "type": "trajectory",
+        "id": traj.id,
+        "source": traj.source,
+        "group": traj.group,
+        "gen_version": traj.gen_version,
+        "scalars": {k: (float(v) if isinstance(v, float) else int(v)) for k, v in traj.scalars.items()},
+        "tensors": list(traj.tensors),
+        "media": media,
+    }
+    return encode_tensors(meta, values)
+
+
+def decode_trajectory(buf: bytes | bytearray | memoryview, *, copy: bool = False) -> Trajectory:
+    """Decode a record written by :func:`encode_trajectory` and validate the result.
+
+    Args:
+        buf: The record.
+        copy: See :func:`decode_tensors`.
+
+    Raises:
+        CodecError: If the record is corrupted or is not a trajectory.
+        ValidationError: If it decodes to an invalid trajectory.
+    """
+    meta, values = decode_tensors(buf, copy=copy)
+    if not isinstance(meta, dict) or meta.get("type") != "trajectory":
+        raise CodecError("record does not hold a trajectory")
+    try:
+        media = []
+        for i, m in enumerate(meta["media"]):
+            v = values[f"m/{i}"]
+            if m["encoded"]:
+                media.append(MediaItem(m["kind"], data=v, sample_rate=m["sample_rate"], digest=m["digest"]))  # type: ignore[arg-type]
+            else:
+                media.append(MediaItem(m["kind"], tensor=v, sample_rate=m["sample_rate"], digest=m["digest"]))  # type: ignore[arg-type]
+        return Trajectory(
+            id=meta["id"],
+            source=meta["source"],
+            group=meta["group"],
+            gen_version=meta["gen_version"],
+            prompt_ids=values["prompt_ids"],  # type: ignore[arg-type]
+            response_ids=values["response_ids"],  # type: ignore[arg-type]
+            loss_mask=values.get("loss_mask"),  # type: ignore[arg-type]
+            token_versions=values.get("token_versions"),  # type: ignore[arg-type]
+            scalars=dict(meta["scalars"]),
+            tensors={k: values[f"t/{k}"] for k in meta["tensors"]},  # type: ignore[misc]
+            media=media,
+        )
+    except (KeyError, TypeError) as e:
+        raise CodecError(f"trajectory record is missing or mistypes a field: {e!r}") from e

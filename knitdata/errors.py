@@ -1,0 +1,135 @@
+"""One error hierarchy for knitdata.
+
+Every error raised on purpose by knitdata derives from :class:`KnitdataError`, and also from the
+builtin that fits (``ValueError`` for bad input, ``TypeError`` for wrong types, ``RuntimeError`` for
+conditions of the running system), so ``except ValueError`` keeps working for callers that do not know
+knitdata. Messages name the trajectory and the field where there is one, and say what to do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "KnitdataError",
+    "ValidationError",
+    "FieldTypeError",
+    "CodecError",
+    "ConfigError",
+    "QuotaInfeasibleError",
+    "StoreFull",
+    "StateError",
+    "EngineError",
+    "TrajectoryLostError",
+    "MediaError",
+    "OptionalDependencyError",
+]
+
+
+class KnitdataError(Exception):
+    """Root of every error knitdata raises on purpose."""
+
+
+class ValidationError(KnitdataError, ValueError):
+    """A trajectory (or another input) holds a bad value.
+
+    Attributes:
+        trajectory_id: The id of the offending trajectory, or ``None`` when not known.
+        field: The name of the offending field, or ``None``.
+    """
+
+    def __init__(self, message: str, *, trajectory_id: str | None = None, field: str | None = None):
+        prefix = ""
+        if trajectory_id is not None:
+            prefix += f"trajectory {trajectory_id!r}: "
+        if field is not None:
+            prefix += f"field {field!r}: "
+        super().__init__(prefix + message)
+        self.trajectory_id = trajectory_id
+        self.field = field
+
+
+class FieldTypeError(KnitdataError, TypeError):
+    """A field of a trajectory has the wrong Python type or tensor dtype.
+
+    Attributes:
+        trajectory_id: The id of the offending trajectory, or ``None`` when not known.
+        field: The name of the offending field, or ``None``.
+    """
+
+    def __init__(self, message: str, *, trajectory_id: str | None = None, field: str | None = None):
+        prefix = ""
+        if trajectory_id is not None:
+            prefix += f"trajectory {trajectory_id!r}: "
+        if field is not None:
+            prefix += f"field {field!r}: "
+        super().__init__(prefix + message)
+        self.trajectory_id = trajectory_id
+        self.field = field
+
+
+class CodecError(KnitdataError, ValueError):
+    """A binary buffer or shard is corrupted, truncated or not knitdata's format."""
+
+
+class ConfigError(KnitdataError, ValueError):
+    """A configuration (batch spec, engine option, scenario...) is invalid."""
+
+
+class QuotaInfeasibleError(KnitdataError, RuntimeError):
+    """The per-source quotas of a train batch can no longer be met with what rollout can deliver."""
+
+
+class StoreFull(KnitdataError, RuntimeError):
+    """A storage unit is at capacity and could not take a payload within the timeout."""
+
+
+class StateError(KnitdataError, ValueError):
+    """A state dict does not match the object it is loaded into."""
+
+
+class EngineError(KnitdataError, RuntimeError):
+    """An engine was used in a way it does not support (e.g. worker processes on the embedded engine)."""
+
+
+class TrajectoryLostError(KnitdataError, RuntimeError):
+    """Payloads became unreachable (e.g. a storage node died) and could not be recovered.
+
+    Attributes:
+        trajectory_ids: The ids of the lost trajectories.
+    """
+
+    def __init__(self, message: str, *, trajectory_ids: list[str] | tuple[str, ...] = ()):
+        ids = list(trajectory_ids)
+        shown = ", ".join(repr(i) for i in ids[:10]) + (" ..." if len(ids) > 10 else "")
+        super().__init__(f"{message} (lost {len(ids)} trajectories: {shown})" if ids else message)
+        self.trajectory_ids = ids
+
+
+class MediaError(KnitdataError, ValueError):
+    """A media item (image, audio) cannot be decoded or processed.
+
+    Attributes:
+        trajectory_id: The id of the trajectory holding the item, or ``None``.
+        item: The index of the item within the trajectory's media, or ``None``.
+    """
+
+    def __init__(self, message: str, *, trajectory_id: str | None = None, item: int | None = None):
+        prefix = ""
+        if trajectory_id is not None:
+            prefix += f"trajectory {trajectory_id!r}: "
+        if item is not None:
+            prefix += f"media item {item}: "
+        super().__init__(prefix + message)
+        self.trajectory_id = trajectory_id
+        self.item = item
+
+
+class OptionalDependencyError(KnitdataError, ImportError):
+    """An optional extra (ray, transferqueue, matplotlib) is needed but not installed."""
+
+    def __init__(self, package: str, extra: str, purpose: str):
+        super().__init__(
+            f"{purpose} needs the optional package {package!r}; install it with "
+            f"`pip install 'knitdata[{extra}]'`"
+        )
+        self.package = package
+        self.extra = extra

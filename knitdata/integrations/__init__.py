@@ -1,0 +1,1 @@
+"""Integrations with trainers and formats (Accelerate, webdataset)."""

@@ -1,0 +1,380 @@
+"""The trajectory record: what rollout produces and training consumes.
+
+A :class:`Trajectory` is one finished rollout (DESIGN.md §1). Its :class:`TrajectoryMeta` is the small,
+JSON-serializable view that admission and planning see: they never touch payloads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from knitdata.errors import FieldTypeError, ValidationError
+
+__all__ = [
+    "MEDIA_KINDS",
+    "MediaItem",
+    "Trajectory",
+    "TrajectoryMeta",
+    "tensor_digest",
+    "bytes_digest",
+]
+
+#: Media kinds a trajectory may carry.
+MEDIA_KINDS: tuple[str, ...] = ("image", "audio")
+
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_RESERVED_TENSORS = ("prompt_ids", "response_ids", "loss_mask", "token_versions")
+
+
+def bytes_digest(data: bytes | bytearray | memoryview) -> str:
+    """Return the content digest (BLAKE2b-128, hex) of raw bytes.
+
+    Args:
+        data: The bytes to hash.
+
+    Returns:
+        A 32-character lowercase hex string.
+    """
+    return hashlib.blake2b(bytes(data) if isinstance(data, memoryview) else data, digest_size=16).hexdigest()
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """Return the content digest of a tensor: dtype, shape and values (BLAKE2b-128, hex).
+
+    Two tensors get the same digest exactly when they have the same dtype, shape and bytes.
+
+    Args:
+        t: The tensor to hash (any device; it is copied to the CPU if needed).
+
+    Returns:
+        A 32-character lowercase hex string.
+    """
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
+    if t.numel():
+        h.update(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One image or audio clip attached to a trajectory.
+
+    Either ``tensor`` (decoded pixels ``uint8 [C, H, W]`` or ``[H, W, C]``, or audio samples
+    ``float32 [frames]``/``[frames, channels]``, or already processed encoder inputs) or ``data``
+    (encoded file bytes: PNG, JPEG, FLAC, WAV...) must be given, not both.
+
+    Attributes:
+        kind: ``"image"`` or ``"audio"``.
+        tensor: Decoded content, or ``None``.
+        data: Encoded bytes, or ``None``.
+        sample_rate: Audio sample rate in Hz (audio only).
+        digest: Content digest; computed from the content when left empty.
+    """
+
+    kind: str
+    tensor: torch.Tensor | None = None
+    data: bytes | None = None
+    sample_rate: int | None = None
+    digest: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in MEDIA_KINDS:
+            raise ValidationError(
+                f"unknown media kind {self.kind!r}; expected one of {MEDIA_KINDS}", field="media.kind"
+            )
+        if (self.tensor is None) == (self.data is None):
+            raise ValidationError("give exactly one of `tensor` or `data`", field="media")
+        if self.tensor is not None and not isinstance(self.tensor, torch.Tensor):
+            raise FieldTypeError(f"expected a torch.Tensor, got {type(self.tensor).__name__}", field="media.tensor")
+        if self.data is not None and not isinstance(self.data, (bytes, bytearray)):
+            raise FieldTypeError(f"expected bytes, got {type(self.data).__name__}", field="media.data")
+        if self.sample_rate is not None and (not isinstance(self.sample_rate, int) or self.sample_rate <= 0):
+            raise ValidationError(f"sample_rate must be a positive int, got {self.sample_rate!r}", field="media.sample_rate")
+        if not self.digest:
+            d = tensor_digest(self.tensor) if self.tensor is not None else bytes_digest(self.data)  # type: ignore[arg-type]
+            object.__setattr__(self, "digest", d)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the content in bytes."""
+        if self.tensor is not None:
+            return self.tensor.numel() * self.tensor.element_size()
+        return len(self.data)  # type: ignore[arg-type]
+
+
+def _check_1d_int(tid: str, name: str, t: Any, *, allow_empty: bool) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise FieldTypeError(f"expected a 1-D integer torch.Tensor, got {type(t).__name__}", trajectory_id=tid, field=name)
+    if t.dtype not in _INT_DTYPES:
+        raise FieldTypeError(f"expected an integer dtype, got {t.dtype}", trajectory_id=tid, field=name)
+    if t.dim() != 1:
+        raise ValidationError(f"expected a 1-D tensor, got shape {tuple(t.shape)}", trajectory_id=tid, field=name)
+    if not allow_empty and t.numel() == 0:
+        raise ValidationError("must not be empty", trajectory_id=tid, field=name)
+
+
+@dataclass
+class Trajectory:
+    """One finished rollout (DESIGN.md §1).
+
+    Construction validates every field and raises :class:`~knitdata.errors.ValidationError` or
+    :class:`~knitdata.errors.FieldTypeError` naming the trajectory id and the field.
+
+    Attributes:
+        id: Unique id of the trajectory (non-empty string, no ``.`` or ``/``: it becomes a shard key).
+        source: Where the prompt came from (e.g. ``"math"``).
+        group: Group id (GRPO: the n responses of one prompt share it).
+        prompt_ids: 1-D integer tensor of prompt token ids (may be empty).
+        response_ids: 1-D integer tensor of response token ids (non-empty).
+        gen_version: Policy version that generated it; under partial rollout the oldest among its tokens.
+        loss_mask: 1-D mask over the response tokens (bool, integer or float); all ones when ``None``.
+        token_versions: Optional 1-D integer tensor of per-response-token policy versions.
+        scalars: Named finite float fields (reward, advantage, ...).
+        tensors: Extra named tensors (e.g. old log-probs).
+        media: Images and audio clips.
+    """
+
+    id: str
+    source: str
+    group: str
+    prompt_ids: torch.Tensor
+    response_ids: torch.Tensor
+    gen_version: int = 0
+    loss_mask: torch.Tensor | None = None
+    token_versions: torch.Tensor | None = None
+    scalars: dict[str, float] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    media: list[MediaItem] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Check every field; raise an error naming the trajectory and the field on the first problem."""
+        if not isinstance(self.id, str) or not self.id:
+            raise ValidationError(f"id must be a non-empty string, got {self.id!r}", field="id")
+        tid = self.id
+        if any(c in tid for c in "./\\\x00") or tid.strip() != tid:
+            raise ValidationError(
+                "id must not contain '.', '/', '\\', NUL or surrounding spaces (it becomes a shard key)",
+                trajectory_id=tid,
+                field="id",
+            )
+        for name in ("source", "group"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise ValidationError(f"must be a non-empty string, got {v!r}", trajectory_id=tid, field=name)
+        if isinstance(self.gen_version, bool) or not isinstance(self.gen_version, int) or self.gen_version < 0:
+            raise ValidationError(
+                f"must be a non-negative int, got {self.gen_version!r}", trajectory_id=tid, field="gen_version"
+            )
+        _check_1d_int(tid, "prompt_ids", self.prompt_ids, allow_empty=True)
+        _check_1d_int(tid, "response_ids", self.response_ids, allow_empty=False)
+        n = self.response_ids.numel()
+        if self.loss_mask is not None:
+            m = self.loss_mask
+            if not isinstance(m, torch.Tensor):
+                raise FieldTypeError(f"expected a torch.Tensor, got {type(m).__name__}", trajectory_id=tid, field="loss_mask")
+            if m.dtype.is_complex:
+                raise FieldTypeError(f"unsupported dtype {m.dtype}", trajectory_id=tid, field="loss_mask")
+            if m.dim() != 1 or m.numel() != n:
+                raise ValidationError(
+                    f"shape {tuple(m.shape)} does not match response length {n}", trajectory_id=tid, field="loss_mask"
+                )
+            if m.dtype.is_floating_point and not bool(torch.isfinite(m).all()):
+                raise ValidationError("contains non-finite values", trajectory_id=tid, field="loss_mask")
+        if self.token_versions is not None:
+            _check_1d_int(tid, "token_versions", self.token_versions, allow_empty=False)
+            if self.token_versions.numel() != n:
+                raise ValidationError(
+                    f"length {self.token_versions.numel()} does not match response length {n}",
+                    trajectory_id=tid,
+                    field="token_versions",
+                )
+            lo = int(self.token_versions.min())
+            if lo != self.gen_version:
+                raise ValidationError(
+                    f"gen_version {self.gen_version} must equal the oldest token version {lo}",
+                    trajectory_id=tid,
+                    field="gen_version",
+                )
+        if not isinstance(self.scalars, Mapping):
+            raise FieldTypeError("must be a mapping of name to float", trajectory_id=tid, field="scalars")
+        for k, v in self.scalars.items():
+            fname = f"scalars.{k}"
+            if not isinstance(k, str) or not k:
+                raise ValidationError("scalar names must be non-empty strings", trajectory_id=tid, field=fname)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise FieldTypeError(f"expected a float, got {type(v).__name__}", trajectory_id=tid, field=fname)
+            if not math.isfinite(float(v)):
+                raise ValidationError(f"must be finite, got {v!r}", trajectory_id=tid, field=fname)
+        if not isinstance(self.tensors, Mapping):
+            raise FieldTypeError("must be a mapping of name to tensor", trajectory_id=tid, field="tensors")
+        for k, v in self.tensors.items():
+            fname = f"tensors.{k}"
+            if not isinstance(k, str) or not k or k in _RESERVED_TENSORS:
+                raise ValidationError(
+                    f"tensor names must be non-empty strings other than {_RESERVED_TENSORS}", trajectory_id=tid, field=fname
+                )
+            if not isinstance(v, torch.Tensor):
+                raise FieldTypeError(f"expected a torch.Tensor, got {type(v).__name__}", trajectory_id=tid, field=fname)
+            if v.dtype.is_floating_point and v.numel() and not bool(torch.isfinite(v).all()):
+                raise ValidationError("contains non-finite values", trajectory_id=tid, field=fname)
+        if not isinstance(self.media, (list, tuple)):
+            raise FieldTypeError("must be a list of MediaItem", trajectory_id=tid, field="media")
+        for i, item in enumerate(self.media):
+            if not isinstance(item, MediaItem):
+                raise FieldTypeError(
+                    f"expected a MediaItem, got {type(item).__name__}", trajectory_id=tid, field=f"media[{i}]"
+                )
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus response tokens."""
+        return int(self.prompt_ids.numel() + self.response_ids.numel())
+
+    @property
+    def version_mean(self) -> float:
+        """Token-weighted mean policy version (``gen_version`` without per-token versions)."""
+        if self.token_versions is None:
+            return float(self.gen_version)
+        return float(self.token_versions.double().mean())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tensors and media payloads (the size a store accounts for)."""
+        total = 0
+        for t in (self.prompt_ids, self.response_ids, self.loss_mask, self.token_versions, *self.tensors.values()):
+            if t is not None:
+                total += t.numel() * t.element_size()
+        return total + sum(m.nbytes for m in self.media)
+
+    def meta(self, *, location: str | None = None, seq: int = -1) -> TrajectoryMeta:
+        """Return the metadata view used by admission and planning.
+
+        Args:
+            location: Id of the storage unit holding the payload, if known.
+            seq: Arrival sequence number (set by the pipeline).
+        """
+        return TrajectoryMeta(
+            id=self.id,
+            source=self.source,
+            group=self.group,
+            gen_version=self.gen_version,
+            version_mean=self.version_mean,
+            num_tokens=self.num_tokens,
+            nbytes=self.nbytes,
+            media_digests=tuple(m.digest for m in self.media),
+            location=location,
+            seq=seq,
+        )
+
+    def equals(self, other: Trajectory) -> bool:
+        """Exact equality of every field, dtypes and shapes included."""
+
+        def teq(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+            if a is None or b is None:
+                return a is None and b is None
+            return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+
+        if (self.id, self.source, self.group, self.gen_version) != (other.id, other.source, other.group, other.gen_version):
+            return False
+        if dict(self.scalars) != dict(other.scalars) or set(self.tensors) != set(other.tensors):
+            return False
+        for name in ("prompt_ids", "response_ids", "loss_mask", "token_versions"):
+            if not teq(getattr(self, name), getattr(other, name)):
+                return False
+        if not all(teq(v, other.tensors[k]) for k, v in self.tensors.items()):
+            return False
+        if len(self.media) != len(other.media):
+            return False
+        for a, b in zip(self.media, other.media):
+            if (a.kind, a.digest, a.sample_rate, a.data) != (b.kind, b.digest, b.sample_rate, b.data):
+                return False
+            if not teq(a.tensor, b.tensor):
+                return False
+        return True
+
+
+@dataclass(frozen=True)
+class TrajectoryMeta:
+    """What admission and planning know of a trajectory: no payload.
+
+    Attributes:
+        id: Trajectory id.
+        source: Source name.
+        group: Group id.
+        gen_version: Oldest policy version among its tokens.
+        version_mean: Token-weighted mean policy version.
+        num_tokens: Prompt plus response tokens.
+        nbytes: Payload size in bytes.
+        media_digests: Content digests of its media items, in order.
+        location: Id of the storage unit holding the payload (``None`` if not stored yet).
+        seq: Arrival sequence number (monotonic per pipeline; ``-1`` if unknown).
+    """
+
+    id: str
+    source: str
+    group: str
+    gen_version: int = 0
+    version_mean: float = 0.0
+    num_tokens: int = 0
+    nbytes: int = 0
+    media_digests: tuple[str, ...] = ()
+    location: str | None = None
+    seq: int = -1
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-serializable dict."""
+        return {
+            "id": self.id,
+            "source": self.source,
+            "group": self.group,
+            "gen_version": self.gen_version,
+            "version_mean": self.version_mean,
+            "num_tokens": self.num_tokens,
+            "nbytes": self.nbytes,
+            "media_digests": list(self.media_digests),
+            "location": self.location,
+            "seq": self.seq,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TrajectoryMeta:
+        """Inverse of :meth:`to_dict`; raises :class:`~knitdata.errors.ValidationError` on bad input."""
+        try:
+            return cls(
+                id=str(d["id"]),
+                source=str(d["source"]),
+                group=str(d["group"]),
+                gen_version=int(d.get("gen_version", 0)),
+                version_mean=float(d.get("version_mean", d.get("gen_version", 0))),
+                num_tokens=int(d.get("num_tokens", 0)),
+                nbytes=int(d.get("nbytes", 0)),
+                media_digests=tuple(str(x) for x in d.get("media_digests", ())),
+                location=None if d.get("location") is None else str(d["location"]),
+                seq=int(d.get("seq", -1)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValidationError(f"bad trajectory metadata {dict(d)!r}: {e}", field="meta") from e
+
+
+def metas_by_group(metas: Sequence[TrajectoryMeta]) -> dict[str, list[TrajectoryMeta]]:
+    """Group metadata by ``group`` id, keeping arrival order within and across groups."""
+    out: dict[str, list[TrajectoryMeta]] = {}
+    for m in metas:
+        out.setdefault(m.group, []).append(m)
+    return out

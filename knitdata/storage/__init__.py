@@ -1,0 +1,1 @@
+"""Storage units: where trajectory payloads live between rollout and training."""
