@@ -183,14 +183,16 @@ def _decode_frame(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], 
 
 
 def decode_tensors(
-    buf: bytes | bytearray | memoryview, *, copy: bool = False
+    buf: bytes | bytearray | memoryview, *, copy: bool | None = None
 ) -> tuple[Any, dict[str, torch.Tensor | bytes]]:
     """Decode a record written by :func:`encode_tensors`.
 
     Args:
         buf: The record (exactly one, no trailing bytes).
-        copy: Copy the record once so tensors do not alias ``buf``. A read-only ``buf`` is always
-            copied once, since tensors must own writable memory.
+        copy: ``True`` copies the record once so tensors do not alias ``buf``. ``False`` never copies:
+            tensors view ``buf`` even when it is read-only (e.g. Ray's shared-memory object store, for a
+            zero-copy read); writing to them is then undefined. ``None`` (default) copies once only when
+            ``buf`` is read-only.
 
     Returns:
         ``(meta, values)``: the metadata and a dict of tensors (views into the record) or bytes.
@@ -223,8 +225,21 @@ def decode_tensors(
                 f"of {data_end - data_start} bytes"
             )
         checked.append((name, dtype_name, shape, offset, nbytes))
-    if copy or mv.readonly:
+    if copy or (copy is None and mv.readonly):
         mv = memoryview(bytearray(mv))
+    elif mv.readonly:
+        # zero-copy view of read-only memory: torch warns because it cannot enforce read-only-ness
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return header.get("meta"), _materialize(mv, checked, data_start)
+    return header.get("meta"), _materialize(mv, checked, data_start)
+
+
+def _materialize(
+    mv: memoryview, checked: list[tuple[str, str, list[int], int, int]], data_start: int
+) -> dict[str, torch.Tensor | bytes]:
     values: dict[str, torch.Tensor | bytes] = {}
     for name, dtype_name, shape, offset, nbytes in checked:
         start = data_start + offset
@@ -234,7 +249,7 @@ def decode_tensors(
             values[name] = torch.empty(shape, dtype=_DTYPES[dtype_name])
         else:
             values[name] = torch.frombuffer(mv, dtype=_DTYPES[dtype_name], count=math.prod(shape), offset=start).view(shape)
-    return header.get("meta"), values
+    return values
 
 
 def iter_records(buf: bytes | bytearray | memoryview) -> Iterator[memoryview]:
@@ -290,7 +305,7 @@ def encode_trajectory(traj: Trajectory) -> bytearray:
     return encode_tensors(meta, values)
 
 
-def decode_trajectory(buf: bytes | bytearray | memoryview, *, copy: bool = False) -> Trajectory:
+def decode_trajectory(buf: bytes | bytearray | memoryview, *, copy: bool | None = None) -> Trajectory:
     """Decode a record written by :func:`encode_trajectory` and validate the result.
 
     Args:

@@ -1,0 +1,237 @@
+"""Tests of knitdata.codec: exact round trips, corruption and truncation only ever raise CodecError."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from knitdata.codec import (
+    FORMAT_VERSION,
+    MAGIC,
+    decode_tensors,
+    decode_trajectory,
+    encode_tensors,
+    encode_trajectory,
+    iter_records,
+    record_length,
+)
+from knitdata.errors import CodecError, KnitdataError
+from knitdata.record import MediaItem, Trajectory
+
+DTYPES = [
+    torch.bool,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+]
+INT_DTYPES = [torch.int32, torch.int64, torch.int16, torch.uint8]
+
+
+def _tensor(draw, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    hi = 100 if dtype != torch.uint8 else 255
+    return torch.randint(0, hi, shape, generator=g).to(dtype)
+
+
+@st.composite
+def trajectories(draw) -> Trajectory:
+    n_prompt = draw(st.integers(0, 40))
+    n_resp = draw(st.integers(1, 40))
+    dt = draw(st.sampled_from(INT_DTYPES))
+    prompt = _tensor(draw, dt, (n_prompt,))
+    resp = _tensor(draw, dt, (n_resp,))
+    mask = None
+    if draw(st.booleans()):
+        mask = _tensor(draw, draw(st.sampled_from([torch.bool, torch.float32, torch.uint8])), (n_resp,))
+    gen = draw(st.integers(0, 50))
+    tv = None
+    if draw(st.booleans()):
+        tv = gen + torch.randint(0, 3, (n_resp,))
+        tv[draw(st.integers(0, n_resp - 1))] = gen
+    scalars = draw(
+        st.dictionaries(
+            st.text("abcdefgh_", min_size=1, max_size=8),
+            st.floats(allow_nan=False, allow_infinity=False, width=64) | st.integers(-1000, 1000),
+            max_size=4,
+        )
+    )
+    tensors = {}
+    for i in range(draw(st.integers(0, 3))):
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 5), min_size=0, max_size=3)))
+        tensors[f"x{i}"] = _tensor(draw, dtype, shape)
+    media = []
+    for _ in range(draw(st.integers(0, 3))):
+        kind = draw(st.sampled_from(["image", "audio"]))
+        if draw(st.booleans()):
+            media.append(MediaItem(kind, data=draw(st.binary(min_size=0, max_size=64))))
+        elif kind == "image":
+            media.append(MediaItem(kind, tensor=_tensor(draw, torch.uint8, (3, draw(st.integers(1, 6)), 4))))
+        else:
+            media.append(MediaItem(kind, tensor=_tensor(draw, torch.float32, (draw(st.integers(1, 50)),)), sample_rate=16000))
+    return Trajectory(
+        id=draw(st.text("abcdefghijklmnopqrstuvwxyz0123456789-_", min_size=1, max_size=12)),
+        source=draw(st.sampled_from(["math", "code", "vision"])),
+        group=draw(st.text("abc123", min_size=1, max_size=5)),
+        prompt_ids=prompt,
+        response_ids=resp,
+        gen_version=gen,
+        loss_mask=mask,
+        token_versions=tv,
+        scalars=scalars,
+        tensors=tensors,
+        media=media,
+    )
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trajectories(), st.booleans())
+def test_trajectory_round_trip_is_exact(traj: Trajectory, readonly: bool) -> None:
+    buf = encode_trajectory(traj)
+    assert record_length(buf) == len(buf)
+    back = decode_trajectory(bytes(buf) if readonly else buf)
+    assert back.equals(traj)
+    assert back.meta() == traj.meta()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trajectories(), st.data())
+def test_random_corruption_only_raises_codec_error(traj: Trajectory, data) -> None:
+    buf = bytearray(encode_trajectory(traj))
+    mode = data.draw(st.sampled_from(["flip", "truncate", "extend", "splice"]))
+    if mode == "flip":
+        for _ in range(data.draw(st.integers(1, 4))):
+            pos = data.draw(st.integers(0, len(buf) - 1))
+            buf[pos] ^= data.draw(st.integers(1, 255))
+    elif mode == "truncate":
+        buf = buf[: data.draw(st.integers(0, len(buf) - 1))]
+    elif mode == "extend":
+        buf += data.draw(st.binary(min_size=1, max_size=16))
+    else:
+        start = data.draw(st.integers(0, len(buf) - 1))
+        buf[start : start + 8] = data.draw(st.binary(min_size=8, max_size=8))
+    try:
+        back = decode_trajectory(buf)
+    except CodecError:
+        return
+    # a splice may rewrite bytes with identical ones: then the record must decode to the original
+    assert back.equals(traj)
+
+
+def _forge(header: dict, payload: bytes = b"", total: int | None = None) -> bytearray:
+    """Build a record with a valid checksum around an arbitrary (possibly malicious) header."""
+    hdr = json.dumps(header).encode()
+    data_start = (24 + len(hdr) + 63) // 64 * 64
+    body = bytearray(data_start) + bytearray(payload)
+    n = len(body) + 4 if total is None else total
+    struct.pack_into("<4sHHIIQ", body, 0, MAGIC, FORMAT_VERSION, 0, len(hdr), 0, n)
+    body[24 : 24 + len(hdr)] = hdr
+    body += struct.pack("<I", zlib.crc32(body))
+    return body
+
+
+def test_oversized_length_fields_are_refused_before_allocation() -> None:
+    huge = {"meta": {}, "buffers": {"x": {"dtype": "float32", "shape": [1 << 40], "offset": 0, "nbytes": 4 << 40}}}
+    with pytest.raises(CodecError, match="exceeds"):
+        decode_tensors(_forge(huge))
+    mismatch = {"meta": {}, "buffers": {"x": {"dtype": "float32", "shape": [10], "offset": 0, "nbytes": 8}}}
+    with pytest.raises(CodecError, match="do not match"):
+        decode_tensors(_forge(mismatch, b"\0" * 64))
+    with pytest.raises(CodecError, match="truncated"):
+        decode_tensors(_forge({"meta": {}, "buffers": {}}, total=1 << 50))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"dtype": "object", "shape": [1], "offset": 0, "nbytes": 1},
+        {"dtype": "float32", "shape": [-1], "offset": 0, "nbytes": 4},
+        {"dtype": "float32", "shape": [1], "offset": -64, "nbytes": 4},
+        {"dtype": "float32", "shape": "1", "offset": 0, "nbytes": 4},
+        "not a dict",
+    ],
+)
+def test_malformed_buffer_specs_are_refused(spec) -> None:
+    with pytest.raises(CodecError):
+        decode_tensors(_forge({"meta": {}, "buffers": {"x": spec}}, b"\0" * 64))
+
+
+def test_header_must_be_json_and_describe_a_trajectory() -> None:
+    with pytest.raises(CodecError, match="does not hold a trajectory"):
+        decode_trajectory(encode_tensors({"type": "other"}, {}))
+    with pytest.raises(CodecError, match="missing or mistypes"):
+        decode_trajectory(encode_tensors({"type": "trajectory"}, {}))
+    bad = bytearray(encode_tensors({"a": 1}, {}))
+    bad[24] = ord("[")  # break the JSON, then fix the checksum so only the header is wrong
+    struct.pack_into("<I", bad, len(bad) - 4, zlib.crc32(bad[:-4]))
+    with pytest.raises(CodecError, match="not valid JSON"):
+        decode_tensors(bad)
+
+
+def test_not_a_record_and_wrong_version() -> None:
+    with pytest.raises(CodecError, match="not a knitdata record"):
+        decode_tensors(b"PK\x03\x04" + b"\0" * 60)
+    rec = encode_tensors({}, {})
+    struct.pack_into("<H", rec, 4, 99)
+    with pytest.raises(CodecError, match="format version"):
+        decode_tensors(rec)
+    with pytest.raises(KnitdataError):
+        decode_tensors(b"")
+
+
+def test_pickle_payload_is_never_executed(tmp_path) -> None:
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    blob = pickle.dumps(Evil())
+    for candidate in (blob, _forge({"meta": {"type": "trajectory"}, "buffers": {}}, blob)):
+        with pytest.raises(CodecError):
+            decode_trajectory(candidate)
+    assert not marker.exists()
+
+
+def test_tensors_and_bytes_round_trip_and_views_are_zero_copy() -> None:
+    x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    rec = encode_tensors({"k": [1, 2]}, {"x": x, "raw": b"hello", "empty": torch.empty(0, 3)})
+    meta, values = decode_tensors(rec)
+    assert meta == {"k": [1, 2]}
+    assert torch.equal(values["x"], x) and values["raw"] == b"hello" and values["empty"].shape == (0, 3)
+    # a writable input is decoded in place: the tensor aliases the record, unless copy=True
+    base = torch.frombuffer(rec, dtype=torch.uint8).data_ptr()
+    assert base <= values["x"].data_ptr() < base + len(rec)
+    copied = decode_tensors(rec, copy=True)[1]["x"]
+    assert not (base <= copied.data_ptr() < base + len(rec)) and torch.equal(copied, x)
+    with pytest.raises(CodecError, match="not supported"):
+        encode_tensors({}, {"c": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(CodecError, match="JSON"):
+        encode_tensors({"bad": object()}, {})
+
+
+def test_iter_records_splits_concatenations() -> None:
+    recs = [encode_tensors({"i": i}, {"x": torch.full((i,), i)}) for i in range(5)]
+    blob = b"".join(bytes(r) for r in recs)
+    out = [decode_tensors(r)[0]["i"] for r in iter_records(blob)]
+    assert out == list(range(5))
+    with pytest.raises(CodecError):
+        list(iter_records(blob[:-3]))

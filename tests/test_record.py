@@ -1,0 +1,131 @@
+"""Tests of knitdata.record: every validation path names the trajectory and the field."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from knitdata.errors import FieldTypeError, KnitdataError, ValidationError
+from knitdata.record import MediaItem, Trajectory, TrajectoryMeta, metas_by_group, tensor_digest
+
+
+def make(**kw) -> Trajectory:
+    base = dict(
+        id="t1",
+        source="math",
+        group="g1",
+        prompt_ids=torch.tensor([1, 2, 3]),
+        response_ids=torch.tensor([4, 5]),
+        gen_version=3,
+    )
+    base.update(kw)
+    return Trajectory(**base)
+
+
+@pytest.mark.parametrize(
+    ("kw", "err", "field"),
+    [
+        ({"id": ""}, ValidationError, "id"),
+        ({"id": "a.b"}, ValidationError, "id"),
+        ({"id": "a/b"}, ValidationError, "id"),
+        ({"source": ""}, ValidationError, "source"),
+        ({"group": 7}, ValidationError, "group"),
+        ({"gen_version": -1}, ValidationError, "gen_version"),
+        ({"gen_version": 1.5}, ValidationError, "gen_version"),
+        ({"gen_version": True}, ValidationError, "gen_version"),
+        ({"prompt_ids": [1, 2]}, FieldTypeError, "prompt_ids"),
+        ({"prompt_ids": torch.tensor([1.0])}, FieldTypeError, "prompt_ids"),
+        ({"prompt_ids": torch.zeros(2, 2, dtype=torch.long)}, ValidationError, "prompt_ids"),
+        ({"response_ids": torch.tensor([], dtype=torch.long)}, ValidationError, "response_ids"),
+        ({"response_ids": torch.tensor([0.5, 1.0])}, FieldTypeError, "response_ids"),
+        ({"loss_mask": torch.ones(3)}, ValidationError, "loss_mask"),
+        ({"loss_mask": [1, 1]}, FieldTypeError, "loss_mask"),
+        ({"loss_mask": torch.tensor([1.0, math.nan])}, ValidationError, "loss_mask"),
+        ({"token_versions": torch.tensor([3])}, ValidationError, "token_versions"),
+        ({"token_versions": torch.tensor([4, 5])}, ValidationError, "gen_version"),
+        ({"token_versions": torch.tensor([3.0, 4.0])}, FieldTypeError, "token_versions"),
+        ({"scalars": {"reward": math.nan}}, ValidationError, "scalars.reward"),
+        ({"scalars": {"reward": math.inf}}, ValidationError, "scalars.reward"),
+        ({"scalars": {"reward": "1"}}, FieldTypeError, "scalars.reward"),
+        ({"scalars": {"reward": True}}, FieldTypeError, "scalars.reward"),
+        ({"scalars": [1]}, FieldTypeError, "scalars"),
+        ({"tensors": {"logp": [1.0]}}, FieldTypeError, "tensors.logp"),
+        ({"tensors": {"logp": torch.tensor([math.inf])}}, ValidationError, "tensors.logp"),
+        ({"tensors": {"loss_mask": torch.ones(2)}}, ValidationError, "tensors.loss_mask"),
+        ({"media": ["img"]}, FieldTypeError, "media[0]"),
+        ({"media": "img"}, FieldTypeError, "media"),
+    ],
+)
+def test_validation_errors_name_trajectory_and_field(kw, err, field) -> None:
+    with pytest.raises(err) as exc:
+        make(**kw)
+    assert isinstance(exc.value, KnitdataError)
+    assert exc.value.field == field
+    if field != "id":
+        assert exc.value.trajectory_id == "t1"
+        assert "'t1'" in str(exc.value)
+    assert repr(field) in str(exc.value)
+
+
+def test_error_classes_derive_from_builtins() -> None:
+    with pytest.raises(ValueError):
+        make(response_ids=torch.tensor([], dtype=torch.long))
+    with pytest.raises(TypeError):
+        make(prompt_ids=[1])
+
+
+@pytest.mark.parametrize(
+    ("kw", "err"),
+    [
+        ({"kind": "video", "data": b"x"}, ValidationError),
+        ({"kind": "image"}, ValidationError),
+        ({"kind": "image", "data": b"x", "tensor": torch.zeros(1)}, ValidationError),
+        ({"kind": "image", "tensor": [1, 2]}, FieldTypeError),
+        ({"kind": "audio", "data": "abc"}, FieldTypeError),
+        ({"kind": "audio", "data": b"x", "sample_rate": 0}, ValidationError),
+    ],
+)
+def test_media_item_validation(kw, err) -> None:
+    with pytest.raises(err):
+        MediaItem(**kw)
+
+
+def test_media_digest_is_content_addressed() -> None:
+    a = MediaItem("image", tensor=torch.arange(12, dtype=torch.uint8).reshape(3, 2, 2))
+    b = MediaItem("image", tensor=torch.arange(12, dtype=torch.uint8).reshape(3, 2, 2).clone())
+    c = MediaItem("image", tensor=torch.arange(12, dtype=torch.uint8).reshape(3, 4, 1))
+    assert a.digest == b.digest != c.digest
+    assert tensor_digest(torch.zeros(2, dtype=torch.int32)) != tensor_digest(torch.zeros(2, dtype=torch.int64))
+    assert MediaItem("audio", data=b"abc").digest == MediaItem("audio", data=b"abc").digest
+    assert MediaItem("audio", data=b"abc").nbytes == 3 and a.nbytes == 12
+
+
+def test_derived_values_and_meta_json_round_trip() -> None:
+    img = MediaItem("image", tensor=torch.zeros(3, 2, 2, dtype=torch.uint8))
+    t = make(token_versions=torch.tensor([3, 5]), media=[img], scalars={"reward": 1.0})
+    assert t.num_tokens == 5
+    assert t.version_mean == 4.0
+    assert t.nbytes == 3 * 8 + 2 * 8 + 2 * 8 + 12
+    m = t.meta(location="node0", seq=7)
+    assert m.media_digests == (img.digest,) and m.location == "node0" and m.seq == 7
+    assert TrajectoryMeta.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    with pytest.raises(ValidationError, match="bad trajectory metadata"):
+        TrajectoryMeta.from_dict({"id": "x"})
+
+
+def test_equals_detects_any_difference() -> None:
+    t = make(scalars={"reward": 1.0}, tensors={"logp": torch.zeros(2)})
+    assert t.equals(make(scalars={"reward": 1.0}, tensors={"logp": torch.zeros(2)}))
+    assert not t.equals(make(scalars={"reward": 2.0}, tensors={"logp": torch.zeros(2)}))
+    assert not t.equals(make(scalars={"reward": 1.0}, tensors={"logp": torch.zeros(2, dtype=torch.float64)}))
+    assert not t.equals(make(scalars={"reward": 1.0}, tensors={"logp": torch.zeros(2)}, gen_version=4))
+
+
+def test_metas_by_group_keeps_order() -> None:
+    metas = [TrajectoryMeta(id=f"t{i}", source="s", group=f"g{i % 2}") for i in range(5)]
+    groups = metas_by_group(metas)
+    assert list(groups) == ["g0", "g1"]
+    assert [m.id for m in groups["g0"]] == ["t0", "t2", "t4"]
