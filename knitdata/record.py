@@ -62,7 +62,7 @@ def tensor_digest(t: torch.Tensor) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
     if t.numel():
-        h.update(memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
 
 
