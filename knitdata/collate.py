@@ -1,0 +1,465 @@
+"""Token collate: trajectories to one micro-batch of tensors (DESIGN.md §4).
+
+:class:`TokenCollator` turns a sequence of :class:`~knitdata.record.Trajectory` into a :class:`MicroBatch`,
+either right-padded (``mode="pad"``, ``[B, T]``) or packed into one row with ``cu_seqlens``
+(``mode="pack"``, ``[1, N]``, the layout of variable-length attention kernels). Every token tensor is aligned
+with ``input_ids`` (prompt followed by response); ``loss_mask`` is ``float32`` and zero over prompts and
+padding. :class:`MicroBatchInfo` is the planner's metadata for the micro-batch (indices, ``is_last``, global
+counts for loss scaling, policy versions), JSON-serializable.
+
+:class:`MicroBatch` has ``pin_memory()`` and ``to(device, non_blocking=...)``, so
+``torch.utils.data``'s pin-memory thread and ``accelerate.utils.send_to_device`` handle it as a unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from knitdata.errors import ConfigError, FieldTypeError, ValidationError
+from knitdata.record import Trajectory
+
+__all__ = ["MicroBatchInfo", "MicroBatch", "TokenCollator", "COLLATE_MODES"]
+
+#: Layouts :class:`TokenCollator` produces.
+COLLATE_MODES: tuple[str, ...] = ("pad", "pack")
+
+#: Fill value of ``tensors["token_versions"]`` outside responses (prompt and padding).
+NO_VERSION: int = -1
+
+
+@dataclass(frozen=True)
+class MicroBatchInfo:
+    """Planner metadata of one micro-batch (DESIGN.md §4). Immutable and JSON-serializable.
+
+    Attributes:
+        consumer: Rank of the consumer that receives it.
+        train_batch: Train batch index ``b`` (0-based).
+        minibatch: Global mini-batch step (``b * M + k``).
+        minibatch_in_batch: Index ``k`` of the mini-batch within its train batch.
+        microbatch: Index ``i`` of this micro-batch within this consumer's share of the mini-batch.
+        num_microbatches: Micro-batches of the mini-batch per consumer (the same on every consumer).
+        is_last: ``i == num_microbatches - 1``: sync gradients / step the optimizer after it.
+        global_tokens: Tokens of the whole mini-batch over all consumers (loss scaling).
+        global_trajectories: Trajectories of the whole mini-batch over all consumers.
+        global_loss_tokens: Loss-mask tokens of the whole mini-batch (0 if unknown).
+        trajectory_ids: Ids of the trajectories in this micro-batch, in row order.
+        gen_versions: Their ``gen_version``, in the same order.
+    """
+
+    consumer: int
+    train_batch: int
+    minibatch: int
+    minibatch_in_batch: int
+    microbatch: int
+    num_microbatches: int
+    is_last: bool
+    global_tokens: int
+    global_trajectories: int
+    global_loss_tokens: int = 0
+    trajectory_ids: tuple[str, ...] = ()
+    gen_versions: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "trajectory_ids", tuple(self.trajectory_ids))
+        object.__setattr__(self, "gen_versions", tuple(self.gen_versions))
+        if self.num_microbatches < 1:
+            raise ValidationError(f"must be >= 1, got {self.num_microbatches}", field="num_microbatches")
+        if not 0 <= self.microbatch < self.num_microbatches:
+            raise ValidationError(
+                f"must be in [0, {self.num_microbatches}), got {self.microbatch}", field="microbatch"
+            )
+        if bool(self.is_last) != (self.microbatch == self.num_microbatches - 1):
+            raise ValidationError(
+                f"is_last={self.is_last} contradicts microbatch={self.microbatch} of {self.num_microbatches}",
+                field="is_last",
+            )
+        if len(self.trajectory_ids) != len(self.gen_versions):
+            raise ValidationError(
+                f"{len(self.trajectory_ids)} trajectory ids but {len(self.gen_versions)} gen_versions",
+                field="gen_versions",
+            )
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the micro-batch holds no trajectory (a padding step so every rank steps alike)."""
+        return not self.trajectory_ids
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-serializable dict (inverse: :meth:`from_dict`)."""
+        d = dataclasses.asdict(self)
+        d["trajectory_ids"] = list(self.trajectory_ids)
+        d["gen_versions"] = list(self.gen_versions)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> MicroBatchInfo:
+        """Build from :meth:`to_dict` output.
+
+        Raises:
+            ValidationError: A key is missing or a value has the wrong type.
+        """
+        try:
+            return cls(
+                consumer=int(d["consumer"]),
+                train_batch=int(d["train_batch"]),
+                minibatch=int(d["minibatch"]),
+                minibatch_in_batch=int(d["minibatch_in_batch"]),
+                microbatch=int(d["microbatch"]),
+                num_microbatches=int(d["num_microbatches"]),
+                is_last=bool(d["is_last"]),
+                global_tokens=int(d["global_tokens"]),
+                global_trajectories=int(d["global_trajectories"]),
+                global_loss_tokens=int(d.get("global_loss_tokens", 0)),
+                trajectory_ids=tuple(str(x) for x in d.get("trajectory_ids", ())),
+                gen_versions=tuple(int(x) for x in d.get("gen_versions", ())),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ValidationError):
+                raise
+            raise ValidationError(f"bad micro-batch info {dict(d)!r}: {e!r}", field="info") from e
+
+
+def _map_tensors(obj: Any, fn: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch of token tensors, ready for a forward pass.
+
+    Layouts: ``pad`` gives ``[B, T]`` tensors and an ``attention_mask``; ``pack`` gives ``[1, N]`` tensors,
+    no ``attention_mask`` and ``cu_seqlens`` (``int32 [B+1]``) with ``position_ids`` restarting at 0 for
+    every sequence. An empty micro-batch (no trajectory) has ``[0, 0]`` token tensors.
+
+    Attributes:
+        input_ids: ``int64`` token ids, prompt then response per sequence.
+        attention_mask: ``int64`` 1 on real tokens, 0 on padding (pad mode), else ``None``.
+        position_ids: ``int64`` positions within each sequence (0 on padding).
+        loss_mask: ``float32``, aligned with ``input_ids``: 0 on prompt and padding, the trajectory's loss
+            mask (or 1) on its response.
+        cu_seqlens: ``int32 [B+1]`` cumulative sequence lengths (pack mode), else ``None``.
+        scalars: Per scalar field a ``float32 [B]`` tensor.
+        tensors: Extra per-trajectory tensors: response-aligned ones aligned with ``input_ids`` (zeros
+            elsewhere; ``token_versions`` uses -1), others stacked ``[B, ...]``.
+        info: Planner metadata, or ``None`` when collated without it.
+        media: A multimodal batch (anything with ``pin_memory()``/``to()``) or ``None``.
+        prompt_lengths: ``int64 [B]`` prompt lengths (row order), or ``None``.
+        response_lengths: ``int64 [B]`` response lengths, or ``None``.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    scalars: dict[str, torch.Tensor] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    info: MicroBatchInfo | None = None
+    media: Any = None
+    prompt_lengths: torch.Tensor | None = None
+    response_lengths: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def num_sequences(self) -> int:
+        """Number of sequences (trajectories) in the micro-batch."""
+        if self.response_lengths is not None:
+            return int(self.response_lengths.numel())
+        if self.cu_seqlens is not None:
+            return int(self.cu_seqlens.numel()) - 1
+        return int(self.input_ids.shape[0]) if self.input_ids.numel() else 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) tokens."""
+        if self.prompt_lengths is not None and self.response_lengths is not None:
+            return int(self.prompt_lengths.sum()) + int(self.response_lengths.sum())
+        if self.cu_seqlens is not None:
+            return int(self.cu_seqlens[-1])
+        if self.attention_mask is not None:
+            return int(self.attention_mask.sum())
+        return int(self.input_ids.numel())
+
+    @property
+    def num_loss_tokens(self) -> float:
+        """Sum of ``loss_mask`` (the tokens the loss counts)."""
+        return float(self.loss_mask.sum()) if self.loss_mask.numel() else 0.0
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the micro-batch holds no sequence."""
+        return self.num_sequences == 0
+
+    def iter_tensors(self) -> Iterator[torch.Tensor]:
+        """Yield every tensor of the micro-batch (media excluded)."""
+        for name in ("input_ids", "attention_mask", "position_ids", "loss_mask", "cu_seqlens",
+                     "prompt_lengths", "response_lengths"):
+            t = getattr(self, name)
+            if t is not None:
+                yield t
+        yield from self.scalars.values()
+        yield from self.tensors.values()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tensors, media included when it reports ``nbytes``."""
+        total = sum(t.numel() * t.element_size() for t in self.iter_tensors())
+        media_bytes = getattr(self.media, "nbytes", 0) if self.media is not None else 0
+        return total + (int(media_bytes) if isinstance(media_bytes, int) else 0)
+
+    # ------------------------------------------------------------------ movement
+    def _apply(self, fn: Any, media_fn: Any) -> MicroBatch:
+        changes: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name in ("info", "media"):
+                continue
+            changes[f.name] = _map_tensors(getattr(self, f.name), fn)
+        changes["media"] = media_fn(self.media) if self.media is not None else None
+        return dataclasses.replace(self, **changes)
+
+    def pin_memory(self) -> MicroBatch:
+        """Return a copy whose CPU tensors (media included) are in page-locked memory.
+
+        Pinned memory lets ``to(device, non_blocking=True)`` overlap the copy with compute. On a machine
+        without CUDA (CPU-only torch) pinning is impossible and pointless: this returns ``self`` unchanged
+        instead of failing, so the same code runs everywhere. Already pinned tensors are not copied again.
+        """
+        if not torch.cuda.is_available():
+            return self
+
+        def pin(t: torch.Tensor) -> torch.Tensor:
+            return t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
+
+        def pin_media(m: Any) -> Any:
+            return m.pin_memory() if hasattr(m, "pin_memory") else m
+
+        return self._apply(pin, pin_media)
+
+    def to(self, device: str | torch.device | int, non_blocking: bool = False) -> MicroBatch:
+        """Return a copy with every tensor (media included) on ``device``; ``info`` is kept.
+
+        Args:
+            device: Target device (``"cuda"``, ``torch.device("cuda", 1)``, an index, ``"cpu"``).
+            non_blocking: Asynchronous copy (effective from pinned memory to CUDA only). The caller must
+                synchronize the copying stream with the stream that uses the tensors.
+        """
+        if isinstance(device, int):
+            device = torch.device("cuda", device)
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=non_blocking)
+
+        def move_media(m: Any) -> Any:
+            if not hasattr(m, "to"):
+                return m
+            try:
+                return m.to(device, non_blocking=non_blocking)
+            except TypeError:
+                return m.to(device)
+
+        return self._apply(move, move_media)
+
+    def record_stream(self, stream: Any) -> None:
+        """Mark every tensor (media included when it has ``record_stream``) as used on a CUDA ``stream``."""
+        for t in self.iter_tensors():
+            if t.device.type == "cuda":
+                t.record_stream(stream)
+        if self.media is not None and hasattr(self.media, "record_stream"):
+            self.media.record_stream(stream)
+
+
+class TokenCollator:
+    """Collate trajectories into a :class:`MicroBatch`.
+
+    Args:
+        pad_id: Token id used for padding.
+        mode: ``"pad"`` (right padding to the longest sequence) or ``"pack"`` (one row with ``cu_seqlens``).
+        pad_to_multiple_of: Round the padded length up to a multiple of this (pad mode: ``T``; pack mode:
+            the packed row ``N``, the tail being padding outside every sequence: ``cu_seqlens[-1]`` stays the
+            number of real tokens).
+
+    Extra tensors (``Trajectory.tensors``): a field that is 1-D with the response's length in *every*
+    trajectory is aligned with ``input_ids`` like ``loss_mask`` (zeros on prompt and padding); otherwise
+    the values are stacked ``[B, ...]`` when all shapes agree. A fixed-size vector whose size happens to
+    equal every response length is therefore aligned: store such fields as ``[1, k]`` to force stacking.
+    Dtypes are promoted across trajectories. Per-token ``token_versions`` (if any trajectory has them)
+    become ``tensors["token_versions"]`` (``gen_version`` where a trajectory has none, -1 off responses).
+
+    Raises:
+        ConfigError: Unknown mode or a non-positive ``pad_to_multiple_of``.
+    """
+
+    def __init__(self, pad_id: int = 0, mode: str = "pad", pad_to_multiple_of: int | None = None):
+        if mode not in COLLATE_MODES:
+            raise ConfigError(f"unknown collate mode {mode!r}; use one of {COLLATE_MODES}")
+        if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
+            raise ConfigError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}")
+        self.pad_id = int(pad_id)
+        self.mode = mode
+        self.pad_to_multiple_of = pad_to_multiple_of
+
+    def __repr__(self) -> str:
+        return f"TokenCollator(pad_id={self.pad_id}, mode={self.mode!r}, pad_to_multiple_of={self.pad_to_multiple_of})"
+
+    def _round(self, n: int) -> int:
+        m = self.pad_to_multiple_of
+        return n if m is None or n == 0 else -(-n // m) * m
+
+    def empty(self, info: MicroBatchInfo | None = None) -> MicroBatch:
+        """Return the empty micro-batch (``[0, 0]`` tensors) of this collator's layout."""
+        z = torch.zeros(0, 0, dtype=torch.int64)
+        return MicroBatch(
+            input_ids=z,
+            attention_mask=z.clone() if self.mode == "pad" else None,
+            position_ids=z.clone(),
+            loss_mask=torch.zeros(0, 0, dtype=torch.float32),
+            cu_seqlens=torch.zeros(1, dtype=torch.int32) if self.mode == "pack" else None,
+            info=info,
+            prompt_lengths=torch.zeros(0, dtype=torch.int64),
+            response_lengths=torch.zeros(0, dtype=torch.int64),
+        )
+
+    def __call__(self, trajs: Sequence[Trajectory], info: MicroBatchInfo | None = None) -> MicroBatch:
+        """Collate ``trajs`` (row order kept) into a micro-batch carrying ``info``.
+
+        Raises:
+            FieldTypeError: An element is not a Trajectory.
+            ValidationError: A scalar or extra tensor is missing from some trajectories, or extra tensors
+                of one name cannot be aligned or stacked; the message names the trajectory and field.
+        """
+        for i, t in enumerate(trajs):
+            if not isinstance(t, Trajectory):
+                raise FieldTypeError(f"element {i} is a {type(t).__name__}, expected a Trajectory", field="trajs")
+        if info is not None and not isinstance(info, MicroBatchInfo):
+            raise FieldTypeError(f"expected a MicroBatchInfo, got {type(info).__name__}", field="info")
+        if not trajs:
+            return self.empty(info)
+        if info is not None and info.trajectory_ids and tuple(t.id for t in trajs) != info.trajectory_ids:
+            raise ValidationError("info.trajectory_ids do not match the trajectories collated", field="info")
+
+        b = len(trajs)
+        plens = [int(t.prompt_ids.numel()) for t in trajs]
+        rlens = [int(t.response_ids.numel()) for t in trajs]
+        lens = [p + r for p, r in zip(plens, rlens)]
+        pack = self.mode == "pack"
+        if pack:
+            starts = [0] * b
+            acc = 0
+            for i, n in enumerate(lens):
+                starts[i] = acc
+                acc += n
+            shape = (1, self._round(acc))
+        else:
+            shape = (b, self._round(max(lens)))
+
+        def slot(i: int, lo: int, hi: int) -> tuple[Any, slice]:
+            # (row, columns) of tokens lo..hi of sequence i
+            return (0, slice(starts[i] + lo, starts[i] + hi)) if pack else (i, slice(lo, hi))
+
+        input_ids = torch.full(shape, self.pad_id, dtype=torch.int64)
+        position_ids = torch.zeros(shape, dtype=torch.int64)
+        loss_mask = torch.zeros(shape, dtype=torch.float32)
+        attention_mask = None if pack else torch.zeros(shape, dtype=torch.int64)
+        for i, t in enumerate(trajs):
+            p, n = plens[i], lens[i]
+            row, cols = slot(i, 0, p)
+            input_ids[row, cols] = t.prompt_ids
+            row, cols = slot(i, p, n)
+            input_ids[row, cols] = t.response_ids
+            loss_mask[row, cols] = 1.0 if t.loss_mask is None else t.loss_mask.to(torch.float32)
+            row, cols = slot(i, 0, n)
+            position_ids[row, cols] = torch.arange(n, dtype=torch.int64)
+            if attention_mask is not None:
+                attention_mask[row, cols] = 1
+
+        cu_seqlens = None
+        if pack:
+            cu_seqlens = torch.zeros(b + 1, dtype=torch.int32)
+            cu_seqlens[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+        return MicroBatch(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            loss_mask=loss_mask,
+            cu_seqlens=cu_seqlens,
+            scalars=self._scalars(trajs),
+            tensors=self._tensors(trajs, shape, slot, plens, rlens),
+            info=info,
+            prompt_lengths=torch.tensor(plens, dtype=torch.int64),
+            response_lengths=torch.tensor(rlens, dtype=torch.int64),
+        )
+
+    @staticmethod
+    def _scalars(trajs: Sequence[Trajectory]) -> dict[str, torch.Tensor]:
+        names: list[str] = []
+        for t in trajs:
+            names.extend(k for k in t.scalars if k not in names)
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            for t in trajs:
+                if name not in t.scalars:
+                    raise ValidationError(
+                        "missing here but present in other trajectories of the micro-batch; give every "
+                        "trajectory the same scalar fields",
+                        trajectory_id=t.id,
+                        field=f"scalars.{name}",
+                    )
+            out[name] = torch.tensor([float(t.scalars[name]) for t in trajs], dtype=torch.float32)
+        return out
+
+    @staticmethod
+    def _tensors(
+        trajs: Sequence[Trajectory], shape: tuple[int, int], slot: Any, plens: list[int], rlens: list[int]
+    ) -> dict[str, torch.Tensor]:
+        names: list[str] = []
+        for t in trajs:
+            names.extend(k for k in t.tensors if k not in names)
+        out: dict[str, torch.Tensor] = {}
+        for name in names:
+            fname = f"tensors.{name}"
+            for t in trajs:
+                if name not in t.tensors:
+                    raise ValidationError(
+                        "missing here but present in other trajectories of the micro-batch; give every "
+                        "trajectory the same extra tensors",
+                        trajectory_id=t.id,
+                        field=fname,
+                    )
+            vals = [t.tensors[name] for t in trajs]
+            dtype = vals[0].dtype
+            for v in vals[1:]:
+                dtype = torch.promote_types(dtype, v.dtype)
+            if all(v.dim() == 1 and v.numel() == r for v, r in zip(vals, rlens)):
+                aligned = torch.zeros(shape, dtype=dtype)
+                for i, v in enumerate(vals):
+                    row, cols = slot(i, plens[i], plens[i] + rlens[i])
+                    aligned[row, cols] = v.to(dtype)
+                out[name] = aligned
+            elif all(v.shape == vals[0].shape for v in vals):
+                out[name] = torch.stack([v.to(dtype) for v in vals])
+            else:
+                bad = next(i for i, v in enumerate(vals) if v.shape != vals[0].shape)
+                raise ValidationError(
+                    f"shape {tuple(vals[bad].shape)} differs from {tuple(vals[0].shape)} (trajectory "
+                    f"{trajs[0].id!r}) and is not 1-D of the response length ({rlens[bad]}); extra tensors must "
+                    "either follow the response tokens or have one shape in every trajectory",
+                    trajectory_id=trajs[bad].id,
+                    field=fname,
+                )
+        if any(t.token_versions is not None for t in trajs):
+            tv = torch.full(shape, NO_VERSION, dtype=torch.int64)
+            for i, t in enumerate(trajs):
+                row, cols = slot(i, plens[i], plens[i] + rlens[i])
+                tv[row, cols] = t.gen_version if t.token_versions is None else t.token_versions.to(torch.int64)
+            out["token_versions"] = tv
+        return out

@@ -1,0 +1,357 @@
+"""Group the media of one consumer's share of a mini-batch into a table of unique items (DESIGN.md §5).
+
+:class:`MultimodalCollator` takes the micro-batches of one consumer's share of one mini-batch, *in the
+order they will be trained* (call it after any reordering), decodes and preprocesses every media item once
+per key, and returns a :class:`MultimodalBatch`:
+
+* per media kind a :class:`MediaTable`: the unique processed inputs packed along their first dimension
+  (variable-length patch or frame sequences) with ``offsets`` (``int64 [U + 1]``) and their ``keys``;
+* per micro-batch and kind a :class:`MediaOccurrences`: for each media occurrence (in trajectory order, then
+  media order) the row of its unique item in the table, the trajectory's position in the micro-batch and
+  the item's index in that trajectory's media.
+
+:class:`~knitdata.encoder.SharedEncoding` encodes each table once and hands every micro-batch its rows.
+
+Example:
+    >>> collate = MultimodalCollator({"image": patchify(14, size=(224, 224))}, key="provenance")
+    >>> mm = collate([micro_batch_0, micro_batch_1])       # lists of Trajectory
+    >>> mm.tables["image"].num_items, mm.for_microbatch(1)["image"].index
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from knitdata.errors import MediaError
+from knitdata.media import MediaProcessor, ProcessedMedia, processed_digest, provenance_key
+from knitdata.record import Trajectory
+
+__all__ = ["MediaTable", "MediaOccurrences", "MultimodalBatch", "MultimodalCollator", "KEY_MODES"]
+
+#: How media items are keyed: by ``(group, media index)`` or by a digest of the processed encoder input.
+KEY_MODES: tuple[str, ...] = ("digest", "provenance")
+
+
+def _segment_rows(offsets: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+    """Rows of the packed values covered by ``items`` (in order, duplicates repeated)."""
+    if items.numel() == 0:
+        return torch.zeros(0, dtype=torch.long, device=offsets.device)
+    starts = offsets[items]
+    lengths = offsets[items + 1] - starts
+    total = int(lengths.sum())
+    seg_start = torch.cumsum(lengths, 0) - lengths
+    within = torch.arange(total, device=offsets.device) - torch.repeat_interleave(seg_start, lengths)
+    return torch.repeat_interleave(starts, lengths) + within
+
+
+@dataclass
+class MediaTable:
+    """Unique processed media of one kind, packed along the first dimension.
+
+    Attributes:
+        kind: ``"image"`` or ``"audio"``.
+        values: ``[sum of lengths, *feature_shape]``: item ``u`` is ``values[offsets[u]:offsets[u + 1]]``.
+        offsets: ``int64 [U + 1]``, starting at 0.
+        keys: The ``U`` keys (a digest string or a ``(group, index)`` tuple).
+        sample_rates: ``int64 [U]`` for audio, else ``None``.
+    """
+
+    kind: str
+    values: torch.Tensor
+    offsets: torch.Tensor
+    keys: tuple[Any, ...] = ()
+    sample_rates: torch.Tensor | None = None
+
+    @property
+    def num_items(self) -> int:
+        """Number of unique items ``U``."""
+        return int(self.offsets.numel()) - 1
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``int64 [U]``: rows per item."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of values, offsets and sample rates."""
+        n = self.values.numel() * self.values.element_size() + self.offsets.numel() * 8
+        return n + (0 if self.sample_rates is None else self.sample_rates.numel() * 8)
+
+    def item(self, u: int) -> torch.Tensor:
+        """The processed input of item ``u`` (a view)."""
+        return self.values[int(self.offsets[u]) : int(self.offsets[u + 1])]
+
+    def gather(self, items: torch.Tensor | Sequence[int]) -> MediaTable:
+        """A table of the given items, in that order, duplicates repeated (what a naive trainer encodes).
+
+        Args:
+            items: Item indices into this table.
+
+        Returns:
+            A new table (values copied).
+        """
+        idx = torch.as_tensor(items, dtype=torch.long, device=self.offsets.device).reshape(-1)
+        rows = _segment_rows(self.offsets, idx)
+        lengths = self.offsets[idx + 1] - self.offsets[idx]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=self.offsets.device), torch.cumsum(lengths, 0)])
+        rates = None if self.sample_rates is None else self.sample_rates[idx]
+        keys = tuple(self.keys[int(i)] for i in idx.tolist()) if self.keys else ()
+        return MediaTable(self.kind, self.values[rows], offsets, keys, rates)
+
+    def slice(self, start: int, stop: int) -> MediaTable:
+        """Items ``start..stop-1`` as a table whose values are a view of this one's."""
+        a, b = int(self.offsets[start]), int(self.offsets[stop])
+        rates = None if self.sample_rates is None else self.sample_rates[start:stop]
+        return MediaTable(self.kind, self.values[a:b], self.offsets[start : stop + 1] - a, self.keys[start:stop], rates)
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MediaTable:
+        rates = None if self.sample_rates is None else fn(self.sample_rates)
+        return MediaTable(self.kind, fn(self.values), fn(self.offsets), self.keys, rates)
+
+    def pin_memory(self) -> MediaTable:
+        """A copy in pinned host memory (for asynchronous copies to a GPU)."""
+        return self._map(lambda t: t.pin_memory())
+
+    def to(self, device: str | torch.device, non_blocking: bool = False) -> MediaTable:
+        """A copy on ``device``."""
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    @staticmethod
+    def empty_like(kind: str, feature_shape: Sequence[int], dtype: torch.dtype, length: int = 1) -> MediaTable:
+        """One all-zero item of ``length`` rows: the input of a dummy encode on a rank without media.
+
+        Args:
+            kind: Media kind.
+            feature_shape: Trailing shape of one row (e.g. ``(C * p * p,)``).
+            dtype: Values dtype.
+            length: Rows of the dummy item.
+        """
+        values = torch.zeros((length, *feature_shape), dtype=dtype)
+        rates = torch.ones(1, dtype=torch.long) if kind == "audio" else None
+        return MediaTable(kind, values, torch.tensor([0, length], dtype=torch.long), ("dummy",), rates)
+
+
+@dataclass
+class MediaOccurrences:
+    """The media occurrences of one kind in one micro-batch, in trajectory order then media order.
+
+    Attributes:
+        index: ``int64 [n]``: the unique item (row of the :class:`MediaTable`) of each occurrence.
+        trajectory: ``int64 [n]``: position of the holding trajectory in the micro-batch.
+        item: ``int64 [n]``: index of the occurrence in that trajectory's ``media`` list.
+    """
+
+    index: torch.Tensor
+    trajectory: torch.Tensor
+    item: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.index.numel())
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MediaOccurrences:
+        return MediaOccurrences(fn(self.index), fn(self.trajectory), fn(self.item))
+
+
+@dataclass
+class MultimodalBatch:
+    """Unique media table of one consumer's share of one mini-batch, with per-micro-batch indices.
+
+    Attributes:
+        tables: Per kind, the unique processed media.
+        occurrences: Per micro-batch (training order), per kind, the occurrences; a kind missing from a
+            micro-batch's dict has no occurrence there.
+        trajectory_ids: Per micro-batch, the ids of its trajectories (as given to the collator).
+    """
+
+    tables: dict[str, MediaTable]
+    occurrences: list[dict[str, MediaOccurrences]]
+    trajectory_ids: list[tuple[str, ...]] = field(default_factory=list)
+    _moved: dict[Any, MultimodalBatch] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Number of micro-batches ``K``."""
+        return len(self.occurrences)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Media kinds present (sorted)."""
+        return tuple(sorted(self.tables))
+
+    @property
+    def num_unique(self) -> int:
+        """Unique items over all kinds."""
+        return sum(t.num_items for t in self.tables.values())
+
+    @property
+    def num_occurrences(self) -> int:
+        """Media occurrences over all micro-batches and kinds (what a naive trainer encodes)."""
+        return sum(len(o) for mb in self.occurrences for o in mb.values())
+
+    @property
+    def is_empty(self) -> bool:
+        """True when no micro-batch holds media."""
+        return self.num_unique == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tables and index tensors."""
+        n = sum(t.nbytes for t in self.tables.values())
+        return n + sum(3 * 8 * len(o) for mb in self.occurrences for o in mb.values())
+
+    def for_microbatch(self, i: int) -> dict[str, MediaOccurrences]:
+        """The occurrences of micro-batch ``i`` per kind (kinds without occurrences are left out)."""
+        if not 0 <= i < self.num_microbatches:
+            raise IndexError(f"micro-batch {i} out of range 0..{self.num_microbatches - 1}")
+        return self.occurrences[i]
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MultimodalBatch:
+        return MultimodalBatch(
+            {k: t._map(fn) for k, t in self.tables.items()},
+            [{k: o._map(fn) for k, o in mb.items()} for mb in self.occurrences],
+            list(self.trajectory_ids),
+        )
+
+    def pin_memory(self) -> MultimodalBatch:
+        """A copy in pinned host memory; memoized, so every micro-batch sharing this batch pins it once."""
+        key = ("pin",)
+        if key not in self._moved:
+            self._moved[key] = self._map(lambda t: t.pin_memory())
+        return self._moved[key]
+
+    def to(self, device: str | torch.device, non_blocking: bool = False) -> MultimodalBatch:
+        """A copy on ``device``; memoized per device, so attaching one batch to K micro-batches copies it once.
+
+        Args:
+            device: Target device.
+            non_blocking: Asynchronous copy (from pinned memory to a GPU).
+        """
+        dev = torch.device(device)
+        if all(t.values.device == dev for t in self.tables.values()) and self.tables:
+            return self
+        key = ("to", str(dev))
+        if key not in self._moved:
+            self._moved[key] = self._map(lambda t: t.to(dev, non_blocking=non_blocking))
+        return self._moved[key]
+
+
+class MultimodalCollator:
+    """Build a :class:`MultimodalBatch` from one consumer's micro-batches of one mini-batch.
+
+    Args:
+        preprocess: Per kind, the model's preprocessing callable (see :class:`~knitdata.media.MediaProcessor`),
+            e.g. ``{"image": patchify(14, size=(224, 224))}``.
+        key: ``"digest"`` (default): items are the same when their processed inputs are equal (finds an
+            image shared by different prompts); ``"provenance"``: ``(group, media index)`` (GRPO repeats;
+            each group's items are processed once, and a group whose members carry different media under the
+            same index is rejected).
+        image_mode: Pillow mode images are converted to.
+        processor: A ready :class:`~knitdata.media.MediaProcessor` (overrides ``preprocess``/``image_mode``).
+
+    Raises:
+        ValueError: Unknown ``key``.
+    """
+
+    def __init__(
+        self,
+        preprocess: Mapping[str, Callable[..., torch.Tensor]] | None = None,
+        key: str = "digest",
+        *,
+        image_mode: str | None = "RGB",
+        processor: MediaProcessor | None = None,
+    ):
+        if key not in KEY_MODES:
+            raise ValueError(f"key must be one of {KEY_MODES}, got {key!r}")
+        self.key = key
+        self.processor = processor or MediaProcessor(preprocess, image_mode=image_mode)
+
+    def __call__(self, micro_batches: Sequence[Sequence[Trajectory]]) -> MultimodalBatch:
+        """Collate the media of the micro-batches (in training order).
+
+        Args:
+            micro_batches: Per micro-batch, its trajectories (a micro-batch may be empty or hold no media).
+
+        Returns:
+            The batch of unique media tables and per-micro-batch occurrences.
+
+        Raises:
+            MediaError: An item cannot be decoded or processed, processed items of one kind cannot be packed
+                (trailing shapes or dtypes differ), or (provenance keys) a group's members disagree.
+        """
+        by_raw: dict[str, ProcessedMedia] = {}  # raw item digest -> processed (each distinct item processed once)
+        key_to_row: dict[str, dict[Any, int]] = {}
+        rows: dict[str, list[ProcessedMedia]] = {}
+        prov_digest: dict[Any, str] = {}
+        first_where: dict[str, tuple[str, int]] = {}
+        occ: list[dict[str, tuple[list[int], list[int], list[int]]]] = []
+        ids: list[tuple[str, ...]] = []
+        for mb in micro_batches:
+            cur: dict[str, tuple[list[int], list[int], list[int]]] = {}
+            ids.append(tuple(t.id for t in mb))
+            for j, traj in enumerate(mb):
+                for n, item in enumerate(traj.media):
+                    if self.key == "provenance":
+                        k: Any = provenance_key(traj.group, n)
+                        seen = prov_digest.setdefault(k, item.digest)
+                        if seen != item.digest:
+                            raise MediaError(
+                                f"group {traj.group!r} carries different media under index {n}; provenance keys "
+                                "need every member of a group to share its media: use key='digest'",
+                                trajectory_id=traj.id,
+                                item=n,
+                            )
+                        kind_rows = key_to_row.setdefault(item.kind, {})
+                        if k not in kind_rows:
+                            pm = by_raw.get(item.digest) or self.processor.process(item, trajectory_id=traj.id, index=n)
+                            by_raw[item.digest] = pm
+                    else:
+                        pm = by_raw.get(item.digest)
+                        if pm is None:
+                            pm = self.processor.process(item, trajectory_id=traj.id, index=n)
+                            by_raw[item.digest] = pm
+                        k = processed_digest(pm)
+                        kind_rows = key_to_row.setdefault(item.kind, {})
+                    if k not in kind_rows:
+                        lst = rows.setdefault(item.kind, [])
+                        if lst:
+                            ref = lst[0].tensor
+                            if pm.tensor.dtype != ref.dtype or pm.tensor.shape[1:] != ref.shape[1:]:
+                                t0, i0 = first_where[item.kind]
+                                raise MediaError(
+                                    f"processed {item.kind} has dtype {pm.tensor.dtype} and row shape "
+                                    f"{tuple(pm.tensor.shape[1:])}, but item {i0} of trajectory {t0!r} has "
+                                    f"{ref.dtype} and {tuple(ref.shape[1:])}; items of one kind are packed along "
+                                    "their first dimension: make preprocessing return [length, *same features]",
+                                    trajectory_id=traj.id,
+                                    item=n,
+                                )
+                        else:
+                            first_where[item.kind] = (traj.id, n)
+                        kind_rows[k] = len(lst)
+                        lst.append(pm)
+                    c = cur.setdefault(item.kind, ([], [], []))
+                    c[0].append(kind_rows[k])
+                    c[1].append(j)
+                    c[2].append(n)
+            occ.append(cur)
+        tables: dict[str, MediaTable] = {}
+        for kind, lst in rows.items():
+            lengths = torch.tensor([p.tensor.shape[0] for p in lst], dtype=torch.long)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])
+            values = torch.cat([p.tensor for p in lst], 0)
+            keys = tuple(key for key, _ in sorted(key_to_row[kind].items(), key=lambda kv: kv[1]))
+            rates = torch.tensor([p.sample_rate for p in lst], dtype=torch.long) if kind == "audio" else None
+            tables[kind] = MediaTable(kind, values, offsets, keys, rates)
+        occurrences = [
+            {
+                kind: MediaOccurrences(*(torch.tensor(v, dtype=torch.long) for v in lists))
+                for kind, lists in cur.items()
+            }
+            for cur in occ
+        ]
+        return MultimodalBatch(tables, occurrences, ids)

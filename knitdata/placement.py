@@ -1,0 +1,203 @@
+"""Placement: which storage unit a put goes to (DESIGN.md §4), and the consumer layout (ranks by node).
+
+Works on metadata only. There is one storage unit per node; a unit's id is its node's name.
+
+* :class:`ConsumerAwarePlacement` spreads payloads by bytes over the training nodes' units and keeps the
+  members of a group on one unit, so that the planner (which keeps groups whole) can give each group to a
+  consumer on the node that holds it: reads stay local.
+* :class:`IndexModPlacement` is the consumer-oblivious baseline of TransferQueue's SimpleStorage: the
+  ``i``-th put goes to unit ``i % units``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from knitdata.errors import ConfigError
+from knitdata.record import TrajectoryMeta
+
+__all__ = ["ConsumerLayout", "Placement", "ConsumerAwarePlacement", "IndexModPlacement", "make_placement"]
+
+
+class ConsumerLayout:
+    """Consumers (data-parallel ranks) grouped by node.
+
+    Args:
+        nodes_of_ranks: ``nodes_of_ranks[r]`` is the name of the node rank ``r`` runs on.
+
+    Example:
+        >>> layout = ConsumerLayout.uniform(num_nodes=2, ranks_per_node=4)
+        >>> layout.node_of(5), layout.ranks_on("node1")
+        ('node1', (4, 5, 6, 7))
+    """
+
+    def __init__(self, nodes_of_ranks: Sequence[str]) -> None:
+        names = list(nodes_of_ranks)
+        if not names:
+            raise ConfigError("a consumer layout needs at least one rank")
+        for n in names:
+            if not isinstance(n, str) or not n:
+                raise ConfigError(f"node names must be non-empty strings, got {n!r}")
+        self._node_of = tuple(names)
+        self._nodes = tuple(dict.fromkeys(names))
+        self._ranks = {n: tuple(r for r, m in enumerate(names) if m == n) for n in self._nodes}
+
+    @classmethod
+    def single_node(cls, num_consumers: int, node: str = "node0") -> ConsumerLayout:
+        """All ``num_consumers`` ranks on one node."""
+        if isinstance(num_consumers, bool) or not isinstance(num_consumers, int) or num_consumers <= 0:
+            raise ConfigError(f"num_consumers must be a positive int, got {num_consumers!r}")
+        return cls([node] * num_consumers)
+
+    @classmethod
+    def uniform(cls, num_nodes: int, ranks_per_node: int) -> ConsumerLayout:
+        """``num_nodes`` nodes named ``node0..`` with ``ranks_per_node`` consecutive ranks each."""
+        if num_nodes <= 0 or ranks_per_node <= 0:
+            raise ConfigError(f"num_nodes and ranks_per_node must be positive, got {num_nodes}, {ranks_per_node}")
+        return cls([f"node{r // ranks_per_node}" for r in range(num_nodes * ranks_per_node)])
+
+    @property
+    def num_consumers(self) -> int:
+        """Number of ranks."""
+        return len(self._node_of)
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Node names in order of first appearance."""
+        return self._nodes
+
+    def node_of(self, rank: int) -> str:
+        """The node of ``rank``."""
+        if not 0 <= rank < len(self._node_of):
+            raise ConfigError(f"rank {rank} is outside 0..{len(self._node_of) - 1}")
+        return self._node_of[rank]
+
+    def ranks_on(self, node: str) -> tuple[int, ...]:
+        """The ranks on ``node`` (empty if none)."""
+        return self._ranks.get(node, ())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable form."""
+        return {"nodes_of_ranks": list(self._node_of)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ConsumerLayout:
+        """Inverse of :meth:`to_dict`."""
+        return cls(list(d["nodes_of_ranks"]))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ConsumerLayout) and other._node_of == self._node_of
+
+    def __hash__(self) -> int:
+        return hash(self._node_of)
+
+    def __repr__(self) -> str:
+        return f"ConsumerLayout({list(self._node_of)!r})"
+
+
+class Placement(abc.ABC):
+    """Chooses the storage unit of each put. Not thread-safe: the pipeline calls it under its lock.
+
+    Args:
+        units: Ids of the storage units, one per node, in layout order.
+    """
+
+    #: Whether the planner should prefer consumers on the node holding a payload.
+    consumer_aware: bool = False
+
+    def __init__(self, units: Sequence[str]) -> None:
+        if not units:
+            raise ConfigError("placement needs at least one storage unit")
+        self.units = tuple(units)
+
+    @abc.abstractmethod
+    def place(self, meta: TrajectoryMeta) -> str:
+        """Return the unit for ``meta`` (``meta.seq`` is its arrival index) and account it there."""
+
+    def unplace(self, meta: TrajectoryMeta, unit: str) -> None:  # noqa: B027 - optional hook
+        """Undo :meth:`place` for a put that failed (e.g. ``StoreFull``)."""
+
+    def released(self, unit: str, nbytes: int) -> None:  # noqa: B027 - optional hook
+        """Tell the placement that ``nbytes`` left ``unit``."""
+
+    def forget_group(self, group: str) -> None:  # noqa: B027 - optional hook
+        """Tell the placement that no more members of ``group`` will arrive."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serializable state (for diagnostics; placement is rebuilt with the pipeline)."""
+        return {}
+
+
+class IndexModPlacement(Placement):
+    """Baseline: the ``i``-th put goes to unit ``i % len(units)``, oblivious to consumers."""
+
+    consumer_aware = False
+
+    def place(self, meta: TrajectoryMeta) -> str:
+        """Unit ``meta.seq % len(units)``."""
+        if meta.seq < 0:
+            raise ConfigError(f"IndexModPlacement needs the arrival index (seq) of {meta.id!r}")
+        return self.units[meta.seq % len(self.units)]
+
+
+class ConsumerAwarePlacement(Placement):
+    """Spread by bytes over the units; members of a group follow the group's first member.
+
+    The first member of a group goes to the unit with the fewest bytes currently placed (ties: layout
+    order); later members go to the same unit. The group table is bounded (``max_groups`` most recent).
+
+    Args:
+        units: Unit ids (one per node).
+        max_groups: Groups remembered at most.
+    """
+
+    consumer_aware = True
+
+    def __init__(self, units: Sequence[str], *, max_groups: int = 65536) -> None:
+        super().__init__(units)
+        self._load = dict.fromkeys(self.units, 0)
+        self._groups: OrderedDict[str, str] = OrderedDict()
+        self._max_groups = max_groups
+
+    def place(self, meta: TrajectoryMeta) -> str:
+        """The group's unit, or the least-loaded unit by bytes."""
+        unit = self._groups.get(meta.group)
+        if unit is None:
+            unit = min(self.units, key=lambda u: self._load[u])
+            self._groups[meta.group] = unit
+            while len(self._groups) > self._max_groups:
+                self._groups.popitem(last=False)
+        self._load[unit] += meta.nbytes
+        return unit
+
+    def unplace(self, meta: TrajectoryMeta, unit: str) -> None:
+        """Undo the byte accounting of a failed put."""
+        self._load[unit] -= meta.nbytes
+
+    def released(self, unit: str, nbytes: int) -> None:
+        """Bytes left ``unit``."""
+        if unit in self._load:
+            self._load[unit] -= nbytes
+
+    def forget_group(self, group: str) -> None:
+        """Drop the group's entry (all its members arrived)."""
+        self._groups.pop(group, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Bytes placed per unit."""
+        return {"load": dict(self._load), "groups": len(self._groups)}
+
+
+_PLACEMENTS = {"consumer_aware": ConsumerAwarePlacement, "index_mod": IndexModPlacement}
+
+
+def make_placement(name: str, units: Sequence[str]) -> Placement:
+    """Build a placement by name: ``"consumer_aware"`` or ``"index_mod"``."""
+    cls = _PLACEMENTS.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown placement {name!r}; choose one of {sorted(_PLACEMENTS)}")
+    return cls(units)
+

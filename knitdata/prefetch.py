@@ -1,0 +1,631 @@
+"""Background prefetch with exact state, pinned staging and side-stream host-to-device copies.
+
+:class:`Prefetcher` pulls items from an iterator on one background thread into a bounded queue (``depth``)
+while the consumer computes. Right after each item is produced it snapshots the source's state
+(``state_fn()``) and keeps the snapshot with the item; :meth:`Prefetcher.state_dict` returns the snapshot of
+the item last handed out, so items prefetched but not consumed never move the resume point (the
+``torchdata.nodes`` Prefetcher/PinMemory pattern; NOTES.md).
+
+Paths:
+
+* CPU (no CUDA, or ``device`` None/``"cpu"``): plain background prefetch, nothing is pinned.
+* CUDA: on the background thread the item is pinned (``pin_memory()``), copied to ``device`` with
+  ``non_blocking=True`` on a dedicated side :class:`torch.cuda.Stream`, and an event is recorded after the
+  copy. The background thread waits for that event (only it blocks, the GIL is released), so the pinned
+  staging memory in flight is bounded by one item. In ``__next__`` the consumer's current stream waits on
+  the event (``wait_event``: no host block) and every device tensor is ``record_stream``-ed on the current
+  stream, so the caching allocator does not hand its memory to the side stream while the consumer still
+  uses it. With a :class:`PinnedBufferPool` the item's CPU tensors are packed into one reused pinned
+  staging buffer (by power-of-two size class) and copied with a single H2D copy into one device block of
+  which the item's tensors are views.
+
+Memory: at most ``depth + 1`` items are produced and not yet handed out (``depth`` queued, one being put);
+on the CUDA path those are on the device, plus one pinned staging copy.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import queue
+import statistics
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from knitdata.errors import ConfigError, StateError
+
+__all__ = ["Prefetcher", "PrefetchStats", "PinnedBufferPool", "map_tensors", "host_memory_stats"]
+
+T = TypeVar("T")
+
+_POLL_S = 0.05  # how often a blocked producer checks for close()
+_ALIGN = 256  # byte alignment of tensors packed into one staging buffer / device block
+_MAX_DEPTH = 8  # nesting depth map_tensors walks into before treating an object as opaque
+
+
+# ---------------------------------------------------------------------------------------------- structure walk
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], opaque: Callable[[Any], Any] | None = None,
+                _depth: int = 0) -> Any:
+    """Apply ``fn`` to every tensor of a nested structure and rebuild it.
+
+    Walks tensors, mappings, lists, tuples (named tuples included) and dataclass instances (e.g.
+    :class:`~knitdata.collate.MicroBatch`). Containers in which nothing changed are returned as is (not
+    copied).
+    Anything else (or nesting deeper than 8) goes to ``opaque`` (default: returned unchanged).
+
+    Args:
+        obj: The structure.
+        fn: Applied to each tensor; its result replaces the tensor.
+        opaque: Applied to objects the walk does not enter (e.g. to call their own ``pin_memory()``).
+
+    Returns:
+        The rebuilt structure.
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if obj is None or isinstance(obj, (str, bytes, bytearray, int, float, bool)):
+        return obj
+    if _depth > _MAX_DEPTH:
+        return opaque(obj) if opaque is not None else obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fs = dataclasses.fields(obj)
+        if all(f.init for f in fs):
+            changes = {f.name: map_tensors(getattr(obj, f.name), fn, opaque, _depth + 1) for f in fs}
+            if all(v is getattr(obj, k) for k, v in changes.items()):
+                return obj
+            return dataclasses.replace(obj, **changes)
+    elif isinstance(obj, Mapping):
+        items = {k: map_tensors(v, fn, opaque, _depth + 1) for k, v in obj.items()}
+        if all(v is obj[k] for k, v in items.items()):
+            return obj
+        if type(obj) is dict:
+            return items
+        try:
+            return type(obj)(items)
+        except TypeError:
+            return items
+    elif isinstance(obj, (list, tuple)):
+        vals = [map_tensors(v, fn, opaque, _depth + 1) for v in obj]
+        if all(a is b for a, b in zip(vals, obj)):
+            return obj
+        return type(obj)(*vals) if hasattr(obj, "_fields") else type(obj)(vals)
+    return opaque(obj) if opaque is not None else obj
+
+
+def _collect(obj: Any) -> tuple[list[torch.Tensor], list[Any]]:
+    tensors: list[torch.Tensor] = []
+    opaque: list[Any] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        tensors.append(t)
+        return t
+
+    def other(o: Any) -> Any:
+        opaque.append(o)
+        return o
+
+    map_tensors(obj, keep, other)
+    return tensors, opaque
+
+
+def _pin(obj: Any) -> Any:
+    def pin(t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t
+
+    def other(o: Any) -> Any:
+        return o.pin_memory() if callable(getattr(o, "pin_memory", None)) else o
+
+    return map_tensors(obj, pin, other)
+
+
+def _move(obj: Any, device: torch.device, non_blocking: bool) -> Any:
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=non_blocking)
+
+    def other(o: Any) -> Any:
+        if not callable(getattr(o, "to", None)):
+            return o
+        try:
+            return o.to(device, non_blocking=non_blocking)
+        except TypeError:
+            return o.to(device)
+
+    return map_tensors(obj, move, other)
+
+
+def host_memory_stats() -> dict[str, Any]:
+    """Return ``torch.cuda.host_memory_stats()`` (pinned host allocator) as a JSON-able dict; ``{}`` without CUDA."""
+    if not torch.cuda.is_available() or not hasattr(torch.cuda, "host_memory_stats"):
+        return {}
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except RuntimeError:
+        return {}
+    return {str(k): (v if isinstance(v, (int, float)) else str(v)) for k, v in stats.items()}
+
+
+# ---------------------------------------------------------------------------------------------- pinned pool
+class PinnedBufferPool:
+    """A bounded pool of pinned host staging buffers, reused by power-of-two size class.
+
+    The CUDA caching host allocator rounds each pinned block up to a power of two and never splits
+    blocks, so ragged batches fragment it (pytorch#150517, #97432). Staging every item through a buffer
+    of its size class, reused across items, keeps pinned memory to a few blocks.
+
+    Args:
+        max_cached_bytes: Bound on the bytes of free buffers kept for reuse; a released buffer that would
+            exceed it is dropped (returned to torch). Buffers in use are not counted against it.
+        min_size: Smallest size class in bytes (a power of two).
+        pin: Allocate page-locked memory. ``None``: when CUDA is available. Without CUDA pinning is
+            impossible; ``pin=False`` gives ordinary memory (used to test the pool logic on CPU).
+
+    Raises:
+        ConfigError: Bad sizes, or ``pin=True`` without CUDA.
+    """
+
+    def __init__(self, max_cached_bytes: int = 256 << 20, *, min_size: int = 64 << 10, pin: bool | None = None):
+        if max_cached_bytes < 0:
+            raise ConfigError(f"max_cached_bytes must be >= 0, got {max_cached_bytes}")
+        if min_size < 1 or min_size & (min_size - 1):
+            raise ConfigError(f"min_size must be a positive power of two, got {min_size}")
+        if pin is None:
+            pin = torch.cuda.is_available()
+        if pin and not torch.cuda.is_available():
+            raise ConfigError("pin=True needs CUDA; use pin=None (auto) or pin=False on a machine without a GPU")
+        self.max_cached_bytes = int(max_cached_bytes)
+        self.min_size = int(min_size)
+        self.pin = bool(pin)
+        self._free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+        self.dropped = 0
+        self.cached_bytes = 0
+        self.in_use_bytes = 0
+        self.high_water_bytes = 0
+
+    def size_class(self, nbytes: int) -> int:
+        """The buffer size that serves ``nbytes``: the next power of two, at least ``min_size``."""
+        n = max(int(nbytes), self.min_size)
+        return 1 << (n - 1).bit_length()
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """Return a ``uint8`` buffer of at least ``nbytes`` (exactly its size class); give it back with :meth:`release`."""
+        size = self.size_class(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                buf = free.pop()
+                self.cached_bytes -= size
+                self.hits += 1
+            else:
+                buf = None
+                self.misses += 1
+            self.in_use_bytes += size
+            self.high_water_bytes = max(self.high_water_bytes, self.in_use_bytes + self.cached_bytes)
+        if buf is None:
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        """Return a buffer from :meth:`acquire`; the caller must be done with it (its copies finished)."""
+        size = buf.numel()
+        with self._lock:
+            self.in_use_bytes -= size
+            if self.cached_bytes + size <= self.max_cached_bytes:
+                self._free[size].append(buf)
+                self.cached_bytes += size
+            else:
+                self.dropped += 1
+
+    def clear(self) -> None:
+        """Drop every cached buffer."""
+        with self._lock:
+            self._free.clear()
+            self.cached_bytes = 0
+
+    def stats(self) -> dict[str, Any]:
+        """Counters as a JSON-able dict (plus ``host_memory_stats`` of torch when CUDA is present)."""
+        with self._lock:
+            out: dict[str, Any] = {
+                "hits": self.hits,
+                "misses": self.misses,
+                "dropped": self.dropped,
+                "cached_bytes": self.cached_bytes,
+                "in_use_bytes": self.in_use_bytes,
+                "high_water_bytes": self.high_water_bytes,
+                "size_classes": {str(k): len(v) for k, v in sorted(self._free.items()) if v},
+            }
+        if self.pin:
+            out["host_memory_stats"] = host_memory_stats()
+        return out
+
+
+def _staged_copy(
+    obj: Any, device: torch.device, pool: PinnedBufferPool, non_blocking: bool
+) -> tuple[Any, torch.Tensor | None, torch.Tensor | None]:
+    """Copy every CPU tensor of ``obj`` to ``device`` through one pooled staging buffer and one device block.
+
+    Returns ``(moved, staging, block)``: the moved structure (its CPU tensors replaced by views into
+    ``block``), and the staging buffer to release once the copy has finished (``None`` if nothing was staged).
+    Objects the walk does not enter are moved with their own ``to()``.
+    """
+    tensors, _ = _collect(obj)
+    layout: dict[int, tuple[int, int]] = {}  # id(tensor) -> (offset, nbytes)
+    total = 0
+    for t in tensors:
+        if t.device.type != "cpu" or id(t) in layout:
+            continue
+        nb = t.numel() * t.element_size()
+        layout[id(t)] = (total, nb)
+        total += -(-nb // _ALIGN) * _ALIGN
+    if not layout:
+        return _move(obj, device, non_blocking), None, None
+    staging = pool.acquire(total)
+    with torch.no_grad():
+        for t in tensors:
+            if id(t) in layout:
+                off, nb = layout[id(t)]
+                staging[off : off + nb].view(t.dtype).view(t.shape).copy_(t)
+    block = torch.empty(total, dtype=torch.uint8, device=device)
+    block.copy_(staging[:total], non_blocking=non_blocking)
+    views: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if id(t) in layout and id(t) not in views:
+            off, nb = layout[id(t)]
+            views[id(t)] = block[off : off + nb].view(t.dtype).view(t.shape)
+
+    def swap(t: torch.Tensor) -> torch.Tensor:
+        return views[id(t)] if id(t) in views else t.to(device, non_blocking=non_blocking)
+
+    def other(o: Any) -> Any:
+        return _move(o, device, non_blocking)
+
+    return map_tensors(obj, swap, other), staging, block
+
+
+# ---------------------------------------------------------------------------------------------- stats
+@dataclass
+class PrefetchStats:
+    """What a :class:`Prefetcher` measured. Consumer-side fields are updated in ``__next__``; producer-side
+    ones on the background thread.
+
+    Attributes:
+        items: Items handed out.
+        wait_s: Total time the consumer spent blocked in ``__next__`` waiting for an item (exposed latency).
+        max_wait_s: Longest single wait.
+        recent_wait_s: Per-item waits of the last 4096 items (bounded).
+        h2d_wait_s: Host time in ``__next__`` spent making device copies visible to the current stream.
+        produced: Items pulled from the source.
+        produce_s: Time the background thread spent inside ``next(source)``.
+        pin_s: Background time spent pinning / staging into pinned memory.
+        copy_s: Background time from issuing a host-to-device copy to its completion.
+        bytes_copied: Bytes of tensors copied host-to-device.
+    """
+
+    items: int = 0
+    wait_s: float = 0.0
+    max_wait_s: float = 0.0
+    recent_wait_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
+    h2d_wait_s: float = 0.0
+    produced: int = 0
+    produce_s: float = 0.0
+    pin_s: float = 0.0
+    copy_s: float = 0.0
+    bytes_copied: int = 0
+
+    @property
+    def mean_wait_s(self) -> float:
+        """Mean wait per handed-out item."""
+        return self.wait_s / self.items if self.items else 0.0
+
+    @property
+    def median_wait_s(self) -> float:
+        """Median of the recent per-item waits."""
+        return statistics.median(self.recent_wait_s) if self.recent_wait_s else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able summary (per-item waits summarized, not listed)."""
+        return {
+            "items": self.items,
+            "wait_s": self.wait_s,
+            "mean_wait_s": self.mean_wait_s,
+            "median_wait_s": self.median_wait_s,
+            "max_wait_s": self.max_wait_s,
+            "h2d_wait_s": self.h2d_wait_s,
+            "produced": self.produced,
+            "produce_s": self.produce_s,
+            "pin_s": self.pin_s,
+            "copy_s": self.copy_s,
+            "bytes_copied": self.bytes_copied,
+        }
+
+
+# ---------------------------------------------------------------------------------------------- transfer
+class _CudaTransfer:
+    """Runs on the background thread: pin (or stage), copy on a side stream, wait for the copy."""
+
+    def __init__(self, device: torch.device, pin: bool, pool: PinnedBufferPool | None, stats: PrefetchStats):
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.pin = pin
+        self.pool = pool
+        self.stats = stats
+        self.stream = torch.cuda.Stream(device=device)
+        self._thread_ready = False
+
+    def __call__(self, item: Any) -> tuple[Any, Any]:
+        if not self._thread_ready:  # the current device is per thread
+            torch.cuda.set_device(self.device)
+            self._thread_ready = True
+        st = self.stats
+        staging = None
+        with torch.cuda.stream(self.stream):
+            if self.pool is not None:
+                t0 = time.perf_counter()
+                moved, staging, block = _staged_copy(item, self.device, self.pool, non_blocking=True)
+                nbytes = 0 if block is None else block.numel()
+                st.pin_s += time.perf_counter() - t0  # staging + issuing the copy
+            else:
+                t0 = time.perf_counter()
+                host = _pin(item) if self.pin else item
+                t1 = time.perf_counter()
+                st.pin_s += t1 - t0
+                nbytes = sum(t.numel() * t.element_size() for t in _collect(host)[0] if t.device.type == "cpu")
+                moved = _move(host, self.device, non_blocking=True)
+            t1 = time.perf_counter()
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        event.synchronize()  # blocks this thread only; bounds pinned memory in flight to one item
+        st.copy_s += time.perf_counter() - t1
+        st.bytes_copied += nbytes
+        if staging is not None:
+            self.pool.release(staging)  # type: ignore[union-attr]
+        return moved, event
+
+
+# ---------------------------------------------------------------------------------------------- thread
+class _Shared:
+    """What the background thread needs; deliberately not the Prefetcher (so it can be collected)."""
+
+    def __init__(self, source: Iterator[Any], state_fn: Callable[[], dict] | None, depth: int,
+                 transfer: Callable[[Any], tuple[Any, Any]] | None, pin: bool, stats: PrefetchStats):
+        self.source = source
+        self.state_fn = state_fn
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.transfer = transfer
+        self.pin = pin
+        self.stats = stats
+
+
+def _snapshot(state_fn: Callable[[], dict]) -> Any:
+    state = state_fn()
+    try:
+        return json.loads(json.dumps(state))
+    except (TypeError, ValueError) as e:
+        raise StateError(f"state_fn() must return a JSON-serializable dict, got {state!r}: {e}") from e
+
+
+def _put(sh: _Shared, entry: tuple) -> bool:
+    while not sh.stop.is_set():
+        try:
+            sh.queue.put(entry, timeout=_POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _produce(sh: _Shared) -> None:
+    st = sh.stats
+    index = 0
+    while not sh.stop.is_set():
+        t0 = time.perf_counter()
+        try:
+            item = next(sh.source)
+        except StopIteration:
+            _put(sh, ("end", index, None, None, None))
+            return
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer, in order
+            _put(sh, ("error", index, e, None, None))
+            return
+        st.produce_s += time.perf_counter() - t0
+        st.produced += 1
+        try:
+            snap = _snapshot(sh.state_fn) if sh.state_fn is not None else None
+            event = None
+            if sh.transfer is not None:
+                item, event = sh.transfer(item)
+            elif sh.pin:
+                t1 = time.perf_counter()
+                item = _pin(item)
+                st.pin_s += time.perf_counter() - t1
+        except BaseException as e:  # noqa: BLE001
+            _put(sh, ("error", index, e, None, None))
+            return
+        if not _put(sh, ("item", index, item, snap, event)):
+            return
+        del item
+        index += 1
+
+
+def _shutdown(sh: _Shared) -> None:
+    sh.stop.set()
+    try:
+        while True:
+            sh.queue.get_nowait()
+    except queue.Empty:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------- prefetcher
+class Prefetcher(Iterator[T], Generic[T]):
+    """Prefetch items of ``source`` on a background thread, with exact resume state.
+
+    Args:
+        source: The iterator to pull from (only the background thread touches it until :meth:`close`).
+        state_fn: Returns the source's JSON-serializable state; called on the background thread right
+            after each item is produced (and once here, before the thread starts).
+        depth: Items queued ahead of the consumer (the source runs at most ``depth + 1`` items ahead).
+        pin_memory: Pin items on the background thread. ``None``: when CUDA is available and ``device`` is
+            not the CPU. ``True`` without CUDA warns and does not pin (pinning needs CUDA).
+        device: Copy items to this device on the background thread (CUDA: side stream, see the module
+            doc). ``None`` or ``"cpu"``: items stay where the source put them.
+        pool: Optional :class:`PinnedBufferPool` for staging (CUDA device only).
+
+    Raises:
+        ConfigError: ``depth < 1``, a CUDA device without CUDA, or a pool without a CUDA device.
+        StateError: ``state_fn()`` does not return JSON-serializable data.
+
+    Example:
+        >>> pf = Prefetcher(iter(range(3)), depth=2)
+        >>> list(pf)
+        [0, 1, 2]
+
+    Resume: build the source again, load ``prefetcher.state_dict()`` into it, wrap it in a new Prefetcher.
+    """
+
+    def __init__(
+        self,
+        source: Iterable[T] | Iterator[T],
+        *,
+        state_fn: Callable[[], dict] | None = None,
+        depth: int = 2,
+        pin_memory: bool | None = None,
+        device: str | torch.device | None = None,
+        pool: PinnedBufferPool | None = None,
+    ):
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"depth must be an int >= 1, got {depth!r}")
+        dev = None if device is None else torch.device(device)
+        cuda = dev is not None and dev.type == "cuda"
+        if cuda and not torch.cuda.is_available():
+            raise ConfigError(f"device {device!r} needs CUDA, which is not available; use device=None or 'cpu'")
+        if pool is not None and not cuda:
+            raise ConfigError("a PinnedBufferPool stages copies to a CUDA device; pass device='cuda' or no pool")
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available() and (dev is None or dev.type == "cuda")
+        elif pin_memory and not torch.cuda.is_available():
+            warnings.warn("Prefetcher(pin_memory=True) without CUDA: nothing is pinned", stacklevel=2)
+            pin_memory = False
+        self.depth = depth
+        self.device = dev
+        self.pin_memory = bool(pin_memory)
+        self.pool = pool
+        self.stats = PrefetchStats()
+        transfer: Callable[[Any], tuple[Any, Any]] | None = None
+        self._cuda_device: torch.device | None = None
+        if cuda:
+            assert dev is not None
+            transfer = _CudaTransfer(dev, self.pin_memory, pool, self.stats)
+            self._cuda_device = transfer.device
+        elif dev is not None and dev.type not in ("cpu", "meta"):
+            def transfer(item: Any, _d: torch.device = dev) -> tuple[Any, Any]:  # other accelerators: plain copy
+                return _move(item, _d, False), None
+        self._state: Any = _snapshot(state_fn) if state_fn is not None else {}
+        self._index = 0
+        self._done = False
+        self._shared = _Shared(iter(source), state_fn, depth, transfer, self.pin_memory and transfer is None, self.stats)
+        self._thread = threading.Thread(target=_produce, args=(self._shared,), name="knitdata-prefetch", daemon=True)
+        self._finalizer = weakref.finalize(self, _shutdown, self._shared)
+        self._thread.start()
+
+    def __iter__(self) -> Prefetcher[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._done:
+            raise StopIteration
+        sh = self._shared
+        t0 = time.perf_counter()
+        while True:
+            try:
+                kind, index, payload, snap, event = sh.queue.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and sh.queue.empty():
+                    self._done = True
+                    raise StateError("the prefetch thread stopped (closed?); build a new Prefetcher") from None
+        wait = time.perf_counter() - t0
+        st = self.stats
+        if kind == "end":
+            self._finish()
+            raise StopIteration
+        if kind == "error":
+            self._finish()
+            raise payload
+        assert index == self._index, f"prefetch out of order: got {index}, expected {self._index}"
+        self._index += 1
+        if event is not None:
+            t1 = time.perf_counter()
+            cur = torch.cuda.current_stream(self._cuda_device)
+            cur.wait_event(event)
+            tensors, opaque = _collect(payload)
+            for t in tensors:
+                if t.is_cuda:
+                    t.record_stream(cur)
+            for o in opaque:
+                if callable(getattr(o, "record_stream", None)):
+                    o.record_stream(cur)
+            st.h2d_wait_s += time.perf_counter() - t1
+        st.items += 1
+        st.wait_s += wait
+        st.max_wait_s = max(st.max_wait_s, wait)
+        st.recent_wait_s.append(wait)
+        if snap is not None:
+            self._state = snap
+        return payload
+
+    def state_dict(self) -> dict[str, Any]:
+        """The source state (``state_fn()``) as of the item last handed out; before any item, as of construction.
+
+        Returns ``{}`` when no ``state_fn`` was given.
+        """
+        return json.loads(json.dumps(self._state))
+
+    @property
+    def items_handed_out(self) -> int:
+        """Number of items returned by ``__next__`` so far."""
+        return self._index
+
+    def _finish(self) -> None:
+        self._done = True
+        self.close()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the background thread and drop queued items. Idempotent; also runs on garbage collection.
+
+        Args:
+            timeout: Seconds to wait for the thread; a source blocked inside ``next()`` cannot be interrupted
+                (the thread is a daemon and exits after that call returns).
+        """
+        self._done = True
+        self._finalizer()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+            _shutdown(self._shared)  # anything put while we joined
+
+    @property
+    def closed(self) -> bool:
+        """True once closed or exhausted."""
+        return self._done
+
+    def __enter__(self) -> Prefetcher[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Prefetcher(depth={self.depth}, device={self.device}, pin_memory={self.pin_memory}, "
+                f"items={self.stats.items}, closed={self._done})")

@@ -1,0 +1,150 @@
+"""The storage-unit interface: where trajectory payloads live between rollout and training (DESIGN.md §4).
+
+A storage unit holds the payloads of one node. Everything that crosses its interface is either a
+:class:`~knitdata.record.Trajectory` (in) or ids (in) and trajectories / codec records (out): no pickle,
+so a unit can live in another process (a Ray actor, later) behind the very same interface.
+
+Capacity and memory bound (every implementation must keep it):
+
+* A unit accounts each payload by :attr:`Trajectory.nbytes <knitdata.record.Trajectory.nbytes>`.
+* ``put`` accepts a payload of ``n`` bytes when ``used + n <= capacity`` or when the unit is empty. So the
+  high-water mark of ``used`` never exceeds ``max(capacity, largest single trajectory)``, which is at most
+  ``capacity + one trajectory``.
+* When the payload does not fit, ``put`` waits up to ``timeout`` seconds for releases and then raises
+  :class:`~knitdata.errors.StoreFull` (at once with ``timeout=0``; ``None`` waits without limit). A payload
+  that was accepted is never dropped: it leaves the unit only through :meth:`StorageUnit.release`.
+
+What a Ray-backed unit must implement to plug in: every abstract method below, with the same semantics
+(``put`` blocking with a timeout and raising ``StoreFull``, ``get`` returning payloads in the order of the
+ids and raising :class:`~knitdata.errors.TrajectoryLostError` for unknown ids, ``release`` idempotent,
+``stats`` returning a :class:`StorageStats`), plus ``unit_id``/``node``/``capacity_bytes``. Across
+processes it returns payloads as codec records (:meth:`StorageUnit.get_records`) and decodes them with
+:func:`knitdata.codec.decode_trajectory` on the consumer's side.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from knitdata.codec import encode_trajectory
+from knitdata.record import Trajectory
+
+__all__ = ["StorageStats", "StorageUnit"]
+
+
+@dataclass(frozen=True)
+class StorageStats:
+    """A snapshot of one storage unit's counters.
+
+    Attributes:
+        unit_id: The unit.
+        node: The node the unit lives on.
+        capacity_bytes: Configured capacity.
+        used_bytes: Bytes currently held (sum of ``Trajectory.nbytes``).
+        high_water_bytes: Largest ``used_bytes`` ever reached.
+        num_items: Payloads currently held.
+        puts: Payloads accepted so far.
+        rejected_puts: ``put`` calls that raised ``StoreFull``.
+        put_wait_s: Total time producers spent waiting for room.
+        gets: Payloads handed out (one per id requested).
+        get_requests: ``get`` calls.
+        bytes_fetched: Bytes of the payloads handed out.
+        releases: Payloads released.
+        spilled_items: Payloads currently held on disk (a unit with a spill store), not in memory.
+        spilled_bytes: Their bytes (``Trajectory.nbytes``; not counted in ``used_bytes``).
+        spill_puts: Payloads written to the spill store so far.
+        spill_gets: Payloads read back from it so far.
+    """
+
+    unit_id: str
+    node: str
+    capacity_bytes: int
+    used_bytes: int
+    high_water_bytes: int
+    num_items: int
+    puts: int
+    rejected_puts: int
+    put_wait_s: float
+    gets: int
+    get_requests: int
+    bytes_fetched: int
+    releases: int
+    spilled_items: int = 0
+    spilled_bytes: int = 0
+    spill_puts: int = 0
+    spill_gets: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-serializable dict."""
+        return asdict(self)
+
+
+class StorageUnit(abc.ABC):
+    """Holds trajectory payloads of one node; thread-safe.
+
+    Attributes:
+        unit_id: Unique id of the unit (the ``location`` recorded in :class:`~knitdata.record.TrajectoryMeta`).
+        node: Name of the node the unit lives on (consumers on that node read it locally).
+        capacity_bytes: Capacity in bytes (see the module docstring for the exact bound).
+    """
+
+    unit_id: str
+    node: str
+    capacity_bytes: int
+
+    @abc.abstractmethod
+    def put(self, traj: Trajectory, *, timeout: float | None = None) -> int:
+        """Store one payload.
+
+        Args:
+            traj: A validated trajectory whose id is not held by this unit. The unit keeps the object;
+                do not mutate it afterwards.
+            timeout: Seconds to wait for room; ``0`` raises at once, ``None`` waits without limit.
+
+        Returns:
+            The bytes accounted for it.
+
+        Raises:
+            StoreFull: If it did not fit within ``timeout``.
+            ValidationError: If the id is already held.
+            EngineError: If the unit is closed.
+        """
+
+    @abc.abstractmethod
+    def get(self, ids: Sequence[str]) -> list[Trajectory]:
+        """Return the payloads of ``ids`` in order (one request; no copy on the embedded engine).
+
+        Raises:
+            TrajectoryLostError: If some ids are not held (never put, released, or lost).
+        """
+
+    def get_records(self, ids: Sequence[str]) -> list[bytes | bytearray | memoryview]:
+        """Return the payloads of ``ids`` as codec records (:func:`knitdata.codec.encode_trajectory`).
+
+        The default encodes the trajectories from :meth:`get`; a unit in another process stores and
+        returns records directly.
+        """
+        return [encode_trajectory(t) for t in self.get(ids)]
+
+    @abc.abstractmethod
+    def release(self, ids: Sequence[str]) -> int:
+        """Drop the payloads of ``ids``; unknown ids are ignored (idempotent).
+
+        Returns:
+            The bytes freed.
+        """
+
+    @abc.abstractmethod
+    def contains(self, traj_id: str) -> bool:
+        """Whether the unit holds ``traj_id``."""
+
+    @abc.abstractmethod
+    def stats(self) -> StorageStats:
+        """Return a snapshot of the counters."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Refuse further puts and wake blocked producers (they raise ``EngineError``)."""

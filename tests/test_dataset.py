@@ -1,0 +1,312 @@
+"""TrajectoryDataset: fetch modes, exact resume (save/load harness, StatefulDataLoader), workers refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import threading
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from knitdata.admission import BatchSpec
+from knitdata.collate import MicroBatch, TokenCollator
+from knitdata.errors import ConfigError, EngineError, StateError
+from knitdata.pipeline import Pipeline
+from knitdata.placement import ConsumerLayout
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _ondemand_helpers import make_traj, make_workload, micro_key, save_load_roundtrip, stateful_loader  # noqa: E402
+
+
+def _fed(spec, trajs, **kw) -> Pipeline:
+    pipe = Pipeline(spec, **kw)
+    for t in trajs:
+        pipe.put(t)
+    pipe.close()
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return make_workload(random.Random(3), num_sources=2, group_size=2, num_minibatches=2,
+                         groups_per_minibatch_per_source=2, train_batches=2)
+
+
+def test_fetch_modes_yield_the_same_microbatches(workload):
+    outs = {}
+    for fetch in ("sample", "eager", "iter"):
+        pipe = _fed(workload.spec, workload.trajs, num_consumers=3, token_budget=12)
+        per_rank = []
+        for r in range(3):
+            mbs = list(pipe.dataset(r, fetch=fetch))
+            assert all(isinstance(mb, MicroBatch) for mb in mbs)
+            per_rank.append([(micro_key(mb), mb.input_ids.tolist(), mb.scalars.get("reward", torch.zeros(0)).tolist())
+                             for mb in mbs])
+        outs[fetch] = per_rank
+        m = pipe.metrics(0)
+        assert m.microbatches == len(per_rank[0]) and m.bytes_fetched > 0
+        if fetch == "sample":
+            assert m.requests == m.trajectories  # one request per trajectory
+    assert outs["sample"] == outs["eager"] == outs["iter"]
+
+
+def test_infos_is_last_and_global_counts(workload):
+    pipe = _fed(workload.spec, workload.trajs, num_consumers=2, token_budget=10)
+    mbs = [mb for r in range(2) for mb in pipe.dataset(r, fetch="eager")]
+    by_step: dict[int, list] = {}
+    for mb in mbs:
+        by_step.setdefault(mb.info.minibatch, []).append(mb)
+    tokens = {t.id: t.num_tokens for t in workload.trajs}
+    for group in by_step.values():
+        k = group[0].info.num_microbatches
+        assert all(mb.info.num_microbatches == k for mb in group)
+        assert sum(mb.info.is_last for mb in group) == 2  # one per rank
+        ids = [i for mb in group for i in mb.info.trajectory_ids]
+        assert all(mb.info.global_trajectories == len(ids) for mb in group)
+        assert all(mb.info.global_tokens == sum(tokens[i] for i in ids) for mb in group)
+        assert all(mb.info.global_loss_tokens == int(sum(mb2.loss_mask.sum() for mb2 in group)) for mb in group)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 1000), fetch=st.sampled_from(["sample", "eager", "iter"]), rank=st.integers(0, 2),
+       data=st.data())
+def test_resume_from_json_state_at_many_midpoints(seed, fetch, rank, data):
+    w = make_workload(random.Random(seed), num_sources=2, group_size=1, num_minibatches=3,
+                      groups_per_minibatch_per_source=2, train_batches=1)
+
+    def build() -> Pipeline:
+        return Pipeline(w.spec, layout=ConsumerLayout.uniform(num_nodes=3, ranks_per_node=1), token_budget=8)
+
+    n_ref = len(list(_fed(w.spec, w.trajs, layout=ConsumerLayout.uniform(3, 1), token_budget=8).dataset(rank)))
+    mids = sorted(set(data.draw(st.lists(st.integers(0, n_ref), min_size=1, max_size=4))))
+    ref, resumed = save_load_roundtrip(build, w.trajs, rank, mids, fetch=fetch)
+    assert len(ref) == n_ref
+    for k, got in resumed.items():
+        assert got == ref, f"midpoint {k}"
+
+
+@pytest.mark.parametrize("fetch", ["sample", "iter"])
+def test_resume_with_stateful_dataloader(workload, fetch):
+    def build() -> Pipeline:
+        return Pipeline(workload.spec, num_consumers=2, token_budget=10)
+
+    n = len(list(_fed(workload.spec, workload.trajs, num_consumers=2, token_budget=10).dataset(1)))
+    ref, resumed = save_load_roundtrip(build, workload.trajs, 1, [0, 1, n // 2, n - 1, n], fetch=fetch, use_loader=True)
+    assert len(ref) == n
+    for k, got in resumed.items():
+        assert got == ref, f"midpoint {k}"
+
+
+def test_state_dict_is_json_and_constant_size(workload):
+    pipe = _fed(workload.spec, workload.trajs, num_consumers=1, token_budget=6)
+    ds = pipe.dataset(0, fetch="iter")
+    sizes = []
+    for _ in ds:
+        sizes.append(len(json.dumps(ds.state_dict())))
+    assert len(sizes) > 4 and max(sizes) - min(sizes) <= 4  # a few digits grow, never the history
+
+
+def test_load_state_rejects_other_rank_and_garbage(workload):
+    pipe = _fed(workload.spec, workload.trajs, num_consumers=2)
+    s0 = pipe.dataset(0).state_dict()
+    with pytest.raises(StateError):
+        pipe.dataset(1).load_state_dict(s0)
+    with pytest.raises(StateError):
+        pipe.dataset(0).load_state_dict({"format": "other"})
+
+
+def test_max_minibatches_per_iteration_and_resume(workload):
+    pipe = _fed(workload.spec, workload.trajs, num_consumers=1, token_budget=10)
+    ds = pipe.dataset(0, fetch="iter", max_minibatches=1)
+    epochs = []
+    for epoch in range(5):
+        ds.set_epoch(epoch)
+        epochs.append(sorted({mb.info.minibatch for mb in ds}))
+    assert epochs == [[0], [1], [2], [3], []]
+    assert ds.epoch == 4
+
+
+def test_worker_processes_refused_on_embedded_engine(workload):
+    pipe = _fed(workload.spec, workload.trajs, num_consumers=1)
+    dl = DataLoader(pipe.dataset(0, fetch="sample"), batch_size=None, num_workers=1)
+    it = iter(dl)
+    try:
+        with pytest.raises(EngineError, match="[Rr]ay"):
+            next(it)
+    finally:
+        it._shutdown_workers()  # now, not when garbage collection reaches it (a 5 s join later)
+    with pytest.raises(EngineError):
+        pipe.dataset(0).stateful_loader(num_workers=2)
+
+
+def test_accelerate_friendly_surface(workload):
+    pipe = _fed(workload.spec, workload.trajs, num_consumers=1)
+    ds = pipe.dataset(0)
+    assert not hasattr(ds, "generator")
+    ds.set_epoch(2)
+    assert ds.epoch == 2
+    n = len(list(_fed(workload.spec, workload.trajs, num_consumers=1).dataset(0)))
+    assert sum(1 for _ in stateful_loader(ds)) == n
+
+
+def test_bad_options():
+    pipe = Pipeline(BatchSpec({"a": 1}, num_minibatches=1))
+    with pytest.raises(ConfigError):
+        pipe.dataset(0, fetch="lazy")
+    with pytest.raises(ConfigError):
+        pipe.dataset(1)
+    with pytest.raises(ConfigError):
+        pipe.dataset(0, max_minibatches=0)
+
+
+class _RecordingMedia:
+    """A media collator double: records the micro-batch lists it is called with."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, micro_batches):
+        self.calls.append([[t.id for t in mb] for mb in micro_batches])
+        return {"table": [t.id for mb in micro_batches for t in mb]}
+
+
+@pytest.mark.parametrize("fetch", ["sample", "iter"])
+def test_media_collator_built_once_per_share(workload, fetch):
+    pipe = _fed(workload.spec, workload.trajs, num_consumers=2, token_budget=6)
+    media = _RecordingMedia()
+    mbs = list(pipe.dataset(0, fetch=fetch, media_collator=media))
+    steps = sorted({mb.info.minibatch for mb in mbs})
+    assert len(media.calls) == len(steps)
+    for call, step in zip(media.calls, steps):
+        share = [list(mb.info.trajectory_ids) for mb in mbs if mb.info.minibatch == step]
+        assert call == share  # every micro-batch of the share, in order
+        objs = [mb.media for mb in mbs if mb.info.minibatch == step]
+        assert all(o is objs[0] for o in objs)  # one object for the whole share
+
+
+def test_real_multimodal_collator_smoke():
+    mm = pytest.importorskip("knitdata.multimodal")
+    from knitdata.record import MediaItem, Trajectory
+
+    img = MediaItem("image", tensor=torch.randint(0, 255, (3, 4, 4), dtype=torch.uint8))
+    spec = BatchSpec({"v": 4}, num_minibatches=1, group_size=2)
+    trajs = [Trajectory(f"t{i}", "v", f"g{i // 2}", torch.tensor([i]), torch.arange(3) + 1, media=[img])
+             for i in range(4)]
+    pipe = _fed(spec, trajs, num_consumers=1, token_budget=8)
+    try:
+        coll = mm.MultimodalCollator()
+    except TypeError:
+        pytest.skip("MultimodalCollator needs arguments")
+    mbs = list(pipe.dataset(0, fetch="iter", media_collator=coll, collate=TokenCollator()))
+    assert len(mbs) >= 2 and all(isinstance(mb.media, mm.MultimodalBatch) for mb in mbs)
+    assert mbs[0].media.num_unique == 1  # one image shared by the whole share
+    for mb in mbs:
+        occ = mb.media.for_microbatch(mb.info.microbatch)
+        assert len(occ["image"]) == len(mb.info.trajectory_ids)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), num_consumers=st.integers(1, 8), num_nodes=st.integers(1, 3),
+       fetch=st.sampled_from(["sample", "eager", "iter"]), use_loader=st.booleans(), data=st.data())
+def test_exactly_once_across_stop_and_resume_all_ranks(seed, num_consumers, num_nodes, fetch, use_loader, data):
+    """Every rank stops at a random point; fresh loaders on a fresh pipeline resume from the JSON states."""
+    rng = random.Random(seed)
+    w = make_workload(rng, num_sources=rng.randint(1, 3), group_size=rng.choice([1, 2]), num_minibatches=rng.randint(1, 3),
+                      groups_per_minibatch_per_source=rng.randint(1, 3), train_batches=rng.randint(1, 2))
+    layout = ConsumerLayout([f"n{r * min(num_nodes, num_consumers) // num_consumers}" for r in range(num_consumers)])
+
+    def loader(pipe: Pipeline, r: int):
+        ds = pipe.dataset(r, fetch=fetch)
+        return ds, (stateful_loader(ds) if use_loader else ds)
+
+    first = _fed(w.spec, w.trajs, layout=layout, token_budget=rng.choice([6, 12, 40]))
+    delivered: list[str] = []
+    states = []
+    budget = first.planner.token_budget
+    for r in range(num_consumers):
+        ds, ld = loader(first, r)
+        it = iter(ld)
+        stop = data.draw(st.integers(0, 12), label=f"stop{r}")
+        for _ in range(stop):
+            try:
+                delivered.extend(next(it).info.trajectory_ids)
+            except StopIteration:
+                break
+        states.append(json.loads(json.dumps(ld.state_dict())))
+        ds.close()
+    second = _fed(w.spec, w.trajs, layout=layout, token_budget=budget)
+    for r in range(num_consumers):
+        _, ld = loader(second, r)
+        ld.load_state_dict(states[r])
+        delivered.extend(i for mb in ld for i in mb.info.trajectory_ids)
+    assert sorted(delivered) == sorted(t.id for t in w.trajs)
+    assert second.stats()["held_trajectories"] == 0
+
+
+def test_loader_benchmark_functions_smoke():
+    """The benchmark's library functions run and report the documented keys (no timing asserted)."""
+    from knitdata.bench import loader as bench
+
+    ov = bench.measure_overhead(bench.make_token_trajectories(24, max_len=80), repeats=2, progress=False)
+    assert set(ov["ratio_vs_torch"]) == {"iter", "eager"} and ov["microbatches"] >= 1
+    assert bench.measure_memcpy(1 << 16, repeats=2) > 0
+    assert bench.measure_local_fetch(bench.make_payload_trajectories(8, payload_bytes=4096), repeats=1) > 0
+    modes = bench.measure_modes(bench.make_image_trajectories(4 * 4 * 4, tokens=40, side=16), per_microbatch=4, k=4,
+                                warmup=3)
+    assert all(modes[m]["exposed_latency_s"] >= 0 for m in bench.MODES)
+    assert modes["sample"]["requests"] == 64 and modes["eager"]["requests"] == 4
+
+
+def test_break_and_continue_in_same_pipeline_loses_nothing(workload):
+    """Items the prefetcher prepared but did not hand out are not committed: the next pass yields them."""
+    import gc
+
+    pipe = _fed(workload.spec, workload.trajs, num_consumers=1, token_budget=6)
+    ds = pipe.dataset(0, fetch="iter", prefetch_depth=3)
+    got = []
+    for mb in ds:
+        got.append(micro_key(mb))
+        if len(got) == 2:
+            break
+    gc.collect()
+    other = pipe.dataset(0, fetch="sample")  # the abandoned iterator was collected: the rank is free again
+    got += [micro_key(mb) for mb in other]
+    ref = [micro_key(mb) for mb in _fed(workload.spec, workload.trajs, num_consumers=1, token_budget=6).dataset(0)]
+    assert got == ref
+    deadline = 50
+    while any(t.name == "knitdata-prefetch" for t in threading.enumerate()) and deadline:
+        threading.Event().wait(0.05)
+        deadline -= 1
+    assert not any(t.name == "knitdata-prefetch" for t in threading.enumerate())
+
+
+def test_one_live_iterator_per_rank(workload):
+    pipe = _fed(workload.spec, workload.trajs, num_consumers=1)
+    a = iter(pipe.dataset(0, fetch="sample"))
+    next(a)
+    with pytest.raises(EngineError, match="already being iterated"):
+        iter(pipe.dataset(0, fetch="sample"))
+    a.close()
+    assert len(list(pipe.dataset(0, fetch="eager"))) > 0
+
+
+def test_iter_prefetch_crosses_minibatch_boundaries():
+    spec = BatchSpec({"a": 4}, num_minibatches=4)  # one trajectory per mini-batch: K = 1
+    pipe = _fed(spec, [make_traj(i, "a", f"g{i}") for i in range(4)], num_consumers=1)
+    it = iter(pipe.dataset(0, fetch="iter", prefetch_depth=2))
+    first = next(it)
+    assert first.info.minibatch == 0 and first.info.is_last
+    m = pipe.metrics(0)
+    for _ in range(100):  # the prefetch thread runs ahead into mini-batches 1 and 2 (admitted already)
+        if len(m.fetch_latency_s) >= 3:
+            break
+        threading.Event().wait(0.02)
+    assert len(m.fetch_latency_s) >= 3 and m.microbatches == 1
+    assert [mb.info.minibatch for mb in it] == [1, 2, 3]

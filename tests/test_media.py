@@ -1,0 +1,180 @@
+"""Media decoding and processing: images (pillow), audio (soundfile), preprocessing, keys, bad media."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from PIL import Image
+
+from knitdata.errors import MediaError
+from knitdata.media import (
+    MediaProcessor,
+    audio_item,
+    image_item,
+    load_audio,
+    load_image,
+    patchify,
+    processed_digest,
+    provenance_key,
+)
+from knitdata.record import MediaItem
+
+
+def _png(arr: np.ndarray, fmt: str = "PNG") -> bytes:
+    b = io.BytesIO()
+    Image.fromarray(arr).save(b, fmt)
+    return b.getvalue()
+
+
+def _wav(samples: np.ndarray, rate: int, fmt: str = "WAV") -> bytes:
+    b = io.BytesIO()
+    sf.write(b, samples, rate, format=fmt)
+    return b.getvalue()
+
+
+RGB = np.arange(5 * 7 * 3, dtype=np.uint8).reshape(5, 7, 3)
+
+
+def test_load_image_from_bytes_path_array_tensor_pil(tmp_path):
+    png = _png(RGB)
+    p = tmp_path / "x.png"
+    p.write_bytes(png)
+    expect = torch.from_numpy(RGB.copy()).permute(2, 0, 1)
+    for src in (png, bytearray(png), str(p), p, RGB, torch.from_numpy(RGB.copy()), expect, Image.fromarray(RGB)):
+        out = load_image(src)
+        assert out.dtype == torch.uint8 and out.shape == (3, 5, 7)
+        assert torch.equal(out, expect)
+
+
+def test_mode_conversion():
+    rgba = np.dstack([RGB, np.full((5, 7), 255, np.uint8)])
+    assert load_image(_png(rgba)).shape == (3, 5, 7)  # RGBA -> RGB
+    assert load_image(_png(rgba), mode=None).shape == (4, 5, 7)
+    gray = load_image(_png(RGB), mode="L")
+    assert gray.shape == (1, 5, 7)
+    assert torch.equal(gray[0], torch.from_numpy(np.array(Image.fromarray(RGB).convert("L"))))
+    assert load_image(np.zeros((4, 4), np.uint8)).shape == (3, 4, 4)  # L -> RGB
+    jpeg = load_image(_png(RGB, "JPEG"))
+    assert jpeg.shape == (3, 5, 7)
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (_png(RGB)[:40], "truncated|decoded"),
+        (b"definitely not an image", "unknown"),
+        (b"", "empty"),
+    ],
+)
+def test_bad_images_name_trajectory_and_item(data, match):
+    proc = MediaProcessor()
+    item = MediaItem(kind="image", data=data) if data else MediaItem(kind="image", data=b"x")
+    if not data:
+        with pytest.raises(MediaError, match="empty") as ei:
+            load_image(b"", trajectory_id="t9", item=3)
+    else:
+        with pytest.raises(MediaError, match=match) as ei:
+            proc.process(item, trajectory_id="t9", index=3)
+    assert ei.value.trajectory_id == "t9" and ei.value.item == 3
+    assert "trajectory 't9'" in str(ei.value) and "media item 3" in str(ei.value)
+
+
+def test_missing_file_and_bad_arrays(tmp_path):
+    with pytest.raises(MediaError, match="does not exist"):
+        load_image(tmp_path / "nope.png")
+    with pytest.raises(MediaError, match="uint8"):
+        load_image(np.zeros((4, 4, 3), np.float32))
+    with pytest.raises(MediaError, match="channel axis"):
+        load_image(np.zeros((9, 9, 9), np.uint8))
+    with pytest.raises(MediaError, match="cannot load"):
+        load_image(12)
+
+
+def test_audio_bytes_path_rate_kept(tmp_path):
+    stereo = (np.random.default_rng(0).standard_normal((800, 2)) * 0.1).astype(np.float32)
+    for fmt in ("WAV", "FLAC"):
+        data = _wav(stereo, 16000, fmt)
+        x, rate = load_audio(data)
+        assert rate == 16000 and x.shape == (800, 2) and x.dtype == torch.float32
+        assert torch.allclose(x, torch.from_numpy(stereo), atol=1e-4)
+    p = tmp_path / "a.wav"
+    p.write_bytes(_wav(stereo[:, 0], 8000))
+    x, rate = load_audio(p)
+    assert rate == 8000 and x.shape == (800, 1)
+    item = audio_item(p)
+    assert item.sample_rate == 8000 and item.data == p.read_bytes()
+    raw = audio_item(stereo[:, 0], sample_rate=22050)
+    pm = MediaProcessor().process(raw)
+    assert pm.sample_rate == 22050 and pm.tensor.shape == (800, 1)
+
+
+def test_bad_audio():
+    with pytest.raises(MediaError, match="empty") as ei:
+        MediaProcessor().process(MediaItem(kind="audio", data=_wav(np.zeros(0, np.float32), 8000)), trajectory_id="a", index=0)
+    assert ei.value.trajectory_id == "a" and ei.value.item == 0
+    with pytest.raises(MediaError, match="decoded"):
+        load_audio(b"RIFF....garbage")
+    with pytest.raises(MediaError, match="empty"):
+        load_audio(b"")
+    with pytest.raises(MediaError, match="sample_rate"):
+        audio_item(np.zeros(10, np.float32))
+    with pytest.raises(MediaError, match="sample_rate 8000"):
+        MediaProcessor().process(MediaItem(kind="audio", data=_wav(np.zeros(10, np.float32), 16000), sample_rate=8000))
+
+
+def test_patchify_values_and_shapes():
+    img = torch.arange(3 * 8 * 12, dtype=torch.float32).reshape(3, 8, 12).to(torch.uint8)
+    fn = patchify(4)
+    out = fn(img)
+    assert out.shape == (2 * 3, 3 * 16)
+    # patch (row 1, col 2) is pixels [:, 4:8, 8:12], flattened channel-major
+    assert torch.allclose(out[1 * 3 + 2], (img[:, 4:8, 8:12].float() / 255).reshape(-1))
+    assert patchify(4, size=(8, 8))(img).shape == (4, 48)
+    assert patchify(4)(torch.zeros(3, 9, 7, dtype=torch.uint8)).shape == (2, 48)  # cropped to multiples
+    normed = patchify(4, mean=0.5, std=0.5)(torch.full((3, 4, 4), 255, dtype=torch.uint8))
+    assert torch.allclose(normed, torch.ones(1, 48))
+    with pytest.raises(ValueError):
+        patchify(4, size=(6, 8))
+
+
+def test_processor_pipeline_and_errors():
+    proc = MediaProcessor({"image": patchify(2), "audio": lambda x, sr: x[::2]})
+    pm = proc.process(image_item(_png(RGB)))
+    assert pm.kind == "image" and pm.tensor.shape == (2 * 3, 12) and pm.sample_rate is None
+    already = MediaItem(kind="image", tensor=torch.randn(5, 12))
+    assert torch.equal(proc.process(already).tensor, already.tensor)  # float tensors are processed inputs
+    a = proc.process(audio_item(np.ones(10, np.float32), sample_rate=100))
+    assert a.tensor.shape == (5, 1) and a.sample_rate == 100
+    bad = MediaProcessor({"image": lambda x: 1 / 0})
+    with pytest.raises(MediaError, match="ZeroDivisionError") as ei:
+        bad.process(image_item(RGB), trajectory_id="q", index=1)
+    assert ei.value.item == 1
+    with pytest.raises(MediaError, match="no rows"):
+        MediaProcessor({"image": lambda x: x[:0]}).process(image_item(RGB))
+    with pytest.raises(MediaError, match="must return a tensor"):
+        MediaProcessor({"image": lambda x: "x"}).process(image_item(RGB))
+    with pytest.raises(ValueError, match="unknown media kind"):
+        MediaProcessor({"video": lambda x: x})
+
+
+def test_image_item_keeps_encoded_bytes(tmp_path):
+    png = _png(RGB)
+    p = tmp_path / "i.png"
+    p.write_bytes(png)
+    assert image_item(p).data == png and image_item(png).data == png
+    assert image_item(RGB).tensor.shape == (3, 5, 7)
+    with pytest.raises(MediaError):
+        image_item(b"junk")
+
+
+def test_keys():
+    assert provenance_key("g1", 2) == ("g1", 2)
+    proc = MediaProcessor({"image": patchify(1)})
+    a = proc.process(image_item(_png(RGB)))
+    b = proc.process(image_item(RGB))  # same pixels, other encoding -> same processed digest
+    c = proc.process(image_item(RGB[::-1].copy()))
+    assert processed_digest(a) == processed_digest(b) != processed_digest(c)

@@ -1,0 +1,165 @@
+"""MultimodalCollator / MultimodalBatch: unique tables, offsets, per-micro-batch indices, keys, devices."""
+
+from __future__ import annotations
+
+import io
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _multimodal_helpers import make_layout  # noqa: E402
+
+from knitdata.errors import MediaError  # noqa: E402
+from knitdata.media import MediaProcessor, image_item, patchify  # noqa: E402
+from knitdata.multimodal import MediaTable, MultimodalCollator  # noqa: E402
+from knitdata.record import MediaItem, Trajectory  # noqa: E402
+
+
+def _traj(i, group, media):
+    return Trajectory(id=f"t{i}", source="v", group=group, prompt_ids=torch.tensor([1]), response_ids=torch.tensor([2]),
+                      media=media)
+
+
+def _png(color, size=(8, 8)) -> bytes:
+    b = io.BytesIO()
+    Image.new("RGB", size, color).save(b, "PNG")
+    return b.getvalue()
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), k=st.integers(1, 4), key=st.sampled_from(["digest", "provenance"]))
+def test_every_occurrence_points_at_its_processed_item(seed, k, key):
+    rng = random.Random(seed)
+    mbs = make_layout(rng, groups=rng.randint(1, 4), group_size=rng.randint(1, 4), max_items=2, max_len=4, k=k)
+    batch = MultimodalCollator(key=key)(mbs)
+    assert batch.num_microbatches == k
+    assert [list(t) for t in batch.trajectory_ids] == [[t.id for t in mb] for mb in mbs]
+    n_occ = 0
+    for i, mb in enumerate(mbs):
+        occ = batch.for_microbatch(i).get("image")
+        expected = [(j, n) for j, t in enumerate(mb) for n in range(len(t.media))]
+        got = [] if occ is None else list(zip(occ.trajectory.tolist(), occ.item.tolist()))
+        assert got == expected  # trajectory order, then media order
+        for u, j, n in zip([] if occ is None else occ.index.tolist(), *zip(*got)) if got else []:
+            assert torch.equal(batch.tables["image"].item(u), mb[j].media[n].tensor)
+        n_occ += len(expected)
+    assert batch.num_occurrences == n_occ
+    if n_occ:
+        table = batch.tables["image"]
+        assert table.offsets[0] == 0 and table.offsets[-1] == table.values.shape[0]
+        assert len(table.keys) == table.num_items == len(set(table.keys))
+        assert bool((table.lengths > 0).all())
+    else:
+        assert batch.is_empty
+
+
+def test_digest_finds_shared_images_provenance_does_not():
+    a, b = image_item(_png((255, 0, 0))), image_item(_png((0, 0, 255)))
+    a_again = image_item(np.array(Image.open(io.BytesIO(_png((255, 0, 0))))))  # same pixels, stored decoded
+    mbs = [[_traj(0, "g0", [a]), _traj(1, "g0", [a])], [_traj(2, "g1", [a_again, b])], [_traj(3, "g1", [a_again, b])]]
+    coll = dict(preprocess={"image": patchify(4)})
+    d = MultimodalCollator(**coll, key="digest")(mbs)
+    p = MultimodalCollator(**coll, key="provenance")(mbs)
+    assert d.num_occurrences == p.num_occurrences == 6
+    assert d.tables["image"].num_items == 2 and p.tables["image"].num_items == 3
+    assert p.tables["image"].keys == (("g0", 0), ("g1", 0), ("g1", 1))
+    assert d.for_microbatch(2)["image"].index.tolist() == [0, 1]
+    assert p.for_microbatch(2)["image"].index.tolist() == [1, 2]
+
+
+def test_each_distinct_item_processed_once():
+    calls = []
+
+    def prep(x):
+        calls.append(1)
+        return patchify(4)(x)
+
+    a = image_item(_png((1, 2, 3)))
+    mbs = [[_traj(i, "g", [a]) for i in range(4)], [_traj(i + 4, "h", [a]) for i in range(4)]]
+    for key in ("digest", "provenance"):
+        calls.clear()
+        MultimodalCollator({"image": prep}, key=key)(mbs)
+        assert len(calls) == 1
+
+
+def test_reordered_microbatches_get_matching_indices():
+    rng = random.Random(7)
+    mbs = make_layout(rng, groups=3, group_size=3, max_items=2, max_len=3, k=3)
+    fwd = MultimodalCollator()(mbs)
+    rev = MultimodalCollator()(mbs[::-1])
+    for i in range(3):
+        f_occ, r_occ = fwd.for_microbatch(i).get("image"), rev.for_microbatch(2 - i).get("image")
+        if f_occ is None:
+            assert r_occ is None
+            continue
+        f_items = [fwd.tables["image"].item(u) for u in f_occ.index.tolist()]
+        r_items = [rev.tables["image"].item(u) for u in r_occ.index.tolist()]
+        assert all(torch.equal(x, y) for x, y in zip(f_items, r_items))
+
+
+def test_variable_lengths_packed_and_gather_slice():
+    items = [MediaItem(kind="image", tensor=torch.randn(n, 3)) for n in (2, 5, 1)]
+    mbs = [[_traj(0, "a", [items[0], items[1]])], [_traj(1, "b", [items[2], items[0]])]]
+    batch = MultimodalCollator()(mbs)
+    t = batch.tables["image"]
+    assert t.offsets.tolist() == [0, 2, 7, 8] and t.lengths.tolist() == [2, 5, 1] and t.values.shape == (8, 3)
+    g = t.gather(batch.for_microbatch(1)["image"].index)
+    assert g.offsets.tolist() == [0, 1, 3] and torch.equal(g.values, torch.cat([items[2].tensor, items[0].tensor]))
+    s = t.slice(1, 3)
+    assert s.offsets.tolist() == [0, 5, 6] and torch.equal(s.item(1), items[2].tensor)
+    assert batch.nbytes > t.nbytes > 0
+
+
+def test_provenance_conflict_and_unpackable_shapes():
+    a, b = MediaItem(kind="image", tensor=torch.randn(2, 3)), MediaItem(kind="image", tensor=torch.randn(2, 3))
+    with pytest.raises(MediaError, match="different media") as ei:
+        MultimodalCollator(key="provenance")([[_traj(0, "g", [a]), _traj(1, "g", [b])]])
+    assert ei.value.trajectory_id == "t1" and ei.value.item == 0
+    c = MediaItem(kind="image", tensor=torch.randn(2, 4))
+    with pytest.raises(MediaError, match="row shape") as ei:
+        MultimodalCollator()([[_traj(0, "g", [a])], [_traj(1, "h", [c])]])
+    assert ei.value.trajectory_id == "t1"
+    with pytest.raises(ValueError):
+        MultimodalCollator(key="nope")
+    with pytest.raises(MediaError, match="t5"):
+        MultimodalCollator()([[_traj(5, "g", [MediaItem(kind="image", data=b"junk")])]])
+
+
+def test_audio_table_keeps_rates():
+    sr = [8000, 16000]
+    items = [MediaItem(kind="audio", tensor=torch.randn(40), sample_rate=r) for r in sr]
+    batch = MultimodalCollator(processor=MediaProcessor({"audio": lambda x, rate: x.reshape(-1, 4)}))(
+        [[_traj(0, "g", [items[0]]), _traj(1, "h", [items[1], items[0]])]]
+    )
+    t = batch.tables["audio"]
+    assert t.sample_rates.tolist() == sr and t.lengths.tolist() == [10, 10]
+    assert batch.for_microbatch(0)["audio"].index.tolist() == [0, 1, 0]
+
+
+def test_to_is_memoized_and_empty_like():
+    batch = MultimodalCollator()([[_traj(0, "g", [MediaItem(kind="image", tensor=torch.randn(2, 3))])]])
+    assert batch.to("cpu") is batch  # already there
+    moved = batch.to("meta")
+    assert moved is batch.to("meta") and moved.tables["image"].values.device.type == "meta"
+    assert moved.for_microbatch(0)["image"].index.device.type == "meta"
+    d = MediaTable.empty_like("image", (3,), torch.float32, length=2)
+    assert d.num_items == 1 and d.values.shape == (2, 3) and float(d.values.abs().sum()) == 0
+    with pytest.raises(IndexError):
+        batch.for_microbatch(1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs a CUDA device")
+def test_pin_memory():
+    batch = MultimodalCollator()([[_traj(0, "g", [MediaItem(kind="image", tensor=torch.randn(2, 3))])]])
+    pinned = batch.pin_memory()
+    assert pinned.tables["image"].values.is_pinned() and pinned is batch.pin_memory()
+    on = pinned.to("cuda", non_blocking=True)
+    assert on.tables["image"].values.is_cuda

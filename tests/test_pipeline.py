@@ -1,0 +1,295 @@
+"""Pipeline: exactly-once delivery to 1-8 consumer threads, validation, withdraw, versions, engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import threading
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from knitdata.admission import BatchSpec
+from knitdata.errors import (
+    ConfigError,
+    EngineError,
+    FieldTypeError,
+    QuotaInfeasibleError,
+    StoreFull,
+    ValidationError,
+)
+from knitdata.pipeline import Pipeline, PipelineClosedError, build_units
+from knitdata.placement import ConsumerLayout
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _ondemand_helpers import make_traj, make_workload, run_consumers  # noqa: E402
+
+
+def _layout(num_consumers: int, num_nodes: int) -> ConsumerLayout:
+    return ConsumerLayout([f"n{r * num_nodes // num_consumers}" for r in range(num_consumers)])
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    num_consumers=st.integers(1, 8),
+    num_nodes=st.integers(1, 3),
+    num_sources=st.integers(1, 3),
+    group_size=st.sampled_from([1, 2, 4]),
+    num_minibatches=st.integers(1, 3),
+    groups=st.integers(1, 3),
+    train_batches=st.integers(1, 2),
+    token_budget=st.sampled_from([8, 20, 64]),
+    fetch=st.sampled_from(["sample", "eager", "iter"]),
+    placement=st.sampled_from(["consumer_aware", "index_mod"]),
+    split=st.booleans(),
+    producers=st.integers(1, 3),
+)
+def test_exactly_once_random_workloads(seed, num_consumers, num_nodes, num_sources, group_size, num_minibatches,
+                                       groups, train_batches, token_budget, fetch, placement, split, producers):
+    rng = random.Random(seed)
+    w = make_workload(rng, num_sources=num_sources, group_size=group_size, num_minibatches=num_minibatches,
+                      groups_per_minibatch_per_source=groups, train_batches=train_batches)
+    plans = []
+    pipe = Pipeline(w.spec, layout=_layout(num_consumers, min(num_nodes, num_consumers)), token_budget=token_budget,
+                    placement=placement, allow_split_groups=split, on_plan=lambda a, p: plans.append((a, p)))
+
+    def produce() -> None:
+        chunks = [w.trajs[i::producers] for i in range(producers)]
+        ts = [threading.Thread(target=lambda c=c: [pipe.put(t) for t in c]) for c in chunks]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    got = run_consumers(pipe, fetch=fetch, producer=produce)
+    assert not got.errors, got.errors
+    assert got.rows_ok
+    all_ids = {t.id for t in w.trajs}
+    admitted = [m.id for a, _ in plans for m in a.trajectories]
+    assert Counter(admitted) == Counter(all_ids)  # the workload fills whole train batches
+    delivered = [i for rank in got.by_rank.values() for key in rank for i in key[4]]
+    assert Counter(delivered) == Counter(all_ids)  # exactly once
+    for r in range(num_consumers):  # in its planned micro-batch, in plan order, same K everywhere
+        expected = [(r, p.minibatch, i, p.num_microbatches, mb.trajectory_ids)
+                    for _, p in plans for i, mb in enumerate(p.microbatches[r])]
+        assert got.by_rank[r] == expected
+    stats = json.loads(json.dumps(pipe.stats()))  # JSON-serializable
+    assert stats["held_trajectories"] == 0
+    assert all(u["used_bytes"] == 0 and u["releases"] == u["puts"] for u in stats["units"].values())
+
+
+def test_consumers_block_until_admitted_then_end_on_close():
+    spec = BatchSpec({"a": 4}, num_minibatches=2)
+    pipe = Pipeline(spec, num_consumers=2, token_budget=64)
+    out = []
+    t = threading.Thread(target=lambda: out.extend(pipe.dataset(0, fetch="iter")))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and not out  # nothing admitted yet: blocks
+    for i in range(2):
+        pipe.put(make_traj(i, "a", f"g{i}"))
+    pipe.close()
+    t.join(10)
+    assert not t.is_alive()
+    assert [mb.info.minibatch for mb in out] == [0]  # one mini-batch (2 of 4); the second never filled
+
+
+def test_put_validation_names_trajectory_and_field_and_loses_nothing():
+    spec = BatchSpec({"a": 2}, num_minibatches=1)
+    pipe = Pipeline(spec, num_consumers=1)
+    good = make_traj(0, "a", "g0")
+    pipe.put(good)
+    bad = make_traj(1, "a", "g1")
+    bad.gen_version = -3
+    with pytest.raises(ValidationError) as ei:
+        pipe.put(bad)
+    assert ei.value.trajectory_id == "t1" and ei.value.field == "gen_version"
+    with pytest.raises(ValidationError) as ei:
+        pipe.put(make_traj(2, "zzz", "g2"))
+    assert ei.value.field == "source" and "zzz" in str(ei.value)
+    with pytest.raises(ValidationError) as ei:
+        pipe.put(make_traj(0, "a", "g9"))
+    assert ei.value.field == "id"
+    with pytest.raises(FieldTypeError):
+        pipe.put({"id": "x"})  # type: ignore[arg-type]
+    pipe.put(make_traj(3, "a", "g3"))
+    pipe.close()
+    got = [i for mb in pipe.dataset(0, fetch="sample") for i in mb.info.trajectory_ids]
+    assert sorted(got) == ["t0", "t3"]
+    with pytest.raises(PipelineClosedError):
+        pipe.put(make_traj(4, "a", "g4"))
+
+
+def test_withdraw_frees_storage_and_group_is_replaced():
+    spec = BatchSpec({"a": 4}, num_minibatches=1, group_size=2)
+    pipe = Pipeline(spec, num_consumers=1)
+    pipe.put(make_traj(0, "a", "g0"))
+    pipe.put(make_traj(1, "a", "g1"))
+    used = sum(u.stats().used_bytes for u in pipe.units.values())
+    out = pipe.withdraw("g0")
+    assert [m.id for m in out] == ["t0"]
+    assert sum(u.stats().used_bytes for u in pipe.units.values()) < used
+    for i, g in [(2, "g1"), (3, "g2"), (4, "g2")]:
+        pipe.put(make_traj(i, "a", g))
+    pipe.close()
+    ids = sorted(i for mb in pipe.dataset(0) for i in mb.info.trajectory_ids)
+    assert ids == ["t1", "t2", "t3", "t4"]
+    assert pipe.stats()["withdrawn"] == 1
+
+
+def test_report_version_staleness_and_listeners():
+    spec = BatchSpec({"a": 2}, num_minibatches=2)
+    pipe = Pipeline(spec, num_consumers=1)
+    seen = []
+    pipe.add_version_listener(lambda v, t: seen.append(v))
+    ds = pipe.dataset(0, fetch="sample")
+    for i in range(2):
+        pipe.put(make_traj(i, "a", f"g{i}", gen_version=0))
+    it = iter(ds)
+    next(it)
+    pipe.report_version(3)
+    next(it)
+    assert seen == [3] and pipe.version == 3
+    st_ = pipe.stats()["staleness"]
+    assert st_["count"] == 2 and st_["max"] == 3 and st_["mean"] == 1.5
+    with pytest.raises(ValidationError):
+        pipe.report_version(1)
+
+
+def test_store_full_put_timeout_zero_raises_and_nothing_is_accepted():
+    spec = BatchSpec({"a": 4}, num_minibatches=2)
+    nbytes = make_traj(0, "a", "g").nbytes
+    pipe = Pipeline(spec, num_consumers=1, capacity_bytes=2 * nbytes, put_timeout=0)
+    pipe.put(make_traj(0, "a", "g0"))
+    pipe.put(make_traj(1, "a", "g1"))
+    with pytest.raises(StoreFull):
+        pipe.put(make_traj(2, "a", "g2"))
+    ds = pipe.dataset(0, fetch="sample")
+    it = iter(ds)
+    assert next(it).info.trajectory_ids == ("t0", "t1")  # handed out: released
+    pipe.put(make_traj(2, "a", "g2"))  # the rejected one, retried
+    pipe.put(make_traj(3, "a", "g3"))
+    pipe.close()
+    assert next(it).info.trajectory_ids == ("t2", "t3")
+    unit = next(iter(pipe.units.values())).stats()
+    assert unit.high_water_bytes <= 2 * nbytes and unit.rejected_puts == 1 and unit.used_bytes == 0
+
+
+def test_store_full_producers_block_and_high_water_bound():
+    """Many producer threads, a store holding ~3 trajectories: nobody loses data, memory stays bounded."""
+    rng = random.Random(7)
+    w = make_workload(rng, num_sources=2, group_size=1, num_minibatches=4, groups_per_minibatch_per_source=1,
+                      train_batches=3)
+    biggest = max(t.nbytes for t in w.trajs)
+    cap = 3 * biggest - 1
+    pipe = Pipeline(w.spec, num_consumers=2, capacity_bytes=cap, put_timeout=20.0, token_budget=16)
+
+    def produce() -> None:
+        ts = [threading.Thread(target=lambda c=c: [pipe.put(t) for t in c]) for c in (w.trajs[0::2], w.trajs[1::2])]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    got = run_consumers(pipe, fetch="iter", producer=produce, delay=0.002)
+    assert not got.errors, got.errors
+    delivered = Counter(i for r in got.by_rank.values() for k in r for i in k[4])
+    assert delivered == Counter(t.id for t in w.trajs)
+    s = next(iter(pipe.units.values())).stats()
+    assert s.high_water_bytes <= cap + biggest
+    assert s.high_water_bytes <= max(cap, biggest)  # the precise bound
+    assert s.put_wait_s > 0  # producers did block on the full store
+
+
+def test_quota_infeasible_reaches_consumers():
+    spec = BatchSpec({"a": 2, "b": 2}, num_minibatches=1)
+    pipe = Pipeline(spec, num_consumers=1)
+    errors = []
+
+    def consume():
+        try:
+            list(pipe.dataset(0))
+        except QuotaInfeasibleError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    pipe.put(make_traj(0, "a", "g0"))
+    with pytest.raises(QuotaInfeasibleError):
+        pipe.set_in_flight({"a": 1, "b": 0})
+    t.join(10)
+    assert errors and not t.is_alive()
+
+
+def test_engine_selection(monkeypatch):
+    import importlib
+
+    spec = BatchSpec({"a": 2}, num_minibatches=1)
+    real = importlib.import_module
+
+    def without_ray_engine(name, *a, **kw):
+        if name == "knitdata.storage.ray_engine":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(importlib, "import_module", without_ray_engine)  # a version without the Ray engine
+    with pytest.raises(EngineError, match="ray_engine"):
+        Pipeline(spec, engine="ray")
+    monkeypatch.undo()
+    with pytest.raises(ConfigError):
+        Pipeline(spec, engine="nope")
+    units = build_units("embedded", ConsumerLayout.uniform(2, 2), 1000)
+    assert sorted(units) == ["node0", "node1"]
+    with pytest.raises(ConfigError):
+        Pipeline(spec, num_consumers=3, layout=ConsumerLayout.single_node(2))
+
+
+def test_locality_two_nodes_consumer_aware_vs_index_mod():
+    spec = BatchSpec({"a": 16}, num_minibatches=1, group_size=4)
+
+    def remote_fraction(placement: str) -> float:
+        pipe = Pipeline(spec, layout=ConsumerLayout.uniform(2, 2), placement=placement, token_budget=1000)
+        for i in range(16):
+            pipe.put(make_traj(i, "a", f"g{i // 4}", response_len=5 + i % 3))
+        pipe.close()
+        outs = [list(pipe.dataset(r, fetch="iter")) for r in range(4)]
+        assert sum(len(mb.info.trajectory_ids) for o in outs for mb in o) == 16
+        m = [pipe.metrics(r) for r in range(4)]
+        return sum(x.remote_bytes for x in m) / sum(x.bytes_fetched for x in m)
+
+    assert remote_fraction("consumer_aware") == 0.0
+    assert remote_fraction("index_mod") > 0.2
+
+
+def test_payload_handed_without_copy():
+    spec = BatchSpec({"a": 1}, num_minibatches=1)
+    pipe = Pipeline(spec, num_consumers=1)
+    seen = []
+    t = make_traj(0, "a", "g0")
+    pipe.put(t)
+    pipe.close()
+    ds = pipe.dataset(0, fetch="eager", collate=lambda trajs, info: (seen.extend(trajs), torch.zeros(0))[1])
+    list(ds)
+    assert seen[0] is t and seen[0].prompt_ids.data_ptr() == t.prompt_ids.data_ptr()
+
+
+def test_exactly_once_with_spill(tmp_path):
+    rng = random.Random(11)
+    w = make_workload(rng, num_sources=2, group_size=2, num_minibatches=2, groups_per_minibatch_per_source=2,
+                      train_batches=2)
+    biggest = max(t.nbytes for t in w.trajs)
+    pipe = Pipeline(w.spec, layout=ConsumerLayout.uniform(2, 2), capacity_bytes=2 * biggest, put_timeout=0,
+                    spill_dir=tmp_path, spill_bytes=1 << 22, token_budget=20)
+    got = run_consumers(pipe, fetch="iter", producer=lambda: [pipe.put(t) for t in w.trajs])
+    assert not got.errors, got.errors
+    assert got.rows_ok
+    assert Counter(i for r in got.by_rank.values() for k in r for i in k[4]) == Counter(t.id for t in w.trajs)
+    units = pipe.stats()["units"].values()
+    assert sum(u["spill_puts"] for u in units) > 0 and all(u["spilled_items"] == 0 for u in units)
+    assert all(u["high_water_bytes"] <= 2 * biggest for u in units)

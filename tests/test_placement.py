@@ -1,0 +1,65 @@
+"""Placement: consumer layout, consumer-aware spread by bytes with group affinity, index % units baseline."""
+
+from __future__ import annotations
+
+import pytest
+
+from knitdata.errors import ConfigError
+from knitdata.placement import ConsumerAwarePlacement, ConsumerLayout, IndexModPlacement, make_placement
+from knitdata.record import TrajectoryMeta
+
+
+def _meta(i: int, group: str, nbytes: int = 100) -> TrajectoryMeta:
+    return TrajectoryMeta(id=f"t{i}", source="s", group=group, nbytes=nbytes, num_tokens=10, seq=i)
+
+
+def test_layout():
+    lay = ConsumerLayout.uniform(num_nodes=2, ranks_per_node=3)
+    assert lay.num_consumers == 6 and lay.nodes == ("node0", "node1")
+    assert lay.ranks_on("node1") == (3, 4, 5) and lay.node_of(2) == "node0"
+    assert ConsumerLayout.from_dict(lay.to_dict()) == lay
+    assert ConsumerLayout.single_node(3).nodes == ("node0",)
+    with pytest.raises(ConfigError):
+        ConsumerLayout([])
+    with pytest.raises(ConfigError):
+        lay.node_of(6)
+    with pytest.raises(ConfigError):
+        ConsumerLayout.single_node(0)
+
+
+def test_index_mod_is_consumer_oblivious():
+    p = make_placement("index_mod", ["a", "b", "c"])
+    assert isinstance(p, IndexModPlacement) and not p.consumer_aware
+    assert [p.place(_meta(i, "g")) for i in range(6)] == ["a", "b", "c", "a", "b", "c"]  # group ignored
+
+
+def test_consumer_aware_spreads_bytes_and_keeps_groups():
+    p = make_placement("consumer_aware", ["a", "b"])
+    assert isinstance(p, ConsumerAwarePlacement) and p.consumer_aware
+    placed = {}
+    for i in range(40):
+        g = f"g{i // 4}"
+        placed.setdefault(g, set()).add(p.place(_meta(i, g, nbytes=100 + (i % 4) * 10)))
+    assert all(len(units) == 1 for units in placed.values())  # a group stays on one unit
+    load = p.state_dict()["load"]
+    assert abs(load["a"] - load["b"]) <= 130  # spread by bytes (within one group's bytes)
+
+
+def test_consumer_aware_release_and_unplace_rebalance():
+    p = ConsumerAwarePlacement(["a", "b"])
+    assert p.place(_meta(0, "g0", 1000)) == "a"
+    assert p.place(_meta(1, "g1", 10)) == "b"
+    assert p.place(_meta(2, "g2", 10)) == "b"
+    p.released("a", 1000)
+    assert p.place(_meta(3, "g3", 10)) == "a"
+    p.unplace(_meta(3, "g3", 10), "a")
+    assert p.state_dict()["load"] == {"a": 0, "b": 20}
+    p.forget_group("g1")
+    assert p.state_dict()["groups"] == 3
+
+
+def test_unknown_placement():
+    with pytest.raises(ConfigError):
+        make_placement("random", ["a"])
+    with pytest.raises(ConfigError):
+        ConsumerAwarePlacement([])

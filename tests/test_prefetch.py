@@ -1,0 +1,410 @@
+"""Tests of knitdata.prefetch: ordering, bounded depth, exact state, errors, shutdown, overlap, staging."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from knitdata.collate import MicroBatch, MicroBatchInfo, TokenCollator
+from knitdata.errors import ConfigError, StateError
+from knitdata.prefetch import PinnedBufferPool, Prefetcher, _staged_copy, map_tensors
+from knitdata.record import Trajectory
+
+
+class CountingSource:
+    """A resumable iterator over ``f(i)``, i < n, that counts how far it was pulled."""
+
+    def __init__(self, n: int, *, delay: float = 0.0, fail_at: int | None = None, f=lambda i: i * 10):
+        self.n = n
+        self.i = 0
+        self.delay = delay
+        self.fail_at = fail_at
+        self.f = f
+
+    def __iter__(self) -> CountingSource:
+        return self
+
+    def __next__(self):
+        if self.i >= self.n:
+            raise StopIteration
+        if self.delay:
+            time.sleep(self.delay)
+        if self.i == self.fail_at:
+            self.fail_at = None
+            raise ValueError(f"bad item {self.i}")
+        v = self.f(self.i)
+        self.i += 1
+        return v
+
+    def state_dict(self) -> dict:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.i = int(state["i"])
+
+
+def _prefetch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "knitdata-prefetch" and t.is_alive()]
+
+
+def _wait_until(cond, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads():
+    yield
+    gc.collect()
+    assert _wait_until(lambda: not _prefetch_threads()), "a prefetch thread outlived its test"
+
+
+@pytest.mark.parametrize("depth", [1, 2, 5])
+def test_order_and_exhaustion(depth: int) -> None:
+    pf = Prefetcher(CountingSource(23), depth=depth)
+    assert list(pf) == [i * 10 for i in range(23)]
+    assert pf.closed and pf.stats.items == 23 and pf.stats.produced == 23
+    with pytest.raises(StopIteration):
+        next(pf)
+    assert pf.state_dict() == {}  # no state_fn
+    json.dumps(pf.stats.to_dict())
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_bounded_depth(depth: int) -> None:
+    src = CountingSource(40)
+    with Prefetcher(src, state_fn=src.state_dict, depth=depth) as pf:
+        consumed = 0
+        # before anything is consumed, the producer fills the queue and holds one more item
+        assert _wait_until(lambda: src.i == depth + 1)
+        time.sleep(0.05)
+        assert src.i == depth + 1
+        for _ in range(20):
+            next(pf)
+            consumed += 1
+            ahead = src.i - consumed
+            assert 0 <= ahead <= depth + 1
+        assert _wait_until(lambda: src.i == consumed + depth + 1)  # it refills, and no further
+        time.sleep(0.05)
+        assert src.i - consumed == depth + 1
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(0, 30), stop=st.integers(0, 30), depth=st.integers(1, 4))
+def test_state_resumes_exactly(n: int, stop: int, depth: int) -> None:
+    stop = min(stop, n)
+    src = CountingSource(n)
+    pf = Prefetcher(src, state_fn=src.state_dict, depth=depth)
+    assert pf.state_dict() == {"i": 0}
+    got = [next(pf) for _ in range(stop)]
+    time.sleep(0.01)  # let the producer run ahead: its lead must not leak into the state
+    state = json.loads(json.dumps(pf.state_dict()))
+    assert state == {"i": stop}
+    pf.close()
+    fresh = CountingSource(n)
+    fresh.load_state_dict(state)
+    rest = list(Prefetcher(fresh, state_fn=fresh.state_dict, depth=depth))
+    assert got + rest == [i * 10 for i in range(n)]
+
+
+def test_state_is_a_snapshot() -> None:
+    class Mutating:
+        def __init__(self) -> None:
+            self.state = {"pos": [0]}
+            self.k = 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.k += 1
+            self.state["pos"][0] = self.k  # mutated in place: a kept reference would be wrong
+            return self.k
+
+    src = Mutating()
+    pf = Prefetcher(src, state_fn=lambda: src.state, depth=3)
+    assert next(pf) == 1
+    _wait_until(lambda: src.k >= 4)
+    assert pf.state_dict() == {"pos": [1]}
+    pf.state_dict()["pos"][0] = 99  # callers cannot corrupt it either
+    assert pf.state_dict() == {"pos": [1]}
+    pf.close()
+
+
+def test_error_propagates_in_order() -> None:
+    pf = Prefetcher(CountingSource(10, fail_at=4), depth=3)
+    assert [next(pf) for _ in range(4)] == [0, 10, 20, 30]
+    with pytest.raises(ValueError, match="bad item 4"):
+        next(pf)
+    with pytest.raises(StopIteration):
+        next(pf)
+    assert pf.closed
+
+
+def test_state_fn_errors() -> None:
+    with pytest.raises(StateError):
+        Prefetcher(CountingSource(3), state_fn=lambda: {"x": object()})
+    calls = []
+
+    def late_bad() -> dict:
+        calls.append(1)
+        return {"ok": 1} if len(calls) == 1 else {"bad": {1, 2}}
+
+    pf = Prefetcher(CountingSource(3), state_fn=late_bad)
+    with pytest.raises(StateError):
+        next(pf)
+
+
+def test_early_break_and_gc_stop_the_thread() -> None:
+    src = CountingSource(10_000)
+    for x in Prefetcher(src, depth=2):
+        if x >= 30:
+            break
+    gc.collect()
+    assert _wait_until(lambda: not _prefetch_threads())
+    pulled = src.i
+    time.sleep(0.05)
+    assert src.i == pulled  # nothing pulls any more
+
+
+def test_close_while_producer_blocked_and_idempotent() -> None:
+    src = CountingSource(1000)
+    pf = Prefetcher(src, depth=2)
+    assert _wait_until(lambda: src.i == 3)  # producer now blocked on the full queue
+    t0 = time.perf_counter()
+    pf.close()
+    pf.close()
+    assert time.perf_counter() - t0 < 2.0
+    assert not _prefetch_threads()
+    with pytest.raises(StopIteration):
+        next(pf)
+
+
+def test_close_with_slow_source_returns() -> None:
+    src = CountingSource(5, delay=0.2)
+    pf = Prefetcher(src, depth=1)
+    time.sleep(0.05)
+    pf.close(timeout=1.0)  # the thread finishes its current next() and exits
+    assert not _prefetch_threads()
+
+
+def test_overlap_hides_producer_latency() -> None:
+    """A producer and a consumer each taking ~t per item: with prefetch the consumer barely waits."""
+    n, t = 16, 0.02
+    src = CountingSource(n, delay=t)
+    pf = Prefetcher(src, depth=2)
+    for _ in pf:
+        time.sleep(t)  # the consumer's "compute" (releases the GIL, like a CUDA kernel launch + sync)
+    st = pf.stats
+    assert st.items == n and len(st.recent_wait_s) == n
+    assert st.produce_s >= n * t * 0.9  # the producer really spent ~n*t
+    # only the first item (nothing to overlap with) is fully exposed; serial execution would wait n*t
+    assert st.wait_s < 0.5 * n * t, st.to_dict()
+    assert st.median_wait_s < 0.5 * t, st.to_dict()
+
+
+def test_config_errors() -> None:
+    with pytest.raises(ConfigError):
+        Prefetcher(iter([]), depth=0)
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError):
+            Prefetcher(iter([]), device="cuda")
+        with pytest.warns(UserWarning, match="without CUDA"):
+            pf = Prefetcher(iter([1]), pin_memory=True)
+        assert not pf.pin_memory and list(pf) == [1]
+    with pytest.raises(ConfigError):
+        Prefetcher(iter([]), device="cpu", pool=PinnedBufferPool(pin=False))
+
+
+def test_cpu_path_passes_microbatches_through() -> None:
+    coll = TokenCollator(mode="pack")
+    trajs = [Trajectory(id=f"t{i}", source="s", group="g", prompt_ids=torch.arange(i), response_ids=torch.arange(3))
+             for i in range(6)]
+    batches = [coll(trajs[i : i + 2]) for i in range(0, 6, 2)]
+    out = list(Prefetcher(iter(batches), device="cpu"))
+    assert [b is o for b, o in zip(batches, out)] == [True] * 3  # nothing copied or pinned on CPU
+
+
+def test_pool_size_classes_reuse_and_bound() -> None:
+    pool = PinnedBufferPool(max_cached_bytes=3 << 20, min_size=1 << 16, pin=False)
+    assert pool.size_class(1) == 1 << 16 and pool.size_class(600 << 10) == 1 << 20
+    assert pool.size_class(1 << 20) == 1 << 20 and pool.size_class((1 << 20) + 1) == 2 << 20
+    a = pool.acquire(700 << 10)
+    assert a.numel() == 1 << 20 and a.dtype == torch.uint8 and pool.misses == 1
+    pool.release(a)
+    b = pool.acquire(900 << 10)  # same class: reused
+    assert b.data_ptr() == a.data_ptr() and pool.hits == 1
+    c = pool.acquire(3 << 20)  # class 4 MiB > bound: dropped on release
+    pool.release(b)
+    pool.release(c)
+    s = pool.stats()
+    assert s["cached_bytes"] == 1 << 20 and s["in_use_bytes"] == 0 and s["dropped"] == 1
+    assert s["high_water_bytes"] == (1 << 20) + (4 << 20)
+    json.dumps(s)
+    pool.clear()
+    assert pool.stats()["cached_bytes"] == 0
+    with pytest.raises(ConfigError):
+        PinnedBufferPool(min_size=1000)
+
+
+def test_staged_copy_packs_one_block() -> None:
+    pool = PinnedBufferPool(pin=False, min_size=1 << 10)
+    trajs = [Trajectory(id=f"t{i}", source="s", group="g", prompt_ids=torch.arange(i + 1),
+                        response_ids=torch.arange(5) + i, scalars={"r": float(i)},
+                        tensors={"logp": torch.randn(5), "flag": torch.ones(2, dtype=torch.bool)}) for i in range(3)]
+    mb = TokenCollator()(trajs, None)
+    tricky = {"mb": mb, "strided": torch.arange(12.0).reshape(3, 4).t(), "empty": torch.zeros(0, 3), "n": 3}
+    moved, staging, block = _staged_copy(tricky, torch.device("cpu"), pool, non_blocking=False)
+    assert staging is not None and block is not None
+    for a, b in zip(map_tensors_list(tricky), map_tensors_list(moved)):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        if b.numel():
+            assert b.untyped_storage().data_ptr() == block.untyped_storage().data_ptr()  # views into one block
+    assert isinstance(moved["mb"], MicroBatch) and moved["n"] == 3
+    pool.release(staging)
+    assert pool.stats()["in_use_bytes"] == 0
+
+
+def map_tensors_list(obj) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    map_tensors(obj, lambda t: out.append(t) or t)
+    return out
+
+
+def test_map_tensors_structures() -> None:
+    Pair = collections.namedtuple("Pair", "a b")
+
+    @dataclass(frozen=True)
+    class Box:
+        x: torch.Tensor
+        label: str
+
+    class Opaque:
+        pass
+
+    op = Opaque()
+    obj = {"p": Pair(torch.ones(1), [torch.zeros(2), "s"]), "box": Box(torch.ones(3), "k"), "op": op, "info": None}
+    seen_opaque = []
+    out = map_tensors(obj, lambda t: t + 1, lambda o: seen_opaque.append(o) or o)
+    assert isinstance(out["p"], Pair) and torch.equal(out["p"].a, torch.full((1,), 2.0))
+    assert torch.equal(out["p"].b[0], torch.ones(2)) and out["p"].b[1] == "s"
+    assert isinstance(out["box"], Box) and out["box"].label == "k" and torch.equal(out["box"].x, torch.full((3,), 2.0))
+    assert out["op"] is op and seen_opaque == [op]
+    info = MicroBatchInfo(0, 0, 0, 0, 0, 1, True, 1, 2, 0, ("a", "b"), (3, 4))
+    assert map_tensors(info, lambda t: t) is info  # unchanged dataclasses are not rebuilt
+
+
+# ------------------------------------------------------------------------------------------------ CUDA
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _ragged_batches(n: int) -> list[MicroBatch]:
+    g = torch.Generator().manual_seed(0)
+    coll = TokenCollator(mode="pad")
+    out = []
+    for k in range(n):
+        trajs = [Trajectory(id=f"t{k}_{i}", source="s", group="g",
+                            prompt_ids=torch.randint(0, 100, (int(torch.randint(1, 50, (1,), generator=g)),), generator=g),
+                            response_ids=torch.randint(0, 100, (int(torch.randint(1, 300, (1,), generator=g)),),
+                                                       generator=g),
+                            scalars={"r": float(i)})
+                 for i in range(4)]
+        out.append(coll(trajs, MicroBatchInfo(0, 0, k, 0, 0, 1, True, 1, 4, 0, tuple(t.id for t in trajs), (0,) * 4)))
+    return out
+
+
+@cuda
+@pytest.mark.parametrize("use_pool", [False, True])
+def test_cuda_prefetch_copies_on_side_stream(use_pool: bool) -> None:
+    batches = _ragged_batches(12)
+    pool = PinnedBufferPool(max_cached_bytes=64 << 20) if use_pool else None
+    pf = Prefetcher(iter(batches), device="cuda", depth=2, pool=pool)
+    w = torch.randn(512, 512, device="cuda")
+    for host, dev in zip(batches, pf):
+        assert dev.input_ids.is_cuda and dev.info == host.info
+        _ = w @ w  # main-stream work queued around the use of the copy
+        assert torch.equal(dev.input_ids.cpu(), host.input_ids)
+        assert torch.equal(dev.loss_mask.cpu(), host.loss_mask)
+        assert torch.equal(dev.scalars["r"].cpu(), host.scalars["r"])
+    st = pf.stats
+    assert st.items == 12 and st.bytes_copied >= sum(b.nbytes for b in batches)
+    if use_pool:
+        s = pool.stats()
+        assert s["hits"] + s["misses"] == 12 and s["in_use_bytes"] == 0 and s["hits"] > 0
+
+
+@cuda
+def test_cuda_pin_only_when_no_device() -> None:
+    batches = _ragged_batches(3)
+    out = list(Prefetcher(iter(batches)))  # pin_memory=None -> pinned on CUDA machines
+    assert all(t.is_pinned() for b in out for t in b.iter_tensors())
+
+
+# ------------------------------------------------------------------------------------------------ CUDA path on CPU
+class _FakeStream:
+    def __init__(self, device=None):
+        self.device = device
+        self.waited: list = []
+
+    def wait_event(self, event) -> None:
+        assert event.recorded, "waited on an event never recorded"
+        self.waited.append(event)
+
+
+class _FakeEvent:
+    def __init__(self, *a, **kw):
+        self.recorded = False
+        self.synced = False
+
+    def record(self, stream=None) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        self.synced = True
+
+
+@pytest.mark.parametrize("use_pool", [False, True])
+def test_cuda_code_path_with_fake_streams(monkeypatch: pytest.MonkeyPatch, use_pool: bool) -> None:
+    """Runs every line of the CUDA path on CPU with stand-ins for streams and events (no CUDA semantics:
+    the real thing is tested above and by benchmarks/cuda_check.py on a GPU)."""
+    import contextlib
+
+    import knitdata.prefetch as kp
+
+    main_stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", _FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main_stream)
+    real = kp._CudaTransfer
+    monkeypatch.setattr(kp, "_CudaTransfer", lambda dev, pin, pool, stats: real(torch.device("cpu"), False, pool, stats))
+    pool = PinnedBufferPool(pin=False, min_size=1 << 10) if use_pool else None
+    batches = _ragged_batches(5)
+    src = iter(batches)
+    pf = Prefetcher(src, device="cuda", pin_memory=False, pool=pool, depth=2)
+    out = list(pf)
+    assert len(out) == 5 and len(main_stream.waited) == 5 and all(e.synced for e in main_stream.waited)
+    for a, b in zip(batches, out):
+        assert b.info == a.info and (b is not a or not use_pool)  # the pool path copies into one block
+        for x, y in zip(a.iter_tensors(), b.iter_tensors()):
+            assert torch.equal(x, y) and x.dtype == y.dtype
+    st = pf.stats
+    assert st.bytes_copied >= sum(b.nbytes for b in batches) and st.items == 5
+    if use_pool:
+        s = pool.stats()
+        assert s["in_use_bytes"] == 0 and s["hits"] + s["misses"] == 5
