@@ -19,7 +19,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "transfer": ("knitdata.bench.transfer", "exposed transfer latency and step time: transferqueue, sample, eager, iter"),
     "encode": ("knitdata.bench.encode", "duplicated vs deduplicated multimodal encoding"),
     "loader": ("knitdata.bench.loader", "loader overhead vs a plain torch DataLoader, and memcpy bandwidth"),
-    "placement": ("knitdata.bench.placement", "cross-node bytes: consumer-aware placement vs index % units (Ray)"),
+    "placement": ("knitdata.bench.placement", "cross-node bytes: consumer-aware placement vs index-mod-units (Ray)"),
     "soak": ("knitdata.bench.soak", "sustained load: throughput, memory high-water, lost/duplicated"),
 }
 
@@ -33,26 +33,41 @@ def _load(module: str):
         raise
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Build the argument parser with every sub-command that is installed."""
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """Build the argument parser.
+
+    Only the module of the sub-command named in ``argv`` is imported (a benchmark's dependencies load
+    only when it runs); the others are listed with their one-line help.
+
+    Args:
+        argv: The command line, used to pick which sub-command module to import.
+    """
     parser = argparse.ArgumentParser(
         prog="knitdata",
         description="knitdata: move RL trajectories from rollout to training (admission, on-demand access, "
         "multimodal encoding deduplication).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    argv = list(argv)
     demo = sub.add_parser("demo", help="run the end-to-end demo on the embedded engine (no servers)")
-    demo_mod = _load("knitdata.demo")
-    if demo_mod is not None:
-        demo_mod.add_arguments(demo)
-        demo.set_defaults(_run=demo_mod.run)
+    if argv[:1] == ["demo"]:
+        demo_mod = _load("knitdata.demo")
+        if demo_mod is not None:
+            demo_mod.add_arguments(demo)
+            demo.set_defaults(_run=demo_mod.run)
     bench = sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON and a plot)")
     bsub = bench.add_subparsers(dest="bench", metavar="NAME")
     for name, (module, help_) in BENCHMARKS.items():
-        mod = _load(module)
-        if mod is None:
+        p = bsub.add_parser(name, help=help_, description=help_)
+        if argv[:2] != ["bench", name]:
             continue
-        p = bsub.add_parser(name, help=help_, description=(mod.__doc__ or help_).strip().splitlines()[0])
+        mod = _load(module)
+        if mod is None or not hasattr(mod, "add_arguments"):
+            p.set_defaults(_run=lambda args, n=name: (print(f"benchmark {n!r} is not available in this build"), 2)[1])
+            continue
+        if mod.__doc__:
+            p.description = mod.__doc__.strip()
+            p.formatter_class = argparse.RawDescriptionHelpFormatter
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     bench.set_defaults(_run=lambda args: (bench.print_help(), 2)[1])
@@ -68,7 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         The process exit code.
     """
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     run = getattr(args, "_run", None)
     if run is None:

@@ -1,0 +1,142 @@
+"""Staleness accounting (DESIGN.md §3): a version clock, per-trajectory and architectural staleness.
+
+A trajectory generated with policy version ``gen_version`` and trained in a mini-batch whose gradient is
+computed with trainer version ``v`` (before that mini-batch's own optimizer step) has staleness
+``v - gen_version``. In colocated execution the k-th mini-batch of a train batch (k = 1..M; ``index`` =
+k - 1 here) has staleness k - 1, so the **architectural staleness** of a trajectory is its staleness minus
+its mini-batch's ``index``. It can be negative (fresher than colocated execution would be).
+
+Pure metadata: nothing here imports torch payload code, storage or engines.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from knitdata.errors import ValidationError
+
+__all__ = [
+    "VersionClock",
+    "StalenessTracker",
+    "summarize",
+    "percentile",
+    "staleness_reduction",
+]
+
+
+class VersionClock:
+    """The trainer's optimizer-step counter and the version last synced to rollout.
+
+    Args:
+        version: Starting trainer version.
+        sync_every: Sync weights to rollout every this many optimizer steps (1: after every step; ``M``:
+            per train batch).
+    """
+
+    def __init__(self, version: int = 0, sync_every: int = 1) -> None:
+        if sync_every < 1:
+            raise ValidationError(f"sync_every must be >= 1, got {sync_every}", field="sync_every")
+        self.version = int(version)
+        self.rollout_version = int(version)
+        self.sync_every = int(sync_every)
+
+    def step(self) -> bool:
+        """Advance by one optimizer step; returns ``True`` if weights were synced to rollout."""
+        self.version += 1
+        if self.version % self.sync_every == 0:
+            self.rollout_version = self.version
+            return True
+        return False
+
+    def sync(self) -> None:
+        """Force a weight sync to rollout."""
+        self.rollout_version = self.version
+
+    def state_dict(self) -> dict[str, int]:
+        """JSON-serializable state."""
+        return {"version": self.version, "rollout_version": self.rollout_version, "sync_every": self.sync_every}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.version = int(state["version"])
+        self.rollout_version = int(state["rollout_version"])
+        self.sync_every = int(state["sync_every"])
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolation percentile (numpy's default) of already sorted values; ``nan`` if empty."""
+    n = len(sorted_values)
+    if n == 0:
+        return math.nan
+    pos = (n - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, n - 1)
+    return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
+
+
+def summarize(values: Iterable[float]) -> dict[str, float]:
+    """Mean, p50 and p95 (``nan`` when empty) and the count."""
+    v = sorted(float(x) for x in values)
+    n = len(v)
+    return {
+        "mean": (math.fsum(v) / n) if n else math.nan,
+        "p50": percentile(v, 50),
+        "p95": percentile(v, 95),
+        "count": n,
+    }
+
+
+def staleness_reduction(arch_policy: float, arch_train_batch: float) -> float | None:
+    """``1 - arch(policy) / arch(train_batch)``; ``None`` when train-batch staleness is not positive."""
+    if not (arch_train_batch > 0) or math.isnan(arch_policy):
+        return None
+    return 1.0 - arch_policy / arch_train_batch
+
+
+class StalenessTracker:
+    """Accumulates staleness per trained trajectory.
+
+    Memory: two floats and one int per recorded trajectory (three Python lists).
+    """
+
+    def __init__(self) -> None:
+        self.raw: list[int] = []
+        self.arch: list[int] = []
+        self.version_mean_staleness: list[float] = []
+
+    def record(
+        self, index: int, train_version: int, gen_versions: Iterable[int], version_means: Iterable[float] | None = None
+    ) -> None:
+        """Record one mini-batch.
+
+        Args:
+            index: The mini-batch's 0-based index ``k`` within its train batch (colocated staleness).
+            train_version: Trainer version the gradient is computed with (before its optimizer step).
+            gen_versions: ``gen_version`` (oldest among tokens) of each trajectory.
+            version_means: Token-weighted mean version of each trajectory (optional).
+        """
+        for gv in gen_versions:
+            s = train_version - int(gv)
+            self.raw.append(s)
+            self.arch.append(s - index)
+        if version_means is not None:
+            self.version_mean_staleness.extend(train_version - float(x) for x in version_means)
+
+    def record_minibatch(self, mb: Any, train_version: int) -> None:
+        """Record an :class:`~knitdata.admission.AdmittedMiniBatch` trained at ``train_version``."""
+        self.record(
+            mb.index,
+            train_version,
+            (t.gen_version for t in mb.trajectories),
+            (t.version_mean for t in mb.trajectories),
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """``{"arch": {mean, p50, p95, count}, "raw": {...}, "version_mean": {...}}``."""
+        return {
+            "arch": summarize(self.arch),
+            "raw": summarize(self.raw),
+            "version_mean": summarize(self.version_mean_staleness),
+        }
