@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import heapq
+import operator
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -446,10 +447,17 @@ class AdmissionPolicy(abc.ABC):
             QuotaInfeasibleError: (quota-preserving policies, non-continuous mode) a source can no longer
                 deliver its remaining quota.
         """
+        if not isinstance(counts, Mapping):
+            raise ValidationError(f"set_in_flight takes a mapping {{source: count}}, got {type(counts).__name__}",
+                                  field="counts")
         c: dict[str, int] = dict.fromkeys(self._Q, 0)
         for s, n in counts.items():
             if s not in c:
                 raise ValidationError(f"set_in_flight: unknown source {s!r}; known {list(self._Q)}", field="source")
+            try:
+                n = operator.index(n)  # ints, numpy ints; not floats, strings or None
+            except TypeError:
+                raise ValidationError(f"set_in_flight: count for {s!r} must be an int, got {n!r}", field="source") from None
             if int(n) < 0:
                 raise ValidationError(f"set_in_flight: count for {s!r} is negative ({n})", field="source")
             c[s] = int(n)

@@ -11,7 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "BENCHMARKS"]
+__all__ = ["main", "build_parser", "BENCHMARKS"]
 
 #: Benchmark name -> (module, one-line help).
 BENCHMARKS: dict[str, tuple[str, str]] = {

@@ -20,7 +20,9 @@ micro-batches only (the earlier ones are empty lists).
 State (:meth:`TrajectoryDataset.state_dict`): the position after the last micro-batch handed out, a few
 integers, JSON-serializable, constant size. A dataset of a freshly built pipeline fed the same puts and
 loaded with it continues exactly after that micro-batch; so does ``StatefulDataLoader(ds, batch_size=None,
-num_workers=0)``. Handing a micro-batch out commits it: its payloads are released from storage.
+num_workers=0)``. Release follows the pipeline's ``release`` mode: by default (``"step"``) a rank's payloads
+stay in storage until the rank starts its next mini-batch or calls :meth:`TrajectoryDataset.commit`, so a
+consumer that crashes mid-step and restores its last step-boundary state receives that step again.
 
 Engines: on ``"embedded"`` DataLoader worker processes are refused (a forked worker never sees later puts).
 The dataset exposes no ``generator`` attribute (Accelerate would try to synchronize it) and has
@@ -118,11 +120,13 @@ class TrajectoryDataset(IterableDataset):
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[MicroBatch]:
-        if get_worker_info() is not None and self.pipeline.engine == "embedded":
+        if get_worker_info() is not None:
             raise EngineError(
-                "TrajectoryDataset on the embedded engine cannot run in DataLoader worker processes (a forked "
-                "worker never sees later puts): use num_workers=0 (fetch='iter' already prefetches on a "
-                "background thread), or the Ray engine (engine='ray') for worker processes"
+                f"TrajectoryDataset of an in-process Pipeline (engine={self.pipeline.engine!r}) cannot run in "
+                "DataLoader worker processes (a forked worker never sees later puts): use num_workers=0 "
+                "(fetch='iter' already prefetches on a background thread), or the Ray engine across processes: "
+                "Pipeline(..., engine='ray', engine_options={'cross_process': True, ...}).dataset(rank) or "
+                "knitdata.storage.ray_engine.RayPipeline"
             )
         with self._lock:
             self._close_active()
@@ -140,8 +144,11 @@ class TrajectoryDataset(IterableDataset):
         Raises:
             EngineError: ``num_workers > 0`` on the embedded engine.
         """
-        if kwargs.get("num_workers", 0) and self.pipeline.engine == "embedded":
-            raise EngineError("num_workers > 0 is not supported on the embedded engine; use the Ray engine")
+        if kwargs.get("num_workers", 0):
+            raise EngineError(
+                "num_workers > 0 needs the cross-process Ray engine (engine='ray' with "
+                "engine_options={'cross_process': True}); an in-process Pipeline serves num_workers=0 only"
+            )
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         kwargs.setdefault("batch_size", None)
@@ -186,6 +193,36 @@ class TrajectoryDataset(IterableDataset):
                 "handed_out": self._handed_out,
             }
 
+    def commit(self, state: dict[str, Any] | None = None) -> int:
+        """Commit a position: payloads of this rank's micro-batches before it are released from storage.
+
+        Call it right after saving ``state_dict()`` (or the ``StatefulDataLoader``'s state) durably: a
+        restore may go back to any committed-or-later state, never before. With the pipeline's default
+        ``release="step"`` a commit also happens whenever this rank starts its next mini-batch.
+
+        Args:
+            state: A state from :meth:`state_dict` (or a ``StatefulDataLoader`` state holding one); default:
+                the current position.
+
+        Returns:
+            The number of micro-batches released.
+
+        Raises:
+            StateError: ``state`` is not a state of this rank.
+        """
+        if state is None:
+            with self._lock:
+                pos = (self._step, self._micro)
+        else:
+            inner = _find_state(state)
+            if inner is None or inner.get("rank") != self.rank:
+                raise StateError(f"commit() needs a state of rank {self.rank} from state_dict(), got {state!r:.200}")
+            try:
+                pos = (int(inner["minibatch"]), int(inner["microbatch"]))
+            except (KeyError, TypeError, ValueError) as e:
+                raise StateError(f"bad {_STATE_FORMAT} state {inner!r:.200}: {e}") from e
+        return self.pipeline._commit_upto(self.rank, pos)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after the micro-batch ``state`` was taken at; releases the payloads before it.
 
@@ -217,14 +254,22 @@ class TrajectoryDataset(IterableDataset):
         self.pipeline._seek(self.rank, step, micro)
 
     # ------------------------------------------------------------------ internals
-    def _handed(self, pmb: PlannedMicroBatch) -> None:
+    def _handed(self, pmb: PlannedMicroBatch, it: _ConsumerIterator) -> bool:
+        """Commit ``pmb`` for ``it``; ``False`` (nothing committed) if ``it`` was closed meanwhile.
+
+        Under the dataset lock, so that a concurrent ``close()``/``iter()``/``load_state_dict()`` either sees
+        the position after ``pmb`` or makes ``it`` drop it: never both (a micro-batch handed out twice).
+        """
         with self._lock:
+            if it.done:
+                return False
             if pmb.is_last:
                 self._step, self._micro = pmb.minibatch + 1, 0
             else:
                 self._step, self._micro = pmb.minibatch, pmb.microbatch + 1
             self._handed_out += 1
-        self.pipeline._commit(self.rank, pmb)
+            self.pipeline._commit(self.rank, pmb)
+        return True
 
     def _ended(self, it: _ConsumerIterator) -> None:
         with self._lock:
@@ -237,6 +282,18 @@ class TrajectoryDataset(IterableDataset):
             f"TrajectoryDataset(rank={self.rank}, fetch={self.fetch!r}, position=({self._step}, {self._micro}), "
             f"engine={self.pipeline.engine!r})"
         )
+
+
+def _find_state(state: Any) -> dict[str, Any] | None:
+    """The dataset state inside ``state`` (itself, or nested in a ``StatefulDataLoader`` state)."""
+    if isinstance(state, dict):
+        if state.get("format") == _STATE_FORMAT:
+            return state
+        for v in state.values():
+            found = _find_state(v)
+            if found is not None:
+                return found
+    return None
 
 
 class _ConsumerIterator(Iterator["MicroBatch"]):
@@ -271,10 +328,13 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             self._finish()
             raise
         except BaseException:
+            if self._done:  # closed by another thread while waiting (iter mode: the prefetcher stopped): pass ends
+                raise StopIteration from None
             self.close()
             raise
         wait = time.perf_counter() - t0
-        self._ds._handed(pmb)
+        if not self._ds._handed(pmb, self):
+            raise StopIteration  # closed by another thread while this item was prepared: not committed
         self._ds.metrics.record_wait(wait, is_last=pmb.is_last, empty=not pmb.trajectories)
         return mb
 
@@ -286,6 +346,8 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
     def _finish(self) -> None:
         self._ds._ended(self)
         self.close()
+        if self._ds.pipeline.release == "step":  # a finished pass is at a mini-batch boundary: commit it
+            self._ds.commit()
 
     def close(self) -> None:
         """Stop producing; items prepared but not handed out are dropped (they were not committed)."""

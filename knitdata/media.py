@@ -48,6 +48,7 @@ __all__ = [
     "patchify",
     "provenance_key",
     "processed_digest",
+    "check_media_item",
 ]
 
 #: What :func:`load_image` accepts: encoded bytes, a file path, an array/tensor of pixels, or a ``PIL.Image``.
@@ -220,6 +221,43 @@ def load_audio(
     if data.shape[0] == 0:
         raise MediaError("audio clip is empty (0 frames)", **where)
     return torch.from_numpy(np.ascontiguousarray(data)), int(rate)
+
+
+def check_media_item(item: MediaItem, *, trajectory_id: str | None = None, index: int | None = None) -> None:
+    """Check that a media item can be decoded, before it is accepted (``Pipeline.put`` calls this).
+
+    Encoded images and audio are decoded once (pillow, soundfile): truncated, corrupt, empty or unknown
+    formats are refused here, by the producer, instead of failing a consumer's mini-batch later. Decoded
+    audio needs a sample rate; decoded content must not be empty.
+
+    Args:
+        item: The media item.
+        trajectory_id: Named in errors.
+        index: Index of the item within the trajectory's media, named in errors.
+
+    Raises:
+        MediaError: The item cannot be used.
+    """
+    from knitdata.record import MEDIA_KINDS
+
+    where = _where(trajectory_id, index)
+    if not isinstance(item, MediaItem):
+        raise MediaError(f"expected a MediaItem, got {type(item).__name__}", **where)
+    if item.kind not in MEDIA_KINDS:
+        raise MediaError(f"unknown media kind {item.kind!r}; expected one of {MEDIA_KINDS}", **where)
+    if item.data is not None:
+        if item.kind == "image":
+            load_image(item.data, mode=None, trajectory_id=trajectory_id, item=index)
+        else:
+            load_audio(item.data, trajectory_id=trajectory_id, item=index)
+        return
+    t = item.tensor
+    if t is None or t.numel() == 0:
+        raise MediaError(f"{item.kind} content is empty", **where)
+    if item.kind == "audio" and item.sample_rate is None:
+        raise MediaError("decoded audio samples need a sample_rate (MediaItem(..., sample_rate=...))", **where)
+    if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+        raise MediaError(f"{item.kind} content holds non-finite values", **where)
 
 
 def image_item(source: ImageSource, *, keep_encoded: bool = True) -> MediaItem:

@@ -29,7 +29,7 @@ import os
 import threading
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,7 @@ from knitdata.errors import (
     FieldTypeError,
     KnitdataError,
     OptionalDependencyError,
+    QuotaInfeasibleError,
     ValidationError,
 )
 from knitdata.metrics import ConsumerMetrics, summarize
@@ -51,12 +52,17 @@ from knitdata.storage.base import StorageUnit
 if TYPE_CHECKING:  # pragma: no cover
     from knitdata.dataset import TrajectoryDataset
 
-__all__ = ["Pipeline", "PipelineClosedError", "ENGINES", "build_units"]
+__all__ = ["Pipeline", "PipelineClosedError", "ENGINES", "RELEASE_MODES", "build_units"]
+
+#: When payloads leave storage (DESIGN.md §4 Release): see :class:`Pipeline`.
+RELEASE_MODES: tuple[str, ...] = ("step", "commit", "handout")
 
 #: Engines :func:`build_units` knows.
 ENGINES: tuple[str, ...] = ("embedded", "ray")
 
 _DEFAULT = object()
+#: How many withdrawn group ids a pipeline remembers to refuse late members.
+_WITHDRAWN_MEMORY = 1 << 16
 
 
 class PipelineClosedError(EngineError):
@@ -145,7 +151,11 @@ class Pipeline:
             ``continuous=True``).
         layout: Consumers by node; default: ``num_consumers`` ranks on one node.
         num_consumers: Number of ranks when ``layout`` is not given.
-        engine: ``"embedded"`` (default) or ``"ray"``.
+        engine: ``"embedded"`` (default) or ``"ray"``. With ``"ray"`` the payloads live in Ray storage-unit
+            actors, one per node of the layout (``engine_options``: ``address``, ``name``, ``nodes``...); add
+            ``"cross_process": True`` to ``engine_options`` to get a
+            :class:`~knitdata.storage.ray_engine.RayPipeline`, whose control plane runs in a Ray actor so that
+            consumers and producers in other processes attach to it (torchrun ranks, DataLoader workers).
         capacity_bytes: Capacity of each storage unit (one per node).
         token_budget: Most tokens per micro-batch.
         placement: ``"consumer_aware"`` (default) or ``"index_mod"`` (baseline), or a
@@ -156,6 +166,18 @@ class Pipeline:
         spill_dir: Spill payloads that do not fit in ``capacity_bytes`` to tar shards under this directory
             (one :class:`~knitdata.spill.SpillStore` per unit) instead of making producers wait.
         spill_bytes: Disk budget per unit when spilling.
+        release: When a payload leaves storage (DESIGN.md §4 Release). A consumer *commits* a position when
+            it calls :meth:`~knitdata.dataset.TrajectoryDataset.commit` (after saving its state); payloads
+            before a committed position are released. ``"step"`` (default) also commits automatically when
+            the consumer starts its next mini-batch, so each consumer holds at most its current and previous
+            mini-batch share: a consumer that crashes mid-step and restores the state it saved at the last
+            step boundary receives that step again. ``"commit"`` releases only on explicit commits (restore
+            from any uncommitted state; producers wait when the store fills up). ``"handout"`` releases as
+            soon as a micro-batch is handed out (the least memory; a restore needs a new pipeline fed the
+            same puts). With ``"step"`` each unit must hold about two mini-batches of its consumers (the
+            previous one stays until the next one is admitted); smaller stores need ``"handout"``.
+        check_media: Decode every encoded media item once at :meth:`put` and refuse bad ones there
+            (:func:`knitdata.media.check_media_item`), so a corrupt image cannot fail a consumer's mini-batch.
         on_plan: Called as ``on_plan(admitted, plan)`` under the pipeline lock for each admitted
             mini-batch (keep it cheap; for tests and monitoring).
         engine_options: Engine-specific options.
@@ -163,6 +185,21 @@ class Pipeline:
     Raises:
         ConfigError: Inconsistent options.
     """
+
+    def __new__(cls, spec: BatchSpec, **kwargs: Any) -> Any:
+        """``engine="ray"`` with ``engine_options={"cross_process": True, ...}`` builds a
+        :class:`~knitdata.storage.ray_engine.RayPipeline` (control plane in a Ray actor, so ranks, DataLoader
+        workers and producers in other processes can attach); otherwise a plain :class:`Pipeline`."""
+        opts = dict(kwargs.get("engine_options") or {})
+        if kwargs.get("engine") == "ray" and opts.pop("cross_process", False):
+            try:
+                from knitdata.storage.ray_engine import RayPipeline
+            except ModuleNotFoundError as e:
+                if e.name and e.name.split(".")[0] == "ray":
+                    raise OptionalDependencyError("ray", "ray", "engine='ray'") from e
+                raise
+            return RayPipeline.from_pipeline_args(spec, **{**kwargs, "engine_options": opts})
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -181,11 +218,24 @@ class Pipeline:
         put_timeout: float | None = 60.0,
         spill_dir: str | os.PathLike[str] | None = None,
         spill_bytes: int = 16 << 30,
+        release: str = "step",
+        check_media: bool = True,
         on_plan: Callable[[AdmittedMiniBatch, MiniBatchPlan], None] | None = None,
         engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(spec, BatchSpec):
             raise ConfigError(f"spec must be a knitdata.admission.BatchSpec, got {type(spec).__name__}")
+        if release not in RELEASE_MODES:
+            raise ConfigError(f"release must be one of {RELEASE_MODES}, got {release!r}")
+        self.release = release
+        self.check_media = check_media
+        if layout is not None and not isinstance(layout, ConsumerLayout):
+            raise ConfigError(
+                f"layout must be a knitdata.placement.ConsumerLayout (e.g. ConsumerLayout(['node0', 'node0'])), "
+                f"got {type(layout).__name__}"
+            )
+        if isinstance(balance_tolerance, bool) or not isinstance(balance_tolerance, (int, float)) or balance_tolerance < 0:
+            raise ConfigError(f"balance_tolerance must be a non-negative number, got {balance_tolerance!r}")
         if layout is None:
             layout = ConsumerLayout.single_node(1 if num_consumers is None else num_consumers)
         elif num_consumers is not None and num_consumers != layout.num_consumers:
@@ -224,6 +274,10 @@ class Pipeline:
         self._cond = threading.Condition()
         self._seq = 0
         self._putting: set[str] = set()
+        # field names every trajectory carries (set by the first put), so that every micro-batch collates
+        self._schema: tuple[frozenset[str], frozenset[str]] | None = None
+        # recently withdrawn groups: a late member is refused instead of starting a group that never completes
+        self._withdrawn: OrderedDict[str, None] = OrderedDict()
         self._live: dict[str, TrajectoryMeta] = {}
         self._loss: dict[str, int] = {}
         self._plans: dict[int, MiniBatchPlan] = {}
@@ -231,6 +285,8 @@ class Pipeline:
         self._last_step = -1
         n = layout.num_consumers
         self._position: list[tuple[int, int]] = [(0, 0)] * n
+        # micro-batches handed out but not committed yet, per rank, in plan order (release "step"/"commit")
+        self._held: list[deque[PlannedMicroBatch]] = [deque() for _ in range(n)]
         self._metrics = [ConsumerMetrics(r) for r in range(n)]
         self._iterators: list[weakref.ref | None] = [None] * n
         self._closed = False
@@ -284,8 +340,8 @@ class Pipeline:
             Its metadata (with ``location`` and ``seq``).
 
         Raises:
-            FieldTypeError / ValidationError: A bad trajectory (the message names it and the field);
-                nothing else is affected.
+            FieldTypeError / ValidationError / MediaError: A bad trajectory (the message names it and the
+                field or media item); nothing else is affected.
             StoreFull: No room within ``timeout``; the trajectory was not accepted.
             PipelineClosedError: After :meth:`close`.
             QuotaInfeasibleError: Admission found the quotas impossible (also raised to consumers).
@@ -293,6 +349,11 @@ class Pipeline:
         if not isinstance(traj, Trajectory):
             raise FieldTypeError(f"put() takes a knitdata.Trajectory, got {type(traj).__name__}", field="traj")
         traj.validate()
+        if self.check_media and traj.media:
+            from knitdata.media import check_media_item
+
+            for i, item in enumerate(traj.media):
+                check_media_item(item, trajectory_id=traj.id, index=i)
         if traj.source not in self.spec.quotas:
             raise ValidationError(
                 f"unknown source {traj.source!r}; the batch spec has {list(self.spec.sources)}",
@@ -302,6 +363,13 @@ class Pipeline:
         timeout = self.put_timeout if timeout is _DEFAULT else timeout
         with self._cond:
             self._check_open()
+            self._check_schema_locked(traj)
+            if traj.group in self._withdrawn:
+                raise ValidationError(
+                    f"its group {traj.group!r} was withdrawn (aborted or filtered); a late member is not accepted",
+                    trajectory_id=traj.id,
+                    field="group",
+                )
             if traj.id in self._live or traj.id in self._putting:
                 raise ValidationError("was already put and is still held; ids must be unique", trajectory_id=traj.id, field="id")
             seq = self._seq
@@ -314,6 +382,7 @@ class Pipeline:
         except BaseException as e:
             with self._cond:
                 self._putting.discard(traj.id)
+                self._units[unit_id].release([traj.id])  # the unit may have stored it before failing
                 self._placement.unplace(meta, unit_id)
                 self._counts["rejected"] += 1
                 closed = self._closed
@@ -324,11 +393,22 @@ class Pipeline:
         with self._cond:
             self._putting.discard(traj.id)
             if self._closed:
+                self._live[traj.id] = meta  # so that the release below also undoes its placement
                 self._drop_unadmitted([meta])
                 raise PipelineClosedError("the pipeline was closed while this put was in progress; it was not accepted")
-            self._live[traj.id] = meta
-            self._loss[traj.id] = _loss_tokens(traj)
+            if traj.group in self._withdrawn:  # withdrawn while this put waited for room
+                self._live[traj.id] = meta
+                self._drop_unadmitted([meta])
+                raise ValidationError(
+                    f"its group {traj.group!r} was withdrawn while this put was in progress; it was not accepted",
+                    trajectory_id=traj.id,
+                    field="group",
+                )
+            if self._schema is None:
+                self._schema = (frozenset(traj.scalars), frozenset(traj.tensors))
             try:
+                self._live[traj.id] = meta
+                self._loss[traj.id] = _loss_tokens(traj)
                 self._policy.offer([meta])
             except BaseException:
                 self._drop_unadmitted([meta])
@@ -336,6 +416,22 @@ class Pipeline:
             self._counts["puts"] += 1
             self._poll_locked()
         return meta
+
+    def _check_schema_locked(self, traj: Trajectory) -> None:
+        if self._schema is None:
+            return
+        scalars, tensors = self._schema
+        for kind, have, want in (("scalars", frozenset(traj.scalars), scalars), ("tensors", frozenset(traj.tensors), tensors)):
+            if have != want:
+                missing, extra = sorted(want - have), sorted(have - want)
+                name = (missing or extra)[0]
+                raise ValidationError(
+                    f"carries {kind} {sorted(have)} but this pipeline's trajectories carry {sorted(want)} "
+                    f"(missing {missing}, unexpected {extra}); every trajectory needs the same fields so that "
+                    "any micro-batch collates",
+                    trajectory_id=traj.id,
+                    field=f"{kind}.{name}",
+                )
 
     def set_in_flight(self, counts: Mapping[str, int]) -> None:
         """Tell admission how many trajectories per source are still coming for this train batch.
@@ -347,7 +443,7 @@ class Pipeline:
             self._check_open()
             try:
                 self._policy.set_in_flight(counts)
-            except KnitdataError as e:
+            except QuotaInfeasibleError as e:  # fatal; a bad argument (ValidationError) only fails this call
                 self._fail(e)
                 raise
             self._poll_locked()
@@ -360,6 +456,9 @@ class Pipeline:
         """
         with self._cond:
             metas = self._policy.withdraw(group)
+            self._withdrawn[group] = None
+            while len(self._withdrawn) > _WITHDRAWN_MEMORY:
+                self._withdrawn.popitem(last=False)
             self._drop_unadmitted(metas)
             self._counts["withdrawn"] += len(metas)
             self._placement.forget_group(group)
@@ -536,10 +635,17 @@ class Pipeline:
         return trajs, nbytes, local, requests
 
     def _commit(self, rank: int, pmb: PlannedMicroBatch) -> None:
-        """Consumer ``rank`` handed out ``pmb``: release its payloads, move the rank's position past it."""
+        """Consumer ``rank`` handed out ``pmb``: move the rank's position past it and release per ``release``."""
         nxt = (pmb.minibatch + 1, 0) if pmb.is_last else (pmb.minibatch, pmb.microbatch + 1)
         with self._cond:
-            self._release_locked(pmb.trajectories)
+            if self.release == "handout":
+                self._release_locked(pmb.trajectories)
+            else:
+                held = self._held[rank]
+                if self.release == "step" and pmb.microbatch == 0:
+                    self._commit_held_locked(rank, (pmb.minibatch, 0))
+                if not held or (held[-1].minibatch, held[-1].microbatch) < (pmb.minibatch, pmb.microbatch):
+                    held.append(pmb)
             v = self._version
             self._staleness.extend(v - m.gen_version for m in pmb.trajectories)
             if nxt > self._position[rank]:
@@ -547,10 +653,30 @@ class Pipeline:
                 if pmb.is_last:
                     self._gc_locked()
 
+    def _commit_upto(self, rank: int, position: tuple[int, int]) -> int:
+        """Consumer ``rank`` committed ``position``: release its held micro-batches before it; returns how many."""
+        with self._cond:
+            n = self._commit_held_locked(rank, position)
+            self._gc_locked()
+            return n
+
+    def _commit_held_locked(self, rank: int, position: tuple[int, int]) -> int:
+        held = self._held[rank]
+        n = 0
+        while held and (held[0].minibatch, held[0].microbatch) < position:
+            self._release_locked(held.popleft().trajectories)
+            n += 1
+        return n
+
     def _seek(self, rank: int, step: int, microbatch: int) -> None:
-        """Position consumer ``rank`` at (step, microbatch); micro-batches before it are released."""
+        """Position consumer ``rank`` at (step, microbatch); micro-batches before it are released (committed).
+
+        Micro-batches at or after the position that were handed out but not committed stay held: a consumer
+        restored from an earlier state receives them again (DESIGN.md §4: that is not a duplicate).
+        """
         with self._cond:
             self._position[rank] = (step, microbatch)
+            self._commit_held_locked(rank, (step, microbatch))
             for plan in self._plans.values():
                 self._release_skipped_locked(plan, rank)
             self._gc_locked()
@@ -571,24 +697,29 @@ class Pipeline:
 
     def _release_locked(self, metas: Sequence[TrajectoryMeta]) -> None:
         by_unit: dict[str, list[str]] = {}
+        placed: dict[str, int] = {}
         for m in metas:
+            live = self._live.pop(m.id, None)
+            self._loss.pop(m.id, None)
             if m.location is not None:
                 by_unit.setdefault(m.location, []).append(m.id)
-            self._live.pop(m.id, None)
-            self._loss.pop(m.id, None)
+                if live is not None:  # un-place each payload once, by its bytes (spilled ones included)
+                    placed[m.location] = placed.get(m.location, 0) + m.nbytes
         for u, ids in by_unit.items():
-            freed = self._units[u].release(ids)
-            if freed:
-                self._placement.released(u, freed)
+            self._units[u].release(ids)
+        for u, nbytes in placed.items():
+            self._placement.released(u, nbytes)
 
     def _release_skipped_locked(self, plan: MiniBatchPlan, rank: int) -> None:
         pos = self._position[rank]
+        held = {(h.minibatch, h.microbatch) for h in self._held[rank]}
         for pmb in plan.microbatches[rank]:
-            if (pmb.minibatch, pmb.microbatch) < pos:
+            if (pmb.minibatch, pmb.microbatch) < pos and (pmb.minibatch, pmb.microbatch) not in held:
                 self._release_locked(pmb.trajectories)
 
     def _gc_locked(self) -> None:
-        low = min(p[0] for p in self._position)
+        # keep the plans of held (uncommitted) micro-batches: a restore may ask for them again
+        low = min([p[0] for p in self._position] + [h[0].minibatch for h in self._held if h])
         for s in [s for s in self._plans if s < low]:
             del self._plans[s]
         self._first_open_step = max(self._first_open_step, min(low, self._last_step + 1))
@@ -599,6 +730,7 @@ class Pipeline:
         except KnitdataError as e:
             self._fail(e)
             raise
+        planned: list[tuple[AdmittedMiniBatch, MiniBatchPlan]] = []
         for mb in admitted:
             plan = self._planner.plan(mb, self._loss)
             if mb.step <= self._last_step:
@@ -611,11 +743,13 @@ class Pipeline:
                 self._placement.forget_group(m.group)
             for r in range(self.num_consumers):
                 self._release_skipped_locked(plan, r)
-            if self._on_plan is not None:
-                self._on_plan(mb, plan)
+            planned.append((mb, plan))
         if admitted:
             self._gc_locked()
             self._cond.notify_all()
+        if self._on_plan is not None:  # after every plan is registered: a failing hook loses no mini-batch
+            for mb, plan in planned:
+                self._on_plan(mb, plan)
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:
@@ -630,6 +764,8 @@ class Pipeline:
                 "held_trajectories": len(self._live),
                 "ready_not_admitted": ready,
                 "plans_open": len(self._plans),
+                "release": self.release,
+                "held_microbatches": [len(h) for h in self._held],
                 "positions": [list(p) for p in self._position],
                 "staleness": summarize(self._staleness),
                 "version_interval_s": summarize(

@@ -41,6 +41,9 @@ class ConsumerLayout:
         for n in names:
             if not isinstance(n, str) or not n:
                 raise ConfigError(f"node names must be non-empty strings, got {n!r}")
+            if n in (".", "..") or any(c in n for c in "/\\\0"):
+                raise ConfigError(f"node name {n!r} must not contain '/', '\\' or NUL, nor be '.' or '..' "
+                                  "(it names the node's spill directory)")
         self._node_of = tuple(names)
         self._nodes = tuple(dict.fromkeys(names))
         self._ranks = {n: tuple(r for r, m in enumerate(names) if m == n) for n in self._nodes}

@@ -18,17 +18,37 @@ from knitdata.errors import FieldTypeError, ValidationError
 
 __all__ = [
     "MEDIA_KINDS",
+    "SUPPORTED_DTYPES",
     "MediaItem",
     "Trajectory",
     "TrajectoryMeta",
     "tensor_digest",
     "bytes_digest",
+    "metas_by_group",
 ]
 
 #: Media kinds a trajectory may carry.
 MEDIA_KINDS: tuple[str, ...] = ("image", "audio")
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+#: Tensor dtypes a trajectory may hold (what :mod:`knitdata.codec`, shards and Ray can carry).
+SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.uint16,
+        torch.uint32,
+        torch.uint64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    }
+)
 _RESERVED_TENSORS = ("prompt_ids", "response_ids", "loss_mask", "token_versions")
 
 
@@ -187,7 +207,7 @@ class Trajectory:
             m = self.loss_mask
             if not isinstance(m, torch.Tensor):
                 raise FieldTypeError(f"expected a torch.Tensor, got {type(m).__name__}", trajectory_id=tid, field="loss_mask")
-            if m.dtype.is_complex:
+            if m.dtype not in SUPPORTED_DTYPES:
                 raise FieldTypeError(f"unsupported dtype {m.dtype}", trajectory_id=tid, field="loss_mask")
             if m.dim() != 1 or m.numel() != n:
                 raise ValidationError(
@@ -218,8 +238,12 @@ class Trajectory:
                 raise ValidationError("scalar names must be non-empty strings", trajectory_id=tid, field=fname)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise FieldTypeError(f"expected a float, got {type(v).__name__}", trajectory_id=tid, field=fname)
-            if not math.isfinite(float(v)):
-                raise ValidationError(f"must be finite, got {v!r}", trajectory_id=tid, field=fname)
+            try:
+                finite = math.isfinite(float(v))
+            except OverflowError:  # an int beyond the float range
+                finite = False
+            if not finite:
+                raise ValidationError(f"must be finite, got {v!r:.40}", trajectory_id=tid, field=fname)
         if not isinstance(self.tensors, Mapping):
             raise FieldTypeError("must be a mapping of name to tensor", trajectory_id=tid, field="tensors")
         for k, v in self.tensors.items():
@@ -230,6 +254,12 @@ class Trajectory:
                 )
             if not isinstance(v, torch.Tensor):
                 raise FieldTypeError(f"expected a torch.Tensor, got {type(v).__name__}", trajectory_id=tid, field=fname)
+            if v.dtype not in SUPPORTED_DTYPES:
+                raise FieldTypeError(
+                    f"dtype {v.dtype} cannot be stored (supported: bool, (u)int8-64, float16/32/64, bfloat16)",
+                    trajectory_id=tid,
+                    field=fname,
+                )
             if v.dtype.is_floating_point and v.numel() and not bool(torch.isfinite(v).all()):
                 raise ValidationError("contains non-finite values", trajectory_id=tid, field=fname)
         if not isinstance(self.media, (list, tuple)):
@@ -238,6 +268,10 @@ class Trajectory:
             if not isinstance(item, MediaItem):
                 raise FieldTypeError(
                     f"expected a MediaItem, got {type(item).__name__}", trajectory_id=tid, field=f"media[{i}]"
+                )
+            if item.tensor is not None and item.tensor.dtype not in SUPPORTED_DTYPES:
+                raise FieldTypeError(
+                    f"dtype {item.tensor.dtype} cannot be stored", trajectory_id=tid, field=f"media[{i}].tensor"
                 )
 
     # ------------------------------------------------------------------ derived values

@@ -67,6 +67,9 @@ __all__ = [
     "ShardDataset",
 ]
 
+#: Read size for members of non-seekable shard streams.
+_STREAM_CHUNK = 1 << 20
+
 SHARD_FORMAT = "knitdata.shard"
 SHARD_FORMAT_VERSION = 1
 #: Largest JSON header member accepted when reading.
@@ -829,13 +832,19 @@ def iter_shard_samples(
                     f"({max(0, f.size - ti.offset_data)} of {ti.size} bytes in the file)"
                 )
             try:
-                buf = bytearray(ti.size)
-                if seekable and not ti.sparse:  # one read straight into the buffer (tarfile re-seeks itself)
+                if seekable and not ti.sparse:  # size checked against the file: one read into the buffer
+                    buf = bytearray(ti.size)
                     f.seek(ti.offset_data)
                     n = f.readinto(buf)
-                else:
+                else:  # a stream (.tar.gz, pipe): memory follows the bytes that really arrive, not the header
                     src = tf.extractfile(ti)
-                    n = src.readinto(buf) if src is not None else 0  # type: ignore[union-attr]
+                    buf = bytearray()
+                    while src is not None and len(buf) < ti.size:
+                        chunk = src.read(min(_STREAM_CHUNK, ti.size - len(buf)))
+                        if not chunk:
+                            break
+                        buf += chunk
+                    n = len(buf)
             except (tarfile.TarError, OSError, EOFError) as e:
                 raise _BrokenShard(
                     f"shard {url!r}, sample {k!r}: member {name!r} is truncated or unreadable: {e}"

@@ -382,3 +382,14 @@ def test_counterexample_cp_later_than_linear_target_with_upper_bounds() -> None:
     check_admitted(spec, mbs, 1)
     assert t_cp == [1, 4, 5] and t_lt == [2, 3, 5]
     assert sum(t_cp) <= sum(t_lt)  # no later on average here
+
+
+def test_set_in_flight_bad_counts_raise_validation_error_and_keep_state():
+    import numpy as np
+
+    pol = ConstraintPreservingAdmission(BatchSpec({"a": 2, "b": 2}, num_minibatches=1))
+    pol.set_in_flight({"a": np.int64(2), "b": 2})  # numpy ints are counts too
+    for bad in ({"a": "x"}, {"a": None}, {"a": 1.5}, [("a", 1)]):
+        with pytest.raises(ValidationError):
+            pol.set_in_flight(bad)  # type: ignore[arg-type]
+    assert pol.state_dict()["in_flight"] == {"a": 2, "b": 2}

@@ -310,3 +310,69 @@ def test_iter_prefetch_crosses_minibatch_boundaries():
         threading.Event().wait(0.02)
     assert len(m.fetch_latency_s) >= 3 and m.microbatches == 1
     assert [mb.info.minibatch for mb in it] == [1, 2, 3]
+
+
+def test_close_from_another_thread_mid_fetch_does_not_hand_out_twice():
+    """A micro-batch being prepared when another thread closes the iterator and starts a new one is dropped by
+    the closed iterator (not committed), so the new iterator delivers it exactly once."""
+    spec = BatchSpec({"a": 2}, num_minibatches=1)
+    pipe = _fed(spec, [make_traj(i, "a", f"g{i}") for i in range(2)], num_consumers=1, token_budget=5)
+    entered, release = threading.Event(), threading.Event()
+    base = TokenCollator()
+    calls = []
+
+    def slow_collate(trajs, info):
+        calls.append(info.microbatch)
+        if len(calls) == 1:
+            entered.set()
+            release.wait(5)
+        return base(trajs, info)
+
+    ds = pipe.dataset(0, fetch="sample", collate=slow_collate)
+    got_a: list = []
+    errors: list = []
+
+    def consume_a():
+        try:
+            got_a.extend(mb.info.microbatch for mb in iter(ds))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=consume_a)
+    t.start()
+    assert entered.wait(5)
+    ds.close()  # thread A is inside collate for micro-batch 0
+    it_b = iter(ds)
+    release.set()
+    t.join(5)
+    got_b = [mb.info.microbatch for mb in it_b]
+    assert not errors
+    assert sorted(got_a + got_b) == [0, 1]  # each micro-batch exactly once, none lost
+    assert ds.state_dict()["minibatch"] == 1
+
+
+@pytest.mark.parametrize("fetch", ["sample", "eager", "iter"])
+def test_close_from_another_thread_ends_a_blocked_pass_cleanly(fetch):
+    """dataset.close() (e.g. on shutdown) ends a consumer blocked waiting for data the same way in every fetch
+    mode: StopIteration, not an internal prefetcher error."""
+    pipe = Pipeline(BatchSpec({"a": 2}, num_minibatches=1))
+    ds = pipe.dataset(0, fetch=fetch)
+    out: list = []
+
+    def consume():
+        try:
+            out.append(list(ds))
+        except BaseException as e:  # noqa: BLE001
+            out.append(e)
+
+    t = threading.Thread(target=consume)
+    t.start()
+    for _ in range(500):  # until the consumer's iterator is live (then it blocks: nothing is admitted)
+        if pipe._iterators[0] is not None:
+            break
+        threading.Event().wait(0.01)
+    threading.Event().wait(0.1)
+    ds.close()
+    t.join(10)
+    pipe.close()
+    assert not t.is_alive() and out == [[]]

@@ -178,3 +178,24 @@ def test_keys():
     b = proc.process(image_item(RGB))  # same pixels, other encoding -> same processed digest
     c = proc.process(image_item(RGB[::-1].copy()))
     assert processed_digest(a) == processed_digest(b) != processed_digest(c)
+
+
+def test_check_media_item_refuses_what_a_consumer_could_not_decode() -> None:
+    import io as _io
+
+    from PIL import Image
+
+    from knitdata.errors import MediaError
+    from knitdata.media import check_media_item
+    from knitdata.record import MediaItem as _Item
+
+    buf = _io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(buf, format="PNG")
+    png = buf.getvalue()
+    check_media_item(_Item("image", data=png), trajectory_id="t", index=0)
+    check_media_item(_Item("audio", tensor=torch.zeros(10), sample_rate=16000))
+    for bad in (_Item("image", data=png[: len(png) // 2]), _Item("image", data=b"nope"),
+                _Item("audio", tensor=torch.zeros(10)), _Item("image", tensor=torch.zeros(0, dtype=torch.uint8))):
+        with pytest.raises(MediaError) as e:
+            check_media_item(bad, trajectory_id="t9", index=3)
+        assert e.value.trajectory_id == "t9" and e.value.item == 3

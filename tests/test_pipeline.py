@@ -162,23 +162,35 @@ def test_report_version_staleness_and_listeners():
         pipe.report_version(1)
 
 
-def test_store_full_put_timeout_zero_raises_and_nothing_is_accepted():
+@pytest.mark.parametrize("release", ["handout", "step", "commit"])
+def test_store_full_put_timeout_zero_raises_and_nothing_is_accepted(release):
     spec = BatchSpec({"a": 4}, num_minibatches=2)
     nbytes = make_traj(0, "a", "g").nbytes
-    pipe = Pipeline(spec, num_consumers=1, capacity_bytes=2 * nbytes, put_timeout=0)
+    pipe = Pipeline(spec, num_consumers=1, capacity_bytes=2 * nbytes, put_timeout=0, release=release)
     pipe.put(make_traj(0, "a", "g0"))
     pipe.put(make_traj(1, "a", "g1"))
     with pytest.raises(StoreFull):
         pipe.put(make_traj(2, "a", "g2"))
     ds = pipe.dataset(0, fetch="sample")
     it = iter(ds)
-    assert next(it).info.trajectory_ids == ("t0", "t1")  # handed out: released
+    assert next(it).info.trajectory_ids == ("t0", "t1")  # handed out: released at once with "handout"
+    if release != "handout":
+        with pytest.raises(StoreFull):  # held until committed: a restore could still ask for them
+            pipe.put(make_traj(2, "a", "g2"))
+        assert ds.commit(ds.state_dict()) == 1
+        assert ds.commit() == 0  # idempotent
     pipe.put(make_traj(2, "a", "g2"))  # the rejected one, retried
     pipe.put(make_traj(3, "a", "g3"))
     pipe.close()
     assert next(it).info.trajectory_ids == ("t2", "t3")
+    if release != "handout":
+        with pytest.raises(StopIteration):  # the pass ends: "step" commits it, "commit" waits for the caller
+            next(it)
+        assert next(iter(pipe.units.values())).stats().used_bytes == (2 * nbytes if release == "commit" else 0)
+        ds.commit()
     unit = next(iter(pipe.units.values())).stats()
-    assert unit.high_water_bytes <= 2 * nbytes and unit.rejected_puts == 1 and unit.used_bytes == 0
+    assert unit.high_water_bytes <= 2 * nbytes and unit.used_bytes == 0
+    assert unit.rejected_puts == (1 if release == "handout" else 2)
 
 
 def test_store_full_producers_block_and_high_water_bound():
@@ -188,7 +200,9 @@ def test_store_full_producers_block_and_high_water_bound():
                       train_batches=3)
     biggest = max(t.nbytes for t in w.trajs)
     cap = 3 * biggest - 1
-    pipe = Pipeline(w.spec, num_consumers=2, capacity_bytes=cap, put_timeout=20.0, token_budget=16)
+    # a store smaller than two mini-batches needs release="handout": with "step" each consumer keeps its
+    # previous mini-batch until the next one is admitted, which needs room for its puts
+    pipe = Pipeline(w.spec, num_consumers=2, capacity_bytes=cap, put_timeout=20.0, token_budget=16, release="handout")
 
     def produce() -> None:
         ts = [threading.Thread(target=lambda c=c: [pipe.put(t) for t in c]) for c in (w.trajs[0::2], w.trajs[1::2])]
@@ -293,3 +307,126 @@ def test_exactly_once_with_spill(tmp_path):
     units = pipe.stats()["units"].values()
     assert sum(u["spill_puts"] for u in units) > 0 and all(u["spilled_items"] == 0 for u in units)
     assert all(u["high_water_bytes"] <= 2 * biggest for u in units)
+
+
+def test_on_plan_error_loses_no_admitted_minibatch():
+    """A failing on_plan hook must not drop the other mini-batches admitted in the same poll (the consumer
+    would silently skip them and their payloads would never be released)."""
+    calls = []
+
+    def hook(mb, plan):
+        calls.append(mb.step)
+        if len(calls) == 1:
+            raise RuntimeError("monitoring hook failed")
+
+    spec = BatchSpec({"a": 4}, num_minibatches=2)
+    pipe = Pipeline(spec, admission="train_batch", on_plan=hook)
+    for i in range(3):
+        pipe.put(make_traj(i, "a", f"g{i}"))
+    with pytest.raises(RuntimeError, match="hook failed"):
+        pipe.put(make_traj(3, "a", "g3"))  # admits mini-batches 0 and 1 in one poll
+    pipe.close()
+    steps = [mb.info.minibatch for mb in pipe.dataset(0, fetch="sample")]
+    assert sorted(set(steps)) == [0, 1]
+    assert pipe.stats()["held_trajectories"] == 0
+
+
+def test_placement_load_returns_to_zero_with_spill(tmp_path):
+    """Consumer-aware placement balances by bytes currently placed; spilled payloads must be un-counted when
+    released too, or a unit that spilled looks full forever and placement drifts away from it."""
+    rng = random.Random(5)
+    w = make_workload(rng, num_sources=1, group_size=1, num_minibatches=1, groups_per_minibatch_per_source=4,
+                      train_batches=2)
+    biggest = max(t.nbytes for t in w.trajs)
+    pipe = Pipeline(w.spec, layout=ConsumerLayout.uniform(2, 1), capacity_bytes=biggest, put_timeout=0,
+                    spill_dir=tmp_path, spill_bytes=1 << 22)
+    for t in w.trajs:
+        pipe.put(t)
+    pipe.close()
+    for r in range(2):
+        list(pipe.dataset(r, fetch="sample"))
+    units = pipe.stats()["units"].values()
+    assert sum(u["spill_puts"] for u in units) > 0
+    assert pipe._placement.state_dict()["load"] == {"node0": 0, "node1": 0}
+
+
+def test_bad_set_in_flight_is_rejected_without_stopping_the_pipeline():
+    """A typo in set_in_flight (unknown source, non-int count) is a ValidationError for that call only: the
+    pipeline keeps accepting puts and serving consumers (only an infeasible quota stops it)."""
+    pipe = Pipeline(BatchSpec({"a": 2}, num_minibatches=1))
+    with pytest.raises(ValidationError, match="unknown source"):
+        pipe.set_in_flight({"nope": 1})
+    with pytest.raises(ValidationError):
+        pipe.set_in_flight({"a": "x"})
+    with pytest.raises(ValidationError):
+        pipe.set_in_flight({"a": None})
+    pipe.put(make_traj(0, "a", "g0"))
+    pipe.put(make_traj(1, "a", "g1"))
+    pipe.close()
+    assert [mb.info.minibatch for mb in pipe.dataset(0, fetch="sample")] == [0]
+
+
+def test_late_member_of_a_withdrawn_group_is_refused():
+    spec = BatchSpec({"a": 4}, num_minibatches=1, group_size=2)
+    pipe = Pipeline(spec, num_consumers=1)
+    pipe.put(make_traj(0, "a", "g0"))
+    assert [m.id for m in pipe.withdraw("g0")] == ["t0"]
+    with pytest.raises(ValidationError, match="withdrawn") as e:
+        pipe.put(make_traj(1, "a", "g0"))  # rollout finished it after the filter dropped the group
+    assert e.value.trajectory_id == "t1" and e.value.field == "group"
+    for i, g in ((2, "g1"), (3, "g1"), (4, "g2"), (5, "g2")):
+        pipe.put(make_traj(i, "a", g))
+    pipe.close()
+    got = [i for mb in pipe.dataset(0, fetch="sample") for i in mb.info.trajectory_ids]
+    assert sorted(got) == ["t2", "t3", "t4", "t5"]
+    assert pipe.stats()["held_trajectories"] == 0
+
+
+def test_trajectories_must_carry_the_same_fields():
+    spec = BatchSpec({"a": 4}, num_minibatches=1)
+    pipe = Pipeline(spec, num_consumers=1)
+    pipe.put(make_traj(0, "a", "g0"))
+    odd = make_traj(1, "a", "g1")
+    odd.scalars = {"reward": 1.0, "advantage": 0.5}
+    with pytest.raises(ValidationError, match="same fields") as e:
+        pipe.put(odd)
+    assert e.value.trajectory_id == "t1" and e.value.field == "scalars.advantage"
+    with pytest.raises(ValidationError) as e:
+        pipe.put(make_traj(2, "a", "g2", extra_bytes=8))
+    assert e.value.field == "tensors.pad"
+    for i in (1, 2, 3):
+        pipe.put(make_traj(i, "a", f"g{i}"))  # nothing accepted before was lost: the batch completes
+    pipe.close()
+    assert sum(len(mb.info.trajectory_ids) for mb in pipe.dataset(0)) == 4
+
+
+def test_bad_constructor_arguments_raise_config_errors():
+    spec = BatchSpec({"a": 2}, num_minibatches=1)
+    with pytest.raises(ConfigError, match="ConsumerLayout"):
+        Pipeline(spec, layout=["node0", "node0"])
+    with pytest.raises(ConfigError, match="balance_tolerance"):
+        Pipeline(spec, balance_tolerance="0.1")
+    with pytest.raises(ConfigError, match="release"):
+        Pipeline(spec, release="never")
+
+
+def test_consumer_restores_mid_step_in_the_same_pipeline_with_release_step():
+    """A crash inside a step: the state saved at the last step boundary gets the whole step again."""
+    spec = BatchSpec({"a": 8}, num_minibatches=2)
+    pipe = Pipeline(spec, num_consumers=1, token_budget=10)  # 2 trajectories (10 tokens) per micro-batch
+    for i in range(8):
+        pipe.put(make_traj(i, "a", f"g{i}"))
+    pipe.close()
+    ds = pipe.dataset(0, fetch="iter")
+    it = iter(ds)
+    first = [next(it).info for _ in range(2)]  # mini-batch 0 done
+    assert first[-1].is_last
+    saved = json.loads(json.dumps(ds.state_dict()))  # checkpoint at the step boundary
+    crashed = next(it).info  # mini-batch 1 started, then the process "dies"
+    ds.close()
+    ds2 = pipe.dataset(0, fetch="iter")
+    ds2.load_state_dict(saved)
+    again = [mb.info for mb in ds2]
+    assert again[0].trajectory_ids == crashed.trajectory_ids  # re-delivered, not lost
+    assert sorted(i for info in first + again for i in info.trajectory_ids) == [f"t{i}" for i in range(8)]
+    assert pipe.stats()["held_trajectories"] == 0

@@ -63,3 +63,9 @@ def test_unknown_placement():
         make_placement("random", ["a"])
     with pytest.raises(ConfigError):
         ConsumerAwarePlacement([])
+
+
+@pytest.mark.parametrize("name", ["../etc", "a/b", "..", ".", "x\\y", "n\0"])
+def test_node_names_cannot_escape_the_spill_directory(name):
+    with pytest.raises(ConfigError, match="node name"):
+        ConsumerLayout([name])

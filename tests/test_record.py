@@ -129,3 +129,23 @@ def test_metas_by_group_keeps_order() -> None:
     groups = metas_by_group(metas)
     assert list(groups) == ["g0", "g1"]
     assert [m.id for m in groups["g0"]] == ["t0", "t2", "t4"]
+
+
+def test_scalar_too_large_for_float_names_trajectory_and_field():
+    with pytest.raises(ValidationError) as e:
+        Trajectory(id="big", source="s", group="g", prompt_ids=torch.arange(2), response_ids=torch.arange(3),
+                   scalars={"reward": 10**400})
+    assert e.value.trajectory_id == "big" and e.value.field == "scalars.reward"
+
+
+@pytest.mark.parametrize("where", ["tensors", "loss_mask", "media"])
+def test_dtypes_that_cannot_be_stored_are_refused(where) -> None:
+    c = torch.zeros(2, dtype=torch.complex64)
+    kw = {
+        "tensors": {"tensors": {"x": c}},
+        "loss_mask": {"loss_mask": c},
+        "media": {"media": [MediaItem("audio", tensor=c, sample_rate=8000)]},
+    }[where]
+    with pytest.raises(FieldTypeError, match="complex64") as e:
+        make(**kw)
+    assert e.value.trajectory_id == "t1"
