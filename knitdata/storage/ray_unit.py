@@ -128,7 +128,11 @@ def connect(
             kwargs["_node_ip_address"] = LOOPBACK
         if address is None:
             kwargs.update(include_dashboard=False, num_cpus=num_cpus, object_store_memory=object_store_memory)
-        ray.init(address=address, **kwargs)
+        # Ray 2.60 turns on token authentication for clusters started by ray.init(); processes that attach
+        # to such a cluster are refused unless they use it too
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        # address=None must start a new local Ray: ray.init(None) would attach to ANY cluster on the machine
+        ray.init(address="local" if address is None else address, **kwargs)
         _INIT_PID = os.getpid()
     if loopback_only:
         check_loopback()

@@ -1,0 +1,470 @@
+"""Hugging Face Accelerate integration: one rank's knitdata loader inside an Accelerate training loop.
+
+``accelerator.prepare()`` rewrites every :class:`torch.utils.data.DataLoader` it is given (accelerate 1.15,
+``Accelerator._prepare_one``: only ``isinstance(obj, DataLoader)`` objects are touched). Over an
+``IterableDataset`` it either dispatches batches from rank 0 or makes every rank read the whole stream and
+keep ``1/N`` of it (NOTES.md): a rank-aware knitdata dataset would be silently cut. :class:`AcceleratedLoader`
+therefore *wraps* a :class:`~knitdata.dataset.TrajectoryDataset` instead of subclassing ``DataLoader``;
+``prepare()`` returns it unchanged (it is neither a DataLoader, a module, an optimizer nor a scheduler), and
+you do not need to pass it to ``prepare()`` at all. What it does the Accelerate way:
+
+* **Rank and world** come from Accelerate's state (``accelerator.process_index`` / ``num_processes``, the
+  same values as :class:`accelerate.PartialState`); the pipeline must have exactly that many consumers.
+* **Device placement**: each micro-batch goes through :func:`accelerate.utils.send_to_device`, which calls
+  :meth:`knitdata.collate.MicroBatch.to` (media included). With ``fetch="iter"`` on CUDA the copy already
+  happens on the prefetch thread (side stream), and ``send_to_device`` is then a no-op.
+* **Gradient accumulation** follows the plan, not a fixed ``gradient_accumulation_steps``: the micro-batches
+  of one mini-batch are ``info.microbatch = 0..K-1`` and ``info.is_last`` marks the optimizer step (K is
+  the same on every rank). :meth:`AcceleratedLoader.accumulate` sets ``accelerator.sync_gradients`` to
+  ``info.is_last`` (so a prepared optimizer's ``step``/``zero_grad`` and a prepared scheduler's ``step``
+  are no-ops on every micro-batch but the last) and enters ``accelerator.no_sync(model)`` for all but
+  the last micro-batch. Losses are scaled by the mini-batch's
+  global loss tokens (:meth:`AcceleratedLoader.loss_scale`), so the Accelerator must keep
+  ``gradient_accumulation_steps=1`` (``accelerator.backward`` would divide again otherwise).
+* **Per-rank state**: :meth:`AcceleratedLoader.save_state` writes ``<dir>/knitdata_loader_rank{r}.json``
+  (one JSON file per rank, written atomically) and :meth:`AcceleratedLoader.load_state` reads it back.
+  By default both are hooked into ``accelerator.save_state`` / ``accelerator.load_state`` through
+  ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``, which Accelerate runs on *every*
+  process with the resolved checkpoint directory. (Accelerate's ``register_for_checkpointing`` objects
+  are written by the main process only, with ``torch.save``, and its one dataloader state is shared by
+  all ranks, accelerate#3080: neither fits per-rank loader state.)
+
+The loader holds nothing beyond the micro-batch being handed out, so its state (the dataset's position
+after the last micro-batch handed out) is exactly what the training loop has consumed. Save at an
+optimizer-step boundary (after ``info.is_last``) so model, optimizer and loader agree.
+
+Example:
+    >>> accelerator = Accelerator()                                   # doctest: +SKIP
+    >>> model, opt = accelerator.prepare(model, opt)                  # doctest: +SKIP
+    >>> loader = prepare_loader(accelerator, pipeline, fetch="iter")  # doctest: +SKIP
+    >>> for mb in loader:                                             # doctest: +SKIP
+    ...     with loader.accumulate(model, mb):
+    ...         loss = (per_token_loss(model, mb) * mb.loss_mask).sum() * loader.loss_scale(mb)
+    ...         accelerator.backward(loss)
+    ...         opt.step(); opt.zero_grad()          # skipped by Accelerate unless mb.info.is_last
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from knitdata.errors import ConfigError, StateError, ValidationError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from knitdata.collate import MicroBatch, MicroBatchInfo
+    from knitdata.dataset import TrajectoryDataset
+
+__all__ = [
+    "AcceleratedLoader",
+    "prepare_loader",
+    "state_path",
+    "rank_and_world",
+    "STATE_FILE_PREFIX",
+]
+
+#: File name prefix of the per-rank state files (``<prefix>_rank{r}.json``).
+STATE_FILE_PREFIX = "knitdata_loader"
+
+_FORMAT = "knitdata.AcceleratedLoader"
+_VERSION = 1
+
+
+def state_path(directory: str | os.PathLike[str], rank: int, name: str = STATE_FILE_PREFIX) -> Path:
+    """Path of rank ``rank``'s loader state in checkpoint ``directory``: ``<directory>/<name>_rank{rank}.json``."""
+    return Path(directory) / f"{name}_rank{int(rank)}.json"
+
+
+def rank_and_world(accelerator: Any = None) -> tuple[int, int]:
+    """``(process_index, num_processes)`` from ``accelerator``, or from :class:`accelerate.PartialState`.
+
+    Args:
+        accelerator: An :class:`accelerate.Accelerator`, or ``None`` to read the process state
+            (initializing it from the launcher's environment if needed).
+    """
+    if accelerator is None:
+        from accelerate import PartialState
+
+        accelerator = PartialState()
+    return int(accelerator.process_index), int(accelerator.num_processes)
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class AcceleratedLoader:
+    """One rank's micro-batches for an Accelerate loop; not a ``DataLoader``, so ``prepare()`` leaves it alone.
+
+    Build it with :func:`prepare_loader` (rank and world from the accelerator) or directly around the
+    dataset of this process's rank.
+
+    Args:
+        dataset: The :class:`~knitdata.dataset.TrajectoryDataset` (or any iterable of
+            :class:`~knitdata.collate.MicroBatch` with ``state_dict``/``load_state_dict``/``set_epoch``) of
+            rank ``accelerator.process_index``.
+        accelerator: The :class:`accelerate.Accelerator` of the training loop.
+        device_placement: Move each micro-batch to ``accelerator.device`` with ``send_to_device``.
+        non_blocking: Asynchronous copies (effective from pinned memory to CUDA); default: whether the
+            accelerator was built with ``non_blocking`` in its dataloader config.
+        register_hooks: Hook :meth:`save_state`/:meth:`load_state` into ``accelerator.save_state`` /
+            ``accelerator.load_state`` (on every process).
+        name: File name prefix of the per-rank state files.
+        commit_on_save: After :meth:`save_state` wrote the file, :meth:`commit` the saved state.
+
+    Raises:
+        ConfigError: The dataset belongs to another rank or a pipeline with another number of consumers,
+            the accelerator accumulates gradients itself (``gradient_accumulation_steps != 1``), or the
+            dataset exposes a ``generator`` attribute.
+
+    Attributes:
+        dataset: The wrapped dataset.
+        accelerator: The accelerator.
+        rank: This process's rank (``accelerator.process_index``).
+        world: Number of ranks (``accelerator.num_processes``).
+    """
+
+    def __init__(
+        self,
+        dataset: TrajectoryDataset | Any,
+        accelerator: Any,
+        *,
+        device_placement: bool = True,
+        non_blocking: bool | None = None,
+        register_hooks: bool = True,
+        name: str = STATE_FILE_PREFIX,
+        commit_on_save: bool = True,
+    ) -> None:
+        rank, world = rank_and_world(accelerator)
+        ds_rank = getattr(dataset, "rank", rank)
+        if ds_rank != rank:
+            raise ConfigError(
+                f"the dataset is rank {ds_rank}'s but this process is rank {rank} of {world}: build the loader with "
+                "prepare_loader(accelerator, pipeline) or pipeline.dataset(rank=accelerator.process_index)"
+            )
+        pipeline = getattr(dataset, "pipeline", None)
+        consumers = getattr(pipeline, "num_consumers", world)
+        if consumers != world:
+            raise ConfigError(
+                f"the pipeline has {consumers} consumers but Accelerate runs {world} processes: build the pipeline "
+                "with num_consumers=accelerator.num_processes (one consumer per data-parallel rank)"
+            )
+        steps = int(getattr(accelerator, "gradient_accumulation_steps", 1))
+        if steps != 1:
+            raise ConfigError(
+                f"Accelerator(gradient_accumulation_steps={steps}): knitdata's plan decides the accumulation "
+                "boundary (MicroBatchInfo.is_last) and losses are scaled by the mini-batch's global loss tokens; "
+                "build the Accelerator with gradient_accumulation_steps=1 and use loader.accumulate(model, mb)"
+            )
+        if hasattr(dataset, "generator"):
+            raise ConfigError(
+                "the dataset has a 'generator' attribute, which Accelerate would try to synchronize across ranks; "
+                "remove it (knitdata's plan order does not depend on a random generator)"
+            )
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ConfigError(f"name must be a non-empty file name prefix, got {name!r}")
+        if non_blocking is None:
+            cfg = getattr(accelerator, "dataloader_config", None)
+            non_blocking = bool(getattr(cfg, "non_blocking", False))
+        self.dataset = dataset
+        self.accelerator = accelerator
+        self.rank = rank
+        self.world = world
+        self.device_placement = bool(device_placement)
+        self.non_blocking = bool(non_blocking)
+        self.name = name
+        self.commit_on_save = bool(commit_on_save)
+        self._epoch = 0
+        self._last_info: MicroBatchInfo | None = None
+        self._handles: list[Any] = []
+        if register_hooks:
+            self.register_hooks()
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> Iterator[MicroBatch]:
+        """Yield this rank's micro-batches (on ``accelerator.device``), continuing from the current position."""
+        from accelerate.utils import send_to_device
+
+        device = self.accelerator.device
+        for mb in self.dataset:
+            if self.device_placement:
+                mb = send_to_device(mb, device, non_blocking=self.non_blocking)
+            self._last_info = getattr(mb, "info", None)
+            yield mb
+
+    def set_epoch(self, epoch: int) -> None:
+        """Record the epoch and pass it to the dataset (plan order does not depend on it)."""
+        self._epoch = int(epoch)
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(self._epoch)
+
+    @property
+    def last_info(self) -> MicroBatchInfo | None:
+        """The :class:`~knitdata.collate.MicroBatchInfo` of the micro-batch last handed out."""
+        return self._last_info
+
+    def close(self) -> None:
+        """Stop the dataset's active iterator (prefetch thread) and remove the checkpoint hooks."""
+        close = getattr(self.dataset, "close", None)
+        if close is not None:
+            close()
+        self.remove_hooks()
+
+    # ------------------------------------------------------------------ gradient accumulation
+    @contextlib.contextmanager
+    def accumulate(self, model: Any, mb: MicroBatch | MicroBatchInfo) -> Iterator[None]:
+        """Run one micro-batch's forward/backward with the plan's accumulation boundary.
+
+        Sets ``accelerator.sync_gradients = info.is_last`` (so prepared optimizers and schedulers step
+        only after the last micro-batch of the mini-batch) and, except on the last micro-batch, enters
+        ``accelerator.no_sync(model)`` (no gradient all-reduce). Every rank has the same number of
+        micro-batches per mini-batch (empty ones included), so the all-reduces of all ranks line up;
+        a rank with an empty micro-batch must still run a (zero-loss) forward and backward.
+
+        Args:
+            model: The prepared model (or several, as a tuple/list).
+            mb: The micro-batch, or its info.
+
+        Raises:
+            ValidationError: The micro-batch carries no :class:`~knitdata.collate.MicroBatchInfo`.
+        """
+        info = self._info(mb)
+        models = model if isinstance(model, (tuple, list)) else (model,)
+        self.accelerator.sync_gradients = bool(info.is_last)
+        with contextlib.ExitStack() as stack:
+            if not info.is_last:
+                for m in models:
+                    stack.enter_context(self.accelerator.no_sync(m))
+            yield
+
+    def loss_scale(self, mb: MicroBatch | MicroBatchInfo) -> float:
+        """Factor turning a per-rank *sum* of per-token losses into the mini-batch's token mean.
+
+        ``world / global_loss_tokens``: DDP averages gradients over ``world`` ranks, so summing
+        ``loss_sum * loss_scale`` over the micro-batches of every rank gives the mean over all loss tokens
+        of the mini-batch, whatever the split. Falls back to ``global_tokens`` when loss tokens are unknown.
+
+        Raises:
+            ValidationError: No info, or a mini-batch with no tokens at all.
+        """
+        info = self._info(mb)
+        denom = info.global_loss_tokens or info.global_tokens
+        if denom <= 0:
+            raise ValidationError(
+                f"mini-batch {info.minibatch} has no (loss) tokens; cannot scale its loss", field="global_loss_tokens"
+            )
+        return self.world / float(denom)
+
+    @staticmethod
+    def _info(mb: Any) -> MicroBatchInfo:
+        info = getattr(mb, "info", mb)
+        if info is None or not hasattr(info, "is_last"):
+            raise ValidationError(
+                "the micro-batch carries no MicroBatchInfo; iterate a knitdata TrajectoryDataset (its micro-batches "
+                "have .info)",
+                field="info",
+            )
+        return info
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serializable state of this rank: the dataset's position plus rank, world and epoch."""
+        return {
+            "format": _FORMAT,
+            "version": _VERSION,
+            "rank": self.rank,
+            "world": self.world,
+            "epoch": self._epoch,
+            "last_info": None if self._last_info is None else self._last_info.to_dict(),
+            "dataset": self.dataset.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of the same rank and world.
+
+        Raises:
+            StateError: Not a loader state, or one of another rank or world size.
+        """
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            raise StateError(f"not a {_FORMAT} state: {state!r:.200}")
+        if state.get("version") != _VERSION:
+            raise StateError(f"unsupported {_FORMAT} state version {state.get('version')!r}; expected {_VERSION}")
+        if state.get("rank") != self.rank or state.get("world") != self.world:
+            raise StateError(
+                f"loader state of rank {state.get('rank')} of {state.get('world')} loaded into rank {self.rank} of "
+                f"{self.world}: resume with the same number of processes (each rank reads its own file)"
+            )
+        self.dataset.load_state_dict(state["dataset"])
+        self._epoch = int(state.get("epoch", 0))
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(self._epoch)
+        last = state.get("last_info")
+        if last is not None:
+            from knitdata.collate import MicroBatchInfo
+
+            self._last_info = MicroBatchInfo.from_dict(last)
+        else:
+            self._last_info = None
+
+    def save_state(self, directory: str | os.PathLike[str]) -> Path:
+        """Write this rank's state to ``<directory>/<name>_rank{rank}.json`` (atomically). Call it on every rank.
+
+        Then, when the dataset has ``commit`` (knitdata's datasets do), commit that state: payloads before
+        it are released from storage, and a restart from this checkpoint receives exactly what follows.
+
+        Returns:
+            The file written.
+        """
+        path = state_path(directory, self.rank, self.name)
+        state = self.state_dict()
+        _write_json_atomic(path, state)
+        if self.commit_on_save:
+            self.commit(state["dataset"])
+        return path
+
+    def commit(self, dataset_state: dict[str, Any] | None = None) -> int | None:
+        """Release the payloads before ``dataset_state`` (default: the current position), where supported.
+
+        Call it only once a checkpoint holding that state is durable: a restart from an older state would
+        ask for released micro-batches.
+
+        Returns:
+            What the dataset's ``commit`` returns, or ``None`` when the dataset has no ``commit``.
+        """
+        commit = getattr(self.dataset, "commit", None)
+        if commit is None:
+            return None
+        return commit(dataset_state if dataset_state is not None else self.dataset.state_dict())
+
+    def load_state(self, directory: str | os.PathLike[str]) -> Path:
+        """Read this rank's state from ``<directory>/<name>_rank{rank}.json``. Call it on every rank.
+
+        Returns:
+            The file read.
+
+        Raises:
+            StateError: The file is missing or not a valid state of this rank and world.
+        """
+        path = state_path(directory, self.rank, self.name)
+        try:
+            with open(path) as f:
+                state = json.load(f)
+        except FileNotFoundError as e:
+            raise StateError(
+                f"no knitdata loader state for rank {self.rank} in {str(directory)!r} (expected {path.name}); was the "
+                f"checkpoint written with {self.world} processes and an AcceleratedLoader on every rank?"
+            ) from e
+        except json.JSONDecodeError as e:
+            raise StateError(f"{path} is not valid JSON ({e}); the checkpoint is damaged") from e
+        self.load_state_dict(state)
+        return path
+
+    # ------------------------------------------------------------------ hooks
+    def register_hooks(self) -> None:
+        """Save/load this rank's state inside ``accelerator.save_state`` / ``load_state`` (idempotent)."""
+        if self._handles:
+            return
+        acc = self.accelerator
+        if not hasattr(acc, "register_save_state_pre_hook"):
+            raise ConfigError(
+                f"{type(acc).__name__} has no register_save_state_pre_hook (accelerate >= 0.20 needed); call "
+                "loader.save_state(dir) / loader.load_state(dir) next to accelerator.save_state / load_state instead"
+            )
+
+        def _save_hook(models: Any, weights: Any, output_dir: str) -> None:
+            self.save_state(output_dir)
+
+        def _load_hook(models: Any, input_dir: str) -> None:
+            self.load_state(input_dir)
+
+        self._handles = [acc.register_save_state_pre_hook(_save_hook), acc.register_load_state_pre_hook(_load_hook)]
+
+    def remove_hooks(self) -> None:
+        """Undo :meth:`register_hooks`."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def __repr__(self) -> str:
+        return f"AcceleratedLoader(rank={self.rank}, world={self.world}, dataset={self.dataset!r})"
+
+
+def prepare_loader(
+    accelerator: Any,
+    source: Any,
+    *,
+    device_placement: bool = True,
+    non_blocking: bool | None = None,
+    register_hooks: bool = True,
+    name: str = STATE_FILE_PREFIX,
+    **dataset_kwargs: Any,
+) -> AcceleratedLoader:
+    """Build this process's loader: the dataset of rank ``accelerator.process_index``, wrapped for Accelerate.
+
+    Use it *instead of* passing a DataLoader to ``accelerator.prepare()``.
+
+    Args:
+        accelerator: The :class:`accelerate.Accelerator`.
+        source: A :class:`~knitdata.pipeline.Pipeline` (or anything with ``dataset(rank, **kw)`` and
+            ``num_consumers``, e.g. a Ray-engine client), or a factory ``source(rank, world) -> dataset``.
+        device_placement, non_blocking, register_hooks, name: See :class:`AcceleratedLoader`.
+        **dataset_kwargs: Passed to ``source.dataset`` (``fetch``, ``prefetch_depth``, ``collate``...). With
+            ``fetch="iter"`` on a CUDA accelerator, ``device`` defaults to ``accelerator.device`` (copies on
+            the prefetch thread's side stream).
+
+    Raises:
+        ConfigError: The pipeline's consumer count differs from the number of processes.
+    """
+    rank, world = rank_and_world(accelerator)
+    dataset_fn: Callable[..., Any] | None = getattr(source, "dataset", None)
+    if dataset_fn is not None:
+        consumers = getattr(source, "num_consumers", world)
+        if consumers != world:
+            raise ConfigError(
+                f"the pipeline has {consumers} consumers but Accelerate runs {world} processes: build it with "
+                "num_consumers=accelerator.num_processes"
+            )
+        device = getattr(accelerator, "device", None)
+        if (
+            dataset_kwargs.get("fetch", "iter") == "iter"
+            and "device" not in dataset_kwargs
+            and device is not None
+            and getattr(device, "type", "cpu") == "cuda"
+        ):
+            dataset_kwargs["device"] = device
+        dataset = dataset_fn(rank, **dataset_kwargs)
+    elif callable(source):
+        if dataset_kwargs:
+            raise ConfigError(f"dataset options {sorted(dataset_kwargs)} only apply when source is a pipeline")
+        dataset = source(rank, world)
+    else:
+        raise ConfigError(
+            f"source must be a knitdata Pipeline (with .dataset(rank)) or a factory (rank, world) -> dataset, got "
+            f"{type(source).__name__}"
+        )
+    return AcceleratedLoader(
+        dataset,
+        accelerator,
+        device_placement=device_placement,
+        non_blocking=non_blocking,
+        register_hooks=register_hooks,
+        name=name,
+    )
