@@ -425,7 +425,7 @@ def test_ray_connect_defaults_are_loopback_only_and_dashboard_off(monkeypatch):
     ray_unit.connect()
     assert len(calls) == 1
     kw = calls[0]
-    assert kw["address"] is None  # a local Ray, not someone else's cluster
+    assert kw["address"] == "local"  # a new local Ray, never an existing cluster found on the machine
     assert kw["_node_ip_address"] == "127.0.0.1"
     assert kw["include_dashboard"] is False
     assert "dashboard_host" not in kw or kw["dashboard_host"] in ("127.0.0.1", "localhost")
