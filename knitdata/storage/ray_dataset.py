@@ -79,6 +79,10 @@ class RayTrajectoryDataset(IterableDataset):
             mini-batch at its first micro-batch) or ``"iter"`` (the next micro-batches fetched, decoded and
             collated on a background thread, ``prefetch_depth`` ahead).
         collate: ``collate(trajectories, info) -> MicroBatch``; default :class:`~knitdata.collate.TokenCollator`.
+        media_collator: E.g. :class:`~knitdata.multimodal.MultimodalCollator`: each micro-batch's ``media`` is
+            then the :class:`~knitdata.multimodal.MultimodalBatch` of the rank's whole share of its mini-batch
+            (the share is fetched at its first micro-batch). Needs the whole share in one process, so it is
+            refused in DataLoader worker processes.
         prefetch_depth: Micro-batches prepared ahead in ``iter`` mode.
         loopback_only: See :func:`~knitdata.storage.ray_unit.connect`.
         poll_s: How long one wait for the next plan blocks in the coordinator.
@@ -88,7 +92,8 @@ class RayTrajectoryDataset(IterableDataset):
     """
 
     def __init__(self, name: str = "knitdata", *, address: str | None = None, rank: int | None = None,
-                 fetch: str = "iter", collate: Callable[..., Any] | None = None, prefetch_depth: int = 2,
+                 fetch: str = "iter", collate: Callable[..., Any] | None = None,
+                 media_collator: Callable[..., Any] | None = None, prefetch_depth: int = 2,
                  loopback_only: bool = True, poll_s: float = _POLL_S) -> None:
         super().__init__()
         if fetch not in ("sample", "eager", "iter"):
@@ -108,6 +113,7 @@ class RayTrajectoryDataset(IterableDataset):
         self.rank = int(rank)
         self.fetch = fetch
         self.collate = collate
+        self.media_collator = media_collator
         self.prefetch_depth = prefetch_depth
         self.loopback_only = loopback_only
         self.poll_s = poll_s
@@ -131,6 +137,11 @@ class RayTrajectoryDataset(IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         wi = get_worker_info()
         w, nw = (wi.id, wi.num_workers) if wi is not None else (0, 1)
+        if self.media_collator is not None and nw > 1:
+            raise ConfigError(
+                "media_collator needs the rank's whole share of a mini-batch in one process (one table of unique "
+                "media for all its micro-batches): use num_workers=0 (fetch='iter' prefetches on a thread)"
+            )
         client = self._client()
         if not 0 <= self.rank < client.num_consumers:
             raise ConfigError(f"rank {self.rank} is outside 0..{client.num_consumers - 1} of pipeline {self.name!r}")
@@ -252,6 +263,8 @@ def _produce(client: RayClient, ds: RayTrajectoryDataset, j: int, nw: int) -> It
     rank, fetch, placement = ds.rank, ds.fetch, client.placement
     cache: dict[int, dict[str, Any]] = {}
     share: dict[str, Any] = {}  # eager: records of this worker's share of the current mini-batch
+    decoded: dict[str, Any] = {}  # media: trajectories of the share of the current mini-batch
+    media: Any = None
     recover = _recoverer(client)
     while True:
         if j not in cache:
@@ -268,6 +281,24 @@ def _produce(client: RayClient, ds: RayTrajectoryDataset, j: int, nw: int) -> It
         info = MicroBatchInfo.from_dict(e["info"])
         meter = TransferMeter()
         step = int(e["minibatch"])
+        if ds.media_collator is not None:
+            if media is None or not all(tid in decoded for tid, _u, _n in e["items"]):
+                entries = [e, *[x for _k, x in sorted(cache.items())]]  # j .. the end of its mini-batch (nw == 1)
+                items = [it for x in entries for it in x["items"]]
+                recs = _read(client, items, meter, "eager", placement, step, recover)
+                decoded = {it[0]: decode_trajectory(r, copy=False) for it, r in zip(items, recs)}
+                # micro-batches before a resume point are empty, so indices stay those of the plan
+                groups = [[] for _ in range(info.microbatch)] + [[decoded[t] for t, _u, _n in x["items"]] for x in entries]
+                media = ds.media_collator(groups)
+            trajs = [decoded.pop(tid) for tid, _u, _n in e["items"]]
+            mb = ds.collate(trajs, info)
+            mb.media = media
+            if info.is_last:
+                media = None
+            client._coord.report.remote(meter.to_dict())
+            yield j, mb
+            j += nw
+            continue
         if fetch == "eager":
             if not all(tid in share for tid, _u, _n in e["items"]):
                 mine = [x for k, x in sorted(cache.items()) if (k - j) % nw == 0]

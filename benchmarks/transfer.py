@@ -1,0 +1,43 @@
+"""Transfer benchmark script: ``python benchmarks/transfer.py [--smoke] [--steps N] [--modes ...]``.
+
+Thin wrapper around :mod:`knitdata.bench.transfer` (also ``knitdata bench transfer``): transferqueue vs knitdata
+``sample`` / ``eager`` / ``iter`` (consumer processes) and ``iter`` on the embedded engine, with duplicated and
+shared encoding. Writes ``benchmarks/results/transfer.json`` and ``benchmarks/results/transfer.png`` unless
+``--json`` / ``--plot`` say otherwise (``transfer_smoke.*`` with ``--smoke``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from knitdata.bench import transfer  # noqa: E402
+
+__all__ = ["main"]
+
+_RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run the benchmark, write JSON and a plot into benchmarks/results/."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    transfer.add_arguments(parser)
+    args = parser.parse_args(argv)
+    stem = "transfer_smoke" if args.smoke else "transfer"
+    if args.json is None:
+        args.json = os.path.join(_RESULTS, f"{stem}.json")
+    if args.plot is None:
+        try:
+            import matplotlib  # noqa: F401
+
+            args.plot = os.path.join(_RESULTS, f"{stem}.png")
+        except ImportError:
+            pass
+    return transfer.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

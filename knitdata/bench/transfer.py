@@ -1,0 +1,1836 @@
+"""Transfer benchmark: exposed transfer latency and step time, transferqueue vs knitdata sample/eager/iter.
+
+One fixed multimodal RL workload (the seed's Figures 8 and 11a-c): groups of ``n = 8`` trajectories of 2,048
+tokens that share one ``3x448x448`` uint8 image per group, 4 consumer processes, micro-batches of 4
+trajectories, 4 micro-batches per step, one torch thread per process, warm-up steps excluded, start-up
+excluded. It is delivered by
+
+* ``transferqueue`` -- the real ``transferqueue`` package (controller + SimpleStorage units as Ray actors,
+  started once per run on loopback only; consumers fetch sample-level rows with ``get_meta``/``get_data``),
+* ``sample`` / ``eager`` / ``iter`` -- knitdata's fetch modes with consumers as separate processes: the Ray
+  engine (:mod:`knitdata.storage.ray_engine`); for ``shared`` encoding, which needs a media table per
+  consumer share that the engine's dataset does not build yet, knitdata's ``TrajectoryDataset`` over Ray
+  storage units (:class:`_PlanView`; :func:`_process_path` switches to the engine once it can),
+* ``iter_embedded`` -- ``iter`` on the embedded engine (consumers are threads of one process), a reference.
+
+The process-mode sources are prepared first, then run interleaved step by step in the same 4 consumer
+processes (step ``s`` of every source, then step ``s + 1``), so the drifting load of a shared machine hits
+them alike; ``iter_embedded`` runs afterwards in the driver process.
+
+Every consumer trains a tiny vision-language model (a patch-MLP vision encoder and an MLP backbone) on each
+micro-batch, with the image encoded per copy (``dup``: what verl and slime do) or once per mini-batch with
+:class:`~knitdata.encoder.SharedEncoding` (``shared``). Exposed transfer latency (issue 4): per step, the wall
+time the trainer spends inside ``next()`` (plus any host-to-device wait; none on CPU), median over the
+measured steps. The GPU projection replaces this CPU's compute time with the FLOPs of a 7B-class model
+(counted with :class:`torch.utils.flop_counter.FlopCounterMode` on the meta device) at a stated rate, and
+keeps the transfer times measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import queue
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from knitdata.errors import ConfigError, EngineError, KnitdataError
+from knitdata.record import MediaItem, Trajectory
+
+__all__ = [
+    "MODES",
+    "ENCODINGS",
+    "TransferWorkload",
+    "VLMConfig",
+    "TINY_VLM",
+    "GPU_VLM",
+    "SMOKE_VLM",
+    "TinyVLM",
+    "LoopbackError",
+    "make_group",
+    "make_step_groups",
+    "count_step_flops",
+    "ConsumerStepRecord",
+    "summarize_mode",
+    "run_transfer_benchmark",
+    "format_table",
+    "plot_result",
+    "add_arguments",
+    "run",
+]
+
+#: Delivery modes, in the order they run.
+MODES: tuple[str, ...] = ("transferqueue", "sample", "eager", "iter", "iter_embedded")
+#: Encodings: every copy of an image encoded (``dup``) or each unique image once per mini-batch (``shared``).
+ENCODINGS: tuple[str, ...] = ("dup", "shared")
+#: The seed's headline end-to-end speedup (transfer plus training over the baseline).
+SEED_SPEEDUP = 5.8
+#: Default effective GPU rate for the projection (bf16, dense, per GPU).
+DEFAULT_GPU_TFLOPS = 400.0
+
+
+class LoopbackError(KnitdataError, RuntimeError):
+    """A server of the benchmark listens on an address other than loopback; the benchmark refuses to run."""
+
+
+# ---------------------------------------------------------------------------------------------- workload
+@dataclass(frozen=True)
+class TransferWorkload:
+    """The fixed multimodal RL workload.
+
+    Attributes:
+        group_size: Trajectories per group (GRPO ``n``); they share one image.
+        prompt_tokens: Prompt tokens per trajectory (the image's tokens replace the first of them).
+        response_tokens: Response tokens per trajectory (the loss is on these).
+        image_shape: ``(C, H, W)`` of the uint8 image of each group.
+        num_consumers: Consumer processes (ranks).
+        microbatch_size: Trajectories per micro-batch.
+        microbatches_per_step: Micro-batches per consumer per step (one optimizer step).
+        warmup_steps: Steps run before measuring.
+        steps: Measured steps.
+        vocab: Token id range.
+        seed: Seed of the data and the model.
+    """
+
+    group_size: int = 8
+    prompt_tokens: int = 512
+    response_tokens: int = 1536
+    image_shape: tuple[int, int, int] = (3, 448, 448)
+    num_consumers: int = 4
+    microbatch_size: int = 4
+    microbatches_per_step: int = 4
+    warmup_steps: int = 3
+    steps: int = 10
+    vocab: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "response_tokens", "num_consumers", "microbatch_size", "microbatches_per_step",
+                     "steps", "vocab"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.warmup_steps < 0 or self.prompt_tokens < 0:
+            raise ConfigError("warmup_steps and prompt_tokens must be >= 0")
+        if self.trajectories_per_step % self.group_size:
+            raise ConfigError(
+                f"a step holds {self.trajectories_per_step} trajectories, not a multiple of group_size "
+                f"{self.group_size}: change microbatch_size, microbatches_per_step or num_consumers"
+            )
+        if self.per_consumer_step % self.group_size:
+            raise ConfigError(
+                f"each consumer's share of a step ({self.per_consumer_step}) must hold whole groups of "
+                f"{self.group_size}"
+            )
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per trajectory."""
+        return self.prompt_tokens + self.response_tokens
+
+    @property
+    def per_consumer_step(self) -> int:
+        """Trajectories per consumer per step."""
+        return self.microbatch_size * self.microbatches_per_step
+
+    @property
+    def trajectories_per_step(self) -> int:
+        """Trajectories per step over all consumers (the mini-batch)."""
+        return self.per_consumer_step * self.num_consumers
+
+    @property
+    def groups_per_step(self) -> int:
+        """Groups per step."""
+        return self.trajectories_per_step // self.group_size
+
+    @property
+    def total_steps(self) -> int:
+        """Warm-up plus measured steps."""
+        return self.warmup_steps + self.steps
+
+    @property
+    def image_bytes(self) -> int:
+        """Bytes of one image."""
+        c, h, w = self.image_shape
+        return c * h * w
+
+    @property
+    def trajectory_bytes(self) -> int:
+        """Payload bytes of one trajectory with its own copy of the image (int64 tokens)."""
+        return self.tokens * 8 + self.image_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable fields plus the derived sizes."""
+        d = dataclasses.asdict(self)
+        d["image_shape"] = list(self.image_shape)
+        d.update(tokens=self.tokens, trajectories_per_step=self.trajectories_per_step,
+                 groups_per_step=self.groups_per_step, trajectory_bytes=self.trajectory_bytes)
+        return d
+
+
+def _group_id(step: int, g: int) -> str:
+    return f"s{step:05d}g{g:03d}"
+
+
+def make_group(w: TransferWorkload, step: int, g: int) -> list[Trajectory]:
+    """The ``g``-th group of step ``step``: ``group_size`` trajectories sharing one image (deterministic).
+
+    The members hold the very same image tensor (one object), as a rollout engine repeating a prompt does.
+    """
+    gid = _group_id(step, g)
+    gen = torch.Generator().manual_seed(w.seed * 1_000_003 + step * 1009 + g)
+    image = torch.randint(0, 256, w.image_shape, dtype=torch.uint8, generator=gen)
+    prompt = torch.randint(0, w.vocab, (w.prompt_tokens,), dtype=torch.int64, generator=gen)
+    item = MediaItem("image", tensor=image)
+    out = []
+    for j in range(w.group_size):
+        resp = torch.randint(0, w.vocab, (w.response_tokens,), dtype=torch.int64, generator=gen)
+        out.append(
+            Trajectory(
+                id=f"{gid}t{j}",
+                source="mm",
+                group=gid,
+                prompt_ids=prompt,
+                response_ids=resp,
+                gen_version=step,
+                scalars={"advantage": float(j - w.group_size / 2) / w.group_size},
+                media=[item],
+            )
+        )
+    return out
+
+
+def make_step_groups(w: TransferWorkload, step: int) -> list[list[Trajectory]]:
+    """All groups of one step."""
+    return [make_group(w, step, g) for g in range(w.groups_per_step)]
+
+
+# ---------------------------------------------------------------------------------------------- model
+@dataclass(frozen=True)
+class VLMConfig:
+    """Shape of the vision-language model trained by every consumer (or counted for the GPU projection).
+
+    Attributes:
+        name: Label in the report.
+        d_model: Backbone width.
+        layers: Backbone blocks.
+        heads: Backbone attention heads (0: MLP-only blocks).
+        mlp_ratio: Backbone MLP hidden width over ``d_model``.
+        vocab: Output vocabulary.
+        patch: Vision patch side.
+        d_vision: Vision encoder width.
+        vision_layers: Vision encoder blocks.
+        vision_heads: Vision attention heads within one image (0: MLP-only blocks).
+        vision_mlp_ratio: Vision MLP hidden width over ``d_vision``.
+        merge: Vision patches merged into one image token (``merge`` consecutive rows).
+    """
+
+    name: str
+    d_model: int
+    layers: int
+    heads: int
+    mlp_ratio: int
+    vocab: int
+    patch: int
+    d_vision: int
+    vision_layers: int
+    vision_heads: int
+    vision_mlp_ratio: int
+    merge: int = 1
+
+    def image_tokens(self, image_shape: Sequence[int]) -> int:
+        """Image tokens one image becomes in the backbone."""
+        _, h, w = image_shape
+        return (h // self.patch) * (w // self.patch) // self.merge
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable fields."""
+        return dataclasses.asdict(self)
+
+
+#: What the consumers train on this CPU (one thread each).
+TINY_VLM = VLMConfig(name="tiny (CPU)", d_model=64, layers=1, heads=0, mlp_ratio=4, vocab=256, patch=28,
+                     d_vision=96, vision_layers=2, vision_heads=0, vision_mlp_ratio=4)
+#: A smaller model for ``--smoke`` (the comparison must not rot; its numbers are not the result).
+SMOKE_VLM = VLMConfig(name="smoke (CPU)", d_model=32, layers=1, heads=0, mlp_ratio=2, vocab=128, patch=28,
+                      d_vision=32, vision_layers=1, vision_heads=0, vision_mlp_ratio=2)
+#: A 7B-class VLM (Qwen2.5-VL-7B-like widths; MLP ratio 8 stands in for its SwiGLU) for the GPU projection.
+GPU_VLM = VLMConfig(name="7B-class VLM (projection)", d_model=3584, layers=28, heads=28, mlp_ratio=8, vocab=152064,
+                    patch=14, d_vision=1280, vision_layers=32, vision_heads=16, vision_mlp_ratio=4, merge=4)
+
+
+class _Block(nn.Module):
+    """Pre-norm residual block: optional self-attention (within a sequence) and an MLP."""
+
+    def __init__(self, d: int, heads: int, ratio: int, causal: bool):
+        super().__init__()
+        self.heads = heads
+        self.causal = causal
+        if heads:
+            self.norm_a = nn.LayerNorm(d)
+            self.qkv = nn.Linear(d, 3 * d)
+            self.proj = nn.Linear(d, d)
+        self.norm_m = nn.LayerNorm(d)
+        self.up = nn.Linear(d, ratio * d)
+        self.down = nn.Linear(ratio * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [B, T, d]
+        if self.heads:
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.norm_a(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+            a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(nn.functional.gelu(self.up(self.norm_m(x))))
+
+
+class VisionEncoder(nn.Module):
+    """Patch rows in, one output row per ``merge`` patch rows out; no interaction across images.
+
+    Called as ``encoder(values, offsets)`` (the :class:`~knitdata.encoder.SharedEncoding` convention):
+    ``values`` ``[sum of patches, C * p * p]`` float, ``offsets`` ``int64 [U + 1]``; every image has the
+    same patch count here.
+    """
+
+    def __init__(self, cfg: VLMConfig, in_features: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Linear(in_features, cfg.d_vision)
+        self.blocks = nn.ModuleList(
+            _Block(cfg.d_vision, cfg.vision_heads, cfg.vision_mlp_ratio, causal=False) for _ in range(cfg.vision_layers)
+        )
+        self.out = nn.Linear(cfg.d_vision * cfg.merge, cfg.d_model)
+
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+        n_items = 1 if offsets is None else int(offsets.numel()) - 1
+        x = self.embed(values.to(self.embed.weight.dtype))
+        x = x.view(n_items, -1, x.shape[-1])  # equal patch counts per image
+        for blk in self.blocks:
+            x = blk(x)
+        x = x.reshape(-1, self.cfg.d_vision * self.cfg.merge)
+        return self.out(x)
+
+
+class TinyVLM(nn.Module):
+    """Vision encoder plus backbone; the image rows replace the first prompt positions of each sequence."""
+
+    def __init__(self, cfg: VLMConfig, w: TransferWorkload):
+        super().__init__()
+        self.cfg = cfg
+        c, _, _ = w.image_shape
+        self.image_tokens = cfg.image_tokens(w.image_shape)
+        if self.image_tokens > w.prompt_tokens:
+            raise ConfigError(f"{self.image_tokens} image tokens do not fit in {w.prompt_tokens} prompt tokens")
+        self.prompt_tokens = w.prompt_tokens
+        self.encoder = VisionEncoder(cfg, c * cfg.patch * cfg.patch)
+        self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.blocks = nn.ModuleList(_Block(cfg.d_model, cfg.heads, cfg.mlp_ratio, causal=True) for _ in range(cfg.layers))
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab)
+
+    def backbone_loss(self, input_ids: torch.Tensor, image_rows: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss over the response positions.
+
+        Args:
+            input_ids: ``int64 [B, T]``.
+            image_rows: ``[B * image_tokens, d_model]``: the encoder's rows for each sequence's image, in order.
+        """
+        b = input_ids.shape[0]
+        p = self.image_tokens
+        x = self.embed(input_ids[:, p:] % self.cfg.vocab)
+        x = torch.cat([image_rows.view(b, p, -1).to(x.dtype), x], dim=1)
+        for blk in self.blocks:
+            x = blk(x)
+        start = self.prompt_tokens - 1
+        logits = self.head(self.norm(x[:, start:-1]))
+        target = input_ids[:, start + 1:] % self.cfg.vocab
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _patchify_fn(cfg: VLMConfig, w: TransferWorkload) -> Callable[[torch.Tensor], torch.Tensor]:
+    from knitdata.media import patchify
+
+    return patchify(cfg.patch, size=tuple(w.image_shape[1:]))
+
+
+def count_step_flops(cfg: VLMConfig, w: TransferWorkload) -> dict[str, float]:
+    """FLOPs (forward + backward) of one consumer's step, counted on the meta device.
+
+    Returns:
+        ``backbone_microbatch``, ``encoder_image``, ``step_dup`` (every copy encoded),
+        ``step_shared`` (each of the consumer's unique images encoded once), ``unique_images_per_step``,
+        ``params``.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.device("meta"):
+        model = TinyVLM(cfg, w)
+    params = sum(p.numel() for p in model.parameters())
+    c, h, wd = w.image_shape
+    n_patch = (h // cfg.patch) * (wd // cfg.patch)
+    feat = c * cfg.patch * cfg.patch
+    b = w.microbatch_size
+
+    def measure(fn: Callable[[], torch.Tensor]) -> float:
+        with FlopCounterMode(display=False) as fc:
+            fn().backward()
+        return float(fc.get_total_flops())
+
+    def enc_one() -> torch.Tensor:
+        vals = torch.zeros(n_patch, feat, device="meta")
+        return model.encoder(vals, torch.tensor([0, n_patch])).float().sum()
+
+    def backbone() -> torch.Tensor:
+        ids = torch.zeros(b, w.tokens, dtype=torch.long, device="meta")
+        rows = torch.zeros(b * model.image_tokens, cfg.d_model, device="meta", requires_grad=True)
+        return model.backbone_loss(ids, rows)
+
+    enc = measure(enc_one)
+    bb = measure(backbone)
+    k = w.microbatches_per_step
+    unique = w.per_consumer_step // w.group_size
+    return {
+        "backbone_microbatch": bb,
+        "encoder_image": enc,
+        "step_dup": k * (bb + b * enc),
+        "step_shared": k * bb + unique * enc,
+        "unique_images_per_step": float(unique),
+        "params": float(params),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- consumer side
+@dataclass
+class _Item:
+    """One delivered micro-batch, as the training loop sees it."""
+
+    ids: tuple[str, ...]
+    input_ids: torch.Tensor
+    patches: torch.Tensor | None  # dup: one patch block per trajectory (copies included)
+    media: Any  # shared: the MultimodalBatch of the consumer's share of the mini-batch
+    index: int
+    num_microbatches: int
+    is_last: bool
+    nbytes: int
+    moved: int = 0  # payload bytes this fetch moved out of storage, when the source knows it
+
+
+@dataclass
+class ConsumerStepRecord:
+    """What one consumer measured in one step (JSON-serializable via ``dataclasses.asdict``).
+
+    Attributes:
+        step: Step index (warm-up steps first).
+        exposed_s: Wall time inside ``next()`` summed over the step's micro-batches (no H2D wait on CPU).
+        compute_s: Wall time of encoding, forward, backward and the optimizer step.
+        step_s: Wall time from the step's start (all consumers released together) to its optimizer step.
+        microbatches: Micro-batches of the step.
+        bytes: Bytes of the tensors handed to the trainer (the media table once per step in ``shared``).
+        moved: Payload bytes moved out of storage for the step, when the source reports it per item.
+        ids: Trajectory ids delivered in the step.
+        waits: Seconds inside ``next()`` per micro-batch.
+    """
+
+    step: int
+    exposed_s: float
+    compute_s: float
+    step_s: float
+    microbatches: int
+    bytes: int
+    moved: int
+    ids: list[str]
+    waits: list[float]
+
+
+def _pin_threads() -> None:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["TQ_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+
+class _Trainer:
+    """The tiny VLM of one consumer and its optimizer; ``dup`` or ``shared`` encoding."""
+
+    def __init__(self, w: TransferWorkload, cfg: VLMConfig, encoding: str):
+        if encoding not in ENCODINGS:
+            raise ConfigError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
+        torch.manual_seed(w.seed)
+        self.w = w
+        self.model = TinyVLM(cfg, w)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+        self.encoding = encoding
+        c, h, wd = w.image_shape
+        self.n_patch = (h // cfg.patch) * (wd // cfg.patch)
+        self.shared = None
+        if encoding == "shared":
+            from knitdata.encoder import SharedEncoding
+
+            self.shared = SharedEncoding(self.model.encoder, dummy=False)
+        self._ctx: Any = None
+
+    def microbatch(self, item: _Item) -> None:
+        """Encode, forward and backward one micro-batch (loss scaled by 1/K)."""
+        scale = 1.0 / item.num_microbatches
+        if item.input_ids.numel() == 0:
+            return
+        if self.encoding == "dup":
+            b = item.input_ids.shape[0]
+            offsets = torch.arange(b + 1, dtype=torch.long) * self.n_patch
+            rows = self.model.encoder(item.patches, offsets)
+            (self.model.backbone_loss(item.input_ids, rows) * scale).backward()
+            return
+        assert self.shared is not None
+        if item.index == 0 or self._ctx is None:
+            self._ctx = self.shared.minibatch(item.media)
+            self._ctx.__enter__()
+        rows = self._ctx.rows(item.index)
+        self._ctx.backward(self.model.backbone_loss(item.input_ids, rows) * scale)
+        if item.is_last:
+            ctx, self._ctx = self._ctx, None
+            ctx.__exit__(None, None, None)
+
+    def optimizer_step(self) -> None:
+        """Step the optimizer and clear the gradients."""
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+def _run_step(
+    step: int,
+    trainer: _Trainer,
+    next_item: Callable[[], tuple[_Item, float]],
+    after_optimizer_step: Callable[[], Any] | None = None,
+) -> ConsumerStepRecord:
+    """One optimizer step of one consumer: micro-batches until ``is_last``, then the optimizer step.
+
+    ``next_item()`` returns the item and the seconds spent getting it (the exposed latency);
+    ``after_optimizer_step`` (e.g. committing the loader state) runs inside the step's time.
+    """
+    t0 = time.perf_counter()
+    exposed = compute = 0.0
+    ids: list[str] = []
+    waits: list[float] = []
+    nbytes = moved = n = 0
+    while True:
+        item, waited = next_item()
+        exposed += waited
+        waits.append(waited)
+        t1 = time.perf_counter()
+        trainer.microbatch(item)
+        compute += time.perf_counter() - t1
+        ids.extend(item.ids)
+        nbytes += item.nbytes
+        moved += item.moved
+        n += 1
+        if item.is_last:
+            break
+    t1 = time.perf_counter()
+    trainer.optimizer_step()
+    if after_optimizer_step is not None:
+        after_optimizer_step()
+    t2 = time.perf_counter()
+    compute += t2 - t1
+    return ConsumerStepRecord(step, exposed, compute, t2 - t0, n, nbytes, moved, ids, waits)
+
+
+def _consume(
+    w: TransferWorkload,
+    trainer: _Trainer,
+    next_item: Callable[[], tuple[_Item, float]],
+    barrier_wait: Callable[[], None],
+    on_step: Callable[[int], None] | None = None,
+    after_optimizer_step: Callable[[], Any] | None = None,
+) -> list[ConsumerStepRecord]:
+    """The training loop of one consumer over one source; consumers start each step together."""
+    return _consume_interleaved(w, [("only", trainer, next_item, after_optimizer_step)], barrier_wait,
+                                on_step)["only"]
+
+
+def _consume_interleaved(
+    w: TransferWorkload,
+    sources: Sequence[tuple[str, _Trainer, Callable[[], tuple[_Item, float]], Callable[[], Any] | None]],
+    barrier_wait: Callable[[], None],
+    on_step: Callable[[int], None] | None = None,
+) -> dict[str, list[ConsumerStepRecord]]:
+    """Steps of every source in turn (step 0 of each, then step 1 of each, ...): a side-by-side comparison on
+    a machine whose load drifts. All consumers start each step together (a barrier, like an all-reduce)."""
+    out: dict[str, list[ConsumerStepRecord]] = {name: [] for name, *_ in sources}
+    k = 0
+    for step in range(w.total_steps):
+        for name, trainer, next_item, after in sources:
+            barrier_wait()
+            out[name].append(_run_step(step, trainer, next_item, after))
+            if on_step is not None:
+                on_step(k)
+            k += 1
+    barrier_wait()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- knitdata sources
+class _DupCollator:
+    """TokenCollator plus every trajectory's own copy of its image, patchified (what verl/slime hand over)."""
+
+    def __init__(self, w: TransferWorkload, cfg: VLMConfig):
+        from knitdata.collate import TokenCollator
+
+        self.tokens = TokenCollator()
+        self.patchify = _patchify_fn(cfg, w)
+
+    def __call__(self, trajs: Sequence[Trajectory], info: Any = None) -> Any:
+        mb = self.tokens(trajs, info)
+        if trajs:
+            mb.tensors["image_patches"] = torch.cat([self.patchify(t.media[0].tensor) for t in trajs])
+        return mb
+
+
+def _dataset_kwargs(w: TransferWorkload, cfg: VLMConfig, encoding: str) -> dict[str, Any]:
+    if encoding == "dup":
+        return {"collate": _DupCollator(w, cfg)}
+    from knitdata.collate import TokenCollator
+    from knitdata.multimodal import MultimodalCollator
+
+    return {"collate": TokenCollator(), "media_collator": MultimodalCollator({"image": _patchify_fn(cfg, w)})}
+
+
+def _knitdata_next(it: Iterator[Any]) -> Callable[[], tuple[_Item, float]]:
+    """Adapt a TrajectoryDataset iterator: time ``next()`` only, then read the micro-batch."""
+
+    def nxt() -> tuple[_Item, float]:
+        t0 = time.perf_counter()
+        mb = next(it)
+        waited = time.perf_counter() - t0
+        info = mb.info
+        nbytes = sum(t.numel() * t.element_size() for t in mb.iter_tensors())
+        if mb.media is not None and info.microbatch == 0:
+            nbytes += int(getattr(mb.media, "nbytes", 0))
+        item = _Item(tuple(info.trajectory_ids), mb.input_ids, mb.tensors.get("image_patches"), mb.media,
+                     info.microbatch, info.num_microbatches, info.is_last, nbytes)
+        return item, waited
+
+    return nxt
+
+
+def _batch_spec(w: TransferWorkload) -> Any:
+    from knitdata.admission import BatchSpec
+
+    return BatchSpec({"mm": w.trajectories_per_step}, num_minibatches=1, group_size=w.group_size)
+
+
+def _pipeline_kwargs(w: TransferWorkload) -> dict[str, Any]:
+    total = w.total_steps * w.trajectories_per_step * (w.trajectory_bytes + 4096)
+    return {
+        "num_consumers": w.num_consumers,
+        "token_budget": w.microbatch_size * w.tokens,
+        "capacity_bytes": int(total * 1.25),
+        "admission": "fifo",
+    }
+
+
+# ---------------------------------------------------------------------------------------------- transferqueue
+_TQ_PARTITION = "knitdata_bench"
+_TQ_FIELDS = ["input_ids", "pixel_values", "tidx"]
+
+
+def _tq_id(w: TransferWorkload, idx: int) -> str:
+    per_step = w.groups_per_step * w.group_size
+    return f"{_group_id(idx // per_step, (idx // w.group_size) % w.groups_per_step)}t{idx % w.group_size}"
+
+
+def _is_loopback(ip: str) -> bool:
+    return ip == "::1" or ip == "localhost" or ip.startswith("127.")
+
+
+class _TQServer:
+    """The real transferqueue: Ray on loopback, controller + SimpleStorage units, the workload put once."""
+
+    def __init__(self, w: TransferWorkload, num_units: int = 2):
+        self.w = w
+        self.num_units = num_units
+        self.conf: Any = None
+        self.addresses: dict[str, str] = {}
+        self.startup_s = 0.0
+        self.put_s = 0.0
+
+    def start(self, cluster: _RayCluster) -> None:
+        """Start the controller and storage units on ``cluster`` (Ray on loopback) and check their addresses."""
+        t0 = time.perf_counter()
+        os.environ["TQ_NUM_THREADS"] = "1"
+        import ray
+
+        cluster.start()
+        node_ips = sorted({n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")})
+        self.addresses["ray_nodes"] = ",".join(node_ips)
+        if not all(_is_loopback(ip) for ip in node_ips):
+            raise LoopbackError(f"Ray nodes on {node_ips}, not loopback; refusing to run transferqueue here")
+        import transfer_queue as tq
+
+        self.conf = tq.init({"controller": {"polling_mode": True},
+                             "backend": {"SimpleStorage": {"num_data_storage_units": self.num_units}}})
+        ctl = self.conf.controller.zmq_info
+        self.addresses["controller"] = f"{ctl.ip}:{sorted(ctl.ports.values())}"
+        for name, info in self.conf.backend.SimpleStorage.zmq_info.items():
+            self.addresses[str(name)] = f"{info.ip}:{sorted(info.ports.values())}"
+        ips = [ctl.ip] + [info.ip for info in self.conf.backend.SimpleStorage.zmq_info.values()]
+        if not all(_is_loopback(ip) for ip in ips):
+            raise LoopbackError(
+                f"transferqueue listens on {sorted(set(ips))}, not loopback only; refusing to run. Set "
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray starts (NOTES.md)"
+            )
+        self.startup_s = time.perf_counter() - t0
+
+    def put_all(self, progress: Any = None) -> set[str]:
+        """Put every trajectory of the run as sample-level rows (each row holds its own image copy)."""
+        import transfer_queue as tq
+        from tensordict import TensorDict
+
+        client = tq.get_client()
+        w = self.w
+        t0 = time.perf_counter()
+        ids: set[str] = set()
+        idx = 0
+        for step in range(w.total_steps):
+            for group in make_step_groups(w, step):
+                n = len(group)
+                td = TensorDict(
+                    {
+                        "input_ids": torch.stack([torch.cat([t.prompt_ids, t.response_ids]) for t in group]),
+                        "pixel_values": torch.stack([t.media[0].tensor for t in group]),
+                        "tidx": torch.arange(idx, idx + n, dtype=torch.int64),
+                    },
+                    batch_size=n,
+                )
+                client.put(td, partition_id=_TQ_PARTITION)
+                for t in group:
+                    assert _tq_id(w, idx) == t.id
+                    ids.add(t.id)
+                    idx += 1
+            if progress is not None:
+                progress.update(1)
+        self.put_s = time.perf_counter() - t0
+        torch.set_num_threads(1)
+        return ids
+
+    def close(self) -> None:
+        """Stop transferqueue's client, controller and storage units (Ray stays up for the next modes)."""
+        if self.conf is not None:
+            import transfer_queue as tq
+
+            tq.close()
+            self.conf = None
+
+
+class _TQSource:
+    """One consumer's transferqueue client: ``get_meta`` (polling) + ``get_data`` per micro-batch."""
+
+    def __init__(self, conf: Any, rank: int, w: TransferWorkload, cfg: VLMConfig, poll_timeout_s: float = 60.0):
+        os.environ["TQ_NUM_THREADS"] = "1"
+        from transfer_queue.client import TransferQueueClient
+
+        self.client = TransferQueueClient(client_id=f"knitdata_bench_{rank}_{os.getpid()}",
+                                          controller_info=conf.controller.zmq_info)
+        self.client.initialize_storage_manager(manager_type="SimpleStorage", config=conf.backend.SimpleStorage)
+        self.w = w
+        self.patchify = _patchify_fn(cfg, w)
+        self.poll_timeout_s = poll_timeout_s
+        self.i = 0
+        torch.set_num_threads(1)
+
+    def fetch(self) -> _Item:
+        w = self.w
+        b = w.microbatch_size
+        deadline = time.monotonic() + self.poll_timeout_s
+        while True:
+            meta = self.client.get_meta(data_fields=_TQ_FIELDS, batch_size=b, partition_id=_TQ_PARTITION,
+                                        task_name="train")
+            if len(meta) == b:
+                break
+            if time.monotonic() > deadline:
+                raise EngineError(f"transferqueue delivered no micro-batch of {b} within {self.poll_timeout_s} s")
+            time.sleep(0.001)
+        td = self.client.get_data(meta)
+        ids_t = td["input_ids"]
+        input_ids = torch.stack(list(ids_t.unbind())) if ids_t.is_nested else ids_t
+        imgs = td["pixel_values"]
+        imgs = list(imgs.unbind()) if imgs.is_nested else list(imgs)
+        patches = torch.cat([self.patchify(im.reshape(w.image_shape)) for im in imgs])
+        tidx = td["tidx"]
+        tidx = [int(x) for x in (torch.cat(list(tidx.unbind())) if tidx.is_nested else tidx.reshape(-1))]
+        moved = input_ids.numel() * 8 + sum(im.numel() * im.element_size() for im in imgs) + len(tidx) * 8
+        nbytes = input_ids.numel() * input_ids.element_size() + patches.numel() * patches.element_size()
+        k = w.microbatches_per_step
+        item = _Item(tuple(_tq_id(w, i) for i in tidx), input_ids, patches, None, self.i % k, k,
+                     self.i % k == k - 1, nbytes, moved)
+        self.i += 1
+        return item
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# ---------------------------------------------------------------------------------------------- worker processes
+def _workload_from_dict(d: Mapping[str, Any]) -> TransferWorkload:
+    fields = {f.name for f in dataclasses.fields(TransferWorkload)}
+    kw = {k: v for k, v in d.items() if k in fields}
+    kw["image_shape"] = tuple(kw["image_shape"])
+    return TransferWorkload(**kw)
+
+
+def _job_base(w: TransferWorkload, cfg: VLMConfig, encoding: str) -> dict[str, Any]:
+    return {"workload": w.to_dict(), "model": cfg.to_dict(), "encoding": encoding}
+
+
+def _run_worker_job(rank: int, job: Mapping[str, Any], barrier: Any, res_q: Any, barrier_timeout: float) -> dict:
+    """Run every source of ``job`` interleaved step by step; one trainer per encoding."""
+    w = _workload_from_dict(job["workload"])
+    cfg = VLMConfig(**job["model"])
+    trainers: dict[str, _Trainer] = {}
+
+    def wait() -> None:
+        barrier.wait(barrier_timeout)
+
+    def on_step(k: int) -> None:
+        if rank == 0:
+            res_q.put(("step", rank, k))
+
+    extra: dict[str, dict[str, Any]] = {}
+    closers: list[Callable[[], Any]] = []
+    sources = []
+    try:
+        for spec in job["sources"]:
+            enc = spec["encoding"]
+            if enc not in trainers:
+                trainers[enc] = _Trainer(w, cfg, enc)
+            name = spec["name"]
+            extra[name] = {}
+            if spec["kind"] == "transferqueue":
+                src = _TQSource(spec["conf"], rank, w, cfg)
+                closers.append(src.close)
+
+                def nxt(src: _TQSource = src) -> tuple[_Item, float]:
+                    t0 = time.perf_counter()
+                    item = src.fetch()
+                    return item, time.perf_counter() - t0
+
+                sources.append((name, trainers[enc], nxt, None))
+            elif spec["kind"] == "knitdata":
+                ds = _attach_dataset(spec, rank, w, cfg)
+                it = iter(ds)
+                closers.append(getattr(it, "close", lambda: None))
+                view = getattr(ds, "pipeline", None)
+                if isinstance(view, _PlanView):
+                    closers.append(view.close)
+                # Ray engine (release="commit"): commit the state after each optimizer step, which releases the
+                # step's payloads (a trainer would do it after saving a checkpoint).
+                commit = getattr(ds, "commit", None) if spec.get("engine") == "ray_engine" else None
+                sources.append((name, trainers[enc], _knitdata_next(it), commit))
+                if getattr(ds, "metrics", None) is not None:
+                    extra[name]["_metrics_of"] = ds.metrics
+            else:  # pragma: no cover - programming error
+                raise ConfigError(f"unknown source kind {spec['kind']!r}")
+        recs = _consume_interleaved(w, sources, wait, on_step)
+    finally:
+        for close in closers:
+            try:
+                close()
+            except Exception:
+                pass
+    for d in extra.values():
+        m = d.pop("_metrics_of", None)
+        if m is not None:
+            d["metrics"] = m.to_dict()
+    return {"records": {n: [dataclasses.asdict(r) for r in v] for n, v in recs.items()}, "extra": extra}
+
+
+def _worker_main(rank: int, cmd_q: Any, res_q: Any, barrier: Any, barrier_timeout: float) -> None:
+    """Entry of one consumer process: runs jobs until it receives ``None``."""
+    import traceback
+
+    _pin_threads()
+    _preimport()
+    while True:
+        job = cmd_q.get()
+        if job is None:
+            return
+        try:
+            out = _run_worker_job(rank, job, barrier, res_q, barrier_timeout)
+            res_q.put(("ok", rank, json.dumps(out)))
+        except BaseException:  # report everything to the driver; never hang the others
+            try:
+                barrier.abort()
+            except Exception:
+                pass
+            res_q.put(("error", rank, traceback.format_exc()))
+
+
+def _preimport() -> None:
+    """Import what the jobs need while the driver starts its servers (start-up, not measured)."""
+    import importlib
+
+    for mod in ("knitdata.collate", "knitdata.multimodal", "knitdata.encoder", "knitdata.dataset",
+                "knitdata.prefetch", "transfer_queue", "knitdata.storage.ray_engine"):
+        try:
+            importlib.import_module(mod)
+        except Exception:  # optional extras; the job reports what it really lacks
+            pass
+
+
+class _WorkerPool:
+    """``n`` consumer processes (spawned once per run) that run one job at a time, all ranks together."""
+
+    def __init__(self, n: int, barrier_timeout: float = 300.0):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.n = n
+        self.cmd = [ctx.Queue() for _ in range(n)]
+        self.res = ctx.Queue()
+        self.barrier = ctx.Barrier(n)
+        env_before = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "TQ_NUM_THREADS")}
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.environ["TQ_NUM_THREADS"] = "1"
+        try:
+            self.procs = [
+                ctx.Process(target=_worker_main, args=(r, self.cmd[r], self.res, self.barrier, barrier_timeout),
+                            name=f"knitdata-bench-consumer-{r}", daemon=True)
+                for r in range(n)
+            ]
+            for p in self.procs:
+                p.start()
+        finally:
+            for k, v in env_before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def run(self, job: Mapping[str, Any], timeout_s: float, progress: Any = None
+            ) -> tuple[dict[str, list[list[ConsumerStepRecord]]], dict[str, list[dict]]]:
+        """Run ``job`` on every rank; per source name, the records and extras of each rank."""
+        for q in self.cmd:
+            q.put(dict(job))
+        done: dict[int, dict] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(done) + len(errors) < self.n:
+            left = deadline - time.monotonic()
+            try:
+                kind, rank, payload = self.res.get(timeout=max(0.1, min(left, 5.0)))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    self.close(force=True)
+                    raise EngineError(f"consumer processes did not finish within {timeout_s:.0f} s") from None
+                dead = [p.name for p in self.procs if not p.is_alive()]
+                if dead:
+                    self.close(force=True)
+                    raise EngineError(f"consumer processes died: {dead}") from None
+                continue
+            if kind == "step":
+                if progress is not None:
+                    progress.update(1)
+            elif kind == "ok":
+                done[rank] = json.loads(payload)
+            else:
+                errors[rank] = payload
+        if errors:
+            self.barrier.reset()
+            primary = [r for r, e in errors.items() if "BrokenBarrierError" not in e.strip().splitlines()[-1]]
+            first = min(primary or errors)
+            raise EngineError(f"consumer {first} failed:\n{errors[first]}")
+        names = list(done[0]["records"])
+        recs = {n: [[ConsumerStepRecord(**d) for d in done[r]["records"][n]] for r in range(self.n)] for n in names}
+        extras = {n: [done[r]["extra"].get(n, {}) for r in range(self.n)] for n in names}
+        return recs, extras
+
+    def close(self, force: bool = False) -> None:
+        if not force:
+            for q in self.cmd:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------- knitdata engines
+def _fill_pipeline(pipe: Any, w: TransferWorkload) -> set[str]:
+    ids: set[str] = set()
+    for step in range(w.total_steps):
+        for group in make_step_groups(w, step):
+            for t in group:
+                pipe.put(t)
+                ids.add(t.id)
+    pipe.close()
+    return ids
+
+
+def _run_embedded(w: TransferWorkload, cfg: VLMConfig, fetch: str, encoding: str, timeout_s: float,
+                  progress: Any = None) -> tuple[list[list[ConsumerStepRecord]], list[dict], set[str], dict]:
+    """``fetch`` on the embedded engine: one process, consumers are threads (one torch thread each)."""
+    from knitdata.pipeline import Pipeline
+
+    pipe = Pipeline(_batch_spec(w), engine="embedded", **_pipeline_kwargs(w))
+    t0 = time.perf_counter()
+    expected = _fill_pipeline(pipe, w)
+    fill_s = time.perf_counter() - t0
+    n = w.num_consumers
+    barrier = threading.Barrier(n)
+    trainers = [_Trainer(w, cfg, encoding) for _ in range(n)]
+    out: list[Any] = [None] * n
+    errs: list[BaseException | None] = [None] * n
+
+    def consumer(rank: int) -> None:
+        ds = pipe.dataset(rank, fetch=fetch, **_dataset_kwargs(w, cfg, encoding))
+        it = iter(ds)
+        try:
+            out[rank] = _consume(w, trainers[rank], _knitdata_next(it), lambda: barrier.wait(timeout_s),
+                                 (lambda s: progress.update(1)) if (rank == 0 and progress is not None) else None)
+        except BaseException as e:
+            errs[rank] = e
+            barrier.abort()
+        finally:
+            it.close()
+
+    threads = [threading.Thread(target=consumer, args=(r,), name=f"bench-consumer-{r}", daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if any(t.is_alive() for t in threads):
+        raise EngineError(f"embedded consumers did not finish within {timeout_s:.0f} s")
+    for e in errs:
+        if e is not None and not isinstance(e, threading.BrokenBarrierError):
+            raise e
+    extras = [{"metrics": pipe.metrics(r).to_dict()} for r in range(n)]
+    return out, extras, expected, {"fill_s": fill_s}
+
+
+#: How the process modes reach knitdata (stated in the JSON and the README).
+_PROCESS_MODES_ENGINE = (
+    "knitdata.storage.ray_engine: a RayPipeline (coordinator actor: admission, placement, planner; one "
+    "storage-unit actor; Ray object store on loopback) fed by the driver, and a RayTrajectoryDataset per rank in "
+    "each of the 4 consumer processes"
+)
+_PROCESS_MODES_VIA = (
+    "knitdata's TrajectoryDataset (fetch modes, Prefetcher, collators) in 4 consumer processes, payloads in a "
+    "RayStorageUnit actor (knitdata.storage.ray_unit, Ray object store, loopback only), admission "
+    "(knitdata.admission) and planning (knitdata.planner.Planner) in the driver; plans reach the consumers as "
+    "JSON through the _PlanView bridge of this module"
+)
+
+
+def _plan_to_json(plan: Any) -> dict[str, Any]:
+    rows = [
+        [
+            {
+                **{f.name: getattr(pmb, f.name) for f in dataclasses.fields(pmb) if f.name != "trajectories"},
+                "trajectories": [m.to_dict() for m in pmb.trajectories],
+            }
+            for pmb in row
+        ]
+        for row in plan.microbatches
+    ]
+    head = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "microbatches"}
+    return {**head, "microbatches": rows}
+
+
+def _plan_from_json(d: Mapping[str, Any]) -> Any:
+    from knitdata.planner import MiniBatchPlan, PlannedMicroBatch
+    from knitdata.record import TrajectoryMeta
+
+    rows = tuple(
+        tuple(
+            PlannedMicroBatch(**{**p, "trajectories": tuple(TrajectoryMeta.from_dict(m) for m in p["trajectories"])})
+            for p in row
+        )
+        for row in d["microbatches"]
+    )
+    return MiniBatchPlan(**{**d, "microbatches": rows})
+
+
+class _PlanView:
+    """Stand-in for the pipeline inside a consumer process: serves the driver's plans, reads Ray storage units.
+
+    It implements the part of :class:`~knitdata.pipeline.Pipeline` that
+    :class:`~knitdata.dataset.TrajectoryDataset` uses (plan lookup, fetch, commit/release), so the consumer
+    runs knitdata's own dataset, fetch modes, prefetcher and collators unchanged. It is the bridge used while
+    the Ray engine (``knitdata.storage.ray_engine``) is not available: admission and planning run in the
+    driver (the real :mod:`knitdata.admission` and :class:`~knitdata.planner.Planner`), payloads live in
+    :class:`~knitdata.storage.ray_unit.RayStorageUnit` actors (Ray object store, loopback only).
+    """
+
+    engine = "ray"
+
+    def __init__(self, plans: Sequence[Any], units: Mapping[str, Any], num_consumers: int, node: str):
+        from knitdata.metrics import ConsumerMetrics
+
+        self._plans = sorted(plans, key=lambda p: p.minibatch)
+        self._units = dict(units)
+        self.num_consumers = num_consumers
+        self._node = node
+        self._metrics = [ConsumerMetrics(r) for r in range(num_consumers)]
+        self._release_q: queue.SimpleQueue = queue.SimpleQueue()
+        self._releaser: threading.Thread | None = None
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.num_consumers:
+            raise ConfigError(f"rank must be in 0..{self.num_consumers - 1}, got {rank!r}")
+
+    def metrics(self, rank: int) -> Any:
+        return self._metrics[rank]
+
+    def _get_position(self, rank: int) -> tuple[int, int]:
+        return (0, 0)
+
+    def _seek(self, rank: int, step: int, microbatch: int) -> None:
+        return None
+
+    def _claim(self, rank: int, it: Any) -> None:
+        return None
+
+    def _unclaim(self, rank: int, it: Any) -> None:
+        return None
+
+    def _wait_plan(self, step: int, stop: Any = None, poll_s: float = 0.05) -> Any:
+        return next((p for p in self._plans if p.minibatch >= step), None)
+
+    def _fetch(self, metas: Sequence[Any], rank: int, per_trajectory: bool) -> tuple[list[Trajectory], int, int, int]:
+        out: dict[str, Trajectory] = {}
+        requests = 0
+        if per_trajectory:
+            for m in metas:
+                out[m.id] = self._units[m.location].get([m.id])[0]
+                requests += 1
+        else:
+            by_unit: dict[str, list[str]] = {}
+            for m in metas:
+                by_unit.setdefault(m.location, []).append(m.id)
+            for u, ids in by_unit.items():
+                for t in self._units[u].get(ids):
+                    out[t.id] = t
+                requests += 1
+        nbytes = sum(m.nbytes for m in metas)
+        local = sum(m.nbytes for m in metas if self._units[m.location].node == self._node)
+        return [out[m.id] for m in metas], nbytes, local, requests
+
+    def _commit(self, rank: int, pmb: Any) -> None:
+        # Releasing is a Ray actor call: hand it to a background thread so next() does not wait for it.
+        if self._releaser is None:
+            self._releaser = threading.Thread(target=self._release_loop, name="knitdata-bench-release", daemon=True)
+            self._releaser.start()
+        self._release_q.put(pmb.trajectories)
+
+    def _release_loop(self) -> None:
+        while True:
+            metas = self._release_q.get()
+            if metas is None:
+                return
+            by_unit: dict[str, list[str]] = {}
+            for m in metas:
+                by_unit.setdefault(m.location, []).append(m.id)
+            for u, ids in by_unit.items():
+                self._units[u].release_async(ids)
+
+    def close(self) -> None:
+        """Stop the release thread after the releases queued so far."""
+        if self._releaser is not None:
+            self._release_q.put(None)
+            self._releaser.join(timeout=10)
+            self._releaser = None
+
+
+def _attach_dataset(job: Mapping[str, Any], rank: int, w: TransferWorkload, cfg: VLMConfig) -> Any:
+    """The TrajectoryDataset of ``rank`` in a consumer process (consumers as separate processes).
+
+    Bridge: attaches to the driver's Ray cluster (loopback only), to its storage-unit actors by name, and
+    serves the driver's plans through :class:`_PlanView`. With ``knitdata.storage.ray_engine`` in place this
+    is the one call to switch to the engine's own per-rank dataset.
+    """
+    for k, v in job.get("ray_env", {}).items():  # the driver's auth mode (token file stays where Ray keeps it)
+        os.environ.setdefault(k, v)
+    from knitdata.storage import ray_unit
+
+    ray_unit.connect(job["ray_address"], loopback_only=True)
+    if job.get("engine") == "ray_engine":
+        from knitdata.storage.ray_engine import RayTrajectoryDataset
+
+        kw = _dataset_kwargs(w, cfg, job["encoding"])
+        return RayTrajectoryDataset(job["pipeline"], address=job["ray_address"], rank=rank, fetch=job["fetch"], **kw)
+    units = {u: ray_unit.RayStorageUnit.attach(u, prefix=job["prefix"]) for u in job["unit_ids"]}
+    view = _PlanView([_plan_from_json(p) for p in job["plans"]], units, w.num_consumers, ray_unit.current_node())
+    from knitdata.dataset import TrajectoryDataset
+
+    return TrajectoryDataset(view, rank, fetch=job["fetch"], **_dataset_kwargs(w, cfg, job["encoding"]))
+
+
+def _parallel_put(put: Callable[[Trajectory], Any], trajs: Sequence[Trajectory], threads: int = 4) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="knitdata-bench-put") as ex:
+        for f in [ex.submit(put, t) for t in trajs]:
+            f.result()
+
+
+class _RayCluster:
+    """One local Ray per benchmark run, on loopback (address='local'): transferqueue's actors, then knitdata's."""
+
+    def __init__(self) -> None:
+        self.address: str | None = None
+        self.node: str | None = None
+        self.startup_s = 0.0
+        self._runs = 0
+        self._created_units: list[Any] = []
+        self._pipes: dict[str, Any] = {}
+
+    def start(self) -> None:
+        """Start Ray (once; later calls return at once)."""
+        if self.address is not None:
+            return
+        t0 = time.perf_counter()
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        import ray
+
+        from knitdata.storage import ray_unit
+
+        if ray.is_initialized():
+            raise EngineError("Ray is already initialized in this process; the transfer benchmark starts its own")
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+                 _node_ip_address=ray_unit.LOOPBACK, object_store_memory=4 << 30,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                                           "TQ_NUM_THREADS": "1"}})
+        try:
+            ray_unit.check_loopback()
+        except EngineError as e:
+            ray.shutdown()
+            raise LoopbackError(str(e)) from e
+        self.address = ray.get_runtime_context().gcs_address
+        self.node = ray_unit.current_node()
+        self.startup_s = time.perf_counter() - t0
+
+    def prepare(self, w: TransferWorkload) -> tuple[dict[str, Any], set[str], float]:
+        """A fresh storage unit holding the whole workload, and the plans of every step (admission + planner)."""
+        from knitdata.admission import make_policy
+        from knitdata.placement import ConsumerLayout
+        from knitdata.planner import Planner
+        from knitdata.storage import ray_unit
+
+        assert self.node is not None
+        t0 = time.perf_counter()
+        self._runs += 1
+        prefix = f"knitdata_bench_{os.getpid()}_{self._runs}"
+        unit_id = "node0"
+        kw = _pipeline_kwargs(w)
+        unit = ray_unit.RayStorageUnit.create(unit_id, self.node, kw["capacity_bytes"], prefix=prefix)
+        layout = ConsumerLayout.single_node(w.num_consumers)
+        planner = Planner(layout, kw["token_budget"], locality=True, unit_nodes={unit_id: "node0"})
+        policy = make_policy(kw["admission"], _batch_spec(w))
+        plans = []
+        ids: set[str] = set()
+        seq = 0
+        for step in range(w.total_steps):
+            metas = []
+            trajs = [t for group in make_step_groups(w, step) for t in group]
+            _parallel_put(unit.put, trajs)
+            for t in trajs:
+                metas.append(t.meta(location=unit_id, seq=seq))
+                ids.add(t.id)
+                seq += 1
+            policy.offer(metas)
+            for adm in policy.poll():
+                plans.append(_plan_to_json(planner.plan(adm, {m.id: w.response_tokens for m in adm.trajectories})))
+        if len(plans) != w.total_steps:
+            raise EngineError(f"admission produced {len(plans)} mini-batches for {w.total_steps} steps")
+        ray_env = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH") if k in os.environ}
+        job = {"kind": "knitdata", "ray_address": self.address, "prefix": prefix, "unit_ids": [unit_id],
+               "plans": plans, "ray_env": ray_env}
+        self._created_units.append(unit)
+        return job, ids, time.perf_counter() - t0
+
+    def prepare_engine(self, w: TransferWorkload) -> tuple[dict[str, Any], set[str], float]:
+        """A fresh :class:`~knitdata.storage.ray_engine.RayPipeline` holding the whole workload (closed)."""
+        from knitdata.storage.ray_engine import RayPipeline
+
+        t0 = time.perf_counter()
+        self._runs += 1
+        name = f"knitdata_bench_{os.getpid()}_{self._runs}"
+        kw = _pipeline_kwargs(w)
+        pipe = RayPipeline(_batch_spec(w), admission=kw["admission"], num_consumers=w.num_consumers,
+                           capacity_bytes=kw["capacity_bytes"], token_budget=kw["token_budget"], name=name,
+                           address=self.address, release="commit")
+        self._pipes[name] = pipe
+        ids: set[str] = set()
+        for step in range(w.total_steps):
+            trajs = [t for group in make_step_groups(w, step) for t in group]
+            _parallel_put(pipe.put, trajs)  # a step's puts overlap (start-up, not measured)
+            ids.update(t.id for t in trajs)
+        pipe.close()
+        ray_env = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH") if k in os.environ}
+        job = {"kind": "knitdata", "engine": "ray_engine", "ray_address": self.address, "pipeline": name,
+               "ray_env": ray_env}
+        return job, ids, time.perf_counter() - t0
+
+    def engine_bytes_fetched(self, name: str) -> int | None:
+        """Bytes the storage units of pipeline ``name`` handed out (its stats), if known."""
+        pipe = self._pipes.get(name)
+        if pipe is None:
+            return None
+        try:
+            units = pipe.stats().get("units", {})
+            return int(sum((u or {}).get("bytes_fetched", 0) for u in units.values()))
+        except Exception:  # stats are a report, not the measurement
+            return None
+
+    def finish_runs(self) -> None:
+        """Stop every storage unit and pipeline created for the runs."""
+        import ray
+
+        for unit in self._created_units:
+            ray.kill(unit.actor)
+        self._created_units = []
+        for pipe in self._pipes.values():
+            pipe.shutdown()
+        self._pipes = {}
+
+    def close(self) -> None:
+        if self.address is None:
+            return
+        import ray
+
+        try:
+            self.finish_runs()
+        finally:
+            ray.shutdown()
+            self.address = None
+
+
+def _process_path(encoding: str) -> str:
+    """``"ray_engine"`` (knitdata.storage.ray_engine) when it can deliver this encoding, else ``"bridge"``.
+
+    The engine's :class:`~knitdata.storage.ray_engine.RayTrajectoryDataset` takes a per-micro-batch
+    ``collate`` only; SharedEncoding needs the media table of the consumer's whole share of the mini-batch
+    (a ``media_collator``), which the bridge (knitdata's TrajectoryDataset over Ray storage units) provides.
+    """
+    try:
+        import inspect
+
+        from knitdata.storage.ray_engine import RayTrajectoryDataset
+    except ImportError:
+        return "bridge"
+    if encoding == "shared" and "media_collator" not in inspect.signature(RayTrajectoryDataset).parameters:
+        return "bridge"
+    return "ray_engine"
+
+
+# ---------------------------------------------------------------------------------------------- summary
+def _median(v: Sequence[float]) -> float:
+    return float(statistics.median(v)) if v else float("nan")
+
+
+def summarize_mode(records: Sequence[Sequence[ConsumerStepRecord]], w: TransferWorkload,
+                   expected_ids: set[str] | None = None) -> dict[str, Any]:
+    """Per-step medians over the measured steps, and exactly-once counts over every step.
+
+    Exposed latency per step is the mean over consumers (``exposed_latency_max_s``: the slowest one); the
+    step time is the slowest consumer's (the optimizer step of data-parallel training waits for it).
+    """
+    measured = range(w.warmup_steps, w.total_steps)
+    ex_mean = [statistics.fmean(r[s].exposed_s for r in records) for s in measured]
+    ex_max = [max(r[s].exposed_s for r in records) for s in measured]
+    step = [max(r[s].step_s for r in records) for s in measured]
+    comp = [statistics.fmean(r[s].compute_s for r in records) for s in measured]
+    to_trainer = [sum(r[s].bytes for r in records) for s in measured]
+    moved = [sum(r[s].moved for r in records) for s in measured]
+    counts: dict[str, int] = {}
+    for r in records:
+        for rec in r:
+            for i in rec.ids:
+                counts[i] = counts.get(i, 0) + 1
+    expected = set(counts) if expected_ids is None else expected_ids
+    return {
+        "exposed_latency_s": _median(ex_mean),
+        "exposed_latency_max_s": _median(ex_max),
+        "step_s": _median(step),
+        "compute_s": _median(comp),
+        "bytes_to_trainer_per_step": _median(to_trainer),
+        "bytes_moved_per_step": _median(moved) if any(moved) else None,
+        "delivered": sum(counts.values()),
+        "expected": len(expected),
+        "lost": len(expected - set(counts)),
+        "duplicated": sum(c - 1 for c in counts.values() if c > 1),
+        "unexpected": len(set(counts) - expected),
+        "exactly_once": set(counts) == expected and all(c == 1 for c in counts.values()),
+        "microbatches_per_step": sorted({rec.microbatches for r in records for rec in r}),
+        "per_step": {"exposed_s": ex_mean, "step_s": step, "compute_s": comp},
+        "exposed_by_microbatch_s": [
+            _median([r[s].waits[i] for s in measured for r in records if i < len(r[s].waits)])
+            for i in range(max(len(r[s].waits) for s in measured for r in records))
+        ],
+    }
+
+
+def _bytes_moved_from_metrics(extras: Sequence[Mapping[str, Any]], w: TransferWorkload) -> float | None:
+    tot = [e.get("metrics", {}).get("bytes_fetched") for e in extras]
+    if not tot or any(t is None for t in tot):
+        return None
+    return float(sum(tot)) / w.total_steps
+
+
+def _machine() -> dict[str, Any]:
+    import platform
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
+    try:
+        info["loadavg_at_start"] = list(os.getloadavg())
+    except OSError:
+        pass
+    from importlib import metadata
+
+    for dist in ("transferqueue", "ray"):  # not imported here: Ray reads its environment when imported
+        try:
+            info[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            info[dist] = None
+    return info
+
+
+def _count_flops(w: TransferWorkload, cfg: VLMConfig) -> dict[str, tuple[VLMConfig, dict[str, float]]]:
+    """FLOP counts of the projection model and of the model the consumers train."""
+    return {"model": (GPU_VLM, count_step_flops(GPU_VLM, w)), "tiny_model": (cfg, count_step_flops(cfg, w))}
+
+
+def _gpu_projection(flops: Mapping[str, tuple[VLMConfig, Mapping[str, float]]], tflops: float,
+                    base_ex: float | None, iter_dup_ex: float | None, iter_shared_ex: float | None) -> dict[str, Any]:
+    rate = tflops * 1e12
+    out: dict[str, Any] = {"rate_tflops": tflops, "precision": "bf16 dense, effective (stated, not measured)",
+                           "seed_speedup": SEED_SPEEDUP}
+    for label, (cfg, f) in flops.items():
+        c_dup, c_sh = f["step_dup"] / rate, f["step_shared"] / rate
+        d: dict[str, Any] = {"config": cfg.to_dict(), "params": f["params"], "flops_step_dup": f["step_dup"],
+                             "flops_step_shared": f["step_shared"], "compute_s_dup": c_dup, "compute_s_shared": c_sh}
+        if base_ex is not None and iter_shared_ex is not None:
+            base = c_dup + base_ex
+            ours = c_sh + iter_shared_ex
+            d.update(step_s_transferqueue_dup=base, step_s_iter_shared=ours, speedup=base / ours,
+                     break_even_transferqueue_latency_s_for_seed=max(0.0, SEED_SPEEDUP * ours - c_dup))
+            if iter_dup_ex is not None:
+                d["speedup_transfer"] = base / (c_dup + iter_dup_ex)
+                d["speedup_encoding"] = (c_dup + iter_dup_ex) / (c_sh + iter_dup_ex)
+        out[label] = d
+    out["value"] = out["model"].get("speedup")
+    out["assumption"] = (
+        "compute = counted FLOPs (FlopCounterMode, forward+backward, one consumer's step) / rate; transfer = the "
+        "exposed latency measured here on CPU, unchanged on a GPU (iter hides its fetch behind the GPU compute, "
+        "which is longer per micro-batch than the fetch measured here)"
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the benchmark
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or not b or math.isnan(a) or math.isnan(b):
+        return None
+    return a / b
+
+
+def run_transfer_benchmark(
+    w: TransferWorkload | None = None,
+    modes: Sequence[str] = MODES,
+    *,
+    shared_modes: Sequence[str] = ("iter", "iter_embedded"),
+    cfg: VLMConfig = TINY_VLM,
+    gpu_tflops: float = DEFAULT_GPU_TFLOPS,
+    tq_units: int = 2,
+    timeout_s: float = 900.0,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Run every requested mode side by side on one workload and return the JSON-serializable result.
+
+    Args:
+        w: The workload (default: the fixed one).
+        modes: Subset of :data:`MODES` (run in that order).
+        shared_modes: Modes also run with :class:`~knitdata.encoder.SharedEncoding`.
+        cfg: The model the consumers train.
+        gpu_tflops: Effective GPU rate for the projection.
+        tq_units: transferqueue SimpleStorage units.
+        timeout_s: Limit per run (consumers that do not finish raise :class:`~knitdata.errors.EngineError`).
+        progress: Show tqdm bars.
+        log: Where to print notes (default: stderr).
+
+    Raises:
+        ConfigError: Unknown modes.
+        LoopbackError: transferqueue or Ray listens on a non-loopback address.
+        EngineError: Consumers failed or timed out.
+    """
+    from tqdm import tqdm
+
+    w = w or TransferWorkload()
+    if "ray" not in sys.modules:
+        # Keeps Ray (and transferqueue's servers) on 127.0.0.1 on this kind of machine (NOTES.md).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Ray's default for a new local cluster, made explicit before the consumer processes are spawned: a
+    # process that imported Ray caches its auth mode, and the consumers must agree with the driver's cluster.
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ConfigError(f"unknown modes {bad}; choose from {MODES}")
+    modes = [m for m in MODES if m in modes]
+    say = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    t_start = time.perf_counter()
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    result: dict[str, Any] = {
+        "benchmark": "transfer",
+        "workload": w.to_dict(),
+        "model": cfg.to_dict(),
+        "machine": _machine(),
+        "modes": {},
+        "runs": [],
+        "notes": [],
+        "startup_s": {},
+    }
+    runs: list[tuple[str, str]] = [(m, "dup") for m in modes] + [(m, "shared") for m in modes if m in shared_modes]
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        result["notes"].append("ray is not installed: transferqueue, sample, eager and iter (consumer processes) "
+                               "skipped; install the 'ray' and 'baseline' extras")
+        say(result["notes"][-1])
+        runs = [r for r in runs if r[0] == "iter_embedded"]
+    process_modes = {"transferqueue", "sample", "eager", "iter"}
+    pool: _WorkerPool | None = None
+
+    def bar(label: str) -> Any:
+        return tqdm(total=w.total_steps, desc=f"{label:<22}", disable=not progress, leave=False, file=sys.stderr)
+
+    def record(mode: str, encoding: str, recs: Any, extras: Any, expected: set[str] | None, engine: str,
+               **extra: Any) -> None:
+        s = summarize_mode(recs, w, expected)
+        s["run_wall_s"] = sum(max(r[i].step_s for r in recs) for i in range(w.total_steps))
+        if s["bytes_moved_per_step"] is None:
+            s["bytes_moved_per_step"] = _bytes_moved_from_metrics(extras, w)
+        s.update(mode=mode, encoding=encoding, engine=engine, **extra)
+        result["runs"].append(s)
+        if encoding == "dup":
+            result["modes"].setdefault(mode, {}).update(s)
+        else:
+            result["modes"].setdefault(mode, {})["shared"] = s
+
+    t_mark = time.perf_counter()
+
+    def mark(label: str) -> None:
+        nonlocal t_mark
+        now = time.perf_counter()
+        result["timeline_s"].append([label, round(now - t_mark, 3)])
+        t_mark = now
+
+    result["timeline_s"] = []
+    cluster = _RayCluster()
+    # FLOPs are counted (meta device) while servers start, never while a run is measured.
+    from concurrent.futures import ThreadPoolExecutor
+
+    flops_pool = ThreadPoolExecutor(1, thread_name_prefix="knitdata-bench-flops")
+    flops_job = flops_pool.submit(_count_flops, w, cfg)
+
+    def before_measuring() -> None:
+        if not flops_job.done():
+            flops_job.result()
+            mark("flop counts (waited)")
+
+    try:
+        need_pool = any(m in process_modes for m, _ in runs)
+        if need_pool:
+            t0 = time.perf_counter()
+            pool = _WorkerPool(w.num_consumers)
+            result["startup_s"]["consumer_processes_spawned"] = time.perf_counter() - t0
+        # Sources of the process modes, all prepared first (start-up, not measured), then run interleaved step by
+        # step in the same 4 consumer processes: (a) transferqueue, (b)-(d) knitdata sample/eager/iter.
+        sources: list[dict[str, Any]] = []
+        expected_of: dict[str, set[str]] = {}
+        info_of: dict[str, dict[str, Any]] = {}
+        server: _TQServer | None = None
+        try:
+            if any(r[0] == "transferqueue" for r in runs):
+                try:
+                    import tensordict  # noqa: F401
+                    import transfer_queue  # noqa: F401
+                except ImportError as e:
+                    result["notes"].append(f"transferqueue is not installed ({e}); mode 'transferqueue' skipped. "
+                                           "Install the 'baseline' extra: pip install 'knitdata[baseline]'")
+                    say(result["notes"][-1])
+                    runs = [r for r in runs if r[0] != "transferqueue"]
+                else:
+                    server = _TQServer(w, tq_units)
+                    server.start(cluster)
+                    mark("ray + transferqueue start")
+                    result["transferqueue"] = {"addresses": server.addresses, "storage_units": tq_units,
+                                               "startup_s": server.startup_s}
+                    say(f"transferqueue up in {server.startup_s:.1f} s on {server.addresses}")
+                    expected = server.put_all()
+                    mark("transferqueue put")
+                    result["transferqueue"]["put_s"] = server.put_s
+                    result["startup_s"]["transferqueue"] = server.startup_s + server.put_s
+                    for mode, enc in [r for r in runs if r[0] == "transferqueue"]:
+                        name = f"{mode}/{enc}"
+                        sources.append({"name": name, "kind": "transferqueue", "conf": server.conf, "encoding": enc})
+                        expected_of[name] = expected
+                        info_of[name] = {"engine": "transferqueue (Ray actors, ZMQ on loopback)"}
+            ray_runs = [r for r in runs if r[0] in ("sample", "eager", "iter")]
+            if ray_runs:
+                result["process_modes_via"] = {"ray_engine": _PROCESS_MODES_ENGINE, "bridge": _PROCESS_MODES_VIA}
+                cluster.start()
+                for mode, enc in ray_runs:
+                    via = _process_path(enc)
+                    job, expected, prep_s = cluster.prepare_engine(w) if via == "ray_engine" else cluster.prepare(w)
+                    name = f"{mode}/{enc}"
+                    sources.append({**job, "name": name, "fetch": mode, "encoding": enc})
+                    expected_of[name] = expected
+                    engine = ("ray (consumer processes; knitdata.storage.ray_engine)" if via == "ray_engine"
+                              else "ray (consumer processes; TrajectoryDataset over RayStorageUnit, bridge)")
+                    info_of[name] = {"engine": engine, "via": via, "prepare_s": prep_s}
+                    mark(f"prepare {name} ({via})")
+            if sources:
+                assert pool is not None
+                before_measuring()
+                job = {"sources": sources, **_job_base(w, cfg, "dup")}
+                desc = "interleaved: " + ", ".join(x["name"] for x in sources)
+                say(desc)
+                with tqdm(total=w.total_steps * len(sources), desc="process modes", disable=not progress,
+                          leave=False, file=sys.stderr) as pb:
+                    recs, extras = pool.run(job, timeout_s * len(sources), pb)
+                mark("run process modes (interleaved)")
+                for x in sources:
+                    name = x["name"]
+                    mode, enc = name.split("/")
+                    info = dict(info_of[name])
+                    engine = info.pop("engine")
+                    ex = extras[name]
+                    if info.get("via") == "ray_engine":
+                        moved = cluster.engine_bytes_fetched(x["pipeline"])
+                        if moved is not None:
+                            ex = [{"metrics": {"bytes_fetched": moved if r == 0 else 0}} for r in range(len(ex))]
+                    record(mode, enc, recs[name], ex, expected_of[name], engine, interleaved=True, **info)
+        finally:
+            if server is not None:
+                server.close()
+            cluster.finish_runs()
+        result["startup_s"]["ray"] = cluster.startup_s
+        cluster.close()
+        if pool is not None:
+            pool.close()
+            pool = None
+        mark("ray shutdown")
+        # (e) iter on the embedded engine.
+        for mode, enc in [r for r in runs if r[0] == "iter_embedded"]:
+            before_measuring()
+            with bar(f"{mode}/{enc}") as pb:
+                recs, extras, expected, info = _run_embedded(w, cfg, "iter", enc, timeout_s, pb)
+            record(mode, enc, recs, extras, expected, "embedded (consumer threads)", **info)
+            mark(f"run {mode}/{enc}")
+    finally:
+        cluster.close()
+        if pool is not None:
+            pool.close()
+        torch.set_num_threads(threads_before)
+
+    _add_speedups(result, flops_job.result(), gpu_tflops)
+    flops_pool.shutdown()
+    result["total_s"] = time.perf_counter() - t_start
+    return result
+
+
+def _add_speedups(result: dict[str, Any], flops: Mapping[str, Any], gpu_tflops: float) -> None:
+    m = result["modes"]
+    tq = m.get("transferqueue")
+    it_name = "iter" if "iter" in m else ("iter_embedded" if "iter_embedded" in m else None)
+    it = m.get(it_name) if it_name else None
+    it_sh = (it or {}).get("shared")
+    g = lambda d, k: None if d is None else d.get(k)  # noqa: E731
+    result["iter_reference_mode"] = it_name
+    result["latency_ratio_transferqueue_vs_iter"] = _ratio(g(tq, "exposed_latency_s"), g(it, "exposed_latency_s"))
+    frac = _ratio(g(it, "exposed_latency_s"), g(tq, "exposed_latency_s"))
+    result["iter_latency_fraction_of_transferqueue"] = frac
+    result["acceptance_iter_latency_le_1pct"] = None if frac is None else frac <= 0.01
+    result["speedup_transfer"] = _ratio(g(tq, "step_s"), g(it, "step_s"))
+    result["speedup_encoding"] = _ratio(g(it, "step_s"), g(it_sh, "step_s"))
+    result["speedup_end_to_end_cpu"] = _ratio(g(tq, "step_s"), g(it_sh, "step_s"))
+    result["speedup_end_to_end_projected_gpu"] = _gpu_projection(
+        flops, gpu_tflops, g(tq, "exposed_latency_s"), g(it, "exposed_latency_s"), g(it_sh, "exposed_latency_s")
+    )
+    result["exactly_once_all_runs"] = all(r["exactly_once"] for r in result["runs"])
+
+
+# ---------------------------------------------------------------------------------------------- report
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def _short_engine(r: Mapping[str, Any]) -> str:
+    via = r.get("via")
+    if via:
+        return "ray_engine" if via == "ray_engine" else "ray_bridge"
+    return str(r["engine"]).split(" ")[0]
+
+
+def format_table(result: Mapping[str, Any]) -> str:
+    """The printed table and summary."""
+    w = result["workload"]
+    lines = [
+        f"transfer benchmark: {w['groups_per_step']} groups x n={w['group_size']} trajectories of {w['tokens']} tokens, "
+        f"one {'x'.join(map(str, w['image_shape']))} uint8 image per group; {w['num_consumers']} consumers x "
+        f"{w['microbatches_per_step']} micro-batches of {w['microbatch_size']}; {w['warmup_steps']} warm-up + "
+        f"{w['steps']} measured steps; medians per step. Process modes ran interleaved step by step in the same "
+        "4 consumer processes; iter_embedded (threads of one process) ran after them.",
+        "",
+        f"{'mode':<15}{'encoding':<9}{'engine':<13}{'exposed ms':>11}{'max ms':>9}{'step s':>8}{'compute s':>10}"
+        f"{'moved MiB':>10}{'trainer MiB':>12}{'delivered':>10}{'lost':>5}{'dup':>5}",
+    ]
+    for r in result["runs"]:
+        mib = 1 << 20
+        lines.append(
+            f"{r['mode']:<15}{r['encoding']:<9}{_short_engine(r):<13}"
+            f"{_fmt(r['exposed_latency_s'] * 1e3, '.2f'):>11}{_fmt(r['exposed_latency_max_s'] * 1e3, '.2f'):>9}"
+            f"{_fmt(r['step_s'], '.3f'):>8}{_fmt(r['compute_s'], '.3f'):>10}"
+            f"{_fmt(None if r['bytes_moved_per_step'] is None else r['bytes_moved_per_step'] / mib, '.1f'):>10}"
+            f"{_fmt(r['bytes_to_trainer_per_step'] / mib, '.1f'):>12}{r['delivered']:>10}{r['lost']:>5}"
+            f"{r['duplicated']:>5}"
+        )
+    it = result.get("iter_reference_mode")
+    frac = result.get("iter_latency_fraction_of_transferqueue")
+    lines += [
+        "",
+        f"exposed latency, transferqueue / {it}: {_fmt(result.get('latency_ratio_transferqueue_vs_iter'), '.0f')}x "
+        f"({it} is {_fmt(None if frac is None else frac * 100, '.3f')}% of transferqueue; acceptance <= 1%: "
+        f"{result.get('acceptance_iter_latency_le_1pct')})",
+        f"speedup, transfer alone (transferqueue vs {it}, dup encoding):  {_fmt(result.get('speedup_transfer'), '.2f')}x",
+        f"speedup, encoding alone ({it}: dup vs SharedEncoding):           {_fmt(result.get('speedup_encoding'), '.2f')}x",
+        f"speedup, both (transferqueue+dup vs {it}+SharedEncoding), CPU:   "
+        f"{_fmt(result.get('speedup_end_to_end_cpu'), '.2f')}x",
+    ]
+    p = result.get("speedup_end_to_end_projected_gpu") or {}
+    pm = p.get("model", {})
+    if pm.get("speedup") is not None:
+        lines += [
+            f"projected on a GPU at {p['rate_tflops']:.0f} TFLOP/s ({GPU_VLM.name}, {pm['params'] / 1e9:.1f}B params): "
+            f"compute {pm['compute_s_dup']:.2f} s (dup) / {pm['compute_s_shared']:.2f} s (shared) per step; "
+            f"end-to-end {pm['speedup']:.2f}x (transfer alone {_fmt(pm.get('speedup_transfer'), '.2f')}x, encoding "
+            f"alone {_fmt(pm.get('speedup_encoding'), '.2f')}x) vs the seed's {SEED_SPEEDUP}x; 5.8x would need "
+            f"transferqueue to expose {pm['break_even_transferqueue_latency_s_for_seed']:.1f} s per step here",
+        ]
+        pt = p.get("tiny_model", {})
+        if pt.get("speedup") is not None:
+            lines.append(f"  (same projection with the tiny CPU model's FLOPs: {pt['speedup']:.1f}x, transfer-bound)")
+    lines.append(f"exactly-once in every run: {result.get('exactly_once_all_runs')}")
+    for n in result.get("notes", []):
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def plot_result(result: Mapping[str, Any], path: str) -> None:
+    """Exposed latency per mode (log scale) and step time split into exposed transfer and the rest."""
+    from knitdata.errors import OptionalDependencyError
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover
+        raise OptionalDependencyError("matplotlib", "plot", "--plot") from e
+    runs = result["runs"]
+    labels = [r["mode"].replace("_embedded", "\n(embedded)") + "\n" + r["encoding"] for r in runs]
+    ex = [max(r["exposed_latency_s"], 1e-6) * 1e3 for r in runs]
+    step = [r["step_s"] for r in runs]
+    exs = [r["exposed_latency_max_s"] for r in runs]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    a1.bar(labels, ex, color="tab:red")
+    a1.set_yscale("log")
+    a1.set_ylabel("exposed transfer latency per step (ms, log)")
+    a1.set_title("time in next() per step (median)")
+    a2.bar(labels, exs, color="tab:red", label="exposed transfer (slowest consumer)")
+    a2.bar(labels, [max(0.0, s - e) for s, e in zip(step, exs)], bottom=exs, color="tab:blue",
+           label="training compute and the rest")
+    a2.set_ylabel("step time (s)")
+    a2.set_title("transfer + training per step (median)")
+    a2.legend(fontsize=8)
+    for a in (a1, a2):
+        a.tick_params(axis="x", labelsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- command line
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``knitdata bench transfer``."""
+    parser.add_argument("--json", metavar="PATH", help="write the result as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG plot")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps (default 10; smoke 1)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; smoke 1)")
+    parser.add_argument("--smoke", action="store_true", help="a short run of every mode (CI; < 240 s on 2 cores)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run")
+    parser.add_argument("--shared-modes", nargs="*", choices=MODES, default=None,
+                        help="modes also run with SharedEncoding (default: iter and iter_embedded; smoke: iter_embedded)")
+    parser.add_argument("--gpu-tflops", type=float, default=DEFAULT_GPU_TFLOPS,
+                        help="effective GPU rate for the projection (TFLOP/s)")
+    parser.add_argument("--tq-units", type=int, default=2, help="transferqueue SimpleStorage units")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per run before giving up")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``knitdata bench transfer``; prints the table, writes JSON/plot. Returns 0, or 1 if a run was not
+    exactly-once."""
+    steps = args.steps if args.steps is not None else (1 if args.smoke else 10)
+    warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
+    shared = args.shared_modes if args.shared_modes is not None else (["iter_embedded"] if args.smoke else
+                                                                         ["iter", "iter_embedded"])
+    w = TransferWorkload(steps=steps, warmup_steps=warmup)
+    timeout = args.timeout if args.timeout is not None else (150.0 if args.smoke else 900.0)
+    result = run_transfer_benchmark(w, args.modes, shared_modes=shared, cfg=SMOKE_VLM if args.smoke else TINY_VLM,
+                                    gpu_tflops=args.gpu_tflops, tq_units=args.tq_units, timeout_s=timeout,
+                                    progress=not args.no_progress)
+    prog = os.path.basename(sys.argv[0]) if sys.argv else ""
+    result["command"] = (f"knitdata {' '.join(sys.argv[1:])}" if prog in ("__main__.py", "knitdata")
+                         else f"python {' '.join(sys.argv)}")
+    result["smoke"] = bool(args.smoke)
+    print(format_table(result))
+    if args.json:
+        d = os.path.dirname(os.path.abspath(args.json))
+        os.makedirs(d, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(_clean(result), f, indent=1, allow_nan=False)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_result(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if result["exactly_once_all_runs"] else 1
+
+
+def _clean(o: Any) -> Any:
+    """``o`` with NaN/inf floats as ``None`` and tuples as lists (strict JSON)."""
+    if isinstance(o, float):
+        return None if (math.isnan(o) or math.isinf(o)) else o
+    if isinstance(o, Mapping):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
