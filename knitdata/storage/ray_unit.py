@@ -128,9 +128,8 @@ def connect(
             kwargs["_node_ip_address"] = LOOPBACK
         if address is None:
             kwargs.update(include_dashboard=False, num_cpus=num_cpus, object_store_memory=object_store_memory)
-        # Ray 2.60 turns on token authentication for clusters started by ray.init(); processes that attach
-        # to such a cluster are refused unless they use it too
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        # Note: Ray 2.60 may turn on token authentication for a cluster started by ray.init(); processes
+        # attaching to it then need RAY_AUTH_MODE=token in their environment (the examples set it)
         # address=None must start a new local Ray: ray.init(None) would attach to ANY cluster on the machine
         ray.init(address="local" if address is None else address, **kwargs)
         _INIT_PID = os.getpid()
