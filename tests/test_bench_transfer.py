@@ -159,7 +159,7 @@ def test_smoke_run_every_mode(tmp_path):
     plot = tmp_path / "transfer.png"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "knitdata", "bench", "transfer", "--smoke", "--no-progress", "--json", str(out),
-           "--plot", str(plot)]
+           "--plot", str(plot), "--shared-modes", "iter", "iter_embedded"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     res = json.loads(out.read_text())
@@ -183,4 +183,7 @@ def test_smoke_run_every_mode(tmp_path):
     proj = res["speedup_end_to_end_projected_gpu"]
     assert proj["rate_tflops"] > 0 and "model" in proj
     assert res["exactly_once_all_runs"] is True
+    # SharedEncoding on the Ray engine: RayTrajectoryDataset with a media_collator
+    shared_iter = [r for r in res["runs"] if r["mode"] == "iter" and r.get("encoding") == "shared"]
+    assert shared_iter and "knitdata.storage.ray_engine" in shared_iter[0].get("engine", ""), shared_iter
     assert plot.stat().st_size > 0
