@@ -404,15 +404,17 @@ class Pipeline:
                     trajectory_id=traj.id,
                     field="group",
                 )
-            if self._schema is None:
-                self._schema = (frozenset(traj.scalars), frozenset(traj.tensors))
             try:
                 self._live[traj.id] = meta
+                # again: a concurrent put may have set the schema while this one was stored
+                self._check_schema_locked(traj)
                 self._loss[traj.id] = _loss_tokens(traj)
                 self._policy.offer([meta])
             except BaseException:
                 self._drop_unadmitted([meta])
                 raise
+            if self._schema is None:  # set by the first accepted put only
+                self._schema = (frozenset(traj.scalars), frozenset(traj.tensors))
             self._counts["puts"] += 1
             self._poll_locked()
         return meta

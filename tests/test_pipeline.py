@@ -430,3 +430,43 @@ def test_consumer_restores_mid_step_in_the_same_pipeline_with_release_step():
     assert again[0].trajectory_ids == crashed.trajectory_ids  # re-delivered, not lost
     assert sorted(i for info in first + again for i in info.trajectory_ids) == [f"t{i}" for i in range(8)]
     assert pipe.stats()["held_trajectories"] == 0
+
+
+def test_concurrent_first_puts_with_different_fields_are_not_both_accepted():
+    """The field schema is fixed by the first put that completes: a put that passed the schema check while
+    no schema was set yet is checked again once stored, so two puts with different fields racing to be the
+    first cannot both be accepted (a micro-batch holding both would not collate)."""
+    spec = BatchSpec({"a": 4}, num_minibatches=1)
+    pipe = Pipeline(spec, num_consumers=1)
+    (unit,) = pipe._units.values()
+    entered, go = threading.Event(), threading.Event()
+    real_put = unit.put
+
+    def slow_put(traj, *, timeout=None):
+        if traj.id == "t0":
+            entered.set()
+            assert go.wait(5)
+        return real_put(traj, timeout=timeout)
+
+    unit.put = slow_put
+    errors: list = []
+
+    def first():
+        try:
+            pipe.put(make_traj(0, "a", "g0"))  # scalars {"reward"}
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert entered.wait(5)  # t0 passed the schema check (none yet) and is being stored
+    odd = make_traj(1, "a", "g1")
+    odd.scalars = {"advantage": 0.5}
+    pipe.put(odd)  # completes first: its fields become the schema
+    go.set()
+    t.join(5)
+    assert len(errors) == 1 and isinstance(errors[0], ValidationError) and errors[0].trajectory_id == "t0"
+    st = pipe.stats()
+    assert st["puts"] == 1 and st["held_trajectories"] == 1
+    assert [u["num_items"] for u in st["units"].values()] == [1]  # the refused payload left storage
+    pipe.close()

@@ -65,6 +65,21 @@ def test_transfer_meter_counts_and_merges() -> None:
 
 
 # ---------------------------------------------------------------------------------------- the cluster
+
+
+def test_pipeline_args_with_check_media_give_a_config_error_on_the_ray_engine() -> None:
+    """Pipeline's check_media handed over to RayPipeline: a ConfigError (RayClient.put does not decode media),
+    not a TypeError, and raised before any Ray is started."""
+    from knitdata.admission import BatchSpec
+    from knitdata.errors import ConfigError
+    from knitdata.pipeline import Pipeline
+
+    with pytest.raises(ConfigError, match="check_media"):
+        Pipeline(BatchSpec({"math": 2}, num_minibatches=1), engine="ray",
+                 engine_options={"cross_process": True}, check_media=True)
+    assert not ray.is_initialized()
+
+
 @pytest.fixture(scope="module")
 def cluster() -> ClusterProcess:
     with ClusterProcess(nodes=3, cpus=2, store_mb=128, timeout_s=150) as c:

@@ -808,7 +808,8 @@ class RayPipeline(RayClient):
 
         Raises:
             ConfigError: ``engine`` is not ``"ray"``, ``on_plan`` is given (plans are made in the coordinator
-                actor), or the placement/admission is an object rather than a name.
+                actor), ``check_media=True`` (puts do not decode media on this engine), or the
+                placement/admission is an object rather than a name.
         """
         if engine != "ray":
             raise ConfigError(f"RayPipeline serves engine='ray', not {engine!r}")
@@ -817,6 +818,9 @@ class RayPipeline(RayClient):
                               "read RayPipeline.stats() instead")
         if not isinstance(kwargs.get("admission", ""), str):
             raise ConfigError("the Ray engine takes the admission policy by name")
+        if kwargs.pop("check_media", False):
+            raise ConfigError("check_media=True is not available on the Ray engine (RayClient.put does not decode "
+                              "media); pass check_media=False, or use an in-process Pipeline")
         return cls(spec, **kwargs, **dict(engine_options or {}))
 
     def kill_unit(self, unit_id: str) -> None:
