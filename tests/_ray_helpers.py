@@ -443,6 +443,22 @@ def workers_resume(num_workers: int = 2, n_groups: int = 16, stop_after: int = 5
     trajs = workload(n_groups, extra=1000)
     for t in trajs:
         pipe.put(t)
+    # bad puts through the Ray client are refused with the trajectory's id; nothing accepted is affected
+    from knitdata.errors import KnitdataError
+    from knitdata.record import MediaItem
+
+    refused: dict[str, list[Any]] = {}
+    odd = make_traj(9000, extra=1000)
+    odd.scalars = {"reward": 1.0, "extra_score": 2.0}
+    pipe.withdraw("g-withdrawn")
+    late = make_traj(9001, group="g-withdrawn", extra=1000)
+    broken = make_traj(9002, extra=1000)
+    broken.media = [MediaItem("image", data=b"not an image")]
+    for label, t in (("schema", odd), ("withdrawn", late), ("media", broken)):
+        try:
+            pipe.put(t)
+        except KnitdataError as e:
+            refused[label] = [type(e).__name__, getattr(e, "trajectory_id", None), getattr(e, "field", None)]
     pipe.close()
     ds = pipe.dataset(0, fetch=fetch)
     loader = ds.stateful_loader(num_workers=num_workers)
@@ -474,9 +490,9 @@ def workers_resume(num_workers: int = 2, n_groups: int = 16, stop_after: int = 5
     time.sleep(0.2)  # releases are sent without waiting
     handout_stats = pipe.stats()
     pipe.shutdown()
-    return {"handout_ids": handout_ids, "handout_held": handout_stats["held_trajectories"],
+    return {"refused": refused, "handout_ids": handout_ids, "handout_held": handout_stats["held_trajectories"],
             "handout_used": [u["used_bytes"] for u in handout_stats["units"].values()],
-            "handout_state": handout_state, "handout_planned": handout_stats["planned"],"before": before, "lost_progress": lost_progress, "after": after, "all_ids": [t.id for t in trajs],
+            "handout_state": handout_state, "handout_planned": handout_stats["planned"], "before": before, "lost_progress": lost_progress, "after": after, "all_ids": [t.id for t in trajs],
             "committed": committed, "final_committed": final, "planned": stats["planned"],
             "held": stats["held_trajectories"], "state": state}
 

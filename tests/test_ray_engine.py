@@ -67,16 +67,21 @@ def test_transfer_meter_counts_and_merges() -> None:
 # ---------------------------------------------------------------------------------------- the cluster
 
 
-def test_pipeline_args_with_check_media_give_a_config_error_on_the_ray_engine() -> None:
-    """Pipeline's check_media handed over to RayPipeline: a ConfigError (RayClient.put does not decode media),
-    not a TypeError, and raised before any Ray is started."""
+def test_pipeline_args_hand_check_media_to_the_ray_pipeline(monkeypatch) -> None:
+    """Pipeline's check_media reaches RayPipeline (whose client decodes media at put); no Ray is started here."""
     from knitdata.admission import BatchSpec
-    from knitdata.errors import ConfigError
     from knitdata.pipeline import Pipeline
+    from knitdata.storage.ray_engine import RayPipeline
 
-    with pytest.raises(ConfigError, match="check_media"):
-        Pipeline(BatchSpec({"math": 2}, num_minibatches=1), engine="ray",
-                 engine_options={"cross_process": True}, check_media=True)
+    seen: dict = {}
+
+    def fake_init(self, spec, **kw):
+        seen.update(kw)
+
+    monkeypatch.setattr(RayPipeline, "__init__", fake_init)
+    pipe = Pipeline(BatchSpec({"math": 2}, num_minibatches=1), engine="ray",
+                    engine_options={"cross_process": True, "name": "x"}, check_media=False)
+    assert isinstance(pipe, RayPipeline) and seen["check_media"] is False and seen["name"] == "x"
     assert not ray.is_initialized()
 
 
@@ -168,6 +173,10 @@ def test_dataloader_workers_split_without_duplicates_and_resume(cluster: Cluster
     got = [i for x in r["before"] + r["after"] for i in x[0]]
     assert sorted(got) == sorted(r["all_ids"]) and len(set(got)) == len(got)  # exactly once across resume
     assert r["committed"] == 5  # the checkpoint released the first 5 micro-batches
+    # put-time checks on the Ray engine: field schema, withdrawn group, undecodable media, each naming the id
+    assert r["refused"]["schema"] == ["ValidationError", "t9000", "scalars.extra_score"]
+    assert r["refused"]["withdrawn"] == ["ValidationError", "t9001", "group"]
+    assert r["refused"]["media"][:2] == ["MediaError", "t9002"]
     assert r["final_committed"] == r["planned"][0] and r["held"] == 0
     ws = [s for s in _states(r["state"])]
     assert sorted(s["worker"] for s in ws) == [0, 1] and all(s["num_workers"] == 2 for s in ws)

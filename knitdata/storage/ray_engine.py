@@ -61,6 +61,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -107,6 +108,8 @@ __all__ = [
 
 #: When payloads leave storage (see the module docstring).
 RELEASE_MODES: tuple[str, ...] = ("commit", "handout")
+#: How many withdrawn group ids the coordinator remembers to refuse late members.
+_WITHDRAWN_MEMORY = 1 << 16
 
 
 def _coordinator_name(name: str) -> str:
@@ -198,6 +201,10 @@ class _Coordinator:
         self.seq = 0
         # puts in progress: id -> (unit, metadata dict, seq); a producer that died mid-put leaves one behind
         self.putting: dict[str, tuple[str, dict[str, Any], int]] = {}
+        # field names every trajectory carries (set by the first accepted put), so every micro-batch collates
+        self.schema: dict[str, list[str]] | None = None
+        # recently withdrawn groups: a late member is refused instead of starting a group that never completes
+        self.withdrawn: OrderedDict[str, None] = OrderedDict()
         self.live: dict[str, TrajectoryMeta] = {}
         self.loss: dict[str, int] = {}
         n = self.layout.num_consumers
@@ -223,6 +230,19 @@ class _Coordinator:
             if tid in self.live:
                 raise ValidationError("was already put and is still held; ids must be unique", trajectory_id=tid,
                                       field="id")
+            if meta["group"] in self.withdrawn:
+                raise ValidationError(f"its group {meta['group']!r} was withdrawn (aborted or filtered); a late "
+                                      "member is not accepted", trajectory_id=tid, field="group")
+            fields = meta.get("fields")
+            if self.schema is not None and fields is not None:
+                for kind in ("scalars", "tensors"):
+                    have, want = set(fields.get(kind, ())), set(self.schema[kind])
+                    if have != want:
+                        missing, extra = sorted(want - have), sorted(have - want)
+                        raise ValidationError(
+                            f"carries {kind} {sorted(have)} but this pipeline's trajectories carry {sorted(want)} "
+                            f"(missing {missing}, unexpected {extra}); every trajectory needs the same fields so "
+                            "that any micro-batch collates", trajectory_id=tid, field=f"{kind}.{(missing or extra)[0]}")
             stale = self.putting.pop(tid, None)
             if stale is not None:
                 # a retry after the producer died mid-put (or a concurrent duplicate, which then loses): drop the
@@ -234,7 +254,7 @@ class _Coordinator:
             m = TrajectoryMeta.from_dict({**meta, "seq": self.seq, "location": None})
             self.seq += 1
             unit = self.placement.place(m)
-            self.putting[tid] = (unit, m.to_dict(), m.seq)
+            self.putting[tid] = (unit, {**m.to_dict(), "fields": fields}, m.seq)
             return {"seq": m.seq, "unit": unit}
 
     def unreserve(self, meta: dict[str, Any], unit: str) -> None:
@@ -258,6 +278,10 @@ class _Coordinator:
             if self.closed or self.error is not None:
                 self._release_metas([m])
                 raise EngineError("the pipeline was closed while this put was in progress; it was not accepted")
+            if m.group in self.withdrawn:  # withdrawn while this put was in progress
+                self._release_metas([m])
+                raise ValidationError(f"its group {m.group!r} was withdrawn while this put was in progress; it was "
+                                      "not accepted", trajectory_id=m.id, field="group")
             self.live[m.id] = m
             self.loss[m.id] = int(loss_tokens)
             try:
@@ -265,6 +289,8 @@ class _Coordinator:
             except BaseException:
                 self._release_metas([m])
                 raise
+            if self.schema is None and cur[1].get("fields") is not None:
+                self.schema = {k: list(v) for k, v in cur[1]["fields"].items()}
             self.counts["puts"] += 1
             self._poll()
 
@@ -281,6 +307,9 @@ class _Coordinator:
     def withdraw(self, group: str) -> list[dict[str, Any]]:
         with self.cond:
             metas = self.policy.withdraw(group)
+            self.withdrawn[group] = None
+            while len(self.withdrawn) > _WITHDRAWN_MEMORY:
+                self.withdrawn.popitem(last=False)
             self._release_metas(metas)
             self.counts["withdrawn"] += len(metas)
             self.placement.forget_group(group)
@@ -564,8 +593,9 @@ class RayClient:
     """
 
     def __init__(self, name: str = "knitdata", *, address: str | None = None, loopback_only: bool = True,
-                 put_timeout: float | None = 60.0, timeout_s: float = 60.0) -> None:
+                 put_timeout: float | None = 60.0, timeout_s: float = 60.0, check_media: bool = True) -> None:
         connect(address, loopback_only=loopback_only)
+        self.check_media = check_media
         self.name = name
         self.address = current_address()  # what datasets pickled into other processes attach to
         self.loopback_only = loopback_only
@@ -625,7 +655,9 @@ class RayClient:
         try:
             return ray.get(method.remote(*args), timeout=self.timeout_s)
         except ray.exceptions.RayTaskError as e:
-            cause = e.as_instanceof_cause()
+            cause = getattr(e, "cause", None)  # the coordinator's own exception, as the user would see it locally
+            if not isinstance(cause, KnitdataError):
+                cause = e.as_instanceof_cause()
             if isinstance(cause, KnitdataError):
                 raise cause from None
             raise
@@ -648,14 +680,24 @@ class RayClient:
         if not isinstance(traj, Trajectory):
             raise ValidationError(f"put() takes a knitdata.Trajectory, got {type(traj).__name__}", field="traj")
         traj.validate()
+        if self.check_media and traj.media:  # decoded here, in the producer: a bad item never reaches a consumer
+            from knitdata.media import check_media_item
+
+            for i, item in enumerate(traj.media):
+                check_media_item(item, trajectory_id=traj.id, index=i)
         timeout = self.put_timeout if timeout == "default" else timeout
         meta = traj.meta().to_dict()
-        r = self._call(self._coord.reserve, meta)
+        fields = {"scalars": sorted(traj.scalars), "tensors": sorted(traj.tensors)}
+        r = self._call(self._coord.reserve, {**meta, "fields": fields})
         meta.update(seq=r["seq"], location=r["unit"])
         try:
             self._units[r["unit"]].put(traj, timeout=timeout)
         except BaseException:
-            self._coord.unreserve.remote(meta, r["unit"])
+            unit = self._units[r["unit"]]
+            try:  # the actor may have stored it before the failure reached us (an interrupted ray.get)
+                unit.release_async([traj.id])
+            finally:
+                self._coord.unreserve.remote(meta, r["unit"])
             raise
         self._call(self._coord.offer, meta, _loss_tokens(traj))
         return TrajectoryMeta.from_dict(meta)
@@ -753,6 +795,7 @@ class RayPipeline(RayClient):
         loopback_only: bool = True,
         detached: bool = False,
         timeout_s: float = 120.0,
+        check_media: bool = True,
     ) -> None:
         if not isinstance(spec, BatchSpec):
             raise ConfigError(f"spec must be a knitdata.admission.BatchSpec, got {type(spec).__name__}")
@@ -789,7 +832,7 @@ class RayPipeline(RayClient):
         except ray.exceptions.RayActorError as e:
             raise EngineError(f"the coordinator of pipeline {name!r} failed to start: {e}") from e
         super().__init__(name, address=address, loopback_only=loopback_only, put_timeout=put_timeout,
-                         timeout_s=timeout_s)
+                         timeout_s=timeout_s, check_media=check_media)
 
     @classmethod
     def from_pipeline_args(
@@ -808,8 +851,7 @@ class RayPipeline(RayClient):
 
         Raises:
             ConfigError: ``engine`` is not ``"ray"``, ``on_plan`` is given (plans are made in the coordinator
-                actor), ``check_media=True`` (puts do not decode media on this engine), or the
-                placement/admission is an object rather than a name.
+                actor), or the placement/admission is an object rather than a name.
         """
         if engine != "ray":
             raise ConfigError(f"RayPipeline serves engine='ray', not {engine!r}")
@@ -818,9 +860,6 @@ class RayPipeline(RayClient):
                               "read RayPipeline.stats() instead")
         if not isinstance(kwargs.get("admission", ""), str):
             raise ConfigError("the Ray engine takes the admission policy by name")
-        if kwargs.pop("check_media", False):
-            raise ConfigError("check_media=True is not available on the Ray engine (RayClient.put does not decode "
-                              "media); pass check_media=False, or use an in-process Pipeline")
         return cls(spec, **kwargs, **dict(engine_options or {}))
 
     def kill_unit(self, unit_id: str) -> None:
