@@ -24,6 +24,7 @@ import json
 import math
 import threading
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,17 @@ from knitdata.admission import AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.record import MediaItem, Trajectory, TrajectoryMeta
 from knitdata.staleness import staleness_reduction, summarize
 
-__all__ = ["DemoConfig", "DemoReport", "run_demo", "replay_staleness", "add_arguments", "run"]
+__all__ = [
+    "DemoConfig",
+    "DemoReport",
+    "PatchEncoder",
+    "TinyVLM",
+    "run_demo",
+    "replay_staleness",
+    "format_report",
+    "add_arguments",
+    "run",
+]
 
 
 @dataclass(frozen=True)
@@ -118,7 +129,8 @@ class PatchEncoder(nn.Module):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(patch_dim, dim), nn.GELU(), nn.Linear(dim, dim))
 
-    def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Encode packed patch rows ``[N, patch_dim]`` (``offsets`` unused: rows are independent)."""
         return self.net(values)
 
 
@@ -133,7 +145,8 @@ class TinyVLM(nn.Module):
         )
         self.head = nn.Linear(dim, vocab)
 
-    def forward(self, input_ids: torch.Tensor, image_feat: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    def forward(self, input_ids: torch.Tensor, image_feat: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` from token ids ``[B, T]`` and one image feature per sequence ``[B, dim]``."""
         h = self.embed(input_ids) + image_feat[:, None, :]
         for block in self.blocks:
             h = h + block(h)
@@ -177,10 +190,7 @@ class _Rollout(threading.Thread):
         out = []
         for s, mean, sigma in self.cfg.sources:
             for g in range(self.cfg.quota // self.cfg.group_size):
-                gid = f"b{b}-{s}-g{g}"
-                for j in range(self.cfg.group_size):
-                    out.append((s, gid, mean, sigma))
-                    del j
+                out.extend([(s, f"b{b}-{s}-g{g}", mean, sigma)] * self.cfg.group_size)
         order = self.rng.permutation(len(out))
         return [out[i] for i in order]
 
@@ -220,7 +230,7 @@ class _Rollout(threading.Thread):
                     continue
                 heapq.heappop(running)
                 if gid not in images:
-                    images[gid] = _png(hash(gid) % (2**31), cfg.image_size)
+                    images[gid] = _png(zlib.crc32(gid.encode()) + cfg.seed, cfg.image_size)
                     rewards[gid] = rng.random(cfg.group_size)
                 j = member.get(gid, 0)
                 member[gid] = j + 1
@@ -487,9 +497,8 @@ def run_demo(
         m = pipe.metrics(r)
         waits = m.wait_per_step_s
         transfer = [e - s for k, s, e in timeline[r] if k == "wait"]
-        per_step = [sum(transfer[i : i + 1]) for i in range(len(transfer))]
         exposed[f"consumer{r}"] = {
-            "transfer_median_per_microbatch_s": float(np.median(per_step)) if per_step else 0.0,
+            "transfer_median_per_microbatch_s": float(np.median(transfer)) if transfer else 0.0,
             "transfer_total_s": float(sum(transfer)),
             "next_median_per_step_s": float(np.median(waits)) if waits else 0.0,
             "admission_wait_total_s": float(sum(e - s for k, s, e in timeline[r] if k == "admission")),
