@@ -117,23 +117,6 @@ def test_duplicated_and_shared_encoding_give_the_same_gradients():
         torch.testing.assert_close(grads["shared"][n], g, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_plan_json_roundtrip():
-    from knitdata.admission import make_policy
-    from knitdata.placement import ConsumerLayout
-    from knitdata.planner import Planner
-
-    kw = tb._pipeline_kwargs(SMALL)
-    planner = Planner(ConsumerLayout.single_node(SMALL.num_consumers), kw["token_budget"])
-    policy = make_policy(kw["admission"], tb._batch_spec(SMALL))
-    policy.offer([t.meta(location="node0", seq=i)
-                  for i, t in enumerate(t for g in tb.make_step_groups(SMALL, 0) for t in g)])
-    (adm,) = policy.poll()
-    plan = planner.plan(adm)
-    d = tb._plan_to_json(plan)
-    back = tb._plan_from_json(json.loads(json.dumps(d)))
-    assert back == plan
-
-
 def test_embedded_run_in_process_is_exactly_once_and_reports_the_keys():
     res = tb.run_transfer_benchmark(SMALL, ["iter_embedded"], shared_modes=["iter_embedded"], cfg=SMALL_VLM,
                                     timeout_s=60, progress=False, log=lambda s: None)

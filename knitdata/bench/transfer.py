@@ -8,9 +8,8 @@ excluded. It is delivered by
 * ``transferqueue`` -- the real ``transferqueue`` package (controller + SimpleStorage units as Ray actors,
   started once per run on loopback only; consumers fetch sample-level rows with ``get_meta``/``get_data``),
 * ``sample`` / ``eager`` / ``iter`` -- knitdata's fetch modes with consumers as separate processes: the Ray
-  engine (:mod:`knitdata.storage.ray_engine`); for ``shared`` encoding, which needs a media table per
-  consumer share that the engine's dataset does not build yet, knitdata's ``TrajectoryDataset`` over Ray
-  storage units (:class:`_PlanView`; :func:`_process_path` switches to the engine once it can),
+  engine (:mod:`knitdata.storage.ray_engine`); with ``shared`` encoding the rank's
+  :class:`~knitdata.storage.ray_dataset.RayTrajectoryDataset` takes a ``media_collator``,
 * ``iter_embedded`` -- ``iter`` on the embedded engine (consumers are threads of one process), a reference.
 
 The process-mode sources are prepared first, then run interleaved step by step in the same 4 consumer
@@ -827,9 +826,6 @@ def _run_worker_job(rank: int, job: Mapping[str, Any], barrier: Any, res_q: Any,
                 ds = _attach_dataset(spec, rank, w, cfg)
                 it = iter(ds)
                 closers.append(getattr(it, "close", lambda: None))
-                view = getattr(ds, "pipeline", None)
-                if isinstance(view, _PlanView):
-                    closers.append(view.close)
                 # Ray engine (release="commit"): commit the state after each optimizer step, which releases the
                 # step's payloads (a trainer would do it after saving a checkpoint).
                 commit = getattr(ds, "commit", None) if spec.get("engine") == "ray_engine" else None
@@ -1023,156 +1019,22 @@ _PROCESS_MODES_ENGINE = (
     "storage-unit actor; Ray object store on loopback) fed by the driver, and a RayTrajectoryDataset per rank in "
     "each of the 4 consumer processes"
 )
-_PROCESS_MODES_VIA = (
-    "knitdata's TrajectoryDataset (fetch modes, Prefetcher, collators) in 4 consumer processes, payloads in a "
-    "RayStorageUnit actor (knitdata.storage.ray_unit, Ray object store, loopback only), admission "
-    "(knitdata.admission) and planning (knitdata.planner.Planner) in the driver; plans reach the consumers as "
-    "JSON through the _PlanView bridge of this module"
-)
-
-
-def _plan_to_json(plan: Any) -> dict[str, Any]:
-    rows = [
-        [
-            {
-                **{f.name: getattr(pmb, f.name) for f in dataclasses.fields(pmb) if f.name != "trajectories"},
-                "trajectories": [m.to_dict() for m in pmb.trajectories],
-            }
-            for pmb in row
-        ]
-        for row in plan.microbatches
-    ]
-    head = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan) if f.name != "microbatches"}
-    return {**head, "microbatches": rows}
-
-
-def _plan_from_json(d: Mapping[str, Any]) -> Any:
-    from knitdata.planner import MiniBatchPlan, PlannedMicroBatch
-    from knitdata.record import TrajectoryMeta
-
-    rows = tuple(
-        tuple(
-            PlannedMicroBatch(**{**p, "trajectories": tuple(TrajectoryMeta.from_dict(m) for m in p["trajectories"])})
-            for p in row
-        )
-        for row in d["microbatches"]
-    )
-    return MiniBatchPlan(**{**d, "microbatches": rows})
-
-
-class _PlanView:
-    """Stand-in for the pipeline inside a consumer process: serves the driver's plans, reads Ray storage units.
-
-    It implements the part of :class:`~knitdata.pipeline.Pipeline` that
-    :class:`~knitdata.dataset.TrajectoryDataset` uses (plan lookup, fetch, commit/release), so the consumer
-    runs knitdata's own dataset, fetch modes, prefetcher and collators unchanged. It is the bridge used while
-    the Ray engine (``knitdata.storage.ray_engine``) is not available: admission and planning run in the
-    driver (the real :mod:`knitdata.admission` and :class:`~knitdata.planner.Planner`), payloads live in
-    :class:`~knitdata.storage.ray_unit.RayStorageUnit` actors (Ray object store, loopback only).
-    """
-
-    engine = "ray"
-
-    def __init__(self, plans: Sequence[Any], units: Mapping[str, Any], num_consumers: int, node: str):
-        from knitdata.metrics import ConsumerMetrics
-
-        self._plans = sorted(plans, key=lambda p: p.minibatch)
-        self._units = dict(units)
-        self.num_consumers = num_consumers
-        self._node = node
-        self._metrics = [ConsumerMetrics(r) for r in range(num_consumers)]
-        self._release_q: queue.SimpleQueue = queue.SimpleQueue()
-        self._releaser: threading.Thread | None = None
-
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.num_consumers:
-            raise ConfigError(f"rank must be in 0..{self.num_consumers - 1}, got {rank!r}")
-
-    def metrics(self, rank: int) -> Any:
-        return self._metrics[rank]
-
-    def _get_position(self, rank: int) -> tuple[int, int]:
-        return (0, 0)
-
-    def _seek(self, rank: int, step: int, microbatch: int) -> None:
-        return None
-
-    def _claim(self, rank: int, it: Any) -> None:
-        return None
-
-    def _unclaim(self, rank: int, it: Any) -> None:
-        return None
-
-    def _wait_plan(self, step: int, stop: Any = None, poll_s: float = 0.05) -> Any:
-        return next((p for p in self._plans if p.minibatch >= step), None)
-
-    def _fetch(self, metas: Sequence[Any], rank: int, per_trajectory: bool) -> tuple[list[Trajectory], int, int, int]:
-        out: dict[str, Trajectory] = {}
-        requests = 0
-        if per_trajectory:
-            for m in metas:
-                out[m.id] = self._units[m.location].get([m.id])[0]
-                requests += 1
-        else:
-            by_unit: dict[str, list[str]] = {}
-            for m in metas:
-                by_unit.setdefault(m.location, []).append(m.id)
-            for u, ids in by_unit.items():
-                for t in self._units[u].get(ids):
-                    out[t.id] = t
-                requests += 1
-        nbytes = sum(m.nbytes for m in metas)
-        local = sum(m.nbytes for m in metas if self._units[m.location].node == self._node)
-        return [out[m.id] for m in metas], nbytes, local, requests
-
-    def _commit(self, rank: int, pmb: Any) -> None:
-        # Releasing is a Ray actor call: hand it to a background thread so next() does not wait for it.
-        if self._releaser is None:
-            self._releaser = threading.Thread(target=self._release_loop, name="knitdata-bench-release", daemon=True)
-            self._releaser.start()
-        self._release_q.put(pmb.trajectories)
-
-    def _release_loop(self) -> None:
-        while True:
-            metas = self._release_q.get()
-            if metas is None:
-                return
-            by_unit: dict[str, list[str]] = {}
-            for m in metas:
-                by_unit.setdefault(m.location, []).append(m.id)
-            for u, ids in by_unit.items():
-                self._units[u].release_async(ids)
-
-    def close(self) -> None:
-        """Stop the release thread after the releases queued so far."""
-        if self._releaser is not None:
-            self._release_q.put(None)
-            self._releaser.join(timeout=10)
-            self._releaser = None
 
 
 def _attach_dataset(job: Mapping[str, Any], rank: int, w: TransferWorkload, cfg: VLMConfig) -> Any:
-    """The TrajectoryDataset of ``rank`` in a consumer process (consumers as separate processes).
+    """The :class:`~knitdata.storage.ray_dataset.RayTrajectoryDataset` of ``rank`` in a consumer process.
 
-    Bridge: attaches to the driver's Ray cluster (loopback only), to its storage-unit actors by name, and
-    serves the driver's plans through :class:`_PlanView`. With ``knitdata.storage.ray_engine`` in place this
-    is the one call to switch to the engine's own per-rank dataset.
+    Attaches to the driver's Ray cluster (loopback only) and to the pipeline's coordinator by name.
     """
     for k, v in job.get("ray_env", {}).items():  # the driver's auth mode (token file stays where Ray keeps it)
         os.environ.setdefault(k, v)
     from knitdata.storage import ray_unit
 
     ray_unit.connect(job["ray_address"], loopback_only=True)
-    if job.get("engine") == "ray_engine":
-        from knitdata.storage.ray_engine import RayTrajectoryDataset
+    from knitdata.storage.ray_engine import RayTrajectoryDataset
 
-        kw = _dataset_kwargs(w, cfg, job["encoding"])
-        return RayTrajectoryDataset(job["pipeline"], address=job["ray_address"], rank=rank, fetch=job["fetch"], **kw)
-    units = {u: ray_unit.RayStorageUnit.attach(u, prefix=job["prefix"]) for u in job["unit_ids"]}
-    view = _PlanView([_plan_from_json(p) for p in job["plans"]], units, w.num_consumers, ray_unit.current_node())
-    from knitdata.dataset import TrajectoryDataset
-
-    return TrajectoryDataset(view, rank, fetch=job["fetch"], **_dataset_kwargs(w, cfg, job["encoding"]))
+    kw = _dataset_kwargs(w, cfg, job["encoding"])
+    return RayTrajectoryDataset(job["pipeline"], address=job["ray_address"], rank=rank, fetch=job["fetch"], **kw)
 
 
 def _parallel_put(put: Callable[[Trajectory], Any], trajs: Sequence[Trajectory], threads: int = 4) -> None:
@@ -1191,7 +1053,6 @@ class _RayCluster:
         self.node: str | None = None
         self.startup_s = 0.0
         self._runs = 0
-        self._created_units: list[Any] = []
         self._pipes: dict[str, Any] = {}
 
     def start(self) -> None:
@@ -1218,45 +1079,6 @@ class _RayCluster:
         self.address = ray.get_runtime_context().gcs_address
         self.node = ray_unit.current_node()
         self.startup_s = time.perf_counter() - t0
-
-    def prepare(self, w: TransferWorkload) -> tuple[dict[str, Any], set[str], float]:
-        """A fresh storage unit holding the whole workload, and the plans of every step (admission + planner)."""
-        from knitdata.admission import make_policy
-        from knitdata.placement import ConsumerLayout
-        from knitdata.planner import Planner
-        from knitdata.storage import ray_unit
-
-        assert self.node is not None
-        t0 = time.perf_counter()
-        self._runs += 1
-        prefix = f"knitdata_bench_{os.getpid()}_{self._runs}"
-        unit_id = "node0"
-        kw = _pipeline_kwargs(w)
-        unit = ray_unit.RayStorageUnit.create(unit_id, self.node, kw["capacity_bytes"], prefix=prefix)
-        layout = ConsumerLayout.single_node(w.num_consumers)
-        planner = Planner(layout, kw["token_budget"], locality=True, unit_nodes={unit_id: "node0"})
-        policy = make_policy(kw["admission"], _batch_spec(w))
-        plans = []
-        ids: set[str] = set()
-        seq = 0
-        for step in range(w.total_steps):
-            metas = []
-            trajs = [t for group in make_step_groups(w, step) for t in group]
-            _parallel_put(unit.put, trajs)
-            for t in trajs:
-                metas.append(t.meta(location=unit_id, seq=seq))
-                ids.add(t.id)
-                seq += 1
-            policy.offer(metas)
-            for adm in policy.poll():
-                plans.append(_plan_to_json(planner.plan(adm, {m.id: w.response_tokens for m in adm.trajectories})))
-        if len(plans) != w.total_steps:
-            raise EngineError(f"admission produced {len(plans)} mini-batches for {w.total_steps} steps")
-        ray_env = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH") if k in os.environ}
-        job = {"kind": "knitdata", "ray_address": self.address, "prefix": prefix, "unit_ids": [unit_id],
-               "plans": plans, "ray_env": ray_env}
-        self._created_units.append(unit)
-        return job, ids, time.perf_counter() - t0
 
     def prepare_engine(self, w: TransferWorkload) -> tuple[dict[str, Any], set[str], float]:
         """A fresh :class:`~knitdata.storage.ray_engine.RayPipeline` holding the whole workload (closed)."""
@@ -1293,12 +1115,7 @@ class _RayCluster:
             return None
 
     def finish_runs(self) -> None:
-        """Stop every storage unit and pipeline created for the runs."""
-        import ray
-
-        for unit in self._created_units:
-            ray.kill(unit.actor)
-        self._created_units = []
+        """Stop every pipeline (coordinator and storage units) created for the runs."""
         for pipe in self._pipes.values():
             pipe.shutdown()
         self._pipes = {}
@@ -1313,24 +1130,6 @@ class _RayCluster:
         finally:
             ray.shutdown()
             self.address = None
-
-
-def _process_path(encoding: str) -> str:
-    """``"ray_engine"`` (knitdata.storage.ray_engine) when it can deliver this encoding, else ``"bridge"``.
-
-    The engine's :class:`~knitdata.storage.ray_engine.RayTrajectoryDataset` takes a per-micro-batch
-    ``collate`` only; SharedEncoding needs the media table of the consumer's whole share of the mini-batch
-    (a ``media_collator``), which the bridge (knitdata's TrajectoryDataset over Ray storage units) provides.
-    """
-    try:
-        import inspect
-
-        from knitdata.storage.ray_engine import RayTrajectoryDataset
-    except ImportError:
-        return "bridge"
-    if encoding == "shared" and "media_collator" not in inspect.signature(RayTrajectoryDataset).parameters:
-        return "bridge"
-    return "ray_engine"
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -1595,16 +1394,15 @@ def run_transfer_benchmark(
                         info_of[name] = {"engine": "transferqueue (Ray actors, ZMQ on loopback)"}
             ray_runs = [r for r in runs if r[0] in ("sample", "eager", "iter")]
             if ray_runs:
-                result["process_modes_via"] = {"ray_engine": _PROCESS_MODES_ENGINE, "bridge": _PROCESS_MODES_VIA}
+                result["process_modes_via"] = {"ray_engine": _PROCESS_MODES_ENGINE}
                 cluster.start()
                 for mode, enc in ray_runs:
-                    via = _process_path(enc)
-                    job, expected, prep_s = cluster.prepare_engine(w) if via == "ray_engine" else cluster.prepare(w)
+                    via = "ray_engine"
+                    job, expected, prep_s = cluster.prepare_engine(w)
                     name = f"{mode}/{enc}"
                     sources.append({**job, "name": name, "fetch": mode, "encoding": enc})
                     expected_of[name] = expected
-                    engine = ("ray (consumer processes; knitdata.storage.ray_engine)" if via == "ray_engine"
-                              else "ray (consumer processes; TrajectoryDataset over RayStorageUnit, bridge)")
+                    engine = "ray (consumer processes; knitdata.storage.ray_engine)"
                     info_of[name] = {"engine": engine, "via": via, "prepare_s": prep_s}
                     mark(f"prepare {name} ({via})")
             if sources:
@@ -1686,7 +1484,7 @@ def _fmt(v: float | None, spec: str) -> str:
 def _short_engine(r: Mapping[str, Any]) -> str:
     via = r.get("via")
     if via:
-        return "ray_engine" if via == "ray_engine" else "ray_bridge"
+        return "ray_engine"
     return str(r["engine"]).split(" ")[0]
 
 
