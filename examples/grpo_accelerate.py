@@ -204,7 +204,7 @@ def run_producer(args: argparse.Namespace) -> int:
     ray_environment()
     import ray
 
-    from knitdata.storage.ray_engine import RayPipeline
+    from knitdata import Pipeline
 
     if args.ray_address is None:
         start_local_ray()
@@ -212,8 +212,8 @@ def run_producer(args: argparse.Namespace) -> int:
     spec = make_spec(args.group_size, args.groups_per_source, args.num_minibatches)
     names = [n for n in args.pipeline_name.split(",") if n]
     pipes = [
-        RayPipeline(spec, num_consumers=args.world, name=n, token_budget=args.token_budget, capacity_bytes=64 << 20,
-                    address=args.ray_address)
+        Pipeline(spec, num_consumers=args.world, engine="ray", token_budget=args.token_budget, capacity_bytes=64 << 20,
+                 engine_options={"name": n, "address": args.ray_address})
         for n in names
     ]
     print(json.dumps({"address": ray.get_runtime_context().gcs_address, "names": names}), flush=True)
@@ -271,7 +271,7 @@ def open_source(args: argparse.Namespace, rank: int, world: int) -> Source:
     """Open this rank's data source. The only function that knows which engine feeds the loop.
 
     * ``ray``: the rollout producer is its own process (``--role producer``), hosting the pipeline on a
-      loopback Ray cluster; every rank attaches to it by name with a :class:`RayClient`. With
+      loopback Ray cluster; every rank attaches to it by name with :meth:`Pipeline.attach`. With
       ``--ray-address`` the producer is already running (started by you or a test); otherwise rank 0
       starts it and tells the other ranks its address.
     * ``embedded``: every rank runs the same deterministic producer thread into its own in-process
@@ -280,7 +280,7 @@ def open_source(args: argparse.Namespace, rank: int, world: int) -> Source:
     """
     if args.engine == "ray":
         ray_environment()
-        from knitdata.storage.ray_engine import RayClient
+        from knitdata import Pipeline
 
         producer = None
         address, name = args.ray_address, args.pipeline_name
@@ -295,7 +295,7 @@ def open_source(args: argparse.Namespace, rank: int, world: int) -> Source:
                 box = [address, name]
                 broadcast_object_list(box, from_process=0)
                 address, name = box
-        client = RayClient(name, address=address)
+        client = Pipeline.attach(name, address=address)
 
         def close_ray() -> None:
             if producer is not None:

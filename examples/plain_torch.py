@@ -135,14 +135,15 @@ def run_producer(args: argparse.Namespace) -> int:
     ray_environment()
     import ray
 
-    from knitdata.storage.ray_engine import RayPipeline
+    from knitdata import Pipeline
 
     if args.ray_address is None:
         start_local_ray()
 
     spec = make_spec()
-    pipe = RayPipeline(spec, num_consumers=args.world, name=args.pipeline_name, token_budget=args.token_budget,
-                       capacity_bytes=64 << 20, address=args.ray_address, release="handout")
+    pipe = Pipeline(spec, num_consumers=args.world, engine="ray", token_budget=args.token_budget,
+                    capacity_bytes=64 << 20, release="handout",
+                    engine_options={"name": args.pipeline_name, "address": args.ray_address})
     print(json.dumps({"address": ray.get_runtime_context().gcs_address}), flush=True)
     for t in rollout(spec, args.train_batches, args.seed):
         pipe.put(t)
@@ -189,7 +190,7 @@ def open_rank_source(args: argparse.Namespace, rank: int, world: int, errors: li
         import torch.distributed as dist
 
         ray_environment()
-        from knitdata.storage.ray_engine import RayClient
+        from knitdata import Pipeline
 
         box: list[Any] = [None, f"plain-{os.getpid()}-{int(time.time())}"]
         producer = None
@@ -203,7 +204,7 @@ def open_rank_source(args: argparse.Namespace, rank: int, world: int, errors: li
             producer = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
             box[0] = wait_for_address(producer)
         dist.broadcast_object_list(box, src=0)
-        client = RayClient(box[1], address=box[0])
+        client = Pipeline.attach(box[1], address=box[0])
 
         def close_ray() -> None:
             dist.barrier()  # every rank is done reading before the producer takes the pipeline down

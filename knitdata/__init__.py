@@ -27,11 +27,14 @@ from typing import TYPE_CHECKING, Any
 from knitdata.errors import (
     CodecError,
     ConfigError,
+    DataTimeoutError,
     EngineError,
     FieldTypeError,
+    IncompleteStreamError,
     KnitdataError,
     MediaError,
     OptionalDependencyError,
+    PipelineClosedError,
     QuotaInfeasibleError,
     StateError,
     StoreFull,
@@ -60,6 +63,8 @@ _LAZY: dict[str, str] = {
     "IndexModPlacement": "knitdata.placement",
     "Planner": "knitdata.planner",
     "Pipeline": "knitdata.pipeline",
+    "ControlPlane": "knitdata.control",
+    "ray_address": "knitdata.engines.ray",
     "TrajectoryDataset": "knitdata.dataset",
     "TokenCollator": "knitdata.collate",
     "MicroBatch": "knitdata.collate",
@@ -93,6 +98,9 @@ __all__ = [
     "StoreFull",
     "StateError",
     "EngineError",
+    "PipelineClosedError",
+    "DataTimeoutError",
+    "IncompleteStreamError",
     "TrajectoryLostError",
     "MediaError",
     "OptionalDependencyError",
@@ -126,8 +134,10 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from knitdata.codec import decode_trajectory, encode_trajectory  # noqa: F401
     from knitdata.collate import MicroBatch, MicroBatchInfo, TokenCollator  # noqa: F401
+    from knitdata.control import ControlPlane  # noqa: F401
     from knitdata.dataset import TrajectoryDataset  # noqa: F401
     from knitdata.encoder import SharedEncoding, grad_sync  # noqa: F401
+    from knitdata.engines.ray import ray_address  # noqa: F401
     from knitdata.media import audio_item, image_item, patchify  # noqa: F401
     from knitdata.multimodal import MediaTable, MultimodalBatch, MultimodalCollator  # noqa: F401
     from knitdata.pipeline import Pipeline  # noqa: F401

@@ -1,68 +1,92 @@
-"""One consumer's view of the pipeline: an ``IterableDataset`` of its micro-batches in plan order.
+"""One consumer's view of the pipeline: an ``IterableDataset`` of its micro-batches in plan order, any engine.
 
 :class:`TrajectoryDataset` yields the :class:`~knitdata.collate.MicroBatch` es of one rank, each with its
-:class:`~knitdata.collate.MicroBatchInfo` (``.info``), blocking until the next mini-batch is admitted and
-ending once the pipeline is closed and drained (or after ``max_minibatches`` per iteration). Payloads are
+:class:`~knitdata.collate.MicroBatchInfo` (``.info``), waiting (up to ``timeout``) until the next mini-batch is
+admitted and ending once the pipeline is closed and drained (or after ``max_minibatches`` per iteration).
+It reads the plan from the control plane and the payloads from the storage units through the engine
+(:class:`knitdata.engines.Engine`), so the same class serves the embedded and the Ray engine. Payloads are
 fetched only when needed:
 
 * ``sample``: one storage request per trajectory, when the micro-batch is asked for (baseline);
 * ``eager``: the consumer's whole share of the mini-batch before its first micro-batch;
-* ``iter``: micro-batch ``i + 1`` is fetched, decoded, collated (and pinned / copied to ``device``) on a
-  background thread (:class:`knitdata.prefetch.Prefetcher`) while micro-batch ``i`` computes; prefetch runs
-  across mini-batch boundaries whenever the next mini-batch is already admitted.
+* ``iter``: the next micro-batches are fetched, decoded, collated (and pinned / copied to ``device``) on a
+  background thread (:class:`knitdata.prefetch.Prefetcher`) while the current one computes, across
+  mini-batch boundaries.
 
-With a ``media_collator`` (e.g. :class:`~knitdata.multimodal.MultimodalCollator`) the share of each
-mini-batch is fetched at its first micro-batch and every micro-batch's ``media`` is the
+With a ``media_collator`` (e.g. :class:`~knitdata.multimodal.MultimodalCollator`) the share of each mini-batch
+is fetched at its first micro-batch and every micro-batch's ``media`` is the
 :class:`~knitdata.multimodal.MultimodalBatch` of the whole share (``media.for_microbatch(info.microbatch)``
-selects its rows). After a resume in the middle of a mini-batch the table covers the remaining
-micro-batches only (the earlier ones are empty lists).
+selects its rows). After a resume in the middle of a mini-batch the table covers the remaining micro-batches
+only (the earlier ones are empty lists).
 
-State (:meth:`TrajectoryDataset.state_dict`): the position after the last micro-batch handed out, a few
-integers, JSON-serializable, constant size. A dataset of a freshly built pipeline fed the same puts and
-loaded with it continues exactly after that micro-batch; so does ``StatefulDataLoader(ds, batch_size=None,
-num_workers=0)``. Release follows the pipeline's ``release`` mode: by default (``"step"``) a rank's payloads
-stay in storage until the rank starts its next mini-batch or calls :meth:`TrajectoryDataset.commit`, so a
-consumer that crashes mid-step and restores its last step-boundary state receives that step again.
-
-Engines: on ``"embedded"`` DataLoader worker processes are refused (a forked worker never sees later puts).
-The dataset exposes no ``generator`` attribute (Accelerate would try to synchronize it) and has
-:meth:`TrajectoryDataset.set_epoch`.
+Positions: the rank's micro-batches are numbered ``j = 0, 1, 2, ...`` over the whole run (plans are
+deterministic, so ``j`` names the same micro-batch in a fresh pipeline fed the same puts). DataLoader worker
+``w`` of ``W`` (Ray engine) takes the micro-batches with ``j % W == w``; the DataLoader's round robin hands them
+out in plan order. State (:meth:`TrajectoryDataset.state_dict`): the next ``j`` of this (worker's) iteration, a
+few integers of JSON. A new dataset without a loaded state continues after the last micro-batch handed out
+to the rank; a consumer that crashed loads its saved state instead.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from knitdata.errors import ConfigError, EngineError, StateError
-from knitdata.metrics import ConsumerMetrics
-from knitdata.planner import PlannedMicroBatch
-from knitdata.record import Trajectory
+from knitdata.collate import MicroBatchInfo
+from knitdata.engines.base import Engine
+from knitdata.errors import ConfigError, DataTimeoutError, EngineError, StateError
 
 if TYPE_CHECKING:  # pragma: no cover
     from knitdata.collate import MicroBatch
-    from knitdata.pipeline import Pipeline
+    from knitdata.metrics import ConsumerMetrics
 
-__all__ = ["TrajectoryDataset", "FETCH_MODES"]
+__all__ = ["TrajectoryDataset", "FETCH_MODES", "STATE_FORMAT", "find_states"]
 
-#: Fetch modes (DESIGN.md §4).
+#: Fetch modes.
 FETCH_MODES: tuple[str, ...] = ("sample", "eager", "iter")
+#: ``format`` of a :class:`TrajectoryDataset` state.
+STATE_FORMAT = "knitdata.TrajectoryDataset"
+_STATE_VERSION = 2
+_POLL_S = 1.0
 
-_STATE_FORMAT = "knitdata.TrajectoryDataset"
-_STATE_VERSION = 1
+
+def find_states(obj: Any, out: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Every dataset state nested in ``obj`` (itself, or a ``StatefulDataLoader`` state with worker snapshots)."""
+    out = [] if out is None else out
+    if isinstance(obj, Mapping):
+        if obj.get("format") == STATE_FORMAT:
+            out.append(dict(obj))
+        else:
+            for v in obj.values():
+                find_states(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            find_states(v, out)
+    return out
+
+
+def _count(state: Mapping[str, Any], key: str, *, optional: bool = False) -> Any:
+    """A non-negative int field of a state (``None`` allowed when ``optional``); else :class:`StateError`."""
+    v = state.get(key)
+    if v is None and optional:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise StateError(f"bad {STATE_FORMAT} state: {key!r} must be a non-negative int, got {v!r:.100}")
+    return v
 
 
 class TrajectoryDataset(IterableDataset):
     """The micro-batches of consumer ``rank``, in plan order. Build it with :meth:`Pipeline.dataset`.
 
     Args:
-        pipeline: The pipeline.
+        engine: The pipeline's engine.
         rank: The consumer.
         fetch: ``"sample"``, ``"eager"`` or ``"iter"``.
         collate: ``collate(trajectories, info) -> MicroBatch``; default :class:`~knitdata.collate.TokenCollator`.
@@ -71,14 +95,15 @@ class TrajectoryDataset(IterableDataset):
         device: Device the prefetcher copies micro-batches to (``iter`` mode).
         pin_memory: Pin on the prefetch thread (default: when CUDA is used).
         max_minibatches: Each iteration stops after this many mini-batches (``None``: until drained).
+        timeout: Most seconds to wait for the next micro-batch (``None``: no limit).
 
     Attributes:
-        metrics: The rank's :class:`~knitdata.metrics.ConsumerMetrics` (exposed latency, bytes, fetch time).
+        metrics: The rank's :class:`~knitdata.metrics.ConsumerMetrics` in this process.
     """
 
     def __init__(
         self,
-        pipeline: Pipeline,
+        engine: Engine,
         rank: int,
         *,
         fetch: str = "iter",
@@ -88,20 +113,25 @@ class TrajectoryDataset(IterableDataset):
         device: Any = None,
         pin_memory: bool | None = None,
         max_minibatches: int | None = None,
+        timeout: float | None = 1800.0,
     ) -> None:
         super().__init__()
-        pipeline._check_rank(rank)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < engine.num_consumers:
+            raise ConfigError(f"rank must be an int in 0..{engine.num_consumers - 1}, got {rank!r}")
         if fetch not in FETCH_MODES:
             raise ConfigError(f"unknown fetch mode {fetch!r}; choose one of {FETCH_MODES}")
-        if max_minibatches is not None and (not isinstance(max_minibatches, int) or max_minibatches < 1):
+        if max_minibatches is not None and (isinstance(max_minibatches, bool) or not isinstance(max_minibatches, int)
+                                            or max_minibatches < 1):
             raise ConfigError(f"max_minibatches must be a positive int or None, got {max_minibatches!r}")
         if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
             raise ConfigError(f"prefetch_depth must be an int >= 1, got {prefetch_depth!r}")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ConfigError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
         if collate is None:
             from knitdata.collate import TokenCollator
 
             collate = TokenCollator()
-        self.pipeline = pipeline
+        self.engine = engine
         self.rank = rank
         self.fetch = fetch
         self.collate = collate
@@ -110,49 +140,85 @@ class TrajectoryDataset(IterableDataset):
         self.device = device
         self.pin_memory = pin_memory
         self.max_minibatches = max_minibatches
-        self.metrics: ConsumerMetrics = pipeline.metrics(rank)
+        self.timeout = timeout
+        self._init_local()
+
+    def _init_local(self) -> None:
         self._lock = threading.Lock()
-        self._step, self._micro = pipeline._get_position(rank)
+        self._next: int | None = None  # next j of this (worker's) iteration; None: the rank's committed position
+        self._worker = (0, 1)
+        self._pos: tuple[int, int] | None = None  # (minibatch, microbatch) after the last handed out
         self._end_step: int | None = None
         self._epoch = 0
         self._handed_out = 0
         self._active: weakref.ref[_ConsumerIterator] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        for k in ("_lock", "_active"):
+            d.pop(k, None)
+        return d
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self._lock = threading.Lock()
+        self._active = None
+
+    @property
+    def metrics(self) -> ConsumerMetrics:
+        """This process's metrics of the rank."""
+        return self.engine.metrics(self.rank)
+
+    @property
+    def pipeline_name(self) -> str | None:
+        """The name of the pipeline (Ray engine), or ``None``."""
+        return self.engine.name
+
     # ------------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[MicroBatch]:
-        if get_worker_info() is not None:
+        wi = get_worker_info()
+        w, nw = (wi.id, wi.num_workers) if wi is not None else (0, 1)
+        if wi is not None and not self.engine.supports_worker_processes:
             raise EngineError(
-                f"TrajectoryDataset of an in-process Pipeline (engine={self.pipeline.engine!r}) cannot run in "
-                "DataLoader worker processes (a forked worker never sees later puts): use num_workers=0 "
-                "(fetch='iter' already prefetches on a background thread), or the Ray engine across processes: "
-                "Pipeline(..., engine='ray', engine_options={'cross_process': True, ...}).dataset(rank) or "
-                "knitdata.storage.ray_engine.RayPipeline"
-            )
+                f"TrajectoryDataset of an {self.engine.kind}-engine Pipeline cannot run in DataLoader worker processes "
+                "(a forked worker never sees later puts): use num_workers=0 (fetch='iter' already prefetches on a "
+                "background thread), or the Ray engine: Pipeline(..., engine='ray')")
+        if self.media_collator is not None and nw > 1:
+            raise ConfigError(
+                "media_collator needs the rank's whole share of a mini-batch in one process (one table of unique media "
+                "for all its micro-batches): use num_workers=0 (fetch='iter' prefetches on a thread)")
         with self._lock:
             self._close_active()
-            if self._end_step is None and self.max_minibatches is not None:
-                self._end_step = self._step + self.max_minibatches
-            it = _ConsumerIterator(self, self._step, self._micro, self._end_step)
+            if self._next is not None and self._worker != (w, nw):
+                raise StateError(f"state of worker {self._worker[0]} of {self._worker[1]} loaded into worker {w} of "
+                                 f"{nw}: resume with the same num_workers")
+            if self._next is None:
+                base = int(self.engine.control.start_position(self.rank))
+                self._next = base + ((w - base) % nw)
+            self._worker = (w, nw)
+            it = _ConsumerIterator(self, self._next, w, nw)
             self._active = weakref.ref(it)
         return it
 
     def stateful_loader(self, **kwargs: Any) -> Any:
-        """``torchdata.stateful_dataloader.StatefulDataLoader(self, batch_size=None, num_workers=0, **kwargs)``.
+        """``torchdata.stateful_dataloader.StatefulDataLoader(self, batch_size=None, **kwargs)``.
 
-        Its ``set_vital`` deprecation warning is filtered. Save and load its ``state_dict()`` per rank.
+        Its ``set_vital`` deprecation warning is filtered. Worker processes (Ray engine) are spawned. Save and load
+        its ``state_dict()`` per rank, and :meth:`commit` a saved state.
 
         Raises:
             EngineError: ``num_workers > 0`` on the embedded engine.
         """
-        if kwargs.get("num_workers", 0):
+        if kwargs.get("num_workers", 0) and not self.engine.supports_worker_processes:
             raise EngineError(
-                "num_workers > 0 needs the cross-process Ray engine (engine='ray' with "
-                "engine_options={'cross_process': True}); an in-process Pipeline serves num_workers=0 only"
-            )
+                "num_workers > 0 needs the Ray engine (Pipeline(..., engine='ray')): an embedded-engine pipeline lives "
+                "in one process; fetch='iter' already prefetches on a background thread")
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         kwargs.setdefault("batch_size", None)
         kwargs.setdefault("num_workers", 0)
+        if kwargs["num_workers"] > 0:
+            kwargs.setdefault("multiprocessing_context", "spawn")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             return StatefulDataLoader(self, **kwargs)
@@ -181,136 +247,134 @@ class TrajectoryDataset(IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable position after the last micro-batch handed out (constant size)."""
         with self._lock:
+            w, nw = self._worker
+            if self._next is None:
+                wi = get_worker_info()
+                w, nw = (wi.id, wi.num_workers) if wi is not None else (0, 1)
+            nxt = self._next
+            if nxt is None:
+                base = int(self.engine.control.start_position(self.rank))
+                nxt = base + ((w - base) % nw)
+            mb, micro = self._pos if self._pos is not None else (None, None)
             return {
-                "format": _STATE_FORMAT,
-                "version": _STATE_VERSION,
-                "rank": self.rank,
-                "num_consumers": self.pipeline.num_consumers,
-                "minibatch": self._step,
-                "microbatch": self._micro,
-                "end_minibatch": self._end_step,
-                "epoch": self._epoch,
+                "format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name, "rank": self.rank,
+                "num_consumers": self.engine.num_consumers, "worker": w, "num_workers": nw, "next": nxt,
+                "minibatch": mb, "microbatch": micro, "end_minibatch": self._end_step, "epoch": self._epoch,
                 "handed_out": self._handed_out,
             }
 
-    def commit(self, state: dict[str, Any] | None = None) -> int:
-        """Commit a position: payloads of this rank's micro-batches before it are released from storage.
-
-        Call it right after saving ``state_dict()`` (or the ``StatefulDataLoader``'s state) durably: a
-        restore may go back to any committed-or-later state, never before. With the pipeline's default
-        ``release="step"`` a commit also happens whenever this rank starts its next mini-batch.
-
-        Args:
-            state: A state from :meth:`state_dict` (or a ``StatefulDataLoader`` state holding one); default:
-                the current position.
-
-        Returns:
-            The number of micro-batches released.
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue after the micro-batch ``state`` was taken at; payloads before it are released.
 
         Raises:
-            StateError: ``state`` is not a state of this rank.
+            StateError: Not a TrajectoryDataset state, or one of another rank, layout or pipeline.
         """
-        if state is None:
-            with self._lock:
-                pos = (self._step, self._micro)
-        else:
-            inner = _find_state(state)
-            if inner is None or inner.get("rank") != self.rank:
-                raise StateError(f"commit() needs a state of rank {self.rank} from state_dict(), got {state!r:.200}")
-            try:
-                pos = (int(inner["minibatch"]), int(inner["microbatch"]))
-            except (KeyError, TypeError, ValueError) as e:
-                raise StateError(f"bad {_STATE_FORMAT} state {inner!r:.200}: {e}") from e
-        return self.pipeline._commit_upto(self.rank, pos)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue after the micro-batch ``state`` was taken at; releases the payloads before it.
-
-        Raises:
-            StateError: The state is not a TrajectoryDataset state, or belongs to another rank or layout.
-        """
-        if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
-            raise StateError(f"not a {_STATE_FORMAT} state: {state!r:.200}")
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise StateError(f"not a {STATE_FORMAT} state: {state!r:.200}")
         if state.get("version") != _STATE_VERSION:
             raise StateError(f"unsupported state version {state.get('version')!r}; expected {_STATE_VERSION}")
-        if state.get("rank") != self.rank or state.get("num_consumers") != self.pipeline.num_consumers:
+        if state.get("rank") != self.rank or state.get("num_consumers") != self.engine.num_consumers:
             raise StateError(
                 f"state of rank {state.get('rank')} of {state.get('num_consumers')} consumers loaded into rank "
-                f"{self.rank} of {self.pipeline.num_consumers}: save and load one state per rank"
-            )
-        try:
-            step, micro = int(state["minibatch"]), int(state["microbatch"])
-            end = state.get("end_minibatch")
-            end = None if end is None else int(end)
-            epoch, handed = int(state.get("epoch", 0)), int(state.get("handed_out", 0))
-        except (KeyError, TypeError, ValueError) as e:
-            raise StateError(f"bad {_STATE_FORMAT} state {state!r:.200}: {e}") from e
-        if step < 0 or micro < 0:
-            raise StateError(f"negative position ({step}, {micro}) in state")
+                f"{self.rank} of {self.engine.num_consumers}: save and load one state per rank")
+        nxt, w, nw = _count(state, "next"), _count(state, "worker"), _count(state, "num_workers")
+        end, mb, micro = (_count(state, k, optional=True) for k in ("end_minibatch", "minibatch", "microbatch"))
+        epoch, handed = _count(state, "epoch", optional=True) or 0, _count(state, "handed_out", optional=True) or 0
+        pos = None if mb is None or micro is None else (mb, micro)
+        if not w < nw:
+            raise StateError(f"bad position in state: worker {w} of {nw}")
         with self._lock:
             self._close_active()
-            self._step, self._micro, self._end_step = step, micro, end
+            self._next, self._worker, self._end_step, self._pos = nxt, (w, nw), end, pos
             self._epoch, self._handed_out = epoch, handed
-        self.pipeline._seek(self.rank, step, micro)
+        if nw == 1:
+            self.engine.control.seek(self.rank, nxt)
+
+    def commit(self, state: Mapping[str, Any] | None = None) -> int:
+        """Commit a position: this rank's payloads before it are released from storage.
+
+        Call it right after saving ``state_dict()`` (or the ``StatefulDataLoader``'s state) durably: a restore may
+        go back to any committed-or-later state, never before. With ``release="step"`` a commit also happens
+        whenever the rank's iterator starts its next mini-batch.
+
+        Args:
+            state: A state from :meth:`state_dict`, or a ``StatefulDataLoader`` state holding one per worker;
+                default: this dataset's current position.
+
+        Returns:
+            How many micro-batches were released by this call.
+
+        Raises:
+            StateError: ``state`` holds no state of this rank.
+        """
+        states = find_states(state if state is not None else self.state_dict())
+        mine = [s for s in states if s.get("rank") == self.rank]
+        if not mine:
+            raise StateError(f"commit() needs a state of rank {self.rank} from state_dict(), got {state!r:.200}")
+        try:
+            nw = int(mine[0]["num_workers"])
+            nexts = {int(s["worker"]): int(s["next"]) for s in mine}
+        except (KeyError, TypeError, ValueError) as e:
+            raise StateError(f"bad {STATE_FORMAT} state: {e}") from e
+        # handed out so far: a prefix of the rank's micro-batches (the DataLoader's round robin), ending at the
+        # smallest next index; a worker without a snapshot lies at most nw - 1 below the others' smallest
+        upto = min(nexts.values())
+        if len(nexts) < nw:
+            upto = max(0, upto - (nw - 1))
+        return int(self.engine.control.commit(self.rank, upto))
 
     # ------------------------------------------------------------------ internals
-    def _handed(self, pmb: PlannedMicroBatch, it: _ConsumerIterator) -> bool:
-        """Commit ``pmb`` for ``it``; ``False`` (nothing committed) if ``it`` was closed meanwhile.
-
-        Under the dataset lock, so that a concurrent ``close()``/``iter()``/``load_state_dict()`` either sees
-        the position after ``pmb`` or makes ``it`` drop it: never both (a micro-batch handed out twice).
-        """
+    def _handed(self, it: _ConsumerIterator, entry: Mapping[str, Any]) -> bool:
+        """Record ``entry`` as handed out by ``it``; ``False`` if ``it`` was closed meanwhile (not handed)."""
         with self._lock:
             if it.done:
                 return False
-            if pmb.is_last:
-                self._step, self._micro = pmb.minibatch + 1, 0
-            else:
-                self._step, self._micro = pmb.minibatch, pmb.microbatch + 1
+            j, mb, micro = int(entry["j"]), int(entry["minibatch"]), int(entry["microbatch"])
+            nw = self._worker[1]
+            self._next = j + nw
+            last = entry["info"]["is_last"]
+            self._pos = (mb + 1, 0) if last else (mb, micro + 1)
             self._handed_out += 1
-            self.pipeline._commit(self.rank, pmb)
+        self.engine.control.handed(self.rank, j, mb, micro, nw == 1)
         return True
 
-    def _ended(self, it: _ConsumerIterator) -> None:
+    def _ended(self, it: _ConsumerIterator, natural: bool) -> None:
         with self._lock:
             if self._active is not None and self._active() is it:
                 self._active = None
                 self._end_step = None
+            commit = natural and self.engine.release == "step" and self._worker[1] == 1 and self._next is not None
+            upto = self._next
+        if commit and upto is not None:
+            self.engine.control.commit(self.rank, upto)  # a finished pass is at a mini-batch boundary
 
     def __repr__(self) -> str:
-        return (
-            f"TrajectoryDataset(rank={self.rank}, fetch={self.fetch!r}, position=({self._step}, {self._micro}), "
-            f"engine={self.pipeline.engine!r})"
-        )
-
-
-def _find_state(state: Any) -> dict[str, Any] | None:
-    """The dataset state inside ``state`` (itself, or nested in a ``StatefulDataLoader`` state)."""
-    if isinstance(state, dict):
-        if state.get("format") == _STATE_FORMAT:
-            return state
-        for v in state.values():
-            found = _find_state(v)
-            if found is not None:
-                return found
-    return None
+        return (f"TrajectoryDataset(rank={self.rank}, fetch={self.fetch!r}, next={self._next}, "
+                f"engine={self.engine.kind!r})")
 
 
 class _ConsumerIterator(Iterator["MicroBatch"]):
-    """One pass over a consumer's micro-batches; commits each micro-batch as it is handed out.
+    """One pass over a consumer's (worker's) micro-batches; records each one as it is handed out.
 
     The producing generator (run on the prefetch thread in ``iter`` mode) holds neither this iterator nor the
-    dataset, so an abandoned iterator is collected and its ``__del__`` stops the thread.
+    dataset, so an abandoned iterator is collected and its ``__del__`` stops the thread and ends the lease.
     """
 
-    def __init__(self, ds: TrajectoryDataset, step: int, micro: int, end_step: int | None) -> None:
+    def __init__(self, ds: TrajectoryDataset, j: int, worker: int, num_workers: int) -> None:
         self._ds = ds
         self._stop = threading.Event()
         self._done = False
-        self._inner: Iterator[tuple[PlannedMicroBatch, Any]] | None = None
-        ds.pipeline._claim(ds.rank, self)
-        source = _produce(ds.pipeline, ds.rank, ds.fetch, ds.collate, ds.media_collator, ds.metrics, self._stop,
-                          step, micro, end_step)
+        self._token = uuid.uuid4().hex
+        self._worker = worker
+        self._inner: Iterator[tuple[dict[str, Any], Any]] | None = None
+        control = ds.engine.control
+        control.lease(ds.rank, worker, self._token, 0.0 if ds.engine.kind == "embedded" else 12.0)
+        self._control = control
+        self._rank = ds.rank
+        end_box = [ds._end_step]
+        self._end_box = end_box
+        source = _produce(ds.engine, ds.rank, ds.fetch, ds.collate, ds.media_collator, ds.metrics, self._stop, j,
+                          num_workers, worker, self._token, ds.max_minibatches, end_box, ds.timeout)
         if ds.fetch == "iter":
             from knitdata.prefetch import Prefetcher
 
@@ -323,19 +387,22 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             raise StopIteration
         t0 = time.perf_counter()
         try:
-            pmb, mb = next(self._inner)
+            entry, mb = next(self._inner)
         except StopIteration:
             self._finish()
             raise
         except BaseException:
-            if self._done:  # closed by another thread while waiting (iter mode: the prefetcher stopped): pass ends
+            if self._done:  # closed by another thread while waiting: the pass ends
                 raise StopIteration from None
             self.close()
             raise
         wait = time.perf_counter() - t0
-        if not self._ds._handed(pmb, self):
-            raise StopIteration  # closed by another thread while this item was prepared: not committed
-        self._ds.metrics.record_wait(wait, is_last=pmb.is_last, empty=not pmb.trajectories)
+        ds = self._ds
+        if ds._end_step is None and self._end_box[0] is not None:
+            ds._end_step = self._end_box[0]
+        if not ds._handed(self, entry):
+            raise StopIteration  # closed by another thread while this item was prepared: not handed out
+        ds.metrics.record_wait(wait, is_last=entry["info"]["is_last"], empty=not entry["items"])
         return mb
 
     @property
@@ -344,13 +411,11 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         return self._done
 
     def _finish(self) -> None:
-        self._ds._ended(self)
         self.close()
-        if self._ds.pipeline.release == "step":  # a finished pass is at a mini-batch boundary: commit it
-            self._ds.commit()
+        self._ds._ended(self, natural=True)
 
     def close(self) -> None:
-        """Stop producing; items prepared but not handed out are dropped (they were not committed)."""
+        """Stop producing; items prepared but not handed out are dropped (they were not handed out)."""
         if self._inner is None:
             return
         self._done = True
@@ -362,7 +427,17 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
                 close()
             except ValueError:  # a generator running on another thread: it sees the stop flag instead
                 pass
-        self._ds.pipeline._unclaim(self._ds.rank, self)
+        try:
+            self._control.unlease(self._rank, self._worker, self._token)
+        except Exception:  # noqa: BLE001 - the control plane is gone (shutdown): nothing to end
+            pass
+        try:
+            self._control.report_consumer(self._rank, self._ds.metrics.to_dict())
+            flush = getattr(self._ds.engine, "flush_meter", None)
+            if flush is not None:
+                flush()
+        except Exception:  # noqa: BLE001 - best effort: the control plane is gone (shutdown)
+            pass
 
     def __del__(self) -> None:
         try:
@@ -371,48 +446,92 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             pass
 
 
-def _produce(pipe: Pipeline, rank: int, fetch: str, collate: Callable[..., Any], media_collator: Callable[..., Any] | None,
-             metrics: ConsumerMetrics, stop: threading.Event, step: int, micro: int,
-             end_step: int | None) -> Iterator[tuple[PlannedMicroBatch, Any]]:
-    """Fetch and collate the micro-batches of ``rank`` from position (step, micro), in plan order."""
-    whole_share = fetch == "eager" or media_collator is not None
+def _wait_entries(control: Any, rank: int, j: int, stop: threading.Event, token: str, worker: int,
+                  timeout: float | None) -> list[dict[str, Any]] | None:
+    """Entries from ``j`` to the end of its mini-batch; ``None`` at the end of the stream (or when stopped)."""
+    t0 = time.monotonic()
     while True:
-        if end_step is not None and step >= end_step:
-            return
-        plan = pipe._wait_plan(step, stop)
-        if plan is None:
-            return
-        if plan.minibatch != step:
-            step, micro = plan.minibatch, 0
-            if end_step is not None and step >= end_step:
+        if stop.is_set():
+            return None
+        wait = _POLL_S
+        if timeout is not None:
+            left = timeout - (time.monotonic() - t0)
+            if left <= 0:
+                raise DataTimeoutError(
+                    f"rank {rank} waited {timeout:.0f} s for its micro-batch {j} (dataset timeout); admission is still "
+                    f"waiting for: {control.missing()}. Check that producers are alive and put every member of each "
+                    "group (withdraw() a group whose member was refused), or raise the dataset's timeout")
+            wait = min(wait, left)
+        ans = control.next_entries(rank, j, wait, token, worker)
+        if "entries" in ans:
+            return list(ans["entries"])
+        if ans.get("end"):
+            return None
+
+
+def _produce(engine: Engine, rank: int, fetch: str, collate: Callable[..., Any], media_collator: Callable[..., Any] | None,
+             metrics: ConsumerMetrics, stop: threading.Event, j: int, nw: int, worker: int, token: str,
+             max_minibatches: int | None, end_box: list[int | None], timeout: float | None,
+             ) -> Iterator[tuple[dict[str, Any], Any]]:
+    """Fetch and collate micro-batches ``j, j + nw, ...`` of ``rank`` in plan order."""
+    control = engine.control
+    local_units = engine.local_units(rank)
+    whole_share = fetch == "eager" or media_collator is not None
+    cache: dict[int, dict[str, Any]] = {}
+    share: dict[str, Any] = {}  # whole-share modes: trajectories of this worker's share of the current mini-batch
+    media: Any = None
+    while True:
+        if j not in cache:
+            cache.clear()
+            entries = _wait_entries(control, rank, j, stop, token, worker, timeout)
+            if entries is None:
                 return
-        row = plan.microbatches[rank]
-        cache: dict[str, Trajectory] = {}
-        media = None
-        for i in range(micro, len(row)):
-            pmb = row[i]
-            t0 = time.perf_counter()
-            nbytes = local = requests = ntraj = 0
-            if whole_share:
-                if i == micro:
-                    metas = [m for p in row[micro:] for m in p.trajectories]
-                    trajs, nbytes, local, requests = pipe._fetch(metas, rank, per_trajectory=False)
-                    cache = {t.id: t for t in trajs}
-                    ntraj = len(trajs)
-                    if media_collator is not None:
-                        media = media_collator(
-                            [[] if j < micro else [cache[m.id] for m in p.trajectories] for j, p in enumerate(row)]
-                        )
-                trajs = [cache[m.id] for m in pmb.trajectories]
-            else:
-                trajs, nbytes, local, requests = pipe._fetch(pmb.trajectories, rank, per_trajectory=fetch == "sample")
+            for e in entries:
+                cache[int(e["j"])] = e
+        e = cache.pop(j)
+        step = int(e["minibatch"])
+        if end_box[0] is None and max_minibatches is not None:
+            end_box[0] = step + max_minibatches
+        if end_box[0] is not None and step >= end_box[0]:
+            return
+        info = MicroBatchInfo.from_dict(e["info"])
+        items = e["items"]
+        t0 = time.perf_counter()
+        nbytes = local = requests = ntraj = 0
+        if whole_share:
+            if not all(it[0] in share for it in items):
+                mine = [x for k, x in sorted(cache.items()) if (k - j) % nw == 0]
+                rows = [e, *mine]
+                all_items = [it for x in rows for it in x["items"]]
+                trajs = engine.read(all_items, mode="eager", step=step) if all_items else []
+                share = {t.id: t for t in trajs}
                 ntraj = len(trajs)
-            mb = collate(trajs, pmb.to_info())
-            if media is not None:
-                mb.media = media
-            metrics.record_fetch(time.perf_counter() - t0, nbytes=nbytes, local_bytes=local, requests=requests,
-                                 trajectories=ntraj)
-            yield pmb, mb
-            if stop.is_set():
-                return
-        step, micro = plan.minibatch + 1, 0
+                requests = len({it[1] for it in all_items})
+                for it in all_items:
+                    nbytes += int(it[2])
+                    local += int(it[2]) if it[1] in local_units else 0
+                if media_collator is not None:
+                    groups = [[] for _ in range(int(e["microbatch"]))]
+                    groups += [[share[it[0]] for it in x["items"]] for x in rows]
+                    media = media_collator(groups)
+            batch = [share.pop(it[0]) for it in items]
+        else:
+            batch = engine.read(items, mode=fetch, step=step) if items else []
+            ntraj = len(batch)
+            requests = len(items) if fetch == "sample" else len({it[1] for it in items})
+            for it in items:
+                nbytes += int(it[2])
+                local += int(it[2]) if it[1] in local_units else 0
+        mb = collate(batch, info)
+        if media is not None:
+            mb.media = media
+        if info.is_last:
+            media = None
+        metrics.record_fetch(time.perf_counter() - t0, nbytes=nbytes, local_bytes=local, requests=requests,
+                             trajectories=ntraj)
+        yield e, mb
+        if stop.is_set():
+            return
+        j += nw
+        if j not in cache and end_box[0] is not None and step + 1 >= end_box[0]:
+            return  # the next micro-batch of this worker is past the last mini-batch of this pass

@@ -18,6 +18,9 @@ __all__ = [
     "StoreFull",
     "StateError",
     "EngineError",
+    "PipelineClosedError",
+    "DataTimeoutError",
+    "IncompleteStreamError",
     "TrajectoryLostError",
     "MediaError",
     "OptionalDependencyError",
@@ -88,6 +91,24 @@ class StateError(KnitdataError, ValueError):
 
 class EngineError(KnitdataError, RuntimeError):
     """An engine was used in a way it does not support (e.g. worker processes on the embedded engine)."""
+
+
+class PipelineClosedError(EngineError):
+    """The pipeline was closed (end of stream) or stopped after an admission error: no more puts."""
+
+
+class DataTimeoutError(KnitdataError, TimeoutError):
+    """A consumer waited longer than its dataset's ``timeout`` for its next micro-batch.
+
+    The message says what admission still waits for (per source, incomplete groups).
+    """
+
+
+class IncompleteStreamError(KnitdataError, RuntimeError):
+    """The stream ended with stored trajectories that were never admitted (an incomplete train batch or group).
+
+    Raised to consumers after every admitted mini-batch was delivered; the message names the sources and groups.
+    """
 
 
 class TrajectoryLostError(KnitdataError, RuntimeError):

@@ -149,8 +149,9 @@ class IndexModPlacement(Placement):
 class ConsumerAwarePlacement(Placement):
     """Spread by bytes over the units; members of a group follow the group's first member.
 
-    The first member of a group goes to the unit with the fewest bytes currently placed (ties: layout
-    order); later members go to the same unit. The group table is bounded (``max_groups`` most recent).
+    The first member of a group goes to the unit with the fewest bytes placed so far (ties: layout order);
+    later members go to the same unit. Released bytes are not subtracted: placement, and so every plan,
+    depends on the puts alone, never on when consumers commit or restore. The group table is bounded (``max_groups`` most recent).
 
     Args:
         units: Unit ids (one per node).
@@ -181,9 +182,11 @@ class ConsumerAwarePlacement(Placement):
         self._load[unit] -= meta.nbytes
 
     def released(self, unit: str, nbytes: int) -> None:
-        """Bytes left ``unit``."""
-        if unit in self._load:
-            self._load[unit] -= nbytes
+        """Ignored: placement counts the bytes placed so far, so that it depends on the puts alone.
+
+        Counting released bytes would make a trajectory's unit, and so the plan, depend on when consumers
+        commit or restore: a restored run would then plan differently from the uninterrupted one.
+        """
 
     def forget_group(self, group: str) -> None:
         """Drop the group's entry (all its members arrived)."""

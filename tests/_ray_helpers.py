@@ -24,14 +24,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ClusterProcess", "run_scenario", "SCENARIOS"]
+__all__ = ["ClusterProcess", "run_scenario", "ray_env", "SCENARIOS"]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 PY = sys.executable
 
 
-def _env() -> dict[str, str]:
+def ray_env() -> dict[str, str]:
+    """The environment of the Ray subprocesses (this checkout on ``PYTHONPATH``, one OpenMP thread)."""
     env = dict(os.environ)
     env.update(
         RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",
@@ -62,7 +63,7 @@ class ClusterProcess:
 
     def __enter__(self) -> ClusterProcess:
         self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=_env(), start_new_session=True)
+                                     text=True, env=ray_env(), start_new_session=True)
         import selectors
 
         sel = selectors.DefaultSelector()
@@ -114,7 +115,7 @@ class ClusterProcess:
 def run_scenario(address: str, name: str, timeout_s: float = 120.0, **kwargs: Any) -> dict[str, Any]:
     """Run scenario ``name`` in a fresh driver subprocess attached to ``address``; return its JSON result."""
     cmd = [PY, str(Path(__file__).resolve()), "scenario", name, "--address", address, "--args", json.dumps(kwargs)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ray_env(),
                          start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout_s)
@@ -280,10 +281,10 @@ def _consumer_class() -> Any:
 
         def consume(self, name: str, rank: int, fetch: str, fail_ok: bool = False, limit: int | None = None,
                     start: int | None = None) -> dict[str, Any]:
+            from knitdata import Pipeline
             from knitdata.errors import TrajectoryLostError
-            from knitdata.storage.ray_dataset import RayTrajectoryDataset
 
-            ds = RayTrajectoryDataset(name, rank=rank, fetch=fetch)
+            ds = Pipeline.attach(name).dataset(rank, fetch=fetch)
             if start is not None:
                 ds.load_state_dict({**ds.state_dict(), "next": start})
             out: dict[str, Any] = {"ids": [], "infos": [], "error": None}
@@ -340,11 +341,11 @@ def _gloo_rank(rank: int, world: int, port: int, name: str, address: str, outdir
     import torch
     import torch.distributed as dist
 
-    from knitdata.storage.ray_dataset import RayTrajectoryDataset
+    from knitdata import Pipeline
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        ds = RayTrajectoryDataset(name, address=address, fetch="iter")  # rank from the process group
+        ds = Pipeline.attach(name, address=address).dataset(fetch="iter")  # rank from the process group
         ids, infos = [], []
         for mb in ds:
             ids.append(list(mb.info.trajectory_ids))
@@ -373,14 +374,14 @@ def gloo_ranks(outdir: str, n_groups: int = 16) -> dict[str, Any]:
     """Two torch.distributed (gloo) ranks in separate processes, ranks taken from the process group."""
     import torch.multiprocessing as mp
 
+    from knitdata import Pipeline
     from knitdata.placement import ConsumerLayout
-    from knitdata.storage.ray_engine import RayPipeline
 
     nodes = _nodes()
     address = os.environ["KD_RAY_ADDRESS"]
     name = f"gloo-{os.getpid()}"
-    pipe = RayPipeline(_spec(2 * n_groups), layout=ConsumerLayout(["n0", "n1"]), nodes=nodes[:2], name=name,
-                       token_budget=128, capacity_bytes=64 << 20)
+    pipe = Pipeline(_spec(2 * n_groups), layout=ConsumerLayout(["n0", "n1"]), engine="ray", token_budget=128,
+                    capacity_bytes=64 << 20, engine_options={"nodes": nodes[:2], "name": name})
     trajs = workload(n_groups, extra=1000)
     ctx = mp.get_context("spawn")
     port = _free_port()
@@ -393,9 +394,9 @@ def gloo_ranks(outdir: str, n_groups: int = 16) -> dict[str, Any]:
 
     @ray.remote(num_cpus=0)
     def producer(lo: int, hi: int) -> list[str]:
-        from knitdata.storage.ray_engine import RayClient
+        from knitdata import Pipeline
 
-        client = RayClient(name)
+        client = Pipeline.attach(name)
         locs = [client.put(t).location for t in workload(n_groups, extra=1000)[lo:hi]]
         client.flush_meter()
         return locs
@@ -435,11 +436,11 @@ def _take(it: Any, n: int) -> list[Any]:
 @scenario
 def workers_resume(num_workers: int = 2, n_groups: int = 16, stop_after: int = 5, fetch: str = "iter") -> dict[str, Any]:
     """DataLoader worker processes split a rank's micro-batches; resume from a committed loader state."""
-    from knitdata.storage.ray_engine import RayPipeline
+    from knitdata import Pipeline
 
     name = f"wr-{os.getpid()}"
-    pipe = RayPipeline(_spec(2 * n_groups), num_consumers=1, nodes=_nodes()[:1], name=name, token_budget=64,
-                       capacity_bytes=64 << 20)
+    pipe = Pipeline(_spec(2 * n_groups), num_consumers=1, engine="ray", token_budget=64, capacity_bytes=64 << 20,
+                    engine_options={"nodes": _nodes()[:1], "name": name})
     trajs = workload(n_groups, extra=1000)
     for t in trajs:
         pipe.put(t)
@@ -475,12 +476,13 @@ def workers_resume(num_workers: int = 2, n_groups: int = 16, stop_after: int = 5
     after = []
     for mb in loader2:
         after.append([list(mb.info.trajectory_ids), [mb.info.minibatch, mb.info.microbatch]])
-    final = ds2.commit(loader2.state_dict())
+    ds2.commit(loader2.state_dict())
     stats = pipe.stats()
+    final = stats["committed"][0]
     pipe.shutdown()
     # release="handout", in this process (no workers): payloads leave storage as micro-batches are handed out
-    pipe = RayPipeline(_spec(8), num_consumers=1, nodes=_nodes()[:1], name=f"ho-{os.getpid()}", token_budget=64,
-                       release="handout")
+    pipe = Pipeline(_spec(8), num_consumers=1, engine="ray", token_budget=64, release="handout",
+                    engine_options={"nodes": _nodes()[:1], "name": f"ho-{os.getpid()}"})
     for t in workload(4, extra=1000):
         pipe.put(t)
     pipe.close()
@@ -502,19 +504,18 @@ def pipeline_killed(spill_root: str, n_groups: int = 12) -> dict[str, Any]:
     """A storage unit dies mid-step: a clear error naming the lost ids; with spill, recovery from shards."""
     import ray
 
+    from knitdata import Pipeline
     from knitdata.placement import ConsumerLayout
-    from knitdata.storage.ray_engine import RayPipeline
 
     nodes = _nodes()
     consumers = _consumers(nodes[1:3])
     out: dict[str, Any] = {}
     for spill in (False, True):
         name = f"pk-{os.getpid()}-{spill}"
-        # built from knitdata.pipeline.Pipeline's arguments, the Ray ones in engine_options
-        pipe = RayPipeline.from_pipeline_args(
+        pipe = Pipeline(
             _spec(2 * n_groups), layout=ConsumerLayout(["n0", "n1"]), token_budget=128, capacity_bytes=64 << 20,
-            engine="ray", engine_options={"nodes": nodes[1:3], "name": name,
-                                          "spill_dir": os.path.join(spill_root, name) if spill else None})
+            engine="ray", spill_dir=os.path.join(spill_root, name) if spill else None,
+            engine_options={"nodes": nodes[1:3], "name": name})
         trajs = workload(n_groups, extra=5000)
         metas = [pipe.put(t) for t in trajs]
         pipe.close()

@@ -13,7 +13,7 @@ def test_every_error_derives_from_the_root_and_a_builtin(name: str) -> None:
     cls = getattr(errors, name)
     assert issubclass(cls, errors.KnitdataError)
     if cls is not errors.KnitdataError:
-        assert issubclass(cls, (ValueError, TypeError, RuntimeError, ImportError))
+        assert issubclass(cls, (ValueError, TypeError, RuntimeError, ImportError, TimeoutError))
     assert getattr(knitdata, name) is cls
 
 

@@ -45,15 +45,17 @@ def test_consumer_aware_spreads_bytes_and_keeps_groups():
     assert abs(load["a"] - load["b"]) <= 130  # spread by bytes (within one group's bytes)
 
 
-def test_consumer_aware_release_and_unplace_rebalance():
+def test_consumer_aware_ignores_releases_and_unplace_rebalances():
+    """Placement counts bytes placed so far: releases (which depend on when consumers commit or restore) never
+    move a later trajectory, so a restored run places, and plans, exactly as the uninterrupted one."""
     p = ConsumerAwarePlacement(["a", "b"])
     assert p.place(_meta(0, "g0", 1000)) == "a"
     assert p.place(_meta(1, "g1", 10)) == "b"
     assert p.place(_meta(2, "g2", 10)) == "b"
     p.released("a", 1000)
-    assert p.place(_meta(3, "g3", 10)) == "a"
-    p.unplace(_meta(3, "g3", 10), "a")
-    assert p.state_dict()["load"] == {"a": 0, "b": 20}
+    assert p.place(_meta(3, "g3", 10)) == "b"  # "a" still counts its 1000 placed bytes
+    p.unplace(_meta(3, "g3", 10), "b")  # a failed put is undone
+    assert p.state_dict()["load"] == {"a": 1000, "b": 20}
     p.forget_group("g1")
     assert p.state_dict()["groups"] == 3
 

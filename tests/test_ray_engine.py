@@ -26,13 +26,13 @@ ray = pytest.importorskip("ray")
 # ------------------------------------------------------------------------------------ without a cluster
 def test_import_without_ray_and_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     for mod in list(sys.modules):
-        if mod == "ray" or mod.startswith("ray.") or mod.startswith("knitdata.storage.ray_"):
+        if mod == "ray" or mod.startswith("ray.") or mod.startswith("knitdata.storage.ray_") or mod == "knitdata.engines.ray":
             monkeypatch.delitem(sys.modules, mod)
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     import knitdata
 
     importlib.reload(knitdata)
-    for name in ("knitdata.storage.ray_engine", "knitdata.storage.ray_dataset", "knitdata.storage.ray_unit"):
+    for name in ("knitdata.engines.ray", "knitdata.storage.ray_unit"):
         with pytest.raises(OptionalDependencyError) as ei:
             importlib.import_module(name)
         assert ei.value.package == "ray" and ei.value.extra == "ray"
@@ -67,21 +67,17 @@ def test_transfer_meter_counts_and_merges() -> None:
 # ---------------------------------------------------------------------------------------- the cluster
 
 
-def test_pipeline_args_hand_check_media_to_the_ray_pipeline(monkeypatch) -> None:
-    """Pipeline's check_media reaches RayPipeline (whose client decodes media at put); no Ray is started here."""
+def test_ray_engine_options_are_checked_before_any_ray_call() -> None:
+    """Unknown Ray engine options and in-process-only features fail fast, naming what to do; no Ray is started."""
     from knitdata.admission import BatchSpec
+    from knitdata.errors import ConfigError
     from knitdata.pipeline import Pipeline
-    from knitdata.storage.ray_engine import RayPipeline
 
-    seen: dict = {}
-
-    def fake_init(self, spec, **kw):
-        seen.update(kw)
-
-    monkeypatch.setattr(RayPipeline, "__init__", fake_init)
-    pipe = Pipeline(BatchSpec({"math": 2}, num_minibatches=1), engine="ray",
-                    engine_options={"cross_process": True, "name": "x"}, check_media=False)
-    assert isinstance(pipe, RayPipeline) and seen["check_media"] is False and seen["name"] == "x"
+    spec = BatchSpec({"math": 2}, num_minibatches=1)
+    with pytest.raises(ConfigError, match="unknown Ray engine options"):
+        Pipeline(spec, engine="ray", engine_options={"adress": "x"})
+    with pytest.raises(ConfigError, match="on_plan"):
+        Pipeline(spec, engine="ray", on_plan=lambda a, p: None)
     assert not ray.is_initialized()
 
 
@@ -189,7 +185,7 @@ def test_dataloader_workers_split_without_duplicates_and_resume(cluster: Cluster
 def _states(obj: object) -> list[dict]:
     out: list[dict] = []
     if isinstance(obj, dict):
-        if obj.get("format") == "knitdata.RayTrajectoryDataset":
+        if obj.get("format") == "knitdata.TrajectoryDataset":
             return [obj]
         for v in obj.values():
             out += _states(v)

@@ -84,8 +84,8 @@ def _wrap_for(victim: str, fn, *, after: bool = False):
 def _inject(point: str, pipe: Pipeline, victim: str, monkeypatch) -> None:
     unit = next(iter(pipe.units.values()))
     if point == "placement":
-        place = pipe._placement.place
-        monkeypatch.setattr(pipe._placement, "place", lambda meta: (_ for _ in ()).throw(ProducerKilled("place"))
+        place = pipe.control.placement.place
+        monkeypatch.setattr(pipe.control.placement, "place", lambda meta: (_ for _ in ()).throw(ProducerKilled("place"))
                             if meta.id == victim else place(meta))
     elif point == "unit_before_store":
         monkeypatch.setattr(unit, "put", _wrap_for(victim, unit.put))
@@ -96,7 +96,7 @@ def _inject(point: str, pipe: Pipeline, victim: str, monkeypatch) -> None:
         monkeypatch.setattr(pipeline_mod, "_loss_tokens",
                             lambda t: (_ for _ in ()).throw(ProducerKilled("bookkeeping")) if t.id == victim else real(t))
     elif point == "offer":
-        offer = pipe._policy.offer
+        offer = pipe.policy.offer
 
         def bad_offer(metas):
             metas = list(metas)
@@ -104,7 +104,7 @@ def _inject(point: str, pipe: Pipeline, victim: str, monkeypatch) -> None:
                 raise ProducerKilled("offer")
             return offer(metas)
 
-        monkeypatch.setattr(pipe._policy, "offer", bad_offer)
+        monkeypatch.setattr(pipe.policy, "offer", bad_offer)
     else:  # pragma: no cover
         raise AssertionError(point)
 
@@ -564,25 +564,25 @@ _RAY_CHILD = """
 import json, os, signal, sys, time
 sys.path.insert(0, {tests!r})
 from _reliability_helpers import spec_for, traj
-from knitdata.storage.ray_engine import RayClient, RayPipeline, RayTrajectoryDataset
+from knitdata import Pipeline
 
 addr, name, cmd = sys.argv[1], sys.argv[2], sys.argv[3]
 rest = sys.argv[4:]
 if cmd == "produce":  # [create] start stop victim close
     create, start, stop, victim, close = rest[0] == "1", int(rest[1]), int(rest[2]), int(rest[3]), rest[4] == "1"
     if create:
-        client = RayPipeline(spec_for(8, num_minibatches=2), num_consumers=1, token_budget=16, name=name,
-                             address=addr, detached=True, put_timeout=30)
+        client = Pipeline(spec_for(8, num_minibatches=2), num_consumers=1, token_budget=16, engine="ray",
+                          put_timeout=30, engine_options={{"name": name, "address": addr, "detached": True}})
     else:
-        client = RayClient(name, address=addr)
-    real = client._call
+        client = Pipeline.attach(name, address=addr)
+    real = client.control.call
 
-    def call(method, *a):
-        if getattr(method, "_method_name", "") == "offer" and a and a[0].get("id") == f"t{{victim}}":
+    def call(method, *a, **kw):
+        if method == "offer" and a and a[0] == f"t{{victim}}":
             os.kill(os.getpid(), signal.SIGKILL)  # dies after the unit stored the payload, before admission
-        return real(method, *a)
+        return real(method, *a, **kw)
 
-    client._call = call
+    client.control.call = call
     for i in range(start, stop):
         client.put(traj(i))
         print(f"acked t{{i}}", flush=True)
@@ -590,7 +590,7 @@ if cmd == "produce":  # [create] start stop victim close
         client.close()
 elif cmd == "consume":  # state_path step_s
     state_path, step_s = rest[0], float(rest[1])
-    ds = RayTrajectoryDataset(name, address=addr, rank=0, fetch="iter")
+    ds = Pipeline.attach(name, address=addr).dataset(0, fetch="iter")
     if os.path.exists(state_path):
         with open(state_path) as f:
             ds.load_state_dict(json.load(f))
@@ -603,7 +603,7 @@ elif cmd == "consume":  # state_path step_s
         os.replace(state_path + ".tmp", state_path)  # the checkpoint, atomically
         ds.commit(state)
         print("committed " + ",".join(mb.info.trajectory_ids), flush=True)
-    st = RayClient(name, address=addr).stats()
+    st = Pipeline.attach(name, address=addr).stats()
     print("stats " + json.dumps({{"held": st.get("held_trajectories"),
                                   "units": {{u: v.get("used_bytes") for u, v in st.get("units", {{}}).items()}}}}),
           flush=True)
@@ -613,10 +613,6 @@ elif cmd == "consume":  # state_path step_s
 @pytest.fixture(scope="module")
 def ray_cluster():
     pytest.importorskip("ray")
-    try:
-        import knitdata.storage.ray_engine  # noqa: F401
-    except ImportError as e:  # pragma: no cover - the engine lands separately
-        pytest.skip(f"knitdata.storage.ray_engine is not importable: {e}")
     from _ray_helpers import ClusterProcess
 
     with ClusterProcess(nodes=1, cpus=4, store_mb=128, timeout_s=150) as c:

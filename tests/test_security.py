@@ -437,9 +437,7 @@ def test_ray_connect_defaults_are_loopback_only_and_dashboard_off(monkeypatch):
 
 def test_ray_engine_default_binding_is_documented():
     pytest.importorskip("ray")
-    try:
-        from knitdata.storage import ray_engine
-    except ImportError as e:  # pragma: no cover - the engine lands separately
-        pytest.skip(f"knitdata.storage.ray_engine not importable yet: {e}")
+    from knitdata.engines import ray as ray_engine
+
     doc = (ray_engine.__doc__ or "") + (knitdata.storage.ray_unit.connect.__doc__ or "")
     assert "127.0.0.1" in doc and "dashboard" in doc.lower()

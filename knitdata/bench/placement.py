@@ -3,7 +3,7 @@
 One run, one workload, both placements side by side on the Ray engine: a local
 ``ray.cluster_utils.Cluster`` with ``--nodes`` nodes (every one on 127.0.0.1, its own object store,
 dashboard off), one consumer rank per node (a Ray actor pinned to the node, iterating its
-:class:`~knitdata.storage.ray_engine.RayTrajectoryDataset`), the producer in this process. Cross-node bytes
+:class:`~knitdata.dataset.TrajectoryDataset` of the Ray engine), the producer in this process. Cross-node bytes
 are counted where they are read (Ray's object locations against the reader's node) and, separately,
 where they are put (producer's node against the unit's node). Also reported: what the planner expected
 (``planned_remote_bytes``), fetch throughput per consumer (payload bytes / seconds from its first to its
@@ -114,9 +114,9 @@ def _consumer_actor() -> Any:
             return ray.get_runtime_context().get_node_id()
 
         def consume(self, name: str, rank: int, fetch: str) -> dict[str, Any]:
-            from knitdata.storage.ray_dataset import RayTrajectoryDataset
+            from knitdata import Pipeline
 
-            ds = RayTrajectoryDataset(name, rank=rank, fetch=fetch)
+            ds = Pipeline.attach(name).dataset(rank, fetch=fetch)
             ids: list[list[str]] = []
             infos: list[list[int]] = []
             t_first = None
@@ -165,9 +165,9 @@ def compare_placements(
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from knitdata import Pipeline
     from knitdata.admission import BatchSpec
     from knitdata.placement import ConsumerLayout
-    from knitdata.storage.ray_engine import RayPipeline
 
     quotas: dict[str, int] = {}
     for t in trajectories:
@@ -185,8 +185,8 @@ def compare_placements(
         for placement in placements:
             name = f"{name_prefix}-{placement}-{os.getpid()}-{time.monotonic_ns()}"
             t0 = time.perf_counter()
-            pipe = RayPipeline(spec, layout=layout, nodes=list(nodes), name=name, placement=placement,
-                               token_budget=token_budget, capacity_bytes=capacity_bytes)
+            pipe = Pipeline(spec, layout=layout, engine="ray", placement=placement, token_budget=token_budget,
+                            capacity_bytes=capacity_bytes, engine_options={"nodes": list(nodes), "name": name})
             setup = time.perf_counter() - t0
             try:
                 t0 = time.perf_counter()

@@ -8,8 +8,8 @@ excluded. It is delivered by
 * ``transferqueue`` -- the real ``transferqueue`` package (controller + SimpleStorage units as Ray actors,
   started once per run on loopback only; consumers fetch sample-level rows with ``get_meta``/``get_data``),
 * ``sample`` / ``eager`` / ``iter`` -- knitdata's fetch modes with consumers as separate processes: the Ray
-  engine (:mod:`knitdata.storage.ray_engine`); with ``shared`` encoding the rank's
-  :class:`~knitdata.storage.ray_dataset.RayTrajectoryDataset` takes a ``media_collator``,
+  engine (:mod:`knitdata.engines.ray`); with ``shared`` encoding the rank's
+  :class:`~knitdata.dataset.TrajectoryDataset` takes a ``media_collator``,
 * ``iter_embedded`` -- ``iter`` on the embedded engine (consumers are threads of one process), a reference.
 
 The process-mode sources are prepared first, then run interleaved step by step in the same 4 consumer
@@ -874,7 +874,7 @@ def _preimport() -> None:
     import importlib
 
     for mod in ("knitdata.collate", "knitdata.multimodal", "knitdata.encoder", "knitdata.dataset",
-                "knitdata.prefetch", "transfer_queue", "knitdata.storage.ray_engine"):
+                "knitdata.prefetch", "transfer_queue", "knitdata.engines.ray"):
         try:
             importlib.import_module(mod)
         except Exception:  # optional extras; the job reports what it really lacks
@@ -1015,14 +1015,14 @@ def _run_embedded(w: TransferWorkload, cfg: VLMConfig, fetch: str, encoding: str
 
 #: How the process modes reach knitdata (stated in the JSON and the README).
 _PROCESS_MODES_ENGINE = (
-    "knitdata.storage.ray_engine: a RayPipeline (coordinator actor: admission, placement, planner; one "
-    "storage-unit actor; Ray object store on loopback) fed by the driver, and a RayTrajectoryDataset per rank in "
+    "knitdata Pipeline(engine='ray') (coordinator actor: the control plane; one "
+    "storage-unit actor; Ray object store on loopback) fed by the driver, and a TrajectoryDataset per rank in "
     "each of the 4 consumer processes"
 )
 
 
 def _attach_dataset(job: Mapping[str, Any], rank: int, w: TransferWorkload, cfg: VLMConfig) -> Any:
-    """The :class:`~knitdata.storage.ray_dataset.RayTrajectoryDataset` of ``rank`` in a consumer process.
+    """The :class:`~knitdata.dataset.TrajectoryDataset` of ``rank`` in a consumer process (Ray engine).
 
     Attaches to the driver's Ray cluster (loopback only) and to the pipeline's coordinator by name.
     """
@@ -1031,10 +1031,10 @@ def _attach_dataset(job: Mapping[str, Any], rank: int, w: TransferWorkload, cfg:
     from knitdata.storage import ray_unit
 
     ray_unit.connect(job["ray_address"], loopback_only=True)
-    from knitdata.storage.ray_engine import RayTrajectoryDataset
+    from knitdata.pipeline import Pipeline
 
     kw = _dataset_kwargs(w, cfg, job["encoding"])
-    return RayTrajectoryDataset(job["pipeline"], address=job["ray_address"], rank=rank, fetch=job["fetch"], **kw)
+    return Pipeline.attach(job["pipeline"], address=job["ray_address"]).dataset(rank, fetch=job["fetch"], **kw)
 
 
 def _parallel_put(put: Callable[[Trajectory], Any], trajs: Sequence[Trajectory], threads: int = 4) -> None:
@@ -1081,16 +1081,16 @@ class _RayCluster:
         self.startup_s = time.perf_counter() - t0
 
     def prepare_engine(self, w: TransferWorkload) -> tuple[dict[str, Any], set[str], float]:
-        """A fresh :class:`~knitdata.storage.ray_engine.RayPipeline` holding the whole workload (closed)."""
-        from knitdata.storage.ray_engine import RayPipeline
+        """A fresh Ray-engine :class:`~knitdata.pipeline.Pipeline` holding the whole workload (closed)."""
+        from knitdata.pipeline import Pipeline
 
         t0 = time.perf_counter()
         self._runs += 1
         name = f"knitdata_bench_{os.getpid()}_{self._runs}"
         kw = _pipeline_kwargs(w)
-        pipe = RayPipeline(_batch_spec(w), admission=kw["admission"], num_consumers=w.num_consumers,
-                           capacity_bytes=kw["capacity_bytes"], token_budget=kw["token_budget"], name=name,
-                           address=self.address, release="commit")
+        pipe = Pipeline(_batch_spec(w), admission=kw["admission"], num_consumers=w.num_consumers, engine="ray",
+                        capacity_bytes=kw["capacity_bytes"], token_budget=kw["token_budget"], release="commit",
+                        engine_options={"name": name, "address": self.address})
         self._pipes[name] = pipe
         ids: set[str] = set()
         for step in range(w.total_steps):
@@ -1402,7 +1402,7 @@ def run_transfer_benchmark(
                     name = f"{mode}/{enc}"
                     sources.append({**job, "name": name, "fetch": mode, "encoding": enc})
                     expected_of[name] = expected
-                    engine = "ray (consumer processes; knitdata.storage.ray_engine)"
+                    engine = "ray (consumer processes; knitdata.engines.ray)"
                     info_of[name] = {"engine": engine, "via": via, "prepare_s": prep_s}
                     mark(f"prepare {name} ({via})")
             if sources:

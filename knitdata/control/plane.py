@@ -1,0 +1,622 @@
+"""The one control plane: admission, placement, planning, commits and release, on metadata only.
+
+:class:`ControlPlane` is engine-neutral. The embedded engine calls it directly in the pipeline's process;
+the Ray engine hosts the very same class inside one coordinator actor and forwards calls to it. Every
+argument and return value is JSON-like (dicts, lists, strings, numbers), so the two engines cannot drift.
+Payload bytes never pass through it: a storage unit holds them, and the plane asks the engine to drop
+them through the ``releaser`` callback it was given.
+
+The path of one trajectory through the plane:
+
+1. :meth:`ControlPlane.reserve` (before the payload is stored): the checks that need the pipeline's state
+   (source, unique id, withdrawn group, field schema) and a storage unit chosen by placement;
+2. the engine stores the payload on that unit (or :meth:`ControlPlane.unreserve` after a failure);
+3. :meth:`ControlPlane.offer`: the schema is checked again (a concurrent first put may have fixed it
+   meanwhile), the metadata goes to admission, and every mini-batch admitted is planned at once.
+
+Plans are queued per rank as *entries*: the ``j``-th micro-batch of a rank over the whole run (``j`` counts
+across mini-batches). Which rank receives which trajectory depends only on the admitted metadata, the
+layout and the options: placement counts the bytes placed so far (never the bytes released), and a
+consumer positioned past an entry (:meth:`ControlPlane.seek`) only releases it. So a pipeline fed the same
+puts plans the same entries whenever consumers restore, and on either engine.
+
+Release (``release``): ``"step"`` commits a rank's entries before a mini-batch when the rank's single
+iterator hands out that mini-batch's first micro-batch; ``"commit"`` releases only on explicit
+:meth:`ControlPlane.commit`; ``"handout"`` releases each entry as it is handed out. A rank restored from a
+committed-or-later position receives exactly the entries after it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
+from knitdata.errors import (
+    ConfigError,
+    EngineError,
+    FieldTypeError,
+    IncompleteStreamError,
+    KnitdataError,
+    PipelineClosedError,
+    QuotaInfeasibleError,
+    StateError,
+    ValidationError,
+)
+from knitdata.metrics import TransferMeter, summarize
+from knitdata.placement import ConsumerLayout, make_placement
+from knitdata.planner import MiniBatchPlan, Planner
+from knitdata.record import TrajectoryMeta
+
+__all__ = ["ControlPlane", "RELEASE_MODES", "PLANE_DEFAULTS"]
+
+#: When payloads leave storage (module docstring).
+RELEASE_MODES: tuple[str, ...] = ("step", "commit", "handout")
+
+#: Defaults of the options every engine shares.
+PLANE_DEFAULTS: dict[str, Any] = {
+    "admission": "constraint_preserving",
+    "admission_options": {},
+    "token_budget": 8192,
+    "placement": "consumer_aware",
+    "allow_split_groups": False,
+    "balance_tolerance": 0.1,
+    "release": "step",
+}
+
+#: How many withdrawn group ids the plane remembers, to refuse late members.
+WITHDRAWN_MEMORY = 1 << 16
+#: Seconds after which an iterator lease that was not renewed may be taken over (a consumer process died).
+LEASE_TTL_S = 10.0
+
+
+def fields_of(scalars: Sequence[str], tensors: Mapping[str, str]) -> dict[str, Any]:
+    """The schema record of a trajectory: its scalar names and its tensor fields' dtypes."""
+    return {"scalars": sorted(scalars), "tensors": {k: str(v) for k, v in sorted(tensors.items())}}
+
+
+class ControlPlane:
+    """Admission, placement, planning, leases, commits and release of one pipeline. Thread-safe.
+
+    Args:
+        config: JSON-like options: ``spec`` (a :class:`~knitdata.admission.BatchSpec` dict), ``layout`` (a
+            :class:`~knitdata.placement.ConsumerLayout` dict) and the keys of :data:`PLANE_DEFAULTS`.
+        unit_nodes: ``{storage unit id: layout node}``, one unit per node.
+        releaser: ``releaser(unit_id, ids)`` drops payloads from a unit (called under the plane's lock: keep
+            it non-blocking, e.g. an asynchronous actor call).
+        policy: An admission policy object to use instead of ``config["admission"]`` (in-process only).
+        on_plan: Called as ``on_plan(admitted, plan)`` after each mini-batch is planned (in-process only).
+
+    Raises:
+        ConfigError: Inconsistent options.
+    """
+
+    def __init__(
+        self,
+        config: Mapping[str, Any],
+        unit_nodes: Mapping[str, str],
+        releaser: Callable[[str, list[str]], Any],
+        *,
+        policy: AdmissionPolicy | None = None,
+        on_plan: Callable[[AdmittedMiniBatch, MiniBatchPlan], None] | None = None,
+    ) -> None:
+        cfg = {**PLANE_DEFAULTS, **dict(config)}
+        self.config = cfg
+        self.spec = BatchSpec.from_dict(cfg["spec"])
+        self.layout = ConsumerLayout.from_dict(cfg["layout"])
+        if cfg["release"] not in RELEASE_MODES:
+            raise ConfigError(f"release must be one of {RELEASE_MODES}, got {cfg['release']!r}")
+        self.release_mode: str = cfg["release"]
+        self.policy = policy if policy is not None else make_policy(
+            cfg["admission"], self.spec, **dict(cfg.get("admission_options") or {}))
+        self.unit_nodes = dict(unit_nodes)
+        self.placement = make_placement(cfg["placement"], list(self.unit_nodes))
+        self.planner = Planner(self.layout, int(cfg["token_budget"]),
+                               allow_split_groups=bool(cfg["allow_split_groups"]),
+                               locality=self.placement.consumer_aware,
+                               balance_tolerance=float(cfg["balance_tolerance"]), unit_nodes=self.unit_nodes)
+        self._release = releaser
+        self._on_plan = on_plan
+        self.cond = threading.Condition()
+        n = self.layout.num_consumers
+        self.seq = 0
+        # puts in progress: id -> (unit, meta, fields); a producer that died mid-put leaves one behind
+        self.putting: dict[str, tuple[str, TrajectoryMeta, dict[str, Any] | None]] = {}
+        self.schema: dict[str, Any] | None = None
+        self.withdrawn: OrderedDict[str, None] = OrderedDict()
+        self.live: dict[str, TrajectoryMeta] = {}  # stored and not released
+        self.pending: dict[str, TrajectoryMeta] = {}  # offered, not admitted yet
+        self.loss: dict[str, int] = {}
+        self.queues: list[dict[int, dict[str, Any]]] = [{} for _ in range(n)]
+        self.planned = [0] * n  # entries appended per rank
+        self.committed = [0] * n  # entries below are released
+        self.position = [0] * n  # next entry of the rank's iterator (handed out below)
+        self.leases: dict[tuple[int, int], tuple[str, float]] = {}
+        self.closed = False
+        self.close_report: dict[str, Any] | None = None
+        self.error: KnitdataError | None = None
+        self.version = 0
+        self.version_times: deque[float] = deque(maxlen=1024)
+        self.staleness: deque[int] = deque(maxlen=10_000)
+        self.consumer_stats: list[dict[str, Any] | None] = [None] * n
+        self.transfer = TransferMeter()
+        self.counts = {"puts": 0, "rejected": 0, "withdrawn": 0, "admitted_minibatches": 0,
+                       "admitted_trajectories": 0, "planned_local_bytes": 0, "planned_remote_bytes": 0,
+                       "released": 0, "dropped_at_close": 0}
+        self.rejected_by_cause: dict[str, int] = {}
+
+    # ------------------------------------------------------------------------------------ producer side
+    def reserve(self, meta: Mapping[str, Any]) -> dict[str, Any]:
+        """Check a trajectory about to be stored and choose its unit.
+
+        Args:
+            meta: :meth:`TrajectoryMeta.to_dict` plus ``fields`` (:func:`fields_of`).
+
+        Returns:
+            ``{"seq": arrival index, "unit": storage unit id}``.
+
+        Raises:
+            ValidationError / FieldTypeError: Unknown source, duplicate id, withdrawn group, other fields.
+            PipelineClosedError: The pipeline is closed or stopped.
+        """
+        tid = str(meta["id"])
+        with self.cond:
+            self._check_open()
+            try:
+                if meta["source"] not in self.spec.quotas:
+                    raise ValidationError(
+                        f"unknown source {meta['source']!r}; the batch spec has {list(self.spec.sources)}",
+                        trajectory_id=tid, field="source")
+                if tid in self.live:
+                    raise ValidationError("was already put and is still held; ids must be unique",
+                                          trajectory_id=tid, field="id")
+                if meta["group"] in self.withdrawn:
+                    raise ValidationError(f"its group {meta['group']!r} was withdrawn (aborted or filtered); a late "
+                                          "member is not accepted", trajectory_id=tid, field="group")
+                self._check_schema(tid, meta.get("fields"))
+            except KnitdataError as e:
+                self._count_rejected(e)
+                raise
+            stale = self.putting.pop(tid, None)
+            if stale is not None:
+                # a retry after the producer died mid-put (or a concurrent duplicate, which then loses)
+                old_unit, old_meta, _ = stale
+                self._release(old_unit, [tid])
+                self.placement.unplace(old_meta, old_unit)
+                self.counts["rejected"] += 1
+            m = TrajectoryMeta.from_dict({**{k: v for k, v in meta.items() if k != "fields"}, "seq": self.seq,
+                                          "location": None})
+            self.seq += 1
+            unit = self.placement.place(m)
+            self.putting[tid] = (unit, m, meta.get("fields"))
+            return {"seq": m.seq, "unit": unit}
+
+    def unreserve(self, traj_id: str, seq: int, cause: str = "store") -> None:
+        """Undo :meth:`reserve` after the payload could not be stored (``cause`` is counted in stats)."""
+        with self.cond:
+            cur = self.putting.get(traj_id)
+            if cur is None or cur[1].seq != seq:
+                return  # superseded by a retry, which owns the placement now
+            del self.putting[traj_id]
+            self.placement.unplace(cur[1], cur[0])
+            self.counts["rejected"] += 1
+            self.rejected_by_cause[cause] = self.rejected_by_cause.get(cause, 0) + 1
+
+    def offer(self, traj_id: str, seq: int, loss_tokens: int) -> dict[str, Any]:
+        """The payload of a reserved trajectory is stored: hand its metadata to admission and plan.
+
+        Returns:
+            The accepted metadata (:meth:`TrajectoryMeta.to_dict`, with ``seq`` and ``location``).
+
+        Raises:
+            ValidationError: The group was withdrawn meanwhile, a concurrent first put fixed other fields, or
+                a retry superseded this put. PipelineClosedError: Closed meanwhile. The payload is released.
+        """
+        with self.cond:
+            cur = self.putting.get(traj_id)
+            if cur is None or cur[1].seq != seq:
+                raise ValidationError("this put was superseded by a newer put of the same id (a retry); it was "
+                                      "not accepted", trajectory_id=traj_id, field="id")
+            del self.putting[traj_id]
+            unit, m0, fields = cur
+            m = TrajectoryMeta.from_dict({**m0.to_dict(), "location": unit})
+            self.live[m.id] = m
+            try:
+                self._check_open()
+                if m.group in self.withdrawn:
+                    raise ValidationError(f"its group {m.group!r} was withdrawn while this put was in progress; "
+                                          "it was not accepted", trajectory_id=m.id, field="group")
+                self._check_schema(m.id, fields)  # again: a concurrent first put may have fixed the schema
+                self.loss[m.id] = int(loss_tokens)
+                self.policy.offer([m])
+            except BaseException as e:
+                if isinstance(e, KnitdataError):
+                    self._count_rejected(e)
+                self._release_metas([m])
+                raise
+            self.pending[m.id] = m
+            if self.schema is None and fields is not None:
+                self.schema = {"scalars": list(fields["scalars"]), "tensors": dict(fields["tensors"])}
+            self.counts["puts"] += 1
+            self._poll()
+            return m.to_dict()
+
+    def note_rejected(self, traj_id: str | None, cause: str) -> None:
+        """A put refused before it reached the plane (validation in the producer): counted by ``cause``."""
+        with self.cond:
+            self.counts["rejected"] += 1
+            self.rejected_by_cause[cause] = self.rejected_by_cause.get(cause, 0) + 1
+
+    def set_in_flight(self, counts: Mapping[str, int]) -> None:
+        """See :meth:`knitdata.admission.AdmissionPolicy.set_in_flight`.
+
+        Raises:
+            QuotaInfeasibleError: A source can no longer deliver its quota (the pipeline stops).
+        """
+        with self.cond:
+            self._check_open()
+            try:
+                self.policy.set_in_flight(dict(counts))
+            except QuotaInfeasibleError as e:
+                self._fail(e)
+                raise
+            self._poll()
+
+    def withdraw(self, group: str) -> list[dict[str, Any]]:
+        """Drop a group waiting for admission; late members are refused. Returns the dropped members."""
+        with self.cond:
+            metas = self.policy.withdraw(group)
+            self.withdrawn[group] = None
+            while len(self.withdrawn) > WITHDRAWN_MEMORY:
+                self.withdrawn.popitem(last=False)
+            for m in metas:
+                self.pending.pop(m.id, None)
+            self._release_metas(metas)
+            self.counts["withdrawn"] += len(metas)
+            self.placement.forget_group(group)
+            if not self.closed and self.error is None:
+                self._poll()
+            return [m.to_dict() for m in metas]
+
+    def report_version(self, version: int) -> None:
+        """The trainer's new policy version (staleness of what is handed out afterwards is measured against it)."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValidationError(f"version must be a non-negative int, got {version!r}", field="version")
+        with self.cond:
+            if version < self.version:
+                raise ValidationError(f"version {version} is older than the last reported {self.version}",
+                                      field="version")
+            self.version = version
+            self.version_times.append(time.monotonic())
+
+    def close(self) -> dict[str, Any]:
+        """End of stream. Idempotent.
+
+        Returns:
+            What was dropped: ``{"dropped_trajectories", "dropped_groups", "by_source", "in_progress"}``
+            (trajectories that were stored but never admitted: an incomplete train batch or group). Consumers
+            finish the admitted mini-batches, then raise :class:`~knitdata.errors.IncompleteStreamError` if
+            anything was dropped.
+        """
+        with self.cond:
+            if self.close_report is None:
+                dropped = list(self.pending.values())
+                by_source: dict[str, int] = {}
+                groups: dict[str, int] = {}
+                for m in dropped:
+                    by_source[m.source] = by_source.get(m.source, 0) + 1
+                    groups[m.group] = groups.get(m.group, 0) + 1
+                self.close_report = {
+                    "dropped_trajectories": len(dropped), "dropped_groups": sorted(groups),
+                    "by_source": by_source, "in_progress": sorted(self.putting),
+                    "group_members": groups, "group_size": self.spec.group_size,
+                }
+                self.counts["dropped_at_close"] = len(dropped)
+            self.closed = True
+            self.cond.notify_all()
+            return dict(self.close_report)
+
+    # ------------------------------------------------------------------------------------ consumer side
+    def lease(self, rank: int, worker: int, token: str, wait_s: float = 0.0) -> None:
+        """Register ``token`` as the one live iterator of ``(rank, worker)``.
+
+        A lease not renewed (by :meth:`next_entries`) for :data:`LEASE_TTL_S` is taken over. ``wait_s``: how
+        long to wait for a live lease of another iterator to end or expire.
+
+        Raises:
+            EngineError: Another live iterator holds it.
+        """
+        self._check_rank(rank)
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            while True:
+                cur = self.leases.get((rank, worker))
+                now = time.monotonic()
+                if cur is None or cur[0] == token or now - cur[1] > LEASE_TTL_S:
+                    self.leases[(rank, worker)] = (token, now)
+                    return
+                if now >= deadline:
+                    raise EngineError(
+                        f"rank {rank} (worker {worker}) is already being iterated by another live iterator; each rank "
+                        "has one consumer: finish or close() the other dataset/iterator first (a dataset's new iter() "
+                        "closes its own previous one)")
+                self.cond.wait(min(1.0, deadline - now))
+
+    def unlease(self, rank: int, worker: int, token: str) -> None:
+        """End the lease of ``token`` (its iterator finished or was closed)."""
+        with self.cond:
+            cur = self.leases.get((rank, worker))
+            if cur is not None and cur[0] == token:
+                del self.leases[(rank, worker)]
+                self.cond.notify_all()
+
+    def next_entries(self, rank: int, j: int, timeout_s: float, token: str | None = None,
+                     worker: int = 0) -> dict[str, Any]:
+        """Entries ``j..`` up to the end of ``j``'s mini-batch, waiting up to ``timeout_s``.
+
+        Returns:
+            ``{"entries": [...]}``, ``{"end": True}`` (closed and drained), or ``{"wait": True}`` (nothing yet).
+
+        Raises:
+            StateError: Entry ``j`` was committed and released. IncompleteStreamError: The stream ended with
+                trajectories that were never admitted. The admission error that stopped the pipeline.
+        """
+        self._check_rank(rank)
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            while True:
+                if token is not None:
+                    cur = self.leases.get((rank, worker))
+                    if cur is not None and cur[0] == token:
+                        self.leases[(rank, worker)] = (token, time.monotonic())
+                if self.error is not None:
+                    raise self.error
+                if j < self.planned[rank]:
+                    q = self.queues[rank]
+                    if j not in q:
+                        raise StateError(
+                            f"micro-batch {j} of rank {rank} was already committed and released (rank {rank} committed "
+                            f"up to {self.committed[rank]}); resume from the last committed state or a later one")
+                    first = q[j]
+                    out = [first]
+                    k = j + 1
+                    while k in q and q[k]["minibatch"] == first["minibatch"]:
+                        out.append(q[k])
+                        k += 1
+                    return {"entries": out}
+                if self.closed:
+                    rep = self.close_report or {}
+                    if rep.get("dropped_trajectories"):
+                        raise IncompleteStreamError(self._incomplete_message(rep))
+                    return {"end": True}
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return {"wait": True}
+                self.cond.wait(remaining)
+
+    def handed(self, rank: int, j: int, minibatch: int, microbatch: int, auto_commit: bool = True) -> None:
+        """Entry ``j`` of ``rank`` was handed out to the trainer (staleness; release per ``release``)."""
+        self._check_rank(rank)
+        with self.cond:
+            e = self.queues[rank].get(j)
+            if e is not None:
+                v = self.version
+                for tid, _u, _n in e["items"]:
+                    m = self.live.get(tid)
+                    if m is not None:
+                        self.staleness.append(v - m.gen_version)
+            if self.release_mode == "handout":
+                self._drop_entry(rank, j)
+            elif self.release_mode == "step" and auto_commit and microbatch == 0:
+                self._commit(rank, j)
+            if j + 1 > self.position[rank]:
+                self.position[rank] = j + 1
+
+    def commit(self, rank: int, upto: int) -> int:
+        """Release ``rank``'s entries below ``upto``; returns how many micro-batches were released."""
+        self._check_rank(rank)
+        with self.cond:
+            return self._commit(rank, int(upto))
+
+    def seek(self, rank: int, j: int) -> None:
+        """``rank`` restored at entry ``j``: everything below is committed (released now or when planned)."""
+        self._check_rank(rank)
+        with self.cond:
+            self._commit(rank, int(j))
+            self.position[rank] = int(j)
+
+    def start_position(self, rank: int) -> int:
+        """Where a new dataset of ``rank`` starts: after the last micro-batch handed out to the rank.
+
+        A consumer that crashed restores its saved state instead (:meth:`seek`), which may go back to the
+        rank's committed position.
+        """
+        self._check_rank(rank)
+        with self.cond:
+            return max(self.position[rank], self.committed[rank])
+
+    def report_consumer(self, rank: int, stats: Mapping[str, Any]) -> None:
+        """A consumer's metrics summary (:meth:`knitdata.metrics.ConsumerMetrics.to_dict`), for :meth:`stats`."""
+        self._check_rank(rank)
+        with self.cond:
+            self.consumer_stats[rank] = dict(stats)
+
+    def report_transfer(self, meter: Mapping[str, Any]) -> None:
+        """Add a process's transfer counters (:meth:`knitdata.metrics.TransferMeter.to_dict`) to the totals."""
+        self.transfer.merge(meter)
+
+    # ------------------------------------------------------------------------------------ diagnostics
+    def holders(self, unit: str) -> str:
+        """Who holds ``unit``'s memory: uncommitted micro-batches per rank, and trajectories awaiting admission."""
+        with self.cond:
+            parts = []
+            for r, q in enumerate(self.queues):
+                n = nb = 0
+                for e in q.values():
+                    mine = [x for x in e["items"] if x[1] == unit]
+                    if mine:
+                        n += 1
+                        nb += sum(int(x[2]) for x in mine)
+                if n:
+                    parts.append(f"rank {r}: {n} uncommitted micro-batches ({nb} bytes, committed up to "
+                                 f"{self.committed[r]}, handed out up to {self.position[r]})")
+            waiting = [m for m in self.pending.values() if m.location == unit]
+            if waiting:
+                parts.append(f"{len(waiting)} trajectories waiting for admission ({sum(m.nbytes for m in waiting)} bytes)")
+            return "; ".join(parts) if parts else "nothing the control plane knows of (puts in progress only)"
+
+    def missing(self) -> str:
+        """What admission still waits for: per source needed/ready, incomplete groups."""
+        with self.cond:
+            return self._missing_text()
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-serializable counters of the control plane."""
+        with self.cond:
+            times = list(self.version_times)
+            return {
+                **self.counts, "closed": self.closed, "version": self.version, "release": self.release_mode,
+                "rejected_by_cause": dict(self.rejected_by_cause),
+                "held_trajectories": len(self.live), "ready_not_admitted": self.policy.ready_counts(),
+                "planned": list(self.planned), "committed": list(self.committed), "positions": list(self.position),
+                "held_microbatches": [len(q) for q in self.queues],
+                "staleness": summarize(self.staleness),
+                "version_interval_s": summarize(b - a for a, b in zip(times, times[1:])),
+                "close_report": self.close_report, "consumers": list(self.consumer_stats),
+                "placement": self.placement.state_dict(), "transfer": self.transfer.to_dict(),
+            }
+
+    # ------------------------------------------------------------------------------------ internals
+    def _check_rank(self, rank: int) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.layout.num_consumers:
+            raise ConfigError(f"rank must be an int in 0..{self.layout.num_consumers - 1}, got {rank!r}")
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise PipelineClosedError("the pipeline is closed (end of stream); build a new Pipeline to continue")
+        if self.error is not None:
+            raise PipelineClosedError(f"the pipeline stopped after an admission error: {self.error}")
+
+    def _count_rejected(self, e: KnitdataError) -> None:
+        cause = getattr(e, "field", None) or type(e).__name__
+        cause = cause.split(".")[0]
+        self.rejected_by_cause[cause] = self.rejected_by_cause.get(cause, 0) + 1
+        self.counts["rejected"] += 1
+
+    def _check_schema(self, tid: str, fields: Mapping[str, Any] | None) -> None:
+        if self.schema is None or fields is None:
+            return
+        want_s, want_t = set(self.schema["scalars"]), dict(self.schema["tensors"])
+        have_s, have_t = set(fields["scalars"]), dict(fields["tensors"])
+        for kind, have, want in (("scalars", have_s, want_s), ("tensors", set(have_t), set(want_t))):
+            if have != want:
+                missing, extra = sorted(want - have), sorted(have - want)
+                raise ValidationError(
+                    f"carries {kind} {sorted(have)} but this pipeline's trajectories carry {sorted(want)} (missing "
+                    f"{missing}, unexpected {extra}); every trajectory needs the same fields so that any micro-batch "
+                    "collates", trajectory_id=tid, field=f"{kind}.{(missing or extra)[0]}")
+        for name, dt in have_t.items():
+            if want_t[name] != dt:
+                raise FieldTypeError(
+                    f"has dtype {dt} but the pipeline's first trajectory fixed {want_t[name]} for this field; cast it "
+                    "before put (a micro-batch holds one dtype per field)", trajectory_id=tid, field=f"tensors.{name}")
+
+    def _fail(self, e: KnitdataError) -> None:
+        self.error = e
+        self.cond.notify_all()
+
+    def _release_metas(self, metas: Sequence[TrajectoryMeta]) -> None:
+        by_unit: dict[str, list[str]] = {}
+        for m in metas:
+            live = self.live.pop(m.id, None)
+            self.loss.pop(m.id, None)
+            if m.location is not None and live is not None:
+                by_unit.setdefault(m.location, []).append(m.id)
+        for u, ids in by_unit.items():
+            self._release(u, ids)
+            self.counts["released"] += len(ids)
+
+    def _drop_entry(self, rank: int, j: int) -> None:
+        e = self.queues[rank].pop(j, None)
+        if e is not None:
+            self._release_metas([self.live[tid] for tid, _u, _n in e["items"] if tid in self.live])
+        while self.committed[rank] < self.planned[rank] and self.committed[rank] not in self.queues[rank]:
+            self.committed[rank] += 1
+
+    def _commit(self, rank: int, upto: int) -> int:
+        top = min(upto, self.planned[rank])
+        q = self.queues[rank]
+        n = 0
+        for j in range(self.committed[rank], top):
+            n += j in q
+            self._drop_entry(rank, j)
+        # positions past what is planned yet (a restore before the refill): released as they are planned
+        self.committed[rank] = max(self.committed[rank], upto)
+        self.cond.notify_all()
+        return n
+
+    def _poll(self) -> None:
+        try:
+            admitted = self.policy.poll(time.monotonic())
+        except KnitdataError as e:
+            self._fail(e)
+            raise
+        planned: list[tuple[AdmittedMiniBatch, MiniBatchPlan]] = []
+        for mb in admitted:
+            plan = self.planner.plan(mb, self.loss)
+            self.counts["admitted_minibatches"] += 1
+            self.counts["admitted_trajectories"] += len(mb.trajectories)
+            self.counts["planned_local_bytes"] += plan.local_bytes
+            self.counts["planned_remote_bytes"] += plan.remote_bytes
+            for m in mb.trajectories:
+                self.pending.pop(m.id, None)
+                self.placement.forget_group(m.group)
+            for rank, row in enumerate(plan.microbatches):
+                for pmb in row:
+                    j = self.planned[rank]
+                    self.planned[rank] = j + 1
+                    if j < self.committed[rank]:  # the rank restored past it: release at once
+                        self._release_metas([self.live[m.id] for m in pmb.trajectories if m.id in self.live])
+                        continue
+                    self.queues[rank][j] = {
+                        "j": j, "minibatch": pmb.minibatch, "microbatch": pmb.microbatch,
+                        "info": pmb.to_info().to_dict(),
+                        "items": [[m.id, m.location, m.nbytes] for m in pmb.trajectories],
+                    }
+            planned.append((mb, plan))
+        if admitted:
+            self.cond.notify_all()
+        if self._on_plan is not None:  # after every plan is queued: a failing hook loses no mini-batch
+            for mb, plan in planned:
+                self._on_plan(mb, plan)
+
+    def _missing_text(self) -> str:
+        need = self.policy.remaining_quota()
+        ready = self.policy.ready_counts()
+        srcs = [f"{s}: {need.get(s, 0)} still to admit in train batch {self.policy.train_batch}, "
+                f"{ready.get(s, 0)} ready" for s in self.spec.sources]
+        groups: dict[str, int] = {}
+        for m in self.pending.values():
+            groups[m.group] = groups.get(m.group, 0) + 1
+        g = self.spec.group_size
+        partial = sorted(k for k, n in groups.items() if n < g)
+        text = "sources " + "; ".join(srcs)
+        if partial:
+            shown = ", ".join(f"{k} ({groups[k]} of {g})" for k in partial[:10])
+            text += f"; incomplete groups {shown}" + (f" and {len(partial) - 10} more" if len(partial) > 10 else "")
+        if self.putting:
+            text += f"; {len(self.putting)} puts in progress"
+        return text
+
+    def _incomplete_message(self, rep: Mapping[str, Any]) -> str:
+        groups = rep["dropped_groups"]
+        members = rep.get("group_members", {})
+        shown = ", ".join(f"{k} ({members.get(k, '?')} of {rep.get('group_size')})" for k in groups[:10])
+        more = f" and {len(groups) - 10} more" if len(groups) > 10 else ""
+        return (f"the pipeline was closed with {rep['dropped_trajectories']} stored trajectories never admitted "
+                f"(an incomplete train batch or group): by source {rep['by_source']}, groups {shown}{more}; every "
+                "admitted mini-batch was delivered. Complete or withdraw() the groups before close(), or treat this "
+                "as the end of the run")

@@ -1,0 +1,92 @@
+"""The embedded engine: one process, the control plane called directly, one in-memory unit per layout node."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch
+from knitdata.control import ControlPlane
+from knitdata.engines.base import Engine
+from knitdata.placement import ConsumerLayout
+from knitdata.planner import MiniBatchPlan
+from knitdata.record import Trajectory
+from knitdata.storage.base import StorageUnit
+from knitdata.storage.embedded import EmbeddedStorageUnit
+
+__all__ = ["EmbeddedEngine"]
+
+
+class EmbeddedEngine(Engine):
+    """Units in this process; producers and consumers are threads. No servers.
+
+    Args:
+        layout: Consumers by node (one unit per node, its id the node name).
+        config: The control plane's options.
+        capacity_bytes: Capacity of each unit.
+        spill_dir: Give each unit a :class:`~knitdata.spill.SpillStore` in ``spill_dir/<unit id>``.
+        spill_bytes: Disk budget of each unit's spill store.
+        policy: An admission policy object (instead of the one named in ``config``).
+        on_plan: Called as ``on_plan(admitted, plan)`` for each planned mini-batch.
+    """
+
+    kind = "embedded"
+
+    def __init__(
+        self,
+        layout: ConsumerLayout,
+        config: Mapping[str, Any],
+        capacity_bytes: int,
+        *,
+        spill_dir: str | os.PathLike[str] | None = None,
+        spill_bytes: int = 16 << 30,
+        policy: AdmissionPolicy | None = None,
+        on_plan: Callable[[AdmittedMiniBatch, MiniBatchPlan], None] | None = None,
+    ) -> None:
+        super().__init__(layout, config)
+        units: dict[str, StorageUnit] = {}
+        for node in layout.nodes:
+            spill = None
+            if spill_dir is not None:
+                from knitdata.spill import SpillStore
+
+                spill = SpillStore(os.path.join(os.fspath(spill_dir), node), max_bytes=spill_bytes)
+            units[node] = EmbeddedStorageUnit(node, capacity_bytes, spill=spill)
+        self._units = units
+        self._control = ControlPlane(config, {u: unit.node for u, unit in units.items()},
+                                     lambda u, ids: units[u].release(ids), policy=policy, on_plan=on_plan)
+
+    @property
+    def control(self) -> ControlPlane:
+        """The control plane (in this process)."""
+        return self._control
+
+    @property
+    def units(self) -> Mapping[str, StorageUnit]:
+        """The storage units by id."""
+        return self._units
+
+    def read(self, items: Sequence[Sequence[Any]], *, mode: str, step: int) -> list[Trajectory]:
+        """Payloads in order; one ``get`` per unit (no copy)."""
+        if mode == "sample":
+            return [self._units[u].get((tid,))[0] for tid, u, _n in items]
+        by_unit: dict[str, list[str]] = {}
+        for tid, u, _n in items:
+            by_unit.setdefault(u, []).append(tid)
+        if len(by_unit) == 1:
+            ((u, ids),) = by_unit.items()
+            return self._units[u].get(ids)
+        out: dict[str, Trajectory] = {}
+        for u, ids in by_unit.items():
+            for t in self._units[u].get(ids):
+                out[t.id] = t
+        return [out[tid] for tid, _u, _n in items]
+
+    def __getstate__(self) -> Any:
+        from knitdata.errors import EngineError
+
+        raise EngineError(
+            "an embedded-engine pipeline lives in one process and cannot be sent to another (DataLoader worker "
+            "processes, multiprocessing): use num_workers=0 (fetch='iter' already prefetches on a thread), or "
+            "the Ray engine: Pipeline(..., engine='ray') and Pipeline.attach(name) in other processes")

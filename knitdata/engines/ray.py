@@ -1,0 +1,416 @@
+"""The Ray engine: the same control plane in one coordinator actor, one storage-unit actor per node.
+
+Pieces (all on one Ray cluster):
+
+* one **coordinator** actor (:class:`CoordinatorActor`) hosting :class:`knitdata.control.ControlPlane`, the
+  very class the embedded engine calls directly; its methods take and return JSON-like values only;
+* one **storage unit** actor per training node (:class:`~knitdata.storage.ray_unit.StorageUnitActor`, hard node
+  affinity), payloads as codec records in that node's object store (no pickle), read zero-copy on the node;
+* any number of processes holding a :class:`RayEngine` handle (the pipeline's creator, producers, torchrun
+  ranks, DataLoader workers), attached by the pipeline's name: payload bytes go straight between them and the
+  units, never through the coordinator.
+
+Binding: :func:`~knitdata.storage.ray_unit.connect` with ``address=None`` starts a local Ray bound to
+``127.0.0.1`` with the dashboard off (or uses the Ray this process is already attached to); with an address
+it attaches there and, with ``loopback_only=True`` (the default), refuses a cluster with a non-loopback node.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from knitdata.errors import ConfigError, EngineError, KnitdataError, OptionalDependencyError
+
+try:
+    import ray
+except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in tests
+    raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.engines.ray)") from _e
+
+from knitdata.codec import decode_trajectory
+from knitdata.control import ControlPlane
+from knitdata.engines.base import Engine
+from knitdata.metrics import TransferMeter
+from knitdata.placement import ConsumerLayout
+from knitdata.record import Trajectory
+from knitdata.storage.base import StorageUnit
+from knitdata.storage.ray_unit import (
+    NAMESPACE,
+    RayStorageUnit,
+    SpillRecovery,
+    alive_nodes,
+    connect,
+    current_address,
+    read_records,
+)
+
+__all__ = ["CoordinatorActor", "RayControl", "RayEngine", "coordinator_name", "ray_address", "resolve_nodes"]
+
+
+def ray_address() -> str:
+    """The address of the Ray cluster this process is attached to: pass it to :meth:`Pipeline.attach` elsewhere.
+
+    Raises:
+        EngineError: This process is not attached to Ray (create or attach a Ray-engine pipeline first).
+    """
+    if not ray.is_initialized():
+        raise EngineError("this process is not attached to Ray: create a Pipeline(..., engine='ray') first")
+    return current_address()
+
+
+def coordinator_name(name: str) -> str:
+    """The Ray actor name of pipeline ``name``'s coordinator."""
+    return f"{name}/coordinator"
+
+
+def resolve_nodes(layout: ConsumerLayout, nodes: Mapping[str, str] | Sequence[str] | None = None) -> dict[str, str]:
+    """Map each node name of ``layout`` to a Ray node id.
+
+    Args:
+        layout: Consumers by node.
+        nodes: ``{layout node name: Ray node id}``, or Ray node ids in the order of ``layout.nodes``;
+            default: the alive Ray nodes in Ray's order (the head first).
+
+    Raises:
+        ConfigError: More layout nodes than Ray nodes, or an unknown Ray node id.
+    """
+    alive = alive_nodes()
+    if nodes is None:
+        if len(layout.nodes) > len(alive):
+            raise ConfigError(f"the layout has {len(layout.nodes)} nodes but the Ray cluster only {len(alive)} alive; "
+                              "add nodes or pass engine_options={'nodes': {layout node: Ray node id}}")
+        return dict(zip(layout.nodes, alive))
+    mapping = dict(nodes) if isinstance(nodes, Mapping) else dict(zip(layout.nodes, nodes))
+    missing = [n for n in layout.nodes if n not in mapping]
+    unknown = [v for v in mapping.values() if v not in alive]
+    if missing or unknown:
+        raise ConfigError(f"nodes: layout nodes without a Ray node {missing}, Ray node ids not alive {unknown}")
+    return {n: mapping[n] for n in layout.nodes}
+
+
+@ray.remote(num_cpus=0, max_concurrency=16, concurrency_groups={"wait": 256})
+class CoordinatorActor:
+    """Hosts the pipeline's :class:`~knitdata.control.ControlPlane` and owns its storage-unit actors.
+
+    Every method takes and returns JSON-like values (metadata only). Consumers waiting for their next
+    micro-batches or a lease run in their own concurrency group, so they never hold up producers and commits.
+    """
+
+    def __init__(self, setup: dict[str, Any]) -> None:
+        self._setup = dict(setup)
+        layout = ConsumerLayout.from_dict(setup["config"]["layout"])
+        node_map: dict[str, str] = setup["nodes"]
+        self._units = RayStorageUnit.create_many(
+            [(n, node_map[n]) for n in layout.nodes], int(setup["capacity_bytes"]), prefix=setup["name"],
+            spill_dir=setup.get("spill_dir"), spill_bytes=setup.get("spill_bytes"))
+        units = self._units
+        self._plane = ControlPlane(setup["config"], {u: unit.node for u, unit in units.items()},
+                                   lambda u, ids: units[u].release_async(ids))
+        self._recovery = SpillRecovery(setup["spill_dir"]) if setup.get("spill_dir") else None
+
+    # the control plane, one method each (Ray needs them declared) -------------------------------------
+    def reserve(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """See :meth:`ControlPlane.reserve`."""
+        return self._plane.reserve(meta)
+
+    def unreserve(self, traj_id: str, seq: int, cause: str = "store") -> None:
+        """See :meth:`ControlPlane.unreserve`."""
+        self._plane.unreserve(traj_id, seq, cause)
+
+    def offer(self, traj_id: str, seq: int, loss_tokens: int) -> dict[str, Any]:
+        """See :meth:`ControlPlane.offer`."""
+        return self._plane.offer(traj_id, seq, loss_tokens)
+
+    def note_rejected(self, traj_id: str | None, cause: str) -> None:
+        """See :meth:`ControlPlane.note_rejected`."""
+        self._plane.note_rejected(traj_id, cause)
+
+    def set_in_flight(self, counts: dict[str, int]) -> None:
+        """See :meth:`ControlPlane.set_in_flight`."""
+        self._plane.set_in_flight(counts)
+
+    def withdraw(self, group: str) -> list[dict[str, Any]]:
+        """See :meth:`ControlPlane.withdraw`."""
+        return self._plane.withdraw(group)
+
+    def report_version(self, version: int) -> None:
+        """See :meth:`ControlPlane.report_version`."""
+        self._plane.report_version(version)
+
+    def close(self) -> dict[str, Any]:
+        """See :meth:`ControlPlane.close`; also closes the units."""
+        report = self._plane.close()
+        for u in self._units.values():
+            u.close()
+        return report
+
+    @ray.method(concurrency_group="wait")
+    def lease(self, rank: int, worker: int, token: str, wait_s: float = 0.0) -> None:
+        """See :meth:`ControlPlane.lease`."""
+        self._plane.lease(rank, worker, token, wait_s)
+
+    def unlease(self, rank: int, worker: int, token: str) -> None:
+        """See :meth:`ControlPlane.unlease`."""
+        self._plane.unlease(rank, worker, token)
+
+    @ray.method(concurrency_group="wait")
+    def next_entries(self, rank: int, j: int, timeout_s: float, token: str | None = None,
+                     worker: int = 0) -> dict[str, Any]:
+        """See :meth:`ControlPlane.next_entries`."""
+        return self._plane.next_entries(rank, j, timeout_s, token, worker)
+
+    def handed(self, rank: int, j: int, minibatch: int, microbatch: int, auto_commit: bool = True) -> None:
+        """See :meth:`ControlPlane.handed`."""
+        self._plane.handed(rank, j, minibatch, microbatch, auto_commit)
+
+    def commit(self, rank: int, upto: int) -> int:
+        """See :meth:`ControlPlane.commit`."""
+        return self._plane.commit(rank, upto)
+
+    def seek(self, rank: int, j: int) -> None:
+        """See :meth:`ControlPlane.seek`."""
+        self._plane.seek(rank, j)
+
+    def start_position(self, rank: int) -> int:
+        """See :meth:`ControlPlane.start_position`."""
+        return self._plane.start_position(rank)
+
+    def report_consumer(self, rank: int, stats: dict[str, Any]) -> None:
+        """See :meth:`ControlPlane.report_consumer`."""
+        self._plane.report_consumer(rank, stats)
+
+    def report_transfer(self, meter: dict[str, Any]) -> None:
+        """See :meth:`ControlPlane.report_transfer`."""
+        self._plane.report_transfer(meter)
+
+    def holders(self, unit: str) -> str:
+        """See :meth:`ControlPlane.holders`."""
+        return self._plane.holders(unit)
+
+    def missing(self) -> str:
+        """See :meth:`ControlPlane.missing`."""
+        return self._plane.missing()
+
+    def stats(self) -> dict[str, Any]:
+        """See :meth:`ControlPlane.stats`."""
+        return self._plane.stats()
+
+    # engine plumbing ---------------------------------------------------------------------------------
+    def info(self) -> dict[str, Any]:
+        """Name, config, units' nodes, spill directory."""
+        return {"name": self._setup["name"], "config": self._plane.config, "nodes": self._setup["nodes"],
+                "spill_dir": self._setup.get("spill_dir"), "capacity_bytes": self._setup["capacity_bytes"]}
+
+    def unit_handles(self) -> dict[str, Any]:
+        """``{unit id: [actor handle, description]}`` (handles stay valid after a unit dies: calls then fail)."""
+        return {u: [unit.actor, unit.handle_info()] for u, unit in self._units.items()}
+
+    def recover(self, unit_id: str, ids: list[str]) -> dict[str, bytes]:
+        """Records of a dead unit's payloads from its spill shards (those found)."""
+        if self._recovery is None:
+            return {}
+        return self._recovery.records(unit_id, ids)
+
+    def kill_unit(self, unit_id: str) -> None:
+        """Kill a unit's actor (failure drills and tests)."""
+        self._units[unit_id].kill()
+
+    def shutdown(self) -> None:
+        """Close and kill the units."""
+        self.close()
+        for u in self._units.values():
+            try:
+                u.kill()
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        if self._recovery is not None:
+            self._recovery.close()
+
+
+class RayControl:
+    """Forwards :class:`~knitdata.control.ControlPlane` calls to the coordinator actor.
+
+    The coordinator's own exception reaches the caller as it was raised there (a ``KnitdataError``).
+    ``handed``, ``report_consumer`` and ``note_rejected`` return at once (fire and forget).
+
+    Args:
+        actor: The coordinator actor handle.
+        name: The pipeline's name (for messages).
+        timeout_s: Bound on each call beyond the time the call itself may wait.
+    """
+
+    ASYNC = frozenset({"handed", "report_consumer", "note_rejected", "report_transfer"})
+    METHODS = frozenset({"reserve", "unreserve", "offer", "set_in_flight", "withdraw", "report_version", "close",
+                         "lease", "unlease", "next_entries", "commit", "seek", "start_position", "holders",
+                         "missing", "stats"}) | ASYNC
+
+    def __init__(self, actor: Any, name: str, timeout_s: float) -> None:
+        self._actor = actor
+        self._name = name
+        self._timeout_s = timeout_s
+
+    def call(self, method: str, *args: Any, wait_s: float = 0.0) -> Any:
+        """Call ``method`` on the coordinator and return its result (``wait_s``: time the call may block)."""
+        fut = getattr(self._actor, method).remote(*args)
+        try:
+            return ray.get(fut, timeout=self._timeout_s + wait_s)
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if not isinstance(cause, KnitdataError):
+                cause = e.as_instanceof_cause()
+            if isinstance(cause, KnitdataError):
+                raise cause from None
+            raise
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            raise EngineError(f"the coordinator of pipeline {self._name!r} is gone: {e}") from e
+        except ray.exceptions.GetTimeoutError as e:
+            raise EngineError(f"the coordinator of pipeline {self._name!r} did not answer {method}() within "
+                              f"{self._timeout_s + wait_s:.0f} s") from e
+
+    def __getattr__(self, method: str) -> Any:
+        if method not in RayControl.METHODS:
+            raise AttributeError(method)
+        if method in RayControl.ASYNC:
+            actor_method = getattr(self._actor, method)
+            return lambda *a: actor_method.remote(*a) and None
+        if method == "next_entries":
+            return lambda rank, j, timeout_s, *a: self.call(method, rank, j, timeout_s, *a, wait_s=timeout_s)
+        if method == "lease":
+            return lambda rank, worker, token, wait_s=0.0: self.call(method, rank, worker, token, wait_s,
+                                                                     wait_s=wait_s)
+        return lambda *a: self.call(method, *a)
+
+
+class RayEngine(Engine):
+    """A handle on a pipeline hosted on a Ray cluster (create it with :meth:`create`, attach with :meth:`attach`).
+
+    Pickling carries only ``(name, address, loopback_only, timeout_s)``: the copy attaches in the process that
+    unpickles it (DataLoader worker processes, other ranks).
+    """
+
+    kind = "ray"
+    supports_worker_processes = True
+
+    def __init__(self, name: str, *, address: str | None = None, loopback_only: bool = True,
+                 timeout_s: float = 60.0) -> None:
+        connect(address, loopback_only=loopback_only)
+        try:
+            actor = ray.get_actor(coordinator_name(name), namespace=NAMESPACE)
+        except ValueError as e:
+            raise EngineError(
+                f"no knitdata pipeline named {name!r} runs on the Ray cluster at {current_address()}; create it with "
+                "Pipeline(..., engine='ray', engine_options={'name': ...}) first, and pass the creator's cluster "
+                "address (knitdata.ray_address() in the creating process) to every other process") from e
+        self.name = name
+        self.address = current_address()
+        self.loopback_only = loopback_only
+        self.timeout_s = timeout_s
+        self._actor = actor
+        self._control = RayControl(actor, name, timeout_s)
+        info = self._control.call("info")
+        super().__init__(ConsumerLayout.from_dict(info["config"]["layout"]), info["config"])
+        self.info = info
+        self.meter = TransferMeter()
+        handles = self._control.call("unit_handles")
+        placement = str(info["config"].get("placement", ""))
+        self._units = {u: RayStorageUnit.from_handle(actor, desc, meter=self.meter, placement=placement)
+                       for u, (actor, desc) in handles.items()}
+
+    @classmethod
+    def create(
+        cls,
+        layout: ConsumerLayout,
+        config: Mapping[str, Any],
+        capacity_bytes: int,
+        *,
+        name: str = "knitdata",
+        address: str | None = None,
+        nodes: Mapping[str, str] | Sequence[str] | None = None,
+        spill_dir: str | os.PathLike[str] | None = None,
+        spill_bytes: int | None = None,
+        loopback_only: bool = True,
+        detached: bool = False,
+        timeout_s: float = 120.0,
+    ) -> RayEngine:
+        """Start the coordinator and the units of a new pipeline ``name``, and attach to it.
+
+        Raises:
+            EngineError: A pipeline of that name already runs, or the actors did not start.
+        """
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ConfigError(f"engine_options['name'] must be a non-empty string without '/', got {name!r}")
+        connect(address, loopback_only=loopback_only)
+        setup = {"name": name, "config": dict(config), "capacity_bytes": int(capacity_bytes),
+                 "nodes": resolve_nodes(layout, nodes), "spill_bytes": spill_bytes,
+                 "spill_dir": os.fspath(spill_dir) if spill_dir is not None else None}
+        try:
+            ray.get_actor(coordinator_name(name), namespace=NAMESPACE)
+            raise EngineError(f"a knitdata pipeline named {name!r} already runs on this cluster; pick another name "
+                              "or shut it down first (Pipeline.attach(name).shutdown())")
+        except ValueError:
+            pass
+        actor = CoordinatorActor.options(name=coordinator_name(name), namespace=NAMESPACE,
+                                         lifetime="detached" if detached else None).remote(setup)
+        try:
+            ray.get(actor.info.remote(), timeout=timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            ray.kill(actor)
+            raise EngineError(f"the coordinator of pipeline {name!r} failed to start: {e}") from e
+        engine = cls(name, loopback_only=loopback_only, timeout_s=timeout_s)
+        engine._owner = actor  # keeps a non-detached coordinator alive as long as this handle
+        return engine
+
+    @property
+    def control(self) -> RayControl:
+        """Forwarder to the coordinator actor."""
+        return self._control
+
+    @property
+    def units(self) -> Mapping[str, StorageUnit]:
+        """The storage units by id (actor handles)."""
+        return self._units
+
+    def read(self, items: Sequence[Sequence[Any]], *, mode: str, step: int) -> list[Trajectory]:
+        """Records from the units (zero-copy on the same node), spill recovery for a dead unit, decoded."""
+        recover = None
+        if self.info.get("spill_dir"):
+            def recover(unit: RayStorageUnit, ids: list[str]) -> Mapping[str, Any]:
+                return self._control.call("recover", unit.unit_id, ids)
+
+        placement = str(self.config.get("placement", ""))
+        if mode == "sample":
+            recs = [r for tid, u, _n in items
+                    for r in read_records([(tid, self._units[u])], meter=self.meter, mode=mode, placement=placement,
+                                          step=step, recover=recover)]
+        else:
+            recs = read_records([(tid, self._units[u]) for tid, u, _n in items], meter=self.meter, mode=mode,
+                                placement=placement, step=step, recover=recover)
+        return [decode_trajectory(r, copy=False) for r in recs]
+
+    def flush_meter(self) -> None:
+        """Send this process's put/read byte counters to the coordinator (and zero them here); waits for it."""
+        d = self.meter.to_dict()
+        if not (d["read"] or d["put"]):
+            return
+        self.meter.reset()
+        self._control.call("report_transfer", d)
+
+    def kill_unit(self, unit_id: str) -> None:
+        """Kill one storage unit's actor (failure drills and tests): its payloads are lost unless spilled."""
+        self._control.call("kill_unit", unit_id)
+
+    def shutdown(self) -> None:
+        """Close the pipeline and kill its actors."""
+        try:
+            self._control.call("shutdown")
+        finally:
+            ray.kill(self._actor, no_restart=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"name": self.name, "address": self.address, "loopback_only": self.loopback_only,
+                "timeout_s": self.timeout_s}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["name"], address=state["address"], loopback_only=state["loopback_only"],  # type: ignore[misc]
+                      timeout_s=state["timeout_s"])

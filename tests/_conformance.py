@@ -1,0 +1,360 @@
+"""Engine conformance scenarios: the same code runs on the embedded engine and on the Ray engine.
+
+Each scenario takes ``engine`` (``"embedded"`` or ``"ray"``) and returns JSON. The embedded engine runs them in
+the pytest process; the Ray engine runs them in a driver subprocess attached to a local multi-node
+``ray.cluster_utils.Cluster`` (``tests/_ray_helpers.py``), so the pytest process never imports Ray::
+
+    python tests/_conformance.py NAME --address ADDR --args JSON
+
+Everything goes through the public API that every engine shares: ``Pipeline(spec, engine=..., ...)``,
+``put``/``close``/``withdraw``, ``dataset(rank, fetch=...)`` and its ``state_dict``/``load_state_dict``/
+``stateful_loader``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE.parent) not in sys.path:  # pragma: no cover - subprocess entry
+    sys.path.insert(0, str(HERE.parent))
+
+__all__ = ["SCENARIOS", "run", "workload"]
+
+SCENARIOS: dict[str, Callable[..., Any]] = {}
+_COUNTER = [0]
+
+
+def scenario(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Register a scenario."""
+    SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+def _ray_nodes() -> list[str]:
+    import ray
+
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    return [n["NodeID"] for n in sorted(alive, key=lambda n: next(int(k[7:]) for k in n["Resources"]
+                                                                     if k.startswith("kd_node")))]
+
+
+def make_traj(i: int, *, group: str, source: str, tokens: int, extra: int = 256, fields: str = "base") -> Any:
+    """A small deterministic trajectory."""
+    import torch
+
+    from knitdata.record import Trajectory
+
+    g = torch.Generator().manual_seed(i)
+    p = 8
+    scalars = {"reward": float(i)} if fields == "base" else {"reward": float(i), "bonus": 1.0}
+    return Trajectory(
+        id=f"t{i}", source=source, group=group, gen_version=0,
+        prompt_ids=torch.randint(0, 1000, (p,), generator=g),
+        response_ids=torch.randint(0, 1000, (tokens - p,), generator=g),
+        scalars=scalars, tensors={"blob": torch.rand(extra, generator=g)},
+    )
+
+
+def workload(n_groups: int, group_size: int = 2, extra: int = 256) -> list[Any]:
+    """``n_groups`` groups over two sources, varied lengths (deterministic)."""
+    out = []
+    for g in range(n_groups):
+        for k in range(group_size):
+            i = g * group_size + k
+            out.append(make_traj(i, group=f"g{g}", source=("math", "code")[g % 2], tokens=24 + 8 * ((i * 7) % 5),
+                                 extra=extra))
+    return out
+
+
+def spec_for(n_groups: int, group_size: int = 2, m: int = 2, train_batches: int = 2) -> Any:
+    from knitdata.admission import BatchSpec
+
+    per_source = n_groups * group_size // (2 * train_batches)
+    return BatchSpec({"math": per_source, "code": per_source}, num_minibatches=m, group_size=group_size)
+
+
+def make_pipeline(engine: str, spec: Any, *, nodes: int = 1, ranks_per_node: int = 1, **kw: Any) -> Any:
+    """A pipeline on ``engine`` with ``nodes`` x ``ranks_per_node`` consumers."""
+    from knitdata import Pipeline
+    from knitdata.placement import ConsumerLayout
+
+    layout = ConsumerLayout([f"node{n}" for n in range(nodes) for _ in range(ranks_per_node)])
+    kw.setdefault("token_budget", 96)
+    kw.setdefault("capacity_bytes", 256 << 20)
+    if engine == "embedded":
+        return Pipeline(spec, layout=layout, **kw)
+    _COUNTER[0] += 1
+    opts = {"cross_process": True, "name": f"cf-{os.getpid()}-{_COUNTER[0]}", "nodes": _ray_nodes()[:nodes]}
+    return Pipeline(spec, layout=layout, engine="ray", engine_options=opts, **kw)
+
+
+def _shutdown(pipe: Any) -> None:
+    for name in ("shutdown", "close"):
+        fn = getattr(pipe, name, None)
+        if fn is not None:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+            return
+
+
+def _row(mb: Any) -> list[Any]:
+    return [list(mb.info.trajectory_ids), [mb.info.minibatch, mb.info.microbatch]]
+
+
+def _take(it: Any, n: int) -> list[Any]:
+    out = []
+    for _ in range(n):
+        try:
+            out.append(_row(next(it)))
+        except StopIteration:
+            break
+    return out
+
+
+def _close_iter(it: Any) -> None:
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+
+
+# ---------------------------------------------------------------------------------------------- resume
+@scenario
+def resume(engine: str, fetch: str = "iter", cases: list[list[Any]] | None = None, n_groups: int = 16,
+           save_points: list[int] | None = None) -> dict[str, Any]:
+    """Exactly-once at every save point: consume s micro-batches per rank, save, restore, finish.
+
+    Each case is ``[nodes, restore, loader]``. ``restore="same"``: a new dataset of the same pipeline loads the
+    state. ``restore="fresh"``: a new pipeline, whose consumers load their states before the producer refills
+    it with the same puts (as after a restart). ``loader="stateful"``: through ``StatefulDataLoader``.
+    Returns ``{"ref": {nodes: streams}, "cases": {"nodes/restore/loader": {save point: {"taken", "rest"}}}}``.
+    """
+    spec = spec_for(n_groups)
+    trajs = workload(n_groups)
+    cases = cases or [[1, "same", "plain"], [1, "fresh", "plain"], [2, "same", "plain"], [2, "fresh", "plain"]]
+
+    def fill(pipe: Any) -> None:
+        for t in trajs:
+            pipe.put(t)
+        pipe.close()
+
+    refs: dict[int, list[Any]] = {}
+    for nodes in sorted({int(c[0]) for c in cases}):
+        ref_pipe = make_pipeline(engine, spec, nodes=nodes)
+        fill(ref_pipe)
+        refs[nodes] = [[_row(mb) for mb in ref_pipe.dataset(r, fetch=fetch)] for r in range(nodes)]
+        _shutdown(ref_pipe)
+    out: dict[str, Any] = {"ref": {str(k): v for k, v in refs.items()}, "cases": {}}
+    for nodes, restore, loader in cases:
+        world = int(nodes)
+        total = max(len(x) for x in refs[world])
+        points = save_points if save_points is not None else list(range(total + 1))
+        res: dict[str, Any] = {}
+
+        def loader_of(ds: Any, loader: str = loader) -> Any:
+            return ds.stateful_loader() if loader == "stateful" else ds
+
+        for s in points:
+            pipe = make_pipeline(engine, spec, nodes=world)
+            fill(pipe)
+            taken, states, iters = [], [], []
+            for r in range(world):
+                ds = pipe.dataset(r, fetch=fetch)
+                ld = loader_of(ds)
+                it = iter(ld)
+                taken.append(_take(it, s))
+                states.append(json.loads(json.dumps(ld.state_dict())))
+                iters.append((ds, it))
+            for ds, it in iters:
+                _close_iter(it)
+                getattr(ds, "close", lambda: None)()
+            del iters
+            if restore == "fresh":
+                _shutdown(pipe)
+                pipe = make_pipeline(engine, spec, nodes=world)
+            lds = []
+            for r in range(world):
+                ld = loader_of(pipe.dataset(r, fetch=fetch))
+                ld.load_state_dict(states[r])
+                lds.append(ld)
+            if restore == "fresh":
+                fill(pipe)
+            rest = [[_row(mb) for mb in ld] for ld in lds]
+            _shutdown(pipe)
+            res[str(s)] = {"taken": taken, "rest": rest}
+        out["cases"][f"{nodes}/{restore}/{loader}"] = res
+    return out
+
+
+# ------------------------------------------------------------------------------------------ schema race
+@scenario
+def schema_race(engine: str, rounds: int = 6) -> dict[str, Any]:
+    """Two concurrent first puts with different fields: at most one field set is ever accepted."""
+    from knitdata.errors import KnitdataError
+
+    spec = spec_for(4, group_size=1, m=1, train_batches=1)
+    results = []
+    for r in range(rounds):
+        pipe = make_pipeline(engine, spec)
+        a = make_traj(1000 + 2 * r, group=f"a{r}", source="math", tokens=32, extra=400_000)
+        b = make_traj(1001 + 2 * r, group=f"b{r}", source="math", tokens=32, extra=400_000, fields="bonus")
+        outcome: dict[str, str] = {}
+        barrier = threading.Barrier(2)
+
+        def put(t: Any, key: str, pipe: Any = pipe, outcome: dict[str, str] = outcome,
+                barrier: threading.Barrier = barrier) -> None:
+            barrier.wait()
+            try:
+                pipe.put(t)
+                outcome[key] = "ok"
+            except KnitdataError as e:
+                outcome[key] = type(e).__name__
+
+        threads = [threading.Thread(target=put, args=(a, "a")), threading.Thread(target=put, args=(b, "b"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        results.append(outcome)
+        _shutdown(pipe)
+    return {"results": results}
+
+
+# ------------------------------------------------------------------------------------------ same errors
+def _err(fn: Callable[[], Any]) -> list[Any]:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - reported
+        return [type(e).__name__, getattr(e, "trajectory_id", None), getattr(e, "field", None), str(e)[:300]]
+    return ["no error", None, None, ""]
+
+
+@scenario
+def errors(engine: str) -> dict[str, Any]:
+    """The same faults give the same error types (and name the same trajectory and field) on every engine."""
+    spec = spec_for(8)
+    out: dict[str, Any] = {}
+    pipe = make_pipeline(engine, spec)
+    good = workload(8)
+    pipe.put(good[0])
+    out["duplicate_id"] = _err(lambda: pipe.put(good[0]))
+    out["unknown_source"] = _err(lambda: pipe.put(make_traj(500, group="gx", source="nope", tokens=32)))
+    out["schema"] = _err(lambda: pipe.put(make_traj(501, group="gy", source="math", tokens=32, fields="bonus")))
+    pipe.withdraw("gw")
+    out["withdrawn"] = _err(lambda: pipe.put(make_traj(502, group="gw", source="math", tokens=32)))
+    out["not_a_trajectory"] = _err(lambda: pipe.put({"id": "x"}))
+    out["bad_rank"] = _err(lambda: iter(pipe.dataset(5)))
+    out["bad_fetch"] = _err(lambda: pipe.dataset(0, fetch="lazy"))
+    ds = pipe.dataset(0)
+    out["foreign_state"] = _err(lambda: ds.load_state_dict({"format": "something else"}))
+    pipe.close()
+    out["put_after_close"] = _err(lambda: pipe.put(good[1]))
+    _shutdown(pipe)
+    # a full store: put_timeout=0 fails at once with StoreFull
+    from knitdata.admission import BatchSpec
+
+    one = [make_traj(700 + i, group=f"s{i}", source="math", tokens=32) for i in range(3)]
+    small = make_pipeline(engine, BatchSpec({"math": 2}, num_minibatches=1, group_size=1),
+                          capacity_bytes=2 * one[0].nbytes)
+    small.put(one[0], timeout=0)
+    small.put(one[1], timeout=0)  # a mini-batch planned for rank 0, not consumed: it holds the store
+    out["store_full"] = _err(lambda: small.put(one[2], timeout=0))
+    _shutdown(small)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- bounded waits
+@scenario
+def bounded_waits(engine: str) -> dict[str, Any]:
+    """A consumer never waits forever: a dataset timeout, and a close with an incomplete train batch."""
+    spec = spec_for(8, m=2, train_batches=1)
+    out: dict[str, Any] = {}
+    pipe = make_pipeline(engine, spec)
+    trajs = workload(8)
+    for t in trajs[:4]:  # math g0, code g1: not enough for a mini-batch of 8
+        pipe.put(t)
+    t0 = time.monotonic()
+    out["timeout"] = _err(lambda: [None for _ in pipe.dataset(0, timeout=1.0)])
+    out["timeout_s"] = time.monotonic() - t0
+    _shutdown(pipe)
+    pipe = make_pipeline(engine, spec)
+    for t in trajs[:6]:
+        pipe.put(t)
+    closed = threading.Timer(0.5, pipe.close)
+    closed.start()
+    t0 = time.monotonic()
+    out["incomplete"] = _err(lambda: [None for _ in pipe.dataset(0, timeout=30.0)])
+    out["incomplete_s"] = time.monotonic() - t0
+    closed.join()
+    _shutdown(pipe)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ ray workers
+@scenario
+def workers(engine: str, num_workers: int = 2, n_groups: int = 16, stop_after: int = 5, fetch: str = "iter") -> dict[str, Any]:
+    """DataLoader worker processes split a rank's micro-batches in plan order; resume from the loader state."""
+    spec = spec_for(n_groups)
+    pipe = make_pipeline(engine, spec)
+    for t in workload(n_groups):
+        pipe.put(t)
+    pipe.close()
+    ref = [_row(mb) for mb in pipe.dataset(0, fetch=fetch)] if engine == "embedded" else None
+    ds = pipe.dataset(0, fetch=fetch)
+    try:
+        loader = ds.stateful_loader(num_workers=num_workers)
+        it = iter(loader)
+    except Exception as e:  # noqa: BLE001 - the embedded engine refuses worker processes
+        _shutdown(pipe)
+        return {"refused": [type(e).__name__, str(e)[:300]], "ref": ref}
+    before = _take(it, stop_after)
+    state = json.loads(json.dumps(loader.state_dict()))
+    _take(it, 2)  # consumed after the checkpoint: comes again after the "crash"
+    del it, loader
+    ds2 = pipe.dataset(0, fetch=fetch)
+    loader2 = ds2.stateful_loader(num_workers=num_workers)
+    loader2.load_state_dict(state)
+    after = [_row(mb) for mb in loader2]
+    _shutdown(pipe)
+    return {"before": before, "after": after}
+
+
+# ----------------------------------------------------------------------------------------------- main
+def run(name: str, **kwargs: Any) -> Any:
+    """Run scenario ``name`` here (the embedded engine)."""
+    return json.loads(json.dumps(SCENARIOS[name](**kwargs)))
+
+
+def main(argv: list[str]) -> int:
+    """Subprocess entry: attach to the cluster at ``--address`` and run one scenario on the Ray engine."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("name")
+    ap.add_argument("--address", required=True)
+    ap.add_argument("--args", default="{}")
+    a = ap.parse_args(argv)
+    import ray
+
+    from knitdata.storage.ray_unit import connect
+
+    connect(a.address)
+    try:
+        result = SCENARIOS[a.name](engine="ray", **json.loads(a.args))
+    finally:
+        ray.shutdown()
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
