@@ -290,7 +290,7 @@ class TrajectoryDataset(IterableDataset):
         if nw == 1:
             self.engine.control.seek(self.rank, nxt)
 
-    def commit(self, state: Mapping[str, Any] | None = None) -> int:
+    def commit(self, state: Mapping[str, Any] | None = None, *, wait: bool | None = None) -> int | None:
         """Commit a position: this rank's payloads before it are released from storage.
 
         Call it right after saving ``state_dict()`` (or the ``StatefulDataLoader``'s state) durably: a restore may
@@ -300,9 +300,12 @@ class TrajectoryDataset(IterableDataset):
         Args:
             state: A state from :meth:`state_dict`, or a ``StatefulDataLoader`` state holding one per worker;
                 default: this dataset's current position.
+            wait: Wait for the control plane to apply it and return the count. Default: on the embedded engine
+                (a function call); on the Ray engine the commit is sent without waiting, off the trainer's path
+                (safe: a commit that never arrives only keeps payloads longer; a restore commits again).
 
         Returns:
-            How many micro-batches were released by this call.
+            How many micro-batches were released by this call, or ``None`` when it was sent without waiting.
 
         Raises:
             StateError: ``state`` holds no state of this rank.
@@ -321,6 +324,11 @@ class TrajectoryDataset(IterableDataset):
         upto = min(nexts.values())
         if len(nexts) < nw:
             upto = max(0, upto - (nw - 1))
+        if wait is None:
+            wait = self.engine.kind == "embedded"
+        if not wait:
+            self.engine.control.commit_async(self.rank, upto)
+            return None
         return int(self.engine.control.commit(self.rank, upto))
 
     # ------------------------------------------------------------------ internals

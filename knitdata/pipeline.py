@@ -27,7 +27,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
@@ -108,7 +108,8 @@ class Pipeline:
         engine_options: Ray: ``name`` (default ``"knitdata"``; other processes attach with it), ``address``
             (``None``: this process's Ray, else a new local loopback-only one), ``nodes`` (layout node -> Ray node
             id), ``loopback_only`` (default ``True``), ``detached`` (keep the actors after this process exits),
-            ``timeout_s``. The embedded engine takes none.
+            ``timeout_s``, ``journal_dir`` (default ``spill_dir``: journal the coordinator's decisions there, so
+            that Ray restarts it after a crash and it recovers them). The embedded engine takes none.
 
     Raises:
         ConfigError: Inconsistent options.
@@ -195,7 +196,7 @@ class Pipeline:
             if on_plan is not None:
                 raise ConfigError("on_plan runs in the pipeline's process: use the embedded engine, or read "
                                   "Pipeline.stats() on the Ray engine")
-            known = {"name", "address", "nodes", "loopback_only", "detached", "timeout_s"}
+            known = {"name", "address", "nodes", "loopback_only", "detached", "timeout_s", "journal_dir"}
             if set(opts) - known:
                 raise ConfigError(f"unknown Ray engine options {sorted(set(opts) - known)}; known: {sorted(known)}")
             try:
@@ -387,6 +388,86 @@ class Pipeline:
                 raise PipelineClosedError("the pipeline was closed while this put waited for room") from e
             raise
         return TrajectoryMeta.from_dict(plane.offer(traj.id, r["seq"], loss_tokens))
+
+    def put_many(self, trajs: Sequence[Trajectory], *, timeout: Any = _DEFAULT) -> list[TrajectoryMeta]:
+        """Store a batch of finished trajectories and offer them to admission: two control calls per batch.
+
+        Every trajectory is validated (and its media decoded), then the batch is reserved in one call: a bad
+        trajectory (a bad field, an unknown source, a duplicate id, a withdrawn group) raises before anything of
+        the batch is stored. The payloads then go to their units, and the admission offers are made in one call.
+
+        Args:
+            trajs: The trajectories, in arrival order.
+            timeout: Seconds each payload may wait for storage room; default :attr:`put_timeout`.
+
+        Returns:
+            The metadata of each trajectory, in order.
+
+        Raises:
+            The errors of :meth:`put`. ``StoreFull`` (or another storage fault) refuses the payloads not yet stored
+            and every later one; the ones before stay accepted. A trajectory refused at the offer (its group was
+            withdrawn meanwhile) raises after the others of the batch were accepted.
+        """
+        trajs = list(trajs)
+        if not trajs:
+            return []
+        plane = self._engine.control
+        metas: list[dict[str, Any]] = []
+        losses: list[int] = []
+        for t in trajs:
+            if not isinstance(t, Trajectory):
+                plane.note_rejected(None, "traj")
+                raise FieldTypeError(f"put_many() takes knitdata.Trajectory objects, got {type(t).__name__}",
+                                     field="traj")
+            try:
+                t.validate()
+                if self.check_media and t.media:
+                    from knitdata.media import check_media_item
+
+                    for i, item in enumerate(t.media):
+                        check_media_item(item, trajectory_id=t.id, index=i)
+            except KnitdataError as e:
+                plane.note_rejected(t.id, (getattr(e, "field", None) or type(e).__name__).split(".")[0])
+                raise
+            losses.append(_loss_tokens(t))
+            meta = t.meta().to_dict()
+            meta["fields"] = fields_of(t.scalars, {k: str(v.dtype).replace("torch.", "") for k, v in t.tensors.items()})
+            metas.append(meta)
+        timeout = self.put_timeout if timeout is _DEFAULT else timeout
+        reserved = plane.reserve_many(metas)
+        stored = 0
+        try:
+            for t, r in zip(trajs, reserved):
+                self._engine.units[r["unit"]].put(t, timeout=timeout)
+                stored += 1
+        except BaseException as e:
+            failed = trajs[stored]
+            for t, r in zip(trajs[stored:], reserved[stored:]):
+                self._undo_put(t.id, r, "store_full" if isinstance(e, StoreFull) else type(e).__name__)
+            self._offer_batch(trajs[:stored], reserved[:stored], losses[:stored])
+            if isinstance(e, StoreFull):
+                holders = plane.holders(reserved[stored]["unit"])
+                raise StoreFull(f"trajectory {failed.id!r} (and the {len(trajs) - stored - 1} after it in this batch) "
+                                f"refused: storage unit {reserved[stored]['unit']!r} is held by {holders}. {e}") from e
+            raise
+        return self._offer_batch(trajs, reserved, losses)
+
+    def _offer_batch(self, trajs: Sequence[Trajectory], reserved: Sequence[Mapping[str, Any]],
+                     losses: Sequence[int]) -> list[TrajectoryMeta]:
+        if not trajs:
+            return []
+        ans = self._engine.control.offer_many([[t.id, r["seq"], n] for t, r, n in zip(trajs, reserved, losses)])
+        if ans["errors"]:
+            import knitdata.errors as errors_mod
+
+            tid, cls_name, message, field = ans["errors"][0]
+            cls = getattr(errors_mod, cls_name, KnitdataError)
+            more = f" ({len(ans['errors']) - 1} more refused in this batch)" if len(ans["errors"]) > 1 else ""
+            if cls in (ValidationError, FieldTypeError):
+                prefix = f"trajectory {tid!r}: " + (f"field {field!r}: " if field is not None else "")
+                raise cls(message.removeprefix(prefix) + more, trajectory_id=tid, field=field)
+            raise cls(message + more)
+        return [TrajectoryMeta.from_dict(d) for d in ans["accepted"]]
 
     def _undo_put(self, traj_id: str, r: Mapping[str, Any], cause: str) -> None:
         try:  # the unit may have stored it before failing (an interrupted call)

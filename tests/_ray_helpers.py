@@ -304,7 +304,7 @@ def _consumer_class() -> Any:
                 out["lost"] = list(e.trajectory_ids)
             out["seconds"] = time.perf_counter() - t0
             out["next"] = ds.state_dict()["next"]
-            out["committed"] = ds.commit() if out["error"] is None else None
+            out["committed"] = ds.commit(wait=True) if out["error"] is None else None
             return out
 
     return Consumer
@@ -354,7 +354,7 @@ def _gloo_rank(rank: int, world: int, port: int, name: str, address: str, outdir
             dist.all_reduce(t)  # every rank steps through the same mini-batches (no DDP hang)
             if int(t) != world * mb.info.minibatch:
                 raise AssertionError(f"ranks disagree on the mini-batch: {int(t)}")
-        ds.commit()
+        ds.commit(wait=True)
         with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
             json.dump({"rank": ds.rank, "ids": ids, "infos": infos}, f)
     finally:
@@ -467,7 +467,7 @@ def workers_resume(num_workers: int = 2, n_groups: int = 16, stop_after: int = 5
     before = _take(it, stop_after)
     state = loader.state_dict()
     json.dumps(state)  # JSON-serializable, as the dataset's own state
-    committed = ds.commit(state)
+    committed = ds.commit(state, wait=True)
     lost_progress = _take(it, 2)  # consumed after the checkpoint: comes again after the "crash"
     del it, loader
     ds2 = pipe.dataset(0, fetch=fetch)
@@ -476,7 +476,7 @@ def workers_resume(num_workers: int = 2, n_groups: int = 16, stop_after: int = 5
     after = []
     for mb in loader2:
         after.append([list(mb.info.trajectory_ids), [mb.info.minibatch, mb.info.microbatch]])
-    ds2.commit(loader2.state_dict())
+    ds2.commit(loader2.state_dict(), wait=True)
     stats = pipe.stats()
     final = stats["committed"][0]
     pipe.shutdown()
@@ -530,6 +530,56 @@ def pipeline_killed(spill_root: str, n_groups: int = 12) -> dict[str, Any]:
             "all_ids": [t.id for t in trajs]}
         pipe.shutdown()
     return out
+
+
+@scenario
+def coordinator_killed(journal_root: str, n_groups: int = 24, kills: int = 2) -> dict[str, Any]:
+    """The coordinator actor is killed (SIGKILL) repeatedly while a producer puts and two ranks consume:
+    Ray restarts it, it replays its journal, callers retry; everything is delivered exactly once."""
+    import threading
+
+    import ray
+
+    from knitdata import Pipeline
+    from knitdata.engines.ray import coordinator_name
+    from knitdata.storage.ray_unit import NAMESPACE
+
+    name = f"ck-{os.getpid()}"
+    pipe = Pipeline(_spec(2 * n_groups), num_consumers=2, engine="ray", token_budget=128, capacity_bytes=64 << 20,
+                    engine_options={"nodes": _nodes()[:1], "name": name, "journal_dir": journal_root})
+    trajs = workload(n_groups, extra=1000)
+    got: list[list[list[str]]] = [[], []]
+    errors: list[str] = []
+
+    def consume(rank: int) -> None:
+        try:
+            for mb in Pipeline.attach(name).dataset(rank, fetch="iter", timeout=120):
+                got[rank].append(list(mb.info.trajectory_ids))
+        except Exception as e:  # noqa: BLE001 - reported
+            errors.append(f"rank {rank}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=consume, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    actor = ray.get_actor(coordinator_name(name), namespace=NAMESPACE)
+    every = max(1, len(trajs) // (kills + 1))
+    killed = 0
+    t0 = time.perf_counter()
+    for i, t in enumerate(trajs):
+        pipe.put(t)
+        if i and i % every == 0 and killed < kills:
+            ray.kill(actor, no_restart=False)  # SIGKILL; Ray restarts it
+            killed += 1
+    pipe.close()
+    for t in threads:
+        t.join(180)
+    info = pipe.control.call("info")
+    stats = pipe.stats()
+    pipe.shutdown()
+    return {"got": got, "all_ids": [t.id for t in trajs], "errors": errors, "killed": killed,
+            "restarted": info["restarted"], "replayed": info["replayed"], "held": stats["held_trajectories"],
+            "committed": stats["committed"], "planned": stats["planned"], "seconds": time.perf_counter() - t0,
+            "journal_exists": os.path.exists(os.path.join(journal_root, f"{name}.journal"))}
 
 
 # ----------------------------------------------------------------------------------------------- main

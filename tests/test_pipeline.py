@@ -467,3 +467,32 @@ def test_concurrent_first_puts_with_different_fields_are_not_both_accepted():
     assert st["puts"] == 1 and st["held_trajectories"] == 1
     assert [u["num_items"] for u in st["units"].values()] == [1]  # the refused payload left storage
     pipe.close()
+
+
+def test_put_many_matches_put_and_refuses_a_bad_batch_before_storing_anything():
+    spec = BatchSpec({"a": 8, "b": 8}, num_minibatches=2, group_size=2)
+    trajs = [make_traj(i, "ab"[(i // 2) % 2], f"g{i // 2}") for i in range(16)]
+    one = Pipeline(spec, num_consumers=2, token_budget=64)
+    for t in trajs:
+        one.put(t)
+    one.close()
+    many = Pipeline(spec, num_consumers=2, token_budget=64)
+    metas = many.put_many(trajs[:10]) + many.put_many(trajs[10:])
+    many.close()
+    assert [m.id for m in metas] == [t.id for t in trajs] and [m.seq for m in metas] == list(range(16))
+    for r in range(2):
+        assert [mb.info.trajectory_ids for mb in one.dataset(r)] == [mb.info.trajectory_ids for mb in many.dataset(r)]
+    # a bad trajectory in a batch: nothing of the batch is stored, the error names it
+    pipe = Pipeline(spec, num_consumers=1)
+    bad = make_traj(99, "nope", "gx")
+    with pytest.raises(ValidationError) as ei:
+        pipe.put_many([trajs[0], bad])
+    assert ei.value.trajectory_id == "t99" and ei.value.field == "source"
+    assert pipe.stats()["held_trajectories"] == 0 and pipe.stats()["rejected"] >= 1
+    # a withdrawn group's late member is refused at the reservation: nothing of the batch is stored
+    pipe.withdraw("g1")
+    with pytest.raises(ValidationError) as ei:
+        pipe.put_many([trajs[0], trajs[1], trajs[2]])
+    assert ei.value.trajectory_id == "t2" and ei.value.field == "group"
+    assert pipe.stats()["held_trajectories"] == 0
+    assert [m.id for m in pipe.put_many([trajs[0], trajs[1]])] == ["t0", "t1"]

@@ -127,7 +127,7 @@ def _consumer_actor() -> Any:
                 ids.append(list(mb.info.trajectory_ids))
                 infos.append([mb.info.minibatch, mb.info.microbatch, mb.info.num_microbatches])
             t1 = time.perf_counter()
-            committed = ds.commit()
+            committed = ds.commit(wait=True)
             return {"ids": ids, "infos": infos, "seconds": t1 - (t_first or t0), "total_s": t1 - t0,
                     "committed": committed}
 

@@ -414,7 +414,8 @@ def _producer(pipe: Any, cfg: SoakConfig, ledger: Ledger, deadline: float, produ
 
 
 def run_soak(cfg: SoakConfig, *, progress: bool = True, engine_options: dict[str, Any] | None = None,
-             on_tick: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+             on_tick: Callable[[dict[str, Any]], None] | None = None,
+             kill_coordinator_every_s: float | None = None) -> dict[str, Any]:
     """Run one soak and return its results (JSON-serializable).
 
     Args:
@@ -422,6 +423,9 @@ def run_soak(cfg: SoakConfig, *, progress: bool = True, engine_options: dict[str
         progress: Show a tqdm bar over the seconds.
         engine_options: Passed to the pipeline (Ray engine).
         on_tick: Called about every 0.2 s with a snapshot (tests use it to watch bounds).
+        kill_coordinator_every_s: Ray engine: SIGKILL the coordinator actor this often while the run lasts (it
+            journals to a temporary directory, Ray restarts it, it replays the journal); the result counts
+            ``coordinator_restarts``.
 
     Returns:
         A dict with at least ``lost``, ``duplicated``, ``store_high_water_bytes``, ``rss_growth_bytes``,
@@ -440,8 +444,31 @@ def run_soak(cfg: SoakConfig, *, progress: bool = True, engine_options: dict[str
                      group_size=cfg.group_size)
     capacity = cfg.capacity
     largest = make_soak_traj(0, "s0", "g", traj_bytes=cfg.traj_bytes, response_len=_MAX_RESPONSE).nbytes
+    engine_options = dict(engine_options or {})
+    journal_tmp = None
+    if kill_coordinator_every_s is not None:
+        if cfg.engine != "ray":
+            raise ConfigError("--kill-coordinator needs --engine ray (the embedded engine has no coordinator process)")
+        import tempfile
+
+        journal_tmp = tempfile.mkdtemp(prefix="knitdata-soak-journal-")
+        engine_options.setdefault("journal_dir", journal_tmp)
+        engine_options.setdefault("name", f"soak-{os.getpid()}")
     pipe = Pipeline(spec, num_consumers=cfg.num_consumers, engine=cfg.engine, capacity_bytes=capacity,
-                    token_budget=cfg.token_budget, put_timeout=None, engine_options=engine_options)
+                    token_budget=cfg.token_budget, put_timeout=None, engine_options=engine_options or None)
+    restarts = [0]
+    killer_stop = threading.Event()
+
+    def killer() -> None:
+        import ray
+
+        from knitdata.engines.ray import coordinator_name
+        from knitdata.storage.ray_unit import NAMESPACE
+
+        actor = ray.get_actor(coordinator_name(engine_options["name"]), namespace=NAMESPACE)
+        while not killer_stop.wait(kill_coordinator_every_s):
+            ray.kill(actor, no_restart=False)
+            restarts[0] += 1
     ledger = Ledger()
     collate = _CheckingCollate(ledger.corrupt, ledger.lock)
     consumed = [0] * cfg.num_consumers
@@ -468,6 +495,10 @@ def run_soak(cfg: SoakConfig, *, progress: bool = True, engine_options: dict[str
     threads = [threading.Thread(target=guard, args=(consume_with_restarts, pipe, r, cfg, ledger, collate, consumed),
                                 name=f"soak-consumer-{r}", daemon=True) for r in range(cfg.num_consumers)]
     threads.append(threading.Thread(target=guard, args=(produce,), name="soak-producer", daemon=True))
+    killer_thread = None
+    if kill_coordinator_every_s is not None:
+        killer_thread = threading.Thread(target=guard, args=(killer,), name="soak-coordinator-killer", daemon=True)
+        killer_thread.start()
     for t in threads:
         t.start()
     bar = None
@@ -506,6 +537,9 @@ def run_soak(cfg: SoakConfig, *, progress: bool = True, engine_options: dict[str
             break
     for t in threads:
         t.join(10)
+    killer_stop.set()
+    if killer_thread is not None:
+        killer_thread.join(10)
     elapsed = time.perf_counter() - t0
     if bar is not None:
         bar.close()
@@ -513,6 +547,12 @@ def run_soak(cfg: SoakConfig, *, progress: bool = True, engine_options: dict[str
         rss.mark_baseline()
     growth = rss.stop()
     stats = pipe.stats()
+    if cfg.engine == "ray":
+        pipe.shutdown()
+    if journal_tmp is not None:
+        import shutil
+
+        shutil.rmtree(journal_tmp, ignore_errors=True)
     high = max([high] + [u["high_water_bytes"] for u in stats["units"].values()])
     committed = sum(1 for c in ledger.committed.values() if c > 0)
     out = {
@@ -538,6 +578,7 @@ def run_soak(cfg: SoakConfig, *, progress: bool = True, engine_options: dict[str
         "rss_bound_bytes": capacity * len(stats["units"]) + RSS_SLACK_BYTES,
         "store_put_wait_s": sum(u["put_wait_s"] for u in stats["units"].values()),
         "held_at_end": stats["held_trajectories"],
+        "coordinator_restarts": restarts[0],
         "config": asdict(cfg),
         "timeline_columns": ["t_s", "store_used_bytes", "rss_bytes", "put", "committed"],
         "timeline": timeline,
@@ -638,6 +679,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fetch", choices=("sample", "eager", "iter"), default=d.fetch)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    parser.add_argument("--kill-coordinator", type=float, nargs="?", const=3.0, default=None, metavar="SECONDS",
+                        help="Ray engine: SIGKILL the coordinator every SECONDS (default 3) while the soak runs; it "
+                        "journals, Ray restarts it and it replays the journal (reports coordinator_restarts)")
 
 
 def _config(args: argparse.Namespace, engine: str) -> SoakConfig:
@@ -664,7 +708,8 @@ def run(args: argparse.Namespace) -> int:
     skipped: dict[str, str] = {}
     for engine in engines:
         try:
-            results.append(run_soak(_config(args, engine), progress=not args.no_progress))
+            results.append(run_soak(_config(args, engine), progress=not args.no_progress,
+                                    kill_coordinator_every_s=args.kill_coordinator if engine == "ray" else None))
         except (EngineError, OptionalDependencyError) as e:
             if args.engine != "all":
                 raise

@@ -28,6 +28,7 @@ committed-or-later position receives exactly the entries after it.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import OrderedDict, deque
@@ -35,7 +36,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
+from knitdata.control.journal import Journal
 from knitdata.errors import (
+    CodecError,
     ConfigError,
     EngineError,
     FieldTypeError,
@@ -73,6 +76,34 @@ WITHDRAWN_MEMORY = 1 << 16
 LEASE_TTL_S = 10.0
 
 
+def _journaled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Record the outermost call of a state-changing method in the plane's journal once it was applied.
+
+    A call that raised a :class:`~knitdata.errors.KnitdataError` is recorded too: replaying it reproduces its
+    effects (a refused offer releases its payload), and its error again.
+    """
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(self: ControlPlane, *args: Any) -> Any:
+        with self.cond:
+            outer = self._depth == 0 and self._journal is not None and not self._replaying
+            self._depth += 1
+            try:
+                out = fn(self, *args)
+            except KnitdataError:
+                if outer:
+                    self._journal.append(name, list(args))  # type: ignore[union-attr]
+                raise
+            finally:
+                self._depth -= 1
+            if outer:
+                self._journal.append(name, list(args))  # type: ignore[union-attr]
+            return out
+
+    return wrapper
+
+
 def fields_of(scalars: Sequence[str], tensors: Mapping[str, str]) -> dict[str, Any]:
     """The schema record of a trajectory: its scalar names and its tensor fields' dtypes."""
     return {"scalars": sorted(scalars), "tensors": {k: str(v) for k, v in sorted(tensors.items())}}
@@ -89,6 +120,8 @@ class ControlPlane:
             it non-blocking, e.g. an asynchronous actor call).
         policy: An admission policy object to use instead of ``config["admission"]`` (in-process only).
         on_plan: Called as ``on_plan(admitted, plan)`` after each mini-batch is planned (in-process only).
+        journal: Record every state-changing call here (:class:`~knitdata.control.journal.Journal`), so that
+            :meth:`recover` can rebuild the state after a restart.
 
     Raises:
         ConfigError: Inconsistent options.
@@ -102,6 +135,7 @@ class ControlPlane:
         *,
         policy: AdmissionPolicy | None = None,
         on_plan: Callable[[AdmittedMiniBatch, MiniBatchPlan], None] | None = None,
+        journal: Journal | None = None,
     ) -> None:
         cfg = {**PLANE_DEFAULTS, **dict(config)}
         self.config = cfg
@@ -120,7 +154,7 @@ class ControlPlane:
                                balance_tolerance=float(cfg["balance_tolerance"]), unit_nodes=self.unit_nodes)
         self._release = releaser
         self._on_plan = on_plan
-        self.cond = threading.Condition()
+        self.cond = threading.Condition(threading.RLock())
         n = self.layout.num_consumers
         self.seq = 0
         # puts in progress: id -> (unit, meta, fields); a producer that died mid-put leaves one behind
@@ -147,8 +181,37 @@ class ControlPlane:
                        "admitted_trajectories": 0, "planned_local_bytes": 0, "planned_remote_bytes": 0,
                        "released": 0, "dropped_at_close": 0}
         self.rejected_by_cause: dict[str, int] = {}
+        self._journal = journal
+        self._depth = 0
+        self._replaying = False
+        self.replayed = 0
+
+    def recover(self, path: str) -> int:
+        """Replay the journal at ``path`` into this (fresh) plane; returns the number of calls replayed.
+
+        Calls that raised when they were first made raise again here and are skipped: their effects are
+        reproduced. Releases are sent to the units again (they are idempotent).
+        """
+        n = 0
+        with self.cond:
+            self._replaying = True
+            try:
+                for op, args in Journal.read(path):
+                    try:
+                        getattr(self, op)(*args)
+                    except KnitdataError:
+                        pass
+                    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+                        raise CodecError(f"journal {path!r} record {n + 1} ({op}) has malformed arguments "
+                                         f"({type(e).__name__}: {e}); the journal is damaged") from e
+                    n += 1
+            finally:
+                self._replaying = False
+            self.replayed = n
+        return n
 
     # ------------------------------------------------------------------------------------ producer side
+    @_journaled
     def reserve(self, meta: Mapping[str, Any]) -> dict[str, Any]:
         """Check a trajectory about to be stored and choose its unit.
 
@@ -194,6 +257,45 @@ class ControlPlane:
             self.putting[tid] = (unit, m, meta.get("fields"))
             return {"seq": m.seq, "unit": unit}
 
+    @_journaled
+    def reserve_many(self, metas: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        """:meth:`reserve` for a batch, in order, under one lock: all are reserved, or none (the first error).
+
+        Raises:
+            ValidationError / FieldTypeError / PipelineClosedError: As :meth:`reserve`, for the first bad one;
+                the reservations this call made are undone.
+        """
+        with self.cond:
+            done: list[tuple[str, int]] = []
+            try:
+                for meta in metas:
+                    r = self.reserve(meta)
+                    done.append((str(meta["id"]), int(r["seq"])))
+            except BaseException:
+                for tid, seq in done:
+                    self.unreserve(tid, seq, "batch")
+                raise
+            return [{"seq": seq, "unit": self.putting[tid][0]} for tid, seq in done]
+
+    @_journaled
+    def offer_many(self, items: Sequence[Sequence[Any]]) -> dict[str, Any]:
+        """:meth:`offer` for a batch of ``[traj_id, seq, loss_tokens]``, in order, under one lock.
+
+        Returns:
+            ``{"accepted": [metadata dicts], "errors": [[traj_id, error class name, message, field]]}``: a
+            refused item (withdrawn meanwhile, other fields) does not affect the others.
+        """
+        accepted: list[dict[str, Any]] = []
+        errors: list[list[Any]] = []
+        with self.cond:
+            for tid, seq, loss in items:
+                try:
+                    accepted.append(self.offer(str(tid), int(seq), int(loss)))
+                except KnitdataError as e:
+                    errors.append([tid, type(e).__name__, str(e), getattr(e, "field", None)])
+        return {"accepted": accepted, "errors": errors}
+
+    @_journaled
     def unreserve(self, traj_id: str, seq: int, cause: str = "store") -> None:
         """Undo :meth:`reserve` after the payload could not be stored (``cause`` is counted in stats)."""
         with self.cond:
@@ -205,6 +307,7 @@ class ControlPlane:
             self.counts["rejected"] += 1
             self.rejected_by_cause[cause] = self.rejected_by_cause.get(cause, 0) + 1
 
+    @_journaled
     def offer(self, traj_id: str, seq: int, loss_tokens: int) -> dict[str, Any]:
         """The payload of a reserved trajectory is stored: hand its metadata to admission and plan.
 
@@ -216,6 +319,9 @@ class ControlPlane:
                 a retry superseded this put. PipelineClosedError: Closed meanwhile. The payload is released.
         """
         with self.cond:
+            done = self.live.get(traj_id)
+            if done is not None and done.seq == seq and traj_id not in self.putting:
+                return done.to_dict()  # a retried call (the coordinator restarted before answering)
             cur = self.putting.get(traj_id)
             if cur is None or cur[1].seq != seq:
                 raise ValidationError("this put was superseded by a newer put of the same id (a retry); it was "
@@ -250,6 +356,7 @@ class ControlPlane:
             self.counts["rejected"] += 1
             self.rejected_by_cause[cause] = self.rejected_by_cause.get(cause, 0) + 1
 
+    @_journaled
     def set_in_flight(self, counts: Mapping[str, int]) -> None:
         """See :meth:`knitdata.admission.AdmissionPolicy.set_in_flight`.
 
@@ -265,6 +372,7 @@ class ControlPlane:
                 raise
             self._poll()
 
+    @_journaled
     def withdraw(self, group: str) -> list[dict[str, Any]]:
         """Drop a group waiting for admission; late members are refused. Returns the dropped members."""
         with self.cond:
@@ -281,6 +389,7 @@ class ControlPlane:
                 self._poll()
             return [m.to_dict() for m in metas]
 
+    @_journaled
     def report_version(self, version: int) -> None:
         """The trainer's new policy version (staleness of what is handed out afterwards is measured against it)."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -292,6 +401,7 @@ class ControlPlane:
             self.version = version
             self.version_times.append(time.monotonic())
 
+    @_journaled
     def close(self) -> dict[str, Any]:
         """End of stream. Idempotent.
 
@@ -397,6 +507,7 @@ class ControlPlane:
                     return {"wait": True}
                 self.cond.wait(remaining)
 
+    @_journaled
     def handed(self, rank: int, j: int, minibatch: int, microbatch: int, auto_commit: bool = True) -> None:
         """Entry ``j`` of ``rank`` was handed out to the trainer (staleness; release per ``release``)."""
         self._check_rank(rank)
@@ -415,12 +526,18 @@ class ControlPlane:
             if j + 1 > self.position[rank]:
                 self.position[rank] = j + 1
 
+    @_journaled
     def commit(self, rank: int, upto: int) -> int:
         """Release ``rank``'s entries below ``upto``; returns how many micro-batches were released."""
         self._check_rank(rank)
         with self.cond:
             return self._commit(rank, int(upto))
 
+    def commit_async(self, rank: int, upto: int) -> None:
+        """:meth:`commit` without a result (engines forward it without waiting)."""
+        self.commit(rank, upto)
+
+    @_journaled
     def seek(self, rank: int, j: int) -> None:
         """``rank`` restored at entry ``j``: everything below is committed (released now or when planned)."""
         self._check_rank(rank)

@@ -18,6 +18,7 @@ it attaches there and, with ``loopback_only=True`` (the default), refuses a clus
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in t
 
 from knitdata.codec import decode_trajectory
 from knitdata.control import ControlPlane
+from knitdata.control.journal import Journal
 from knitdata.engines.base import Engine
 from knitdata.metrics import TransferMeter
 from knitdata.placement import ConsumerLayout
@@ -97,22 +99,32 @@ class CoordinatorActor:
     micro-batches or a lease run in their own concurrency group, so they never hold up producers and commits.
     """
 
-    def __init__(self, setup: dict[str, Any]) -> None:
+    def __init__(self, setup: dict[str, Any], unit_handles: dict[str, Any]) -> None:
         self._setup = dict(setup)
-        layout = ConsumerLayout.from_dict(setup["config"]["layout"])
-        node_map: dict[str, str] = setup["nodes"]
-        self._units = RayStorageUnit.create_many(
-            [(n, node_map[n]) for n in layout.nodes], int(setup["capacity_bytes"]), prefix=setup["name"],
-            spill_dir=setup.get("spill_dir"), spill_bytes=setup.get("spill_bytes"))
+        # the units belong to the pipeline's creator, so they outlive a restart of this actor
+        self._units = {u: RayStorageUnit.from_handle(actor, desc) for u, (actor, desc) in unit_handles.items()}
         units = self._units
+        path = setup.get("journal")
+        journal = Journal(path) if path else None
         self._plane = ControlPlane(setup["config"], {u: unit.node for u, unit in units.items()},
-                                   lambda u, ids: units[u].release_async(ids))
+                                   lambda u, ids: units[u].release_async(ids), journal=journal)
+        self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        if path and os.path.exists(path):
+            self._plane.recover(path)  # a restart: the state as of the last journaled call
         self._recovery = SpillRecovery(setup["spill_dir"]) if setup.get("spill_dir") else None
 
     # the control plane, one method each (Ray needs them declared) -------------------------------------
     def reserve(self, meta: dict[str, Any]) -> dict[str, Any]:
         """See :meth:`ControlPlane.reserve`."""
         return self._plane.reserve(meta)
+
+    def reserve_many(self, metas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """See :meth:`ControlPlane.reserve_many`."""
+        return self._plane.reserve_many(metas)
+
+    def offer_many(self, items: list[list[Any]]) -> dict[str, Any]:
+        """See :meth:`ControlPlane.offer_many`."""
+        return self._plane.offer_many(items)
 
     def unreserve(self, traj_id: str, seq: int, cause: str = "store") -> None:
         """See :meth:`ControlPlane.unreserve`."""
@@ -168,6 +180,10 @@ class CoordinatorActor:
         """See :meth:`ControlPlane.commit`."""
         return self._plane.commit(rank, upto)
 
+    def commit_async(self, rank: int, upto: int) -> None:
+        """See :meth:`ControlPlane.commit`."""
+        self._plane.commit(rank, upto)
+
     def seek(self, rank: int, j: int) -> None:
         """See :meth:`ControlPlane.seek`."""
         self._plane.seek(rank, j)
@@ -198,9 +214,11 @@ class CoordinatorActor:
 
     # engine plumbing ---------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
-        """Name, config, units' nodes, spill directory."""
+        """Name, config, units' nodes, spill directory, journal, and whether this actor was restarted."""
         return {"name": self._setup["name"], "config": self._plane.config, "nodes": self._setup["nodes"],
-                "spill_dir": self._setup.get("spill_dir"), "capacity_bytes": self._setup["capacity_bytes"]}
+                "spill_dir": self._setup.get("spill_dir"), "capacity_bytes": self._setup["capacity_bytes"],
+                "journal": self._setup.get("journal"), "restarted": self.restarted,
+                "replayed": self._plane.replayed}
 
     def unit_handles(self) -> dict[str, Any]:
         """``{unit id: [actor handle, description]}`` (handles stay valid after a unit dies: calls then fail)."""
@@ -240,8 +258,8 @@ class RayControl:
         timeout_s: Bound on each call beyond the time the call itself may wait.
     """
 
-    ASYNC = frozenset({"handed", "report_consumer", "note_rejected", "report_transfer"})
-    METHODS = frozenset({"reserve", "unreserve", "offer", "set_in_flight", "withdraw", "report_version", "close",
+    ASYNC = frozenset({"handed", "report_consumer", "note_rejected", "report_transfer", "commit_async"})
+    METHODS = frozenset({"reserve", "reserve_many", "offer_many", "unreserve", "offer", "set_in_flight", "withdraw", "report_version", "close",
                          "lease", "unlease", "next_entries", "commit", "seek", "start_position", "holders",
                          "missing", "stats"}) | ASYNC
 
@@ -252,9 +270,19 @@ class RayControl:
 
     def call(self, method: str, *args: Any, wait_s: float = 0.0) -> Any:
         """Call ``method`` on the coordinator and return its result (``wait_s``: time the call may block)."""
+        deadline = time.monotonic() + self._timeout_s + wait_s
+        while True:
+            try:
+                return self._call_once(method, args, max(0.1, deadline - time.monotonic()))
+            except ray.exceptions.ActorUnavailableError:  # restarting (journaled): retry within the bound
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _call_once(self, method: str, args: Sequence[Any], timeout: float) -> Any:
         fut = getattr(self._actor, method).remote(*args)
         try:
-            return ray.get(fut, timeout=self._timeout_s + wait_s)
+            return ray.get(fut, timeout=timeout)
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
             if not isinstance(cause, KnitdataError):
@@ -262,11 +290,13 @@ class RayControl:
             if isinstance(cause, KnitdataError):
                 raise cause from None
             raise
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+        except ray.exceptions.ActorUnavailableError:
+            raise
+        except ray.exceptions.RayActorError as e:
             raise EngineError(f"the coordinator of pipeline {self._name!r} is gone: {e}") from e
         except ray.exceptions.GetTimeoutError as e:
             raise EngineError(f"the coordinator of pipeline {self._name!r} did not answer {method}() within "
-                              f"{self._timeout_s + wait_s:.0f} s") from e
+                              f"{timeout:.0f} s") from e
 
     def __getattr__(self, method: str) -> Any:
         if method not in RayControl.METHODS:
@@ -332,8 +362,12 @@ class RayEngine(Engine):
         loopback_only: bool = True,
         detached: bool = False,
         timeout_s: float = 120.0,
+        journal_dir: str | os.PathLike[str] | None = None,
     ) -> RayEngine:
         """Start the coordinator and the units of a new pipeline ``name``, and attach to it.
+
+        With a journal (``journal_dir``, default ``spill_dir``) the coordinator journals its decisions and Ray
+        restarts it after a crash: it replays the journal, and callers' pending calls are retried.
 
         Raises:
             EngineError: A pipeline of that name already runs, or the actors did not start.
@@ -341,21 +375,34 @@ class RayEngine(Engine):
         if not isinstance(name, str) or not name or "/" in name:
             raise ConfigError(f"engine_options['name'] must be a non-empty string without '/', got {name!r}")
         connect(address, loopback_only=loopback_only)
+        jdir = journal_dir if journal_dir is not None else spill_dir
+        journal = os.path.join(os.fspath(jdir), f"{name}.journal") if jdir is not None else None
+        if journal is not None and os.path.exists(journal):
+            raise EngineError(f"a journal of a pipeline named {name!r} already exists at {journal!r}: pick another "
+                              "name, or remove the journal of the finished run")
         setup = {"name": name, "config": dict(config), "capacity_bytes": int(capacity_bytes),
                  "nodes": resolve_nodes(layout, nodes), "spill_bytes": spill_bytes,
-                 "spill_dir": os.fspath(spill_dir) if spill_dir is not None else None}
+                 "spill_dir": os.fspath(spill_dir) if spill_dir is not None else None, "journal": journal}
         try:
             ray.get_actor(coordinator_name(name), namespace=NAMESPACE)
             raise EngineError(f"a knitdata pipeline named {name!r} already runs on this cluster; pick another name "
                               "or shut it down first (Pipeline.attach(name).shutdown())")
         except ValueError:
             pass
+        units = RayStorageUnit.create_many([(n, setup["nodes"][n]) for n in layout.nodes], int(capacity_bytes),
+                                           prefix=name, spill_dir=setup["spill_dir"], spill_bytes=spill_bytes,
+                                           detached=detached)
+        handles = {u: [unit.actor, unit.handle_info()] for u, unit in units.items()}
+        restarts = -1 if journal is not None else 0  # without a journal a restarted coordinator would be empty
         actor = CoordinatorActor.options(name=coordinator_name(name), namespace=NAMESPACE,
-                                         lifetime="detached" if detached else None).remote(setup)
+                                         lifetime="detached" if detached else None, max_restarts=restarts,
+                                         max_task_retries=restarts).remote(setup, handles)
         try:
             ray.get(actor.info.remote(), timeout=timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            ray.kill(actor)
+            ray.kill(actor, no_restart=True)
+            for unit in units.values():
+                unit.kill()
             raise EngineError(f"the coordinator of pipeline {name!r} failed to start: {e}") from e
         engine = cls(name, loopback_only=loopback_only, timeout_s=timeout_s)
         engine._owner = actor  # keeps a non-detached coordinator alive as long as this handle

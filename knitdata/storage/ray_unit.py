@@ -510,15 +510,20 @@ class RayStorageUnit(StorageUnit):
         spill_dir: str | os.PathLike[str] | None = None,
         spill_bytes: int | None = None,
         timeout_s: float = 120.0,
+        detached: bool = False,
         **kwargs: Any,
     ) -> dict[str, RayStorageUnit]:
-        """Start several units at once (in parallel): ``units`` are ``(unit id = layout node name, Ray node id)``."""
+        """Start several units at once (in parallel): ``units`` are ``(unit id = layout node name, Ray node id)``.
+
+        ``detached``: the actors outlive the creating process (end them with :meth:`kill`).
+        """
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ConfigError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         actors = [
             StorageUnitActor.options(
                 name=cls.actor_name(prefix, uid), namespace=NAMESPACE,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                lifetime="detached" if detached else None,
             ).remote(uid, capacity_bytes, os.fspath(spill_dir) if spill_dir is not None else None, uid, spill_bytes)
             for uid, node in units
         ]
