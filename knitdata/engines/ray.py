@@ -218,7 +218,7 @@ class CoordinatorActor:
         return {"name": self._setup["name"], "config": self._plane.config, "nodes": self._setup["nodes"],
                 "spill_dir": self._setup.get("spill_dir"), "capacity_bytes": self._setup["capacity_bytes"],
                 "journal": self._setup.get("journal"), "restarted": self.restarted,
-                "replayed": self._plane.replayed}
+                "replayed": self._plane.replayed, "pid": os.getpid()}
 
     def unit_handles(self) -> dict[str, Any]:
         """``{unit id: [actor handle, description]}`` (handles stay valid after a unit dies: calls then fail)."""
