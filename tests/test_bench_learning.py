@@ -80,7 +80,7 @@ def test_staleness_is_what_the_pipeline_delivered(smoke):
     m = SMOKE.batch_size // SMOKE.num_minibatches
     M = SMOKE.num_minibatches
     for regime, (r,) in runs.items():
-        assert len(r.raw_staleness) == len(r.arch_staleness) == len(r.delivered_ids)
+        assert len(r.raw_staleness) == len(r.arch_staleness) == len(r.delivered_ids), regime
         # the pipeline's own accounting (trainer version reported at hand-out) agrees with the trainer's
         st_ = r.pipeline_stats["staleness"]
         assert st_["count"] == len(r.raw_staleness)
