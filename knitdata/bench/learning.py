@@ -62,6 +62,7 @@ share of negative values. ``gap_closed`` = (AUC(constraint_preserving) - AUC(tra
 from __future__ import annotations
 
 import argparse
+import hashlib
 import heapq
 import json
 import math
@@ -90,8 +91,11 @@ __all__ = [
     "LearningConfig",
     "PRESETS",
     "SortPolicy",
+    "sort_reward",
+    "group_advantages",
     "GroupWork",
     "batch_workload",
+    "heldout_prompts",
     "fast_collate",
     "RegimeRun",
     "run_regime",
@@ -451,8 +455,6 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
     """
     if regime not in REGIMES:
         raise ConfigError(f"unknown regime {regime!r}; choose one of {REGIMES}")
-    import hashlib
-
     t_wall = time.perf_counter()
     M, g, L = cfg.num_minibatches, cfg.group_size, cfg.digits
     colocated = regime == "colocated"
@@ -464,13 +466,20 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
     heldout = heldout_prompts(cfg)
 
     admitted: list[AdmittedMiniBatch] = []
+    full_batches = [0]  # train batches whose last mini-batch the pipeline admitted
+
+    def on_plan(mb: AdmittedMiniBatch, plan: Any) -> None:
+        admitted.append(mb)
+        if mb.index == M - 1:
+            full_batches[0] += 1
+
     pipe = Pipeline(
         cfg.spec(),
         admission="train_batch" if colocated else regime,
         num_consumers=1,
         token_budget=max(8192, cfg.batch_size * 2 * L),
         capacity_bytes=1 << 28,
-        on_plan=lambda mb, plan: admitted.append(mb),
+        on_plan=on_plan,
     )
     ds = pipe.dataset(0, fetch="iter", collate=fast_collate)
     it = iter(ds)
@@ -501,13 +510,10 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
         heapq.heappush(events, (t, order, kind, payload))
         order += 1
 
-    def full_batches_admitted() -> int:
-        return sum(1 for mb in admitted if mb.index == M - 1)
-
     def dispatch() -> None:
         nonlocal dispatched, running
         while dispatched < cfg.num_batches and (
-            (done_steps >= dispatched * M) if colocated else (full_batches_admitted() >= dispatched)
+            (done_steps >= dispatched * M) if colocated else (full_batches[0] >= dispatched)
         ):
             work = batch_workload(cfg, seed, dispatched)
             counts = dict.fromkeys(cfg.group_quotas(), 0)
@@ -554,7 +560,7 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
             out.put_ids.append(tid)
         left = unfinished[w.batch]
         left[w.source] -= g
-        cur = full_batches_admitted()
+        cur = full_batches[0]
         if cur < len(unfinished):
             pipe.set_in_flight(unfinished[cur])
 
