@@ -166,7 +166,6 @@ def test_smoke_run_every_mode(tmp_path):
     proj = res["speedup_end_to_end_projected_gpu"]
     assert proj["rate_tflops"] > 0 and "model" in proj
     assert res["exactly_once_all_runs"] is True
-    # SharedEncoding on the Ray engine: RayTrajectoryDataset with a media_collator
     # SharedEncoding on the Ray engine: its TrajectoryDataset with a media_collator
     assert shared_iter and "knitdata.engines.ray" in shared_iter[0].get("engine", ""), shared_iter
     assert plot.stat().st_size > 0
