@@ -167,5 +167,6 @@ def test_smoke_run_every_mode(tmp_path):
     assert proj["rate_tflops"] > 0 and "model" in proj
     assert res["exactly_once_all_runs"] is True
     # SharedEncoding on the Ray engine: its TrajectoryDataset with a media_collator
+    shared_iter = [r for r in res["runs"] if r["mode"] == "iter" and r.get("encoding") == "shared"]
     assert shared_iter and "knitdata.engines.ray" in shared_iter[0].get("engine", ""), shared_iter
     assert plot.stat().st_size > 0
