@@ -22,7 +22,10 @@ Jacobian ``J``. :class:`SharedEncoding` exploits this in one of four modes:
     in chunks of ``chunk_items`` with autograd and backward each chunk with its slice of ``G``
     (GradCache-style): the encoder's activations of one chunk at a time, for memory-bound cases, at the cost
     of a second encoder forward (encoder FLOPs about ``3n/4`` fewer than naive instead of ``n``). Same wrapper
-    requirement as ``leaf``.
+    requirement as ``leaf``. Like ``torch.utils.checkpoint``, the re-encode runs under the autocast state
+    (CPU and device autocast, dtype, cache) and the current CUDA device captured at the first encode, so
+    with the forward inside ``torch.autocast(..., dtype=torch.bfloat16)`` and the backward outside it (the
+    PyTorch AMP recipe) the re-encode still computes in bfloat16, as the forward did.
 ``naive``
     The switch back to per-micro-batch encoding: ``rows(i)`` encodes every copy of micro-batch ``i``'s items
     (duplicates included) and ``backward`` is a plain backward. Useful for A/B checks and as a fallback.
@@ -272,6 +275,38 @@ class _KindState:
     dummy: bool = False
     trainable: bool = True  # some encoder parameter requires grad and grad mode was on at encode
     leaf_rows: dict[int, tuple[torch.Tensor, Any]] = field(default_factory=dict)  # i -> (items, rows)
+    context: _EncodeContext | None = None  # autocast state and device of the first encode (recompute)
+
+
+@dataclass
+class _EncodeContext:
+    """Autocast state and current device at encode time, restored for ``recompute``'s re-encode.
+
+    Like ``torch.utils.checkpoint``: the re-encode runs after the last micro-batch's backward, which the
+    PyTorch AMP recipe runs outside ``torch.autocast``; without this it would run in full precision.
+    """
+
+    device_type: str
+    device: torch.device
+    autocast: dict[str, tuple[bool, torch.dtype]]
+    cache_enabled: bool
+
+    @classmethod
+    def capture(cls, device: torch.device) -> _EncodeContext:
+        types = ["cpu"] if device.type == "cpu" else [device.type, "cpu"]
+        state = {t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types}
+        return cls(device.type, device, state, torch.is_autocast_cache_enabled())
+
+    @contextlib.contextmanager
+    def restore(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.device_type == "cuda" and self.device.index is not None:
+                stack.enter_context(torch.cuda.device(self.device))
+            for t, (enabled, dtype) in self.autocast.items():
+                stack.enter_context(
+                    torch.autocast(device_type=t, enabled=enabled, dtype=dtype, cache_enabled=self.cache_enabled)
+                )
+            yield
 
 
 class SharedEncoding:
@@ -439,6 +474,7 @@ class SharedMiniBatch:
         o = self.owner
         assert st.table is not None
         st.trainable = torch.is_grad_enabled() and any(p.requires_grad for p in st.encoder.parameters())
+        st.context = _EncodeContext.capture(st.table.values.device)
         if self.mode == "recompute":
             with torch.no_grad():
                 out = o.call(st.encoder, st.table)
@@ -634,8 +670,10 @@ class SharedMiniBatch:
                 pad = c >= n_chunks  # zero-gradient re-encode so every rank runs as many chunks
                 a, b = (0, min(chunk, u)) if pad else (c * chunk, min(u, (c + 1) * chunk))
                 sub = table.slice(a, b)
+                assert st.context is not None
                 with grad_sync(st.encoder, enabled=c == n_total - 1):
-                    lay = _Layout.of(o.call(st.encoder, sub), sub, o.out_lengths)
+                    with st.context.restore():  # the autocast state and device of the first encode
+                        lay = _Layout.of(o.call(st.encoder, sub), sub, o.out_lengths)
                     outs: list[torch.Tensor] = []
                     grads: list[torch.Tensor] = []
                     for li, leaf in enumerate(lay.leaves):
