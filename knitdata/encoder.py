@@ -164,7 +164,13 @@ def _check_modules(encoder: nn.Module, mode: str, strict: bool) -> None:
 
 
 def check_independence(
-    encoder: nn.Module, table: MediaTable, *, call: EncoderCall = default_call, rtol: float = 1e-5, atol: float = 1e-6
+    encoder: nn.Module,
+    table: MediaTable,
+    *,
+    call: EncoderCall = default_call,
+    out_rows: Callable[[MediaTable], torch.Tensor] | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
 ) -> float:
     """Empirically check that an encoder treats items independently (the exactness condition).
 
@@ -174,6 +180,7 @@ def check_independence(
         encoder: The encoder.
         table: A table of at least two items.
         call: How to call the encoder on a table.
+        out_rows: Output rows per item (see :class:`SharedEncoding`), for encoders that change row counts.
         rtol: Relative tolerance.
         atol: Absolute tolerance.
 
@@ -184,10 +191,10 @@ def check_independence(
         ConfigError: Outputs differ beyond the tolerance (items interact inside the encoder).
     """
     with torch.no_grad():
-        whole = _Layout.of(call(encoder, table), table, None)
+        whole = _Layout.of(call(encoder, table), table, out_rows)
         worst = 0.0
         for u in range(table.num_items):
-            alone = _Layout.of(call(encoder, table.slice(u, u + 1)), table.slice(u, u + 1), None)
+            alone = _Layout.of(call(encoder, table.slice(u, u + 1)), table.slice(u, u + 1), out_rows)
             for li, leaf in enumerate(whole.leaves):
                 if leaf is None:
                     continue
@@ -214,15 +221,15 @@ class _Layout:
     others: list[Any]
 
     @classmethod
-    def of(cls, out: Any, table: MediaTable, out_lengths: Callable[[torch.Tensor], torch.Tensor] | None) -> _Layout:
+    def of(cls, out: Any, table: MediaTable, out_rows: Callable[[MediaTable], torch.Tensor] | None) -> _Layout:
         flat, spec = pytree.tree_flatten(out)
         leaves: list[torch.Tensor | None] = []
         offs: list[torch.Tensor | None] = []
         u, total = table.num_items, int(table.offsets[-1])
         dev = table.offsets.device
         custom = None
-        if out_lengths is not None:
-            ol = torch.as_tensor(out_lengths(table.lengths), dtype=torch.long, device=dev)
+        if out_rows is not None:
+            ol = torch.as_tensor(out_rows(table), dtype=torch.long, device=dev)
             custom = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.cumsum(ol, 0)])
         for x in flat:
             if not isinstance(x, torch.Tensor):
@@ -239,7 +246,7 @@ class _Layout:
             else:
                 raise ConfigError(
                     f"encoder output leaf of shape {tuple(x.shape)} has neither one row per item ({u}) nor one "
-                    f"per input row ({total}); pass out_lengths= mapping input lengths to output lengths"
+                    f"per input row ({total}); pass out_lengths= (or out_rows=) giving each item's output rows"
                 )
             leaves.append(x)
             offs.append(off.to(x.device))
@@ -320,6 +327,9 @@ class SharedEncoding:
         call: ``fn(encoder, table) -> output``; default ``encoder(table.values, table.offsets)``.
         out_lengths: For encoders whose output rows per item differ from the input rows (e.g. a 2x2 patch
             merger): ``fn(input lengths int64 [U]) -> output lengths [U]``.
+        out_rows: Like ``out_lengths`` but given the whole :class:`~knitdata.multimodal.MediaTable`, for output
+            lengths that depend on per-item metadata (``table.meta``, e.g. an audio clip's valid frames):
+            ``fn(table) -> output lengths int64 [U]``. Give at most one of the two.
         grad_dtype: Dtype of the gradient buffers ``G``; default float32, or the output dtype if wider.
         chunk_items: ``recompute``: items per re-encode chunk (``None``: all at once). Under FSDP the chunk
             count is agreed across ranks (an all-reduce) and padded with zero-gradient encodes.
@@ -342,6 +352,7 @@ class SharedEncoding:
         kind: str | None = None,
         call: EncoderCall = default_call,
         out_lengths: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        out_rows: Callable[[MediaTable], torch.Tensor] | None = None,
         grad_dtype: torch.dtype | None = None,
         chunk_items: int | None = None,
         dummy_input: MediaTable | Mapping[str, MediaTable] | None = None,
@@ -354,12 +365,17 @@ class SharedEncoding:
             raise ValueError(f"chunk_items must be positive, got {chunk_items}")
         if dummy not in (True, False, "auto"):
             raise ValueError(f"dummy must be True, False or 'auto', got {dummy!r}")
+        if out_lengths is not None and out_rows is not None:
+            raise ValueError("give at most one of out_lengths= and out_rows=")
         self.encoders: dict[str | None, nn.Module] = (
             dict(encoder) if isinstance(encoder, Mapping) else {kind: encoder}  # type: ignore[dict-item]
         )
         self.mode = mode
         self.call = call
         self.out_lengths = out_lengths
+        self.out_rows: Callable[[MediaTable], torch.Tensor] | None = out_rows
+        if out_lengths is not None:
+            self.out_rows = lambda table: out_lengths(table.lengths)
         self.grad_dtype = grad_dtype
         self.chunk_items = chunk_items
         self.dummy_input = dummy_input
@@ -480,7 +496,7 @@ class SharedMiniBatch:
                 out = o.call(st.encoder, st.table)
         else:
             out = o.call(st.encoder, st.table)
-        st.layout = _Layout.of(out, st.table, o.out_lengths)
+        st.layout = _Layout.of(out, st.table, o.out_rows)
         st.grads = []
         for leaf in st.layout.leaves:
             if leaf is None or not (leaf.is_floating_point() or leaf.is_complex()):
@@ -540,7 +556,7 @@ class SharedMiniBatch:
             if kind not in self._naive_out:
                 sub = st.table.gather(occ.index)  # type: ignore[union-attr]
                 with grad_sync(st.encoder, enabled=i == self.num_microbatches - 1):
-                    lay = _Layout.of(self.owner.call(st.encoder, sub), sub, self.owner.out_lengths)
+                    lay = _Layout.of(self.owner.call(st.encoder, sub), sub, self.owner.out_rows)
                 self._naive_out[kind] = lay.gather(torch.arange(sub.num_items), "plain")
             return self._naive_out[kind]
         if i in st.leaf_rows:
@@ -616,7 +632,7 @@ class SharedMiniBatch:
             return
         dummy = st.table if st.dummy else self.owner._dummy_for(kind)
         with grad_sync(st.encoder, enabled=i == self.num_microbatches - 1):
-            lay = _Layout.of(self.owner.call(st.encoder, dummy), dummy, self.owner.out_lengths)  # type: ignore[arg-type]
+            lay = _Layout.of(self.owner.call(st.encoder, dummy), dummy, self.owner.out_rows)  # type: ignore[arg-type]
         self._naive_out[kind] = [leaf for leaf in lay.leaves if leaf is not None and leaf.requires_grad]
 
     def _backward_naive(self, loss: torch.Tensor, i: int, last: bool) -> None:
@@ -673,7 +689,7 @@ class SharedMiniBatch:
                 assert st.context is not None
                 with grad_sync(st.encoder, enabled=c == n_total - 1):
                     with st.context.restore():  # the autocast state and device of the first encode
-                        lay = _Layout.of(o.call(st.encoder, sub), sub, o.out_lengths)
+                        lay = _Layout.of(o.call(st.encoder, sub), sub, o.out_rows)
                     outs: list[torch.Tensor] = []
                     grads: list[torch.Tensor] = []
                     for li, leaf in enumerate(lay.leaves):
