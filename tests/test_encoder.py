@@ -412,3 +412,34 @@ def test_recompute_reencodes_under_the_autocast_state_of_the_forward(mode):
     for (name, p), q in zip(enc.named_parameters(), ref_enc.parameters()):
         # bf16 rounding differs between the batched unique encode and per-copy encodes: bf16 tolerance
         torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_out_rows_sees_the_table_metadata_and_excludes_out_lengths():
+    with pytest.raises(ValueError, match="at most one"):
+        SharedEncoding(nn.Linear(2, 2), out_lengths=lambda n: n, out_rows=lambda t: t.lengths)
+
+    class Pool(nn.Module):  # one output row per `keep` input rows, `keep` from the table's metadata
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D_IN, D, dtype=torch.float64)
+
+        def forward(self, values, offsets, keep):
+            h = self.lin(values)
+            return torch.cat([h[int(a) : int(a) + int(k)] for a, k in zip(offsets[:-1], keep)])
+
+    from knitdata.multimodal import MediaOccurrences, MultimodalBatch
+
+    enc = Pool()
+    table = MediaTable("image", torch.randn(7, D_IN, dtype=torch.float64), torch.tensor([0, 3, 7]), ("a", "b"),
+                       meta={"keep": torch.tensor([2, 1])})
+    occ = [{"image": MediaOccurrences(torch.tensor([1, 0]), torch.tensor([0, 1]), torch.tensor([0, 0]))}]
+    shared = SharedEncoding(enc, call=lambda e, t: e(t.values, t.offsets, t.meta["keep"]),
+                            out_rows=lambda t: t.meta["keep"])
+    with shared.minibatch(MultimodalBatch({"image": table}, occ)) as sm:
+        rows = sm.rows(0)
+        assert rows.shape == (3, D)  # item 1 (1 row), then item 0 (2 rows)
+        sm.backward(rows.sum())
+    ref = Pool()
+    ref.load_state_dict(enc.state_dict())
+    ref(table.values, table.offsets, table.meta["keep"]).sum().backward()
+    torch.testing.assert_close(enc.lin.weight.grad, ref.lin.weight.grad)
