@@ -52,9 +52,25 @@ backbone must then use all its parameters in every micro-batch, as DDP always re
 with 2 ranks: DDP (one wrapper: ``fold``; two wrappers: every mode) and FSDP2 (``fold``, ``leaf``,
 ``recompute``), including a rank without media.
 
-Memory per mode, beyond the backbone: ``naive`` the encoder activations of one micro-batch's copies at a
-time; ``fold``/``leaf`` the activations of all unique items for the whole mini-batch, plus ``E`` and ``G``
-(``G`` fp32, the size of ``E``); ``recompute`` ``E`` and ``G`` plus one chunk's activations at the end.
+Memory: what each mode holds across micro-batches, beyond the backbone's own activations of the current
+micro-batch (the peak is whichever is larger at any moment):
+
+* ``naive``: nothing across micro-batches; during micro-batch ``i`` the encoder activations of all its
+  copies (``n_i`` items, duplicates included), freed by its backward.
+* ``fold`` / ``leaf``: from the encode to the last micro-batch's backward, the encoder's autograd graph of
+  the ``U`` unique items (their activations), ``E`` (the rows, the encoder's output dtype) and ``G`` (fp32,
+  the size of ``E``); each micro-batch additionally gathers its own rows (a copy of ``n_i`` items' rows).
+  So the peak is about the naive one when a micro-batch's copies cost about as much as the unique items
+  (``U`` close to ``n_i``), higher when the mini-batch has many more unique items than one micro-batch has
+  copies, lower when one micro-batch holds many copies of few items.
+* ``recompute``: ``E`` and ``G`` across the mini-batch, no encoder activations; at the end one chunk's
+  (``chunk_items``) activations during its re-encode and backward, after the backbone's are freed. The
+  lowest encoder memory, for one more encoder forward.
+
+Reported for a Qwen2.5-VL-3B-shaped model with hand-written glue (one H200, bf16, groups of 8 sharing an image,
+8 micro-batches of 2; issue 14):
+``fold`` peaked at about the model's own duplicated path (34 vs 35 GiB at 448 px, 49 vs 51 GiB at 896 px)
+and ``recompute`` lower; ``knitdata bench vlm`` (``--gpu``) measures ``peak_mem_bytes`` per mode.
 
 Example (DDP, one wrapper around encoder and backbone, ``find_unused_parameters=False``)::
 

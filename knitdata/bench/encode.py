@@ -17,7 +17,9 @@ torch thread. Measured side by side in one run (interleaved repetitions, medians
   above 1: fewer, smaller encoder calls use the core less well); ``measured_bound`` = naive step over
   ``naive - encoder_only + encoder_unique``: the best speedup given the encoder's measured cost on the unique
   images; ``overhead_s`` = dedup step minus that: SharedEncoding's own cost (leaf rows, ``G``, gathers, the
-  separate or folded encoder backward);
+  separate or folded encoder backward); ``speedup_paired``: the median over repetitions of the naive over
+  the dedup step time of the same repetition (the two run back to back, so slow drifts of a shared
+  machine cancel out);
 * encoder FLOPs (``torch.utils.flop_counter.FlopCounterMode``, step minus backbone-only step) and their ratio;
 * ``recompute`` re-encodes in chunks of one micro-batch's worth of images (what naive holds at a time);
 * ``peak_rss_mb``: peak resident memory of a fresh subprocess running that configuration, and
@@ -317,6 +319,7 @@ def run_bench(cfg: EncodeConfig, progress: bool = True) -> dict[str, Any]:
                 "encoder_share": f,
                 "amdahl_bound": bound,
                 "speedup_over_bound": speedup / bound,
+                "speedup_paired": statistics.median(a / b for a, b in zip(times["naive"], times[mode])),
                 "encoder_unique_step_s": med["encoder_unique"],
                 "encoder_scaling": med["encoder_unique"] / (med["encoder_only"] / n),
                 "measured_bound": med["naive"] / floor,
