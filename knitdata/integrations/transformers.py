@@ -48,18 +48,23 @@ Example (one optimizer step of K micro-batches)::
             sm.backward(out.loss * scale[i])
     optimizer.step()
 
-Recipe for LLaVA-style models (a CLIP/SigLIP tower plus a projector; e.g. ``LlavaForConditionalGeneration``)::
+Recipe for LLaVA-style models (a CLIP/SigLIP tower plus a projector, ``LlavaForConditionalGeneration``): every
+image gives a fixed number ``R`` of rows (patches, minus the CLS token with the ``"default"`` feature select
+strategy), and the model's forward takes precomputed rows through the same ``mm_encoder_outputs`` hook::
 
-    def call(encoder, table):                  # table.values: pixel rows, one [C*H*W] row per image
-        pix = table.values.reshape(-1, 3, H, W).to(model.dtype)
-        return model.get_image_features(pixel_values=pix)   # tower, feature layer select, projector
-    # rows per image are fixed (num_patches or num_patches + 1): give out_lengths=lambda L: L * rows_per_image
-    shared = SharedEncoding(model.model, call=lambda enc, t: torch.cat(list(call(enc, t)), 0),
-                            out_lengths=lambda L: L * rows_per_image)
-    # collate: expand each <image> token into rows_per_image tokens (what LlavaProcessor does), then
-    embeds = model.get_input_embeddings()(input_ids)
-    embeds = embeds.masked_scatter((input_ids == model.config.image_token_id)[..., None], rows)
-    out = model(inputs_embeds=embeds, attention_mask=mask, labels=labels)     # 1-D positions: nothing else
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+    C, H, W = 3, 336, 336                              # the image processor's output size
+    def preprocess(pixels):                            # one row per image: [1, C*H*W]
+        return image_processor(images=[pixels], return_tensors="pt")["pixel_values"].reshape(1, -1)
+    def call(encoder, table):                          # encoder: the tower and projector
+        pix = table.values.reshape(-1, C, H, W).to(model.dtype)
+        return torch.cat(list(model.model.get_image_features(pixel_values=pix).pooler_output), 0)
+    encoder = nn.ModuleDict({"tower": model.model.vision_tower, "proj": model.model.multi_modal_projector})
+    shared = SharedEncoding(encoder, call=call, out_lengths=lambda n: n * R)
+    collate = MultimodalCollator({"image": preprocess}, key="provenance")
+    # text: expand each <image> token to R tokens (what LlavaProcessor does), then per micro-batch
+    out = model(input_ids=ids, attention_mask=mask, labels=labels,
+                mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=(sm.rows(i),))})
 
 Importing this module without ``transformers`` raises :class:`~knitdata.errors.OptionalDependencyError`.
 """
