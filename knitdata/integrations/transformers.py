@@ -330,6 +330,13 @@ class Qwen2_5_VLAdapter(HFMultimodalAdapter):
             have = getattr(image_processor, attr, want)
             if have != want:
                 raise ConfigError(f"image processor {attr}={have} but the vision config has {want}")
+        import inspect
+
+        if "mm_encoder_outputs" not in inspect.signature(type(inner).forward).parameters:
+            raise ConfigError(
+                f"{type(inner).__name__}.forward takes no mm_encoder_outputs (transformers "
+                f"{transformers.__version__}): install knitdata[transformers] (transformers>=5.24)"
+            )
         super().__init__(model, image_processor)
         self.merge = int(vc.spatial_merge_size) ** 2
         self.row_dim = int(vc.in_channels) * int(vc.temporal_patch_size) * int(vc.patch_size) ** 2
