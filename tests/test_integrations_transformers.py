@@ -11,6 +11,7 @@ import json
 import socket
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -102,7 +103,7 @@ def test_gradients_equal_the_models_own_duplicated_forward(models, family, mode)
     assert err < TOL[family], err
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(
     family=st.sampled_from(FAMILIES),
     mode=st.sampled_from(["fold", "leaf", "recompute"]),
@@ -167,11 +168,14 @@ def test_placeholder_and_row_mismatches_are_named(models):
     inputs = ad.collate(mbs[0], batch, 0)
     with pytest.raises(ConfigError, match="placeholder tokens"):
         ad.forward(inputs, None)
-    with pytest.raises(ConfigError, match="no knitdata adapter"):
-        adapter_for(torch.nn.Linear(2, 2).__class__.__new__(type("M", (torch.nn.Module,), {"config": None})))
+    class Bert(torch.nn.Module):
+        config = types.SimpleNamespace(model_type="bert")
+
+    with pytest.raises(ConfigError, match="no knitdata adapter for model_type 'bert'"):
+        adapter_for(Bert())
 
 
-def test_recompute_reencodes_in_bfloat16_under_autocast(models):
+def test_recompute_reencodes_in_bfloat16_under_autocast():
     model = tiny_qwen2_audio(dtype=torch.float32)
     ad = qwen2_audio(model)
     mbs = _fixed_layout("qwen2_audio")
