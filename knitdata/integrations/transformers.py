@@ -106,6 +106,11 @@ FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen2_audio")
 GRAD_RTOL: float = 1e-5
 
 
+def _device_of(module: nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    return torch.device("cpu") if p is None else p.device
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     """The model inside DDP/FSDP/accelerate wrappers (``.module``), for its submodules and config."""
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
@@ -163,7 +168,8 @@ class HFMultimodalAdapter:
         raise NotImplementedError
 
     def dummy_input(self) -> MediaTable:
-        """A one-item all-zero table for the zero-gradient dummy encode of a rank without media."""
+        """A one-item all-zero table (on the tower's device) for the zero-gradient dummy encode of a rank
+        without media."""
         raise NotImplementedError
 
     def _native_media(self, table: MediaTable, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -363,7 +369,8 @@ class Qwen2_5_VLAdapter(HFMultimodalAdapter):
     def dummy_input(self) -> MediaTable:
         s = int(self.inner.config.vision_config.spatial_merge_size)
         grid = torch.tensor([[1, s, s]], dtype=torch.long)
-        return MediaTable.empty_like("image", (self.row_dim,), self.encoder.dtype, s * s, {"image_grid_thw": grid})
+        table = MediaTable.empty_like("image", (self.row_dim,), self.encoder.dtype, s * s, {"image_grid_thw": grid})
+        return table.to(_device_of(self.encoder))
 
     def _extra_inputs(self, input_ids, mask, table, occ) -> dict[str, torch.Tensor]:
         extra = {"mm_token_type_ids": (input_ids == self.placeholder_id).to(torch.int32)}
@@ -456,9 +463,10 @@ class Qwen2AudioAdapter(HFMultimodalAdapter):
         return _audio_out_lengths(table.meta["feature_length"])
 
     def dummy_input(self) -> MediaTable:
-        return MediaTable.empty_like(
+        table = MediaTable.empty_like(
             "audio", (self.mel,), torch.float32, self.frames, {"feature_length": torch.tensor([self.frames])}
         )
+        return table.to(_device_of(self.encoder))
 
     def _native_media(self, table: MediaTable, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
         n = table.num_items
