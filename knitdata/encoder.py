@@ -22,7 +22,10 @@ Jacobian ``J``. :class:`SharedEncoding` exploits this in one of four modes:
     in chunks of ``chunk_items`` with autograd and backward each chunk with its slice of ``G``
     (GradCache-style): the encoder's activations of one chunk at a time, for memory-bound cases, at the cost
     of a second encoder forward (encoder FLOPs about ``3n/4`` fewer than naive instead of ``n``). Same wrapper
-    requirement as ``leaf``.
+    requirement as ``leaf``. Like ``torch.utils.checkpoint``, the re-encode runs under the autocast state
+    (CPU and device autocast, dtype, cache) and the current CUDA device captured at the first encode, so
+    with the forward inside ``torch.autocast(..., dtype=torch.bfloat16)`` and the backward outside it (the
+    PyTorch AMP recipe) the re-encode still computes in bfloat16, as the forward did.
 ``naive``
     The switch back to per-micro-batch encoding: ``rows(i)`` encodes every copy of micro-batch ``i``'s items
     (duplicates included) and ``backward`` is a plain backward. Useful for A/B checks and as a fallback.
@@ -49,9 +52,25 @@ backbone must then use all its parameters in every micro-batch, as DDP always re
 with 2 ranks: DDP (one wrapper: ``fold``; two wrappers: every mode) and FSDP2 (``fold``, ``leaf``,
 ``recompute``), including a rank without media.
 
-Memory per mode, beyond the backbone: ``naive`` the encoder activations of one micro-batch's copies at a
-time; ``fold``/``leaf`` the activations of all unique items for the whole mini-batch, plus ``E`` and ``G``
-(``G`` fp32, the size of ``E``); ``recompute`` ``E`` and ``G`` plus one chunk's activations at the end.
+Memory: what each mode holds across micro-batches, beyond the backbone's own activations of the current
+micro-batch (the peak is whichever is larger at any moment):
+
+* ``naive``: nothing across micro-batches; during micro-batch ``i`` the encoder activations of all its
+  copies (``n_i`` items, duplicates included), freed by its backward.
+* ``fold`` / ``leaf``: from the encode to the last micro-batch's backward, the encoder's autograd graph of
+  the ``U`` unique items (their activations), ``E`` (the rows, the encoder's output dtype) and ``G`` (fp32,
+  the size of ``E``); each micro-batch additionally gathers its own rows (a copy of ``n_i`` items' rows).
+  So the peak is about the naive one when a micro-batch's copies cost about as much as the unique items
+  (``U`` close to ``n_i``), higher when the mini-batch has many more unique items than one micro-batch has
+  copies, lower when one micro-batch holds many copies of few items.
+* ``recompute``: ``E`` and ``G`` across the mini-batch, no encoder activations; at the end one chunk's
+  (``chunk_items``) activations during its re-encode and backward, after the backbone's are freed. The
+  lowest encoder memory, for one more encoder forward.
+
+Reported for a Qwen2.5-VL-3B-shaped model with hand-written glue (one H200, bf16, groups of 8 sharing an image,
+8 micro-batches of 2; issue 14):
+``fold`` peaked at about the model's own duplicated path (34 vs 35 GiB at 448 px, 49 vs 51 GiB at 896 px)
+and ``recompute`` lower; ``knitdata bench vlm`` (``--gpu``) measures ``peak_mem_bytes`` per mode.
 
 Example (DDP, one wrapper around encoder and backbone, ``find_unused_parameters=False``)::
 
@@ -161,7 +180,13 @@ def _check_modules(encoder: nn.Module, mode: str, strict: bool) -> None:
 
 
 def check_independence(
-    encoder: nn.Module, table: MediaTable, *, call: EncoderCall = default_call, rtol: float = 1e-5, atol: float = 1e-6
+    encoder: nn.Module,
+    table: MediaTable,
+    *,
+    call: EncoderCall = default_call,
+    out_rows: Callable[[MediaTable], torch.Tensor] | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
 ) -> float:
     """Empirically check that an encoder treats items independently (the exactness condition).
 
@@ -171,6 +196,7 @@ def check_independence(
         encoder: The encoder.
         table: A table of at least two items.
         call: How to call the encoder on a table.
+        out_rows: Output rows per item (see :class:`SharedEncoding`), for encoders that change row counts.
         rtol: Relative tolerance.
         atol: Absolute tolerance.
 
@@ -181,10 +207,10 @@ def check_independence(
         ConfigError: Outputs differ beyond the tolerance (items interact inside the encoder).
     """
     with torch.no_grad():
-        whole = _Layout.of(call(encoder, table), table, None)
+        whole = _Layout.of(call(encoder, table), table, out_rows)
         worst = 0.0
         for u in range(table.num_items):
-            alone = _Layout.of(call(encoder, table.slice(u, u + 1)), table.slice(u, u + 1), None)
+            alone = _Layout.of(call(encoder, table.slice(u, u + 1)), table.slice(u, u + 1), out_rows)
             for li, leaf in enumerate(whole.leaves):
                 if leaf is None:
                     continue
@@ -211,15 +237,15 @@ class _Layout:
     others: list[Any]
 
     @classmethod
-    def of(cls, out: Any, table: MediaTable, out_lengths: Callable[[torch.Tensor], torch.Tensor] | None) -> _Layout:
+    def of(cls, out: Any, table: MediaTable, out_rows: Callable[[MediaTable], torch.Tensor] | None) -> _Layout:
         flat, spec = pytree.tree_flatten(out)
         leaves: list[torch.Tensor | None] = []
         offs: list[torch.Tensor | None] = []
         u, total = table.num_items, int(table.offsets[-1])
         dev = table.offsets.device
         custom = None
-        if out_lengths is not None:
-            ol = torch.as_tensor(out_lengths(table.lengths), dtype=torch.long, device=dev)
+        if out_rows is not None:
+            ol = torch.as_tensor(out_rows(table), dtype=torch.long, device=dev)
             custom = torch.cat([torch.zeros(1, dtype=torch.long, device=dev), torch.cumsum(ol, 0)])
         for x in flat:
             if not isinstance(x, torch.Tensor):
@@ -236,7 +262,7 @@ class _Layout:
             else:
                 raise ConfigError(
                     f"encoder output leaf of shape {tuple(x.shape)} has neither one row per item ({u}) nor one "
-                    f"per input row ({total}); pass out_lengths= mapping input lengths to output lengths"
+                    f"per input row ({total}); pass out_lengths= (or out_rows=) giving each item's output rows"
                 )
             leaves.append(x)
             offs.append(off.to(x.device))
@@ -272,6 +298,38 @@ class _KindState:
     dummy: bool = False
     trainable: bool = True  # some encoder parameter requires grad and grad mode was on at encode
     leaf_rows: dict[int, tuple[torch.Tensor, Any]] = field(default_factory=dict)  # i -> (items, rows)
+    context: _EncodeContext | None = None  # autocast state and device of the first encode (recompute)
+
+
+@dataclass
+class _EncodeContext:
+    """Autocast state and current device at encode time, restored for ``recompute``'s re-encode.
+
+    Like ``torch.utils.checkpoint``: the re-encode runs after the last micro-batch's backward, which the
+    PyTorch AMP recipe runs outside ``torch.autocast``; without this it would run in full precision.
+    """
+
+    device_type: str
+    device: torch.device
+    autocast: dict[str, tuple[bool, torch.dtype]]
+    cache_enabled: bool
+
+    @classmethod
+    def capture(cls, device: torch.device) -> _EncodeContext:
+        types = ["cpu"] if device.type == "cpu" else [device.type, "cpu"]
+        state = {t: (torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types}
+        return cls(device.type, device, state, torch.is_autocast_cache_enabled())
+
+    @contextlib.contextmanager
+    def restore(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if self.device_type == "cuda" and self.device.index is not None:
+                stack.enter_context(torch.cuda.device(self.device))
+            for t, (enabled, dtype) in self.autocast.items():
+                stack.enter_context(
+                    torch.autocast(device_type=t, enabled=enabled, dtype=dtype, cache_enabled=self.cache_enabled)
+                )
+            yield
 
 
 class SharedEncoding:
@@ -285,6 +343,9 @@ class SharedEncoding:
         call: ``fn(encoder, table) -> output``; default ``encoder(table.values, table.offsets)``.
         out_lengths: For encoders whose output rows per item differ from the input rows (e.g. a 2x2 patch
             merger): ``fn(input lengths int64 [U]) -> output lengths [U]``.
+        out_rows: Like ``out_lengths`` but given the whole :class:`~knitdata.multimodal.MediaTable`, for output
+            lengths that depend on per-item metadata (``table.meta``, e.g. an audio clip's valid frames):
+            ``fn(table) -> output lengths int64 [U]``. Give at most one of the two.
         grad_dtype: Dtype of the gradient buffers ``G``; default float32, or the output dtype if wider.
         chunk_items: ``recompute``: items per re-encode chunk (``None``: all at once). Under FSDP the chunk
             count is agreed across ranks (an all-reduce) and padded with zero-gradient encodes.
@@ -307,6 +368,7 @@ class SharedEncoding:
         kind: str | None = None,
         call: EncoderCall = default_call,
         out_lengths: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        out_rows: Callable[[MediaTable], torch.Tensor] | None = None,
         grad_dtype: torch.dtype | None = None,
         chunk_items: int | None = None,
         dummy_input: MediaTable | Mapping[str, MediaTable] | None = None,
@@ -319,12 +381,17 @@ class SharedEncoding:
             raise ValueError(f"chunk_items must be positive, got {chunk_items}")
         if dummy not in (True, False, "auto"):
             raise ValueError(f"dummy must be True, False or 'auto', got {dummy!r}")
+        if out_lengths is not None and out_rows is not None:
+            raise ValueError("give at most one of out_lengths= and out_rows=")
         self.encoders: dict[str | None, nn.Module] = (
             dict(encoder) if isinstance(encoder, Mapping) else {kind: encoder}  # type: ignore[dict-item]
         )
         self.mode = mode
         self.call = call
         self.out_lengths = out_lengths
+        self.out_rows: Callable[[MediaTable], torch.Tensor] | None = out_rows
+        if out_lengths is not None:
+            self.out_rows = lambda table: out_lengths(table.lengths)
         self.grad_dtype = grad_dtype
         self.chunk_items = chunk_items
         self.dummy_input = dummy_input
@@ -439,12 +506,13 @@ class SharedMiniBatch:
         o = self.owner
         assert st.table is not None
         st.trainable = torch.is_grad_enabled() and any(p.requires_grad for p in st.encoder.parameters())
+        st.context = _EncodeContext.capture(st.table.values.device)
         if self.mode == "recompute":
             with torch.no_grad():
                 out = o.call(st.encoder, st.table)
         else:
             out = o.call(st.encoder, st.table)
-        st.layout = _Layout.of(out, st.table, o.out_lengths)
+        st.layout = _Layout.of(out, st.table, o.out_rows)
         st.grads = []
         for leaf in st.layout.leaves:
             if leaf is None or not (leaf.is_floating_point() or leaf.is_complex()):
@@ -504,7 +572,7 @@ class SharedMiniBatch:
             if kind not in self._naive_out:
                 sub = st.table.gather(occ.index)  # type: ignore[union-attr]
                 with grad_sync(st.encoder, enabled=i == self.num_microbatches - 1):
-                    lay = _Layout.of(self.owner.call(st.encoder, sub), sub, self.owner.out_lengths)
+                    lay = _Layout.of(self.owner.call(st.encoder, sub), sub, self.owner.out_rows)
                 self._naive_out[kind] = lay.gather(torch.arange(sub.num_items), "plain")
             return self._naive_out[kind]
         if i in st.leaf_rows:
@@ -580,7 +648,7 @@ class SharedMiniBatch:
             return
         dummy = st.table if st.dummy else self.owner._dummy_for(kind)
         with grad_sync(st.encoder, enabled=i == self.num_microbatches - 1):
-            lay = _Layout.of(self.owner.call(st.encoder, dummy), dummy, self.owner.out_lengths)  # type: ignore[arg-type]
+            lay = _Layout.of(self.owner.call(st.encoder, dummy), dummy, self.owner.out_rows)  # type: ignore[arg-type]
         self._naive_out[kind] = [leaf for leaf in lay.leaves if leaf is not None and leaf.requires_grad]
 
     def _backward_naive(self, loss: torch.Tensor, i: int, last: bool) -> None:
@@ -634,8 +702,10 @@ class SharedMiniBatch:
                 pad = c >= n_chunks  # zero-gradient re-encode so every rank runs as many chunks
                 a, b = (0, min(chunk, u)) if pad else (c * chunk, min(u, (c + 1) * chunk))
                 sub = table.slice(a, b)
+                assert st.context is not None
                 with grad_sync(st.encoder, enabled=c == n_total - 1):
-                    lay = _Layout.of(o.call(st.encoder, sub), sub, o.out_lengths)
+                    with st.context.restore():  # the autocast state and device of the first encode
+                        lay = _Layout.of(o.call(st.encoder, sub), sub, o.out_rows)
                     outs: list[torch.Tensor] = []
                     grads: list[torch.Tensor] = []
                     for li, leaf in enumerate(lay.leaves):

@@ -68,11 +68,14 @@ class ProcessedMedia:
         tensor: The processed encoder input; its first dimension is the item's length (patches, frames) and
             its trailing dimensions must agree among items of one kind so they can be packed.
         sample_rate: Audio sample rate in Hz (``None`` for images).
+        meta: Per-item metadata from the model's processor (e.g. ``image_grid_thw`` ``int64 [3]``), or
+            ``None``; a preprocessing callable returns it as ``(tensor, {name: tensor})``.
     """
 
     kind: str
     tensor: torch.Tensor
     sample_rate: int | None = None
+    meta: Mapping[str, torch.Tensor] | None = None
 
 
 def _where(trajectory_id: str | None, item: int | None) -> dict[str, Any]:
@@ -375,9 +378,12 @@ def provenance_key(group: str, index: int) -> tuple[str, int]:
 def processed_digest(processed: ProcessedMedia) -> str:
     """Return the content digest of a processed item: kind, sample rate, dtype, shape and values.
 
-    Two items get the same digest exactly when the encoder would consume the same input.
+    Two items get the same digest exactly when the encoder would consume the same input (metadata included).
     """
-    return f"{processed.kind}:{processed.sample_rate or 0}:{tensor_digest(processed.tensor)}"
+    d = f"{processed.kind}:{processed.sample_rate or 0}:{tensor_digest(processed.tensor)}"
+    for name, m in sorted((processed.meta or {}).items()):
+        d += f":{name}={tensor_digest(m)}"
+    return d
 
 
 class MediaProcessor:
@@ -386,7 +392,9 @@ class MediaProcessor:
     Args:
         preprocess: Per kind, the model's preprocessing: ``{"image": fn(pixels uint8 [C, H, W]) -> Tensor,
             "audio": fn(samples float32 [frames, channels], sample_rate) -> Tensor}``. Without one, images
-            become ``uint8 [C, H, W]`` pixels and audio ``float32 [frames, channels]`` samples.
+            become ``uint8 [C, H, W]`` pixels and audio ``float32 [frames, channels]`` samples. A callable
+            may also return ``(tensor, {name: tensor})``: per-item metadata the encoder needs (e.g. Qwen2-VL's
+            ``image_grid_thw``), carried in :attr:`ProcessedMedia.meta` and the media table.
         image_mode: Pillow mode every image is converted to before preprocessing (``None`` keeps it).
 
     Raises:
@@ -448,6 +456,22 @@ class MediaProcessor:
                 raise
             except Exception as e:
                 raise MediaError(f"{item.kind} preprocessing failed: {type(e).__name__}: {e}", **where) from e
+        meta: dict[str, torch.Tensor] | None = None
+        if isinstance(x, tuple):
+            if len(x) != 2 or not isinstance(x[1], Mapping):
+                raise MediaError(
+                    f"{item.kind} preprocessing must return a tensor or (tensor, {{name: tensor}}), got a tuple of "
+                    f"{len(x)}",
+                    **where,
+                )
+            x, raw_meta = x
+            meta = {}
+            for name, v in raw_meta.items():
+                if not isinstance(v, torch.Tensor):
+                    raise MediaError(
+                        f"{item.kind} preprocessing metadata {name!r} must be a tensor, got {type(v).__name__}", **where
+                    )
+                meta[str(name)] = v.detach().cpu().contiguous()
         if not isinstance(x, torch.Tensor):
             raise MediaError(f"{item.kind} preprocessing must return a tensor, got {type(x).__name__}", **where)
         if x.dim() == 0 or x.shape[0] == 0:
@@ -455,6 +479,6 @@ class MediaProcessor:
                 f"processed {item.kind} has no rows (shape {tuple(x.shape)}); the first dimension is the item length",
                 **where,
             )
-        return ProcessedMedia(kind=item.kind, tensor=x.detach().contiguous(), sample_rate=rate)
+        return ProcessedMedia(kind=item.kind, tensor=x.detach().contiguous(), sample_rate=rate, meta=meta)
 
     __call__ = process

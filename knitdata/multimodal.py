@@ -58,6 +58,9 @@ class MediaTable:
         offsets: ``int64 [U + 1]``, starting at 0.
         keys: The ``U`` keys (a digest string or a ``(group, index)`` tuple).
         sample_rates: ``int64 [U]`` for audio, else ``None``.
+        meta: Per-item metadata the model's processor returned with each item, stacked per name: each tensor
+            has ``U`` rows (e.g. Qwen2-VL's ``image_grid_thw`` ``int64 [U, 3]``, an audio clip's valid
+            feature length ``int64 [U]``); empty for plain preprocessing.
     """
 
     kind: str
@@ -65,6 +68,7 @@ class MediaTable:
     offsets: torch.Tensor
     keys: tuple[Any, ...] = ()
     sample_rates: torch.Tensor | None = None
+    meta: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_items(self) -> int:
@@ -80,6 +84,7 @@ class MediaTable:
     def nbytes(self) -> int:
         """Bytes of values, offsets and sample rates."""
         n = self.values.numel() * self.values.element_size() + self.offsets.numel() * 8
+        n += sum(m.numel() * m.element_size() for m in self.meta.values())
         return n + (0 if self.sample_rates is None else self.sample_rates.numel() * 8)
 
     def item(self, u: int) -> torch.Tensor:
@@ -101,17 +106,22 @@ class MediaTable:
         offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=self.offsets.device), torch.cumsum(lengths, 0)])
         rates = None if self.sample_rates is None else self.sample_rates[idx]
         keys = tuple(self.keys[int(i)] for i in idx.tolist()) if self.keys else ()
-        return MediaTable(self.kind, self.values[rows], offsets, keys, rates)
+        meta = {k: m[idx.to(m.device)] for k, m in self.meta.items()}
+        return MediaTable(self.kind, self.values[rows], offsets, keys, rates, meta)
 
     def slice(self, start: int, stop: int) -> MediaTable:
         """Items ``start..stop-1`` as a table whose values are a view of this one's."""
         a, b = int(self.offsets[start]), int(self.offsets[stop])
         rates = None if self.sample_rates is None else self.sample_rates[start:stop]
-        return MediaTable(self.kind, self.values[a:b], self.offsets[start : stop + 1] - a, self.keys[start:stop], rates)
+        meta = {k: m[start:stop] for k, m in self.meta.items()}
+        return MediaTable(
+            self.kind, self.values[a:b], self.offsets[start : stop + 1] - a, self.keys[start:stop], rates, meta
+        )
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> MediaTable:
         rates = None if self.sample_rates is None else fn(self.sample_rates)
-        return MediaTable(self.kind, fn(self.values), fn(self.offsets), self.keys, rates)
+        meta = {k: fn(m) for k, m in self.meta.items()}
+        return MediaTable(self.kind, fn(self.values), fn(self.offsets), self.keys, rates, meta)
 
     def pin_memory(self) -> MediaTable:
         """A copy in pinned host memory (for asynchronous copies to a GPU)."""
@@ -122,7 +132,13 @@ class MediaTable:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     @staticmethod
-    def empty_like(kind: str, feature_shape: Sequence[int], dtype: torch.dtype, length: int = 1) -> MediaTable:
+    def empty_like(
+        kind: str,
+        feature_shape: Sequence[int],
+        dtype: torch.dtype,
+        length: int = 1,
+        meta: Mapping[str, torch.Tensor] | None = None,
+    ) -> MediaTable:
         """One all-zero item of ``length`` rows: the input of a dummy encode on a rank without media.
 
         Args:
@@ -130,10 +146,12 @@ class MediaTable:
             feature_shape: Trailing shape of one row (e.g. ``(C * p * p,)``).
             dtype: Values dtype.
             length: Rows of the dummy item.
+            meta: The dummy item's metadata (each tensor with one row), e.g. ``{"image_grid_thw": [[1, 2, 2]]}``.
         """
         values = torch.zeros((length, *feature_shape), dtype=dtype)
         rates = torch.ones(1, dtype=torch.long) if kind == "audio" else None
-        return MediaTable(kind, values, torch.tensor([0, length], dtype=torch.long), ("dummy",), rates)
+        m = {k: torch.as_tensor(v) for k, v in (meta or {}).items()}
+        return MediaTable(kind, values, torch.tensor([0, length], dtype=torch.long), ("dummy",), rates, m)
 
 
 @dataclass
@@ -240,6 +258,10 @@ class MultimodalBatch:
         return self._moved[key]
 
 
+def _meta_sig(meta: Mapping[str, torch.Tensor]) -> str:
+    return "{" + ", ".join(f"{k}: {str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for k, v in sorted(meta.items())) + "}"
+
+
 class MultimodalCollator:
     """Build a :class:`MultimodalBatch` from one consumer's micro-batches of one mini-batch.
 
@@ -320,6 +342,19 @@ class MultimodalCollator:
                         lst = rows.setdefault(item.kind, [])
                         if lst:
                             ref = lst[0].tensor
+                            ref_meta, pm_meta = lst[0].meta or {}, pm.meta or {}
+                            if sorted(ref_meta) != sorted(pm_meta) or any(
+                                pm_meta[m].shape != ref_meta[m].shape or pm_meta[m].dtype != ref_meta[m].dtype
+                                for m in ref_meta
+                            ):
+                                t0, i0 = first_where[item.kind]
+                                raise MediaError(
+                                    f"processed {item.kind} carries metadata {_meta_sig(pm_meta)}, but item {i0} of "
+                                    f"trajectory {t0!r} carries {_meta_sig(ref_meta)}; items of one kind need the "
+                                    "same metadata names, shapes and dtypes",
+                                    trajectory_id=traj.id,
+                                    item=n,
+                                )
                             if pm.tensor.dtype != ref.dtype or pm.tensor.shape[1:] != ref.shape[1:]:
                                 t0, i0 = first_where[item.kind]
                                 raise MediaError(
@@ -346,7 +381,8 @@ class MultimodalCollator:
             values = torch.cat([p.tensor for p in lst], 0)
             keys = tuple(key for key, _ in sorted(key_to_row[kind].items(), key=lambda kv: kv[1]))
             rates = torch.tensor([p.sample_rate for p in lst], dtype=torch.long) if kind == "audio" else None
-            tables[kind] = MediaTable(kind, values, offsets, keys, rates)
+            meta = {m: torch.stack([p.meta[m] for p in lst]) for m in (lst[0].meta or {})}  # type: ignore[index]
+            tables[kind] = MediaTable(kind, values, offsets, keys, rates, meta)
         occurrences = [
             {
                 kind: MediaOccurrences(*(torch.tensor(v, dtype=torch.long) for v in lists))

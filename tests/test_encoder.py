@@ -356,3 +356,90 @@ def test_frozen_encoder_backbone_gradients_still_equal(mode):
     zero(bb)
     run_shared(SharedEncoding(enc, mode=mode), bb, batch, mbs, [1.0, 0.5, 2.0], "rows")
     assert_grads_close(grads(bb), ref, torch.float64)
+
+
+class _DtypeProbe(nn.Module):
+    """A per-row encoder that records the dtype its linear layer computes in, call by call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D_IN, D)
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, values, offsets):
+        h = self.lin(values)
+        self.seen.append(h.dtype)
+        return torch.tanh(h)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "fold"])
+def test_recompute_reencodes_under_the_autocast_state_of_the_forward(mode):
+    torch.manual_seed(0)
+    table_vals = torch.randn(7, D_IN)
+    table = MediaTable("image", table_vals, torch.tensor([0, 3, 7]), ("a", "b"))
+    from knitdata.multimodal import MediaOccurrences, MultimodalBatch
+
+    occ = [
+        {"image": MediaOccurrences(torch.tensor([0, 1, 0]), torch.tensor([0, 1, 2]), torch.tensor([0, 0, 0]))},
+        {"image": MediaOccurrences(torch.tensor([1]), torch.tensor([0]), torch.tensor([0]))},
+    ]
+    batch = MultimodalBatch({"image": table}, occ)
+    head = torch.randn(D)
+
+    def loss_of(rows):
+        return (rows.float() @ head).square().sum() / 10
+
+    # reference: the naive path, every copy encoded inside autocast, backward outside
+    ref_enc = _DtypeProbe()
+    enc = _DtypeProbe()
+    enc.load_state_dict(ref_enc.state_dict())
+    for i in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(ref_enc(table.gather(occ[i]["image"].index).values, None))
+        loss.backward()
+    shared = SharedEncoding(enc, mode=mode)
+    sm = shared.minibatch(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sm.__enter__()  # the unique items are encoded here, inside autocast
+    for i in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(sm.rows(i))
+        sm.backward(loss)  # outside autocast: recompute re-encodes here
+    sm.__exit__(None, None, None)
+    assert not torch.is_autocast_enabled("cpu")
+    assert enc.seen and all(d == torch.bfloat16 for d in enc.seen), enc.seen
+    assert len(enc.seen) == (2 if mode == "recompute" else 1)
+    for (name, p), q in zip(enc.named_parameters(), ref_enc.parameters()):
+        # bf16 rounding differs between the batched unique encode and per-copy encodes: bf16 tolerance
+        torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-2, msg=name)
+
+
+def test_out_rows_sees_the_table_metadata_and_excludes_out_lengths():
+    with pytest.raises(ValueError, match="at most one"):
+        SharedEncoding(nn.Linear(2, 2), out_lengths=lambda n: n, out_rows=lambda t: t.lengths)
+
+    class Pool(nn.Module):  # one output row per `keep` input rows, `keep` from the table's metadata
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D_IN, D, dtype=torch.float64)
+
+        def forward(self, values, offsets, keep):
+            h = self.lin(values)
+            return torch.cat([h[int(a) : int(a) + int(k)] for a, k in zip(offsets[:-1], keep)])
+
+    from knitdata.multimodal import MediaOccurrences, MultimodalBatch
+
+    enc = Pool()
+    table = MediaTable("image", torch.randn(7, D_IN, dtype=torch.float64), torch.tensor([0, 3, 7]), ("a", "b"),
+                       meta={"keep": torch.tensor([2, 1])})
+    occ = [{"image": MediaOccurrences(torch.tensor([1, 0]), torch.tensor([0, 1]), torch.tensor([0, 0]))}]
+    shared = SharedEncoding(enc, call=lambda e, t: e(t.values, t.offsets, t.meta["keep"]),
+                            out_rows=lambda t: t.meta["keep"])
+    with shared.minibatch(MultimodalBatch({"image": table}, occ)) as sm:
+        rows = sm.rows(0)
+        assert rows.shape == (3, D)  # item 1 (1 row), then item 0 (2 rows)
+        sm.backward(rows.sum())
+    ref = Pool()
+    ref.load_state_dict(enc.state_dict())
+    ref(table.values, table.offsets, table.meta["keep"]).sum().backward()
+    torch.testing.assert_close(enc.lin.weight.grad, ref.lin.weight.grad)

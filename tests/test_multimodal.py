@@ -163,3 +163,45 @@ def test_pin_memory():
     assert pinned.tables["image"].values.is_pinned() and pinned is batch.pin_memory()
     on = pinned.to("cuda", non_blocking=True)
     assert on.tables["image"].values.is_cuda
+
+
+def _with_grid(pixels):
+    """A preprocessing callable returning per-item metadata, like a model processor's image_grid_thw."""
+    x = patchify(4)(pixels)
+    h, w = pixels.shape[1] // 4, pixels.shape[2] // 4
+    return x, {"image_grid_thw": torch.tensor([1, h, w])}
+
+
+@settings(max_examples=20, deadline=None)
+@given(sizes=st.lists(st.sampled_from([(4, 8), (8, 8), (8, 12), (12, 4)]), min_size=1, max_size=4),
+       key=st.sampled_from(["digest", "provenance"]), seed=st.integers(0, 1000))
+def test_per_item_metadata_travels_with_its_item(sizes, key, seed):
+    rng = np.random.default_rng(seed)
+    items = [image_item(torch.from_numpy(rng.integers(0, 256, (3, h, w), dtype=np.uint8))) for h, w in sizes]
+    trajs = [_traj(i, f"g{i}", [it]) for i, it in enumerate(items)] + [_traj(99, "g0", [items[0]])]
+    random.Random(seed).shuffle(trajs)
+    batch = MultimodalCollator({"image": _with_grid}, key=key)([trajs[: len(trajs) // 2], trajs[len(trajs) // 2 :]])
+    table = batch.tables["image"]
+    grid = table.meta["image_grid_thw"]
+    assert grid.shape == (table.num_items, 3)
+    assert torch.equal(grid.prod(-1), table.lengths)  # each item's metadata sits in its own row
+    sub = table.gather(torch.arange(table.num_items).flip(0))
+    assert torch.equal(sub.meta["image_grid_thw"], grid.flip(0))
+    assert torch.equal(table.slice(0, 1).meta["image_grid_thw"], grid[:1])
+    assert torch.equal(batch.to("cpu").tables["image"].meta["image_grid_thw"], grid)
+    assert table.nbytes >= grid.numel() * 8
+
+
+def test_metadata_must_agree_among_items_of_a_kind():
+    calls = iter([{"a": torch.tensor([1])}, {"b": torch.tensor([1])}])
+
+    def pre(pixels):
+        return patchify(4)(pixels), next(calls)
+
+    items = [image_item(torch.full((3, 8, 8), v, dtype=torch.uint8)) for v in (0, 9)]
+    with pytest.raises(MediaError, match="metadata"):
+        MultimodalCollator({"image": pre})([[_traj(0, "g0", [items[0]]), _traj(1, "g1", [items[1]])]])
+    with pytest.raises(MediaError, match="must be a tensor"):
+        MediaProcessor({"image": lambda p: (patchify(4)(p), {"x": 3})}).process(items[0])
+    with pytest.raises(MediaError, match="tuple of 3"):
+        MediaProcessor({"image": lambda p: (patchify(4)(p), {}, 1)}).process(items[0])

@@ -10,7 +10,16 @@ torch thread. Measured side by side in one run (interleaved repetitions, medians
 * ``dup_step_s`` / ``dedup_step_s``: mini-batch step (forward + backward of all micro-batches);
 * ``encoder_share`` f: share of the naive step spent in the encoder: the time of encoding every copy of
   every micro-batch, forward and backward, alone, over the naive step's time;
-* ``amdahl_bound`` ``1 / ((1 - f) + f / n)``: the best speedup removing duplicate encoder work can give;
+* ``amdahl_bound`` ``1 / ((1 - f) + f / n)``: the best speedup removing duplicate encoder work can give,
+  if encoding ``U`` unique images cost exactly ``1 / n`` of encoding all ``n U`` copies;
+* ``encoder_unique_step_s``: encoding the unique images once, forward and backward, alone (the encoder part
+  of a dedup step); ``encoder_scaling`` = that over ``encoder_only / n`` (1.0: linear in the image count;
+  above 1: fewer, smaller encoder calls use the core less well); ``measured_bound`` = naive step over
+  ``naive - encoder_only + encoder_unique``: the best speedup given the encoder's measured cost on the unique
+  images; ``overhead_s`` = dedup step minus that: SharedEncoding's own cost (leaf rows, ``G``, gathers, the
+  separate or folded encoder backward); ``speedup_paired``: the median over repetitions of the naive over
+  the dedup step time of the same repetition (the two run back to back, so slow drifts of a shared
+  machine cancel out);
 * encoder FLOPs (``torch.utils.flop_counter.FlopCounterMode``, step minus backbone-only step) and their ratio;
 * ``recompute`` re-encodes in chunks of one micro-batch's worth of images (what naive holds at a time);
 * ``peak_rss_mb``: peak resident memory of a fresh subprocess running that configuration, and
@@ -48,7 +57,7 @@ __all__ = [
     "run",
 ]
 
-STEP_MODES: tuple[str, ...] = ("naive", "backbone_only", "encoder_only", "fold", "leaf", "recompute")
+STEP_MODES: tuple[str, ...] = ("naive", "backbone_only", "encoder_only", "encoder_unique", "fold", "leaf", "recompute")
 DEDUP_MODES: tuple[str, ...] = ("fold", "leaf", "recompute")
 
 
@@ -195,6 +204,10 @@ def run_step(w: Workload, mode: str) -> None:
             rows = torch.zeros(int(table.lengths[occ.index].sum()), dim, requires_grad=True)
             (w.backbone(ids, rows) * w.scales[i]).backward()
         return
+    if mode == "encoder_unique":  # the encoder part of a dedup step: each unique image once, forward and backward
+        out = w.encoder(table.values, table.offsets)
+        out.backward(torch.full_like(out, 1e-3))
+        return
     if mode == "encoder_only":  # the encoder part of the naive step: every copy, forward and backward
         for i in range(len(w.ids)):
             sub = table.gather(w.batch.for_microbatch(i)["image"].index)
@@ -292,6 +305,7 @@ def run_bench(cfg: EncodeConfig, progress: bool = True) -> dict[str, Any]:
         f = max(0.0, min(1.0, med["encoder_only"] / med["naive"]))
         bound = 1.0 / ((1.0 - f) + f / n)
         rss = {m: measure_rss(cfg, n, m) for m in ("naive", *DEDUP_MODES)} if cfg.rss else {}
+        floor = med["naive"] - med["encoder_only"] + med["encoder_unique"]
         for mode in DEDUP_MODES:
             speedup = med["naive"] / med[mode]
             results.append({
@@ -305,6 +319,12 @@ def run_bench(cfg: EncodeConfig, progress: bool = True) -> dict[str, Any]:
                 "encoder_share": f,
                 "amdahl_bound": bound,
                 "speedup_over_bound": speedup / bound,
+                "speedup_paired": statistics.median(a / b for a, b in zip(times["naive"], times[mode])),
+                "encoder_unique_step_s": med["encoder_unique"],
+                "encoder_scaling": med["encoder_unique"] / (med["encoder_only"] / n),
+                "measured_bound": med["naive"] / floor,
+                "speedup_over_measured_bound": speedup * floor / med["naive"],
+                "overhead_s": med[mode] - floor,
                 "dup_encoder_flops": enc_flops["naive"],
                 "dedup_encoder_flops": enc_flops[mode],
                 "encoder_flop_ratio": enc_flops["naive"] / max(1, enc_flops[mode]),
@@ -337,7 +357,8 @@ def run_bench(cfg: EncodeConfig, progress: bool = True) -> dict[str, Any]:
 def format_table(report: dict[str, Any]) -> str:
     """The results as a text table."""
     head = f"{'n':>3} {'mode':<10} {'dup s':>8} {'dedup s':>8} {'speedup':>8} {'f':>5} {'bound':>6} {'sp/bnd':>6} " \
-           f"{'encFLOP x':>9} {'RSS dup':>8} {'RSS ded':>8} {'+step dup':>9} {'+step ded':>9}"
+           f"{'encFLOP x':>9} {'RSS dup':>8} {'RSS ded':>8} {'+step dup':>9} {'+step ded':>9} " \
+           f"{'enc scal':>8} {'m.bound':>7} {'sp/mbd':>6} {'ovh ms':>7}"
     lines = [head, "-" * len(head)]
     for r in report["results"]:
         rss_d = "-" if r["dup_peak_rss_mb"] is None else f"{r['dup_peak_rss_mb']:.0f}M"
@@ -347,7 +368,9 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(
             f"{r['group_size']:>3} {r['mode']:<10} {r['dup_step_s']:>8.4f} {r['dedup_step_s']:>8.4f} "
             f"{r['speedup']:>8.2f} {r['encoder_share']:>5.2f} {r['amdahl_bound']:>6.2f} {r['speedup_over_bound']:>6.2f} "
-            f"{r['encoder_flop_ratio']:>9.2f} {rss_d:>8} {rss_s:>8} {st_d:>9} {st_s:>9}"
+            f"{r['encoder_flop_ratio']:>9.2f} {rss_d:>8} {rss_s:>8} {st_d:>9} {st_s:>9} "
+            f"{r['encoder_scaling']:>8.2f} {r['measured_bound']:>7.2f} {r['speedup_over_measured_bound']:>6.2f} "
+            f"{r['overhead_s'] * 1e3:>7.2f}"
         )
     return "\n".join(lines)
 

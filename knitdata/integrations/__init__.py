@@ -1,1 +1,1 @@
-"""Integrations with trainers and formats (Accelerate, webdataset)."""
+"""Integrations with trainers, models and formats (Accelerate, Hugging Face transformers, webdataset)."""
