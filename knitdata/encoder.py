@@ -108,7 +108,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from knitdata.errors import ConfigError, StateError
-from knitdata.multimodal import MediaTable, MultimodalBatch, _segment_rows
+from knitdata.multimodal import MediaTable, MultimodalBatch, segment_rows
 
 __all__ = ["MODES", "SharedEncoding", "SharedMiniBatch", "grad_sync", "check_independence", "default_call"]
 
@@ -214,7 +214,7 @@ def check_independence(
             for li, leaf in enumerate(whole.leaves):
                 if leaf is None:
                     continue
-                a = leaf[_segment_rows(whole.offsets[li], torch.tensor([u]))]
+                a = leaf[segment_rows(whole.offsets[li], torch.tensor([u]))]
                 b = alone.leaves[li]
                 diff = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
                 worst = max(worst, diff)
@@ -276,7 +276,7 @@ class _Layout:
             if leaf is None:
                 flat.append(next(it))
                 continue
-            rows = leaf[_segment_rows(off, items.to(off.device))]  # type: ignore[arg-type]
+            rows = leaf[segment_rows(off, items.to(off.device))]  # type: ignore[arg-type]
             if how == "leaf":
                 rows = rows.detach()
                 if trainable and (rows.is_floating_point() or rows.is_complex()):
@@ -285,7 +285,7 @@ class _Layout:
         return pytree.tree_unflatten(flat, self.spec)
 
     def row_index(self, items: torch.Tensor) -> list[torch.Tensor | None]:
-        return [None if off is None else _segment_rows(off, items.to(off.device)) for off in self.offsets]
+        return [None if off is None else segment_rows(off, items.to(off.device)) for off in self.offsets]
 
 
 @dataclass

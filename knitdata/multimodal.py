@@ -30,14 +30,22 @@ from knitdata.errors import MediaError
 from knitdata.media import MediaProcessor, ProcessedMedia, processed_digest, provenance_key
 from knitdata.record import Trajectory
 
-__all__ = ["MediaTable", "MediaOccurrences", "MultimodalBatch", "MultimodalCollator", "KEY_MODES"]
+__all__ = ["MediaTable", "MediaOccurrences", "MultimodalBatch", "MultimodalCollator", "KEY_MODES", "segment_rows"]
 
 #: How media items are keyed: by ``(group, media index)`` or by a digest of the processed encoder input.
 KEY_MODES: tuple[str, ...] = ("digest", "provenance")
 
 
-def _segment_rows(offsets: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
-    """Rows of the packed values covered by ``items`` (in order, duplicates repeated)."""
+def segment_rows(offsets: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
+    """Rows of the packed values covered by ``items`` (in order, duplicates repeated).
+
+    Args:
+        offsets: ``(num_items + 1,)`` row offsets of a packed table (:attr:`MediaTable.offsets`).
+        items: Item indices.
+
+    Returns:
+        The row indices, item after item.
+    """
     if items.numel() == 0:
         return torch.zeros(0, dtype=torch.long, device=offsets.device)
     starts = offsets[items]
@@ -101,7 +109,7 @@ class MediaTable:
             A new table (values copied).
         """
         idx = torch.as_tensor(items, dtype=torch.long, device=self.offsets.device).reshape(-1)
-        rows = _segment_rows(self.offsets, idx)
+        rows = segment_rows(self.offsets, idx)
         lengths = self.offsets[idx + 1] - self.offsets[idx]
         offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=self.offsets.device), torch.cumsum(lengths, 0)])
         rates = None if self.sample_rates is None else self.sample_rates[idx]
