@@ -579,6 +579,7 @@ def run_soak(cfg: SoakConfig, *, progress: bool = True, engine_options: dict[str
         "store_put_wait_s": sum(u["put_wait_s"] for u in stats["units"].values()),
         "held_at_end": stats["held_trajectories"],
         "coordinator_restarts": restarts[0],
+        "loadavg": list(os.getloadavg()),
         "config": asdict(cfg),
         "timeline_columns": ["t_s", "store_used_bytes", "rss_bytes", "put", "committed"],
         "timeline": timeline,
