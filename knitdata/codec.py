@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from knitdata.errors import CodecError, KnitdataError
+from knitdata.errors import CodecError, ValidationError
 from knitdata.record import MediaItem, Trajectory
 
 __all__ = [
@@ -357,7 +357,7 @@ def decode_trajectory(buf: bytes | bytearray | memoryview, *, copy: bool | None 
             media=media,
         )
     except (KeyError, TypeError, ValueError) as e:  # defence in depth: the checks above should catch these
-        if isinstance(e, KnitdataError):
+        if isinstance(e, ValidationError):
             raise
         raise CodecError(f"trajectory record is missing or mistypes a field: {e!r}") from e
 

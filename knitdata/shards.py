@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from knitdata.errors import CodecError, ConfigError, FieldTypeError, KnitdataError, StateError, ValidationError
+from knitdata.errors import CodecError, ConfigError, FieldTypeError, StateError, ValidationError
 from knitdata.record import MediaItem, Trajectory
 
 __all__ = [
@@ -522,8 +522,6 @@ def decode_sample(
     except CodecError:
         raise
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # defence in depth, after the checks
-        if isinstance(e, KnitdataError):
-            raise
         raise CodecError(
             f"{loc}: header is missing or mistypes a field, or decodes to an invalid trajectory: {e}"
         ) from e
