@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "loader": ("knitdata.bench.loader", "loader overhead vs a plain torch DataLoader, and memcpy bandwidth"),
     "placement": ("knitdata.bench.placement", "cross-node bytes: consumer-aware placement vs index-mod-units (Ray)"),
     "soak": ("knitdata.bench.soak", "sustained load: throughput, memory high-water, lost/duplicated"),
+    "control": ("knitdata.bench.control", "control-plane throughput, put latency, commit cost; --scale: planning at cluster scale"),
 }
 
 

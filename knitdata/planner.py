@@ -42,6 +42,7 @@ _GROUP = operator.attrgetter("group")
 _TOKENS = operator.attrgetter("num_tokens")
 _NBYTES = operator.attrgetter("nbytes")
 _SEQ = operator.attrgetter("seq")
+_SEQ_ID = operator.attrgetter("seq", "id")
 _ID = operator.attrgetter("id")
 _LOCATION = operator.attrgetter("location")
 
@@ -342,23 +343,16 @@ class Planner:
         for i, r in enumerate(unit_rank):
             units_of[r].append(i)
         presorted = all(map(operator.lt, seqs, seqs[1:]))  # laid out in (seq, id) order already
-        if presorted or len(set(seqs)) == total_n:
-            key: Callable[[int], Any] = seqs.__getitem__
-        else:
-            key = lambda j: (seqs[j], lay[j].id)  # noqa: E731
+        key = _SEQ if presorted or len(set(seqs)) == total_n else _SEQ_ID
         shares: list[Sequence[TrajectoryMeta]] = []
         for us in units_of:
             if not us:
                 shares.append(())
-            elif len(us) == 1 and presorted:
-                shares.append(lay[starts[us[0]] : stops[us[0]]])
+            elif len(us) == 1:
+                a, b = starts[us[0]], stops[us[0]]
+                shares.append(lay[a:b] if presorted else sorted(lay[a:b], key=key))
             else:
-                pos = [j for i in us for j in range(starts[i], stops[i])]
-                if presorted:
-                    pos.sort()
-                else:
-                    pos.sort(key=key)
-                shares.append([lay[j] for j in pos])
+                shares.append(sorted(chain.from_iterable(lay[starts[i] : stops[i]] for i in us), key=key))
         return shares, loads, local, remote, tokens
 
     # ------------------------------------------------------------------ micro-batches

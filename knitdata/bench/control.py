@@ -57,23 +57,36 @@ def make_admitted(n_traj: int, group_size: int, nodes: list[str], seed: int = 0)
         group_size: Members per group.
         nodes: Node names; a group's payloads sit on one of them (every tenth group on two).
         seed: Random seed.
+
+    Returns:
+        An admitted-mini-batch-like object (``train_batch``, ``index``, ``step``, ``trajectories``): whole
+        groups in completion order, each trajectory's ``seq`` its arrival rank (groups interleave).
     """
     from knitdata.record import TrajectoryMeta
 
     rng = random.Random(seed)
-    metas = []
     n_groups = max(1, n_traj // group_size)
+    # arrival: a group's rollouts start together and finish after their own generation time, so the
+    # members of concurrent groups interleave; seq is the arrival rank; admission emits whole groups in
+    # the order they complete
+    arrivals = []
     for g in range(n_groups):
+        start = rng.uniform(0.0, n_groups / 100.0)
+        arrivals.extend((start + rng.expovariate(1.0), g, k) for k in range(group_size))
+    arrivals.sort()
+    seq_of = {(g, k): s for s, (_t, g, k) in enumerate(arrivals)}
+    done = {g: t for t, g, _k in arrivals}  # the last arrival of each group
+    metas = []
+    for g in sorted(range(n_groups), key=done.__getitem__):
         home = rng.randrange(len(nodes))
         other = rng.randrange(len(nodes))
         prompt = rng.randint(128, 2048)
         for k in range(group_size):
-            i = g * group_size + k
             tokens = min(16_384, prompt + int(rng.lognormvariate(7.0, 0.8)))
             node = nodes[other] if (g % 10 == 9 and k % 2) else nodes[home]
             metas.append(TrajectoryMeta(
-                id=f"t{i}", source=("math", "code")[g % 2], group=f"g{g}", num_tokens=tokens,
-                nbytes=12 * tokens, location=node, seq=i,
+                id=f"t{g * group_size + k}", source=("math", "code")[g % 2], group=f"g{g}", num_tokens=tokens,
+                nbytes=12 * tokens, location=node, seq=seq_of[(g, k)],
             ))
     return _Admitted(train_batch=0, index=0, step=0, trajectories=tuple(metas))
 
