@@ -356,56 +356,59 @@ class Planner:
         return shares, loads, local, remote, tokens
 
     # ------------------------------------------------------------------ micro-batches
-    def _bins(self, share: list[TrajectoryMeta], k: int) -> list[list[TrajectoryMeta]]:
-        """Cut one share (in ``(seq, id)`` order) into micro-batches: first-fit decreasing, else LPT into ``k``.
+    def _first_fit(self, share: Sequence[TrajectoryMeta]) -> tuple[list[int], list[int], list[list[int]]]:
+        """First-fit decreasing of one share (in ``(seq, id)`` order): ``(tokens, order, bins of positions)``.
 
         Works on positions in the share: a stable sort by decreasing tokens of a share in ``(seq, id)`` order
-        is the ``(-tokens, seq, id)`` order, and sorting positions restores ``(seq, id)`` order in a bin.
+        is the ``(-tokens, seq, id)`` order (``reverse=True`` keeps equal keys in their original order).
         """
         budget = self.token_budget
-        tok = [m.num_tokens for m in share]
+        tok = list(map(_TOKENS, share))
         order = sorted(range(len(share)), key=tok.__getitem__, reverse=True)
-        # reverse=True keeps equal keys in their original order (sort stability), as a key of -tokens would
         bins: list[list[int]] = []
         sizes: list[int] = []
+        # bins before `lo` cannot take even the smallest trajectory: first fit never looks at them again
+        least = tok[order[-1]] if order else 0
+        lo = 0
         for j in order:
             t = tok[j]
-            for b, size in enumerate(sizes):
-                if size + t <= budget:
+            room = budget - t
+            for b in range(lo, len(sizes)):
+                if sizes[b] <= room:
                     bins[b].append(j)
-                    sizes[b] = size + t
+                    sizes[b] += t
+                    if b == lo:
+                        while lo < len(sizes) and budget - sizes[lo] < least:
+                            lo += 1
                     break
             else:
                 bins.append([j])
                 sizes.append(t)
+                while lo < len(sizes) and budget - sizes[lo] < least:
+                    lo += 1
+        return tok, order, bins
+
+    def _cut(
+        self, share: Sequence[TrajectoryMeta], k: int, ffd: tuple[list[int], list[int], list[list[int]]]
+    ) -> list[Sequence[TrajectoryMeta]]:
+        """Micro-batches of one share: its first-fit bins, or LPT into ``k`` bins when that fits the budget."""
+        tok, order, bins = ffd
         if len(bins) < k and len(share) > len(bins):
             kk = min(k, len(share))
             lpt: list[list[int]] = [[] for _ in range(kk)]
-            lsizes = [0] * kk
+            heap = [(0, b) for b in range(kk)]  # (size, bin): least size, then lowest bin, as a linear min
             for j in order:
-                b = min(range(kk), key=lambda x: (lsizes[x], x))
+                size, b = heap[0]
                 lpt[b].append(j)
-                lsizes[b] += tok[j]
-            if max(lsizes) <= max(budget, max(tok)):
+                heapq.heapreplace(heap, (size + tok[j], b))
+            if max(size for size, _b in heap) <= max(self.token_budget, max(tok)):
                 bins = [b for b in lpt if b]
         if len(bins) == 1:
-            return [share] + [[] for _ in range(k - 1)]
+            return [share] + [() for _ in range(k - 1)]
         for b in bins:
-            b.sort()
-        bins.sort()
-        return [[share[j] for j in b] for b in bins] + [[] for _ in range(k - len(bins))]
-
-    def _num_ffd_bins(self, share: list[TrajectoryMeta]) -> int:
-        budget = self.token_budget
-        sizes: list[int] = []
-        for t in sorted((m.num_tokens for m in share), reverse=True):
-            for b, size in enumerate(sizes):
-                if size + t <= budget:
-                    sizes[b] = size + t
-                    break
-            else:
-                sizes.append(t)
-        return len(sizes)
+            b.sort()  # positions: back to (seq, id) order
+        bins.sort()  # by first position: micro-batches in (seq, id) order of their first trajectory
+        return [[share[j] for j in b] for b in bins] + [() for _ in range(k - len(bins))]
 
     def plan(self, admitted: AdmittedLike, loss_tokens: Mapping[str, int] | None = None) -> MiniBatchPlan:
         """Plan one admitted mini-batch.
@@ -439,13 +442,13 @@ class Planner:
         if min(tokens, default=0) < 0:  # not token counts: no shortcut
             budget = -1
         k = 1
-        many_bins: dict[int, int] = {}
+        ffds: dict[int, tuple[list[int], list[int], list[list[int]]]] = {}
         for rank, load in enumerate(loads):
             if load > budget and len(shares[rank]) > 1:
-                nb = self._num_ffd_bins(shares[rank])
-                if nb > 1:
-                    many_bins[rank] = nb
-                    k = max(k, nb)
+                ffd = self._first_fit(shares[rank])
+                if len(ffd[2]) > 1:
+                    ffds[rank] = ffd
+                    k = max(k, len(ffd[2]))
         global_tokens = sum(tokens)
         global_loss = sum(int(loss_tokens.get(i, 0)) for i in ids) if loss_tokens else 0
         common = {
@@ -466,10 +469,11 @@ class Planner:
             for rank, share in enumerate(shares):
                 if not share:
                     rows.append(tuple(make(rank, i, ()) for i in range(k)))
-                elif rank not in many_bins and len(share) == 1:
+                elif len(share) == 1:
                     rows.append((make(rank, 0, share), *(make(rank, i, ()) for i in range(1, k))))
                 else:
-                    rows.append(tuple(make(rank, i, b) for i, b in enumerate(self._bins(share, k))))
+                    ffd = ffds.get(rank) or self._first_fit(share)
+                    rows.append(tuple(make(rank, i, b) for i, b in enumerate(self._cut(share, k, ffd))))
         return MiniBatchPlan(
             train_batch=admitted.train_batch,
             minibatch=admitted.step,
