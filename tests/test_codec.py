@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+import sys
 import zlib
 
 import pytest
@@ -11,7 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from knitdata.codec import (
+sys.path.insert(0, os.path.dirname(__file__))
+
+from knitdata.codec import (  # noqa: E402
     FORMAT_VERSION,
     MAGIC,
     decode_tensors,
@@ -21,8 +25,8 @@ from knitdata.codec import (
     iter_records,
     record_length,
 )
-from knitdata.errors import CodecError, KnitdataError
-from knitdata.record import MediaItem, Trajectory
+from knitdata.errors import CodecError, KnitdataError  # noqa: E402
+from knitdata.record import MediaItem, Trajectory  # noqa: E402
 
 DTYPES = [
     torch.bool,
@@ -277,7 +281,7 @@ def _decode_outcome(buf: bytearray) -> str:
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(trajectories(), st.data())
 def test_structure_fuzz_valid_checksum_only_raises_knitdata_errors(traj: Trajectory, data) -> None:
-    from tests._fuzz_helpers import mutate
+    from _fuzz_helpers import mutate
 
     header, body = _split(encode_trajectory(traj))
     mutated, how = mutate(data, header)
