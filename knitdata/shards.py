@@ -1047,7 +1047,7 @@ def read_admitted_batches(
         if not cur:
             return
         first = cur[0][0]
-        ok = [i.position for i, _ in cur] == list(range(first.size))
+        ok = len(cur) == first.size and all(i.position == p for p, (i, _t) in enumerate(cur))
         if not ok:
             _handle(on_error, CodecError(f"mini-batch at step {first.step} is incomplete or out of order"))
         else:
@@ -1062,13 +1062,11 @@ def read_admitted_batches(
                 CodecError(f"sample {traj.id!r} has no replay information; write it with write_admitted_batches"),
             )
             continue
-        try:
-            info = ReplayInfo(
-                int(r["train_batch"]), int(r["minibatch"]), int(r["step"]), int(r["position"]), int(r["size"])
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            _handle(on_error, CodecError(f"sample {traj.id!r}: bad replay information {r!r}: {e}"))
+        fields = [r.get(k) for k in ("train_batch", "minibatch", "step", "position", "size")]
+        if not all(_is_count(v) for v in fields) or fields[3] >= fields[4]:
+            _handle(on_error, CodecError(f"sample {traj.id!r}: bad replay information {r!r:.300}"))
             continue
+        info = ReplayInfo(*fields)
         if cur and cur[0][0].step != info.step:
             yield from flush()
         cur.append((info, traj))

@@ -616,3 +616,52 @@ def test_crafted_empty_npy_with_huge_dims_is_refused(shape) -> None:
     header["fields"][0].update(shape=list(shape), dtype="int64")
     with pytest.raises(CodecError):
         decode_sample(t.id, _reframe_sample(header, members))
+
+
+def _replay_shard(path: str, replays: list) -> None:
+    """A shard of len(replays) samples whose replay information is crafted (valid CRC32s)."""
+    members = []
+    for i, replay in enumerate(replays):
+        t = make_traj(20 + i, media=False)
+        header, raw = _split_sample(t)
+        header["replay"] = replay
+        framed = _reframe_sample(header, raw)
+        members += [(f"{t.id}.{k}", bytes(v)) for k, v in sorted(framed.items())]
+    _write_raw_tar(path, members)
+
+
+_GOOD = {"train_batch": 0, "minibatch": 0, "step": 0, "position": 0, "size": 1}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {**_GOOD, "size": float("inf")},
+        {**_GOOD, "size": 10**18},  # would build a list of 10**18 positions
+        {**_GOOD, "position": -1},
+        {**_GOOD, "position": 1},
+        {**_GOOD, "step": True},
+        {**_GOOD, "step": "0"},
+        {**_GOOD, "minibatch": None},
+        {k: v for k, v in _GOOD.items() if k != "size"},
+        [0, 0, 0, 0, 1],
+    ],
+)
+def test_crafted_replay_information_raises_codec_error(tmp_path, bad) -> None:
+    path = str(tmp_path / "r.tar")
+    _replay_shard(path, [bad])
+    with pytest.raises(CodecError):
+        list(read_admitted_batches(path))
+    with pytest.warns(RuntimeWarning):
+        assert list(read_admitted_batches(path, on_error="skip")) == []
+
+
+def test_replay_size_larger_than_the_batch_is_incomplete(tmp_path) -> None:
+    path = str(tmp_path / "r.tar")
+    _replay_shard(path, [{**_GOOD, "size": 3}, {**_GOOD, "position": 1, "size": 3}])
+    with pytest.raises(CodecError, match="incomplete"):
+        list(read_admitted_batches(path))
+    ok = str(tmp_path / "ok.tar")
+    _replay_shard(ok, [{**_GOOD, "size": 2}, {**_GOOD, "position": 1, "size": 2}])
+    ((info, trajs),) = list(read_admitted_batches(ok))
+    assert info.size == 2 and len(trajs) == 2
