@@ -1244,8 +1244,11 @@ class ShardDataset(IterableDataset):
                 )
         _f, count, _w = self._my_indices()
         y = state.get("yielded")
-        if not isinstance(y, int) or not 0 <= y <= count:
-            raise StateError(f"bad 'yielded' {y!r} (this worker has {count} samples per epoch)")
-        self._epoch = int(state.get("epoch", 0))
+        if not _is_count(y) or y > count:
+            raise StateError(f"bad 'yielded' {y!r:.80} (this worker has {count} samples per epoch)")
+        epoch = state.get("epoch", 0)
+        if not _is_count(epoch):
+            raise StateError(f"bad 'epoch' {epoch!r:.80}: expected a non-negative int")
+        self._epoch = epoch
         self._yielded = y
         self._resume = y

@@ -665,3 +665,22 @@ def test_replay_size_larger_than_the_batch_is_incomplete(tmp_path) -> None:
     _replay_shard(ok, [{**_GOOD, "size": 2}, {**_GOOD, "position": 1, "size": 2}])
     ((info, trajs),) = list(read_admitted_batches(ok))
     assert info.size == 2 and len(trajs) == 2
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_structure_fuzz_loader_states_only_raise_state_errors(ten, data) -> None:
+    from _fuzz_helpers import mutate
+
+    _ids, paths = ten
+    ds = ShardDataset(paths, rank=0, world_size=1)
+    it = iter(ds)
+    next(it)
+    state, how = mutate(data, json.loads(json.dumps(ds.state_dict())))
+    fresh = ShardDataset(paths, rank=0, world_size=1)
+    try:
+        fresh.load_state_dict(state)
+    except StateError:
+        return
+    got = [t.id for t in fresh]  # an accepted state resumes cleanly
+    assert len(got) <= 10, how
