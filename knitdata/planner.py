@@ -16,6 +16,11 @@ first-fit decreasing. ``K`` is the largest count over consumers (at least 1); a 
 rebalanced into ``K`` bins when that stays within the budget, and padded with explicit empty
 micro-batches otherwise, so every consumer runs exactly ``K`` micro-batches per mini-batch. A single
 trajectory larger than the budget gets a micro-batch of its own.
+
+Cost. The least-loaded searches run on heaps (one over all consumers, one per node, lazily invalidated),
+so a unit costs O(log consumers), and per-trajectory work is done in C-level passes: one mini-batch of
+64,000 trajectories over 8,000 consumers plans in about a hundred milliseconds (``knitdata bench control
+--scale``). The choices, tie-breaking included (least load, then lowest rank), are those of a linear search.
 """
 
 from __future__ import annotations
