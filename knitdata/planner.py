@@ -19,7 +19,7 @@ trajectory larger than the budget gets a micro-batch of its own.
 
 Cost. The least-loaded searches run on heaps (one over all consumers, one per node, lazily invalidated),
 so a unit costs O(log consumers), and per-trajectory work is done in C-level passes: one mini-batch of
-64,000 trajectories over 8,000 consumers plans in about a hundred milliseconds (``knitdata bench control
+64,000 trajectories over 8,000 consumers plans in about 150 ms on a shared 2-core machine (``knitdata bench control
 --scale``). The choices, tie-breaking included (least load, then lowest rank), are those of a linear search.
 """
 
