@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "soak": ("knitdata.bench.soak", "sustained load: throughput, memory high-water, lost/duplicated"),
     "learning": ("knitdata.bench.learning", "held-out reward per step of a small RL task trained through knitdata, per admission"),
     "vlm": ("knitdata.bench.vlm", "shared encoding on Qwen2.5-VL / Qwen2-Audio: model's own path vs fold/leaf/recompute"),
+    "control": ("knitdata.bench.control", "control-plane throughput, put latency, commit cost; --scale: planning at cluster scale"),
 }
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from knitdata.errors import CodecError
+from knitdata.errors import CodecError, ValidationError
 from knitdata.record import MediaItem, Trajectory
 
 __all__ = [
@@ -70,6 +70,9 @@ _DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
 }
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in _DTYPES.items()}
+_MAX_DIMS = 64  # torch's limit on dimensions
+_MAX_ELEMENTS = 2**62  # stays clear of int64 overflow in stride and size computations
 _BYTES = "bytes"  # pseudo dtype for raw byte strings
 
 
@@ -207,24 +210,7 @@ def decode_tensors(
     specs = header["buffers"]
     checked: list[tuple[str, str, list[int], int, int]] = []
     for name, spec in specs.items():
-        if not isinstance(spec, dict):
-            raise CodecError(f"buffer {name!r}: bad description {spec!r}")
-        dtype_name, shape, offset, nbytes = spec.get("dtype"), spec.get("shape"), spec.get("offset"), spec.get("nbytes")
-        if dtype_name != _BYTES and dtype_name not in _DTYPES:
-            raise CodecError(f"buffer {name!r}: unsupported dtype {dtype_name!r}")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
-            raise CodecError(f"buffer {name!r}: bad shape {shape!r}")
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (offset, nbytes)):
-            raise CodecError(f"buffer {name!r}: bad offset/nbytes {offset!r}/{nbytes!r}")
-        itemsize = 1 if dtype_name == _BYTES else torch.empty((), dtype=_DTYPES[dtype_name]).element_size()
-        if math.prod(shape) * itemsize != nbytes:
-            raise CodecError(f"buffer {name!r}: shape {shape} and dtype {dtype_name} do not match {nbytes} bytes")
-        if data_start + offset + nbytes > data_end:
-            raise CodecError(
-                f"buffer {name!r}: [{offset}, {offset + nbytes}) exceeds the record's data section "
-                f"of {data_end - data_start} bytes"
-            )
-        checked.append((name, dtype_name, shape, offset, nbytes))
+        checked.append(_check_spec(name, spec, data_end - data_start))
     if copy or (copy is None and mv.readonly):
         mv = memoryview(bytearray(mv))
     elif mv.readonly:
@@ -235,6 +221,37 @@ def decode_tensors(
             warnings.simplefilter("ignore", UserWarning)
             return header.get("meta"), _materialize(mv, checked, data_start)
     return header.get("meta"), _materialize(mv, checked, data_start)
+
+
+def _is_count(x: Any) -> bool:
+    return type(x) is int and x >= 0  # JSON ints only: no bool, no float
+
+
+def _check_spec(name: str, spec: Any, data_bytes: int) -> tuple[str, str, list[int], int, int]:
+    """Validate one buffer description (structure and bounds; never touches the data)."""
+    if not isinstance(spec, dict):
+        raise CodecError(f"buffer {name!r}: bad description {spec!r:.200}")
+    dtype_name, shape, offset, nbytes = spec.get("dtype"), spec.get("shape"), spec.get("offset"), spec.get("nbytes")
+    if not isinstance(dtype_name, str) or (dtype_name != _BYTES and dtype_name not in _DTYPES):
+        raise CodecError(f"buffer {name!r}: unsupported dtype {dtype_name!r:.200}")
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_count(s) for s in shape):
+        raise CodecError(f"buffer {name!r}: bad shape {shape!r:.200}")
+    if dtype_name == _BYTES and len(shape) != 1:
+        raise CodecError(f"buffer {name!r}: a bytes buffer has a 1-D shape, got {shape!r:.200}")
+    if not (_is_count(offset) and _is_count(nbytes)):
+        raise CodecError(f"buffer {name!r}: bad offset/nbytes {offset!r:.100}/{nbytes!r:.100}")
+    if offset % _ALIGN:
+        raise CodecError(f"buffer {name!r}: offset {offset} is not {_ALIGN}-byte aligned")
+    itemsize = 1 if dtype_name == _BYTES else _ITEMSIZE[dtype_name]
+    if math.prod(shape) * itemsize != nbytes:
+        raise CodecError(f"buffer {name!r}: shape {shape} and dtype {dtype_name} do not match {nbytes} bytes")
+    if math.prod(s for s in shape if s) > _MAX_ELEMENTS:  # an empty tensor's other dims stay addressable
+        raise CodecError(f"buffer {name!r}: shape {shape} is beyond what a tensor can address")
+    if offset + nbytes > data_bytes:
+        raise CodecError(
+            f"buffer {name!r}: [{offset}, {offset + nbytes}) exceeds the record's data section of {data_bytes} bytes"
+        )
+    return name, dtype_name, shape, offset, nbytes
 
 
 def _materialize(
@@ -317,11 +334,10 @@ def decode_trajectory(buf: bytes | bytearray | memoryview, *, copy: bool | None 
         ValidationError: If it decodes to an invalid trajectory.
     """
     meta, values = decode_tensors(buf, copy=copy)
-    if not isinstance(meta, dict) or meta.get("type") != "trajectory":
-        raise CodecError("record does not hold a trajectory")
+    media_specs, tensor_names = _check_trajectory_meta(meta, values)
     try:
         media = []
-        for i, m in enumerate(meta["media"]):
+        for i, m in enumerate(media_specs):
             v = values[f"m/{i}"]
             if m["encoded"]:
                 media.append(MediaItem(m["kind"], data=v, sample_rate=m["sample_rate"], digest=m["digest"]))  # type: ignore[arg-type]
@@ -337,8 +353,64 @@ def decode_trajectory(buf: bytes | bytearray | memoryview, *, copy: bool | None 
             loss_mask=values.get("loss_mask"),  # type: ignore[arg-type]
             token_versions=values.get("token_versions"),  # type: ignore[arg-type]
             scalars=dict(meta["scalars"]),
-            tensors={k: values[f"t/{k}"] for k in meta["tensors"]},  # type: ignore[misc]
+            tensors={k: values[f"t/{k}"] for k in tensor_names},  # type: ignore[misc]
             media=media,
         )
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, ValueError) as e:  # defence in depth: the checks above should catch these
+        if isinstance(e, ValidationError):
+            raise
         raise CodecError(f"trajectory record is missing or mistypes a field: {e!r}") from e
+
+
+_TRAJ_FIELDS = ("id", "source", "group")
+_FIXED_BUFFERS = ("prompt_ids", "response_ids", "loss_mask", "token_versions")
+
+
+def _check_trajectory_meta(meta: Any, values: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Validate the structure of a trajectory record's metadata against its buffers (header only).
+
+    Returns:
+        ``(media descriptions, extra tensor names)``, both checked.
+    """
+    if not isinstance(meta, dict) or meta.get("type") != "trajectory":
+        raise CodecError("record does not hold a trajectory")
+    tid = meta.get("id")
+    where = f"trajectory record {tid!r:.80}"
+    for k in _TRAJ_FIELDS:
+        if not isinstance(meta.get(k), str):
+            raise CodecError(f"{where}: field {k!r} must be a string, got {meta.get(k)!r:.80}")
+    if not _is_count(meta.get("gen_version")):
+        raise CodecError(f"{where}: field 'gen_version' must be a non-negative int, got {meta.get('gen_version')!r:.80}")
+    scalars = meta.get("scalars")
+    if not isinstance(scalars, dict) or not all(
+        type(v) in (int, float) for v in scalars.values()
+    ):
+        raise CodecError(f"{where}: field 'scalars' must map names to numbers, got {scalars!r:.200}")
+    names = meta.get("tensors")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CodecError(f"{where}: field 'tensors' must be a list of names, got {names!r:.200}")
+    media = meta.get("media")
+    if not isinstance(media, list):
+        raise CodecError(f"{where}: field 'media' must be a list, got {media!r:.200}")
+    for i, m in enumerate(media):
+        if not isinstance(m, dict):
+            raise CodecError(f"{where}: media {i}: bad description {m!r:.200}")
+        kind, digest, rate, encoded = m.get("kind"), m.get("digest"), m.get("sample_rate"), m.get("encoded")
+        if not isinstance(kind, str) or not isinstance(digest, str) or not isinstance(encoded, bool):
+            raise CodecError(f"{where}: media {i}: bad kind/digest/encoded {kind!r:.40}/{digest!r:.60}/{encoded!r:.20}")
+        if rate is not None and type(rate) is not int:
+            raise CodecError(f"{where}: media {i}: sample_rate must be an int or null, got {rate!r:.40}")
+        value = values.get(f"m/{i}")
+        if encoded != isinstance(value, bytes):
+            raise CodecError(f"{where}: media {i}: its buffer is missing or not {'bytes' if encoded else 'a tensor'}")
+    known = set(_FIXED_BUFFERS) | {f"t/{n}" for n in names} | {f"m/{i}" for i in range(len(media))}
+    for name in values:
+        if name not in known:
+            raise CodecError(f"{where}: buffer {name!r:.80} is not described by the metadata")
+    for name in ("prompt_ids", "response_ids"):
+        if name not in values:
+            raise CodecError(f"{where}: buffer {name!r} is missing")
+    for n in names:
+        if f"t/{n}" not in values:
+            raise CodecError(f"{where}: buffer for tensor {n!r:.80} is missing")
+    return media, names

@@ -102,6 +102,9 @@ _NPY_MAGIC = b"\x93NUMPY"
 _JSON_CRC = b',"json_crc32":'
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _RESERVED = ("prompt_ids", "response_ids", "loss_mask", "token_versions")
+_INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+_MAX_DIMS = 64  # torch's limit on dimensions
+_MAX_ELEMENTS = 2**62  # stays clear of int64 overflow in stride and size computations
 
 
 def _npy_header(dtype: np.dtype, shape: Sequence[int]) -> bytes:
@@ -187,6 +190,10 @@ def _npy_to_tensor(buf: memoryview, dtype_name: str, shape: Sequence[int], where
         npshape, fortran, npdtype, start = fast
     else:
         npshape, fortran, npdtype, start = _parse_npy_header(buf, where)
+    if not isinstance(npdtype, np.dtype) or len(npshape) > _MAX_DIMS or not all(_is_count(s) for s in npshape):
+        raise CodecError(f"{where}: bad .npy shape {npshape!r:.200}")
+    if math.prod(s for s in npshape if s) > _MAX_ELEMENTS:
+        raise CodecError(f"{where}: .npy shape {npshape!r:.200} is beyond what a tensor can address")
     if npdtype.hasobject:
         raise CodecError(f"{where}: .npy holds Python objects; refused (loading it would need pickle)")
     torch_dtype = _NPSTR_TO_TORCH.get(npdtype.str)
@@ -412,7 +419,9 @@ def decode_sample(
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CodecError(f"{loc}: JSON header is not valid: {e}") from e
     if verify and isinstance(header, dict):
-        members_crc = [v[1] for v in header.get("members", {}).values() if isinstance(v, list) and len(v) == 2]
+        listed = header.get("members")
+        listed = listed.values() if isinstance(listed, dict) else ()
+        members_crc = [v[1] for v in listed if isinstance(v, list) and len(v) == 2]
         if "json_crc32" in header:
             cut = raw.rfind(_JSON_CRC)
             if cut < 0 or zlib.crc32(raw[:cut]) != header["json_crc32"]:
@@ -439,8 +448,13 @@ def decode_sample(
     views: dict[str, memoryview] = {}
     for member, spec in manifest.items():
         mv = _as_mv(members[member])
-        if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[0], int)):
-            raise CodecError(f"{loc}: bad manifest entry for {member!r}: {spec!r}")
+        if not (
+            isinstance(spec, list)
+            and len(spec) == 2
+            and _is_count(spec[0])
+            and (spec[1] is None or _is_count(spec[1]))
+        ):
+            raise CodecError(f"{loc}: bad manifest entry for {member!r}: {spec!r:.200}")
         if len(mv) != spec[0]:
             raise CodecError(f"{loc}: member {member!r} has {len(mv)} bytes, the manifest says {spec[0]} (truncated?)")
         if verify and spec[1] is not None and zlib.crc32(mv) != spec[1]:
@@ -452,11 +466,16 @@ def decode_sample(
             raise CodecError(f"{loc}: {what}: bad or unlisted member {spec!r}")
         if not spec["member"].endswith(".npy"):
             raise CodecError(f"{loc}: {what}: tensors must be .npy members, got {spec['member']!r}")
-        shape = spec.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-            raise CodecError(f"{loc}: {what}: bad shape {shape!r}")
-        return _npy_to_tensor(views[spec["member"]], str(spec.get("dtype")), shape, f"{loc}, member {spec['member']!r}")
+        shape, dtype = spec.get("shape"), spec.get("dtype")
+        if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_count(s) for s in shape):
+            raise CodecError(f"{loc}: {what}: bad shape {shape!r:.200}")
+        if math.prod(s for s in shape if s) > _MAX_ELEMENTS:
+            raise CodecError(f"{loc}: {what}: shape {shape!r:.200} is beyond what a tensor can address")
+        if not isinstance(dtype, str):
+            raise CodecError(f"{loc}: {what}: bad dtype {dtype!r:.80}")
+        return _npy_to_tensor(views[spec["member"]], dtype, shape, f"{loc}, member {spec['member']!r}")
 
+    _check_sample_header(header, loc)
     try:
         values = {f["name"]: tensor(f, f"field {f.get('name')!r}") for f in header["fields"]}
         if set(values) - set(_RESERVED):
@@ -496,16 +515,80 @@ def decode_sample(
         if validate:
             traj = Trajectory(**fields)
         else:  # trusted: the same values a validated Trajectory was built from, CRC-checked
+            _check_trusted_fields(fields, loc)
             traj = object.__new__(Trajectory)
             for k, v in fields.items():
                 object.__setattr__(traj, k, v)
     except CodecError:
         raise
-    except (KeyError, TypeError, AttributeError, ValueError) as e:
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # defence in depth, after the checks
         raise CodecError(
             f"{loc}: header is missing or mistypes a field, or decodes to an invalid trajectory: {e}"
         ) from e
     return traj, header
+
+
+def _is_count(x: Any) -> bool:
+    return type(x) is int and x >= 0  # JSON ints only: no bool, no float
+
+
+def _finite(v: float) -> bool:
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int beyond the float range
+        return False
+
+
+def _check_sample_header(header: dict[str, Any], loc: str) -> None:
+    """Validate the structure of a sample's JSON header (types and shapes of every field; no data)."""
+    for k in ("source", "group"):
+        if not isinstance(header.get(k), str) or not header[k]:
+            raise CodecError(f"{loc}: header field {k!r} must be a non-empty string, got {header.get(k)!r:.80}")
+    if not _is_count(header.get("gen_version")):
+        raise CodecError(f"{loc}: header field 'gen_version' must be a non-negative int, got {header.get('gen_version')!r:.80}")
+    scalars = header.get("scalars")
+    if not isinstance(scalars, dict):
+        raise CodecError(f"{loc}: header field 'scalars' must be an object, got {scalars!r:.200}")
+    for k, v in scalars.items():
+        if not k or type(v) not in (int, float) or not _finite(v):
+            raise CodecError(f"{loc}: scalar {k!r:.80} must be a finite number under a non-empty name, got {v!r:.80}")
+    for k in ("fields", "tensors", "media"):
+        entries = header.get(k)
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise CodecError(f"{loc}: header field {k!r} must be a list of objects, got {entries!r:.200}")
+    names = [f.get("name") for f in header["fields"]]
+    if any(n not in _RESERVED for n in names) or len(set(names)) != len(names):
+        raise CodecError(f"{loc}: bad or repeated field names {names!r:.200} (known: {_RESERVED})")
+    if "prompt_ids" not in names or "response_ids" not in names:
+        raise CodecError(f"{loc}: header lacks prompt_ids or response_ids")
+    for t in header["tensors"]:
+        if not isinstance(t.get("name"), str) or not t["name"] or t["name"] in _RESERVED:
+            raise CodecError(f"{loc}: bad tensor name {t.get('name')!r:.80}")
+    for i, m in enumerate(header["media"]):
+        kind, digest, rate, member = m.get("kind"), m.get("digest"), m.get("sample_rate"), m.get("member")
+        if not isinstance(kind, str) or not isinstance(digest, str) or not isinstance(member, str):
+            raise CodecError(f"{loc}: media {i}: bad kind/digest/member {kind!r:.40}/{digest!r:.60}/{member!r:.60}")
+        if rate is not None and type(rate) is not int:
+            raise CodecError(f"{loc}: media {i}: sample_rate must be an int or null, got {rate!r:.40}")
+
+
+def _check_trusted_fields(fields: dict[str, Any], loc: str) -> None:
+    """What :meth:`Trajectory.validate` checks that the header and tensor metadata decide (no pass over data)."""
+    resp = fields["response_ids"]
+    n = resp.numel()
+    for name in _RESERVED:
+        t = fields[name]
+        if t is None:
+            continue
+        if t.dim() != 1 or (name != "loss_mask" and t.dtype not in _INT_DTYPES):
+            raise CodecError(f"{loc}: field {name!r}: expected a 1-D integer tensor, got {t.dtype} {tuple(t.shape)}")
+        if name in ("loss_mask", "token_versions") and t.numel() != n:
+            raise CodecError(f"{loc}: field {name!r}: length {t.numel()} does not match the response length {n}")
+    if n == 0:
+        raise CodecError(f"{loc}: field 'response_ids' must not be empty")
+    tv = fields["token_versions"]
+    if tv is not None and int(tv.min()) != fields["gen_version"]:
+        raise CodecError(f"{loc}: gen_version {fields['gen_version']} is not the oldest token version {int(tv.min())}")
 
 
 # ----------------------------------------------------------------------------------------- writing
@@ -964,7 +1047,7 @@ def read_admitted_batches(
         if not cur:
             return
         first = cur[0][0]
-        ok = [i.position for i, _ in cur] == list(range(first.size))
+        ok = len(cur) == first.size and all(i.position == p for p, (i, _t) in enumerate(cur))
         if not ok:
             _handle(on_error, CodecError(f"mini-batch at step {first.step} is incomplete or out of order"))
         else:
@@ -979,13 +1062,11 @@ def read_admitted_batches(
                 CodecError(f"sample {traj.id!r} has no replay information; write it with write_admitted_batches"),
             )
             continue
-        try:
-            info = ReplayInfo(
-                int(r["train_batch"]), int(r["minibatch"]), int(r["step"]), int(r["position"]), int(r["size"])
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            _handle(on_error, CodecError(f"sample {traj.id!r}: bad replay information {r!r}: {e}"))
+        fields = [r.get(k) for k in ("train_batch", "minibatch", "step", "position", "size")]
+        if not all(_is_count(v) for v in fields) or fields[3] >= fields[4]:
+            _handle(on_error, CodecError(f"sample {traj.id!r}: bad replay information {r!r:.300}"))
             continue
+        info = ReplayInfo(*fields)
         if cur and cur[0][0].step != info.step:
             yield from flush()
         cur.append((info, traj))
@@ -1163,8 +1244,11 @@ class ShardDataset(IterableDataset):
                 )
         _f, count, _w = self._my_indices()
         y = state.get("yielded")
-        if not isinstance(y, int) or not 0 <= y <= count:
-            raise StateError(f"bad 'yielded' {y!r} (this worker has {count} samples per epoch)")
-        self._epoch = int(state.get("epoch", 0))
+        if not _is_count(y) or y > count:
+            raise StateError(f"bad 'yielded' {y!r:.80} (this worker has {count} samples per epoch)")
+        epoch = state.get("epoch", 0)
+        if not _is_count(epoch):
+            raise StateError(f"bad 'epoch' {epoch!r:.80}: expected a non-negative int")
+        self._epoch = epoch
         self._yielded = y
         self._resume = y

@@ -27,7 +27,7 @@ from typing import Any
 
 from knitdata.errors import CodecError, ConfigError, StoreFull, ValidationError
 from knitdata.record import Trajectory
-from knitdata.shards import decode_sample, encode_sample, write_shards
+from knitdata.shards import MAX_JSON_BYTES, decode_sample, encode_sample, write_shards
 
 __all__ = ["SpillStore", "recover"]
 
@@ -35,6 +35,7 @@ _BLOCK = 512
 _EOA = 2 * _BLOCK  # tar end-of-archive marker
 _SHARD_RE = re.compile(r"^spill-(\d{6,})\.tar$")
 _LOG = "released.log"
+_DIGITS = re.compile(r"^[0-9]{1,20}$")  # ASCII only: str.isdigit() accepts digits int() refuses
 
 
 @dataclass
@@ -478,7 +479,7 @@ class SpillStore:
             with open(log_path, encoding="utf-8", errors="surrogateescape") as f:
                 for line in f:
                     parts = line.rstrip("\n").split(" ", 2)
-                    if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
+                    if len(parts) == 3 and _DIGITS.match(parts[0]) and _DIGITS.match(parts[1]):
                         released.add((int(parts[0]), int(parts[1]), parts[2]))
         for sid, name in names:
             store._recover_shard(sid, os.path.join(directory, name), released, verify=verify, repair=repair)
@@ -552,12 +553,18 @@ def _check_manifest(key: str, members: dict[str, tuple[int, int]], fd: int, star
     if "json" not in members:
         raise CodecError(f"shard {path!r}, sample {key!r}: no JSON header member")
     o, n = members["json"]
+    if n > MAX_JSON_BYTES:
+        raise CodecError(f"shard {path!r}, sample {key!r}: JSON header of {n} bytes exceeds {MAX_JSON_BYTES}")
     try:
         header = json.loads(bytes(_pread(fd, start + o, n)).decode("utf-8"))
-        manifest = header["members"]
-        bad = [m for m, spec in manifest.items() if m not in members or members[m][1] != spec[0]]
-    except (ValueError, KeyError, TypeError, IndexError) as e:
+    except ValueError as e:  # UnicodeDecodeError, JSONDecodeError
         raise CodecError(f"shard {path!r}, sample {key!r}: bad JSON header: {e}") from e
+    manifest = header.get("members") if isinstance(header, dict) else None
+    if not isinstance(manifest, dict) or not all(
+        isinstance(spec, list) and len(spec) == 2 and type(spec[0]) is int for spec in manifest.values()
+    ):
+        raise CodecError(f"shard {path!r}, sample {key!r}: bad JSON header: no valid member manifest")
+    bad = [m for m, spec in manifest.items() if m not in members or members[m][1] != spec[0]]
     if bad or header.get("id") != key:
         raise CodecError(f"shard {path!r}, sample {key!r}: incomplete sample, missing or short members {bad}")
 
@@ -574,13 +581,13 @@ def _scan(path: str) -> tuple[list[tuple[str, int, dict[str, tuple[int, int]]]],
     with open(path, "rb") as f:
         try:
             tf = tarfile.open(fileobj=f, mode="r:")
-        except tarfile.TarError as e:
+        except (tarfile.TarError, OSError, EOFError, ValueError) as e:
             return [], 0, f"not a readable tar: {e}"
         key, start, cur = None, 0, {}
         while True:
             try:
                 ti = tf.next()
-            except (tarfile.TarError, OSError) as e:
+            except (tarfile.TarError, OSError, EOFError, ValueError) as e:  # ValueError: defence in depth
                 problem = f"broken after byte {end}: {e}"
                 break
             tf.members = []

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
+import sys
 import zlib
 
 import pytest
@@ -11,7 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from knitdata.codec import (
+sys.path.insert(0, os.path.dirname(__file__))
+
+from knitdata.codec import (  # noqa: E402
     FORMAT_VERSION,
     MAGIC,
     decode_tensors,
@@ -21,8 +25,8 @@ from knitdata.codec import (
     iter_records,
     record_length,
 )
-from knitdata.errors import CodecError, KnitdataError
-from knitdata.record import MediaItem, Trajectory
+from knitdata.errors import CodecError, KnitdataError  # noqa: E402
+from knitdata.record import MediaItem, Trajectory  # noqa: E402
 
 DTYPES = [
     torch.bool,
@@ -175,7 +179,7 @@ def test_malformed_buffer_specs_are_refused(spec) -> None:
 def test_header_must_be_json_and_describe_a_trajectory() -> None:
     with pytest.raises(CodecError, match="does not hold a trajectory"):
         decode_trajectory(encode_tensors({"type": "other"}, {}))
-    with pytest.raises(CodecError, match="missing or mistypes"):
+    with pytest.raises(CodecError, match="field .id. must be a string"):
         decode_trajectory(encode_tensors({"type": "trajectory"}, {}))
     bad = bytearray(encode_tensors({"a": 1}, {}))
     bad[24] = ord("[")  # break the JSON, then fix the checksum so only the header is wrong
@@ -235,3 +239,142 @@ def test_iter_records_splits_concatenations() -> None:
     assert out == list(range(5))
     with pytest.raises(CodecError):
         list(iter_records(blob[:-3]))
+
+
+# ------------------------------------------------------------------------------------ structure fuzz
+
+
+def _split(buf: bytes | bytearray) -> tuple[dict, bytes]:
+    """A record's JSON header (decoded) and its data section (aligned buffers, without the CRC)."""
+    hlen = struct.unpack_from("<I", buf, 8)[0]
+    header = json.loads(bytes(buf[24 : 24 + hlen]))
+    data_start = (24 + hlen + 63) // 64 * 64
+    return header, bytes(buf[data_start : len(buf) - 4])
+
+
+def _reframe(header: object, data: bytes) -> bytearray:
+    """Frame ``header`` (any JSON value) and a data section into a record with valid lengths and CRC32."""
+    hdr = json.dumps(header).encode()  # NaN/Infinity allowed: json.loads reads them back
+    data_start = (24 + len(hdr) + 63) // 64 * 64
+    body = bytearray(data_start) + bytearray(data)
+    total = len(body) + 4
+    struct.pack_into("<4sHHIIQ", body, 0, MAGIC, FORMAT_VERSION, 0, len(hdr), 0, total)
+    body[24 : 24 + len(hdr)] = hdr
+    body += struct.pack("<I", zlib.crc32(body))
+    return body
+
+
+def _decode_outcome(buf: bytearray) -> str:
+    """``"ok"`` (a valid trajectory), ``"knitdata"`` (a KnitdataError) or the name of any other exception."""
+    try:
+        traj = decode_trajectory(buf)
+        traj.validate()
+        traj.meta()
+        encode_trajectory(traj)  # what decodes must encode again
+        return "ok"
+    except KnitdataError:
+        return "knitdata"
+    except Exception as e:  # noqa: BLE001 - the fuzz reports anything else
+        return f"{type(e).__name__}: {e}"
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(trajectories(), st.data())
+def test_structure_fuzz_valid_checksum_only_raises_knitdata_errors(traj: Trajectory, data) -> None:
+    from _fuzz_helpers import mutate
+
+    header, body = _split(encode_trajectory(traj))
+    mutated, how = mutate(data, header)
+    outcome = _decode_outcome(_reframe(mutated, body))
+    assert outcome in ("ok", "knitdata"), (how, outcome)
+
+
+_M0 = {"kind": "image", "digest": "d" * 32, "sample_rate": None, "encoded": True}
+
+
+def _crafted_base() -> tuple[dict, bytes]:
+    traj = Trajectory(
+        id="t0",
+        source="math",
+        group="g",
+        prompt_ids=torch.tensor([1, 2]),
+        response_ids=torch.tensor([3, 4, 5]),
+        scalars={"reward": 1.0},
+        tensors={"x": torch.zeros(2, 3)},
+        media=[MediaItem("image", data=b"\x89PNG....")],
+    )
+    return _split(encode_trajectory(traj))
+
+
+def _set(h: dict, path: tuple, value: object) -> dict:
+    obj = h
+    for k in path[:-1]:
+        obj = obj[k]
+    if value is _DELETE:
+        del obj[path[-1]]
+    else:
+        obj[path[-1]] = value
+    return h
+
+
+_DELETE = object()
+
+#: Crafted header changes (path, new value) found by the structure fuzz; each must raise a KnitdataError.
+CRAFTED = [
+    (("buffers", "prompt_ids", "dtype"), ["int64"]),
+    (("buffers", "prompt_ids", "dtype"), {"a": 1}),
+    (("buffers", "prompt_ids", "shape"), [True, 1]),
+    (("buffers", "prompt_ids", "shape"), [0, 2**40, 2**40]),
+    (("buffers", "prompt_ids", "shape"), [1] * 80),
+    (("buffers", "t/x"), {"dtype": "float32", "shape": [0, 2**40, 2**40], "offset": 0, "nbytes": 0}),
+    (("buffers", "m/0"), {"dtype": "bytes", "shape": [0, 8], "offset": 0, "nbytes": 0}),
+    (("buffers", "prompt_ids", "offset"), 1),
+    (("buffers", "prompt_ids", "offset"), -64),
+    (("buffers", "prompt_ids", "offset"), 2.0),
+    (("buffers", "prompt_ids", "nbytes"), 2**64),
+    (("buffers", "prompt_ids"), [1, 2]),
+    (("buffers", "zzz"), {"dtype": "uint8", "shape": [0], "offset": 0, "nbytes": 0}),
+    (("meta", "scalars"), [[1, 2, 3]]),
+    (("meta", "scalars"), [["a", 1.0]]),
+    (("meta", "scalars"), "ab"),
+    (("meta", "scalars", "reward"), None),
+    (("meta", "tensors"), "x"),
+    (("meta", "tensors"), [["x"]]),
+    (("meta", "tensors"), {"x": 1}),
+    (("meta", "tensors", 0), {"a": 1}),
+    (("meta", "media"), {"0": _M0}),
+    (("meta", "media"), "x"),
+    (("meta", "media", 0), [1]),
+    (("meta", "media", 0, "digest"), [1]),
+    (("meta", "media", 0, "digest"), 7),
+    (("meta", "media", 0, "kind"), ["image"]),
+    (("meta", "media", 0, "kind"), "video"),
+    (("meta", "media", 0, "sample_rate"), True),
+    (("meta", "media", 0, "sample_rate"), -5),
+    (("meta", "media", 0, "encoded"), False),
+    (("meta", "media", 0, "encoded"), "yes"),
+    (("meta", "media", 0, "encoded"), _DELETE),
+    (("meta", "id"), ["t0"]),
+    (("meta", "id"), _DELETE),
+    (("meta", "gen_version"), 2.5),
+    (("meta", "gen_version"), -(2**70)),
+    (("meta", "gen_version"), True),
+    (("meta", "group"), None),
+    (("meta", "type"), _DELETE),
+    (("meta",), [1, 2]),
+    (("buffers",), [1]),
+]
+
+
+@pytest.mark.parametrize(("path", "value"), CRAFTED, ids=[f"{'.'.join(map(str, p))}={v!r:.20}" for p, v in CRAFTED])
+def test_crafted_headers_with_valid_checksums_raise_codec_errors(path, value) -> None:
+    header, body = _crafted_base()
+    buf = _reframe(_set(header, path, value), body)
+    with pytest.raises(KnitdataError):
+        decode_trajectory(buf)
+
+
+def test_reframing_an_unchanged_header_decodes_the_original() -> None:
+    header, body = _crafted_base()
+    back = decode_trajectory(_reframe(header, body))
+    assert back.scalars == {"reward": 1.0} and back.media[0].data == b"\x89PNG...."

@@ -108,3 +108,180 @@ def test_errors():
     m = TrajectoryMeta(id="t0", source="s", group="g")
     with pytest.raises(ValidationError):
         Planner(layout, 10).plan(_Admitted(0, 0, 0, (m, m)))
+
+
+# --------------------------------------------------------------------------------- reference planner
+# The planner before its scale rewrite (linear least-loaded searches), kept verbatim as the reference the
+# heap-based planner must reproduce exactly: same shares, same micro-batches, same bytes.
+
+
+class _ReferencePlanner:
+    def __init__(self, layout, token_budget, *, allow_split_groups=False, locality=True, balance_tolerance=0.1,
+                 unit_nodes=None):
+        self.layout = layout
+        self.token_budget = token_budget
+        self.allow_split_groups = allow_split_groups
+        self.locality = locality
+        self.balance_tolerance = float(balance_tolerance)
+        self.unit_nodes = dict(unit_nodes) if unit_nodes is not None else None
+
+    def _node(self, location):
+        if location is None:
+            return None
+        if self.unit_nodes is None:
+            return location
+        return self.unit_nodes.get(location)
+
+    def assign(self, metas):
+        n = self.layout.num_consumers
+        if self.allow_split_groups:
+            units = [[m] for m in metas]
+        else:
+            by_group = {}
+            for m in metas:
+                by_group.setdefault(m.group, []).append(m)
+            units = list(by_group.values())
+        weights = [max(1, sum(m.num_tokens for m in u)) for u in units]
+        total = sum(weights)
+        cap = (1.0 + self.balance_tolerance) * total / n
+        order = sorted(range(len(units)), key=lambda i: (-weights[i], units[i][0].seq, units[i][0].id))
+        loads = [0] * n
+        shares = [[] for _ in range(n)]
+        all_ranks = range(n)
+        for i in order:
+            w = weights[i]
+            best_all = min(all_ranks, key=lambda r: (loads[r], r))
+            choice = best_all
+            if self.locality:
+                home = self._home(units[i])
+                local = self.layout.ranks_on(home) if home is not None else ()
+                if local:
+                    best_local = min(local, key=lambda r: (loads[r], r))
+                    choice = best_local
+                    if loads[best_local] + w > cap and loads[best_all] < loads[best_local]:
+                        choice = best_all
+            loads[choice] += w
+            shares[choice].extend(units[i])
+        for s in shares:
+            s.sort(key=lambda m: (m.seq, m.id))
+        return shares
+
+    def _home(self, unit):
+        by_node = {}
+        for m in unit:
+            node = self._node(m.location)
+            if node is not None:
+                by_node[node] = by_node.get(node, 0) + max(1, m.nbytes)
+        if not by_node:
+            return None
+        return max(by_node, key=lambda k: (by_node[k], -self.layout.nodes.index(k) if k in self.layout.nodes else 0))
+
+    def _ffd(self, share):
+        bins, sizes = [], []
+        for m in sorted(share, key=lambda m: (-m.num_tokens, m.seq, m.id)):
+            for b, s in enumerate(sizes):
+                if s + m.num_tokens <= self.token_budget:
+                    bins[b].append(m)
+                    sizes[b] += m.num_tokens
+                    break
+            else:
+                bins.append([m])
+                sizes.append(m.num_tokens)
+        return bins
+
+    def _lpt(self, share, k):
+        bins = [[] for _ in range(k)]
+        sizes = [0] * k
+        for m in sorted(share, key=lambda m: (-m.num_tokens, m.seq, m.id)):
+            b = min(range(k), key=lambda j: (sizes[j], j))
+            bins[b].append(m)
+            sizes[b] += m.num_tokens
+        return [b for b in bins if b]
+
+    def _cut(self, share, k, ffd):
+        bins = ffd
+        if len(ffd) < k and len(share) > len(ffd):
+            lpt = self._lpt(share, min(k, len(share)))
+            biggest = max(m.num_tokens for m in share)
+            if max(sum(m.num_tokens for m in b) for b in lpt) <= max(self.token_budget, biggest):
+                bins = lpt
+        for b in bins:
+            b.sort(key=lambda m: (m.seq, m.id))
+        bins.sort(key=lambda b: (b[0].seq, b[0].id))
+        return bins + [[] for _ in range(k - len(bins))]
+
+    def plan_rows(self, metas):
+        """``(ids per micro-batch per rank, K, local bytes, remote bytes)``."""
+        shares = self.assign(metas)
+        ffds = [self._ffd(s) for s in shares]
+        k = max(1, max(len(f) for f in ffds))
+        local = remote = 0
+        rows = []
+        for rank, (share, ffd) in enumerate(zip(shares, ffds)):
+            node = self.layout.node_of(rank)
+            for m in share:
+                if self._node(m.location) == node:
+                    local += m.nbytes
+                else:
+                    remote += m.nbytes
+            bins = self._cut(share, k, ffd) if share else [[] for _ in range(k)]
+            rows.append([[m.id for m in b] for b in bins])
+        return rows, k, local, remote
+
+
+@st.composite
+def _planning_cases(draw):
+    node_names = draw(st.lists(st.sampled_from(["a", "b", "c", "d", "e"]), min_size=1, max_size=12))
+    layout = ConsumerLayout(node_names)  # ranks in any node order, uneven nodes
+    n = draw(st.integers(0, 60))
+    n_groups = draw(st.integers(1, 20))
+    contiguous = draw(st.booleans())
+    extra_nodes = ["z", "a", "b"]  # "z" holds no consumer
+    units = {f"u{i}": draw(st.sampled_from(["a", "b", "c", "z"])) for i in range(3)}
+    use_units = draw(st.booleans())
+    locations = (list(units) + ["u9"] if use_units else list(dict.fromkeys(node_names)) + extra_nodes) + [None]
+    seq_mode = draw(st.sampled_from(["increasing", "shuffled", "ties"]))
+    seqs = list(range(n))
+    if seq_mode == "shuffled":
+        seqs = draw(st.permutations(seqs)) if n else seqs
+    elif seq_mode == "ties":
+        seqs = [draw(st.integers(-1, 3)) for _ in range(n)]
+    metas = []
+    for i in range(n):
+        g = i * n_groups // max(n, 1) if contiguous else draw(st.integers(0, n_groups - 1))
+        metas.append(TrajectoryMeta(
+            id=draw(st.sampled_from([f"t{i}", f"x{i:03d}", f"{i}"])), source="s", group=f"g{g}",
+            num_tokens=draw(st.integers(0, 120) | st.sampled_from([0, 1, 50, 100])),
+            nbytes=draw(st.sampled_from([0, 1, 10, 20]) | st.integers(0, 500)),  # equal bytes: home ties
+            location=draw(st.sampled_from(locations)), seq=seqs[i],
+        ))
+    kwargs = {
+        "allow_split_groups": draw(st.booleans()),
+        "locality": draw(st.booleans()),
+        "balance_tolerance": draw(st.sampled_from([0.0, 0.1, 0.5, 2.0])),
+        "unit_nodes": units if use_units else None,
+    }
+    budget = draw(st.integers(1, 400))
+    return layout, budget, kwargs, metas
+
+
+@settings(max_examples=150, deadline=None)
+@given(_planning_cases(), st.integers(0, 3), st.booleans())
+def test_plan_is_identical_to_the_reference_algorithm(case, step, with_loss) -> None:
+    layout, budget, kwargs, metas = case
+    ref = _ReferencePlanner(layout, budget, **kwargs)
+    new = Planner(layout, budget, **kwargs)
+    loss = {m.id: m.num_tokens // 2 for m in metas} if with_loss else None
+    plan = new.plan(_Admitted(train_batch=1, index=step, step=10 + step, trajectories=tuple(metas)), loss)
+    rows, k, local, remote = ref.plan_rows(metas)
+    assert [[list(mb.trajectory_ids) for mb in row] for row in plan.microbatches] == rows
+    assert (plan.num_microbatches, plan.local_bytes, plan.remote_bytes) == (k, local, remote)
+    assert [[m.id for m in s] for s in new.assign(metas)] == [[m.id for m in s] for s in ref.assign(metas)]
+    for rank, row in enumerate(plan.microbatches):
+        for i, mb in enumerate(row):
+            assert (mb.consumer, mb.microbatch, mb.num_microbatches, mb.minibatch, mb.minibatch_in_batch) == (
+                rank, i, k, 10 + step, step)
+            assert mb.global_tokens == sum(m.num_tokens for m in metas)
+            assert mb.global_trajectories == len(metas)
+            assert mb.global_loss_tokens == (sum(loss.values()) if loss else 0)
+            assert mb == type(mb)(**{f: getattr(mb, f) for f in mb.__dataclass_fields__})

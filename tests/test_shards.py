@@ -10,12 +10,14 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -26,6 +28,7 @@ from knitdata.record import MediaItem, Trajectory  # noqa: E402
 from knitdata.shards import (  # noqa: E402
     ShardDataset,
     count_samples,
+    decode_sample,
     encode_sample,
     read_admitted_batches,
     read_shards,
@@ -468,3 +471,216 @@ def test_gzip_shards(tmp_path):
         assert f.read(2) == b"\x1f\x8b"
     assert _same(list(read_shards(paths)), trajs)
     assert [t.id for t in ShardDataset(paths, rank=1, world_size=2)] == [trajs[1].id]
+
+
+# ------------------------------------------------------------------------------------ structure fuzz
+
+
+def _reframe_sample(header: dict, members: dict[str, bytes]) -> dict[str, bytes]:
+    """Re-frame a (mutated) JSON header with a valid json_crc32, as the writer computes it."""
+    body = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body = body[:-1] + b',"json_crc32":%d}' % zlib.crc32(body[:-1])
+    return {**members, "json": body}
+
+
+def _sample_outcome(key: str, members: dict[str, bytes], validate: bool) -> str:
+    """``"ok"`` (a valid trajectory), ``"knitdata"`` (a KnitdataError) or the name of any other exception."""
+    from knitdata.errors import KnitdataError
+
+    try:
+        traj, _h = decode_sample(key, {k: bytearray(v) for k, v in members.items()}, validate=validate)
+    except KnitdataError:
+        return "knitdata"
+    except Exception as e:  # noqa: BLE001 - the fuzz reports anything else
+        return f"{type(e).__name__}: {e}"
+    try:  # what decodes (even unvalidated) must be a valid trajectory that encodes again
+        traj.validate()
+        encode_sample(traj)
+    except Exception as e:  # noqa: BLE001
+        return f"decoded an invalid trajectory: {type(e).__name__}: {e}"
+    return "ok"
+
+
+def _split_sample(t: Trajectory) -> tuple[dict, dict[str, bytes]]:
+    s = encode_sample(t).as_dict()
+    s.pop("__key__")
+    members = {k: bytes(v) for k, v in s.items()}
+    header = json.loads(members["json"])
+    header.pop("json_crc32")
+    return header, members
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(trajectories(), st.data(), st.booleans())
+def test_structure_fuzz_sample_headers_only_raise_knitdata_errors(t: Trajectory, data, validate: bool) -> None:
+    from _fuzz_helpers import mutate
+
+    header, members = _split_sample(t)
+    mutated, how = mutate(data, header)
+    outcome = _sample_outcome(t.id, _reframe_sample(mutated, members), validate)
+    assert outcome in ("ok", "knitdata"), (how, outcome)
+
+
+#: Crafted sample-header changes found by the structure fuzz (path, value); each must raise a KnitdataError.
+SAMPLE_CRAFTED = [
+    (("members",), [1, 2]),
+    (("members",), "x"),
+    (("fields",), {"a": 1}),
+    (("fields", 0), "prompt_ids"),
+    (("fields", 0, "shape"), [True]),
+    (("fields", 0, "shape"), [0, 2**40, 2**40]),
+    (("fields", 0, "dtype"), ["int64"]),
+    (("fields", 1, "name"), ["response_ids"]),
+    (("tensors",), "ab"),
+    (("scalars",), [["a", 1]]),
+    (("scalars",), "xy"),
+    (("scalars", "reward"), None),
+    (("scalars", "reward"), 10**400),
+    (("gen_version",), 1.5),
+    (("gen_version",), True),
+    (("source",), 3),
+    (("media", 0, "digest"), [1]),
+    (("media", 0, "sample_rate"), True),
+    (("media", 0, "kind"), {"a": 1}),
+    (("media", 0, "member"), ["m0.png"]),
+    (("media", 0, "encoding"), None),
+    (("media", 0), None),
+    (("media",), {"0": 1}),
+]
+
+
+@pytest.mark.parametrize(("path", "value"), SAMPLE_CRAFTED, ids=[".".join(map(str, p)) + f"={v!r:.15}" for p, v in SAMPLE_CRAFTED])
+@pytest.mark.parametrize("validate", [True, False])
+def test_crafted_sample_headers_raise_knitdata_errors(path, value, validate) -> None:
+    from knitdata.errors import KnitdataError
+
+    t = make_traj(5)
+    t.scalars["reward"] = 1.0
+    header, members = _split_sample(t)
+    obj = header
+    for k in path[:-1]:
+        obj = obj[k]
+    obj[path[-1]] = value
+    with pytest.raises(KnitdataError):
+        decode_sample(t.id, {k: bytearray(v) for k, v in _reframe_sample(header, members).items()}, validate=validate)
+
+
+def test_reframed_unchanged_sample_header_decodes() -> None:
+    t = make_traj(6)
+    header, members = _split_sample(t)
+    back, _h = decode_sample(t.id, _reframe_sample(header, members))
+    assert back.equals(t)
+
+
+_NPY_WEIRD = st.one_of(
+    st.sampled_from(["'<i8'", "'|u1'", "'<f4'", "'|O'", "'<c8'", "'>i8'", "[('a', '<i4')]", "'V8'", "None", "1"]),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    _NPY_WEIRD,
+    st.sampled_from(["False", "True", "None", "'x'"]),
+    st.lists(st.integers(-3, 2**70) | st.sampled_from([0, 1, 8, 2**62, 2**64]), max_size=70).map(tuple)
+    | st.sampled_from(["(8,)", "(-1,)", "[8]", "(8.0,)", "None", "'8'", "(True,)"]),
+    st.booleans(),
+)
+def test_structure_fuzz_npy_headers_only_raise_knitdata_errors(descr, fortran, shape, match_json) -> None:
+    """Crafted .npy headers (valid member CRC32s, matching or not the JSON shape) never escape as other errors."""
+    t = make_traj(7, media=False)
+    header, members = _split_sample(t)
+    shape_txt = shape if isinstance(shape, str) else repr(shape)
+    body = f"{{'descr': {descr}, 'fortran_order': {fortran}, 'shape': {shape_txt}, }}".encode("latin1")
+    body += b" " * (-(10 + len(body) + 1) % 64) + b"\n"
+    old = members["prompt_ids.npy"]
+    data = old[10 + int.from_bytes(old[8:10], "little") :]
+    npy = b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body + data
+    members["prompt_ids.npy"] = npy
+    header["members"]["prompt_ids.npy"] = [len(npy), zlib.crc32(npy)]
+    if match_json and isinstance(shape, tuple):
+        header["fields"][0]["shape"] = list(shape)
+    outcome = _sample_outcome(t.id, _reframe_sample(header, members), True)
+    assert outcome in ("ok", "knitdata"), outcome
+
+
+@pytest.mark.parametrize("shape", [(0, 2**40, 2**40), (0, 2**70), (1,) * 70, (0,) * 65])
+def test_crafted_empty_npy_with_huge_dims_is_refused(shape) -> None:
+    """Found by the structure fuzz: an empty .npy whose other dims overflow torch's stride computation."""
+    t = make_traj(7, media=False)
+    header, members = _split_sample(t)
+    body = f"{{'descr': '<i8', 'fortran_order': False, 'shape': {shape!r}, }}".encode("latin1")
+    body += b" " * (-(10 + len(body) + 1) % 64) + b"\n"
+    npy = b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body
+    members["prompt_ids.npy"] = npy
+    header["members"]["prompt_ids.npy"] = [len(npy), zlib.crc32(npy)]
+    header["fields"][0].update(shape=list(shape), dtype="int64")
+    with pytest.raises(CodecError):
+        decode_sample(t.id, _reframe_sample(header, members))
+
+
+def _replay_shard(path: str, replays: list) -> None:
+    """A shard of len(replays) samples whose replay information is crafted (valid CRC32s)."""
+    members = []
+    for i, replay in enumerate(replays):
+        t = make_traj(20 + i, media=False)
+        header, raw = _split_sample(t)
+        header["replay"] = replay
+        framed = _reframe_sample(header, raw)
+        members += [(f"{t.id}.{k}", bytes(v)) for k, v in sorted(framed.items())]
+    _write_raw_tar(path, members)
+
+
+_GOOD = {"train_batch": 0, "minibatch": 0, "step": 0, "position": 0, "size": 1}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {**_GOOD, "size": float("inf")},
+        {**_GOOD, "size": 10**18},  # would build a list of 10**18 positions
+        {**_GOOD, "position": -1},
+        {**_GOOD, "position": 1},
+        {**_GOOD, "step": True},
+        {**_GOOD, "step": "0"},
+        {**_GOOD, "minibatch": None},
+        {k: v for k, v in _GOOD.items() if k != "size"},
+        [0, 0, 0, 0, 1],
+    ],
+)
+def test_crafted_replay_information_raises_codec_error(tmp_path, bad) -> None:
+    path = str(tmp_path / "r.tar")
+    _replay_shard(path, [bad])
+    with pytest.raises(CodecError):
+        list(read_admitted_batches(path))
+    with pytest.warns(RuntimeWarning):
+        assert list(read_admitted_batches(path, on_error="skip")) == []
+
+
+def test_replay_size_larger_than_the_batch_is_incomplete(tmp_path) -> None:
+    path = str(tmp_path / "r.tar")
+    _replay_shard(path, [{**_GOOD, "size": 3}, {**_GOOD, "position": 1, "size": 3}])
+    with pytest.raises(CodecError, match="incomplete"):
+        list(read_admitted_batches(path))
+    ok = str(tmp_path / "ok.tar")
+    _replay_shard(ok, [{**_GOOD, "size": 2}, {**_GOOD, "position": 1, "size": 2}])
+    ((info, trajs),) = list(read_admitted_batches(ok))
+    assert info.size == 2 and len(trajs) == 2
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_structure_fuzz_loader_states_only_raise_state_errors(ten, data) -> None:
+    from _fuzz_helpers import mutate
+
+    _ids, paths = ten
+    ds = ShardDataset(paths, rank=0, world_size=1)
+    it = iter(ds)
+    next(it)
+    state, how = mutate(data, json.loads(json.dumps(ds.state_dict())))
+    fresh = ShardDataset(paths, rank=0, world_size=1)
+    try:
+        fresh.load_state_dict(state)
+    except StateError:
+        return
+    got = [t.id for t in fresh]  # an accepted state resumes cleanly
+    assert len(got) <= 10, how

@@ -221,3 +221,109 @@ def test_config_errors(tmp_path):
     with pytest.raises(ValidationError, match="closed"):
         s.get(t.id)
     assert json.dumps(s.stats)
+
+
+# ------------------------------------------------------------------------------------ structure fuzz
+
+
+def _crafted_shard(directory: str, t, edit=None, *, key: str | None = None) -> None:
+    """Write spill-000000.tar holding ``t`` with its JSON header edited, re-framed with valid CRC32s and tar headers."""
+    import io
+    import zlib
+
+    from knitdata.shards import encode_sample
+
+    sample = encode_sample(t)
+    members = [(suffix, b"".join(bytes(b) for b in bufs)) for suffix, bufs, _n in sample.members]
+    header = json.loads(members[0][1])
+    header.pop("json_crc32")
+    if edit is not None:
+        header = edit(header)
+    body = json.dumps(header, separators=(",", ":")).encode()
+    body = body[:-1] + b',"json_crc32":%d}' % zlib.crc32(body[:-1]) if isinstance(header, dict) else body
+    members[0] = ("json", body)
+    with tarfile.open(os.path.join(directory, "spill-000000.tar"), "w", format=tarfile.USTAR_FORMAT) as tf:
+        for suffix, data in members:
+            ti = tarfile.TarInfo(f"{key or t.id}.{suffix}")
+            ti.size = len(data)
+            tf.addfile(ti, io.BytesIO(data))
+
+
+def _open_and_get_outcome(directory: str, verify: bool) -> str:
+    """Recover the store and read everything back: ``"ok"``/``"knitdata"``, or what else escaped."""
+    import warnings
+
+    from knitdata.errors import KnitdataError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            store = SpillStore.open(directory, verify=verify)
+    except KnitdataError:
+        return "knitdata"
+    except Exception as e:  # noqa: BLE001 - the fuzz reports anything else
+        return f"open: {type(e).__name__}: {e}"
+    try:
+        for tid in store.ids():
+            try:
+                traj = store.get(tid)
+            except KnitdataError:
+                continue
+            except Exception as e:  # noqa: BLE001
+                return f"get: {type(e).__name__}: {e}"
+            try:
+                traj.validate()
+            except Exception as e:  # noqa: BLE001
+                return f"get returned an invalid trajectory: {type(e).__name__}: {e}"
+        return "ok"
+    finally:
+        store.close()
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.integers(0, 50), st.data(), st.booleans())
+def test_structure_fuzz_spill_recovery_only_raises_knitdata_errors(i: int, data, verify: bool) -> None:
+    from _fuzz_helpers import mutate
+
+    t = make_traj(i, media=i % 3 == 0)
+    mutations: list[str] = []
+
+    def edit(h):
+        m, how = mutate(data, h)
+        mutations.extend(how)
+        return m
+
+    with tempfile.TemporaryDirectory() as d:
+        _crafted_shard(d, t, edit)
+        outcome = _open_and_get_outcome(d, verify)
+    assert outcome in ("ok", "knitdata"), (mutations, outcome)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda h: {**h, "members": [1, 2]},
+        lambda h: {**h, "members": "x"},
+        lambda h: {**h, "members": {k: [v[0]] for k, v in h["members"].items()}},
+        lambda h: {**h, "members": {k: [str(v[0]), v[1]] for k, v in h["members"].items()}},
+        lambda h: {**h, "source": None},
+        lambda h: {**h, "scalars": [["a", 1]]},
+        lambda h: {**h, "gen_version": 7},
+        lambda h: [h],
+        lambda h: "x",
+    ],
+)
+@pytest.mark.parametrize("verify", [True, False])
+def test_crafted_spill_headers_are_skipped_or_refused(tmp_path, edit, verify) -> None:
+    _crafted_shard(str(tmp_path), make_traj(1), edit)
+    assert _open_and_get_outcome(str(tmp_path), verify) in ("ok", "knitdata")
+
+
+@pytest.mark.parametrize("line", ["\u00b2 0 traj-00001", "0 \u0661 traj-00001", "x", "0 0", "-1 -1 a", "0 99999999999999999999999 a"])
+def test_crafted_release_log_lines_are_ignored(tmp_path, line) -> None:
+    t = make_traj(1)
+    _crafted_shard(str(tmp_path), t)
+    with open(os.path.join(tmp_path, "released.log"), "w", encoding="utf-8") as f:
+        f.write(line + "\n")
+    with SpillStore.open(tmp_path) as s:
+        assert s.get(t.id).equals(t)
