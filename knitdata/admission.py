@@ -1,4 +1,4 @@
-"""Admission: which finished trajectories form the next mini-batch (DESIGN.md §3).
+"""Admission: which finished trajectories form the next mini-batch.
 
 A train batch of ``B`` trajectories has a quota ``q_s`` per source and is cut into ``M`` mini-batches of
 ``m = B / M`` trajectories each. Admission sees metadata only (:class:`~knitdata.record.TrajectoryMeta`),

@@ -1,4 +1,4 @@
-"""Token collate: trajectories to one micro-batch of tensors (DESIGN.md §4).
+"""Token collate: trajectories to one micro-batch of tensors.
 
 :class:`TokenCollator` turns a sequence of :class:`~knitdata.record.Trajectory` into a :class:`MicroBatch`,
 either right-padded (``mode="pad"``, ``[B, T]``) or packed into one row with ``cu_seqlens``
@@ -34,7 +34,7 @@ NO_VERSION: int = -1
 
 @dataclass(frozen=True)
 class MicroBatchInfo:
-    """Planner metadata of one micro-batch (DESIGN.md §4). Immutable and JSON-serializable.
+    """Planner metadata of one micro-batch. Immutable and JSON-serializable.
 
     Attributes:
         consumer: Rank of the consumer that receives it.

@@ -1,6 +1,6 @@
 """The trajectory record: what rollout produces and training consumes.
 
-A :class:`Trajectory` is one finished rollout (DESIGN.md §1). Its :class:`TrajectoryMeta` is the small,
+A :class:`Trajectory` is one finished rollout (see the docs' Concepts page). Its :class:`TrajectoryMeta` is the small,
 JSON-serializable view that admission and planning see: they never touch payloads.
 """
 
@@ -146,7 +146,7 @@ def _check_1d_int(tid: str, name: str, t: Any, *, allow_empty: bool) -> None:
 
 @dataclass
 class Trajectory:
-    """One finished rollout (DESIGN.md §1).
+    """One finished rollout.
 
     Construction validates every field and raises :class:`~knitdata.errors.ValidationError` or
     :class:`~knitdata.errors.FieldTypeError` naming the trajectory id and the field.

@@ -1,6 +1,7 @@
 """A seeded, event-driven simulator of a disaggregated RL loop, driving the real admission policies.
 
-Model (DESIGN.md §3, "Modeling rules"; the same for every policy so that only admission differs):
+Model (the same for every policy, so that only admission differs; the docs' Concepts page, "Admission and
+staleness", explains the terms):
 
 - Rollout has ``C`` slots (one trajectory each). A group's ``g`` trajectories are queued together; each
   has its own duration, drawn log-normal per source (``mean`` is the distribution's mean, ``sigma`` the
