@@ -82,7 +82,7 @@ def tensor_digest(t: torch.Tensor) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
     if t.numel():
-        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
