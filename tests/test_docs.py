@@ -97,3 +97,85 @@ def test_mkdocs_build_strict(tmp_path: Path) -> None:
     inv = _inventory_names(site / "objects.inv")
     for target in _directives():
         assert target in inv, f"{target} missing from the built site's objects inventory"
+
+
+# ---------------------------------------------------------------------------------------------- documented patterns
+def _group(g: int, source: str, size: int = 2) -> list[knitdata.Trajectory]:
+    import torch
+
+    return [knitdata.Trajectory(id=f"g{g}-{k}", source=source, group=f"g{g}", prompt_ids=torch.tensor([1, 2]),
+                                response_ids=torch.tensor([3, 4, 5]), scalars={"reward": float(k)})
+            for k in range(size)]
+
+
+def _consume_all(pipe: knitdata.Pipeline, rank: int, out: dict[int, object]) -> None:
+    ids: list[str] = []
+    try:
+        for mb in pipe.dataset(rank, timeout=30):
+            assert mb.info is not None
+            ids.extend(mb.info.trajectory_ids)
+        out[rank] = ids
+    except Exception as e:  # noqa: BLE001 - the test inspects it
+        out[rank] = (e, ids)
+
+
+@pytest.mark.filterwarnings("ignore:knitdata. pipeline closed with")
+def test_producer_that_raises_still_ends_consumers() -> None:
+    """The documented pattern (``close()`` in ``finally``): a put that raises mid-stream does not hang consumers."""
+    import threading
+
+    spec = knitdata.BatchSpec({"math": 2, "code": 2}, num_minibatches=1, group_size=2)
+    pipe = knitdata.Pipeline(spec, num_consumers=2, token_budget=64)
+    out: dict[int, object] = {}
+    threads = [threading.Thread(target=_consume_all, args=(pipe, r, out)) for r in range(2)]
+    for t in threads:
+        t.start()
+    stream = _group(0, "math") + _group(1, "code") + _group(2, "math")
+    with pytest.raises(RuntimeError, match="rollout failed"):
+        try:
+            for i, traj in enumerate(stream):
+                if i == 5:
+                    raise RuntimeError("rollout failed")  # e.g. StoreFull, or the rollout engine died
+                pipe.put(traj)
+        finally:
+            report = pipe.close()
+    for t in threads:
+        t.join(20)
+    assert not any(t.is_alive() for t in threads), "a consumer hangs after the producer failed"
+    delivered = sorted(i for r in range(2) for i in (out[r] if isinstance(out[r], list) else out[r][1]))
+    assert delivered == sorted(t.id for t in stream[:4])  # the admitted train batch, exactly once
+    assert report["dropped_trajectories"] == 1 and report["dropped_groups"] == ["g2"]
+    errors = [out[r][0] for r in range(2) if isinstance(out[r], tuple)]
+    assert errors and all(isinstance(e, knitdata.IncompleteStreamError) for e in errors)
+
+
+def test_withdraw_on_refused_member_lets_the_train_batch_complete() -> None:
+    """The documented pattern: a member refused at ``put`` -> ``withdraw(group)``; the rest is delivered."""
+    import threading
+
+    import torch
+
+    spec = knitdata.BatchSpec({"math": 2, "code": 2}, num_minibatches=1, group_size=2)
+    pipe = knitdata.Pipeline(spec, num_consumers=1, token_budget=64)
+    bad = _group(0, "math")
+    bad[1].tensors = {"extra": torch.zeros(1)}  # other field names than the first put: refused
+    stream = bad + _group(1, "code") + _group(2, "math")
+    refused = []
+    try:
+        for traj in stream:
+            try:
+                pipe.put(traj)
+            except (ValueError, TypeError) as e:
+                refused.append((traj.id, type(e).__name__))
+                pipe.withdraw(traj.group)
+    finally:
+        report = pipe.close()
+    assert refused == [("g0-1", "ValidationError")]
+    out: dict[int, object] = {}
+    t = threading.Thread(target=_consume_all, args=(pipe, 0, out))
+    t.start()
+    t.join(20)
+    assert not t.is_alive()
+    assert sorted(out[0]) == sorted(x.id for x in _group(1, "code") + _group(2, "math"))  # type: ignore[arg-type]
+    assert report["dropped_trajectories"] == 0
+    assert pipe.stats()["rejected"] >= 1
