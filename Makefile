@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # torch first, pinned, so pip does not pick a newer multi-GB build by itself; override with TORCH_SPEC=...
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean install install-dev
+.PHONY: demo test lint typecheck docs bench clean install install-dev
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +32,16 @@ demo: $(VENV)/.installed-base
 test: $(VENV)/.installed-dev
 	@$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
+# The documentation site (docs/, mkdocs.yml) into site/; --strict: any warning fails.
+docs: $(VENV)/.installed-dev
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+# mypy on the knitdata package (settings in setup.cfg); tests/test_typecheck.py runs it in `make test`.
+typecheck: $(VENV)/.installed-dev
+	$(PY) -m mypy knitdata
+
 lint: $(VENV)/.installed-dev
 	$(PY) -m ruff check knitdata tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache

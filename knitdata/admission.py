@@ -1,4 +1,4 @@
-"""Admission: which finished trajectories form the next mini-batch (DESIGN.md §3).
+"""Admission: which finished trajectories form the next mini-batch.
 
 A train batch of ``B`` trajectories has a quota ``q_s`` per source and is cut into ``M`` mini-batches of
 ``m = B / M`` trajectories each. Admission sees metadata only (:class:`~knitdata.record.TrajectoryMeta`),
@@ -480,7 +480,8 @@ class AdmissionPolicy(abc.ABC):
         if grp is None:
             return []
         self._ready_n[grp.source] -= 1
-        grp.metas, out = (), list(grp.metas)  # lazily skipped when it reaches the deque head
+        out: list[TrajectoryMeta] = list(grp.metas)
+        grp.metas = ()  # lazily skipped when it reaches the deque head
         return out
 
     # -- output ---------------------------------------------------------------------------------------
@@ -594,12 +595,12 @@ class AdmissionPolicy(abc.ABC):
     # -- state ----------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Return a JSON-serializable snapshot (pending and ready metadata included)."""
-        ready = []
+        ready: list[list[Any]] = []
         for s in self._Q:
             for grp in self._ready[s]:
                 if grp.metas:
                     ready.append([grp.seq, grp.group, [t.to_dict() for t in grp.metas]])
-        ready.sort(key=lambda r: r[0])
+        ready.sort(key=lambda r: int(r[0]))
         return {
             "policy": self.name,
             "spec": self.spec.to_dict(),

@@ -73,7 +73,11 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
             p.formatter_class = argparse.RawDescriptionHelpFormatter
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
-    bench.set_defaults(_run=lambda args: (bench.print_help(), 2)[1])
+    def _bench_help(args: argparse.Namespace) -> int:
+        bench.print_help()
+        return 2
+
+    bench.set_defaults(_run=_bench_help)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""Token collate: trajectories to one micro-batch of tensors (DESIGN.md §4).
+"""Token collate: trajectories to one micro-batch of tensors.
 
 :class:`TokenCollator` turns a sequence of :class:`~knitdata.record.Trajectory` into a :class:`MicroBatch`,
 either right-padded (``mode="pad"``, ``[B, T]``) or packed into one row with ``cu_seqlens``
@@ -34,7 +34,7 @@ NO_VERSION: int = -1
 
 @dataclass(frozen=True)
 class MicroBatchInfo:
-    """Planner metadata of one micro-batch (DESIGN.md §4). Immutable and JSON-serializable.
+    """Planner metadata of one micro-batch. Immutable and JSON-serializable.
 
     Attributes:
         consumer: Rank of the consumer that receives it.
@@ -132,7 +132,31 @@ def _map_tensors(obj: Any, fn: Any) -> Any:
     return obj
 
 
-@dataclass
+def _same(a: Any, b: Any, rtol: float, atol: float) -> bool:
+    """Deep equality for :meth:`MicroBatch.equals`: tensors by dtype, shape and values; containers element-wise.
+
+    Dataclass fields declared with ``compare=False`` (caches) are skipped.
+    """
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if a.dtype != b.dtype or a.shape != b.shape or a.device.type != b.device.type:
+            return False
+        if (rtol or atol) and a.is_floating_point():
+            return bool(torch.allclose(a, b.to(a.device), rtol=rtol, atol=atol, equal_nan=True))
+        return bool(torch.equal(a, b.to(a.device)))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], rtol, atol) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y, rtol, atol) for x, y in zip(a, b))
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        if type(a) is not type(b):
+            return False
+        return all(_same(getattr(a, f.name), getattr(b, f.name), rtol, atol) for f in dataclasses.fields(a) if f.compare)
+    return bool(a == b)
+
+
+@dataclass(eq=False)
 class MicroBatch:
     """One micro-batch of token tensors, ready for a forward pass.
 
@@ -154,6 +178,10 @@ class MicroBatch:
         media: A multimodal batch (anything with ``pin_memory()``/``to()``) or ``None``.
         prompt_lengths: ``int64 [B]`` prompt lengths (row order), or ``None``.
         response_lengths: ``int64 [B]`` response lengths, or ``None``.
+
+    Equality: ``mb1 == mb2`` is :meth:`equals` (exact: every field, tensor dtypes and shapes included, media and
+    ``info`` too), so lists of micro-batches compare with ``==``. :meth:`equals` also takes tolerances.
+    Micro-batches are not hashable.
     """
 
     input_ids: torch.Tensor
@@ -167,6 +195,34 @@ class MicroBatch:
     media: Any = None
     prompt_lengths: torch.Tensor | None = None
     response_lengths: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ comparison
+    def equals(self, other: object, *, rtol: float = 0.0, atol: float = 0.0) -> bool:
+        """Whether ``other`` is a micro-batch with the same fields.
+
+        Tensors (nested in dicts, lists and dataclasses too, e.g. the media batch) must have the same dtype,
+        shape and device type and, with the default tolerances, equal values (``torch.equal``); with ``rtol`` or
+        ``atol`` floating-point values are compared with ``torch.allclose`` (NaNs equal). ``info`` and every other
+        value compare with ``==``.
+
+        Args:
+            other: Anything; ``False`` unless it is a :class:`MicroBatch`.
+            rtol: Relative tolerance for floating-point tensors.
+            atol: Absolute tolerance for floating-point tensors.
+
+        Returns:
+            ``True`` when every field matches.
+        """
+        if not isinstance(other, MicroBatch):
+            return False
+        return all(_same(getattr(self, f.name), getattr(other, f.name), rtol, atol) for f in dataclasses.fields(self))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, MicroBatch):
+            return NotImplemented
+        return self.equals(other)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
 
     # ------------------------------------------------------------------ derived values
     @property

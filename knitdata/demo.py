@@ -18,17 +18,19 @@ Figure 1).
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import io
 import json
 import math
+import operator
 import threading
 import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -169,7 +171,7 @@ def _png(seed: int, size: int) -> bytes:
 
     rng = np.random.default_rng(seed)
     base = rng.integers(0, 256, size=(4, 4, 3), dtype=np.uint8)
-    img = Image.fromarray(base).resize((size, size), Image.BILINEAR)
+    img = Image.fromarray(base).resize((size, size), Image.Resampling.BILINEAR)
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()
@@ -311,7 +313,8 @@ class _AllReduce:
         params = [p for p in model.parameters()]
         self.slots[rank] = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
         self.barrier.wait()
-        total = [sum(s[i] for s in self.slots) for i in range(len(params))]  # type: ignore[index]
+        slots = [s for s in self.slots if s is not None]
+        total = [functools.reduce(operator.add, (s[i] for s in slots)) for i in range(len(params))]
         self.barrier.wait()
         for p, g in zip(params, total):
             p.grad = g
@@ -409,6 +412,7 @@ def run_demo(
                     break
                 tc = time.perf_counter()
                 info = mb.info
+                assert info is not None  # the dataset always attaches planner metadata
                 # time in next() before the mini-batch was admitted waits for rollout, not for data transfer
                 ta = max(tw - t0, admitted_at.get(info.minibatch, 0.0))
                 timeline[rank].append(("admission", tw - t0, min(ta, tc - t0)))
@@ -434,7 +438,7 @@ def run_demo(
                         measured_arch.append(version - g - info.minibatch_in_batch)
                 assert shared is not None
                 if mb.is_empty:
-                    loss = sum(p.sum() * 0.0 for p in both.parameters())
+                    loss = cast(torch.Tensor, sum(p.sum() * 0.0 for p in both.parameters()))
                     if shared.batch.num_unique:
                         rows = shared.rows(info.microbatch)
                         if rows is not None:
@@ -504,7 +508,7 @@ def run_demo(
             "admission_wait_total_s": float(sum(e - s for k, s, e in timeline[r] if k == "admission")),
             "bytes_fetched": m.to_dict().get("bytes_fetched"),
         }
-    enc = dict(enc_rows)
+    enc: dict[str, float] = dict(enc_rows)
     enc["work_ratio"] = enc["naive_rows"] / max(1, enc["encoded_rows"])
     report = DemoReport(
         config={**cfg.__dict__, "sources": [list(s) for s in cfg.sources], "batch_size": spec.batch_size},

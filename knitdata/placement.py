@@ -1,4 +1,4 @@
-"""Placement: which storage unit a put goes to (DESIGN.md §4), and the consumer layout (ranks by node).
+"""Placement: which storage unit a put goes to, and the consumer layout (ranks by node).
 
 Works on metadata only. There is one storage unit per node; a unit's id is its node's name.
 

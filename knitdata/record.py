@@ -1,6 +1,6 @@
 """The trajectory record: what rollout produces and training consumes.
 
-A :class:`Trajectory` is one finished rollout (DESIGN.md §1). Its :class:`TrajectoryMeta` is the small,
+A :class:`Trajectory` is one finished rollout (see the docs' Concepts page). Its :class:`TrajectoryMeta` is the small,
 JSON-serializable view that admission and planning see: they never touch payloads.
 """
 
@@ -82,7 +82,7 @@ def tensor_digest(t: torch.Tensor) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
     if t.numel():
-        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -146,7 +146,7 @@ def _check_1d_int(tid: str, name: str, t: Any, *, allow_empty: bool) -> None:
 
 @dataclass
 class Trajectory:
-    """One finished rollout (DESIGN.md §1).
+    """One finished rollout.
 
     Construction validates every field and raises :class:`~knitdata.errors.ValidationError` or
     :class:`~knitdata.errors.FieldTypeError` naming the trajectory id and the field.
@@ -160,7 +160,8 @@ class Trajectory:
         gen_version: Policy version that generated it; under partial rollout the oldest among its tokens.
         loss_mask: 1-D mask over the response tokens (bool, integer or float); all ones when ``None``.
         token_versions: Optional 1-D integer tensor of per-response-token policy versions.
-        scalars: Named finite float fields (reward, advantage, ...).
+        scalars: Named finite float fields (reward, advantage, ...). An ``int`` is accepted and stored as
+            ``float`` (``{"reward": 1}`` holds ``1.0``); ``bool`` is refused.
         tensors: Extra named tensors (e.g. old log-probs).
         media: Images and audio clips.
     """
@@ -182,7 +183,10 @@ class Trajectory:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        """Check every field; raise an error naming the trajectory and the field on the first problem."""
+        """Check every field; raise an error naming the trajectory and the field on the first problem.
+
+        Also converts ``int`` scalars to ``float`` (see ``scalars``).
+        """
         if not isinstance(self.id, str) or not self.id:
             raise ValidationError(f"id must be a non-empty string, got {self.id!r}", field="id")
         tid = self.id
@@ -244,6 +248,9 @@ class Trajectory:
                 finite = False
             if not finite:
                 raise ValidationError(f"must be finite, got {v!r:.40}", trajectory_id=tid, field=fname)
+        if any(type(v) is not float for v in self.scalars.values()):
+            # documented: scalars are floats; an int (or a float subclass such as numpy.float64) becomes a float
+            self.scalars = {k: float(v) for k, v in self.scalars.items()}
         if not isinstance(self.tensors, Mapping):
             raise FieldTypeError("must be a mapping of name to tensor", trajectory_id=tid, field="tensors")
         for k, v in self.tensors.items():

@@ -1,6 +1,7 @@
 """A seeded, event-driven simulator of a disaggregated RL loop, driving the real admission policies.
 
-Model (DESIGN.md §3, "Modeling rules"; the same for every policy so that only admission differs):
+Model (the same for every policy, so that only admission differs; the docs' Concepts page, "Admission and
+staleness", explains the terms):
 
 - Rollout has ``C`` slots (one trajectory each). A group's ``g`` trajectories are queued together; each
   has its own duration, drawn log-normal per source (``mean`` is the distribution's mean, ``sigma`` the
@@ -538,16 +539,16 @@ def simulate(sc: Scenario, policy: str, seed: int = 0) -> SimResult:
     # violations
     quota_v = 0
     per_batch: list[dict[str, int]] = [dict.fromkeys(names, 0) for _ in range(sc.num_batches)]
-    for r in mb_records:
-        for s, n in r["counts"].items():
-            per_batch[r["train_batch"]][s] += n
+    for rec in mb_records:
+        for s, n in rec["counts"].items():
+            per_batch[rec["train_batch"]][s] += n
     for pb in per_batch:
         quota_v += sum(1 for s in sc.sources if pb[s.name] != s.quota)
     bound_v = 0
-    for r in mb_records:
+    for rec in mb_records:
         for s in names:
             lo, hi = (0, spec.minibatch_size) if spec.bounds is None or s not in spec.bounds else spec.bounds[s]
-            if not lo <= r["counts"].get(s, 0) <= hi:
+            if not lo <= rec["counts"].get(s, 0) <= hi:
                 bound_v += 1
     summ = tracker.summary()
     out.metrics = {

@@ -1,4 +1,4 @@
-"""Staleness accounting (DESIGN.md §3): a version clock, per-trajectory and architectural staleness.
+"""Staleness accounting: a version clock, per-trajectory and architectural staleness.
 
 A trajectory generated with policy version ``gen_version`` and trained in a mini-batch whose gradient is
 computed with trainer version ``v`` (before that mini-batch's own optimizer step) has staleness

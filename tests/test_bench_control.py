@@ -31,9 +31,19 @@ def test_scale_smoke_writes_plan_ms_and_quality(tmp_path, capsys) -> None:
     assert "plan_ms" in text and "load average" in text
 
 
-def test_without_scale_the_engine_part_is_not_in_this_build(capsys) -> None:
-    assert main(["bench", "control"]) == 0
-    assert "not in this build" in capsys.readouterr().out
+def test_engine_part_smoke_on_the_embedded_engine(tmp_path, capsys) -> None:
+    out = tmp_path / "control.json"
+    rc = main(["bench", "control", "--engines", "embedded", "--producers", "1", "2", "--sizes", "1KiB",
+               "--batches", "1", "8", "--total-1k", "64", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    for n in ("1", "2"):
+        point = report["engines"]["embedded"]["producers"][n]["1KiB"]
+        assert point["traj_per_s"] > 0 and 0 < point["p50_ms"] <= point["p99_ms"]
+        assert point["put"]["admitted"] == 64 and point["put_many_8"]["admitted"] == 64 and not point["put"]["errors"]
+    assert report["trainer_data_ms_per_step"]["embedded"] > 0
+    assert report["coordinator_cpu_ms_per_traj"]["embedded"] is None  # in-process: no coordinator process
+    assert "trainer data time per step" in capsys.readouterr().out
 
 
 def test_workload_is_whole_groups_with_interleaved_arrivals() -> None:

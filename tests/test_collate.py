@@ -245,3 +245,49 @@ def test_pin_and_to_cuda() -> None:
     assert torch.equal(dev.input_ids.cpu(), mb.input_ids) and torch.equal(dev.tensors["x"].cpu(), mb.tensors["x"])
     back = dev.to(torch.device("cpu"))
     assert torch.equal(back.loss_mask, mb.loss_mask)
+
+
+# ---------------------------------------------------------------------------------------------- equality
+def test_microbatch_equality_is_documented_and_exact() -> None:
+    trajs = [_traj(i) for i in range(3)]
+    for mode in ("pad", "pack"):
+        a, b = TokenCollator(mode=mode)(trajs), TokenCollator(mode=mode)(trajs)
+        assert a == b and a.equals(b)
+        assert [a, b] == [b, a]  # lists of micro-batches compare without "ambiguous truth value" errors
+        assert a != 1 and not a.equals("x")
+        c = TokenCollator(mode=mode)(trajs[:2])
+        assert a != c
+        d = TokenCollator(mode=mode)(trajs)
+        d.loss_mask = d.loss_mask.clone()
+        d.loss_mask.view(-1)[-1] += 1e-6
+        assert a != d and not a.equals(d)
+        assert a.equals(d, atol=1e-5)
+        e = TokenCollator(mode=mode)(trajs)
+        e.input_ids = e.input_ids.to(torch.int32)  # same values, another dtype
+        assert not a.equals(e)
+        with pytest.raises(TypeError):
+            hash(a)
+
+
+def test_microbatch_equality_covers_info_and_media() -> None:
+    from knitdata.media import image_item, patchify
+    from knitdata.multimodal import MultimodalCollator
+
+    img = image_item(torch.randint(0, 255, (3, 28, 28), dtype=torch.uint8))
+    trajs = [_traj(i) for i in range(2)]
+    for t in trajs:
+        t.media = [img]
+    info = MicroBatchInfo(consumer=0, train_batch=0, minibatch=0, minibatch_in_batch=0, microbatch=0,
+                          num_microbatches=1, is_last=True, global_tokens=10, global_trajectories=2)
+    mm = MultimodalCollator({"image": patchify(14)})
+    a = TokenCollator()(trajs)
+    b = TokenCollator()(trajs)
+    a.media, b.media = mm([trajs]), mm([trajs])
+    assert a == b
+    b.media.tables["image"].values.view(-1)[0] += 1
+    assert a != b
+    b.media = a.media
+    a.info, b.info = info, info
+    assert a == b
+    b.info = MicroBatchInfo(**{**info.to_dict(), "global_tokens": 11})
+    assert a != b

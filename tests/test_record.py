@@ -149,3 +149,16 @@ def test_dtypes_that_cannot_be_stored_are_refused(where) -> None:
     with pytest.raises(FieldTypeError, match="complex64") as e:
         make(**kw)
     assert e.value.trajectory_id == "t1"
+
+
+def test_int_scalars_are_stored_as_float() -> None:
+    from knitdata.codec import decode_trajectory, encode_trajectory
+
+    t = make(scalars={"reward": 1, "advantage": -2.5})
+    assert t.scalars == {"reward": 1.0, "advantage": -2.5}
+    assert all(type(v) is float for v in t.scalars.values())
+    back = decode_trajectory(encode_trajectory(t))
+    assert all(type(v) is float for v in back.scalars.values()) and back.equals(t)
+    assert json.loads(json.dumps(t.scalars)) == {"reward": 1.0, "advantage": -2.5}
+    with pytest.raises(FieldTypeError, match="scalars.flag"):
+        make(scalars={"flag": True})

@@ -8,7 +8,13 @@ except every tenth group, split over two nodes. Reported per (ranks, trajectorie
 ``plan_ms`` over ``--repeats`` plans, the token balance (largest share over the mean share) and the
 fraction of payload bytes that cross nodes, with the load average.
 
-The engine part (put-to-admission throughput, put latency, trainer data time) is not in this build.
+Without ``--scale``: for each engine (``--engines``), ``--producers`` producers (threads on the embedded engine,
+spawned processes attached with :meth:`Pipeline.attach` on Ray) put 1 KiB and 1 MiB trajectories with ``put()``
+and with ``put_many()`` while one consumer drains; reported per point: put-to-admission throughput
+(trajectories admitted per second, from the first put to the last admission), p50/p99 latency per trajectory
+of the put calls, and (Ray) the coordinator process's CPU time per trajectory from ``/proc``. Then a trainer
+(one consumer, ``fetch="iter"``, 4 ms of compute per micro-batch) measures its time per optimizer step in data
+calls: ``next()``, ``state_dict()`` and ``commit()``.
 """
 
 from __future__ import annotations
@@ -18,11 +24,13 @@ import json
 import os
 import random
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["add_arguments", "run", "run_scale", "make_admitted", "plan_quality"]
+__all__ = ["add_arguments", "run", "run_scale", "run_engines", "run_engine_point", "trainer_data_point", "make_admitted",
+           "plan_quality", "SIZES"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-budget", type=int, default=65_536, help="tokens per micro-batch (--scale)")
     parser.add_argument("--repeats", type=int, default=5, help="plans timed per point; the median is reported")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engines", default="embedded,ray", help="engines to measure (comma-separated)")
+    parser.add_argument("--producers", type=int, nargs="+", default=[1, 4, 16],
+                        help="producer threads (embedded) or processes (ray)")
+    parser.add_argument("--sizes", nargs="+", default=["1KiB", "1MiB"], choices=sorted(SIZES))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32],
+                        help="trajectories per call: 1 is put(), more is put_many()")
+    parser.add_argument("--total-1k", type=int, default=2048, help="1 KiB trajectories per point")
+    parser.add_argument("--total-1m", type=int, default=128, help="1 MiB trajectories per point")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="(unused: no plot for this benchmark)")
 
@@ -143,19 +159,314 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
     return {"scale": out}
 
 
+# ----------------------------------------------------------------------------------------------- engines
+SIZES = {"1KiB": 1 << 10, "1MiB": 1 << 20}
+
+
+def _traj(i: int, nbytes: int, producer: int) -> Any:
+    import torch
+
+    from knitdata.record import Trajectory
+
+    return Trajectory(id=f"p{producer}-{i}", source="s", group=f"p{producer}-{i}", gen_version=0,
+                      prompt_ids=torch.arange(8), response_ids=torch.arange(8),
+                      tensors={"blob": torch.zeros(max(1, nbytes // 4), dtype=torch.float32)})
+
+
+def _produce(pipe: Any, producer: int, count: int, nbytes: int, batch: int) -> list[float]:
+    """Put ``count`` trajectories (``batch`` at a time); returns the latency of each call in seconds."""
+    trajs = [_traj(i, nbytes, producer) for i in range(count)]
+    lat = []
+    for k in range(0, count, batch):
+        chunk = trajs[k:k + batch]
+        t0 = time.perf_counter()
+        if batch == 1:
+            pipe.put(chunk[0])
+        else:
+            pipe.put_many(chunk)
+        lat.append(time.perf_counter() - t0)
+    return lat
+
+
+def _producer_process(producer: int, address: str, cmds: Any, out: Any, go: Any) -> None:
+    """A producer process: attach to each pipeline it is told of, wait for "go", put, report latencies."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from knitdata.pipeline import Pipeline
+
+    while True:
+        cmd = cmds.get()
+        if cmd is None:
+            return
+        name, count, nbytes, batch = cmd
+        try:
+            pipe = Pipeline.attach(name, address=address, check_media=False)
+            trajs_ready = _traj(0, nbytes, producer)  # imports and allocators warm before the clock starts
+            del trajs_ready
+            out.put(("ready", producer, None))
+            go.wait(600)
+            out.put(("ok", producer, _produce(pipe, producer, count, nbytes, batch)))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            out.put(("error", producer, f"{type(e).__name__}: {e}"))
+
+
+class _ProducerPool:
+    """Producer processes (spawned once, reused by every point of a run)."""
+
+    def __init__(self, n: int, address: str) -> None:
+        import multiprocessing as mp
+
+        self.ctx = mp.get_context("spawn")
+        self.out = self.ctx.Queue()
+        self.cmds = [self.ctx.Queue() for _ in range(n)]
+        self.go = self.ctx.Event()  # shared through inheritance (an Event cannot travel through a queue)
+        self.procs = [self.ctx.Process(target=_producer_process, args=(p, address, self.cmds[p], self.out, self.go),
+                                       daemon=True) for p in range(n)]
+        for proc in self.procs:
+            proc.start()
+
+    def run(self, name: str, n: int, count: int, nbytes: int, batch: int, on_go: Any) -> tuple[list[float], list[str]]:
+        go = self.go
+        go.clear()
+        for p in range(n):
+            self.cmds[p].put((name, count, nbytes, batch))
+        errors: list[str] = []
+        ready = 0
+        while ready < n:
+            kind, _p, payload = self.out.get(timeout=600)
+            if kind == "ready":
+                ready += 1
+            else:
+                errors.append(str(payload))
+                n -= 1
+        on_go()
+        go.set()
+        lat: list[float] = []
+        for _ in range(n):
+            kind, _p, payload = self.out.get(timeout=600)
+            if kind == "ok":
+                lat += payload
+            else:
+                errors.append(str(payload))
+        return lat, errors
+
+    def close(self) -> None:
+        for q in self.cmds:
+            q.put(None)
+        for proc in self.procs:
+            proc.join(30)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _spec(total: int) -> Any:
+    from knitdata.admission import BatchSpec
+
+    m = 16
+    return BatchSpec({"s": 4 * m}, num_minibatches=4, group_size=1)
+
+
+def _drain(pipe: Any, stop: threading.Event) -> None:
+    ds = pipe.dataset(0, fetch="iter", timeout=600)
+    for _mb in ds:
+        if stop.is_set():
+            break
+
+
+def run_engine_point(engine: str, producers: int, size: str, count: int, batch: int = 1,
+                     address: str | None = None, pool: _ProducerPool | None = None) -> dict[str, Any]:
+    """One measurement: ``producers`` producers (threads on the embedded engine, processes on Ray) each put
+    ``count`` trajectories of ``size``; one consumer drains. Returns throughput and put latency."""
+    from knitdata.pipeline import Pipeline
+
+    nbytes = SIZES[size]
+    total = producers * count
+    opts = None
+    if engine == "ray":
+        opts = {"name": f"bench-control-{os.getpid()}-{time.monotonic_ns()}", "address": address}
+    pipe = Pipeline(_spec(total), num_consumers=1, engine=engine, admission="fifo", token_budget=1 << 20,
+                    capacity_bytes=min(1 << 30, max(64 << 20, 4 * 64 * nbytes)), put_timeout=120,
+                    check_media=False, engine_options=opts)
+    stop = threading.Event()
+    drain = threading.Thread(target=_drain, args=(pipe, stop), daemon=True)
+    drain.start()
+    lat: list[float] = []
+    errors: list[str] = []
+    cpu0 = cpu1 = None
+    pid = None
+    if engine == "ray":
+        pid = pipe.control.call("info").get("pid")
+        box: dict[str, float] = {}
+
+        def on_go() -> None:
+            box["cpu0"] = _cpu_s(pid) if pid else float("nan")
+            box["t0"] = time.perf_counter()
+
+        assert pool is not None
+        lat, errors = pool.run(str(pipe.name), producers, count, nbytes, batch, on_go)
+        cpu0, t0 = box.get("cpu0"), box["t0"]
+    else:
+        res: list[list[float]] = [[] for _ in range(producers)]
+
+        def run(p: int) -> None:
+            try:
+                res[p] = _produce(pipe, p, count, nbytes, batch)
+            except BaseException as e:  # noqa: BLE001 - reported
+                errors.append(f"{type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=run, args=(p,)) for p in range(producers)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        lat = [x for r in res for x in r]
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until every put is admitted
+        st = pipe.stats_light()
+        if st["admitted_trajectories"] + sum(st["ready_not_admitted"].values()) >= total:
+            break
+        time.sleep(0.01)
+    elapsed = time.perf_counter() - t0
+    if pid:
+        cpu1 = _cpu_s(pid)
+    st = pipe.stats_light()
+    stop.set()
+    pipe.shutdown() if engine == "ray" else pipe.close()
+    lat_ms = sorted(x * 1000 / batch for x in lat)
+    q = statistics.quantiles(lat_ms, n=100) if len(lat_ms) >= 2 else [lat_ms[0]] * 99 if lat_ms else [0.0] * 99
+    return {
+        "traj_per_s": total / elapsed if elapsed > 0 else 0.0,
+        "p50_ms": statistics.median(lat_ms) if lat_ms else None,
+        "p99_ms": q[98],
+        "trajectories": total, "batch": batch, "seconds": elapsed, "errors": errors,
+        "admitted": st["admitted_trajectories"],
+        "coordinator_cpu_ms_per_traj": (cpu1 - cpu0) * 1000 / total if cpu0 is not None and cpu1 is not None else None,
+    }
+
+
+def trainer_data_point(engine: str, steps: int = 12, microbatches: int = 4, compute_s: float = 0.004,
+                       address: str | None = None) -> dict[str, Any]:
+    """The trainer's time per optimizer step in data calls: ``next()``, ``commit()`` and ``state_dict()``.
+
+    The pipeline holds the whole run before the trainer starts (admission is not measured); each micro-batch
+    gets ``compute_s`` of compute (a sleep: the prefetch thread runs meanwhile); after each step the trainer
+    saves its state and commits it, as a checkpointing trainer would.
+    """
+    from knitdata.admission import BatchSpec
+    from knitdata.pipeline import Pipeline
+
+    m = microbatches
+    opts = None
+    if engine == "ray":
+        opts = {"name": f"bench-trainer-{os.getpid()}-{time.monotonic_ns()}", "address": address}
+    pipe = Pipeline(BatchSpec({"s": 4 * m}, num_minibatches=4, group_size=1), num_consumers=1, engine=engine,
+                    token_budget=64, capacity_bytes=256 << 20, release="commit", check_media=False,
+                    engine_options=opts)
+    pipe.put_many([_traj(i, 4096, 0) for i in range(steps * m)])
+    pipe.close()
+    ds = pipe.dataset(0, fetch="iter")
+    it = iter(ds)
+    per_step: list[float] = []
+    parts = {"next_ms": [], "commit_ms": [], "state_ms": []}
+    cur = 0.0
+    while True:
+        t0 = time.perf_counter()
+        try:
+            mb = next(it)
+        except StopIteration:
+            break
+        t1 = time.perf_counter()
+        parts["next_ms"].append((t1 - t0) * 1000)
+        cur += t1 - t0
+        time.sleep(compute_s)
+        if mb.info.is_last:
+            t2 = time.perf_counter()
+            state = ds.state_dict()
+            t3 = time.perf_counter()
+            ds.commit(state)
+            t4 = time.perf_counter()
+            parts["state_ms"].append((t3 - t2) * 1000)
+            parts["commit_ms"].append((t4 - t3) * 1000)
+            cur += t4 - t2
+            per_step.append(cur * 1000)
+            cur = 0.0
+    pipe.shutdown() if engine == "ray" else pipe.close()
+    warm = per_step[1:] or per_step  # the first step includes the iterator's start
+    return {"ms_per_step": statistics.median(warm), "steps": len(per_step),
+            "next_ms_median": statistics.median(parts["next_ms"]),
+            "commit_ms_median": statistics.median(parts["commit_ms"]),
+            "state_ms_median": statistics.median(parts["state_ms"])}
+
+
+def run_engines(args: argparse.Namespace) -> dict[str, Any]:
+    """Put throughput and latency per engine, producer count and size; the trainer's data time per step."""
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    address = None
+    out: dict[str, Any] = {"engines": {}, "coordinator_cpu_ms_per_traj": {}, "trainer_data_ms_per_step": {},
+                           "trainer_data": {}}
+    rows = []
+    for engine in engines:
+        if engine == "ray":
+            from knitdata.storage.ray_unit import connect
+
+            connect(None)  # one local loopback Ray for the whole run
+            from knitdata.engines.ray import ray_address
+
+            address = ray_address()
+        pool = _ProducerPool(max(args.producers), str(address)) if engine == "ray" else None
+        for n in args.producers:
+            for size in args.sizes:
+                total = args.total_1k if size == "1KiB" else args.total_1m
+                count = max(1, total // n)
+                for batch in args.batches:
+                    point = run_engine_point(engine, n, size, count, batch=batch, address=address, pool=pool)
+                    key = "put" if batch == 1 else f"put_many_{batch}"
+                    out["engines"].setdefault(engine, {}).setdefault("producers", {}).setdefault(str(n), {}) \
+                        .setdefault(size, {})[key] = point
+                    if batch == args.batches[0]:
+                        out["engines"][engine]["producers"][str(n)][size].update(
+                            {k: point[k] for k in ("traj_per_s", "p50_ms", "p99_ms")})
+                    rows.append((engine, n, size, key, point))
+                    print(f"  {engine} producers={n} {size} {key}: {point['traj_per_s']:.0f} traj/s", flush=True)
+        if pool is not None:
+            pool.close()
+        cpus = [p["coordinator_cpu_ms_per_traj"] for e, _n, _s, _k, p in rows
+                if e == engine and p["coordinator_cpu_ms_per_traj"] is not None]
+        out["coordinator_cpu_ms_per_traj"][engine] = statistics.median(cpus) if cpus else None
+        td = trainer_data_point(engine, address=address)
+        out["trainer_data"][engine] = td
+        out["trainer_data_ms_per_step"][engine] = td["ms_per_step"]
+    print()
+    print(f"{'engine':<9} {'prod':>4} {'size':>5} {'call':>12} {'traj/s':>9} {'p50_ms':>8} {'p99_ms':>8} {'coord_cpu_ms':>12}")
+    for engine, n, size, key, p in rows:
+        cpu = p["coordinator_cpu_ms_per_traj"]
+        print(f"{engine:<9} {n:>4} {size:>5} {key:>12} {p['traj_per_s']:>9.0f} {p['p50_ms']:>8.2f} {p['p99_ms']:>8.2f} "
+              f"{'-' if cpu is None else f'{cpu:.3f}':>12}")
+    for engine, td in out["trainer_data"].items():
+        print(f"trainer data time per step ({engine}): {td['ms_per_step']:.2f} ms (next {td['next_ms_median']:.2f}, "
+              f"commit {td['commit_ms_median']:.3f}, state_dict {td['state_ms_median']:.3f} ms medians)")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark: ``--scale`` plans at cluster scale; the engine part is not in this build."""
-    if not args.scale:
-        print("knitdata bench control: the engine part (put throughput, put latency, trainer data time) is not "
-              "in this build; run with --scale for planning at cluster scale")
-        return 0
+    """Run the benchmark: the engines' control path, or with ``--scale`` planning at cluster scale."""
     load0 = os.getloadavg()
     t0 = time.perf_counter()
-    report: dict[str, Any] = {
-        "config": {k: getattr(args, k) for k in ("trajectories", "group_size", "nodes", "ranks_per_node",
-                                                 "ref_ranks", "token_budget", "repeats", "seed")},
-    }
-    report.update(run_scale(args))
+    if args.scale:
+        report: dict[str, Any] = {
+            "config": {k: getattr(args, k) for k in ("trajectories", "group_size", "nodes", "ranks_per_node",
+                                                     "ref_ranks", "token_budget", "repeats", "seed")},
+        }
+        report.update(run_scale(args))
+    else:
+        report = {"config": {k: getattr(args, k) for k in ("engines", "producers", "sizes", "batches", "total_1k",
+                                                           "total_1m")}}
+        report.update(run_engines(args))
     report["loadavg_start"] = list(load0)
     report["loadavg_end"] = list(os.getloadavg())
     report["wall_s"] = time.perf_counter() - t0
