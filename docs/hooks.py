@@ -14,10 +14,7 @@ from __future__ import annotations
 import logging
 import re
 
-KNOWN_DOCSTRING_WARNINGS: tuple[tuple[str, str], ...] = (
-    # Pipeline.put_many's "Raises:" section opens with prose rather than "ExceptionName: description".
-    ("knitdata/pipeline.py:", "Failed to get 'exception: description' pair"),
-)
+KNOWN_DOCSTRING_WARNINGS: tuple[tuple[str, str], ...] = ()
 
 
 class _KnownWarnings(logging.Filter):

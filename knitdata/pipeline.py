@@ -28,7 +28,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.control import PLANE_DEFAULTS, RELEASE_MODES, fields_of
@@ -52,11 +52,12 @@ from knitdata.storage.base import StorageUnit
 if TYPE_CHECKING:  # pragma: no cover
     from knitdata.dataset import TrajectoryDataset
 
-__all__ = ["Pipeline", "PipelineClosedError", "ENGINES", "RELEASE_MODES", "DEFAULT_TIMEOUT_S"]
+__all__ = ["Pipeline", "PipelineClosedError", "ENGINES", "RELEASE_MODES", "DEFAULT_TIMEOUT_S", "PUT_TIMEOUT"]
 
 #: Default seconds a consumer waits for its next micro-batch before :class:`~knitdata.errors.DataTimeoutError`.
 DEFAULT_TIMEOUT_S = 1800.0
-_DEFAULT: Any = object()
+#: ``timeout`` of :meth:`Pipeline.put` / :meth:`Pipeline.put_many` meaning "the pipeline's ``put_timeout``".
+PUT_TIMEOUT = "put_timeout"
 
 
 def _loss_tokens(traj: Trajectory) -> int:
@@ -336,7 +337,7 @@ class Pipeline:
         return dict(self._engine.control.stats())
 
     # ------------------------------------------------------------------ producer side
-    def put(self, traj: Trajectory, *, timeout: Any = _DEFAULT) -> TrajectoryMeta:
+    def put(self, traj: Trajectory, *, timeout: float | None | Literal["put_timeout"] = PUT_TIMEOUT) -> TrajectoryMeta:
         """Store a finished trajectory and offer it to admission.
 
         Validation and media decoding run here, in the producer's process; the payload goes straight to the
@@ -344,7 +345,8 @@ class Pipeline:
 
         Args:
             traj: The trajectory (validated again here; do not mutate it afterwards).
-            timeout: Seconds to wait for storage room; default :attr:`put_timeout`.
+            timeout: Seconds to wait for storage room (``None``: no limit, ``0``: fail at once); by default the
+                pipeline's ``put_timeout``.
 
         Returns:
             Its metadata (with ``location`` and ``seq``).
@@ -370,7 +372,7 @@ class Pipeline:
         except KnitdataError as e:
             plane.note_rejected(traj.id, (getattr(e, "field", None) or ("media" if traj.media else type(e).__name__)).split(".")[0])
             raise
-        timeout = self.put_timeout if timeout is _DEFAULT else timeout
+        timeout = self.put_timeout if timeout == PUT_TIMEOUT else timeout
         loss_tokens = _loss_tokens(traj)
         meta = traj.meta().to_dict()
         meta["fields"] = fields_of(traj.scalars, {k: str(v.dtype).replace("torch.", "") for k, v in traj.tensors.items()})
@@ -389,7 +391,8 @@ class Pipeline:
             raise
         return TrajectoryMeta.from_dict(plane.offer(traj.id, r["seq"], loss_tokens))
 
-    def put_many(self, trajs: Sequence[Trajectory], *, timeout: Any = _DEFAULT) -> list[TrajectoryMeta]:
+    def put_many(self, trajs: Sequence[Trajectory], *,
+                 timeout: float | None | Literal["put_timeout"] = PUT_TIMEOUT) -> list[TrajectoryMeta]:
         """Store a batch of finished trajectories and offer them to admission: two control calls per batch.
 
         Every trajectory is validated (and its media decoded), then the batch is reserved in one call: a bad
@@ -404,9 +407,13 @@ class Pipeline:
             The metadata of each trajectory, in order.
 
         Raises:
-            The errors of :meth:`put`. ``StoreFull`` (or another storage fault) refuses the payloads not yet stored
-            and every later one; the ones before stay accepted. A trajectory refused at the offer (its group was
-            withdrawn meanwhile) raises after the others of the batch were accepted.
+            FieldTypeError: As :meth:`put`; nothing of the batch is stored.
+            ValidationError: As :meth:`put` (a bad field, an unknown source, a duplicate id, a withdrawn group):
+                nothing of the batch is stored. Also raised for a trajectory refused at the offer (its group was
+                withdrawn meanwhile), after the others of the batch were accepted.
+            StoreFull: No room within ``timeout``: the payloads not yet stored (this one and every later one)
+                are refused; the earlier ones stay accepted.
+            PipelineClosedError: After :meth:`close`.
         """
         trajs = list(trajs)
         if not trajs:
@@ -433,23 +440,30 @@ class Pipeline:
             meta = t.meta().to_dict()
             meta["fields"] = fields_of(t.scalars, {k: str(v.dtype).replace("torch.", "") for k, v in t.tensors.items()})
             metas.append(meta)
-        timeout = self.put_timeout if timeout is _DEFAULT else timeout
+        timeout = self.put_timeout if timeout == PUT_TIMEOUT else timeout
         reserved = plane.reserve_many(metas)
-        stored = 0
-        try:
-            for t, r in zip(trajs, reserved):
-                self._engine.units[r["unit"]].put(t, timeout=timeout)
-                stored += 1
-        except BaseException as e:
-            failed = trajs[stored]
-            for t, r in zip(trajs[stored:], reserved[stored:]):
-                self._undo_put(t.id, r, "store_full" if isinstance(e, StoreFull) else type(e).__name__)
-            self._offer_batch(trajs[:stored], reserved[:stored], losses[:stored])
-            if isinstance(e, StoreFull):
-                holders = plane.holders(reserved[stored]["unit"])
-                raise StoreFull(f"trajectory {failed.id!r} (and the {len(trajs) - stored - 1} after it in this batch) "
-                                f"refused: storage unit {reserved[stored]['unit']!r} is held by {holders}. {e}") from e
-            raise
+        by_unit: dict[str, list[int]] = {}
+        for i, r in enumerate(reserved):
+            by_unit.setdefault(r["unit"], []).append(i)
+        done: list[int] = []
+        for unit_id, idx in by_unit.items():  # one call per unit where the engine batches
+            try:
+                self._engine.units[unit_id].put_many([trajs[i] for i in idx], timeout=timeout)
+            except BaseException as e:
+                n = int(getattr(e, "stored", 0))
+                done += idx[:n]
+                failed = set(range(len(trajs))) - set(done)
+                for i in sorted(failed):
+                    self._undo_put(trajs[i].id, reserved[i], "store_full" if isinstance(e, StoreFull) else type(e).__name__)
+                keep = sorted(done)
+                self._offer_batch([trajs[i] for i in keep], [reserved[i] for i in keep], [losses[i] for i in keep])
+                if isinstance(e, StoreFull):
+                    first = trajs[idx[n]]
+                    holders = plane.holders(unit_id)
+                    raise StoreFull(f"trajectory {first.id!r} (and {len(failed) - 1} more of this batch not yet stored) "
+                                    f"refused: storage unit {unit_id!r} is held by {holders}. {e}") from e
+                raise
+            done += idx
         return self._offer_batch(trajs, reserved, losses)
 
     def _offer_batch(self, trajs: Sequence[Trajectory], reserved: Sequence[Mapping[str, Any]],

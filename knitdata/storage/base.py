@@ -113,6 +113,23 @@ class StorageUnit(abc.ABC):
             EngineError: If the unit is closed.
         """
 
+    def put_many(self, trajs: Sequence[Trajectory], *, timeout: float | None = None) -> int:
+        """Store several payloads in order (one call where the unit supports it); see :meth:`put`.
+
+        Returns:
+            How many were stored: all of them. On an exception its ``stored`` attribute is the number stored
+            before it.
+        """
+        n = 0
+        for t in trajs:
+            try:
+                self.put(t, timeout=timeout)
+            except BaseException as e:
+                e.stored = n  # type: ignore[attr-defined]
+                raise
+            n += 1
+        return n
+
     @abc.abstractmethod
     def get(self, ids: Sequence[str]) -> list[Trajectory]:
         """Return the payloads of ``ids`` in order (one request; no copy on the embedded engine).

@@ -309,6 +309,20 @@ class StorageUnitActor:
             s.counters["spilled_over"] += not in_memory
         return "ok"
 
+    def put_batch(self, items: list[tuple[str, np.ndarray, int]]) -> list[str]:
+        """:meth:`put` for several records in one call, in order; stops at the first one that is not ``"ok"``.
+
+        Returns:
+            One status per record stored or refused (shorter than ``items`` after a refusal).
+        """
+        out: list[str] = []
+        for traj_id, record, nbytes in items:
+            status = self.put(traj_id, record, nbytes)
+            out.append(status)
+            if status != "ok":
+                break
+        return out
+
     @ray.method(concurrency_group="wait")
     def wait_room(self, nbytes: int, max_wait_s: float) -> bool:
         """Wait up to ``max_wait_s`` until ``nbytes`` fit; returns whether they fit now."""
@@ -575,6 +589,39 @@ class RayStorageUnit(StorageUnit):
     def put(self, traj: Trajectory, *, timeout: float | None = None) -> int:
         """Encode and store ``traj``; see :meth:`put_record`."""
         return self.put_record(traj.id, encode_trajectory(traj), int(traj.nbytes), timeout=timeout)
+
+    def put_many(self, trajs: Sequence[Trajectory], *, timeout: float | None = None) -> int:
+        """Store several payloads with one actor call in the common case (room for all of them).
+
+        Stops at the first payload that does not fit at once and stores the rest one by one, waiting up to
+        ``timeout`` each (:meth:`put_record`).
+
+        Returns:
+            How many were stored: all of them, unless an exception says otherwise (its ``stored`` attribute is
+            the number stored before it, in order).
+        """
+        recs = [(t.id, _as_record_array(encode_trajectory(t)), int(t.nbytes)) for t in trajs]
+        try:
+            statuses = ray.get(self._h.actor.put_batch.remote(recs))
+        except _LOST_ERRORS as e:
+            err = TrajectoryLostError(f"storage unit {self.unit_id!r} is dead; the puts were not stored",
+                                      trajectory_ids=[r[0] for r in recs])
+            err.stored = 0  # type: ignore[attr-defined]
+            raise err from e
+        ok = 0
+        for (_tid, arr, _n), st in zip(recs, statuses):
+            if st != "ok":
+                break
+            self.meter.record_put(arr.nbytes, cross=current_node() != self.ray_node, placement=self.placement)
+            ok += 1
+        for tid, arr, n in recs[ok:]:
+            try:
+                self.put_record(tid, arr, n, timeout=timeout)
+            except BaseException as e:
+                e.stored = ok  # type: ignore[attr-defined]
+                raise
+            ok += 1
+        return ok
 
     def put_record(self, traj_id: str, record: Any, nbytes: int, *, timeout: float | None = None) -> int:
         """Store one codec record, waiting up to ``timeout`` seconds for room.
