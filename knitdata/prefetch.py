@@ -558,7 +558,9 @@ class Prefetcher(Iterator[T], Generic[T]):
             ``__next__`` calls) below which there is nothing to overlap: the consumer then pulls from the source itself
             when the queue is empty, and the thread only refills the queue while the consumer is away (more
             than 5 ms). Above it every item is produced ahead on the thread. ``0`` disables inline pulls.
-            Without a device copy only (the CUDA path always copies on the thread).
+            Without a device copy only (the CUDA path always copies on the thread). Items pulled inline are
+            produced under the consumer thread's thread-local torch state (grad mode, inference mode,
+            autocast), as in a synchronous loop.
 
     Raises:
         ConfigError: ``depth < 1``, a negative ``inline_below_s``, a CUDA device without CUDA, or a pool
