@@ -6,6 +6,16 @@ while the consumer computes. Right after each item is produced it snapshots the 
 the item last handed out, so items prefetched but not consumed never move the resume point (the
 ``torchdata.nodes`` Prefetcher/PinMemory pattern; NOTES.md).
 
+Hand-off: a thread hand-off is not free under the GIL. A consumer woken for an item has to wait for the GIL
+while the producer runs on into the next item, dropping and retaking the GIL in every torch call, each time
+waking the consumer for nothing; with no compute to overlap this cost about 0.35 ms per 0.5 ms item
+(``knitdata bench loader``). So: (1) when the consumer waits for an item, the producer, once it queued it,
+sleeps until the consumer took it (one clean switch); (2) when the queue is empty and the thread is not
+inside the source, the consumer pulls the next item itself (work stealing); (3) when the consumer spends
+less than ``inline_below_s`` between ``__next__`` calls (25th percentile of the last 8 items; nothing to
+overlap), the thread stays parked and only refills the queue once the consumer has been away for 5 ms.
+The source is only ever run by one thread at a time, items come out in order, exactly once.
+
 Paths:
 
 * CPU (no CUDA, or ``device`` None/``"cpu"``): plain background prefetch, nothing is pinned.
@@ -28,7 +38,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import queue
 import statistics
 import threading
 import time
@@ -47,6 +56,8 @@ __all__ = ["Prefetcher", "PrefetchStats", "PinnedBufferPool", "map_tensors", "ho
 T = TypeVar("T")
 
 _POLL_S = 0.05  # how often a blocked producer checks for close()
+_IDLE_S = 0.005  # in inline mode the thread refills the queue once the consumer has been away this long
+_INLINE_WINDOW = 8  # consumer times (between __next__ calls) whose median picks inline or threaded mode
 _ALIGN = 256  # byte alignment of tensors packed into one staging buffer / device block
 _MAX_DEPTH = 8  # nesting depth map_tensors walks into before treating an object as opaque
 
@@ -309,6 +320,8 @@ class PrefetchStats:
         pin_s: Background time spent pinning / staging into pinned memory.
         copy_s: Background time from issuing a host-to-device copy to its completion.
         bytes_copied: Bytes of tensors copied host-to-device.
+        inline: Items the consumer pulled from the source itself (queue empty and the thread idle), counted
+            in ``produced`` too.
     """
 
     items: int = 0
@@ -321,6 +334,7 @@ class PrefetchStats:
     pin_s: float = 0.0
     copy_s: float = 0.0
     bytes_copied: int = 0
+    inline: int = 0
 
     @property
     def mean_wait_s(self) -> float:
@@ -346,6 +360,7 @@ class PrefetchStats:
             "pin_s": self.pin_s,
             "copy_s": self.copy_s,
             "bytes_copied": self.bytes_copied,
+            "inline": self.inline,
         }
 
 
@@ -395,17 +410,35 @@ class _CudaTransfer:
 
 # ---------------------------------------------------------------------------------------------- thread
 class _Shared:
-    """What the background thread needs; deliberately not the Prefetcher (so it can be collected)."""
+    """What the background thread needs; deliberately not the Prefetcher (so it can be collected).
+
+    Every field below the source is guarded by ``cond`` (its lock is reentrant: a finalizer run by the garbage
+    collector on a thread that holds it must not deadlock).
+    """
 
     def __init__(self, source: Iterator[Any], state_fn: Callable[[], dict] | None, depth: int,
-                 transfer: Callable[[Any], tuple[Any, Any]] | None, pin: bool, stats: PrefetchStats):
+                 transfer: Callable[[Any], tuple[Any, Any]] | None, pin: bool, stats: PrefetchStats,
+                 inline: bool = False):
         self.source = source
         self.state_fn = state_fn
-        self.queue: queue.Queue = queue.Queue(maxsize=depth)
-        self.stop = threading.Event()
+        self.depth = depth
         self.transfer = transfer
         self.pin = pin
         self.stats = stats
+        self.cond = threading.Condition(threading.RLock())
+        self.items: collections.deque = collections.deque()  # entries produced and not yet handed out, in order
+        self.index = 0  # index of the next entry to produce
+        self.stop = False  # close(): the thread exits, nothing more is produced
+        self.finished = False  # the end or an error was produced: the source is not touched again
+        self.producing = False  # someone (the thread, or the consumer inline) holds the source
+        # the consumer runs the source itself; the thread refills only while it is away. Starts inline: a
+        # consumer that asks at once gets its first item without a thread hand-off.
+        self.inline = inline
+        self.in_next = False  # the consumer is inside __next__
+        self.left_at = time.perf_counter()  # when the consumer last left __next__
+        self.waiting = False  # the consumer is blocked in __next__ until an entry is queued
+        self.taken = 0  # entries before this index have been taken by the consumer
+        self.parked: str | None = None  # what the thread waits for: "turn", "room" or "handoff"
 
 
 def _snapshot(state_fn: Callable[[], dict]) -> Any:
@@ -416,56 +449,94 @@ def _snapshot(state_fn: Callable[[], dict]) -> Any:
         raise StateError(f"state_fn() must return a JSON-serializable dict, got {state!r}: {e}") from e
 
 
-def _put(sh: _Shared, entry: tuple) -> bool:
-    while not sh.stop.is_set():
-        try:
-            sh.queue.put(entry, timeout=_POLL_S)
-            return True
-        except queue.Full:
-            continue
-    return False
+def _make(sh: _Shared, index: int) -> tuple[tuple, bool]:
+    """Pull one item from the source and prepare it; returns ``(entry, last)`` (``last``: end or error).
+
+    The caller holds the source (``sh.producing``), so only one thread runs this at a time.
+    """
+    st = sh.stats
+    t0 = time.perf_counter()
+    try:
+        item = next(sh.source)
+    except StopIteration:
+        return ("end", index, None, None, None), True
+    except BaseException as e:  # noqa: BLE001 - re-raised in the consumer, in order
+        return ("error", index, e, None, None), True
+    st.produce_s += time.perf_counter() - t0
+    st.produced += 1
+    try:
+        snap = _snapshot(sh.state_fn) if sh.state_fn is not None else None
+        event = None
+        if sh.transfer is not None:
+            item, event = sh.transfer(item)
+        elif sh.pin:
+            t1 = time.perf_counter()
+            item = _pin(item)
+            st.pin_s += time.perf_counter() - t1
+    except BaseException as e:  # noqa: BLE001
+        return ("error", index, e, None, None), True
+    return ("item", index, item, snap, event), False
+
+
+def _may_produce(sh: _Shared, now: float) -> bool:
+    """Whether the thread may take the source now (called with ``sh.cond`` held)."""
+    if sh.producing or sh.finished:
+        return False
+    if not sh.inline:
+        return True
+    # inline: the consumer produces for itself; the thread refills the queue only while the consumer is away
+    return not sh.in_next and now - sh.left_at >= _IDLE_S
 
 
 def _produce(sh: _Shared) -> None:
-    st = sh.stats
-    index = 0
-    while not sh.stop.is_set():
-        t0 = time.perf_counter()
-        try:
-            item = next(sh.source)
-        except StopIteration:
-            _put(sh, ("end", index, None, None, None))
+    cond = sh.cond
+    while True:
+        with cond:
+            while not sh.stop:
+                now = time.perf_counter()
+                if _may_produce(sh, now):
+                    break
+                timeout = _POLL_S
+                if sh.inline and not sh.in_next and not sh.producing:
+                    timeout = min(_POLL_S, max(_IDLE_S - (now - sh.left_at), 1e-4))
+                sh.parked = "turn"
+                cond.wait(timeout)
+                sh.parked = None
+            if sh.stop:
+                return
+            sh.producing = True
+            index = sh.index
+        entry, last = _make(sh, index)
+        with cond:
+            while not sh.stop and len(sh.items) >= sh.depth:
+                sh.parked = "room"
+                cond.wait(_POLL_S)
+                sh.parked = None
+            sh.producing = False
+            if sh.stop:
+                return
+            sh.items.append(entry)
+            sh.index += 1
+            sh.finished = last
+            if sh.waiting:
+                cond.notify_all()
+                # Hand over: sleep (without the GIL) until the consumer has taken the entry. Running on instead
+                # makes the woken consumer wait for the GIL while this thread drops and retakes it in every
+                # torch call of the next item, paying a thread wake-up each time.
+                sh.parked = "handoff"
+                while sh.taken <= index and not sh.stop:
+                    cond.wait(_POLL_S)
+                sh.parked = None
+        del entry
+        if last:
             return
-        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer, in order
-            _put(sh, ("error", index, e, None, None))
-            return
-        st.produce_s += time.perf_counter() - t0
-        st.produced += 1
-        try:
-            snap = _snapshot(sh.state_fn) if sh.state_fn is not None else None
-            event = None
-            if sh.transfer is not None:
-                item, event = sh.transfer(item)
-            elif sh.pin:
-                t1 = time.perf_counter()
-                item = _pin(item)
-                st.pin_s += time.perf_counter() - t1
-        except BaseException as e:  # noqa: BLE001
-            _put(sh, ("error", index, e, None, None))
-            return
-        if not _put(sh, ("item", index, item, snap, event)):
-            return
-        del item
-        index += 1
 
 
 def _shutdown(sh: _Shared) -> None:
-    sh.stop.set()
-    try:
-        while True:
-            sh.queue.get_nowait()
-    except queue.Empty:
-        pass
+    with sh.cond:
+        sh.stop = True
+        sh.items.clear()
+        sh.cond.notify_all()
 
 
 # ---------------------------------------------------------------------------------------------- prefetcher
@@ -473,18 +544,27 @@ class Prefetcher(Iterator[T], Generic[T]):
     """Prefetch items of ``source`` on a background thread, with exact resume state.
 
     Args:
-        source: The iterator to pull from (only the background thread touches it until :meth:`close`).
-        state_fn: Returns the source's JSON-serializable state; called on the background thread right
-            after each item is produced (and once here, before the thread starts).
+        source: The iterator to pull from: by the background thread, or by the consumer's thread inside
+            ``__next__`` when there is nothing to overlap (see ``inline_below_s``); never by two at once.
+        state_fn: Returns the source's JSON-serializable state; called right after each item is produced,
+            on the thread that produced it (and once here, before the thread starts).
         depth: Items queued ahead of the consumer (the source runs at most ``depth + 1`` items ahead).
         pin_memory: Pin items on the background thread. ``None``: when CUDA is available and ``device`` is
             not the CPU. ``True`` without CUDA warns and does not pin (pinning needs CUDA).
         device: Copy items to this device on the background thread (CUDA: side stream, see the module
             doc). ``None`` or ``"cpu"``: items stay where the source put them.
         pool: Optional :class:`PinnedBufferPool` for staging (CUDA device only).
+        inline_below_s: Consumer time per item (the 25th percentile over the last 8 items, measured between
+            ``__next__`` calls) below which there is nothing to overlap: the consumer then pulls from the source itself
+            when the queue is empty, and the thread only refills the queue while the consumer is away (more
+            than 5 ms). Above it every item is produced ahead on the thread. ``0`` disables inline pulls.
+            Without a device copy only (the CUDA path always copies on the thread). Items pulled inline are
+            produced under the consumer thread's thread-local torch state (grad mode, inference mode,
+            autocast), as in a synchronous loop.
 
     Raises:
-        ConfigError: ``depth < 1``, a CUDA device without CUDA, or a pool without a CUDA device.
+        ConfigError: ``depth < 1``, a negative ``inline_below_s``, a CUDA device without CUDA, or a pool
+            without a CUDA device.
         StateError: ``state_fn()`` does not return JSON-serializable data.
 
     Example:
@@ -504,9 +584,12 @@ class Prefetcher(Iterator[T], Generic[T]):
         pin_memory: bool | None = None,
         device: str | torch.device | None = None,
         pool: PinnedBufferPool | None = None,
+        inline_below_s: float = 2e-4,
     ):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ConfigError(f"depth must be an int >= 1, got {depth!r}")
+        if not isinstance(inline_below_s, (int, float)) or not inline_below_s >= 0:
+            raise ConfigError(f"inline_below_s must be a number >= 0, got {inline_below_s!r}")
         dev = None if device is None else torch.device(device)
         cuda = dev is not None and dev.type == "cuda"
         if cuda and not torch.cuda.is_available():
@@ -535,7 +618,10 @@ class Prefetcher(Iterator[T], Generic[T]):
         self._state: Any = _snapshot(state_fn) if state_fn is not None else {}
         self._index = 0
         self._done = False
-        self._shared = _Shared(iter(source), state_fn, depth, transfer, self.pin_memory and transfer is None, self.stats)
+        self.inline_below_s = float(inline_below_s) if transfer is None else 0.0
+        self._away: collections.deque = collections.deque(maxlen=_INLINE_WINDOW)  # consumer time per item
+        self._shared = _Shared(iter(source), state_fn, depth, transfer, self.pin_memory and transfer is None, self.stats,
+                               inline=self.inline_below_s > 0)
         self._thread = threading.Thread(target=_produce, args=(self._shared,), name="knitdata-prefetch", daemon=True)
         self._finalizer = weakref.finalize(self, _shutdown, self._shared)
         self._thread.start()
@@ -547,15 +633,63 @@ class Prefetcher(Iterator[T], Generic[T]):
         if self._done:
             raise StopIteration
         sh = self._shared
+        cond = sh.cond
         t0 = time.perf_counter()
-        while True:
+        entry = None
+        steal = False
+        with cond:
+            sh.in_next = True
+            if self.inline_below_s > 0:
+                self._away.append(t0 - sh.left_at)
+                # a low quantile: time slices lost to other processes only ever lengthen a sample
+                inline = sorted(self._away)[len(self._away) // 4] < self.inline_below_s
+                if inline != sh.inline:
+                    sh.inline = inline
+                    if sh.parked == "turn":
+                        cond.notify_all()
             try:
-                kind, index, payload, snap, event = sh.queue.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if not self._thread.is_alive() and sh.queue.empty():
-                    self._done = True
-                    raise StateError("the prefetch thread stopped (closed?); build a new Prefetcher") from None
+                while True:
+                    if sh.items:
+                        entry = sh.items.popleft()
+                        sh.taken = entry[1] + 1
+                        if sh.parked == "room":
+                            cond.notify_all()
+                        break
+                    if sh.stop:
+                        self._done = True
+                        raise StateError("the prefetch thread stopped (closed?); build a new Prefetcher")
+                    if self.inline_below_s > 0 and not sh.producing and not sh.finished:
+                        sh.producing = steal = True  # work stealing: nothing queued, the thread idle: run it here
+                        index = sh.index
+                        break
+                    if not self._thread.is_alive():
+                        self._done = True
+                        raise StateError("the prefetch thread stopped (closed?); build a new Prefetcher")
+                    sh.waiting = True
+                    cond.wait(_POLL_S)
+                    sh.waiting = False
+            finally:
+                sh.waiting = False
+                if sh.parked == "handoff":
+                    cond.notify_all()
+                if not steal:
+                    sh.in_next = False
+                    sh.left_at = time.perf_counter()
+        if steal:
+            last = True
+            try:
+                entry, last = _make(sh, index)
+                self.stats.inline += not last
+            finally:
+                with cond:
+                    sh.producing = False
+                    sh.index += 1
+                    sh.finished = sh.finished or last
+                    if not sh.inline and sh.parked == "turn":
+                        cond.notify_all()
+                    sh.in_next = False
+                    sh.left_at = time.perf_counter()
+        kind, index, payload, snap, event = entry
         wait = time.perf_counter() - t0
         st = self.stats
         if kind == "end":
@@ -599,8 +733,10 @@ class Prefetcher(Iterator[T], Generic[T]):
         return self._index
 
     def _finish(self) -> None:
+        # The source ended (or failed): the thread no longer touches it. Signal it without waiting for it to
+        # exit (on a busy machine a thread wake-up can take a time slice).
         self._done = True
-        self.close()
+        self._finalizer()
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the background thread and drop queued items. Idempotent; also runs on garbage collection.

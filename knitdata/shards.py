@@ -1093,6 +1093,10 @@ class ShardDataset(IterableDataset):
     ``__iter__`` continue exactly after them (skipping data without decoding it), which is what
     ``torchdata.stateful_dataloader.StatefulDataLoader`` needs per worker.
 
+    End of epoch follows the ``torchdata.nodes`` convention (a loader without ``restart_on_stop_iteration``):
+    a state saved once an epoch has ended (after ``StopIteration``, or after its last sample) records that
+    end; loaded, the next ``__iter__`` yields nothing more, and the one after it starts the next epoch.
+
     Args:
         urls: Shard paths or a brace pattern.
         rank: This consumer's rank.
@@ -1130,6 +1134,9 @@ class ShardDataset(IterableDataset):
         self._epoch = 0
         self._yielded = 0
         self._resume: int | None = None
+        # True once an epoch ended and the next one has not started: a state saved now is an end-of-epoch state
+        self._epoch_end = False
+        self._resume_end = False
 
     # -------------------------------------------------------------------------------- layout
     @property
@@ -1166,13 +1173,18 @@ class ShardDataset(IterableDataset):
     # -------------------------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[Any]:
         first, count, _wid = self._my_indices()
+        if self._resume_end:  # loaded an end-of-epoch state: this pass yields nothing, the next one starts over
+            self._resume_end = False
+            self._resume = None
+            self._epoch_end = True
+            return
         skip = self._resume or 0
         self._resume = None
         self._yielded = skip
+        self._epoch_end = False
         total = self.total_samples
         if total == 0 or count == 0:
-            self._epoch += 1
-            self._yielded = 0
+            self._end_epoch()
             return
         cum = np.cumsum([0, *self.sample_counts])
         pos = first + skip
@@ -1197,8 +1209,12 @@ class ShardDataset(IterableDataset):
                 )
             pos += take
             remaining -= take
+        self._end_epoch()
+
+    def _end_epoch(self) -> None:
         self._epoch += 1
         self._yielded = 0
+        self._epoch_end = True
 
     # -------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -1216,10 +1232,15 @@ class ShardDataset(IterableDataset):
             "num_workers": info.num_workers if info is not None else 1,
             "epoch": self._epoch,
             "yielded": self._yielded,
+            "epoch_end": self._epoch_end,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict`: the next ``__iter__`` continues after the samples already yielded.
+
+        A state saved at the end of an epoch (``epoch_end``) makes the next ``__iter__`` yield nothing; the
+        one after it starts the next epoch (``torchdata.nodes`` convention). States without ``epoch_end``
+        (saved by older versions) resume at the position they record.
 
         Raises:
             StateError: If the state belongs to another rank, worker layout or set of shards.
@@ -1249,6 +1270,11 @@ class ShardDataset(IterableDataset):
         epoch = state.get("epoch", 0)
         if not _is_count(epoch):
             raise StateError(f"bad 'epoch' {epoch!r:.80}: expected a non-negative int")
+        end = state.get("epoch_end", False)
+        if not isinstance(end, bool) or (end and y != 0):
+            raise StateError(f"bad 'epoch_end' {end!r:.80} with 'yielded' {y!r} (an ended epoch records 0 yielded)")
         self._epoch = epoch
         self._yielded = y
         self._resume = y
+        self._epoch_end = end
+        self._resume_end = end

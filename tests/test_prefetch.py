@@ -408,3 +408,87 @@ def test_cuda_code_path_with_fake_streams(monkeypatch: pytest.MonkeyPatch, use_p
     if use_pool:
         s = pool.stats()
         assert s["in_use_bytes"] == 0 and s["hits"] + s["misses"] == 5
+
+
+# ------------------------------------------------------------------------------------------------ hand-off
+class GuardedSource(CountingSource):
+    """A CountingSource that fails loudly if two threads are ever inside it at once, and records who ran it."""
+
+    def __init__(self, n: int, *, work: float = 0.0, **kw):
+        super().__init__(n, **kw)
+        self.work = work
+        self.inside = threading.Lock()
+        self.threads: list[int] = []
+
+    def __next__(self):
+        if not self.inside.acquire(blocking=False):
+            raise AssertionError("two threads inside the source at once")
+        try:
+            if self.work:
+                time.sleep(self.work)
+            v = super().__next__()
+            self.threads.append(threading.get_ident())
+            return v
+        finally:
+            self.inside.release()
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(0, 25), depth=st.integers(1, 4), fail_at=st.one_of(st.none(), st.integers(0, 25)),
+       inline_below_s=st.sampled_from([0.0, 2e-4, 10.0]),
+       pauses=st.lists(st.sampled_from([0.0, 0.0, 0.003, 0.008]), min_size=1, max_size=6),
+       work=st.sampled_from([0.0, 0.001]))
+def test_handoff_order_exactly_once_and_errors(n, depth, fail_at, inline_below_s, pauses, work) -> None:
+    """Whatever mix of inline pulls, thread pulls and hand-offs the consumer's pace causes: every item once,
+    in order; the state is the one of the item handed out; an error surfaces in place with its own type."""
+    src = GuardedSource(n, work=work, fail_at=fail_at)
+    pf = Prefetcher(src, state_fn=src.state_dict, depth=depth, inline_below_s=inline_below_s)
+    got = []
+    err = None
+    try:
+        for k, x in enumerate(pf):
+            got.append(x)
+            assert pf.state_dict() == {"i": len(got)}
+            assert src.i - len(got) <= depth + 1  # bounded lead
+            if pauses[k % len(pauses)]:
+                time.sleep(pauses[k % len(pauses)])
+    except ValueError as e:
+        err = e
+    fails = fail_at is not None and fail_at < n
+    assert got == [i * 10 for i in range(fail_at if fails else n)]
+    assert (err is not None) == fails and (err is None or str(err) == f"bad item {fail_at}")
+    assert pf.closed and pf.stats.items == len(got)
+    assert len(src.threads) == src.i == len(got)  # nothing pulled that was not handed out (the end was reached)
+    if inline_below_s == 0.0:
+        assert pf.stats.inline == 0 and threading.get_ident() not in src.threads
+    with pytest.raises(StopIteration):
+        next(pf)
+
+
+def test_inline_when_nothing_to_overlap_thread_when_compute() -> None:
+    main = threading.get_ident()
+    # no compute between items: after the first few, the consumer pulls items itself (no thread hand-off)
+    src = GuardedSource(60)
+    pf = Prefetcher(src, depth=2, inline_below_s=0.05)
+    assert list(pf) == [i * 10 for i in range(60)]
+    assert pf.stats.inline == src.threads.count(main) and pf.stats.inline >= 30
+    # compute between items: once the consumer's pace is known, items are produced ahead on the thread
+    src = GuardedSource(16, work=0.002)
+    pf = Prefetcher(src, depth=2)
+    for _ in pf:
+        time.sleep(0.01)
+    assert pf.stats.inline == src.threads.count(main) and pf.stats.inline <= 6
+    assert src.threads[-8:].count(main) == 0
+    # an idle consumer gets its queue refilled (depth items queued and one more pulled), also in inline mode
+    src = GuardedSource(40)
+    pf = Prefetcher(src, depth=3, inline_below_s=10.0)
+    for _ in range(10):
+        next(pf)
+    assert _wait_until(lambda: src.i == 10 + 3 + 1)
+    assert list(pf) == [i * 10 for i in range(10, 40)]
+
+
+def test_inline_below_s_validated() -> None:
+    for bad in (-1.0, float("nan"), "0.1"):
+        with pytest.raises(ConfigError, match="inline_below_s"):
+            Prefetcher(iter([]), inline_below_s=bad)

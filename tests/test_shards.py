@@ -432,6 +432,63 @@ def test_dataset_resume_exact(ten):
         ShardDataset(paths, rank=1, world_size=2).load_state_dict(state)
 
 
+def _save_load_at(paths: list[str], midpoint: int, *, world_size: int = 1, rank: int = 0, fresh: bool = True,
+                  **kw) -> tuple[list[str], list[str], list[str]]:
+    """Save after ``midpoint`` samples (``-1``: after the epoch's ``StopIteration``), load, iterate twice.
+
+    Returns (uninterrupted epoch, first pass after the load, second pass after the load).
+    """
+    ds = ShardDataset(paths, rank=rank, world_size=world_size, **kw)
+    it = iter(ds)
+    head = [next(it).id for _ in range(max(midpoint, 0))]
+    state = json.loads(json.dumps(ds.state_dict()))
+    tail = [t.id for t in it]
+    if midpoint < 0:
+        state = json.loads(json.dumps(ds.state_dict()))
+    target = ShardDataset(paths, rank=rank, world_size=world_size, **kw) if fresh else ds
+    target.load_state_dict(state)
+    return head + tail, [t.id for t in target], [t.id for t in target]
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "same"])
+@pytest.mark.parametrize("world_size,rank,uneven", [(1, 0, "drop"), (3, 2, "pad"), (2, 1, "drop")])
+def test_dataset_save_load_at_every_midpoint(ten, fresh, world_size, rank, uneven):
+    ids, paths = ten
+    n = len(ShardDataset(paths, rank=rank, world_size=world_size, uneven=uneven))
+    for midpoint in range(n + 1):  # 0 (before any sample) ... n (after the last sample, before StopIteration)
+        epoch, after, next_epoch = _save_load_at(paths, midpoint, world_size=world_size, rank=rank, fresh=fresh,
+                                                 uneven=uneven)
+        assert len(epoch) == n
+        assert epoch[:midpoint] + after == epoch, midpoint  # exactly the rest of the epoch, in order
+        assert next_epoch == epoch, midpoint  # the iteration after the resumed one is a full epoch
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "same"])
+def test_dataset_end_of_epoch_state_yields_nothing_more(ten, fresh):
+    ids, paths = ten
+    epoch, after, next_epoch = _save_load_at(paths, -1, fresh=fresh)
+    assert epoch == ids
+    assert after == []  # torchdata.nodes convention: the end state, loaded without a restart, yields nothing more
+    assert next_epoch == ids  # and the iteration after it starts the next epoch
+    # the state saved after the empty pass is still an end state; a new epoch starts after one more pass
+    ds = ShardDataset(paths)
+    list(ds)
+    end = ds.state_dict()
+    assert end["epoch_end"] is True and end["epoch"] == 1 and end["yielded"] == 0
+    ds.load_state_dict(end)
+    assert list(ds) == [] and ds.state_dict() == end
+    it = iter(ds)
+    assert next(it).id == ids[0] and ds.state_dict()["epoch_end"] is False
+    # a state without the key (older versions) resumes where it says; a contradictory one is refused
+    old = {k: v for k, v in end.items() if k != "epoch_end"}
+    ds.load_state_dict(old)
+    assert [t.id for t in ds] == ids
+    with pytest.raises(StateError, match="epoch_end"):
+        ds.load_state_dict({**end, "yielded": 3})
+    with pytest.raises(StateError, match="epoch_end"):
+        ds.load_state_dict({**end, "epoch_end": "yes"})
+
+
 def test_dataset_resume_with_stateful_dataloader_workers(ten):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
