@@ -1,4 +1,4 @@
-"""Encode each unique media item once per mini-batch, with the exact gradient of every micro-batch (DESIGN.md §5).
+"""Encode each unique media item once per mini-batch, with the exact gradient of every micro-batch.
 
 In GRPO every prompt image is shared by the n responses of its group, and a naive trainer encodes it once per
 copy, forward and backward. With ``L = sum_k s_k L_k`` over the K micro-batches of a mini-batch and the encoder
@@ -68,7 +68,7 @@ micro-batch (the peak is whichever is larger at any moment):
   lowest encoder memory, for one more encoder forward.
 
 Reported for a Qwen2.5-VL-3B-shaped model with hand-written glue (one H200, bf16, groups of 8 sharing an image,
-8 micro-batches of 2; issue 14):
+8 micro-batches of 2):
 ``fold`` peaked at about the model's own duplicated path (34 vs 35 GiB at 448 px, 49 vs 51 GiB at 896 px)
 and ``recompute`` lower; ``knitdata bench vlm`` (``--gpu``) measures ``peak_mem_bytes`` per mode.
 

@@ -1,4 +1,4 @@
-"""Group the media of one consumer's share of a mini-batch into a table of unique items (DESIGN.md §5).
+"""Group the media of one consumer's share of a mini-batch into a table of unique items.
 
 :class:`MultimodalCollator` takes the micro-batches of one consumer's share of one mini-batch, *in the
 order they will be trained* (call it after any reordering), decodes and preprocesses every media item once

@@ -1,4 +1,4 @@
-"""Planning: an admitted mini-batch becomes per-consumer shares cut into micro-batches (DESIGN.md §4).
+"""Planning: an admitted mini-batch becomes per-consumer shares cut into micro-batches.
 
 Works on :class:`~knitdata.record.TrajectoryMeta` only (no payloads, no storage). The plan is a pure,
 deterministic function of the admitted mini-batch, the layout and the options: a freshly built pipeline

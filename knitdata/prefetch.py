@@ -4,7 +4,7 @@
 while the consumer computes. Right after each item is produced it snapshots the source's state
 (``state_fn()``) and keeps the snapshot with the item; :meth:`Prefetcher.state_dict` returns the snapshot of
 the item last handed out, so items prefetched but not consumed never move the resume point (the
-``torchdata.nodes`` Prefetcher/PinMemory pattern; NOTES.md).
+``torchdata.nodes`` Prefetcher/PinMemory pattern).
 
 Hand-off: a thread hand-off is not free under the GIL. A consumer woken for an item has to wait for the GIL
 while the producer runs on into the next item, dropping and retaking the GIL in every torch call, each time

@@ -21,7 +21,7 @@ finishes; the pipeline's admission policy decides which mini-batch it joins and 
 consumer's :class:`~knitdata.dataset.TrajectoryDataset` (``fetch="iter"``: a background prefetch thread
 fetches and collates) deliver it; the trainer consumes that dataset, steps, and calls
 :meth:`~knitdata.pipeline.Pipeline.report_version`; then the new weights are synced to rollout
-(DESIGN.md §3: after every optimizer step). Staleness is read from what the trainer received
+(after every optimizer step). Staleness is read from what the trainer received
 (``info.gen_versions`` against the trainer's version), not assumed.
 
 What is simulated: time. A seeded virtual clock (an event loop, one thread) stands in for wall time, so that
@@ -54,7 +54,7 @@ seeds, prompts, sampling noise and generation times for all four):
 Figures: AUC = mean held-out reward over the evaluated steps (0 to ``steps``); final reward = mean over the
 last 10% of the evaluated steps; steps to 0.8 = first evaluated step whose held-out reward is >= 0.8;
 architectural staleness per trajectory = (trainer version - gen_version) - mini-batch index within its train
-batch (DESIGN.md §3), reported as the mean of its positive part (the headline), the signed mean, p95 and the
+batch, reported as the mean of its positive part (the headline), the signed mean, p95 and the
 share of negative values. ``gap_closed`` = (AUC(constraint_preserving) - AUC(train_batch)) /
 (AUC(colocated) - AUC(train_batch)), per seed and its median.
 """

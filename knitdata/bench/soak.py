@@ -5,7 +5,7 @@ trajectories ``--speed-ratio`` times faster than the consumers (threads) can tra
 seconds, into a :class:`~knitdata.pipeline.Pipeline` with a small store capacity, so producers block on a
 full store most of the time. Every consumer checkpoints its dataset's JSON state after each finished step and
 "crashes" every ``--restart-every`` micro-batches: its dataset is discarded mid-iteration (prefetched
-micro-batches are dropped) and a freshly built dataset resumes from the saved state (DESIGN.md §4).
+micro-batches are dropped) and a freshly built dataset resumes from the saved state.
 
 Accounting (a :class:`Ledger`): a trajectory is *accepted* once ``put`` returned, *committed* once a consumer
 finished the step of its micro-batch and saved a state past it. A micro-batch received after the last saved

@@ -18,7 +18,7 @@ them alike; ``iter_embedded`` runs afterwards in the driver process.
 
 Every consumer trains a tiny vision-language model (a patch-MLP vision encoder and an MLP backbone) on each
 micro-batch, with the image encoded per copy (``dup``: what verl and slime do) or once per mini-batch with
-:class:`~knitdata.encoder.SharedEncoding` (``shared``). Exposed transfer latency (issue 4): per step, the wall
+:class:`~knitdata.encoder.SharedEncoding` (``shared``). Exposed transfer latency: per step, the wall
 time the trainer spends inside ``next()`` (plus any host-to-device wait; none on CPU), median over the
 measured steps. The GPU projection replaces this CPU's compute time with the FLOPs of a 7B-class model
 (counted with :class:`torch.utils.flop_counter.FlopCounterMode` on the meta device) at a stated rate, and
@@ -684,7 +684,7 @@ class _TQServer:
         if not all(_is_loopback(ip) for ip in ips):
             raise LoopbackError(
                 f"transferqueue listens on {sorted(set(ips))}, not loopback only; refusing to run. Set "
-                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray starts (NOTES.md)"
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray starts"
             )
         self.startup_s = time.perf_counter() - t0
 
@@ -1283,7 +1283,7 @@ def run_transfer_benchmark(
 
     w = w or TransferWorkload()
     if "ray" not in sys.modules:
-        # Keeps Ray (and transferqueue's servers) on 127.0.0.1 on this kind of machine (NOTES.md).
+        # Keeps Ray (and transferqueue's servers) on 127.0.0.1 on this kind of machine.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     # Ray's default for a new local cluster, made explicit before the consumer processes are spawned: a
     # process that imported Ray caches its auth mode, and the consumers must agree with the driver's cluster.

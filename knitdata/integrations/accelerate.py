@@ -3,7 +3,7 @@
 ``accelerator.prepare()`` rewrites every :class:`torch.utils.data.DataLoader` it is given (accelerate 1.15,
 ``Accelerator._prepare_one``: only ``isinstance(obj, DataLoader)`` objects are touched). Over an
 ``IterableDataset`` it either dispatches batches from rank 0 or makes every rank read the whole stream and
-keep ``1/N`` of it (NOTES.md): a rank-aware knitdata dataset would be silently cut. :class:`AcceleratedLoader`
+keep ``1/N`` of it: a rank-aware knitdata dataset would be silently cut. :class:`AcceleratedLoader`
 therefore *wraps* a :class:`~knitdata.dataset.TrajectoryDataset` instead of subclassing ``DataLoader``;
 ``prepare()`` returns it unchanged (it is neither a DataLoader, a module, an optimizer nor a scheduler), and
 you do not need to pass it to ``prepare()`` at all. What it does the Accelerate way:

@@ -1,6 +1,6 @@
 """Shared encoding and the multimodal collate on Hugging Face ``transformers`` vision-language and audio models.
 
-An adapter ties one ``transformers`` model to knitdata's multimodal path (DESIGN.md §5) without patching it:
+An adapter ties one ``transformers`` model to knitdata's multimodal path without patching it:
 
 1. **Processing**: :meth:`HFMultimodalAdapter.media_collator` processes each unique image or audio clip once
    with the model's own processor (``Qwen2VLImageProcessor``, ``WhisperFeatureExtractor``) and carries the

@@ -1,4 +1,4 @@
-"""The storage-unit interface: where trajectory payloads live between rollout and training (DESIGN.md §4).
+"""The storage-unit interface: where trajectory payloads live between rollout and training.
 
 A storage unit holds the payloads of one node. Everything that crosses its interface is either a
 :class:`~knitdata.record.Trajectory` (in) or ids (in) and trajectories / codec records (out): no pickle,

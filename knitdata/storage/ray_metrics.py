@@ -1,6 +1,6 @@
 """Cross-node byte counters of the Ray engine (pure Python: no Ray import, JSON state).
 
-Two places count bytes, separately (issue 6):
+Two places count bytes, separately:
 
 * **read side** -- where a consumer reads a payload: the reader's Ray node against the Ray node holding
   the object (the node of the unit that owns it, or every node holding a copy from

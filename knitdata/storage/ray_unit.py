@@ -1,4 +1,4 @@
-"""Ray storage units: one actor per training node, payloads in that node's Ray object store (DESIGN.md §4).
+"""Ray storage units: one actor per training node, payloads in that node's Ray object store.
 
 A :class:`StorageUnitActor` is pinned to its node with ``NodeAffinitySchedulingStrategy(soft=False)``. A
 producer encodes a trajectory with :func:`knitdata.codec.encode_trajectory` (raw buffers + JSON header +
