@@ -27,7 +27,7 @@ import math
 import struct
 import zlib
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -223,7 +223,7 @@ def decode_tensors(
     return header.get("meta"), _materialize(mv, checked, data_start)
 
 
-def _is_count(x: Any) -> bool:
+def _is_count(x: Any) -> TypeGuard[int]:
     return type(x) is int and x >= 0  # JSON ints only: no bool, no float
 
 

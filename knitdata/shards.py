@@ -38,7 +38,7 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeGuard
 
 import numpy as np
 import torch
@@ -137,7 +137,7 @@ def _tensor_to_npy(t: torch.Tensor, *, trajectory_id: str, field: str) -> tuple[
         t = t.view(torch.uint16)
     arr = t.numpy()
     header = _npy_header(arr.dtype, arr.shape)
-    data = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else b""
+    data = arr.reshape(-1).view(np.uint8).data if arr.size else b""
     return [header, data], len(header) + arr.nbytes, name, list(t.shape)
 
 
@@ -528,7 +528,7 @@ def decode_sample(
     return traj, header
 
 
-def _is_count(x: Any) -> bool:
+def _is_count(x: Any) -> TypeGuard[int]:
     return type(x) is int and x >= 0  # JSON ints only: no bool, no float
 
 
@@ -793,7 +793,7 @@ class _SafeReader:
 
     _CHUNK = 1 << 24
 
-    def __init__(self, f: BinaryIO, size: int | None):
+    def __init__(self, f: io.BufferedIOBase, size: int | None):
         self._f, self.size = f, size
 
     def read(self, n: int = -1) -> bytes:
@@ -888,7 +888,7 @@ def iter_shard_samples(
                 raise _BrokenShard(
                     f"shard {url!r}: broken after sample {key!r} (truncated member?): {e}; later samples are lost"
                 ) from e
-            tf.members = []  # do not accumulate TarInfos
+            tf.members = []  # type: ignore[attr-defined]  # do not accumulate TarInfos (typeshed omits `members`)
             if ti is None:
                 break
             if not ti.isreg():
@@ -959,7 +959,7 @@ def count_samples(url: str) -> int:
                 ti = tf.next()
             except (tarfile.TarError, OSError) as e:
                 raise CodecError(f"shard {url!r}: broken tar after {n} samples: {e}") from e
-            tf.members = []
+            tf.members = []  # type: ignore[attr-defined]  # typeshed omits TarFile.members
             if ti is None:
                 return n
             if ti.isreg() and "." in os.path.basename(ti.name):
@@ -1062,8 +1062,9 @@ def read_admitted_batches(
                 CodecError(f"sample {traj.id!r} has no replay information; write it with write_admitted_batches"),
             )
             continue
-        fields = [r.get(k) for k in ("train_batch", "minibatch", "step", "position", "size")]
-        if not all(_is_count(v) for v in fields) or fields[3] >= fields[4]:
+        raw = [r.get(k) for k in ("train_batch", "minibatch", "step", "position", "size")]
+        fields = [v for v in raw if _is_count(v)]
+        if len(fields) != len(raw) or fields[3] >= fields[4]:
             _handle(on_error, CodecError(f"sample {traj.id!r}: bad replay information {r!r:.300}"))
             continue
         info = ReplayInfo(*fields)

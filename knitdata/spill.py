@@ -583,14 +583,16 @@ def _scan(path: str) -> tuple[list[tuple[str, int, dict[str, tuple[int, int]]]],
             tf = tarfile.open(fileobj=f, mode="r:")
         except (tarfile.TarError, OSError, EOFError, ValueError) as e:
             return [], 0, f"not a readable tar: {e}"
-        key, start, cur = None, 0, {}
+        key: str | None = None
+        start = 0
+        cur: dict[str, tuple[int, int]] = {}
         while True:
             try:
                 ti = tf.next()
             except (tarfile.TarError, OSError, EOFError, ValueError) as e:  # ValueError: defence in depth
                 problem = f"broken after byte {end}: {e}"
                 break
-            tf.members = []
+            tf.members = []  # type: ignore[attr-defined]  # typeshed omits TarFile.members
             if ti is None:
                 break
             if ti.offset_data + ti.size > fsize:
