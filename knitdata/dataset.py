@@ -519,7 +519,7 @@ def _produce(engine: Engine, rank: int, fetch: str, collate: Callable[..., Any],
                     nbytes += int(it[2])
                     local += int(it[2]) if it[1] in local_units else 0
                 if media_collator is not None:
-                    groups = [[] for _ in range(int(e["microbatch"]))]
+                    groups: list[list[Any]] = [[] for _ in range(int(e["microbatch"]))]
                     groups += [[share[it[0]] for it in x["items"]] for x in rows]
                     media = media_collator(groups)
             batch = [share.pop(it[0]) for it in items]

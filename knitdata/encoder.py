@@ -101,7 +101,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils._pytree as pytree
@@ -144,11 +144,12 @@ def grad_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
             with module.no_sync():
                 yield
     elif hasattr(module, "set_requires_gradient_sync"):
-        module.set_requires_gradient_sync(enabled)
+        set_sync = cast("Callable[[bool], None]", module.set_requires_gradient_sync)  # FSDP2's method
+        set_sync(enabled)
         try:
             yield
         finally:
-            module.set_requires_gradient_sync(True)
+            set_sync(True)
     else:
         yield
 
@@ -211,11 +212,13 @@ def check_independence(
         worst = 0.0
         for u in range(table.num_items):
             alone = _Layout.of(call(encoder, table.slice(u, u + 1)), table.slice(u, u + 1), out_rows)
-            for li, leaf in enumerate(whole.leaves):
+            for li, (leaf, off) in enumerate(zip(whole.leaves, whole.offsets)):
                 if leaf is None:
                     continue
-                a = leaf[segment_rows(whole.offsets[li], torch.tensor([u]))]
+                assert off is not None  # a tensor leaf always has offsets
+                a = leaf[segment_rows(off, torch.tensor([u]))]
                 b = alone.leaves[li]
+                assert b is not None  # the same output structure for one item as for all
                 diff = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
                 worst = max(worst, diff)
                 if not torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol):
@@ -276,7 +279,8 @@ class _Layout:
             if leaf is None:
                 flat.append(next(it))
                 continue
-            rows = leaf[segment_rows(off, items.to(off.device))]  # type: ignore[arg-type]
+            assert off is not None  # a tensor leaf always has offsets
+            rows = leaf[segment_rows(off, items.to(off.device))]
             if how == "leaf":
                 rows = rows.detach()
                 if trainable and (rows.is_floating_point() or rows.is_complex()):
@@ -383,9 +387,11 @@ class SharedEncoding:
             raise ValueError(f"dummy must be True, False or 'auto', got {dummy!r}")
         if out_lengths is not None and out_rows is not None:
             raise ValueError("give at most one of out_lengths= and out_rows=")
-        self.encoders: dict[str | None, nn.Module] = (
-            dict(encoder) if isinstance(encoder, Mapping) else {kind: encoder}  # type: ignore[dict-item]
-        )
+        self.encoders: dict[str | None, nn.Module] = {}
+        if isinstance(encoder, Mapping):
+            self.encoders.update(encoder)
+        else:
+            self.encoders[kind] = encoder
         self.mode = mode
         self.call = call
         self.out_lengths = out_lengths
@@ -449,9 +455,9 @@ class SharedMiniBatch:
         o = self.owner
         if o._open:
             raise StateError("a minibatch() of this SharedEncoding is already open; close it first")
-        encoders = dict(o.encoders)
-        if None in encoders:
-            enc = encoders.pop(None)
+        encoders: dict[str, nn.Module] = {k: e for k, e in o.encoders.items() if k is not None}
+        if None in o.encoders:
+            enc = o.encoders[None]
             kinds = self.batch.kinds
             if len(kinds) > 1:
                 raise ConfigError(f"the batch holds {kinds} media: give SharedEncoding one encoder per kind (a mapping)")

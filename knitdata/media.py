@@ -401,7 +401,11 @@ class MediaProcessor:
         ValueError: ``preprocess`` names an unknown kind or holds a non-callable.
     """
 
-    def __init__(self, preprocess: Mapping[str, Callable[..., torch.Tensor]] | None = None, image_mode: str | None = "RGB"):
+    def __init__(
+        self,
+        preprocess: Mapping[str, Callable[..., torch.Tensor | tuple[torch.Tensor, Mapping[str, torch.Tensor]]]] | None = None,
+        image_mode: str | None = "RGB",
+    ):
         self.preprocess = dict(preprocess or {})
         for k, fn in self.preprocess.items():
             if k not in ("image", "audio"):
@@ -426,6 +430,7 @@ class MediaProcessor:
         """
         where = _where(trajectory_id, index)
         rate: int | None = None
+        x: torch.Tensor | tuple[torch.Tensor, Mapping[str, torch.Tensor]]  # decoded, then preprocessed (checked below)
         if item.kind == "image":
             if item.tensor is not None and item.tensor.dtype != torch.uint8:
                 x = item.tensor  # already processed encoder input

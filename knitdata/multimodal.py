@@ -289,7 +289,7 @@ class MultimodalCollator:
 
     def __init__(
         self,
-        preprocess: Mapping[str, Callable[..., torch.Tensor]] | None = None,
+        preprocess: Mapping[str, Callable[..., torch.Tensor | tuple[torch.Tensor, Mapping[str, torch.Tensor]]]] | None = None,
         key: str = "digest",
         *,
         image_mode: str | None = "RGB",
@@ -340,10 +340,11 @@ class MultimodalCollator:
                             pm = by_raw.get(item.digest) or self.processor.process(item, trajectory_id=traj.id, index=n)
                             by_raw[item.digest] = pm
                     else:
-                        pm = by_raw.get(item.digest)
-                        if pm is None:
-                            pm = self.processor.process(item, trajectory_id=traj.id, index=n)
-                            by_raw[item.digest] = pm
+                        cached = by_raw.get(item.digest)
+                        if cached is None:
+                            cached = self.processor.process(item, trajectory_id=traj.id, index=n)
+                            by_raw[item.digest] = cached
+                        pm = cached
                         k = processed_digest(pm)
                         kind_rows = key_to_row.setdefault(item.kind, {})
                     if k not in kind_rows:

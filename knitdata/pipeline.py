@@ -57,7 +57,7 @@ __all__ = ["Pipeline", "PipelineClosedError", "ENGINES", "RELEASE_MODES", "DEFAU
 #: Default seconds a consumer waits for its next micro-batch before :class:`~knitdata.errors.DataTimeoutError`.
 DEFAULT_TIMEOUT_S = 1800.0
 #: ``timeout`` of :meth:`Pipeline.put` / :meth:`Pipeline.put_many` meaning "the pipeline's ``put_timeout``".
-PUT_TIMEOUT = "put_timeout"
+PUT_TIMEOUT: Literal["put_timeout"] = "put_timeout"
 
 
 def _loss_tokens(traj: Trajectory) -> int:

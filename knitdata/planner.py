@@ -55,10 +55,17 @@ _LOCATION = operator.attrgetter("location")
 class AdmittedLike(Protocol):
     """What the planner reads of an admitted mini-batch (:class:`knitdata.admission.AdmittedMiniBatch`)."""
 
-    train_batch: int
-    index: int
-    step: int
-    trajectories: tuple[TrajectoryMeta, ...]
+    @property
+    def train_batch(self) -> int: ...
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def trajectories(self) -> tuple[TrajectoryMeta, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -403,9 +410,9 @@ class Planner:
             lpt: list[list[int]] = [[] for _ in range(kk)]
             heap = [(0, b) for b in range(kk)]  # (size, bin): least size, then lowest bin, as a linear min
             for j in order:
-                size, b = heap[0]
-                lpt[b].append(j)
-                heapq.heapreplace(heap, (size + tok[j], b))
+                size, bi = heap[0]
+                lpt[bi].append(j)
+                heapq.heapreplace(heap, (size + tok[j], bi))
             if max(size for size, _b in heap) <= max(self.token_budget, max(tok)):
                 bins = [b for b in lpt if b]
         if len(bins) == 1:
@@ -490,7 +497,7 @@ class Planner:
         )
 
 
-def _microbatch_factory(common: dict[str, Any]) -> Callable[[int, int, list[TrajectoryMeta]], PlannedMicroBatch]:
+def _microbatch_factory(common: dict[str, Any]) -> Callable[[int, int, Sequence[TrajectoryMeta]], PlannedMicroBatch]:
     """A fast constructor of :class:`PlannedMicroBatch` es sharing ``common`` fields.
 
     The same fields and values as the dataclass constructor (so equality, hashing and ``repr`` are the
@@ -501,7 +508,7 @@ def _microbatch_factory(common: dict[str, Any]) -> Callable[[int, int, list[Traj
     setattr_ = object.__setattr__
     cls = PlannedMicroBatch
 
-    def make(consumer: int, microbatch: int, trajectories: list[TrajectoryMeta]) -> PlannedMicroBatch:
+    def make(consumer: int, microbatch: int, trajectories: Sequence[TrajectoryMeta]) -> PlannedMicroBatch:
         obj = new(cls)
         d = dict(common)
         d["consumer"] = consumer

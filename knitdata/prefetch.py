@@ -99,8 +99,9 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], opaque: Ca
             return obj
         if type(obj) is dict:
             return items
+        ctor: Any = type(obj)  # a Mapping subclass whose constructor may or may not take a dict
         try:
-            return type(obj)(items)
+            return ctor(items)
         except TypeError:
             return items
     elif isinstance(obj, (list, tuple)):
@@ -635,7 +636,7 @@ class Prefetcher(Iterator[T], Generic[T]):
         sh = self._shared
         cond = sh.cond
         t0 = time.perf_counter()
-        entry = None
+        entry: tuple | None = None
         steal = False
         with cond:
             sh.in_next = True
@@ -689,6 +690,7 @@ class Prefetcher(Iterator[T], Generic[T]):
                         cond.notify_all()
                     sh.in_next = False
                     sh.left_at = time.perf_counter()
+        assert entry is not None  # taken from the queue or made by _make above
         kind, index, payload, snap, event = entry
         wait = time.perf_counter() - t0
         st = self.stats

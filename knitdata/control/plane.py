@@ -32,7 +32,7 @@ import functools
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
@@ -104,7 +104,7 @@ def _journaled(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def fields_of(scalars: Sequence[str], tensors: Mapping[str, str]) -> dict[str, Any]:
+def fields_of(scalars: Iterable[str], tensors: Mapping[str, str]) -> dict[str, Any]:
     """The schema record of a trajectory: its scalar names and its tensor fields' dtypes."""
     return {"scalars": sorted(scalars), "tensors": {k: str(v) for k, v in sorted(tensors.items())}}
 
