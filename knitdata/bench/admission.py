@@ -193,7 +193,7 @@ def scaling(
         for _ in range(max(1, repeats)):
             for n in sizes:
                 reps[n].append(admission_cost(n, p, minibatch_size=minibatch_size))
-        rows = []
+        rows: list[dict[str, Any]] = []
         for n in sizes:
             best = min(reps[n], key=lambda r: r["us_per_trajectory"])
             rows.append({**best, "repeats_us_per_trajectory": [r["us_per_trajectory"] for r in reps[n]]})

@@ -85,7 +85,7 @@ def make_admitted(n_traj: int, group_size: int, nodes: list[str], seed: int = 0)
     # arrival: a group's rollouts start together and finish after their own generation time, so the
     # members of concurrent groups interleave; seq is the arrival rank; admission emits whole groups in
     # the order they complete
-    arrivals = []
+    arrivals: list[tuple[float, int, int]] = []
     for g in range(n_groups):
         start = rng.uniform(0.0, n_groups / 100.0)
         arrivals.extend((start + rng.expovariate(1.0), g, k) for k in range(group_size))
@@ -140,6 +140,7 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 plan = planner.plan(admitted)
                 times.append((time.perf_counter() - t0) * 1e3)
+            assert plan is not None  # at least one repeat
             q = plan_quality(plan)
             point = {
                 "plan_ms": statistics.median(times),
@@ -372,7 +373,7 @@ def trainer_data_point(engine: str, steps: int = 12, microbatches: int = 4, comp
     ds = pipe.dataset(0, fetch="iter")
     it = iter(ds)
     per_step: list[float] = []
-    parts = {"next_ms": [], "commit_ms": [], "state_ms": []}
+    parts: dict[str, list[float]] = {"next_ms": [], "commit_ms": [], "state_ms": []}
     cur = 0.0
     while True:
         t0 = time.perf_counter()
@@ -384,6 +385,7 @@ def trainer_data_point(engine: str, steps: int = 12, microbatches: int = 4, comp
         parts["next_ms"].append((t1 - t0) * 1000)
         cur += t1 - t0
         time.sleep(compute_s)
+        assert mb.info is not None  # the dataset's micro-batches carry their plan information
         if mb.info.is_last:
             t2 = time.perf_counter()
             state = ds.state_dict()

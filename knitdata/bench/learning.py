@@ -237,6 +237,9 @@ class SortPolicy(nn.Module):
         hidden: Hidden width.
     """
 
+    _eye: torch.Tensor  # buffers, registered in __init__
+    _before: torch.Tensor
+
     def __init__(self, digits: int = 5, hidden: int = 128) -> None:
         super().__init__()
         self.digits = digits
@@ -579,11 +582,14 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
             if info.is_last:
                 break
         opt.zero_grad(set_to_none=True)
-        total = parts[-1].info.global_trajectories * L
+        last = parts[-1].info
+        assert last is not None  # checked as the parts were pulled
+        total = last.global_trajectories * L
         for mb in parts:
             if mb.is_empty:
                 continue
             info = mb.info
+            assert info is not None  # checked as the parts were pulled
             k = info.minibatch_in_batch
             for gv in info.gen_versions:
                 out.raw_staleness.append(version - gv)

@@ -36,8 +36,8 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -252,7 +252,8 @@ def measure_local_fetch(trajs: Sequence[Trajectory], *, repeats: int = 5, miniba
     for _ in range(repeats):
         pipe = _fed_pipeline(trajs, minibatches, token_budget)
         t0 = time.perf_counter()
-        nbytes = sum(int(buf.numel()) for buf in pipe.dataset(0, fetch="iter", collate=concat))
+        bufs = cast("Iterable[torch.Tensor]", pipe.dataset(0, fetch="iter", collate=concat))  # what `concat` returns
+        nbytes = sum(int(buf.numel()) for buf in bufs)
         times.append(time.perf_counter() - t0)
     assert nbytes == sum(t.nbytes for t in trajs)
     return nbytes / statistics.median(times) / 1e9
@@ -331,6 +332,7 @@ def measure_modes(trajs: Sequence[Trajectory], *, per_microbatch: int = 4, k: in
                 assert mb.media is not None and mb.media.shape[0] == mb.num_sequences
                 (a @ a).sum()
                 count += 1
+                assert mb.info is not None  # the dataset's micro-batches carry their plan information
                 if mb.info.is_last:
                     now = time.perf_counter()
                     step_times.append(now - t_step)

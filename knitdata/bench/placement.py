@@ -82,7 +82,7 @@ def start_cluster(nodes: int, store_mb: int = 128, cpus: int = 2) -> Any:
     from ray.cluster_utils import Cluster
 
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
-    common = {"num_cpus": cpus, "object_store_memory": store_mb << 20, "node_ip_address": "127.0.0.1"}
+    common: dict[str, Any] = {"num_cpus": cpus, "object_store_memory": store_mb << 20, "node_ip_address": "127.0.0.1"}
     cluster = Cluster(initialize_head=True, connect=False,
                       head_node_args={**common, "include_dashboard": False, "resources": {"kd_node0": 1}})
     for i in range(1, nodes):
@@ -124,8 +124,10 @@ def _consumer_actor() -> Any:
             for mb in ds:
                 if t_first is None:
                     t_first = time.perf_counter()
-                ids.append(list(mb.info.trajectory_ids))
-                infos.append([mb.info.minibatch, mb.info.microbatch, mb.info.num_microbatches])
+                info = mb.info
+                assert info is not None  # the dataset's micro-batches carry their plan information
+                ids.append(list(info.trajectory_ids))
+                infos.append([info.minibatch, info.microbatch, info.num_microbatches])
             t1 = time.perf_counter()
             committed = ds.commit(wait=True)
             return {"ids": ids, "infos": infos, "seconds": t1 - (t_first or t0), "total_s": t1 - t0,

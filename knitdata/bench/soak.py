@@ -397,8 +397,8 @@ def _producer(pipe: Any, cfg: SoakConfig, ledger: Ledger, deadline: float, produ
                     batch.append((idx, s, f"b{b}{s}g{g}"))
                     idx += 1
         rng.shuffle(batch)
-        for i, s, g in batch:  # a train batch is always completed so that everything put can be admitted
-            t = make_soak_traj(i, s, g, traj_bytes=cfg.traj_bytes, response_len=rng.randint(4, _MAX_RESPONSE), gen_version=b)
+        for i, s, grp in batch:  # a train batch is always completed so that everything put can be admitted
+            t = make_soak_traj(i, s, grp, traj_bytes=cfg.traj_bytes, response_len=rng.randint(4, _MAX_RESPONSE), gen_version=b)
             pipe.put(t, timeout=None)
             ledger.accept(t.id)
             produced[0] += 1
@@ -719,8 +719,8 @@ def run(args: argparse.Namespace) -> int:
     for engine, why in skipped.items():
         print(f"{engine}: skipped ({why})")
     for r in results:
-        for e in r["errors"][:5]:
-            print(f"{r['engine']} error: {e}")
+        for err in r["errors"][:5]:
+            print(f"{r['engine']} error: {err}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         payload: dict[str, Any] = dict(results[0]) if len(results) == 1 else {"runs": results}

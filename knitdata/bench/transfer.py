@@ -358,7 +358,7 @@ class TinyVLM(nn.Module):
 def _patchify_fn(cfg: VLMConfig, w: TransferWorkload) -> Callable[[torch.Tensor], torch.Tensor]:
     from knitdata.media import patchify
 
-    return patchify(cfg.patch, size=tuple(w.image_shape[1:]))
+    return patchify(cfg.patch, size=(w.image_shape[1], w.image_shape[2]))
 
 
 def count_step_flops(cfg: VLMConfig, w: TransferWorkload) -> dict[str, float]:
@@ -546,7 +546,7 @@ def _consume(
     w: TransferWorkload,
     trainer: _Trainer,
     next_item: Callable[[], tuple[_Item, float]],
-    barrier_wait: Callable[[], None],
+    barrier_wait: Callable[[], object],
     on_step: Callable[[int], None] | None = None,
     after_optimizer_step: Callable[[], Any] | None = None,
 ) -> list[ConsumerStepRecord]:
@@ -558,7 +558,7 @@ def _consume(
 def _consume_interleaved(
     w: TransferWorkload,
     sources: Sequence[tuple[str, _Trainer, Callable[[], tuple[_Item, float]], Callable[[], Any] | None]],
-    barrier_wait: Callable[[], None],
+    barrier_wait: Callable[[], object],
     on_step: Callable[[int], None] | None = None,
 ) -> dict[str, list[ConsumerStepRecord]]:
     """Steps of every source in turn (step 0 of each, then step 1 of each, ...): a side-by-side comparison on
@@ -577,6 +577,13 @@ def _consume_interleaved(
 
 
 # ---------------------------------------------------------------------------------------------- knitdata sources
+def _image(t: Trajectory) -> torch.Tensor:
+    """The decoded image of a benchmark trajectory (its first media item, always decoded here)."""
+    img = t.media[0].tensor
+    assert img is not None
+    return img
+
+
 class _DupCollator:
     """TokenCollator plus every trajectory's own copy of its image, patchified (what verl/slime hand over)."""
 
@@ -589,7 +596,7 @@ class _DupCollator:
     def __call__(self, trajs: Sequence[Trajectory], info: Any = None) -> Any:
         mb = self.tokens(trajs, info)
         if trajs:
-            mb.tensors["image_patches"] = torch.cat([self.patchify(t.media[0].tensor) for t in trajs])
+            mb.tensors["image_patches"] = torch.cat([self.patchify(_image(t)) for t in trajs])
         return mb
 
 
@@ -704,7 +711,7 @@ class _TQServer:
                 td = TensorDict(
                     {
                         "input_ids": torch.stack([torch.cat([t.prompt_ids, t.response_ids]) for t in group]),
-                        "pixel_values": torch.stack([t.media[0].tensor for t in group]),
+                        "pixel_values": torch.stack([_image(t) for t in group]),
                         "tidx": torch.arange(idx, idx + n, dtype=torch.int64),
                     },
                     batch_size=n,
@@ -804,7 +811,7 @@ def _run_worker_job(rank: int, job: Mapping[str, Any], barrier: Any, res_q: Any,
 
     extra: dict[str, dict[str, Any]] = {}
     closers: list[Callable[[], Any]] = []
-    sources = []
+    sources: list[tuple[str, _Trainer, Callable[[], tuple[_Item, float]], Callable[[], Any] | None]] = []
     try:
         for spec in job["sources"]:
             enc = spec["encoding"]
@@ -997,7 +1004,7 @@ def _run_embedded(w: TransferWorkload, cfg: VLMConfig, fetch: str, encoding: str
             errs[rank] = e
             barrier.abort()
         finally:
-            it.close()
+            getattr(it, "close", lambda: None)()
 
     threads = [threading.Thread(target=consumer, args=(r,), name=f"bench-consumer-{r}", daemon=True) for r in range(n)]
     for t in threads:
@@ -1067,7 +1074,8 @@ class _RayCluster:
 
         if ray.is_initialized():
             raise EngineError("Ray is already initialized in this process; the transfer benchmark starts its own")
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR",
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+                 logging_level="ERROR",  # type: ignore[arg-type]  # ray annotates int; it takes level names too
                  _node_ip_address=ray_unit.LOOPBACK, object_store_memory=4 << 30,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                                            "TQ_NUM_THREADS": "1"}})
@@ -1440,8 +1448,8 @@ def run_transfer_benchmark(
         for mode, enc in [r for r in runs if r[0] == "iter_embedded"]:
             before_measuring()
             with bar(f"{mode}/{enc}") as pb:
-                recs, extras, expected, info = _run_embedded(w, cfg, "iter", enc, timeout_s, pb)
-            record(mode, enc, recs, extras, expected, "embedded (consumer threads)", **info)
+                e_recs, e_extras, expected, info = _run_embedded(w, cfg, "iter", enc, timeout_s, pb)
+            record(mode, enc, e_recs, e_extras, expected, "embedded (consumer threads)", **info)
             mark(f"run {mode}/{enc}")
     finally:
         cluster.close()

@@ -31,6 +31,7 @@ one H200).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -38,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -152,6 +154,7 @@ def _build_model(cfg: VLMConfig, family: str, text_tokens: int) -> Any:
     vocab = int(text.get("vocab_size", 1024))
     special = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     text.setdefault("max_position_embeddings", max(4096, 4 * text_tokens))
+    make: Callable[[], transformers.PreTrainedModel]  # the family's model class on its config
     if family == "qwen2_5_vl":
         half = int(text["hidden_size"]) // int(text["num_attention_heads"]) // 2
         text.setdefault("rope_scaling", {"type": "mrope", "mrope_section": [half // 4, half // 4, half - 2 * (half // 4)]})
@@ -161,19 +164,19 @@ def _build_model(cfg: VLMConfig, family: str, text_tokens: int) -> Any:
             vision_config=vision, text_config={**text, **special}, image_token_id=vocab - 4, video_token_id=vocab - 3,
             vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1,
         )
-        cls = transformers.Qwen2_5_VLForConditionalGeneration
+        make = functools.partial(transformers.Qwen2_5_VLForConditionalGeneration, conf)
     else:
-        conf = transformers.Qwen2AudioConfig(
+        aconf = transformers.Qwen2AudioConfig(
             audio_config=dict(cfg.audio), text_config={"model_type": "qwen2", **text, **special},
-            audio_token_id=vocab - 4,
+            audio_token_index=vocab - 4,
         )
-        cls = transformers.Qwen2AudioForConditionalGeneration
+        make = functools.partial(transformers.Qwen2AudioForConditionalGeneration, aconf)
     torch.manual_seed(cfg.seed)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(cfg.device):  # initialize where it runs (a 3B model initializes in seconds on a GPU)
-            model = cls(conf)
+            model = make()
     finally:
         torch.set_default_dtype(old)
     return model.to(dtype).train()
@@ -272,7 +275,8 @@ def _cpu_peak(cfg: VLMConfig, family: str, index: int, mode: str, timeout_s: flo
 
 def _cfg_from(d: dict[str, Any]) -> VLMConfig:
     tuples = ("families", "image_sizes", "text_tokens")
-    return VLMConfig(**{k: tuple(v) if k in tuples else v for k, v in d.items()})
+    kwargs: dict[str, Any] = {k: tuple(v) if k in tuples else v for k, v in d.items()}
+    return VLMConfig(**kwargs)
 
 
 def _child(payload: str) -> None:
