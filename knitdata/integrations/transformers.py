@@ -72,7 +72,7 @@ Importing this module without ``transformers`` raises :class:`~knitdata.errors.O
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -111,8 +111,11 @@ def _device_of(module: nn.Module) -> torch.device:
     return torch.device("cpu") if p is None else p.device
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The model inside DDP/FSDP/accelerate wrappers (``.module``), for its submodules and config."""
+def _unwrap(model: nn.Module) -> Any:
+    """The model inside DDP/FSDP/accelerate wrappers (``.module``), for its submodules and config.
+
+    Typed ``Any``: a ``transformers`` model whose ``config`` and submodules are specific to its family.
+    """
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
     return model
@@ -360,7 +363,7 @@ class Qwen2_5_VLAdapter(HFMultimodalAdapter):
         return out["pixel_values"], {"image_grid_thw": out["image_grid_thw"][0].to(torch.long)}
 
     def encoder_call(self, encoder: nn.Module, table: MediaTable) -> torch.Tensor:
-        pix = table.values.to(encoder.dtype)
+        pix = table.values.to(cast(torch.dtype, encoder.dtype))  # a transformers module's `dtype` property
         return encoder(pix, grid_thw=table.meta["image_grid_thw"]).pooler_output
 
     def out_rows(self, table: MediaTable) -> torch.Tensor:
@@ -369,7 +372,8 @@ class Qwen2_5_VLAdapter(HFMultimodalAdapter):
     def dummy_input(self) -> MediaTable:
         s = int(self.inner.config.vision_config.spatial_merge_size)
         grid = torch.tensor([[1, s, s]], dtype=torch.long)
-        table = MediaTable.empty_like("image", (self.row_dim,), self.encoder.dtype, s * s, {"image_grid_thw": grid})
+        dtype = cast(torch.dtype, self.encoder.dtype)  # a transformers module's `dtype` property
+        table = MediaTable.empty_like("image", (self.row_dim,), dtype, s * s, {"image_grid_thw": grid})
         return table.to(_device_of(self.encoder))
 
     def _extra_inputs(self, input_ids, mask, table, occ) -> dict[str, torch.Tensor]:
@@ -382,13 +386,14 @@ class Qwen2_5_VLAdapter(HFMultimodalAdapter):
         return {"pixel_values": table.values}
 
     def _forward_with_rows(self, inputs: dict[str, torch.Tensor], rows: torch.Tensor | None, **kwargs: Any) -> Any:
-        fwd = dict(inputs)
+        fwd: dict[str, Any] = dict(inputs)
         if rows is None:
             fwd.pop("image_grid_thw", None)
         else:
             # the model's own hook for precomputed encoder outputs: it scatters them at the image placeholders
             # and computes the M-RoPE position ids from input_ids, image_grid_thw and mm_token_type_ids
-            fwd["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(rows,))}
+            # (the model concatenates `pooler_output` as a tuple of tensors; transformers annotates one tensor)
+            fwd["mm_encoder_outputs"] = {"image": BaseModelOutputWithPooling(pooler_output=(rows,))}  # type: ignore[arg-type]
         return self.model(**fwd, **kwargs)
 
 
@@ -506,7 +511,8 @@ class _AudioStack(nn.Module):
         conv_len = (feature_length - 1) // 2 + 1
         max_len = (frames - 2) // 2 + 1
         valid = torch.arange(max_len, device=feats.device)[None, :] < conv_len.to(feats.device)[:, None]
-        dummy = torch.zeros((u, max_len, 1), dtype=self.projector.linear.weight.dtype, device=feats.device)
+        linear = cast(nn.Linear, self.projector.linear)  # Qwen2AudioMultiModalProjector.linear
+        dummy = torch.zeros((u, max_len, 1), dtype=linear.weight.dtype, device=feats.device)
         att = create_bidirectional_mask(config=self.tower.config, inputs_embeds=dummy, attention_mask=valid.long())
         hidden = self.tower(feats, attention_mask=att).last_hidden_state
         out = self.projector(hidden)
@@ -517,10 +523,15 @@ class _AudioStack(nn.Module):
 
 
 def _default_image_processor(vision_config: Any) -> Any:
+    cls: Callable[..., Any]
     try:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as cls
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        cls = Qwen2VLImageProcessorPil
     except ImportError:  # older transformers
-        from transformers import Qwen2VLImageProcessor as cls
+        from transformers import Qwen2VLImageProcessor
+
+        cls = Qwen2VLImageProcessor
     return cls(
         patch_size=vision_config.patch_size,
         temporal_patch_size=vision_config.temporal_patch_size,
