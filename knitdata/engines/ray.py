@@ -91,7 +91,8 @@ def resolve_nodes(layout: ConsumerLayout, nodes: Mapping[str, str] | Sequence[st
     return {n: mapping[n] for n in layout.nodes}
 
 
-@ray.remote(num_cpus=0, max_concurrency=16, concurrency_groups={"wait": 256})
+# ray's stubs omit the actor options max_concurrency and concurrency_groups
+@ray.remote(num_cpus=0, max_concurrency=16, concurrency_groups={"wait": 256})  # type: ignore[call-overload]
 class CoordinatorActor:
     """Hosts the pipeline's :class:`~knitdata.control.ControlPlane` and owns its storage-unit actors.
 
@@ -321,6 +322,7 @@ class RayEngine(Engine):
 
     kind = "ray"
     supports_worker_processes = True
+    _owner: Any  # set by create(): the coordinator handle that keeps a non-detached coordinator alive
 
     def __init__(self, name: str, *, address: str | None = None, loopback_only: bool = True,
                  timeout_s: float = 60.0) -> None:
@@ -380,7 +382,7 @@ class RayEngine(Engine):
         if journal is not None and os.path.exists(journal):
             raise EngineError(f"a journal of a pipeline named {name!r} already exists at {journal!r}: pick another "
                               "name, or remove the journal of the finished run")
-        setup = {"name": name, "config": dict(config), "capacity_bytes": int(capacity_bytes),
+        setup: dict[str, Any] = {"name": name, "config": dict(config), "capacity_bytes": int(capacity_bytes),
                  "nodes": resolve_nodes(layout, nodes), "spill_bytes": spill_bytes,
                  "spill_dir": os.fspath(spill_dir) if spill_dir is not None else None, "journal": journal}
         try:
@@ -394,7 +396,8 @@ class RayEngine(Engine):
                                            detached=detached)
         handles = {u: [unit.actor, unit.handle_info()] for u, unit in units.items()}
         restarts = -1 if journal is not None else 0  # without a journal a restarted coordinator would be empty
-        actor = CoordinatorActor.options(name=coordinator_name(name), namespace=NAMESPACE,
+        # an ActorClass (ray's stubs keep the class)
+        actor = CoordinatorActor.options(name=coordinator_name(name), namespace=NAMESPACE,  # type: ignore[attr-defined]
                                          lifetime="detached" if detached else None, max_restarts=restarts,
                                          max_task_retries=restarts).remote(setup, handles)
         try:

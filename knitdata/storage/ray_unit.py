@@ -82,6 +82,8 @@ _LOST_ERRORS: tuple[type[BaseException], ...] = (
     ray.exceptions.ObjectLostError,
     ray.exceptions.ActorUnavailableError,
 )
+_LOST_OR_TIMEOUT: tuple[type[BaseException], ...] = (*_LOST_ERRORS, ray.exceptions.GetTimeoutError)
+_MISSING_OR_LOST: tuple[type[BaseException], ...] = (ValueError, *_LOST_ERRORS)  # get_actor: ValueError if none
 _INIT_PID: int | None = None
 _ON_DISK = "on-disk"  # marks a payload that spilled over: only in the unit's spill store
 _log = logging.getLogger(__name__)
@@ -243,7 +245,8 @@ class _UnitState:
         return self.used + n <= self.capacity_bytes or self.used == 0
 
 
-@ray.remote(num_cpus=0, max_concurrency=8, concurrency_groups={"wait": 64})
+# ray's stubs omit the actor options max_concurrency and concurrency_groups
+@ray.remote(num_cpus=0, max_concurrency=8, concurrency_groups={"wait": 64})  # type: ignore[call-overload]
 class StorageUnitActor:
     """The storage unit of one node (a threaded Ray actor; every method is short or bounded).
 
@@ -293,7 +296,7 @@ class StorageUnitActor:
 
         try:
             if s.spill is not None:  # write-through, so a dead unit's payloads stay recoverable
-                s.spill.put(decode_trajectory(record, copy=False))
+                s.spill.put(decode_trajectory(record.data, copy=False))
             # a copy into this node's object store, owned by this actor
             ref = ray.put(record) if in_memory else _ON_DISK
         except StoreFull:
@@ -497,7 +500,7 @@ class RayStorageUnit(StorageUnit):
         """
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ConfigError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
-        actor = StorageUnitActor.options(
+        actor = StorageUnitActor.options(  # type: ignore[attr-defined]  # an ActorClass (ray's stubs keep the class)
             name=cls.actor_name(prefix, unit_id),
             namespace=NAMESPACE,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
@@ -534,7 +537,7 @@ class RayStorageUnit(StorageUnit):
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ConfigError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         actors = [
-            StorageUnitActor.options(
+            StorageUnitActor.options(  # type: ignore[attr-defined]  # an ActorClass (ray's stubs keep the class)
                 name=cls.actor_name(prefix, uid), namespace=NAMESPACE,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                 lifetime="detached" if detached else None,
@@ -560,7 +563,7 @@ class RayStorageUnit(StorageUnit):
         try:
             actor = ray.get_actor(cls.actor_name(prefix, unit_id), namespace=NAMESPACE)
             info = ray.get(actor.info.remote(), timeout=timeout_s)
-        except (ValueError, *_LOST_ERRORS) as e:
+        except _MISSING_OR_LOST as e:
             raise EngineError(f"no storage unit {unit_id!r} (prefix {prefix!r}) is running in this Ray cluster") from e
         return cls(_Handle.from_info(actor, info), **kwargs)
 
@@ -751,8 +754,8 @@ def read_records(
         TrajectoryLostError: Naming every id that could be neither read nor recovered.
     """
     by_unit: dict[str, tuple[RayStorageUnit, list[int]]] = {}
-    for pos, (_tid, unit) in enumerate(items):
-        by_unit.setdefault(unit.unit_id, (unit, []))[1].append(pos)
+    for idx, (_tid, unit) in enumerate(items):
+        by_unit.setdefault(unit.unit_id, (unit, []))[1].append(idx)
     futures = {uid: unit.actor.refs.remote([items[p][0] for p in pos]) for uid, (unit, pos) in by_unit.items()}
     out: list[Any] = [None] * len(items)
     lost: dict[str, list[int]] = {}  # unit id -> positions
@@ -763,7 +766,7 @@ def read_records(
         unit, pos = by_unit[uid]
         try:
             answer, _missing = ray.get(fut, timeout=timeout_s)
-        except (*_LOST_ERRORS, ray.exceptions.GetTimeoutError):
+        except _LOST_OR_TIMEOUT:
             lost.setdefault(uid, []).extend(pos)
             continue
         for p, a in zip(pos, answer):
@@ -786,12 +789,12 @@ def read_records(
             raise ConfigError(f"locate must be 'owner' or 'ray', got {locate!r}")
         try:
             values = ray.get(refs, timeout=timeout_s)
-        except (*_LOST_ERRORS, ray.exceptions.GetTimeoutError):
+        except _LOST_OR_TIMEOUT:
             values = []
             for r in refs:  # find out which ones are gone
                 try:
                     values.append(ray.get(r, timeout=timeout_s))
-                except (*_LOST_ERRORS, ray.exceptions.GetTimeoutError):
+                except _LOST_OR_TIMEOUT:
                     values.append(None)
         for r, p, n, v in zip(refs, ref_pos, ref_len, values):
             if v is None:
