@@ -30,7 +30,7 @@ demo: $(VENV)/.installed-base
 	$(PY) -m knitdata demo
 
 test: $(VENV)/.installed-dev
-	@$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
+	@$(PY) -m pytest -q -n 2 --dist loadfile --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict: any warning fails.
 docs: $(VENV)/.installed-dev
