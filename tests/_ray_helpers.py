@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ClusterProcess", "run_scenario", "ray_env", "SCENARIOS"]
+__all__ = ["ClusterProcess", "run_scenario", "run_json_subprocess", "ray_env", "SCENARIOS"]
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -112,9 +112,8 @@ class ClusterProcess:
         self._stop()
 
 
-def run_scenario(address: str, name: str, timeout_s: float = 120.0, **kwargs: Any) -> dict[str, Any]:
-    """Run scenario ``name`` in a fresh driver subprocess attached to ``address``; return its JSON result."""
-    cmd = [PY, str(Path(__file__).resolve()), "scenario", name, "--address", address, "--args", json.dumps(kwargs)]
+def run_json_subprocess(cmd: list[str], label: str, timeout_s: float = 120.0) -> Any:
+    """Run ``cmd`` (a Ray driver subprocess) under a hard time-out; return the last JSON line it printed."""
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ray_env(),
                          start_new_session=True)
     try:
@@ -122,11 +121,17 @@ def run_scenario(address: str, name: str, timeout_s: float = 120.0, **kwargs: An
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate()
-        raise AssertionError(f"scenario {name!r} timed out after {timeout_s} s:\n{err[-4000:]}") from None
+        raise AssertionError(f"{label} timed out after {timeout_s} s:\n{err[-4000:]}") from None
     lines = [ln for ln in out.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
-        raise AssertionError(f"scenario {name!r} failed (rc {p.returncode}):\n{out[-2000:]}\n{err[-6000:]}")
+        raise AssertionError(f"{label} failed (rc {p.returncode}):\n{out[-2000:]}\n{err[-6000:]}")
     return json.loads(lines[-1])
+
+
+def run_scenario(address: str, name: str, timeout_s: float = 120.0, **kwargs: Any) -> dict[str, Any]:
+    """Run scenario ``name`` in a fresh driver subprocess attached to ``address``; return its JSON result."""
+    cmd = [PY, str(Path(__file__).resolve()), "scenario", name, "--address", address, "--args", json.dumps(kwargs)]
+    return run_json_subprocess(cmd, f"scenario {name!r}", timeout_s)
 
 
 # ---------------------------------------------------------------------------------------------- serve

@@ -6,9 +6,6 @@ cluster), with the same expectations.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _conformance as cf  # noqa: E402
-from _ray_helpers import PY, ClusterProcess, ray_env  # noqa: E402
+from _ray_helpers import PY, ClusterProcess, run_json_subprocess  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -54,18 +51,7 @@ def run_on(engine: str, request: pytest.FixtureRequest, name: str, timeout_s: fl
         return _CACHE[key]
     c = request.getfixturevalue("cluster")
     cmd = [PY, str(HERE / "_conformance.py"), name, "--address", c.address, "--args", json.dumps(kwargs)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ray_env(),
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        raise AssertionError(f"scenario {name} timed out after {timeout_s} s:\n{err[-4000:]}") from None
-    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-    if p.returncode != 0 or not lines:
-        raise AssertionError(f"scenario {name} failed (rc {p.returncode}):\n{out[-2000:]}\n{err[-6000:]}")
-    _CACHE[key] = json.loads(lines[-1])
+    _CACHE[key] = run_json_subprocess(cmd, f"scenario {name}", timeout_s)
     return _CACHE[key]
 
 
