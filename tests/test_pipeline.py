@@ -496,3 +496,36 @@ def test_put_many_matches_put_and_refuses_a_bad_batch_before_storing_anything():
     assert ei.value.trajectory_id == "t2" and ei.value.field == "group"
     assert pipe.stats()["held_trajectories"] == 0
     assert [m.id for m in pipe.put_many([trajs[0], trajs[1]])] == ["t0", "t1"]
+
+
+def test_a_fields_dtype_is_fixed_by_the_first_put_and_refusals_are_counted_by_cause():
+    """No silent promotion in the collate: a tensor field keeps the dtype of the first accepted put."""
+    import torch
+
+    spec = BatchSpec({"a": 4}, num_minibatches=1)
+    pipe = Pipeline(spec, num_consumers=1)
+    first = make_traj(0, "a", "g0")
+    first.tensors = {"adv": torch.zeros(3, dtype=torch.float32)}
+    pipe.put(first)
+    other = make_traj(1, "a", "g1")
+    other.tensors = {"adv": torch.zeros(3, dtype=torch.float64)}
+    with pytest.raises(FieldTypeError) as ei:
+        pipe.put(other)
+    assert ei.value.trajectory_id == "t1" and ei.value.field == "tensors.adv" and "float32" in str(ei.value)
+    with pytest.raises(ValidationError):
+        pipe.put(make_traj(2, "nope", "g2"))
+    st = pipe.stats()
+    assert st["rejected"] == 2 and st["rejected_by_cause"] == {"tensors": 1, "source": 1}
+    assert st["held_trajectories"] == 1
+
+
+def test_the_signature_shows_every_default():
+    import inspect
+
+    import knitdata
+
+    params = inspect.signature(Pipeline).parameters
+    assert params["capacity_bytes"].default == 1 << 30 and params["release"].default == "step"
+    assert params["put_timeout"].default == 60.0 and params["token_budget"].default == 8192
+    assert inspect.signature(Pipeline.dataset).parameters["timeout"].default == 1800.0
+    assert knitdata.PipelineClosedError is PipelineClosedError
