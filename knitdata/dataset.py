@@ -337,7 +337,7 @@ class TrajectoryDataset(IterableDataset):
         with self._lock:
             if it.done:
                 return False
-            j, mb, micro = int(entry["j"]), int(entry["minibatch"]), int(entry["microbatch"])
+            j, mb, micro = entry["j"], entry["minibatch"], entry["microbatch"]
             nw = self._worker[1]
             self._next = j + nw
             last = entry["info"]["is_last"]

@@ -86,6 +86,8 @@ def _journaled(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(self: ControlPlane, *args: Any) -> Any:
+        if self._journal is None:  # the common in-process case: no bookkeeping around the call
+            return fn(self, *args)
         with self.cond:
             outer = self._depth == 0 and self._journal is not None and not self._replaying
             self._depth += 1
@@ -515,10 +517,7 @@ class ControlPlane:
             e = self.queues[rank].get(j)
             if e is not None:
                 v = self.version
-                for tid, _u, _n in e["items"]:
-                    m = self.live.get(tid)
-                    if m is not None:
-                        self.staleness.append(v - m.gen_version)
+                self.staleness.extend([v - g for g in e["info"]["gen_versions"]])
             if self.release_mode == "handout":
                 self._drop_entry(rank, j)
             elif self.release_mode == "step" and auto_commit and microbatch == 0:
@@ -671,8 +670,10 @@ class ControlPlane:
             n += j in q
             self._drop_entry(rank, j)
         # positions past what is planned yet (a restore before the refill): released as they are planned
-        self.committed[rank] = max(self.committed[rank], upto)
-        self.cond.notify_all()
+        if upto > self.committed[rank]:
+            self.committed[rank] = upto
+        if n:
+            self.cond.notify_all()
         return n
 
     def _poll(self) -> None:
