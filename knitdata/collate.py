@@ -32,10 +32,6 @@ COLLATE_MODES: tuple[str, ...] = ("pad", "pack")
 NO_VERSION: int = -1
 
 
-_INFO_INTS = ("consumer", "train_batch", "minibatch", "minibatch_in_batch", "microbatch", "num_microbatches",
-              "global_tokens", "global_trajectories", "global_loss_tokens")
-
-
 @dataclass(frozen=True)
 class MicroBatchInfo:
     """Planner metadata of one micro-batch. Immutable and JSON-serializable.
@@ -108,10 +104,6 @@ class MicroBatchInfo:
             ValidationError: A key is missing or a value has the wrong type.
         """
         try:
-            ids, gens = d.get("trajectory_ids", ()), d.get("gen_versions", ())
-            if (all(type(d.get(k)) is int for k in _INFO_INTS) and type(d.get("is_last")) is bool
-                    and all(type(x) is str for x in ids) and all(type(x) is int for x in gens)):
-                return cls(**{**d, "trajectory_ids": tuple(ids), "gen_versions": tuple(gens)})  # as to_dict wrote it
             return cls(
                 consumer=int(d["consumer"]),
                 train_batch=int(d["train_batch"]),

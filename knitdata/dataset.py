@@ -502,7 +502,7 @@ def _produce(engine: Engine, rank: int, fetch: str, collate: Callable[..., Any],
             end_box[0] = step + max_minibatches
         if end_box[0] is not None and step >= end_box[0]:
             return
-        info = MicroBatchInfo.from_dict(e["info"])
+        info = MicroBatchInfo(**e["info"])  # written by the control plane (MicroBatchInfo.to_dict): trusted
         items = e["items"]
         t0 = time.perf_counter()
         nbytes = local = requests = ntraj = 0
