@@ -110,7 +110,9 @@ class Pipeline:
             (``None``: this process's Ray, else a new local loopback-only one), ``nodes`` (layout node -> Ray node
             id), ``loopback_only`` (default ``True``), ``detached`` (keep the actors after this process exits),
             ``timeout_s``, ``journal_dir`` (default ``spill_dir``: journal the coordinator's decisions there, so
-            that Ray restarts it after a crash and it recovers them). The embedded engine takes none.
+            that Ray restarts it after a crash and it recovers them), ``resume`` (``True``: restart a run whose
+            every process died from its journal and spill shards; consumers load their saved states, producers
+            put again what was not acknowledged). The embedded engine takes none.
 
     Raises:
         ConfigError: Inconsistent options.
@@ -197,7 +199,7 @@ class Pipeline:
             if on_plan is not None:
                 raise ConfigError("on_plan runs in the pipeline's process: use the embedded engine, or read "
                                   "Pipeline.stats() on the Ray engine")
-            known = {"name", "address", "nodes", "loopback_only", "detached", "timeout_s", "journal_dir"}
+            known = {"name", "address", "nodes", "loopback_only", "detached", "timeout_s", "journal_dir", "resume"}
             if set(opts) - known:
                 raise ConfigError(f"unknown Ray engine options {sorted(set(opts) - known)}; known: {sorted(known)}")
             try:

@@ -587,6 +587,48 @@ def coordinator_killed(journal_root: str, n_groups: int = 24, kills: int = 2) ->
             "journal_exists": os.path.exists(os.path.join(journal_root, f"{name}.journal"))}
 
 
+@scenario
+def whole_job_first(spill_root: str, pipeline: str, n_groups: int = 12, take: int = 5) -> dict[str, Any]:
+    """The first run of a job: put everything, consume ``take`` micro-batches (a checkpoint and a commit after
+    each), take two more without saving, then the whole job dies at once (every process and actor)."""
+    from knitdata import Pipeline
+
+    pipe = Pipeline(_spec(2 * n_groups), num_consumers=1, engine="ray", token_budget=128, capacity_bytes=64 << 20,
+                    release="commit", spill_dir=spill_root, engine_options={"nodes": _nodes()[:1], "name": pipeline})
+    trajs = workload(n_groups, extra=1000)
+    pipe.put_many(trajs)
+    pipe.close()
+    ds = pipe.dataset(0, fetch="iter")
+    it = iter(ds)
+    saved, state = [], None
+    for _ in range(take):
+        saved.append(list(next(it).info.trajectory_ids))
+        state = ds.state_dict()
+        ds.commit(state, wait=True)
+    unsaved = [list(next(it).info.trajectory_ids) for _ in range(2)]
+    print(json.dumps({"saved": saved, "unsaved": unsaved, "state": state, "all_ids": [t.id for t in trajs]}),
+          flush=True)
+    os._exit(0)  # the whole job dies: the driver, and with it the coordinator and unit actors it owns
+
+
+@scenario
+def whole_job_resume(spill_root: str, pipeline: str, state: dict[str, Any]) -> dict[str, Any]:
+    """The restarted job: the same pipeline name and spill directory with resume=True; the consumer loads its state."""
+    from knitdata import Pipeline
+
+    pipe = Pipeline(_spec(24), num_consumers=1, engine="ray", token_budget=128, capacity_bytes=64 << 20,
+                    release="commit", spill_dir=spill_root,
+                    engine_options={"nodes": _nodes()[:1], "name": pipeline, "resume": True})
+    ds = pipe.dataset(0, fetch="iter", timeout=120)
+    ds.load_state_dict(state)
+    rest = [list(mb.info.trajectory_ids) for mb in ds]
+    ds.commit(wait=True)
+    stats = pipe.stats()
+    info = pipe.control.call("info")
+    pipe.shutdown()
+    return {"rest": rest, "held": stats["held_trajectories"], "replayed": info["replayed"]}
+
+
 # ----------------------------------------------------------------------------------------------- main
 def main(argv: list[str]) -> int:
     """Entry point of the subprocesses."""

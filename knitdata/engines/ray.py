@@ -365,11 +365,14 @@ class RayEngine(Engine):
         detached: bool = False,
         timeout_s: float = 120.0,
         journal_dir: str | os.PathLike[str] | None = None,
+        resume: bool = False,
     ) -> RayEngine:
         """Start the coordinator and the units of a new pipeline ``name``, and attach to it.
 
         With a journal (``journal_dir``, default ``spill_dir``) the coordinator journals its decisions and Ray
-        restarts it after a crash: it replays the journal, and callers' pending calls are retried.
+        restarts it after a crash: it replays the journal, and callers' pending calls are retried. ``resume``: a
+        whole-job restart (every process of the run gone): the coordinator replays the dead run's journal and the
+        new units serve its unreleased payloads from the spill shards (the same ``spill_dir``).
 
         Raises:
             EngineError: A pipeline of that name already runs, or the actors did not start.
@@ -379,9 +382,13 @@ class RayEngine(Engine):
         connect(address, loopback_only=loopback_only)
         jdir = journal_dir if journal_dir is not None else spill_dir
         journal = os.path.join(os.fspath(jdir), f"{name}.journal") if jdir is not None else None
-        if journal is not None and os.path.exists(journal):
+        if resume:
+            if journal is None or not os.path.exists(journal) or spill_dir is None:
+                raise ConfigError(f"resume=True restarts pipeline {name!r} from its journal and spill shards: give the "
+                                  f"same spill_dir (and journal_dir) as the run that died; no journal at {journal!r}")
+        elif journal is not None and os.path.exists(journal):
             raise EngineError(f"a journal of a pipeline named {name!r} already exists at {journal!r}: pick another "
-                              "name, or remove the journal of the finished run")
+                              "name, remove the journal of the finished run, or pass resume=True to restart it")
         setup: dict[str, Any] = {"name": name, "config": dict(config), "capacity_bytes": int(capacity_bytes),
                  "nodes": resolve_nodes(layout, nodes), "spill_bytes": spill_bytes,
                  "spill_dir": os.fspath(spill_dir) if spill_dir is not None else None, "journal": journal}
@@ -393,7 +400,7 @@ class RayEngine(Engine):
             pass
         units = RayStorageUnit.create_many([(n, setup["nodes"][n]) for n in layout.nodes], int(capacity_bytes),
                                            prefix=name, spill_dir=setup["spill_dir"], spill_bytes=spill_bytes,
-                                           detached=detached)
+                                           detached=detached, resume=resume)
         handles = {u: [unit.actor, unit.handle_info()] for u, unit in units.items()}
         restarts = -1 if journal is not None else 0  # without a journal a restarted coordinator would be empty
         # an ActorClass (ray's stubs keep the class)

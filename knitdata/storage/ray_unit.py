@@ -219,7 +219,7 @@ class _UnitState:
     """The unit's bookkeeping (plain Python; the actor wraps it)."""
 
     def __init__(self, unit_id: str, capacity_bytes: int, spill_dir: str | None, node_name: str | None,
-                 spill_bytes: int | None = None) -> None:
+                 spill_bytes: int | None = None, resume: bool = False) -> None:
         self.unit_id = unit_id
         self.node_name = node_name
         self.capacity_bytes = capacity_bytes
@@ -229,9 +229,17 @@ class _UnitState:
             from knitdata.spill import SpillStore
 
             max_bytes = spill_bytes if spill_bytes is not None else 4 * capacity_bytes + (64 << 20)
-            self.spill = SpillStore(spill_directory(spill_dir, unit_id), max_bytes=max_bytes)
+            directory = spill_directory(spill_dir, unit_id)
+            if resume and os.path.isdir(directory) and os.listdir(directory):
+                # a whole-job restart: the unreleased payloads of the previous run, served from disk
+                self.spill = SpillStore.open(directory, max_bytes=max(max_bytes, 1 << 30))
+            else:
+                self.spill = SpillStore(directory, max_bytes=max_bytes)
         # id -> (ObjectRef | _ON_DISK | None while being put, accounted memory bytes, record bytes)
         self.items: dict[str, tuple[Any, int, int]] = {}
+        if resume and self.spill is not None:
+            for tid in self.spill.ids():
+                self.items[tid] = (_ON_DISK, 0, 0)
         self.cond = threading.Condition()
         self.used = self.high = 0
         self.counters = dict.fromkeys(
@@ -257,8 +265,8 @@ class StorageUnitActor:
     """
 
     def __init__(self, unit_id: str, capacity_bytes: int, spill_dir: str | None = None,
-                 node_name: str | None = None, spill_bytes: int | None = None) -> None:
-        self._s = _UnitState(unit_id, capacity_bytes, spill_dir, node_name, spill_bytes)
+                 node_name: str | None = None, spill_bytes: int | None = None, resume: bool = False) -> None:
+        self._s = _UnitState(unit_id, capacity_bytes, spill_dir, node_name, spill_bytes, resume)
 
     def info(self) -> dict[str, Any]:
         """``unit_id``, ``node`` (Ray node id), ``node_name``, ``capacity_bytes``, ``pid``, ``spill``."""
@@ -355,7 +363,7 @@ class StorageUnitActor:
                     missing.append(tid)
                     out.append(None)
                 else:
-                    if item[0] is _ON_DISK:
+                    if isinstance(item[0], str):  # _ON_DISK (compared by value: the string may come unpickled)
                         on_disk.append(len(out))
                     out.append([item[0], item[2]])
                     s.counters["gets"] += 1
@@ -528,11 +536,13 @@ class RayStorageUnit(StorageUnit):
         spill_bytes: int | None = None,
         timeout_s: float = 120.0,
         detached: bool = False,
+        resume: bool = False,
         **kwargs: Any,
     ) -> dict[str, RayStorageUnit]:
         """Start several units at once (in parallel): ``units`` are ``(unit id = layout node name, Ray node id)``.
 
-        ``detached``: the actors outlive the creating process (end them with :meth:`kill`).
+        ``detached``: the actors outlive the creating process (end them with :meth:`kill`). ``resume``: a unit
+        whose spill directory holds a previous run's shards serves their unreleased payloads (from disk).
         """
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ConfigError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
@@ -541,7 +551,8 @@ class RayStorageUnit(StorageUnit):
                 name=cls.actor_name(prefix, uid), namespace=NAMESPACE,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                 lifetime="detached" if detached else None,
-            ).remote(uid, capacity_bytes, os.fspath(spill_dir) if spill_dir is not None else None, uid, spill_bytes)
+            ).remote(uid, capacity_bytes, os.fspath(spill_dir) if spill_dir is not None else None, uid, spill_bytes,
+                     resume)
             for uid, node in units
         ]
         try:
