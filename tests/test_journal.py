@@ -54,10 +54,10 @@ def _state(p: ControlPlane) -> dict:
 def test_replay_rebuilds_the_same_state_and_the_same_future(tmp_path):
     released: list = []
     path = tmp_path / "run.journal"
-    a = ControlPlane(_config(), {"node0": "node0", "node1": "node1"}, lambda u, ids: released.append((u, ids)),
+    a = ControlPlane(_config(), {"node0": "node0", "node1": "node1"}, lambda u, ids, wait: released.append((u, ids)),
                      journal=Journal(path, fsync_every_s=0))
     _drive(a, 16)
-    b = ControlPlane(_config(), {"node0": "node0", "node1": "node1"}, lambda u, ids: None)
+    b = ControlPlane(_config(), {"node0": "node0", "node1": "node1"}, lambda u, ids, wait: None)
     assert b.recover(str(path)) == len(list(Journal.read(path)))
     assert _state(b) == _state(a)
     # both continue identically: the next puts are placed and planned the same way
@@ -71,11 +71,11 @@ def test_replay_rebuilds_the_same_state_and_the_same_future(tmp_path):
 
 def test_a_retried_offer_after_a_restart_is_accepted_once(tmp_path):
     path = tmp_path / "run.journal"
-    a = ControlPlane(_config(), {"node0": "node0", "node1": "node1"}, lambda u, ids: None, journal=Journal(path))
+    a = ControlPlane(_config(), {"node0": "node0", "node1": "node1"}, lambda u, ids, wait: None, journal=Journal(path))
     t = _traj(0)
     r = a.reserve({**t.meta().to_dict(), "fields": fields_of(t.scalars, {})})
     first = a.offer(t.id, r["seq"], 8)
-    b = ControlPlane(_config(), {"node0": "node0", "node1": "node1"}, lambda u, ids: None)
+    b = ControlPlane(_config(), {"node0": "node0", "node1": "node1"}, lambda u, ids, wait: None)
     b.recover(str(path))
     assert b.offer(t.id, r["seq"], 8) == first  # the caller never saw the answer and retries
     assert len(b.pending) == 1
@@ -115,7 +115,7 @@ def test_crafted_records_with_valid_checksums_replay_only_knitdata_errors(tmp_pa
     path = tmp_path_factory.mktemp("j") / "j"
     path.write_bytes(_frame({"op": op, "args": obj}) + _frame({"op": "report_version", "args": [1]})
                      + _frame(obj))
-    plane = ControlPlane(_config(), {"node0": "node0", "node1": "node1"}, lambda u, ids: None)
+    plane = ControlPlane(_config(), {"node0": "node0", "node1": "node1"}, lambda u, ids, wait: None)
     try:
         plane.recover(str(path))
     except KnitdataError:

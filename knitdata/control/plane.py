@@ -118,8 +118,9 @@ class ControlPlane:
         config: JSON-like options: ``spec`` (a :class:`~knitdata.admission.BatchSpec` dict), ``layout`` (a
             :class:`~knitdata.placement.ConsumerLayout` dict) and the keys of :data:`PLANE_DEFAULTS`.
         unit_nodes: ``{storage unit id: layout node}``, one unit per node.
-        releaser: ``releaser(unit_id, ids)`` drops payloads from a unit (called under the plane's lock: keep
-            it non-blocking, e.g. an asynchronous actor call).
+        releaser: ``releaser(unit_id, ids, wait)`` drops payloads from a unit (called under the plane's lock:
+            keep it non-blocking, e.g. an asynchronous actor call, unless ``wait`` is true; ``wait`` is set only
+            for the rare release of a dead producer's orphaned copy, which must complete before its retry).
         policy: An admission policy object to use instead of ``config["admission"]`` (in-process only).
         on_plan: Called as ``on_plan(admitted, plan)`` after each mini-batch is planned (in-process only).
         journal: Record every state-changing call here (:class:`~knitdata.control.journal.Journal`), so that
@@ -133,7 +134,7 @@ class ControlPlane:
         self,
         config: Mapping[str, Any],
         unit_nodes: Mapping[str, str],
-        releaser: Callable[[str, list[str]], Any],
+        releaser: Callable[[str, list[str], bool], Any],
         *,
         policy: AdmissionPolicy | None = None,
         on_plan: Callable[[AdmittedMiniBatch, MiniBatchPlan], None] | None = None,
@@ -249,7 +250,8 @@ class ControlPlane:
             if stale is not None:
                 # a retry after the producer died mid-put (or a concurrent duplicate, which then loses)
                 old_unit, old_meta, _ = stale
-                self._release(old_unit, [tid])
+                # synchronously: the retry's own store into the same unit must not race the release
+                self._release(old_unit, [tid], True)
                 self.placement.unplace(old_meta, old_unit)
                 self.counts["rejected"] += 1
             m = TrajectoryMeta.from_dict({**{k: v for k, v in meta.items() if k != "fields"}, "seq": self.seq,
@@ -652,7 +654,7 @@ class ControlPlane:
             if m.location is not None and live is not None:
                 by_unit.setdefault(m.location, []).append(m.id)
         for u, ids in by_unit.items():
-            self._release(u, ids)
+            self._release(u, ids, False)
             self.counts["released"] += len(ids)
 
     def _drop_entry(self, rank: int, j: int) -> None:

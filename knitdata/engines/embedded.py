@@ -55,7 +55,7 @@ class EmbeddedEngine(Engine):
             units[node] = EmbeddedStorageUnit(node, capacity_bytes, spill=spill)
         self._units = units
         self._control = ControlPlane(config, {u: unit.node for u, unit in units.items()},
-                                     lambda u, ids: units[u].release(ids), policy=policy, on_plan=on_plan)
+                                     lambda u, ids, wait: units[u].release(ids), policy=policy, on_plan=on_plan)
 
     @property
     def control(self) -> ControlPlane:

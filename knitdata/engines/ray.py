@@ -108,7 +108,8 @@ class CoordinatorActor:
         path = setup.get("journal")
         journal = Journal(path) if path else None
         self._plane = ControlPlane(setup["config"], {u: unit.node for u, unit in units.items()},
-                                   lambda u, ids: units[u].release_async(ids), journal=journal)
+                                   lambda u, ids, wait: units[u].release(ids) if wait else units[u].release_async(ids),
+                                   journal=journal)
         self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         if path and os.path.exists(path):
             self._plane.recover(path)  # a restart: the state as of the last journaled call
