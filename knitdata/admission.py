@@ -709,9 +709,13 @@ class LinearTargetAdmission(AdmissionPolicy):
     """Mini-batch ``k`` takes a fixed composition that brings each source to its cumulative linear target.
 
     The per-mini-batch compositions are the even split of each quota over the ``M`` mini-batches
-    (:func:`even_completion`: ``floor(q_s/M)`` or ``ceil(q_s/M)`` groups, remainders spread cyclically),
-    so the cumulative count after mini-batch ``k`` is within one group of ``k q_s / M``. Every mini-batch
-    waits for its slowest source.
+    (:func:`even_completion`: ``floor(q_s/M)`` or ``ceil(q_s/M)`` groups). Each mini-batch holds ``floor`` or
+    ``ceil`` of the per-mini-batch share, but the ``e_s = q_s mod M`` extra groups of a source come in one
+    cyclic run of consecutive mini-batches (the cyclic fill that keeps every mini-batch at exactly ``m``). So
+    the cumulative count after mini-batch ``k`` is within ``e_s (1 - e_s / M)`` groups of ``k q_s / M`` (at most
+    ``M / 4``), a bound that is reached: with ``M = 5`` and a quota of 2 groups, one source holds 2 groups after
+    the second mini-batch against a target of 0.8; with ``M = 16`` the gap reaches 4 groups. Only when
+    ``M`` divides every quota is the schedule exactly linear. Every mini-batch waits for its slowest source.
     """
 
     name = "linear_target"

@@ -553,6 +553,8 @@ def simulate(sc: Scenario, policy: str, seed: int = 0) -> SimResult:
     summ = tracker.summary()
     out.metrics = {
         "arch_staleness_mean": summ["arch"]["mean"],
+        "arch_staleness_positive_mean": summ["arch"]["positive_mean"],
+        "share_negative": summ["arch"]["share_negative"],
         "arch_staleness_p50": summ["arch"]["p50"],
         "arch_staleness_p95": summ["arch"]["p95"],
         "raw_staleness_mean": summ["raw"]["mean"],

@@ -77,13 +77,20 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 
 
 def summarize(values: Iterable[float]) -> dict[str, float]:
-    """Mean, p50 and p95 (``nan`` when empty) and the count."""
+    """Mean, positive-part mean, p50, p95, share of negative values (``nan`` when empty) and the count.
+
+    The positive-part mean (the mean of ``max(0, x)``) is the headline of architectural staleness: with fewer
+    rollout slots than trajectories per batch, late starters get negative values that cancel in the signed
+    mean and can push a "reduction" past 100%.
+    """
     v = sorted(float(x) for x in values)
     n = len(v)
     return {
         "mean": (math.fsum(v) / n) if n else math.nan,
+        "positive_mean": (math.fsum(max(0.0, x) for x in v) / n) if n else math.nan,
         "p50": percentile(v, 50),
         "p95": percentile(v, 95),
+        "share_negative": (sum(1 for x in v if x < 0) / n) if n else math.nan,
         "count": n,
     }
 
@@ -134,7 +141,7 @@ class StalenessTracker:
         )
 
     def summary(self) -> dict[str, Any]:
-        """``{"arch": {mean, p50, p95, count}, "raw": {...}, "version_mean": {...}}``."""
+        """``{"arch": {mean, positive_mean, p50, p95, share_negative, count}, "raw": {...}, "version_mean": {...}}``."""
         return {
             "arch": summarize(self.arch),
             "raw": summarize(self.raw),

@@ -393,3 +393,28 @@ def test_set_in_flight_bad_counts_raise_validation_error_and_keep_state():
         with pytest.raises(ValidationError):
             pol.set_in_flight(bad)  # type: ignore[arg-type]
     assert pol.state_dict()["in_flight"] == {"a": 2, "b": 2}
+
+
+@settings(max_examples=200, deadline=None)
+@given(m=st.integers(1, 20), quotas=st.lists(st.integers(0, 40), min_size=1, max_size=5))
+def test_linear_target_keeps_the_bound_it_documents(m, quotas):
+    """The linear-target schedule stays within e (1 - e/M) groups of the cumulative linear target, e = q mod M."""
+    total = sum(quotas)
+    if total == 0 or total % m:
+        return
+    q = {f"s{i}": n for i, n in enumerate(quotas)}
+    cols = even_completion(q, m)
+    assert all(sum(c.values()) == total // m for c in cols)  # every mini-batch has exactly m / g groups
+    for s, n in q.items():
+        e = n % m
+        cum = 0
+        for k, c in enumerate(cols, start=1):
+            cum += c[s]
+            assert abs(cum - k * n / m) <= e * (1 - e / m) + 1e-9, (s, n, m, k, cum)
+        assert cum == n
+
+
+def test_linear_target_gap_exceeds_one_group_when_m_does_not_divide_the_quota():
+    cols = even_completion({"a": 2, "b": 3}, 5)  # M = 5, quotas of 2 and 3 groups
+    worst = max(abs(sum(c["a"] for c in cols[:k]) - k * 2 / 5) for k in range(1, 6))
+    assert worst == pytest.approx(1.2)  # 2 groups after mini-batch 2 against a target of 0.8

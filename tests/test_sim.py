@@ -119,9 +119,15 @@ def test_bench_report_keys_and_plot(tmp_path) -> None:
             "bound_violations",
             "mean_admit_delay",
             "reduction_vs_train_batch",
+            "arch_staleness_positive_mean",
+            "reduction_positive_vs_train_batch",
+            "share_negative",
         ):
             assert k in row
+        assert 0.0 <= row["share_negative"] <= 1.0
+        assert row["arch_staleness_positive_mean"] >= max(0.0, row["arch_staleness_mean"]) - 1e-12
     assert report["policies"]["train_batch"]["reduction_vs_train_batch"] == 0.0
+    assert report["policies"]["train_batch"]["reduction_positive_vs_train_batch"] == 0.0
     json.dumps(report)
     assert "constraint_preserving" in bench.format_table(report)
     bench.plot(report, runs, str(tmp_path / "p.png"))

@@ -67,6 +67,8 @@ def test_summary_matches_numpy(xs: list[float]) -> None:
     assert s["p50"] == pytest.approx(float(np.percentile(xs, 50)), abs=1e-9)
     assert s["p95"] == pytest.approx(float(np.percentile(xs, 95)), abs=1e-9)
     assert s["count"] == len(xs)
+    assert s["positive_mean"] == pytest.approx(float(np.mean(np.maximum(xs, 0.0))), abs=1e-9)
+    assert s["share_negative"] == pytest.approx(float(np.mean(np.asarray(xs) < 0)), abs=1e-12)
 
 
 def test_summary_empty_and_reduction() -> None:

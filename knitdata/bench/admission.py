@@ -38,7 +38,9 @@ __all__ = [
 
 #: Per-policy figures reported (medians over seeds).
 METRICS: tuple[str, ...] = (
+    "arch_staleness_positive_mean",
     "arch_staleness_mean",
+    "share_negative",
     "arch_staleness_p50",
     "arch_staleness_p95",
     "raw_staleness_mean",
@@ -83,12 +85,17 @@ def run_scenario(
             m = dict(runs[s][p].metrics)
             base = runs[s]["train_batch"].metrics["arch_staleness_mean"] if "train_batch" in runs[s] else math.nan
             m["reduction_vs_train_batch"] = staleness_reduction(m["arch_staleness_mean"], base)
+            base_pos = (runs[s]["train_batch"].metrics["arch_staleness_positive_mean"] if "train_batch" in runs[s]
+                        else math.nan)
+            m["reduction_positive_vs_train_batch"] = staleness_reduction(m["arch_staleness_positive_mean"], base_pos)
             per_seed.append(m)
         row: dict[str, Any] = {k: _median([m[k] for m in per_seed]) for k in METRICS}
         row["reduction_vs_train_batch"] = _median([m["reduction_vs_train_batch"] for m in per_seed])
+        row["reduction_positive_vs_train_batch"] = _median([m["reduction_positive_vs_train_batch"] for m in per_seed])
         row["colocated_makespan"] = _median([m["colocated_makespan"] for m in per_seed])
         row["per_seed"] = {
-            str(s): {k: m[k] for k in (*METRICS, "reduction_vs_train_batch")} for s, m in zip(seeds, per_seed)
+            str(s): {k: m[k] for k in (*METRICS, "reduction_vs_train_batch", "reduction_positive_vs_train_batch")}
+            for s, m in zip(seeds, per_seed)
         }
         row["minibatch_admit_times_seed0"] = per_seed[0]["minibatch_admit_times"]
         out[p] = row
@@ -215,9 +222,11 @@ def _fmt(v: Any) -> str:
 def format_table(report: dict[str, Any]) -> str:
     """A text table of one scenario report."""
     cols = (
+        "arch_staleness_positive_mean",
+        "reduction_positive_vs_train_batch",
         "arch_staleness_mean",
-        "arch_staleness_p50",
         "arch_staleness_p95",
+        "share_negative",
         "raw_staleness_mean",
         "reduction_vs_train_batch",
         "quota_violations",
@@ -226,11 +235,13 @@ def format_table(report: dict[str, Any]) -> str:
         "makespan",
     )
     short = (
+        "arch+_mean",
+        "red.(+)",
         "arch_mean",
-        "arch_p50",
         "arch_p95",
+        "share_neg",
         "raw_mean",
-        "reduction",
+        "red.(signed)",
         "quota_viol",
         "bound_viol",
         "admit_delay",
