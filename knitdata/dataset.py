@@ -34,7 +34,7 @@ import time
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterableDataset, get_worker_info
@@ -477,6 +477,16 @@ def _wait_entries(control: Any, rank: int, j: int, stop: threading.Event, token:
             return None
 
 
+def _bytes(items: Sequence[Sequence[Any]], local_units: frozenset[str]) -> tuple[int, int]:
+    """Payload bytes of plan items ``[id, unit, nbytes]``, and those on the units of the consumer's node."""
+    nbytes = local = 0
+    for _tid, unit, n in items:
+        nbytes += int(n)
+        if unit in local_units:
+            local += int(n)
+    return nbytes, local
+
+
 def _produce(engine: Engine, rank: int, fetch: str, collate: Callable[..., Any], media_collator: Callable[..., Any] | None,
              metrics: ConsumerMetrics, stop: threading.Event, j: int, nw: int, worker: int, token: str,
              max_minibatches: int | None, end_box: list[int | None], timeout: float | None,
@@ -515,9 +525,7 @@ def _produce(engine: Engine, rank: int, fetch: str, collate: Callable[..., Any],
                 share = {t.id: t for t in trajs}
                 ntraj = len(trajs)
                 requests = len({it[1] for it in all_items})
-                for it in all_items:
-                    nbytes += int(it[2])
-                    local += int(it[2]) if it[1] in local_units else 0
+                nbytes, local = _bytes(all_items, local_units)
                 if media_collator is not None:
                     groups: list[list[Any]] = [[] for _ in range(int(e["microbatch"]))]
                     groups += [[share[it[0]] for it in x["items"]] for x in rows]
@@ -527,9 +535,7 @@ def _produce(engine: Engine, rank: int, fetch: str, collate: Callable[..., Any],
             batch = engine.read(items, mode=fetch, step=step) if items else []
             ntraj = len(batch)
             requests = len(items) if fetch == "sample" else len({it[1] for it in items})
-            for it in items:
-                nbytes += int(it[2])
-                local += int(it[2]) if it[1] in local_units else 0
+            nbytes, local = _bytes(items, local_units)
         mb = collate(batch, info)
         if media is not None:
             mb.media = media

@@ -361,23 +361,8 @@ class Pipeline:
             QuotaInfeasibleError: Admission found the quotas impossible (also raised to consumers).
         """
         plane = self._engine.control
-        if not isinstance(traj, Trajectory):
-            plane.note_rejected(None, "traj")
-            raise FieldTypeError(f"put() takes a knitdata.Trajectory, got {type(traj).__name__}", field="traj")
-        try:
-            traj.validate()
-            if self.check_media and traj.media:
-                from knitdata.media import check_media_item
-
-                for i, item in enumerate(traj.media):
-                    check_media_item(item, trajectory_id=traj.id, index=i)
-        except KnitdataError as e:
-            plane.note_rejected(traj.id, (getattr(e, "field", None) or ("media" if traj.media else type(e).__name__)).split(".")[0])
-            raise
+        meta, loss_tokens = self._checked(traj)
         timeout = self.put_timeout if timeout == PUT_TIMEOUT else timeout
-        loss_tokens = _loss_tokens(traj)
-        meta = traj.meta().to_dict()
-        meta["fields"] = fields_of(traj.scalars, {k: str(v.dtype).replace("torch.", "") for k, v in traj.tensors.items()})
         r = plane.reserve(meta)
         unit = self._engine.units[r["unit"]]
         try:
@@ -421,27 +406,9 @@ class Pipeline:
         if not trajs:
             return []
         plane = self._engine.control
-        metas: list[dict[str, Any]] = []
-        losses: list[int] = []
-        for t in trajs:
-            if not isinstance(t, Trajectory):
-                plane.note_rejected(None, "traj")
-                raise FieldTypeError(f"put_many() takes knitdata.Trajectory objects, got {type(t).__name__}",
-                                     field="traj")
-            try:
-                t.validate()
-                if self.check_media and t.media:
-                    from knitdata.media import check_media_item
-
-                    for i, item in enumerate(t.media):
-                        check_media_item(item, trajectory_id=t.id, index=i)
-            except KnitdataError as e:
-                plane.note_rejected(t.id, (getattr(e, "field", None) or type(e).__name__).split(".")[0])
-                raise
-            losses.append(_loss_tokens(t))
-            meta = t.meta().to_dict()
-            meta["fields"] = fields_of(t.scalars, {k: str(v.dtype).replace("torch.", "") for k, v in t.tensors.items()})
-            metas.append(meta)
+        checked = [self._checked(t) for t in trajs]
+        metas = [m for m, _n in checked]
+        losses = [n for _m, n in checked]
         timeout = self.put_timeout if timeout == PUT_TIMEOUT else timeout
         reserved = plane.reserve_many(metas)
         by_unit: dict[str, list[int]] = {}
@@ -467,6 +434,30 @@ class Pipeline:
                 raise
             done += idx
         return self._offer_batch(trajs, reserved, losses)
+
+    def _checked(self, traj: Any) -> tuple[dict[str, Any], int]:
+        """The checks of the put path in the producer (type, fields, media decoding): ``(metadata, loss tokens)``.
+
+        A refusal is counted by the control plane by its cause, then raised.
+        """
+        plane = self._engine.control
+        if not isinstance(traj, Trajectory):
+            plane.note_rejected(None, "traj")
+            raise FieldTypeError(f"put() takes a knitdata.Trajectory, got {type(traj).__name__}", field="traj")
+        try:
+            traj.validate()
+            if self.check_media and traj.media:
+                from knitdata.media import check_media_item
+
+                for i, item in enumerate(traj.media):
+                    check_media_item(item, trajectory_id=traj.id, index=i)
+        except KnitdataError as e:
+            cause = getattr(e, "field", None) or ("media" if traj.media else type(e).__name__)
+            plane.note_rejected(traj.id, cause.split(".")[0])
+            raise
+        meta = traj.meta().to_dict()
+        meta["fields"] = fields_of(traj.scalars, {k: str(v.dtype).replace("torch.", "") for k, v in traj.tensors.items()})
+        return meta, _loss_tokens(traj)
 
     def _offer_batch(self, trajs: Sequence[Trajectory], reserved: Sequence[Mapping[str, Any]],
                      losses: Sequence[int]) -> list[TrajectoryMeta]:
