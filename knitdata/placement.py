@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from knitdata.errors import ConfigError
+from knitdata.errors import ConfigError, StateError
 from knitdata.record import TrajectoryMeta
 
 __all__ = ["ConsumerLayout", "Placement", "ConsumerAwarePlacement", "IndexModPlacement", "make_placement"]
@@ -133,6 +133,19 @@ class Placement(abc.ABC):
         """JSON-serializable state (for diagnostics; placement is rebuilt with the pipeline)."""
         return {}
 
+    def snapshot_state(self) -> dict[str, Any]:
+        """The complete JSON-serializable state, from which :meth:`load_snapshot_state` continues identically."""
+        return {}
+
+    def load_snapshot_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`snapshot_state` (a stateless placement accepts ``{}`` only).
+
+        Raises:
+            StateError: A state of another shape.
+        """
+        if not isinstance(state, Mapping) or dict(state):
+            raise StateError(f"{type(self).__name__} has no state; got {str(state)[:100]}")
+
 
 class IndexModPlacement(Placement):
     """Baseline: the ``i``-th put goes to unit ``i % len(units)``, oblivious to consumers."""
@@ -195,6 +208,30 @@ class ConsumerAwarePlacement(Placement):
     def state_dict(self) -> dict[str, Any]:
         """Bytes placed per unit."""
         return {"load": dict(self._load), "groups": len(self._groups)}
+
+    def snapshot_state(self) -> dict[str, Any]:
+        """Bytes placed per unit and the group table ``[[group, unit], ...]``, oldest first."""
+        return {"load": dict(self._load), "groups": [[g, u] for g, u in self._groups.items()]}
+
+    def load_snapshot_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`snapshot_state`.
+
+        Raises:
+            StateError: A malformed state, or one of another set of units.
+        """
+        load = state.get("load") if isinstance(state, Mapping) else None
+        groups = state.get("groups") if isinstance(state, Mapping) else None
+        if (not isinstance(load, Mapping) or set(load) != set(self.units)
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in load.values())
+                or not isinstance(groups, list)
+                or any(not isinstance(x, list) or len(x) != 2 or not isinstance(x[0], str)
+                       or not isinstance(x[1], str) or x[1] not in load
+                       for x in groups)):
+            raise StateError(f"not a consumer-aware placement state of units {list(self.units)}: {str(state)[:200]}")
+        self._load = {u: int(load[u]) for u in self.units}
+        self._groups = OrderedDict((g, u) for g, u in groups)
+        while len(self._groups) > self._max_groups:
+            self._groups.popitem(last=False)
 
 
 _PLACEMENTS = {"consumer_aware": ConsumerAwarePlacement, "index_mod": IndexModPlacement}
