@@ -86,6 +86,9 @@ _LOST_OR_TIMEOUT: tuple[type[BaseException], ...] = (*_LOST_ERRORS, ray.exceptio
 _MISSING_OR_LOST: tuple[type[BaseException], ...] = (ValueError, *_LOST_ERRORS)  # get_actor: ValueError if none
 _INIT_PID: int | None = None
 _ON_DISK = "on-disk"  # marks a payload that spilled over: only in the unit's spill store
+#: Records up to this many bytes stay in the unit actor's own memory and travel inline in its replies (a
+#: ``ray.put`` costs about 1 ms per object whatever its size; Ray inlines replies below 100 KiB).
+INLINE_MAX_BYTES = 64 << 10
 _log = logging.getLogger(__name__)
 
 
@@ -235,7 +238,8 @@ class _UnitState:
                 self.spill = SpillStore.open(directory, max_bytes=max(max_bytes, 1 << 30))
             else:
                 self.spill = SpillStore(directory, max_bytes=max_bytes)
-        # id -> (ObjectRef | _ON_DISK | None while being put, accounted memory bytes, record bytes)
+        # id -> (ObjectRef | inline numpy record | _ON_DISK | None while being put, accounted memory bytes,
+        # record bytes)
         self.items: dict[str, tuple[Any, int, int]] = {}
         if resume and self.spill is not None:
             for tid in self.spill.ids():
@@ -305,8 +309,13 @@ class StorageUnitActor:
         try:
             if s.spill is not None:  # write-through, so a dead unit's payloads stay recoverable
                 s.spill.put(decode_trajectory(record.data, copy=False))
-            # a copy into this node's object store, owned by this actor
-            ref = ray.put(record) if in_memory else _ON_DISK
+            if not in_memory:
+                ref: Any = _ON_DISK
+            elif record.nbytes <= INLINE_MAX_BYTES:  # small: a copy in this actor's memory, sent inline on reads
+                ref = np.array(record, dtype=np.uint8, copy=True)
+                ref.setflags(write=False)
+            else:  # a copy into this node's object store, owned by this actor
+                ref = ray.put(record)
         except StoreFull:
             undo()
             return "full"
@@ -350,7 +359,8 @@ class StorageUnitActor:
             self._s.counters["rejected_puts"] += 1
 
     def refs(self, ids: list[str]) -> tuple[list[Any], list[str]]:
-        """Return ``([[ref, record bytes] per held id], [missing ids])`` (refs nested, so not resolved)."""
+        """Return ``([[ref or inline record, record bytes] per held id], [missing ids])`` (refs nested, so not
+        resolved; records of at most :data:`INLINE_MAX_BYTES` come inline as ``numpy.uint8`` arrays)."""
         s = self._s
         out: list[Any] = []
         missing: list[str] = []
@@ -783,6 +793,11 @@ def read_records(
         for p, a in zip(pos, answer):
             if a is None:
                 lost.setdefault(uid, []).append(p)
+            elif isinstance(a[0], np.ndarray):  # a small record, inline in the unit's reply
+                out[p] = a[0]
+                if meter is not None:
+                    meter.record_read(int(a[1]), cross=current_node() != unit.ray_node, mode=mode, placement=placement,
+                                      step=step)
             else:
                 refs.append(a[0])
                 ref_pos.append(p)
