@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from knitdata.errors import ConfigError, QuotaInfeasibleError, StateError, ValidationError
+from knitdata.errors import ConfigError, KnitdataError, QuotaInfeasibleError, StateError, ValidationError
 from knitdata.record import TrajectoryMeta
 
 __all__ = [
@@ -302,6 +302,13 @@ def composition_limits(
 # ----------------------------------------------------------------------------------------------------------
 # Policies
 # ----------------------------------------------------------------------------------------------------------
+
+
+def _count(x: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
+    """An int of a loaded state in ``lo..hi`` (:class:`~knitdata.errors.StateError` otherwise)."""
+    if isinstance(x, bool) or not isinstance(x, int) or x < lo or (hi is not None and x > hi):
+        raise StateError(f"{what} must be an int in {lo}..{'' if hi is None else hi}, got {str(x)[:50]}")
+    return x
 
 
 @dataclass(slots=True)
@@ -618,7 +625,8 @@ class AdmissionPolicy(abc.ABC):
         """Restore a snapshot from :meth:`state_dict`.
 
         Raises:
-            StateError: The snapshot belongs to another policy or another batch spec.
+            StateError: The snapshot belongs to another policy or another batch spec, or is malformed (any
+                malformed state raises it; nothing changes then).
         """
         try:
             if state["policy"] != self.name:
@@ -628,18 +636,33 @@ class AdmissionPolicy(abc.ABC):
             fresh = type(self).__new__(type(self))
             AdmissionPolicy.__init__(fresh, self.spec, continuous=bool(state["continuous"]))
             for _grp, ms in state["pending"]:
+                if not isinstance(ms, list) or not 0 < len(ms) < self._g:
+                    raise StateError(f"a pending group holds 1 to {self._g - 1} members, got {str(ms)[:100]}")
                 fresh.offer(TrajectoryMeta.from_dict(d) for d in ms)
+            last = -1
             for seq, _grp, ms in state["ready"]:
-                fresh._seq = int(seq)
+                if isinstance(seq, bool) or not isinstance(seq, int) or seq <= last or not isinstance(ms, list) \
+                        or len(ms) != self._g:
+                    raise StateError(f"a ready group is [seq (increasing), group, {self._g} members], got "
+                                     f"{str([seq, _grp, ms])[:100]}")
+                last = fresh._seq = seq
                 fresh.offer(TrajectoryMeta.from_dict(d) for d in ms)
-            fresh._seq = int(state["seq"])
-            fresh._b, fresh._k = int(state["train_batch"]), int(state["index"])
-            fresh._admitted = {s: int(state["admitted"][s]) for s in self._Q}
+            fresh._seq = _count(state["seq"], "seq", last + 1)
+            fresh._b = _count(state["train_batch"], "train_batch")
+            fresh._k = _count(state["index"], "index", 0, self._M - 1)
+            adm = state["admitted"]
+            if not isinstance(adm, Mapping) or set(adm) != set(self._Q):
+                raise StateError(f"admitted must name the sources {sorted(self._Q)}, got {str(adm)[:100]}")
+            fresh._admitted = {s: _count(adm[s], f"admitted.{s}") for s in self._Q}
             inf = state["in_flight"]
-            fresh._in_flight = None if inf is None else {s: int(inf.get(s, 0)) for s in self._Q}
+            if inf is not None and (not isinstance(inf, Mapping) or not set(inf) <= set(self._Q)):
+                raise StateError(f"in_flight must be null or counts of sources {sorted(self._Q)}, got {str(inf)[:100]}")
+            fresh._in_flight = None if inf is None else {s: _count(inf.get(s, 0), f"in_flight.{s}") for s in self._Q}
         except StateError:
             raise
-        except (KeyError, TypeError, ValueError) as e:
+        except KnitdataError as e:
+            raise StateError(f"not a {self.name} admission state: {e}") from e
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
             raise StateError(f"not a {self.name} admission state: {e!r}") from e
         for attr in (
             "continuous",

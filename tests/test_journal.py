@@ -91,9 +91,9 @@ def test_torn_last_line_is_dropped_and_damage_elsewhere_is_a_codec_error(tmp_pat
     path.write_bytes(data[:-7])  # a crash inside the last write
     assert [a for _op, a in Journal.read(path)] == [[0], [1]]
     lines = data.split(b"\n")
-    lines[0] = lines[0].replace(b"[0]", b"[9]")  # checksum no longer matches, not the last line
+    lines[1] = lines[1].replace(b"[0]", b"[9]")  # checksum no longer matches, not the last line (0: the header)
     path.write_bytes(b"\n".join(lines))
-    with pytest.raises(CodecError, match="line 1"):
+    with pytest.raises(CodecError, match="line 2"):
         list(Journal.read(path))
 
 

@@ -31,12 +31,14 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
-from knitdata.control.journal import Journal
+from knitdata.control.journal import Journal, dumps_strict, loads_strict, recovery_plan
+from knitdata.control.snapshot import decode_snapshot
 from knitdata.errors import (
     CodecError,
     ConfigError,
@@ -74,6 +76,10 @@ PLANE_DEFAULTS: dict[str, Any] = {
 WITHDRAWN_MEMORY = 1 << 16
 #: Seconds after which an iterator lease that was not renewed may be taken over (a consumer process died).
 LEASE_TTL_S = 10.0
+#: How many released trajectory ids a snapshot keeps, to send their releases again after a recovery.
+RECENT_RELEASES = 8192
+#: The version of :meth:`ControlPlane.snapshot`'s format.
+SNAPSHOT_FORMAT = 1
 
 
 def _journaled(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -95,12 +101,12 @@ def _journaled(fn: Callable[..., Any]) -> Callable[..., Any]:
                 out = fn(self, *args)
             except KnitdataError:
                 if outer:
-                    self._journal.append(name, list(args))  # type: ignore[union-attr]
+                    self._log(name, args)
                 raise
             finally:
                 self._depth -= 1
             if outer:
-                self._journal.append(name, list(args))  # type: ignore[union-attr]
+                self._log(name, args)
             return out
 
     return wrapper
@@ -184,34 +190,183 @@ class ControlPlane:
                        "admitted_trajectories": 0, "planned_local_bytes": 0, "planned_remote_bytes": 0,
                        "released": 0, "dropped_at_close": 0}
         self.rejected_by_cause: dict[str, int] = {}
+        # releases sent lately ([unit, ids], oldest first; RECENT_RELEASES ids at most): a snapshot keeps them,
+        # and a recovery from it sends them again, in case the coordinator died before they reached the units
+        self.recent_releases: deque[tuple[str, list[str]]] = deque()
+        self._recent_ids = 0
         self._journal = journal
         self._depth = 0
         self._replaying = False
         self.replayed = 0
 
     def recover(self, path: str) -> int:
-        """Replay the journal at ``path`` into this (fresh) plane; returns the number of calls replayed.
+        """Rebuild this (fresh) plane's state from the journal at ``path`` and its snapshot, if any.
 
-        Calls that raised when they were first made raise again here and are skipped: their effects are
-        reproduced. Releases are sent to the units again (they are idempotent).
+        The snapshot (``path + ".snapshot"``, written by :meth:`compact`) is loaded when the journal continues
+        from it, and only the records after it are replayed; a snapshot of another run (left by a deleted
+        journal) is ignored. Calls that raised when they were first made raise again here and are skipped:
+        their effects are reproduced. Releases are sent to the units again (they are idempotent): the ones a
+        replayed call makes, and after a snapshot the last :data:`RECENT_RELEASES` ids released before it.
+
+        Returns:
+            The number of journal records replayed (after the snapshot).
+
+        Raises:
+            CodecError: The journal or the snapshot it depends on is damaged or missing.
         """
         n = 0
         with self.cond:
+            plan = recovery_plan(path)
+            if plan.state is not None:
+                try:
+                    self.load_snapshot(plan.state)
+                except KnitdataError as e:
+                    raise CodecError(f"the snapshot of journal {path!r} cannot be loaded: {e}") from e
+                for u, ids in list(self.recent_releases):
+                    self._release(u, list(ids), False)
             self._replaying = True
             try:
+                total = 0
                 for op, args in Journal.read(path):
+                    total += 1
+                    if total <= plan.skip:
+                        continue
                     try:
                         getattr(self, op)(*args)
                     except KnitdataError:
                         pass
-                    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
-                        raise CodecError(f"journal {path!r} record {n + 1} ({op}) has malformed arguments "
+                    except (TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as e:
+                        raise CodecError(f"journal {path!r} record {total} ({op}) has malformed arguments "
                                          f"({type(e).__name__}: {e}); the journal is damaged") from e
                     n += 1
+                if total < plan.skip:
+                    raise CodecError(f"journal {path!r} holds {total} records but its snapshot covers {plan.skip}; "
+                                     "the journal is damaged (truncated)")
             finally:
                 self._replaying = False
             self.replayed = n
         return n
+
+    def compact(self) -> None:
+        """Write a snapshot of the state next to the journal and start a new, empty journal segment.
+
+        Runs on its own every ``compact_every`` journal records (see :class:`~knitdata.control.journal.Journal`).
+
+        Raises:
+            ConfigError: This plane has no journal.
+            OSError: The snapshot or the new segment could not be written (the journal is left as it was).
+        """
+        if self._journal is None:
+            raise ConfigError("this control plane has no journal to compact")
+        with self.cond:
+            self._journal.compact(self.snapshot())
+
+    def _log(self, name: str, args: Sequence[Any]) -> None:
+        """Journal one call; compact when the segment is due (under the lock, between calls)."""
+        j = self._journal
+        assert j is not None
+        j.append(name, list(args))
+        if j.compaction_due:
+            try:
+                j.compact(self.snapshot())
+            except (OSError, KnitdataError) as e:  # the journal stays whole; the next attempt comes later
+                warnings.warn(f"journal {j.path!r}: compaction failed, the journal keeps growing: {e}",
+                              RuntimeWarning, stacklevel=3)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The plane's complete state, JSON-serializable, from which :meth:`load_snapshot` continues identically.
+
+        Holds: admission, placement, queues and positions, puts in progress, held and pending trajectories,
+        withdrawn groups, schema, version, counters, close report, the stopping error, staleness, and the
+        recent releases. Not: iterator leases, version timestamps, consumers' stats and transfer totals.
+
+        Raises:
+            StateError: The configuration is not JSON-serializable.
+        """
+        with self.cond:
+            try:
+                config = loads_strict(dumps_strict(self.config))
+            except (TypeError, ValueError) as e:
+                raise StateError(f"the control plane's configuration is not JSON-serializable: {e}") from e
+            err = None if self.error is None else {"type": type(self.error).__name__, "message": str(self.error)}
+            return {
+                "format": SNAPSHOT_FORMAT, "config": config, "unit_nodes": dict(self.unit_nodes),
+                "policy": self.policy.state_dict(), "placement": self.placement.snapshot_state(),
+                "seq": self.seq,
+                "putting": [[tid, u, m.to_dict(), f] for tid, (u, m, f) in self.putting.items()],
+                "schema": self.schema, "withdrawn": list(self.withdrawn),
+                "live": [m.to_dict() for m in self.live.values()],
+                "pending": [m.to_dict() for m in self.pending.values()],
+                "loss": dict(self.loss),
+                "queues": [[q[j] for j in sorted(q)] for q in self.queues],
+                "planned": list(self.planned), "committed": list(self.committed), "position": list(self.position),
+                "closed": self.closed, "close_report": self.close_report, "error": err, "version": self.version,
+                "staleness": list(self.staleness), "counts": dict(self.counts),
+                "rejected_by_cause": dict(self.rejected_by_cause),
+                "recent_releases": [[u, list(ids)] for u, ids in self.recent_releases],
+            }
+
+    def load_snapshot(self, state: Mapping[str, Any]) -> None:
+        """Replace this plane's state with a :meth:`snapshot` (of a plane of the same configuration and units).
+
+        Every part is checked before anything changes. Leases, version timestamps, consumers' stats and
+        transfer totals are kept as they are.
+
+        Raises:
+            StateError: A malformed snapshot, or one of another configuration, layout or set of units.
+        """
+        with self.cond:
+            d = decode_snapshot(state, config=self.config, unit_nodes=self.unit_nodes,
+                                num_consumers=self.layout.num_consumers, counts=self.counts)
+            placement = make_placement(self.config["placement"], list(self.unit_nodes))
+            placement.load_snapshot_state(d["placement"])
+            self.policy.load_state_dict(d["policy"])  # checked whole before it changes anything
+            self.placement = placement
+            self.seq = d["seq"]
+            self.putting = {tid: (u, m, f) for tid, u, m, f in d["putting"]}
+            self.schema = d["schema"]
+            self.withdrawn = OrderedDict.fromkeys(d["withdrawn"])
+            self.live = {m.id: m for m in d["live"]}
+            self.pending = {m.id: self.live.get(m.id, m) for m in d["pending"]}
+            self.loss = d["loss"]
+            self.queues = [{e["j"]: e for e in q} for q in d["queues"]]
+            self.planned, self.committed, self.position = d["planned"], d["committed"], d["position"]
+            self.closed, self.close_report, self.error = d["closed"], d["close_report"], d["error"]
+            self.version = d["version"]
+            self.staleness = deque(d["staleness"], maxlen=self.staleness.maxlen)
+            self.counts = d["counts"]
+            self.rejected_by_cause = d["rejected_by_cause"]
+            self.recent_releases = deque((u, ids) for u, ids in d["recent_releases"])
+            self._recent_ids = sum(len(ids) for _u, ids in self.recent_releases)
+            self.cond.notify_all()
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        state: Mapping[str, Any],
+        releaser: Callable[[str, list[str], bool], Any],
+        *,
+        policy: AdmissionPolicy | None = None,
+        on_plan: Callable[[AdmittedMiniBatch, MiniBatchPlan], None] | None = None,
+        journal: Journal | None = None,
+    ) -> ControlPlane:
+        """A plane built from a :meth:`snapshot` alone (its configuration and units are in it).
+
+        Raises:
+            StateError: A malformed snapshot.
+        """
+        if not isinstance(state, Mapping) or not isinstance(state.get("config"), Mapping) \
+                or not isinstance(state.get("unit_nodes"), Mapping):
+            raise StateError(f"not a control-plane snapshot (no config and unit_nodes): {str(state)[:200]}")
+        try:
+            plane = cls(state["config"], state["unit_nodes"], releaser, policy=policy, on_plan=on_plan,
+                        journal=journal)
+        except KnitdataError as e:
+            raise StateError(f"the snapshot's configuration is invalid: {e}") from e
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+            raise StateError(f"the snapshot's configuration is malformed ({type(e).__name__}: {e})") from e
+        plane.load_snapshot(state)
+        return plane
 
     # ------------------------------------------------------------------------------------ producer side
     @_journaled
@@ -656,6 +811,10 @@ class ControlPlane:
         for u, ids in by_unit.items():
             self._release(u, ids, False)
             self.counts["released"] += len(ids)
+            self.recent_releases.append((u, ids))
+            self._recent_ids += len(ids)
+            while self._recent_ids > RECENT_RELEASES and len(self.recent_releases) > 1:
+                self._recent_ids -= len(self.recent_releases.popleft()[1])
 
     def _drop_entry(self, rank: int, j: int) -> None:
         e = self.queues[rank].pop(j, None)

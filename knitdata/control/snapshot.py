@@ -1,0 +1,243 @@
+"""Checking a control-plane snapshot before it is loaded (:meth:`knitdata.control.ControlPlane.load_snapshot`).
+
+A snapshot is JSON that the plane wrote itself, but it is read back from disk: :func:`decode_snapshot` checks
+its whole structure (types, ranges, units, ranks, the configuration it belongs to) and converts it, so that a
+crafted or damaged snapshot with a valid checksum gets a :class:`~knitdata.errors.StateError`, never a
+``TypeError`` or ``KeyError`` later.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from knitdata import errors
+from knitdata.collate import MicroBatchInfo
+from knitdata.errors import KnitdataError, StateError
+from knitdata.record import TrajectoryMeta
+
+__all__ = ["decode_snapshot", "SNAPSHOT_KEYS", "ERROR_TYPES"]
+
+#: The keys of a snapshot (format 1).
+SNAPSHOT_KEYS: frozenset[str] = frozenset({
+    "format", "config", "unit_nodes", "policy", "placement", "seq", "putting", "schema", "withdrawn", "live",
+    "pending", "loss", "queues", "planned", "committed", "position", "closed", "close_report", "error", "version",
+    "staleness", "counts", "rejected_by_cause", "recent_releases",
+})
+#: The error classes a stopped plane's error may be restored as (their constructor takes the message alone).
+ERROR_TYPES: dict[str, type[KnitdataError]] = {
+    c.__name__: c for c in (errors.KnitdataError, errors.QuotaInfeasibleError, errors.ValidationError,
+                            errors.FieldTypeError, errors.StateError, errors.ConfigError, errors.CodecError,
+                            errors.EngineError, errors.PipelineClosedError, errors.IncompleteStreamError,
+                            errors.DataTimeoutError, errors.StoreFull)
+}
+
+
+def _bad(where: str, want: str, got: Any) -> StateError:
+    return StateError(f"control-plane snapshot: {where} must be {want}, got {str(got)[:120]}")
+
+
+def _int(x: Any, where: str, lo: int = 0) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < lo:
+        raise _bad(where, f"an int >= {lo}", x)
+    return x
+
+
+def _str(x: Any, where: str) -> str:
+    if not isinstance(x, str):
+        raise _bad(where, "a string", x)
+    return x
+
+
+def _list(x: Any, where: str) -> list[Any]:
+    if not isinstance(x, list):
+        raise _bad(where, "a list", x)
+    return x
+
+
+def _dict(x: Any, where: str) -> dict[str, Any]:
+    if not isinstance(x, dict) or not all(isinstance(k, str) for k in x):
+        raise _bad(where, "an object", x)
+    return x
+
+
+def _ints(x: Any, where: str, n: int | None = None, lo: int = 0) -> list[int]:
+    xs = _list(x, where)
+    if n is not None and len(xs) != n:
+        raise _bad(where, f"a list of {n} ints", x)
+    return [_int(v, f"{where}[{i}]", lo) for i, v in enumerate(xs)]
+
+
+def _meta(x: Any, where: str, units: Mapping[str, str], located: bool) -> TrajectoryMeta:
+    d = _dict(x, where)
+    if not isinstance(d.get("id"), str) or not isinstance(d.get("source"), str) or not isinstance(d.get("group"), str):
+        raise _bad(where, "trajectory metadata (id, source, group strings)", x)
+    try:
+        m = TrajectoryMeta.from_dict(d)
+    except KnitdataError as e:
+        raise StateError(f"control-plane snapshot: {where}: {e}") from e
+    if located and m.location not in units:
+        raise _bad(f"{where}.location", f"a storage unit of {sorted(units)}", m.location)
+    if not located and m.location is not None:
+        raise _bad(f"{where}.location", "null (a put in progress)", m.location)
+    return m
+
+
+def _fields(x: Any, where: str) -> dict[str, Any] | None:
+    if x is None:
+        return None
+    d = _dict(x, where)
+    sc, te = d.get("scalars"), d.get("tensors")
+    if (set(d) != {"scalars", "tensors"} or not isinstance(sc, list) or not all(isinstance(v, str) for v in sc)
+            or not isinstance(te, dict) or not all(isinstance(v, str) for v in te.values())):
+        raise _bad(where, "{'scalars': [str], 'tensors': {str: str}}", x)
+    return {"scalars": list(sc), "tensors": dict(te)}
+
+
+def _entry(x: Any, where: str, rank: int, units: Mapping[str, str]) -> dict[str, Any]:
+    e = _dict(x, where)
+    if set(e) != {"j", "minibatch", "microbatch", "info", "items"}:
+        raise _bad(where, "a micro-batch entry {j, minibatch, microbatch, info, items}", x)
+    j = _int(e["j"], f"{where}.j")
+    mb = _int(e["minibatch"], f"{where}.minibatch")
+    mi = _int(e["microbatch"], f"{where}.microbatch")
+    info = _dict(e["info"], f"{where}.info")
+    try:
+        parsed = MicroBatchInfo.from_dict(info)
+    except KnitdataError as err:
+        raise StateError(f"control-plane snapshot: {where}.info: {err}") from err
+    if parsed.to_dict() != info or parsed.consumer != rank or parsed.minibatch != mb or parsed.microbatch != mi:
+        raise _bad(f"{where}.info", f"micro-batch info of rank {rank}, mini-batch {mb}, micro-batch {mi}", info)
+    items = []
+    for k, it in enumerate(_list(e["items"], f"{where}.items")):
+        w = f"{where}.items[{k}]"
+        if not isinstance(it, list) or len(it) != 3:
+            raise _bad(w, "[trajectory id, unit, bytes]", it)
+        if it[1] not in units:
+            raise _bad(f"{w}[1]", f"a storage unit of {sorted(units)}", it[1])
+        items.append([_str(it[0], f"{w}[0]"), it[1], _int(it[2], f"{w}[2]")])
+    return {"j": j, "minibatch": mb, "microbatch": mi, "info": info, "items": items}
+
+
+def _close_report(x: Any, where: str) -> dict[str, Any] | None:
+    if x is None:
+        return None
+    r = _dict(x, where)
+    want = {"dropped_trajectories", "dropped_groups", "by_source", "in_progress", "group_members", "group_size"}
+    if set(r) != want:
+        raise _bad(where, f"a close report with keys {sorted(want)}", x)
+    _int(r["dropped_trajectories"], f"{where}.dropped_trajectories")
+    for k in ("dropped_groups", "in_progress"):
+        if not all(isinstance(v, str) for v in _list(r[k], f"{where}.{k}")):
+            raise _bad(f"{where}.{k}", "a list of strings", r[k])
+    for k in ("by_source", "group_members"):
+        for s, v in _dict(r[k], f"{where}.{k}").items():
+            _int(v, f"{where}.{k}.{s}")
+    _int(r["group_size"], f"{where}.group_size", 1)
+    return r
+
+
+def _json_equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True))
+    except (TypeError, ValueError):
+        return False
+
+
+def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mapping[str, str], num_consumers: int,
+                    counts: Mapping[str, int]) -> dict[str, Any]:
+    """Check a snapshot against the plane that loads it and convert its parts.
+
+    Args:
+        state: The snapshot (:meth:`~knitdata.control.ControlPlane.snapshot`).
+        config: The loading plane's configuration (the snapshot's must be the same).
+        unit_nodes: The loading plane's units (the snapshot's must be the same).
+        num_consumers: Ranks of the loading plane's layout.
+        counts: The loading plane's counters (the snapshot holds the same names).
+
+    Returns:
+        The snapshot's parts, checked: metadata as :class:`~knitdata.record.TrajectoryMeta`, the error as an
+        exception; ``policy`` and ``placement`` are passed on to their own loaders (which check them).
+
+    Raises:
+        StateError: Anything malformed, or a snapshot of another configuration or set of units.
+    """
+    s = _dict(state, "the snapshot")
+    if set(s) != SNAPSHOT_KEYS:
+        raise StateError(f"control-plane snapshot: keys {sorted(s)} are not those of format 1 (missing "
+                         f"{sorted(SNAPSHOT_KEYS - set(s))}, unexpected {sorted(set(s) - SNAPSHOT_KEYS)})")
+    if s["format"] != 1 or isinstance(s["format"], bool):
+        raise _bad("format", "1", s["format"])
+    if not _json_equal(s["config"], dict(config)):
+        raise StateError("control-plane snapshot: it was taken of a pipeline with another configuration (batch "
+                         "spec, layout or options); load it into a plane built with the same ones")
+    if not _json_equal(s["unit_nodes"], dict(unit_nodes)):
+        raise StateError(f"control-plane snapshot: its storage units {str(s['unit_nodes'])[:200]} are not this "
+                         f"plane's {dict(unit_nodes)}")
+    units = dict(unit_nodes)
+    n = num_consumers
+    out: dict[str, Any] = {"policy": _dict(s["policy"], "policy"), "placement": _dict(s["placement"], "placement")}
+    out["seq"] = _int(s["seq"], "seq")
+    putting = []
+    for k, p in enumerate(_list(s["putting"], "putting")):
+        w = f"putting[{k}]"
+        if not isinstance(p, list) or len(p) != 4:
+            raise _bad(w, "[trajectory id, unit, metadata, fields]", p)
+        tid = _str(p[0], f"{w}[0]")
+        if p[1] not in units:
+            raise _bad(f"{w}[1]", f"a storage unit of {sorted(units)}", p[1])
+        m = _meta(p[2], f"{w}[2]", units, located=False)
+        if m.id != tid:
+            raise _bad(f"{w}[2].id", repr(tid), m.id)
+        putting.append((tid, p[1], m, _fields(p[3], f"{w}[3]")))
+    out["putting"] = putting
+    out["schema"] = _fields(s["schema"], "schema")
+    out["withdrawn"] = [_str(g, f"withdrawn[{k}]") for k, g in enumerate(_list(s["withdrawn"], "withdrawn"))]
+    out["live"] = [_meta(m, f"live[{k}]", units, located=True) for k, m in enumerate(_list(s["live"], "live"))]
+    out["pending"] = [_meta(m, f"pending[{k}]", units, located=True)
+                      for k, m in enumerate(_list(s["pending"], "pending"))]
+    out["loss"] = {tid: _int(v, f"loss.{tid}") for tid, v in _dict(s["loss"], "loss").items()}
+    out["planned"] = _ints(s["planned"], "planned", n)
+    out["committed"] = _ints(s["committed"], "committed", n)
+    out["position"] = _ints(s["position"], "position", n)
+    queues = []
+    for r, q in enumerate(_list(s["queues"], "queues")):
+        entries = [_entry(e, f"queues[{r}][{k}]", r, units) for k, e in enumerate(_list(q, f"queues[{r}]"))]
+        js = [e["j"] for e in entries]
+        if js != sorted(set(js)) or any(not out["committed"][r] <= j < out["planned"][r] for j in js):
+            raise _bad(f"queues[{r}]", f"entries in increasing order within committed..planned "
+                       f"({out['committed'][r]}..{out['planned'][r]})", js)
+        queues.append(entries)
+    if len(queues) != n:
+        raise _bad("queues", f"a list of {n} queues (one per rank)", len(queues))
+    out["queues"] = queues
+    if not isinstance(s["closed"], bool):
+        raise _bad("closed", "a bool", s["closed"])
+    out["closed"] = s["closed"]
+    out["close_report"] = _close_report(s["close_report"], "close_report")
+    err = s["error"]
+    if err is None:
+        out["error"] = None
+    else:
+        e = _dict(err, "error")
+        if set(e) != {"type", "message"} or e["type"] not in ERROR_TYPES or not isinstance(e["message"], str):
+            raise _bad("error", f"{{'type': one of {sorted(ERROR_TYPES)}, 'message': str}}", err)
+        out["error"] = ERROR_TYPES[e["type"]](e["message"])
+    out["version"] = _int(s["version"], "version")
+    out["staleness"] = _ints(s["staleness"], "staleness", lo=-(1 << 62))
+    c = _dict(s["counts"], "counts")
+    if set(c) != set(counts):
+        raise _bad("counts", f"counters {sorted(counts)}", sorted(c))
+    out["counts"] = {k: _int(v, f"counts.{k}", lo=-(1 << 62)) for k, v in c.items()}
+    out["rejected_by_cause"] = {k: _int(v, f"rejected_by_cause.{k}")
+                                for k, v in _dict(s["rejected_by_cause"], "rejected_by_cause").items()}
+    rel = []
+    for k, x in enumerate(_list(s["recent_releases"], "recent_releases")):
+        w = f"recent_releases[{k}]"
+        if not isinstance(x, list) or len(x) != 2 or x[0] not in units or not isinstance(x[1], list) \
+                or not all(isinstance(i, str) for i in x[1]):
+            raise _bad(w, f"[unit of {sorted(units)}, [trajectory ids]]", x)
+        rel.append((x[0], list(x[1])))
+    out["recent_releases"] = rel
+    return out
