@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from knitdata.admission import BatchSpec
 from knitdata.control import ControlPlane, fields_of
-from knitdata.control.journal import JOURNALED_OPS, Journal
-from knitdata.errors import CodecError, KnitdataError
+from knitdata.control.journal import JOURNALED_OPS, SNAPSHOT_SUFFIX, Journal, read_snapshot, write_snapshot
+from knitdata.errors import CodecError, KnitdataError, StateError
 from knitdata.placement import ConsumerLayout
 from knitdata.record import Trajectory
 
@@ -120,3 +120,343 @@ def test_crafted_records_with_valid_checksums_replay_only_knitdata_errors(tmp_pa
         plane.recover(str(path))
     except KnitdataError:
         pass
+
+
+# ---------------------------------------------------------------------------------------------- compaction
+ADMISSIONS = ["constraint_preserving", "train_batch", "fifo", "linear_target"]
+UNITS = {"node0": "node0", "node1": "node1"}
+
+
+def _cfg(admission: str = "constraint_preserving", release: str = "step") -> dict:
+    return {**_config(), "admission": admission, "release": release}
+
+
+def _meta(i: int, group: int | None = None, fields: dict | None = None) -> dict:
+    g = i // 2 if group is None else group
+    return {"id": f"t{i}", "source": "ab"[g % 2], "group": f"g{g}", "gen_version": i % 3, "num_tokens": 12 + i % 5,
+            "nbytes": 100 + 7 * (i % 11), "fields": fields or {"scalars": ["r"], "tensors": {}}}
+
+
+class _Driver:
+    """Applies one abstract step to a plane: the same steps give the same calls on any plane in the same state."""
+
+    def __init__(self) -> None:
+        self.next_id = 0
+
+    def step(self, plane: ControlPlane, kind: str, x: int) -> object:
+        try:
+            return self._step(plane, kind, x)
+        except KnitdataError as e:
+            return ("error", type(e).__name__, str(e))
+
+    def _step(self, plane: ControlPlane, kind: str, x: int) -> object:
+        if kind == "put":  # reserve + offer
+            i = self.next_id
+            self.next_id += 1
+            r = plane.reserve(_meta(i))
+            return r, plane.offer(f"t{i}", r["seq"], 4 + x % 5)
+        if kind == "reserve":  # a put left in progress (offered or unreserved later, or retried)
+            i = self.next_id
+            self.next_id += 1
+            return plane.reserve(_meta(i))
+        if kind == "retry":  # a retried reserve of a put in progress: the old copy is released
+            if not plane.putting:
+                return None
+            tid = sorted(plane.putting)[x % len(plane.putting)]
+            return plane.reserve(_meta(int(tid[1:])))
+        if kind in ("offer", "unreserve"):
+            if not plane.putting:
+                return None
+            tid = sorted(plane.putting)[x % len(plane.putting)]
+            seq = plane.putting[tid][1].seq
+            return plane.offer(tid, seq, 3) if kind == "offer" else plane.unreserve(tid, seq, "store")
+        if kind == "many":
+            ids = list(range(self.next_id, self.next_id + 1 + x % 4))
+            self.next_id += len(ids)
+            rs = plane.reserve_many([_meta(i) for i in ids])
+            return rs, plane.offer_many([[f"t{i}", r["seq"], 5] for i, r in zip(ids, rs)])
+        if kind == "bad_put":  # other fields than the schema: refused
+            i = self.next_id
+            self.next_id += 1
+            return plane.reserve(_meta(i, fields={"scalars": ["q"], "tensors": {}}))
+        if kind == "withdraw":
+            return plane.withdraw(f"g{x % (self.next_id // 2 + 1)}")
+        if kind == "version":
+            return plane.report_version(plane.version + x % 2)
+        if kind == "hand":
+            rank = x % plane.layout.num_consumers
+            got = plane.next_entries(rank, plane.start_position(rank), 0.0)
+            for e in got.get("entries", [])[: 1 + x % 3]:
+                plane.handed(rank, e["j"], e["minibatch"], e["microbatch"])
+            return got
+        if kind == "commit":
+            rank = x % plane.layout.num_consumers
+            return plane.commit(rank, plane.position[rank] - x % 2)
+        if kind == "seek":
+            rank = x % plane.layout.num_consumers
+            return plane.seek(rank, max(0, plane.position[rank] + x % 3 - 1))
+        if kind == "in_flight":
+            return plane.set_in_flight({"a": x % 8, "b": 8})
+        if kind == "close":
+            return plane.close()
+        raise AssertionError(kind)
+
+
+STEP_KINDS = (["put"] * 8 + ["reserve", "retry", "offer", "unreserve", "many", "bad_put", "withdraw", "version"]
+              + ["hand"] * 3 + ["commit", "seek", "in_flight"])
+
+
+def _releases(log: list, *, wait: bool = False) -> list[str]:
+    return sorted(i for u, ids, w in log if w == wait for i in ids)
+
+
+@settings(max_examples=25, deadline=None)
+@given(admission=st.sampled_from(ADMISSIONS), release=st.sampled_from(["step", "commit", "handout"]),
+       steps=st.lists(st.tuples(st.sampled_from(STEP_KINDS + ["compact", "compact_crash", "compact"]),
+                                st.integers(0, 100)), min_size=1, max_size=50),
+       close=st.booleans(), after=st.lists(st.tuples(st.sampled_from(STEP_KINDS), st.integers(0, 100)),
+                                           max_size=10))
+def test_recovering_a_compacted_journal_equals_a_full_replay(tmp_path_factory, admission, release, steps, close,
+                                                             after):
+    """Random plane calls with compactions (and crashes between snapshot and rotation) at random points: the
+    plane recovered from snapshot + journal is the plane a full replay of an uncompacted journal gives, and the
+    next calls answer the same."""
+    d = tmp_path_factory.mktemp("c")
+    cfg = _cfg(admission, release)
+    ja, jb = Journal(d / "a.journal", compact_every=0), Journal(d / "b.journal", compact_every=0)
+    a = ControlPlane(cfg, UNITS, lambda u, ids, w: None, journal=ja)
+    b = ControlPlane(cfg, UNITS, lambda u, ids, w: None, journal=jb)
+    da, db = _Driver(), _Driver()
+    since = 0  # records in a's current segment
+    snapshot_at = None  # a's state when the snapshot that recovery uses was taken
+    for kind, x in steps + ([("close", 0)] if close else []):
+        if kind == "compact":
+            a.compact()
+            since, snapshot_at = 0, a.snapshot()
+            continue
+        if kind == "compact_crash":  # steps (1) and (2) of a compaction, then a crash before the rotation
+            with a.cond:
+                write_snapshot(ja.path + SNAPSHOT_SUFFIX, a.snapshot(), run=ja.run, segment=ja.segment,
+                               records=ja.records)
+            snapshot_at = a.snapshot()
+            continue
+        n0 = ja.records
+        assert da.step(a, kind, x) == db.step(b, kind, x)
+        since += ja.records - n0
+    ja.close()
+    jb.close()
+    assert a.snapshot() == b.snapshot()
+    # the journal holds only the records after the last completed compaction
+    assert len(list(Journal.read(ja.path))) == since
+    logs: dict[str, list] = {"a": [], "b": []}
+    ra = ControlPlane(cfg, UNITS, lambda u, ids, w: logs["a"].append((u, list(ids), w)))
+    rb = ControlPlane(cfg, UNITS, lambda u, ids, w: logs["b"].append((u, list(ids), w)))
+    ra.recover(ja.path)
+    rb.recover(jb.path)
+    assert ra.snapshot() == rb.snapshot() == a.snapshot()
+    if snapshot_at is not None:
+        assert ra.replayed <= rb.replayed
+    # releases sent before the snapshot are sent again (fewer than RECENT_RELEASES here): the same as a full replay
+    assert set(_releases(logs["a"])) == set(_releases(logs["b"]))
+    # and both continue identically
+    for kind, x in after:
+        assert da.step(ra, kind, x) == db.step(rb, kind, x)
+    assert ra.snapshot() == rb.snapshot()
+
+
+def test_automatic_compaction_keeps_the_journal_short_and_recovers(tmp_path):
+    path = tmp_path / "run.journal"
+    j = Journal(path, compact_every=10, fsync_every_s=0)
+    a = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None, journal=j)
+    drv = _Driver()
+    for k in range(95):
+        drv.step(a, ["put", "put", "hand", "version"][k % 4], k)
+    assert j.segment >= 9 and len(list(Journal.read(path))) == j.records < 10
+    assert Journal.read_header(path) == (j.run, j.segment)
+    b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
+    assert b.recover(str(path)) == j.records
+    assert b.snapshot() == a.snapshot()
+    # a restarted coordinator opens the journal again: it goes on counting from the segment's records
+    j.close()
+    j2 = Journal(path, compact_every=10)
+    assert (j2.run, j2.segment, j2.records) == (j.run, j.segment, j.records)
+    j2.close()
+
+
+def test_a_snapshot_left_by_a_deleted_journal_is_ignored(tmp_path):
+    path = tmp_path / "run.journal"
+    a = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None, journal=Journal(path, compact_every=0))
+    drv = _Driver()
+    for k in range(6):
+        drv.step(a, "put", k)
+    a.compact()
+    a._journal.close()
+    path.unlink()  # the finished run's journal is removed; its snapshot stays
+    b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None, journal=Journal(path, compact_every=0))
+    d2 = _Driver()
+    d2.step(b, "put", 1)
+    c = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
+    assert c.recover(str(path)) == 2
+    assert c.snapshot() == b.snapshot() != a.snapshot()
+
+
+@pytest.mark.parametrize("damage", ["garble", "truncate", "delete", "other_run", "crafted"])
+def test_a_damaged_or_missing_snapshot_the_journal_needs_is_a_clear_codec_error(tmp_path, damage):
+    path = tmp_path / "run.journal"
+    j = Journal(path, compact_every=0)
+    a = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None, journal=j)
+    drv = _Driver()
+    for k in range(8):
+        drv.step(a, "put", k)
+    a.compact()
+    drv.step(a, "put", 9)
+    snap = tmp_path / ("run.journal" + SNAPSHOT_SUFFIX)
+    data = snap.read_bytes()
+    if damage == "garble":
+        snap.write_bytes(data[:50] + bytes([data[50] ^ 0x55]) + data[51:])
+    elif damage == "truncate":
+        snap.write_bytes(data[: len(data) // 2])
+    elif damage == "delete":
+        snap.unlink()
+    elif damage == "other_run":
+        write_snapshot(snap, a.snapshot(), run="someone-else", segment=0, records=0)
+    else:  # a valid checksum around a state that is not a plane's
+        write_snapshot(snap, {**a.snapshot(), "planned": [1]}, run=j.run, segment=0, records=0)
+    b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
+    with pytest.raises(CodecError, match="snapshot"):
+        b.recover(str(path))
+
+
+def test_a_torn_last_line_is_cut_off_when_the_journal_is_opened_again(tmp_path):
+    path = tmp_path / "run.journal"
+    j = Journal(path)
+    for v in range(3):
+        j.append("report_version", [v])
+    j.close()
+    path.write_bytes(path.read_bytes()[:-5])  # the process died inside its last write
+    j2 = Journal(path)  # the restarted process appends after the last whole record
+    assert j2.records == 2
+    j2.append("report_version", [7])
+    j2.close()
+    assert [a for _op, a in Journal.read(path)] == [[0], [1], [7]]
+
+
+def test_an_old_journal_without_a_header_is_segment_zero_and_compacts(tmp_path):
+    path = tmp_path / "old.journal"
+    path.write_bytes(_frame({"op": "report_version", "args": [1]}) + _frame({"op": "report_version", "args": [2]}))
+    j = Journal(path, compact_every=0)
+    assert (j.run, j.segment, j.records) == (None, 0, 2)
+    a = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None, journal=j)
+    a.recover(str(path))
+    assert a.version == 2
+    a.report_version(3)
+    a.compact()
+    a.report_version(4)
+    b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
+    assert b.recover(str(path)) == 1 and b.version == 4
+    assert Journal.read_header(path) == (j.run, 1)
+
+
+@pytest.mark.parametrize("admission", ADMISSIONS)
+def test_from_snapshot_rebuilds_the_plane_for_every_policy(admission):
+    a = ControlPlane(_cfg(admission), UNITS, lambda u, ids, w: None)
+    drv = _Driver()
+    for k in range(40):
+        drv.step(a, STEP_KINDS[k * 7 % len(STEP_KINDS)], k)
+    snap = json.loads(json.dumps(a.snapshot()))  # what a file gives back
+    b = ControlPlane.from_snapshot(snap, lambda u, ids, w: None)
+    assert b.snapshot() == a.snapshot()
+    d2 = _Driver()
+    d2.next_id = drv.next_id
+    for k in range(10):
+        assert drv.step(a, "put", k) == d2.step(b, "put", k)
+    assert b.snapshot() == a.snapshot()
+    with pytest.raises(StateError, match="configuration"):
+        ControlPlane(_cfg("fifo" if admission != "fifo" else "train_batch"), UNITS,
+                     lambda u, ids, w: None).load_snapshot(snap)
+
+
+def _paths(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj[:3]):
+            yield from _paths(v, (*prefix, i))
+
+
+def _replace(obj, path, value):
+    if not path:
+        return value
+    out = dict(obj) if isinstance(obj, dict) else list(obj)
+    out[path[0]] = _replace(obj[path[0]], path[1:], value)
+    return out
+
+
+def _sample_snapshot(close: bool) -> dict:
+    a = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
+    drv = _Driver()
+    for k in range(30):
+        drv.step(a, STEP_KINDS[k * 5 % len(STEP_KINDS)], k)
+    drv.step(a, "reserve", 0)
+    if close:
+        drv.step(a, "put", 0)
+        a.close()
+    else:
+        drv.step(a, "in_flight", 0)  # the plane stops: its error is in the snapshot
+    return json.loads(json.dumps(a.snapshot()))
+
+
+_SAMPLES = [_sample_snapshot(False), _sample_snapshot(True)]
+_SAMPLE_PATHS = sorted({(i, p) for i, snap in enumerate(_SAMPLES) for p in _paths(snap)}, key=repr)
+
+
+@settings(max_examples=300, deadline=None)
+@given(where=st.sampled_from(_SAMPLE_PATHS), value=json_values, delete=st.booleans())
+def test_crafted_snapshots_with_valid_checksums_give_only_knitdata_errors(tmp_path_factory, where, value, delete):
+    """A snapshot whose structure is mutated anywhere (a value replaced by any JSON, or a key dropped), re-framed
+    with a valid checksum and a matching run: loading it and replaying the journal after it raises only
+    KnitdataError (and a load that succeeds leaves a plane that answers calls)."""
+    sample, where = _SAMPLES[where[0]], where[1]
+    if delete and where and isinstance(where[-1], str):
+        parent = sample
+        for k in where[:-1]:
+            parent = parent[k]
+        state = _replace(sample, where[:-1], {k: v for k, v in parent.items() if k != where[-1]})
+    else:
+        state = _replace(sample, where, value)
+    d = tmp_path_factory.mktemp("s")
+    path = d / "run.journal"
+    j = Journal(path, compact_every=0)
+    j.append("report_version", [5])
+    j.close()
+    with open(str(path) + SNAPSHOT_SUFFIX, "wb") as f:  # framed by hand: any JSON, Infinity included
+        f.write(_frame({"snapshot": 1, "run": j.run, "segment": 0, "records": 0, "state": state}))
+    plane = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
+    try:
+        plane.recover(str(path))
+    except KnitdataError:
+        return
+    drv = _Driver()
+    drv.next_id = 1000
+    for k, kind in enumerate(STEP_KINDS):
+        drv.step(plane, kind, k)  # only KnitdataErrors, which the driver catches
+    json.dumps(plane.snapshot(), allow_nan=False)
+
+
+@pytest.mark.parametrize("bad", [b"NaN", b"Infinity", b"-Infinity", b"[" * 100_000])
+def test_snapshots_and_records_with_nan_infinity_or_deep_nesting_are_codec_errors(tmp_path, bad):
+    path = tmp_path / "run.journal"
+    j = Journal(path, compact_every=0)
+    j.close()
+    body = b'{"snapshot":1,"run":"' + j.run.encode() + b'","segment":0,"records":0,"state":{"x":' + bad + b"}}"
+    (tmp_path / ("run.journal" + SNAPSHOT_SUFFIX)).write_bytes(
+        body + b"\t" + f"{zlib.crc32(body) & 0xFFFFFFFF:08x}".encode() + b"\n")
+    with pytest.raises(CodecError):
+        read_snapshot(str(path) + SNAPSHOT_SUFFIX)
+    rec = b'{"op":"report_version","args":[' + bad + b"]}"
+    path.write_bytes(path.read_bytes() + rec + b"\t" + f"{zlib.crc32(rec) & 0xFFFFFFFF:08x}".encode() + b"\n"
+                     + _frame({"op": "report_version", "args": [1]}))
+    with pytest.raises(CodecError):
+        list(Journal.read(path))

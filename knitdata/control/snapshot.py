@@ -62,6 +62,10 @@ def _dict(x: Any, where: str) -> dict[str, Any]:
     return x
 
 
+def _is_unit(x: Any, units: Mapping[str, str]) -> bool:
+    return isinstance(x, str) and x in units
+
+
 def _ints(x: Any, where: str, n: int | None = None, lo: int = 0) -> list[int]:
     xs = _list(x, where)
     if n is not None and len(xs) != n:
@@ -77,7 +81,7 @@ def _meta(x: Any, where: str, units: Mapping[str, str], located: bool) -> Trajec
         m = TrajectoryMeta.from_dict(d)
     except KnitdataError as e:
         raise StateError(f"control-plane snapshot: {where}: {e}") from e
-    if located and m.location not in units:
+    if located and not _is_unit(m.location, units):
         raise _bad(f"{where}.location", f"a storage unit of {sorted(units)}", m.location)
     if not located and m.location is not None:
         raise _bad(f"{where}.location", "null (a put in progress)", m.location)
@@ -114,7 +118,7 @@ def _entry(x: Any, where: str, rank: int, units: Mapping[str, str]) -> dict[str,
         w = f"{where}.items[{k}]"
         if not isinstance(it, list) or len(it) != 3:
             raise _bad(w, "[trajectory id, unit, bytes]", it)
-        if it[1] not in units:
+        if not _is_unit(it[1], units):
             raise _bad(f"{w}[1]", f"a storage unit of {sorted(units)}", it[1])
         items.append([_str(it[0], f"{w}[0]"), it[1], _int(it[2], f"{w}[2]")])
     return {"j": j, "minibatch": mb, "microbatch": mi, "info": info, "items": items}
@@ -185,7 +189,7 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
         if not isinstance(p, list) or len(p) != 4:
             raise _bad(w, "[trajectory id, unit, metadata, fields]", p)
         tid = _str(p[0], f"{w}[0]")
-        if p[1] not in units:
+        if not _is_unit(p[1], units):
             raise _bad(f"{w}[1]", f"a storage unit of {sorted(units)}", p[1])
         m = _meta(p[2], f"{w}[2]", units, located=False)
         if m.id != tid:
@@ -221,7 +225,7 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
         out["error"] = None
     else:
         e = _dict(err, "error")
-        if set(e) != {"type", "message"} or e["type"] not in ERROR_TYPES or not isinstance(e["message"], str):
+        if set(e) != {"type", "message"} or not isinstance(e["type"], str) or e["type"] not in ERROR_TYPES or not isinstance(e["message"], str):
             raise _bad("error", f"{{'type': one of {sorted(ERROR_TYPES)}, 'message': str}}", err)
         out["error"] = ERROR_TYPES[e["type"]](e["message"])
     out["version"] = _int(s["version"], "version")
@@ -235,7 +239,7 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
     rel = []
     for k, x in enumerate(_list(s["recent_releases"], "recent_releases")):
         w = f"recent_releases[{k}]"
-        if not isinstance(x, list) or len(x) != 2 or x[0] not in units or not isinstance(x[1], list) \
+        if not isinstance(x, list) or len(x) != 2 or not _is_unit(x[0], units) or not isinstance(x[1], list) \
                 or not all(isinstance(i, str) for i in x[1]):
             raise _bad(w, f"[unit of {sorted(units)}, [trajectory ids]]", x)
         rel.append((x[0], list(x[1])))
