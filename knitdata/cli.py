@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "learning": ("knitdata.bench.learning", "held-out reward per step of a small RL task trained through knitdata, per admission"),
     "vlm": ("knitdata.bench.vlm", "shared encoding on Qwen2.5-VL / Qwen2-Audio: model's own path vs fold/leaf/recompute"),
     "control": ("knitdata.bench.control", "control-plane throughput, put latency, commit cost; --scale: planning at cluster scale"),
+    "journal": ("knitdata.bench.journal", "control-plane journal with and without compaction: bytes, restart time"),
 }
 
 

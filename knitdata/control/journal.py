@@ -278,11 +278,13 @@ class Journal:
         except FileNotFoundError:
             return
         p = os.fspath(path)
+        final = len(lines) - 1  # the last non-empty line (only it may be torn)
+        while final >= 0 and not lines[final]:
+            final -= 1
         for n, raw in enumerate(lines):
             if not raw:
                 continue
-            last = all(not x for x in lines[n + 1:])
-            rec = _parse_line(raw, n + 1, p, torn_ok=last)
+            rec = _parse_line(raw, n + 1, p, torn_ok=n == final)
             if rec is None:
                 return
             if rec[0] == "":
