@@ -418,3 +418,62 @@ def test_linear_target_gap_exceeds_one_group_when_m_does_not_divide_the_quota():
     cols = even_completion({"a": 2, "b": 3}, 5)  # M = 5, quotas of 2 and 3 groups
     worst = max(abs(sum(c["a"] for c in cols[:k]) - k * 2 / 5) for k in range(1, 6))
     assert worst == pytest.approx(1.2)  # 2 groups after mini-batch 2 against a target of 0.8
+
+
+def _state_sample(name: str) -> dict:
+    spec = BatchSpec({"a": 4, "b": 4}, num_minibatches=2, group_size=2)
+    p = make_policy(name, spec)
+    for g in range(5):
+        p.offer(group(f"g{g}", "ab"[g % 2], 2))
+    p.offer(group("h", "a", 2)[:1])  # a group waiting for its second member
+    p.poll()
+    p.set_in_flight({"a": 4, "b": 4})
+    return json.loads(json.dumps(p.state_dict()))
+
+
+def _state_paths(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _state_paths(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj[:3]):
+            yield from _state_paths(v, (*prefix, i))
+
+
+def _with(obj, path, value):
+    if not path:
+        return value
+    out = dict(obj) if isinstance(obj, dict) else list(obj)
+    out[path[0]] = _with(obj[path[0]], path[1:], value)
+    return out
+
+
+_STATES = {name: _state_sample(name) for name in sorted(POLICIES)}
+_STATE_PATHS = sorted({(n, p) for n, s in _STATES.items() for p in _state_paths(s)}, key=repr)
+_json = st.recursive(st.none() | st.booleans() | st.integers(-3, 10) | st.floats(allow_nan=False) | st.text(max_size=4),
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=3), c, max_size=3),
+                     max_leaves=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(where=st.sampled_from(_STATE_PATHS), value=_json)
+def test_loading_a_crafted_state_raises_only_state_error_and_changes_nothing(where, value) -> None:
+    """Any value anywhere in a policy's state (every policy): load_state_dict raises StateError (leaving the
+    policy as it was) or loads a state the policy can go on with."""
+    name, path = where
+    spec = BatchSpec({"a": 4, "b": 4}, num_minibatches=2, group_size=2)
+    p = make_policy(name, spec)
+    before = p.state_dict()
+    try:
+        p.load_state_dict(_with(_STATES[name], path, value))
+    except StateError:
+        assert p.state_dict() == before
+        return
+    for g in range(10, 14):
+        try:
+            p.offer(group(f"g{g}", "ab"[g % 2], 2))
+            p.poll()
+        except (ValidationError, QuotaInfeasibleError):
+            pass
+    json.dumps(p.state_dict())

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from knitdata.admission import BatchSpec
 from knitdata.control import ControlPlane, fields_of
 from knitdata.control.journal import JOURNALED_OPS, SNAPSHOT_SUFFIX, Journal, read_snapshot, write_snapshot
-from knitdata.errors import CodecError, KnitdataError, StateError
+from knitdata.errors import CodecError, ConfigError, KnitdataError, StateError
 from knitdata.placement import ConsumerLayout
 from knitdata.record import Trajectory
 
@@ -460,3 +460,22 @@ def test_snapshots_and_records_with_nan_infinity_or_deep_nesting_are_codec_error
                      + _frame({"op": "report_version", "args": [1]}))
     with pytest.raises(CodecError):
         list(Journal.read(path))
+
+
+def test_a_compaction_that_cannot_write_warns_and_the_journal_keeps_growing(tmp_path):
+    path = tmp_path / "run.journal"
+    (tmp_path / ("run.journal" + SNAPSHOT_SUFFIX)).mkdir()  # the snapshot cannot be written there
+    j = Journal(path, compact_every=4)
+    a = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None, journal=j)
+    drv = _Driver()
+    with pytest.warns(RuntimeWarning, match="compaction failed"):
+        for k in range(3):
+            drv.step(a, "put", k)
+    assert j.segment == 0 and j.records == 6  # one failed attempt; the next is compact_every records later
+    with pytest.raises(OSError):
+        a.compact()
+    b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
+    assert b.recover(str(path)) == 6  # segment 0 needs no snapshot: a full replay
+    assert b.snapshot() == a.snapshot()
+    with pytest.raises(ConfigError, match="no journal"):
+        b.compact()

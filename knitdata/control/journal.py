@@ -356,6 +356,8 @@ def read_snapshot(path: str | os.PathLike[str]) -> dict[str, Any] | None:
             data = f.read(_MAX_SNAPSHOT + 1)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        raise CodecError(f"snapshot {p!r} cannot be read: {e}") from e
     if len(data) > _MAX_SNAPSHOT:
         raise CodecError(f"snapshot {p!r} is larger than {_MAX_SNAPSHOT} bytes; it is damaged")
     if not data.endswith(b"\n") or b"\n" in data[:-1]:
