@@ -30,14 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BLOCKS", "Block", "block", "render_all", "main"]
+__all__ = ["BLOCKS", "FILES", "MARKER", "RESULTS", "SCENARIOS", "Block", "block", "load_text", "main", "render_all", "render_block", "render_text"]
 
 #: Markdown files holding generated blocks, relative to the repository root.
 FILES = ("README.md", "benchmarks/README.md")
 #: Where the committed results live, relative to the repository root.
 RESULTS = "benchmarks/results"
 
-_MARKER = re.compile(r"<!-- report:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /report:(?P=name) -->", re.DOTALL)
+MARKER = re.compile(r"<!-- report:(?P<name>[\w.-]+) -->\n(?P<body>.*?)<!-- /report:(?P=name) -->", re.DOTALL)
 
 Renderer = Callable[[dict], str]
 
@@ -468,9 +468,18 @@ def render_transfer_omni(d: dict) -> str:
     return _join(render_transfer_result(tr), render_transfer_speedups_result(tr))
 
 
+@block("transfer-gpu", optional=("transfer_gpu.json",))
+def render_transfer_gpu(d: dict) -> str:
+    """The knitdata modes of the transfer benchmark trained on CUDA (``--gpu``), when committed."""
+    tr = d.get("transfer_gpu.json")
+    if not tr:
+        return missing("transfer_gpu.json")
+    return _join(render_transfer_result(tr), render_transfer_speedups_result(tr))
+
+
 # ----------------------------------------------------------------------------------------------- admission
 
-_SCENARIOS = ("skewed", "balanced", "codeagent", "oversampled")
+SCENARIOS = ("skewed", "balanced", "codeagent", "oversampled")
 
 
 def _scenario_desc(p: dict) -> str:
@@ -488,12 +497,12 @@ def _scenario_desc(p: dict) -> str:
     return f"{p.get('name', '?')}: {durs}, q = {quotas}" + ("; " + ", ".join(extra) if extra else "")
 
 
-@block("admission", *(f"admission_{s}.json" for s in _SCENARIOS))
+@block("admission", *(f"admission_{s}.json" for s in SCENARIOS))
 def render_admission(d: dict) -> str:
     """Architectural staleness per policy and scenario: positive-part headline, signed mean, p95, share negative."""
     rows = []
     params = None
-    for s in _SCENARIOS:
+    for s in SCENARIOS:
         r = d.get(f"admission_{s}.json")
         if not r:
             continue
@@ -724,7 +733,8 @@ def _soak_runs(r: dict | None) -> list[dict]:
     if not isinstance(r, dict):
         return []
     if isinstance(r.get("runs"), list):
-        return [x for x in r["runs"] if isinstance(x, dict)]
+        mode = r.get("mode")
+        return [({"mode": mode, **x} if mode and "mode" not in x else x) for x in r["runs"] if isinstance(x, dict)]
     return [r]
 
 
@@ -893,7 +903,7 @@ def render_control_scale(d: dict) -> str:
 
 def _steps(e: dict) -> str:
     v = _num(e.get("steps_to_0_8"))
-    return f"step {v:.0f} (median)" if v is not None else "no step"
+    return f"{v:.0f}" if v is not None else "not reached"
 
 
 def render_learning_result(r: dict) -> str:
@@ -923,9 +933,10 @@ def render_learning_result(r: dict) -> str:
         parts.append(
             f"Train-batch admission received {f(tb.get('arch_staleness_positive_mean'))} steps of positive "
             f"architectural staleness (p95 {f(tb.get('arch_staleness_p95'), '.0f')}), and its AUC is "
-            f"{(1 - tb['auc'] / co['auc']) * 100:.0f}% below colocated's; it reached {thr} reward at {_steps(tb)}, "
-            f"colocated at {_steps(co)}, constraint-preserving at {_steps(cp)} with "
-            f"{f(cp.get('arch_staleness_positive_mean'))} steps of positive architectural staleness.")
+            f"{(1 - tb['auc'] / co['auc']) * 100:.0f}% below colocated's. Steps to {thr} reward (median over the "
+            f"seeds that reached it): train-batch {_steps(tb)}, colocated {_steps(co)}, constraint-preserving "
+            f"{_steps(cp)}; constraint-preserving admission received {f(cp.get('arch_staleness_positive_mean'))} "
+            f"steps of positive architectural staleness.")
     gc = r.get("gap_closed") or {}
     if gc:
         per = ", ".join(f"{k}: {v:.2f}" for k, v in (gc.get("per_seed") or {}).items() if _num(v) is not None)
@@ -975,7 +986,7 @@ def render_text(text: str, root: str, path: str = "") -> str:
             raise KeyError(f"{path}: unknown report block {name!r} (known: {', '.join(sorted(BLOCKS))})")
         return f"<!-- report:{name} -->\n{render_block(BLOCKS[name], root)}\n<!-- /report:{name} -->"
 
-    return _MARKER.sub(sub, text)
+    return MARKER.sub(sub, text)
 
 
 def render_all(root: str) -> dict[str, tuple[str, str]]:
@@ -992,7 +1003,7 @@ def render_all(root: str) -> dict[str, tuple[str, str]]:
 
 
 def _warnings(root: str, files: dict[str, tuple[str, str]]) -> list[str]:
-    used = {m.group("name") for text, _ in files.values() for m in _MARKER.finditer(text)}
+    used = {m.group("name") for text, _ in files.values() for m in MARKER.finditer(text)}
     warn = [f"block {n!r} is registered but has no markers in {', '.join(FILES)}" for n in sorted(set(BLOCKS) - used)]
     read = {n for b in BLOCKS.values() if b.name in used for n in b.files + b.optional}
     rdir = os.path.join(root, RESULTS)
