@@ -374,9 +374,13 @@ def _transfer_controls(tr: dict) -> str:
         return ""
     modes = tr.get("modes") or {}
     rows = []
+    entries = []
     for name, c in ctl.items():
-        if not isinstance(c, dict):
-            continue
+        if isinstance(c, dict):
+            entries.append((name, c))
+            if isinstance(c.get("shared"), dict):
+                entries.append((name, {"encoding": "shared", **c["shared"]}))
+    for name, c in entries:
         inter = modes.get(name)
         if isinstance(inter, dict) and c.get("encoding") == "shared":
             inter = inter.get("shared")
