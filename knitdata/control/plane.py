@@ -6,13 +6,17 @@ argument and return value is JSON-like (dicts, lists, strings, numbers), so the 
 Payload bytes never pass through it: a storage unit holds them, and the plane asks the engine to drop
 them through the ``releaser`` callback it was given.
 
-The path of one trajectory through the plane:
+The path of one trajectory through the plane (:meth:`ControlPlane.admit_many`, one call per put): the producer
+keeps a replica of the placement (:meth:`ControlPlane.placement_view`) and stores the payload on the unit it
+picks; the unit then asks the plane to admit it. The plane runs the checks that need its state (source, unique
+id, withdrawn group, field schema; one bad trajectory refuses its whole batch, whose payloads the unit drops),
+accounts the unit in its placement, hands the metadata to admission and plans every mini-batch admitted at
+once. A call retried after a coordinator restart is recognized by its put tokens. With one producer the replica
+picks exactly the units :meth:`Placement.place` would; concurrent producers may pick a unit a little off
+balance, which is accounted where it is.
 
-1. :meth:`ControlPlane.reserve` (before the payload is stored): the checks that need the pipeline's state
-   (source, unique id, withdrawn group, field schema) and a storage unit chosen by placement;
-2. the engine stores the payload on that unit (or :meth:`ControlPlane.unreserve` after a failure);
-3. :meth:`ControlPlane.offer`: the schema is checked again (a concurrent first put may have fixed it
-   meanwhile), the metadata goes to admission, and every mini-batch admitted is planned at once.
+The two-phase protocol (:meth:`ControlPlane.reserve`, the engine stores, :meth:`ControlPlane.offer`) decides the
+same for single puts and is kept for engines that must check before storing.
 
 Plans are queued per rank as *entries*: the ``j``-th micro-batch of a rank over the whole run (``j`` counts
 across mini-batches). Which rank receives which trajectory depends only on the admitted metadata, the
