@@ -42,6 +42,7 @@ typecheck: $(VENV)/.installed-dev
 
 lint: $(VENV)/.installed-dev
 	$(PY) -m ruff check knitdata tests benchmarks examples
+	$(PY) benchmarks/report.py --check
 
 clean:
 	rm -rf $(VENV) build site *.egg-info .pytest_cache .mypy_cache

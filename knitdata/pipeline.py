@@ -8,8 +8,9 @@ engines that differ only in where payload bytes live:
   layout, so producers, torchrun/Accelerate ranks and DataLoader workers in other processes (or nodes)
   share the pipeline: they attach with :meth:`Pipeline.attach` by its name.
 
-Every engine has the same put path (validation and media decoding in the producer, then reserve, store,
-offer), the same :class:`~knitdata.dataset.TrajectoryDataset`, state format, defaults and errors.
+Every engine has the same put path (validation and media decoding in the producer; the payload stored on the
+unit this process's replica of the placement picks; then one admission call, which on Ray the storage unit
+makes itself, so a put is one round trip), the same :class:`~knitdata.dataset.TrajectoryDataset`, state format, defaults and errors.
 
 Memory: each storage unit holds at most ``max(capacity_bytes, largest trajectory)`` bytes; producers wait up
 to ``put_timeout`` for room, then get :class:`~knitdata.errors.StoreFull` naming the ranks whose uncommitted
@@ -26,6 +27,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -223,6 +225,9 @@ class Pipeline:
         self._closed_here = False
         self._version_listeners: list[Callable[[int, float], None]] = []
         self._listeners_lock = threading.Lock()
+        self._route_lock = threading.Lock()
+        self._replica: Placement | None = None  # this process's replica of the placement (one-round-trip puts)
+        self._next_seq = 0
 
     @classmethod
     def attach(
@@ -340,10 +345,11 @@ class Pipeline:
 
     # ------------------------------------------------------------------ producer side
     def put(self, traj: Trajectory, *, timeout: float | None | Literal["put_timeout"] = PUT_TIMEOUT) -> TrajectoryMeta:
-        """Store a finished trajectory and offer it to admission.
+        """Store a finished trajectory and offer it to admission (one round trip in the common case).
 
         Validation and media decoding run here, in the producer's process; the payload goes straight to the
-        storage unit placement picks (never through the control plane).
+        storage unit placement picks (never through the control plane), and that unit asks the control plane
+        to admit it. Only a full unit costs more: the put then waits for room, up to ``timeout``.
 
         Args:
             traj: The trajectory (validated again here; do not mutate it afterwards).
@@ -360,31 +366,17 @@ class Pipeline:
             PipelineClosedError: After :meth:`close`.
             QuotaInfeasibleError: Admission found the quotas impossible (also raised to consumers).
         """
-        plane = self._engine.control
-        meta, loss_tokens = self._checked(traj)
-        timeout = self.put_timeout if timeout == PUT_TIMEOUT else timeout
-        r = plane.reserve(meta)
-        unit = self._engine.units[r["unit"]]
-        try:
-            unit.put(traj, timeout=timeout)
-        except StoreFull as e:
-            self._undo_put(traj.id, r, "store_full")
-            holders = plane.holders(r["unit"])
-            raise StoreFull(f"trajectory {traj.id!r} refused: storage unit {r['unit']!r} is held by {holders}. {e}") from e
-        except BaseException as e:
-            self._undo_put(traj.id, r, type(e).__name__)
-            if isinstance(e, EngineError) and self.stats_light()["closed"]:
-                raise PipelineClosedError("the pipeline was closed while this put waited for room") from e
-            raise
-        return TrajectoryMeta.from_dict(plane.offer(traj.id, r["seq"], loss_tokens))
+        return self._put_batch([traj], timeout)[0]
 
     def put_many(self, trajs: Sequence[Trajectory], *,
                  timeout: float | None | Literal["put_timeout"] = PUT_TIMEOUT) -> list[TrajectoryMeta]:
-        """Store a batch of finished trajectories and offer them to admission: two control calls per batch.
+        """Store a batch of finished trajectories and offer them to admission: one round trip per storage unit.
 
-        Every trajectory is validated (and its media decoded), then the batch is reserved in one call: a bad
-        trajectory (a bad field, an unknown source, a duplicate id, a withdrawn group) raises before anything of
-        the batch is stored. The payloads then go to their units, and the admission offers are made in one call.
+        Every trajectory is validated (and its media decoded) here. This process's replica of the placement picks
+        each payload's unit (members of a group stay together); the payloads go to their unit, which admits them
+        with one control call (on Ray the unit's actor makes it, so the producer waits for one round trip). A bad
+        trajectory (an unknown source, a duplicate id, a withdrawn group, other fields) refuses the whole part
+        of the batch bound for its unit: in the common case, one unit, nothing of the batch is kept.
 
         Args:
             trajs: The trajectories, in arrival order.
@@ -396,8 +388,8 @@ class Pipeline:
         Raises:
             FieldTypeError: As :meth:`put`; nothing of the batch is stored.
             ValidationError: As :meth:`put` (a bad field, an unknown source, a duplicate id, a withdrawn group):
-                nothing of the batch is stored. Also raised for a trajectory refused at the offer (its group was
-                withdrawn meanwhile), after the others of the batch were accepted.
+                nothing of the batch bound for that trajectory's unit is kept (parts of the batch bound for other
+                units, put before, stay accepted). The message names the trajectory and field.
             StoreFull: No room within ``timeout``: the payloads not yet stored (this one and every later one)
                 are refused; the earlier ones stay accepted.
             PipelineClosedError: After :meth:`close`.
@@ -405,35 +397,115 @@ class Pipeline:
         trajs = list(trajs)
         if not trajs:
             return []
+        return self._put_batch(trajs, timeout)
+
+    def _put_batch(self, trajs: Sequence[Trajectory], timeout: float | None | Literal["put_timeout"]) -> list[TrajectoryMeta]:
+        """The put path of :meth:`put` and :meth:`put_many`: checks, placement replica, one round trip per unit."""
         plane = self._engine.control
         checked = [self._checked(t) for t in trajs]
-        metas = [m for m, _n in checked]
-        losses = [n for _m, n in checked]
         timeout = self.put_timeout if timeout == PUT_TIMEOUT else timeout
-        reserved = plane.reserve_many(metas)
+        token = uuid.uuid4().hex
+        items = [[m, n, f"{token}:{i}"] for i, (m, n) in enumerate(checked)]
         by_unit: dict[str, list[int]] = {}
-        for i, r in enumerate(reserved):
-            by_unit.setdefault(r["unit"], []).append(i)
-        done: list[int] = []
-        for unit_id, idx in by_unit.items():  # one call per unit where the engine batches
-            try:
-                self._engine.units[unit_id].put_many([trajs[i] for i in idx], timeout=timeout)
-            except BaseException as e:
-                n = int(getattr(e, "stored", 0))
-                done += idx[:n]
-                failed = set(range(len(trajs))) - set(done)
-                for i in sorted(failed):
-                    self._undo_put(trajs[i].id, reserved[i], "store_full" if isinstance(e, StoreFull) else type(e).__name__)
-                keep = sorted(done)
-                self._offer_batch([trajs[i] for i in keep], [reserved[i] for i in keep], [losses[i] for i in keep])
-                if isinstance(e, StoreFull):
-                    first = trajs[idx[n]]
-                    holders = plane.holders(unit_id)
-                    raise StoreFull(f"trajectory {first.id!r} (and {len(failed) - 1} more of this batch not yet stored) "
-                                    f"refused: storage unit {unit_id!r} is held by {holders}. {e}") from e
-                raise
-            done += idx
-        return self._offer_batch(trajs, reserved, losses)
+        for i, unit_id in enumerate(self._route([m for m, _n in checked])):
+            by_unit.setdefault(unit_id, []).append(i)
+        out: list[TrajectoryMeta | None] = [None] * len(trajs)
+        for unit_id, idx in by_unit.items():
+            unit = self._engine.units[unit_id]
+            rest = idx
+            while rest:
+                try:
+                    res = unit.put_admit([trajs[i] for i in rest], [items[i] for i in rest], plane.admit_many)
+                except EngineError as e:
+                    self._raise_closed(e)
+                    raise
+                n = res["stored"]
+                if res["admit"] is not None:
+                    self._take(res["admit"], rest[:n], out)
+                rest = rest[n:]
+                if rest:  # the unit is full: wait for room with a blocking put of the next one
+                    self._put_waiting(unit_id, trajs, items, rest, timeout, out)
+                    rest = rest[1:]
+        return [m for m in out if m is not None]
+
+    def _put_waiting(self, unit_id: str, trajs: Sequence[Trajectory], items: Sequence[Sequence[Any]], rest: Sequence[int],
+                     timeout: float | None, out: list[TrajectoryMeta | None]) -> None:
+        plane = self._engine.control
+        unit = self._engine.units[unit_id]
+        k = rest[0]
+        try:
+            unit.put(trajs[k], timeout=timeout)
+        except StoreFull as e:
+            for i in rest:
+                plane.note_rejected(trajs[i].id, "store_full")
+            holders = plane.holders(unit_id)
+            more = f" (and {len(rest) - 1} more of this batch not yet stored)" if len(rest) > 1 else ""
+            raise StoreFull(f"trajectory {trajs[k].id!r}{more} refused: storage unit {unit_id!r} is held by {holders}. "
+                            f"{e}") from e
+        except EngineError as e:
+            plane.note_rejected(trajs[k].id, "closed")
+            self._raise_closed(e)
+            raise
+        except ValidationError:  # the id is held there already (not this put's payload)
+            plane.note_rejected(trajs[k].id, "id")
+            raise
+        except BaseException as e:  # interrupted while it waited: it may have been stored
+            unit.release([trajs[k].id])
+            plane.note_rejected(trajs[k].id, type(e).__name__)
+            raise
+        try:
+            ans = plane.admit_many(unit_id, [list(items[k])])
+        except BaseException:
+            unit.release([trajs[k].id])
+            raise
+        if ans["accepted"][0] is None:
+            unit.release([trajs[k].id])
+        self._take(ans, [k], out)
+
+    def _raise_closed(self, e: EngineError) -> None:
+        if self.stats_light()["closed"]:
+            raise PipelineClosedError("the pipeline was closed (end of stream); build a new Pipeline to continue") from e
+
+    def _route(self, metas: Sequence[Mapping[str, Any]]) -> list[str]:
+        """The unit of each put, from this process's replica of the placement (the plane's last view)."""
+        with self._route_lock:
+            if self._replica is None:
+                units = list(self._engine.units)
+                self._replica = make_placement(str(self._engine.config.get("placement", "consumer_aware")), units)
+                self._follow_locked(self._engine.control.placement_view())
+            seq = self._next_seq
+            out = []
+            for i, m in enumerate(metas):
+                tm = TrajectoryMeta.from_dict({**{k: v for k, v in m.items() if k != "fields"}, "seq": seq + i,
+                                               "location": None})
+                out.append(self._replica.place(tm))
+            return out
+
+    def _follow_locked(self, view: Mapping[str, Any]) -> None:
+        assert self._replica is not None
+        self._replica.follow(view["placement"])
+        self._next_seq = max(self._next_seq, int(view["seq"]))
+
+    def _take(self, ans: Mapping[str, Any], idx: Sequence[int], out: list[TrajectoryMeta | None]) -> None:
+        """Record the plane's answer for ``idx``; raise its first error (the others stay accepted)."""
+        with self._route_lock:
+            if self._replica is not None:
+                self._follow_locked(ans)
+        for i, a in zip(idx, ans["accepted"]):
+            if a is not None:
+                out[i] = TrajectoryMeta.from_dict(a)
+        if ans.get("exception") is not None:
+            raise ans["exception"]
+        if ans["errors"]:
+            import knitdata.errors as errors_mod
+
+            tid, cls_name, message, field = ans["errors"][0]
+            cls = getattr(errors_mod, cls_name, KnitdataError)
+            more = f" ({len(ans['errors']) - 1} more refused in this batch)" if len(ans["errors"]) > 1 else ""
+            if cls in (ValidationError, FieldTypeError):
+                prefix = f"trajectory {tid!r}: " + (f"field {field!r}: " if field is not None else "")
+                raise cls(message.removeprefix(prefix) + more, trajectory_id=tid, field=field)
+            raise cls(message + more)
 
     def _checked(self, traj: Any) -> tuple[dict[str, Any], int]:
         """The checks of the put path in the producer (type, fields, media decoding): ``(metadata, loss tokens)``.
@@ -458,29 +530,6 @@ class Pipeline:
         meta = traj.meta().to_dict()
         meta["fields"] = fields_of(traj.scalars, {k: str(v.dtype).replace("torch.", "") for k, v in traj.tensors.items()})
         return meta, _loss_tokens(traj)
-
-    def _offer_batch(self, trajs: Sequence[Trajectory], reserved: Sequence[Mapping[str, Any]],
-                     losses: Sequence[int]) -> list[TrajectoryMeta]:
-        if not trajs:
-            return []
-        ans = self._engine.control.offer_many([[t.id, r["seq"], n] for t, r, n in zip(trajs, reserved, losses)])
-        if ans["errors"]:
-            import knitdata.errors as errors_mod
-
-            tid, cls_name, message, field = ans["errors"][0]
-            cls = getattr(errors_mod, cls_name, KnitdataError)
-            more = f" ({len(ans['errors']) - 1} more refused in this batch)" if len(ans["errors"]) > 1 else ""
-            if cls in (ValidationError, FieldTypeError):
-                prefix = f"trajectory {tid!r}: " + (f"field {field!r}: " if field is not None else "")
-                raise cls(message.removeprefix(prefix) + more, trajectory_id=tid, field=field)
-            raise cls(message + more)
-        return [TrajectoryMeta.from_dict(d) for d in ans["accepted"]]
-
-    def _undo_put(self, traj_id: str, r: Mapping[str, Any], cause: str) -> None:
-        try:  # the unit may have stored it before failing (an interrupted call)
-            self._engine.units[r["unit"]].release([traj_id])
-        finally:
-            self._engine.control.unreserve(traj_id, r["seq"], cause)
 
     def set_in_flight(self, counts: Mapping[str, int]) -> None:
         """Tell admission how many trajectories per source are still coming for this train batch.

@@ -12,6 +12,7 @@ Works on metadata only. There is one storage unit per node; a unit's id is its n
 from __future__ import annotations
 
 import abc
+import heapq
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -123,6 +124,27 @@ class Placement(abc.ABC):
     def unplace(self, meta: TrajectoryMeta, unit: str) -> None:  # noqa: B027 - optional hook
         """Undo :meth:`place` for a put that failed (e.g. ``StoreFull``)."""
 
+    def place_at(self, meta: TrajectoryMeta, unit: str) -> None:
+        """Account a payload a producer already stored on ``unit`` (the unit it chose from :meth:`view`).
+
+        The one-round-trip put stores first and is admitted after: the producer keeps a replica of this
+        placement (:meth:`follow` the last :meth:`view` it was sent, then :meth:`place`), so a single producer's
+        puts land exactly where :meth:`place` would have put them; concurrent producers may pick a unit a
+        little off balance, which is accounted where it is.
+
+        Raises:
+            ConfigError: An unknown unit.
+        """
+        if unit not in self.units:
+            raise ConfigError(f"unknown storage unit {unit!r}; the units are {list(self.units)[:8]}")
+
+    def view(self, limit: int = 64) -> dict[str, Any]:
+        """What a producer's replica needs to predict :meth:`place` (JSON; at most ``limit`` units listed)."""
+        return {}
+
+    def follow(self, view: Mapping[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Adopt the control plane's :meth:`view` (on a producer's replica)."""
+
     def released(self, unit: str, nbytes: int) -> None:  # noqa: B027 - optional hook
         """Tell the placement that ``nbytes`` left ``unit``."""
 
@@ -193,6 +215,33 @@ class ConsumerAwarePlacement(Placement):
     def unplace(self, meta: TrajectoryMeta, unit: str) -> None:
         """Undo the byte accounting of a failed put."""
         self._load[unit] -= meta.nbytes
+
+    def place_at(self, meta: TrajectoryMeta, unit: str) -> None:
+        """Account ``meta`` on ``unit``, where a producer stored it; a new group is remembered there."""
+        super().place_at(meta, unit)
+        if meta.group not in self._groups:
+            self._groups[meta.group] = unit
+            while len(self._groups) > self._max_groups:
+                self._groups.popitem(last=False)
+        self._load[unit] += meta.nbytes
+
+    def view(self, limit: int = 64) -> dict[str, Any]:
+        """``{"load": {unit: bytes placed}}`` of the ``limit`` least-loaded units (ties: layout order)."""
+        if len(self.units) <= limit:
+            return {"load": dict(self._load)}
+        order = {u: i for i, u in enumerate(self.units)}
+        best = heapq.nsmallest(limit, self.units, key=lambda u: (self._load[u], order[u]))
+        return {"load": {u: self._load[u] for u in best}}
+
+    def follow(self, view: Mapping[str, Any]) -> None:
+        """Take the plane's loads; units the view leaves out count as more loaded than any listed."""
+        load = view.get("load") if isinstance(view, Mapping) else None
+        if not isinstance(load, Mapping) or not load:
+            return
+        known = {u: int(b) for u, b in load.items() if u in self._load}
+        top = max(known.values(), default=0) + 1
+        for u in self.units:
+            self._load[u] = known.get(u, max(top, self._load[u]))
 
     def released(self, unit: str, nbytes: int) -> None:
         """Ignored: placement counts the bytes placed so far, so that it depends on the puts alone.

@@ -630,6 +630,59 @@ def whole_job_resume(spill_root: str, pipeline: str, state: dict[str, Any]) -> d
 
 
 # ----------------------------------------------------------------------------------------------- main
+
+@scenario
+def one_round_trip(n_groups: int = 12) -> dict[str, Any]:
+    """Puts on two nodes: how many calls each put makes, where the payloads land, every trajectory once."""
+    from knitdata import Pipeline
+    from knitdata.placement import ConsumerAwarePlacement, ConsumerLayout
+    from knitdata.storage.ray_unit import RayStorageUnit
+
+    nodes = _nodes()[:2]
+    trajs = workload(n_groups, 2, extra=2_000)
+    name = f"rt-{os.getpid()}"
+    pipe = Pipeline(_spec(len(trajs)), layout=ConsumerLayout(["a", "b"]), engine="ray", token_budget=1024,
+                    engine_options={"name": name, "nodes": {"a": nodes[0], "b": nodes[1]}})
+    calls = {"control": 0, "unit": 0}
+    real_call = type(pipe.control).call
+
+    def call(self: Any, method: str, *a: Any, **kw: Any) -> Any:
+        calls["control"] += 1
+        return real_call(self, method, *a, **kw)
+
+    real_put_admit = RayStorageUnit.put_admit
+
+    def put_admit(self: Any, *a: Any, **kw: Any) -> Any:
+        calls["unit"] += 1
+        return real_put_admit(self, *a, **kw)
+
+    type(pipe.control).call = call  # type: ignore[method-assign]
+    RayStorageUnit.put_admit = put_admit  # type: ignore[method-assign]
+    first = pipe.put(trajs[0])  # the first put of a process also fetches the placement's view once
+    after_first = dict(calls)
+    half = len(trajs) // 2
+    metas = [first] + [pipe.put(t) for t in trajs[1:half]]
+    singles = {"control": calls["control"] - after_first["control"], "unit": calls["unit"] - after_first["unit"]}
+    before = dict(calls)
+    metas += pipe.put_many(trajs[half:])
+    batch = {"control": calls["control"] - before["control"], "unit": calls["unit"] - before["unit"]}
+    type(pipe.control).call = real_call  # type: ignore[method-assign]
+    RayStorageUnit.put_admit = real_put_admit  # type: ignore[method-assign]
+    # the plane's own placement, fed the same puts in order, picks the same units
+    ref = ConsumerAwarePlacement(list(pipe.units))
+    from knitdata.record import TrajectoryMeta
+
+    expected = [ref.place(TrajectoryMeta.from_dict({**t.meta().to_dict(), "seq": i})) for i, t in enumerate(trajs)]
+    pipe.close()
+    got = [pipe.dataset(r, fetch="iter") for r in range(2)]
+    ids = sorted(i for ds in got for mb in ds for i in mb.info.trajectory_ids)
+    out = {"after_first": after_first, "singles": singles, "singles_n": half - 1, "batch": batch,
+           "locations": [m.location for m in metas], "expected": expected, "ids": ids,
+           "all_ids": sorted(t.id for t in trajs)}
+    pipe.shutdown()
+    return out
+
+
 def main(argv: list[str]) -> int:
     """Entry point of the subprocesses."""
     import argparse
@@ -664,3 +717,4 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+

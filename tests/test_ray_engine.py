@@ -236,3 +236,15 @@ def test_whole_job_killed_and_restarted_from_journal_and_spill_exactly_once(clus
     got = _flat(first["saved"]) + _flat(second["rest"])
     assert Counter(got) == Counter(first["all_ids"])
     assert second["held"] == 0
+
+
+def test_a_put_is_one_round_trip_and_lands_where_placement_puts_it(cluster: ClusterProcess) -> None:
+    r = run_scenario(cluster.address, "one_round_trip", timeout_s=150)
+    # the first put of a process fetches the placement's view once; then each put is one call to its unit
+    # (which stores and asks the coordinator to admit), and none to the coordinator
+    assert r["after_first"] == {"control": 1, "unit": 1}
+    assert r["singles"] == {"control": 0, "unit": r["singles_n"]}
+    assert r["batch"]["control"] == 0 and 1 <= r["batch"]["unit"] <= 2  # one call per unit of the batch
+    # one producer: its replica of the placement picks exactly the units the plane's placement would
+    assert r["locations"] == r["expected"] and set(r["locations"]) == {"a", "b"}
+    assert r["ids"] == r["all_ids"]  # every trajectory exactly once

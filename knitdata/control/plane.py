@@ -6,13 +6,17 @@ argument and return value is JSON-like (dicts, lists, strings, numbers), so the 
 Payload bytes never pass through it: a storage unit holds them, and the plane asks the engine to drop
 them through the ``releaser`` callback it was given.
 
-The path of one trajectory through the plane:
+The path of one trajectory through the plane (:meth:`ControlPlane.admit_many`, one call per put): the producer
+keeps a replica of the placement (:meth:`ControlPlane.placement_view`) and stores the payload on the unit it
+picks; the unit then asks the plane to admit it. The plane runs the checks that need its state (source, unique
+id, withdrawn group, field schema; one bad trajectory refuses its whole batch, whose payloads the unit drops),
+accounts the unit in its placement, hands the metadata to admission and plans every mini-batch admitted at
+once. A call retried after a coordinator restart is recognized by its put tokens. With one producer the replica
+picks exactly the units :meth:`Placement.place` would; concurrent producers may pick a unit a little off
+balance, which is accounted where it is.
 
-1. :meth:`ControlPlane.reserve` (before the payload is stored): the checks that need the pipeline's state
-   (source, unique id, withdrawn group, field schema) and a storage unit chosen by placement;
-2. the engine stores the payload on that unit (or :meth:`ControlPlane.unreserve` after a failure);
-3. :meth:`ControlPlane.offer`: the schema is checked again (a concurrent first put may have fixed it
-   meanwhile), the metadata goes to admission, and every mini-batch admitted is planned at once.
+The two-phase protocol (:meth:`ControlPlane.reserve`, the engine stores, :meth:`ControlPlane.offer`) decides the
+same for single puts and is kept for engines that must check before storing.
 
 Plans are queued per rank as *entries*: the ``j``-th micro-batch of a rank over the whole run (``j`` counts
 across mini-batches). Which rank receives which trajectory depends only on the admitted metadata, the
@@ -171,6 +175,7 @@ class ControlPlane:
         self.schema: dict[str, Any] | None = None
         self.withdrawn: OrderedDict[str, None] = OrderedDict()
         self.live: dict[str, TrajectoryMeta] = {}  # stored and not released
+        self.put_tokens: dict[str, str] = {}  # live id -> token of the admit_many call that put it (retries)
         self.pending: dict[str, TrajectoryMeta] = {}  # offered, not admitted yet
         self.loss: dict[str, int] = {}
         self.queues: list[dict[int, dict[str, Any]]] = [{} for _ in range(n)]
@@ -387,17 +392,7 @@ class ControlPlane:
         with self.cond:
             self._check_open()
             try:
-                if meta["source"] not in self.spec.quotas:
-                    raise ValidationError(
-                        f"unknown source {meta['source']!r}; the batch spec has {list(self.spec.sources)}",
-                        trajectory_id=tid, field="source")
-                if tid in self.live:
-                    raise ValidationError("was already put and is still held; ids must be unique",
-                                          trajectory_id=tid, field="id")
-                if meta["group"] in self.withdrawn:
-                    raise ValidationError(f"its group {meta['group']!r} was withdrawn (aborted or filtered); a late "
-                                          "member is not accepted", trajectory_id=tid, field="group")
-                self._check_schema(tid, meta.get("fields"))
+                self._check_put(meta, tid, set(), self.schema)
             except KnitdataError as e:
                 self._count_rejected(e)
                 raise
@@ -415,6 +410,112 @@ class ControlPlane:
             unit = self.placement.place(m)
             self.putting[tid] = (unit, m, meta.get("fields"))
             return {"seq": m.seq, "unit": unit}
+
+    @_journaled
+    def admit_many(self, unit: str, items: Sequence[Sequence[Any]]) -> dict[str, Any]:
+        """The one-round-trip put: payloads already stored on ``unit`` are checked, placed there and admitted.
+
+        The producer chose ``unit`` with a replica of the placement (:meth:`placement_view`), stored the
+        payloads, and the unit (on Ray, the storage-unit actor itself) makes this one call. Every check of
+        :meth:`reserve` runs first for the whole batch: one bad trajectory refuses the batch (the unit drops
+        every payload of it). A call retried after a coordinator restart is recognized by its put tokens and
+        answers as the first time.
+
+        Args:
+            unit: The storage unit holding the payloads.
+            items: ``[metadata, loss_tokens, token]`` per trajectory, in arrival order: metadata as for
+                :meth:`reserve` (with ``fields``), ``token`` a string unique to this put.
+
+        Returns:
+            ``{"accepted": [metadata dict or None per item], "errors": [[traj_id, error class name, message,
+            field], ...], "placement": placement view, "seq": next arrival index}``. Refused items (``None``) are
+            not held by the plane: the unit drops their payloads.
+
+        Raises:
+            ConfigError: An unknown unit.
+            QuotaInfeasibleError: Admission found the quotas impossible (the pipeline stops).
+        """
+        if unit not in self.unit_nodes:
+            raise ConfigError(f"unknown storage unit {unit!r}; the units are {list(self.unit_nodes)[:8]}")
+        accepted: list[dict[str, Any] | None] = [None] * len(items)
+        errors: list[list[Any]] = []
+        with self.cond:
+            # every check first, no state changed: one bad trajectory refuses the batch
+            fresh: list[int] = []
+            seen: set[str] = set()
+            schema = self.schema
+            for k, (meta, _loss, token) in enumerate(items):
+                tid = str(meta["id"])
+                try:
+                    done = self.live.get(tid)
+                    if done is not None and self.put_tokens.get(tid) == token:
+                        accepted[k] = done.to_dict()  # a retried call (the coordinator restarted before answering)
+                        continue
+                    self._check_open()
+                    self._check_put(meta, tid, seen, schema)
+                except KnitdataError as e:
+                    errors.append([tid, type(e).__name__, str(e), getattr(e, "field", None)])
+                    self._count_rejected(e)
+                    continue
+                seen.add(tid)
+                if schema is None and meta.get("fields") is not None:
+                    schema = meta["fields"]
+                fresh.append(k)
+            if errors:  # refused with the batch: the good ones too (retried ones stay accepted)
+                if fresh:
+                    self.counts["rejected"] += len(fresh)
+                    self.rejected_by_cause["batch"] = self.rejected_by_cause.get("batch", 0) + len(fresh)
+                return {"accepted": accepted, "errors": errors, "placement": self.placement.view(), "seq": self.seq}
+            raised: BaseException | None = None
+            for k in fresh:
+                meta, loss, token = items[k]
+                if raised is not None:  # admission stopped (or a hook failed) after an earlier item: not admitted
+                    errors.append([str(meta["id"]), type(raised).__name__, str(raised), None])
+                    continue
+                m = TrajectoryMeta.from_dict({**{x: v for x, v in meta.items() if x != "fields"}, "seq": self.seq,
+                                              "location": unit})
+                try:
+                    self.placement.place_at(m, unit)
+                    try:
+                        self.policy.offer([m])
+                    except BaseException:
+                        self.placement.unplace(m, unit)
+                        raise
+                except KnitdataError as e:
+                    self._count_rejected(e)
+                    errors.append([m.id, type(e).__name__, str(e), getattr(e, "field", None)])
+                    continue
+                except BaseException as e:  # not admitted, nor anything after it; the producer gets the error
+                    raised = e
+                    self.counts["rejected"] += 1
+                    self.rejected_by_cause[type(e).__name__] = self.rejected_by_cause.get(type(e).__name__, 0) + 1
+                    errors.append([m.id, type(e).__name__, str(e), None])
+                    continue
+                self.seq += 1
+                fields = meta.get("fields")
+                if self.schema is None and fields is not None:
+                    self.schema = {"scalars": list(fields["scalars"]), "tensors": dict(fields["tensors"])}
+                self.live[m.id] = m
+                self.put_tokens[m.id] = str(token)
+                self.loss[m.id] = int(loss)
+                self.pending[m.id] = m
+                self.counts["puts"] += 1
+                accepted[k] = m.to_dict()
+                try:
+                    self._poll()
+                except BaseException as e:  # this item is admitted; the producer gets the error
+                    raised = e
+                    errors.insert(0, [m.id, type(e).__name__, str(e), None])
+            ans = {"accepted": accepted, "errors": errors, "placement": self.placement.view(), "seq": self.seq}
+            if raised is not None and not isinstance(raised, KnitdataError):
+                ans["exception"] = raised  # in-process only (an on_plan hook): re-raised by the pipeline
+            return ans
+
+    def placement_view(self) -> dict[str, Any]:
+        """``{"placement": view, "seq": next arrival index}`` for a producer's placement replica (see
+        :meth:`admit_many`)."""
+        with self.cond:
+            return {"placement": self.placement.view(), "seq": self.seq}
 
     @_journaled
     def reserve_many(self, metas: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -779,10 +880,25 @@ class ControlPlane:
         self.rejected_by_cause[cause] = self.rejected_by_cause.get(cause, 0) + 1
         self.counts["rejected"] += 1
 
-    def _check_schema(self, tid: str, fields: Mapping[str, Any] | None) -> None:
-        if self.schema is None or fields is None:
+    def _check_put(self, meta: Mapping[str, Any], tid: str, batch: set[str], schema: Mapping[str, Any] | None) -> None:
+        """The checks of a put that need the plane's state (``batch``: ids earlier in the same call)."""
+        if meta["source"] not in self.spec.quotas:
+            raise ValidationError(f"unknown source {meta['source']!r}; the batch spec has {list(self.spec.sources)}",
+                                  trajectory_id=tid, field="source")
+        if tid in self.live or tid in batch:
+            raise ValidationError("was already put and is still held; ids must be unique", trajectory_id=tid,
+                                  field="id")
+        if meta["group"] in self.withdrawn:
+            raise ValidationError(f"its group {meta['group']!r} was withdrawn (aborted or filtered); a late member is "
+                                  "not accepted", trajectory_id=tid, field="group")
+        self._check_schema(tid, meta.get("fields"), schema)
+
+    def _check_schema(self, tid: str, fields: Mapping[str, Any] | None,
+                      schema: Mapping[str, Any] | None = None) -> None:
+        schema = self.schema if schema is None else schema
+        if schema is None or fields is None:
             return
-        want_s, want_t = set(self.schema["scalars"]), dict(self.schema["tensors"])
+        want_s, want_t = set(schema["scalars"]), dict(schema["tensors"])
         have_s, have_t = set(fields["scalars"]), dict(fields["tensors"])
         for kind, have, want in (("scalars", have_s, want_s), ("tensors", set(have_t), set(want_t))):
             if have != want:
@@ -806,6 +922,7 @@ class ControlPlane:
         for m in metas:
             live = self.live.pop(m.id, None)
             self.loss.pop(m.id, None)
+            self.put_tokens.pop(m.id, None)
             if m.location is not None and live is not None:
                 by_unit.setdefault(m.location, []).append(m.id)
         for u, ids in by_unit.items():

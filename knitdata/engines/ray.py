@@ -111,6 +111,12 @@ class CoordinatorActor:
                                    lambda u, ids, wait: units[u].release(ids) if wait else units[u].release_async(ids),
                                    journal=journal)
         self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        me = ray.get_runtime_context().current_actor
+        calls = [unit.actor.set_control.remote(me) for unit in units.values()]
+        try:  # the units call admit_many on this actor (the one-round-trip put); a dead unit is skipped
+            ray.get(calls, timeout=30)
+        except Exception:  # noqa: BLE001 - a dead unit: its puts fail anyway
+            pass
         if path and os.path.exists(path):
             self._plane.recover(path)  # a restart: the state as of the last journaled call
         self._recovery = SpillRecovery(setup["spill_dir"]) if setup.get("spill_dir") else None
@@ -119,6 +125,14 @@ class CoordinatorActor:
     def reserve(self, meta: dict[str, Any]) -> dict[str, Any]:
         """See :meth:`ControlPlane.reserve`."""
         return self._plane.reserve(meta)
+
+    def admit_many(self, unit: str, items: list[Any]) -> dict[str, Any]:
+        """See :meth:`ControlPlane.admit_many` (called by the storage units)."""
+        return self._plane.admit_many(unit, items)
+
+    def placement_view(self) -> dict[str, Any]:
+        """See :meth:`ControlPlane.placement_view`."""
+        return self._plane.placement_view()
 
     def reserve_many(self, metas: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """See :meth:`ControlPlane.reserve_many`."""
@@ -261,7 +275,7 @@ class RayControl:
     """
 
     ASYNC = frozenset({"handed", "report_consumer", "note_rejected", "report_transfer", "commit_async"})
-    METHODS = frozenset({"reserve", "reserve_many", "offer_many", "unreserve", "offer", "set_in_flight", "withdraw", "report_version", "close",
+    METHODS = frozenset({"admit_many", "placement_view", "reserve", "reserve_many", "offer_many", "unreserve", "offer", "set_in_flight", "withdraw", "report_version", "close",
                          "lease", "unlease", "next_entries", "commit", "seek", "start_position", "holders",
                          "missing", "stats"}) | ASYNC
 

@@ -25,11 +25,12 @@ processes it returns payloads as codec records (:meth:`StorageUnit.get_records`)
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from knitdata.codec import encode_trajectory
+from knitdata.errors import StoreFull, ValidationError
 from knitdata.record import Trajectory
 
 __all__ = ["StorageStats", "StorageUnit"]
@@ -129,6 +130,63 @@ class StorageUnit(abc.ABC):
                 raise
             n += 1
         return n
+
+    def try_put(self, traj: Trajectory) -> bool:
+        """Store one payload if there is room now (or spill room); ``False`` if not, without waiting.
+
+        Raises:
+            ValidationError: If the id is already held. EngineError: If the unit is closed.
+        """
+        try:
+            self.put(traj, timeout=0)
+        except StoreFull:
+            return False
+        return True
+
+    def put_admit(self, trajs: Sequence[Trajectory], items: Sequence[Sequence[Any]],
+                  admit: Callable[[str, list[Any]], dict[str, Any]]) -> dict[str, Any]:
+        """The one-round-trip put: store the payloads that fit now, in order, then admit them in one control call.
+
+        The control plane's :meth:`~knitdata.control.ControlPlane.admit_many` answers for the stored prefix;
+        the payloads it refused are dropped here. A unit in another process makes the control call itself
+        (``admit`` is then unused), so the producer waits for one round trip.
+
+        Args:
+            trajs: Validated trajectories, in arrival order.
+            items: ``[metadata, loss_tokens, token]`` per trajectory (see ``admit_many``).
+            admit: ``admit(unit_id, items)``: the control plane's ``admit_many``.
+
+        Returns:
+            ``{"stored": n, "admit": answer or None}``: the first ``n`` were stored and offered (``n`` is less
+            than ``len(trajs)`` when the unit is full; the rest were not stored).
+
+        Raises:
+            ValidationError: An id is already held by this unit (nothing of the batch is kept).
+            EngineError: The unit is closed (nothing of the batch is kept).
+        """
+        n = 0
+        try:
+            for t in trajs:
+                if not self.try_put(t):
+                    break
+                n += 1
+        except ValidationError:  # the id is held here already: that payload is not this put's to drop
+            self.release([t.id for t in trajs[:n]])
+            raise
+        except BaseException:  # interrupted: the one in progress may be stored too
+            self.release([t.id for t in trajs[:n + 1]])
+            raise
+        if n == 0:
+            return {"stored": 0, "admit": None}
+        try:
+            ans = admit(self.unit_id, [list(x) for x in items[:n]])
+        except BaseException:
+            self.release([t.id for t in trajs[:n]])
+            raise
+        refused = [t.id for t, a in zip(trajs, ans["accepted"]) if a is None]
+        if refused:
+            self.release(refused)
+        return {"stored": n, "admit": ans}
 
     @abc.abstractmethod
     def get(self, ids: Sequence[str]) -> list[Trajectory]:

@@ -119,6 +119,20 @@ class EmbeddedStorageUnit(StorageUnit):
             self._hold(traj, n)
         return n
 
+    def try_put(self, traj: Trajectory) -> bool:
+        """Store ``traj`` if it fits now (or spills); ``False`` if not, without waiting or counting a refusal."""
+        with self._cond:
+            self._check_new(traj.id)
+            if self._spill is None and not self._fits(int(traj.nbytes)):
+                return False
+        try:
+            self.put(traj, timeout=0)
+        except StoreFull:  # another put took the room meanwhile
+            with self._cond:
+                self._rejected -= 1
+            return False
+        return True
+
     def _check_new(self, traj_id: str) -> None:
         if self._closed:
             raise EngineError(f"storage unit {self.unit_id!r} is closed; create a new pipeline to put more")

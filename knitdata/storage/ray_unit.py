@@ -38,6 +38,7 @@ from typing import Any
 from knitdata.errors import (
     ConfigError,
     EngineError,
+    KnitdataError,
     OptionalDependencyError,
     StoreFull,
     TrajectoryLostError,
@@ -89,6 +90,8 @@ _ON_DISK = "on-disk"  # marks a payload that spilled over: only in the unit's sp
 #: Records up to this many bytes stay in the unit actor's own memory and travel inline in its replies (a
 #: ``ray.put`` costs about 1 ms per object whatever its size; Ray inlines replies below 100 KiB).
 INLINE_MAX_BYTES = 64 << 10
+#: Seconds a storage unit keeps retrying the admission of a put while the coordinator restarts.
+ADMIT_TIMEOUT_S = 120.0
 _log = logging.getLogger(__name__)
 
 
@@ -258,7 +261,7 @@ class _UnitState:
 
 
 # ray's stubs omit the actor options max_concurrency and concurrency_groups
-@ray.remote(num_cpus=0, max_concurrency=8, concurrency_groups={"wait": 64})  # type: ignore[call-overload]
+@ray.remote(num_cpus=0, max_concurrency=32, concurrency_groups={"wait": 64})  # type: ignore[call-overload]
 class StorageUnitActor:
     """The storage unit of one node (a threaded Ray actor; every method is short or bounded).
 
@@ -342,6 +345,57 @@ class StorageUnitActor:
             if status != "ok":
                 break
         return out
+
+    def set_control(self, control: Any) -> None:
+        """The coordinator actor handle, which :meth:`put_admit` calls (set by the coordinator as it starts)."""
+        self._control = control
+
+    def put_admit(self, recs: list[tuple[str, np.ndarray, int]], items: list[Any]) -> dict[str, Any]:
+        """The one-round-trip put: store the records that fit now, then admit them with one coordinator call.
+
+        See :meth:`knitdata.storage.base.StorageUnit.put_admit`. Records the coordinator refused are dropped.
+
+        Returns:
+            ``{"stored": n, "status": "ok" | "full" | "dup" | "closed", "index": position of the first record not
+            stored, "admit": the coordinator's answer or None}``; after ``"dup"`` or ``"closed"`` nothing of the
+            batch is kept.
+        """
+        status = "ok"
+        n = 0
+        for tid, rec, nbytes in recs:
+            status = self.put(tid, rec, nbytes)
+            if status != "ok":
+                break
+            n += 1
+        ids = [r[0] for r in recs[:n]]
+        if status in ("dup", "closed"):
+            self.release(ids)
+            return {"stored": 0, "status": status, "index": n, "admit": None}
+        if n == 0:
+            return {"stored": 0, "status": status, "index": 0, "admit": None}
+        try:
+            ans = self._admit(items[:n])
+        except BaseException:
+            self.release(ids)
+            raise
+        refused = [tid for tid, a in zip(ids, ans["accepted"]) if a is None]
+        if refused:
+            self.release(refused)
+        return {"stored": n, "status": status, "index": n, "admit": ans}
+
+    def _admit(self, items: list[Any]) -> dict[str, Any]:
+        control = getattr(self, "_control", None)
+        if control is None:
+            raise EngineError(f"storage unit {self._s.unit_id!r} has no coordinator yet; retry the put")
+        deadline = time.monotonic() + ADMIT_TIMEOUT_S
+        while True:  # a restarting coordinator (journaled) answers a retried call as the first one
+            try:
+                return ray.get(control.admit_many.remote(self._s.unit_id, items),
+                               timeout=max(0.1, deadline - time.monotonic()))
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
 
     @ray.method(concurrency_group="wait")
     def wait_room(self, nbytes: int, max_wait_s: float) -> bool:
@@ -447,6 +501,24 @@ class _Handle:
     @classmethod
     def from_info(cls, actor: Any, info: Mapping[str, Any]) -> _Handle:
         return cls(actor, info["unit_id"], info["node"], info["node_name"], int(info["capacity_bytes"]), info["spill"])
+
+
+def _knitdata_cause(e: BaseException) -> BaseException:
+    """The ``KnitdataError`` a Ray task error wraps (through nested actor calls), else the error itself."""
+    seen = 0
+    cur: Any = e
+    while isinstance(cur, ray.exceptions.RayTaskError) and seen < 8:
+        cause = getattr(cur, "cause", None)
+        if cause is None:
+            try:
+                cause = cur.as_instanceof_cause()
+            except Exception:  # noqa: BLE001 - not reconstructible
+                break
+            if cause is cur:
+                break
+        cur = cause
+        seen += 1
+    return cur if isinstance(cur, KnitdataError) else e
 
 
 def _as_record_array(record: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
@@ -646,6 +718,33 @@ class RayStorageUnit(StorageUnit):
                 raise
             ok += 1
         return ok
+
+    def put_admit(self, trajs: Sequence[Trajectory], items: Sequence[Sequence[Any]],
+                  admit: Callable[[str, list[Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The one-round-trip put (see :meth:`StorageUnit.put_admit`): the unit's actor stores the records that
+        fit now and makes the admission call to the coordinator itself; ``admit`` is unused.
+
+        Raises:
+            ValidationError: An id is already held by this unit. EngineError: The unit is closed.
+            TrajectoryLostError: The unit's actor is dead. The coordinator's error (a ``KnitdataError``).
+        """
+        recs = [(t.id, _as_record_array(encode_trajectory(t)), int(t.nbytes)) for t in trajs]
+        try:
+            res = ray.get(self._h.actor.put_admit.remote(recs, [list(x) for x in items]))
+        except ray.exceptions.RayTaskError as e:
+            raise _knitdata_cause(e) from None
+        except _LOST_ERRORS as e:
+            raise TrajectoryLostError(f"storage unit {self.unit_id!r} is dead; the puts were not stored",
+                                      trajectory_ids=[r[0] for r in recs]) from e
+        if res["status"] == "dup":
+            raise ValidationError(f"already held by storage unit {self.unit_id!r}", trajectory_id=recs[res["index"]][0],
+                                  field="id")
+        if res["status"] == "closed":
+            raise EngineError(f"storage unit {self.unit_id!r} is closed; create a new pipeline to put more")
+        cross = current_node() != self.ray_node
+        for _tid, arr, _n in recs[:res["stored"]]:
+            self.meter.record_put(arr.nbytes, cross=cross, placement=self.placement)
+        return {"stored": int(res["stored"]), "admit": res["admit"]}
 
     def put_record(self, traj_id: str, record: Any, nbytes: int, *, timeout: float | None = None) -> int:
         """Store one codec record, waiting up to ``timeout`` seconds for room.

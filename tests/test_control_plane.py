@@ -1,0 +1,190 @@
+"""The control plane's one-round-trip put (``admit_many``) against its two-phase put (``reserve`` + ``offer``).
+
+The pipeline stores a payload on the unit its replica of the placement picks, then the unit asks the plane to
+admit it. These tests pin down that this path decides exactly what the two-phase path decides (admissions,
+placements, plans), that a batch is refused whole, and that a retried call is answered as the first one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from knitdata.admission import BatchSpec
+from knitdata.control import ControlPlane, fields_of
+from knitdata.control.journal import Journal
+from knitdata.errors import ConfigError
+from knitdata.placement import ConsumerLayout, make_placement
+from knitdata.record import Trajectory, TrajectoryMeta
+
+UNITS = {"node0": "node0", "node1": "node1", "node2": "node2"}
+
+
+def _config(placement: str = "consumer_aware") -> dict[str, Any]:
+    spec = BatchSpec({"a": 8, "b": 8}, num_minibatches=2, group_size=2)
+    return {"spec": spec.to_dict(), "layout": ConsumerLayout.uniform(3, 1).to_dict(), "token_budget": 64,
+            "placement": placement}
+
+
+def _traj(i: int, *, source: str | None = None, group: str | None = None, extra: int = 0,
+          scalars: dict[str, float] | None = None) -> Trajectory:
+    import torch
+
+    return Trajectory(id=f"t{i}", source=source or "ab"[(i // 2) % 2], group=group or f"g{i // 2}", gen_version=0,
+                      prompt_ids=torch.arange(4), response_ids=torch.arange(4 + (i * 7) % 11 + extra),
+                      scalars={"r": 1.0} if scalars is None else scalars)
+
+
+def _meta(t: Trajectory) -> dict[str, Any]:
+    return {**t.meta().to_dict(), "fields": fields_of(t.scalars, {})}
+
+
+def _plane(released: list | None = None, **kw: Any) -> ControlPlane:
+    sink = released if released is not None else []
+    return ControlPlane(_config(**kw), UNITS, lambda u, ids, wait: sink.append((u, list(ids))))
+
+
+class Producer:
+    """What the pipeline does: a replica of the placement picks the unit, then one admit_many per unit."""
+
+    def __init__(self, plane: ControlPlane, name: str = "consumer_aware") -> None:
+        self.plane = plane
+        self.replica = make_placement(name, list(UNITS))
+        view = plane.placement_view()
+        self.replica.follow(view["placement"])
+        self.seq = view["seq"]
+        self.calls = 0
+
+    def put_many(self, trajs: list[Trajectory]) -> dict[str, Any]:
+        by_unit: dict[str, list[list[Any]]] = {}
+        for i, t in enumerate(trajs):
+            m = TrajectoryMeta.from_dict({**t.meta().to_dict(), "seq": self.seq + i})
+            by_unit.setdefault(self.replica.place(m), []).append([_meta(t), 8, f"tok-{t.id}"])
+        out: dict[str, Any] = {"accepted": [], "errors": []}
+        for unit, items in by_unit.items():
+            ans = self.plane.admit_many(unit, items)
+            self.calls += 1
+            self.replica.follow(ans["placement"])
+            self.seq = ans["seq"]
+            out["accepted"] += ans["accepted"]
+            out["errors"] += ans["errors"]
+        return out
+
+
+def _two_phase(plane: ControlPlane, trajs: list[Trajectory]) -> None:
+    for t in trajs:
+        r = plane.reserve(_meta(t))
+        plane.offer(t.id, r["seq"], 8)
+
+
+def _decisions(p: ControlPlane) -> dict[str, Any]:
+    return {"planned": list(p.planned), "seq": p.seq,
+            "entries": [[(q[j]["minibatch"], q[j]["microbatch"], q[j]["items"]) for j in sorted(q)] for q in p.queues],
+            "live": {k: (m.location, m.seq) for k, m in p.live.items()}, "pending": sorted(p.pending),
+            "placement": p.placement.snapshot_state(), "counts": dict(p.counts)}
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40), min_size=2, max_size=32),
+       placement=st.sampled_from(["consumer_aware", "index_mod"]))
+def test_single_puts_admit_place_and_plan_exactly_as_the_two_phase_put(sizes, placement):
+    trajs = [_traj(i, extra=s) for i, s in enumerate(sizes)]
+    a, b = _plane(placement=placement), _plane(placement=placement)
+    _two_phase(a, trajs)
+    prod = Producer(b, placement)
+    for t in trajs:
+        assert not prod.put_many([t])["errors"]
+    assert _decisions(b) == _decisions(a)
+    assert prod.calls == len(trajs)
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(0, 40), min_size=2, max_size=32), batch=st.integers(2, 8))
+def test_batches_are_deterministic_keep_groups_whole_and_admit_everything(sizes, batch):
+    """A batch is admitted unit by unit (one call each), so its arrival order is unit by unit; the same
+    batches give the same decisions, and everything is admitted once, each group on one unit."""
+    trajs = [_traj(i, extra=s) for i, s in enumerate(sizes)]
+    runs = []
+    for _ in range(2):
+        plane = _plane()
+        prod = Producer(plane)
+        for k in range(0, len(trajs), batch):
+            assert not prod.put_many(trajs[k:k + batch])["errors"]
+        assert prod.calls <= len(trajs)
+        runs.append(_decisions(plane))
+    assert runs[0] == runs[1]
+    live = runs[0]["live"]
+    assert sorted(live) == sorted(t.id for t in trajs)
+    assert sorted(seq for _u, seq in live.values()) == list(range(len(trajs)))
+    units_of: dict[str, set[str]] = {}
+    for t in trajs:
+        units_of.setdefault(t.group, set()).add(live[t.id][0])
+    assert all(len(u) == 1 for u in units_of.values())
+
+
+def test_one_bad_trajectory_refuses_its_whole_batch_and_is_counted():
+    plane = _plane()
+    prod = Producer(plane)
+    prod.put_many([_traj(0), _traj(1)])
+    # an unknown source, a duplicate id (held, and twice in one batch), a withdrawn group, other fields
+    plane.withdraw("gw")
+    cases = [
+        ([_traj(2), _traj(3, source="nope")], "t3", "source"),
+        ([_traj(4), _traj(0)], "t0", "id"),
+        ([_traj(5), _traj(5)], "t5", "id"),
+        ([_traj(6), _traj(7, group="gw")], "t7", "group"),
+        ([_traj(8), _traj(9, scalars={"other": 1.0})], "t9", "scalars.r"),
+    ]
+    for batch, bad, field in cases:
+        before = _decisions(plane)
+        ans = plane.admit_many("node0", [[_meta(t), 8, f"x-{t.id}-{k}"] for k, t in enumerate(batch)])
+        assert ans["accepted"] == [None, None]  # the unit drops both payloads
+        assert [e[0] for e in ans["errors"]] == [bad] and ans["errors"][0][3] == field
+        after = _decisions(plane)
+        assert after["live"] == before["live"] and after["seq"] == before["seq"]
+    st_ = plane.stats()
+    assert st_["rejected_by_cause"]["batch"] == len(cases)
+    assert st_["rejected"] == 2 * len(cases)
+
+
+def test_a_retried_call_is_answered_as_the_first_one(tmp_path):
+    plane = ControlPlane(_config(), UNITS, lambda u, ids, wait: None, journal=Journal(tmp_path / "j", fsync_every_s=0))
+    items = [[_meta(_traj(i)), 8, f"tok{i}"] for i in range(2)]
+    first = plane.admit_many("node1", items)
+    again = plane.admit_many("node1", items)  # the coordinator restarted before its answer arrived
+    assert again["accepted"] == first["accepted"] and not again["errors"]
+    assert plane.stats()["puts"] == 2
+    # the same ids under new tokens are a new put: duplicates
+    other = plane.admit_many("node1", [[it[0], 8, "new"] for it in items])
+    assert [e[3] for e in other["errors"]] == ["id", "id"]
+    # a restarted coordinator replays the journal into the same decisions
+    fresh = ControlPlane(_config(), UNITS, lambda u, ids, wait: None)
+    fresh.recover(str(tmp_path / "j"))
+    assert _decisions(fresh)["live"] == _decisions(plane)["live"]
+    assert fresh.admit_many("node1", items)["accepted"] == first["accepted"]
+
+
+def test_admit_many_refuses_an_unknown_unit_and_reports_the_view():
+    plane = _plane()
+    with pytest.raises(ConfigError, match="unknown storage unit 'nowhere'"):
+        plane.admit_many("nowhere", [[_meta(_traj(0)), 8, "t"]])
+    ans = plane.admit_many("node2", [[_meta(_traj(0)), 8, "t"]])
+    assert ans["accepted"][0]["location"] == "node2" and ans["seq"] == 1
+    assert ans["placement"]["load"]["node2"] == _traj(0).nbytes
+    assert plane.placement_view() == {"placement": ans["placement"], "seq": 1}
+
+
+def test_a_truncated_view_still_names_the_least_loaded_unit():
+    units = [f"u{i}" for i in range(10)]
+    plane_side = make_placement("consumer_aware", units)
+    replica = make_placement("consumer_aware", units)
+    for i in range(40):
+        m = TrajectoryMeta.from_dict({**_traj(i, extra=i % 5).meta().to_dict(), "seq": i})
+        replica.follow(plane_side.view(limit=3))
+        unit = replica.place(m)
+        assert unit == min(units, key=lambda u: (plane_side.snapshot_state()["load"][u], units.index(u))) \
+            or m.group in dict(plane_side.snapshot_state()["groups"])
+        plane_side.place_at(m, unit)
