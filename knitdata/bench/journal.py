@@ -2,7 +2,7 @@
 
 One workload, run with each setting (``--compact-every``, ``0`` = never): a
 :class:`~knitdata.control.ControlPlane` with a :class:`~knitdata.control.journal.Journal` (metadata only, no
-payloads, this process) receives ``--trajectories`` puts (reserve + offer each; GRPO groups of ``--group-size``
+payloads, this process) receives ``--trajectories`` puts (one-round-trip puts of one trajectory: one ``admit_many`` call each; GRPO groups of ``--group-size``
 over two sources), while ``--ranks`` consumers take and hand out every planned micro-batch (release ``step``)
 and the trainer reports a new version every train batch: the calls a coordinator journals. The settings'
 planes are driven call by call in turn, so the machine's load falls on all alike. Reported per setting: the
@@ -58,9 +58,11 @@ def _meta(i: int, group_size: int) -> dict[str, Any]:
 
 
 def _step(plane: Any, i: int, group_size: int, batch: int) -> None:
-    """Put trajectory ``i``; after each group, every rank takes what was planned; a new version per train batch."""
-    r = plane.reserve(_meta(i, group_size))
-    plane.offer(f"traj-{i:08d}", r["seq"], 128)
+    """Put trajectory ``i`` (one :meth:`~knitdata.control.ControlPlane.admit_many` call: the one-round-trip put of
+    one trajectory, on its group's unit); after each group, every rank takes what was planned; a new version per
+    train batch."""
+    unit = ("node0", "node1")[(i // group_size) % 2]
+    plane.admit_many(unit, [[_meta(i, group_size), 128, f"put-{i:08d}"]])
     if (i + 1) % group_size == 0:
         for rank in range(plane.layout.num_consumers):
             while True:
@@ -172,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(directory, ignore_errors=True)
     load1 = os.getloadavg()
     base = results.get("0")
-    print(f"journal: {args.trajectories} trajectories (reserve + offer each), {args.ranks} ranks, groups of "
+    print(f"journal: {args.trajectories} trajectories (one admit_many call each), {args.ranks} ranks, groups of "
           f"{args.group_size}; restart = open + recover, median of {args.repeats}")
     head = (f"{'compact_every':>13} {'put/s':>8} {'journal MB':>11} {'snapshot MB':>12} {'records':>8} "
             f"{'compactions':>11} {'compact ms':>10} {'compact %':>9} {'restart s':>9} {'replayed':>9} {'equal':>5}")

@@ -281,8 +281,8 @@ class ControlPlane:
     def snapshot(self) -> dict[str, Any]:
         """The plane's complete state, JSON-serializable, from which :meth:`load_snapshot` continues identically.
 
-        Holds: admission, placement, queues and positions, puts in progress, held and pending trajectories,
-        withdrawn groups, schema, version, counters, close report, the stopping error, staleness, and the
+        Holds: admission, placement, queues and positions, puts in progress, held and pending trajectories
+        (and the put tokens of the held ones), withdrawn groups, schema, version, counters, close report, the stopping error, staleness, and the
         recent releases. Not: iterator leases, version timestamps, consumers' stats and transfer totals.
 
         Raises:
@@ -300,7 +300,7 @@ class ControlPlane:
                 "seq": self.seq,
                 "putting": [[tid, u, m.to_dict(), f] for tid, (u, m, f) in self.putting.items()],
                 "schema": self.schema, "withdrawn": list(self.withdrawn),
-                "live": [m.to_dict() for m in self.live.values()],
+                "live": [m.to_dict() for m in self.live.values()], "put_tokens": dict(self.put_tokens),
                 "pending": [m.to_dict() for m in self.pending.values()],
                 "loss": dict(self.loss),
                 "queues": [[q[j] for j in sorted(q)] for q in self.queues],
@@ -332,6 +332,7 @@ class ControlPlane:
             self.schema = d["schema"]
             self.withdrawn = OrderedDict.fromkeys(d["withdrawn"])
             self.live = {m.id: m for m in d["live"]}
+            self.put_tokens = d["put_tokens"]
             self.pending = {m.id: self.live.get(m.id, m) for m in d["pending"]}
             self.loss = d["loss"]
             self.queues = [{e["j"]: e for e in q} for q in d["queues"]]

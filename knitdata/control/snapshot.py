@@ -22,7 +22,7 @@ __all__ = ["decode_snapshot", "SNAPSHOT_KEYS", "ERROR_TYPES"]
 #: The keys of a snapshot (format 1).
 SNAPSHOT_KEYS: frozenset[str] = frozenset({
     "format", "config", "unit_nodes", "policy", "placement", "seq", "putting", "schema", "withdrawn", "live",
-    "pending", "loss", "queues", "planned", "committed", "position", "closed", "close_report", "error", "version",
+    "put_tokens", "pending", "loss", "queues", "planned", "committed", "position", "closed", "close_report", "error", "version",
     "staleness", "counts", "rejected_by_cause", "recent_releases",
 })
 #: The error classes a stopped plane's error may be restored as (their constructor takes the message alone).
@@ -199,6 +199,10 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
     out["schema"] = _fields(s["schema"], "schema")
     out["withdrawn"] = [_str(g, f"withdrawn[{k}]") for k, g in enumerate(_list(s["withdrawn"], "withdrawn"))]
     out["live"] = [_meta(m, f"live[{k}]", units, located=True) for k, m in enumerate(_list(s["live"], "live"))]
+    tokens = _dict(s["put_tokens"], "put_tokens")
+    if not all(isinstance(v, str) for v in tokens.values()):
+        raise _bad("put_tokens", "{trajectory id: token string}", tokens)
+    out["put_tokens"] = dict(tokens)
     out["pending"] = [_meta(m, f"pending[{k}]", units, located=True)
                       for k, m in enumerate(_list(s["pending"], "pending"))]
     out["loss"] = {tid: _int(v, f"loss.{tid}") for tid, v in _dict(s["loss"], "loss").items()}
