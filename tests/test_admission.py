@@ -456,7 +456,7 @@ _json = st.recursive(st.none() | st.booleans() | st.integers(-3, 10) | st.floats
                      max_leaves=6)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(where=st.sampled_from(_STATE_PATHS), value=_json)
 def test_loading_a_crafted_state_raises_only_state_error_and_changes_nothing(where, value) -> None:
     """Any value anywhere in a policy's state (every policy): load_state_dict raises StateError (leaving the

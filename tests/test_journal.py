@@ -218,7 +218,7 @@ def _releases(log: list, *, wait: bool = False) -> list[str]:
     return sorted(i for u, ids, w in log if w == wait for i in ids)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(admission=st.sampled_from(ADMISSIONS), release=st.sampled_from(["step", "commit", "handout"]),
        steps=st.lists(st.tuples(st.sampled_from(STEP_KINDS + ["compact", "compact_crash", "compact"]),
                                 st.integers(0, 100)), min_size=1, max_size=50),
@@ -421,7 +421,7 @@ _SAMPLES = [_sample_snapshot(False), _sample_snapshot(True)]
 _SAMPLE_PATHS = sorted({(i, p) for i, snap in enumerate(_SAMPLES) for p in _paths(snap)}, key=repr)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(where=st.sampled_from(_SAMPLE_PATHS), value=json_values, delete=st.booleans())
 def test_crafted_snapshots_with_valid_checksums_give_only_knitdata_errors(tmp_path_factory, where, value, delete):
     """A snapshot whose structure is mutated anywhere (a value replaced by any JSON, or a key dropped), re-framed
