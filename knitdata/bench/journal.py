@@ -90,7 +90,7 @@ def run_settings(directory: str, n: int, settings: list[int], group_size: int, r
 
     cfg = plane_config(group_size, ranks)
     units = {"node0": "node0", "node1": "node1"}
-    runs = []
+    runs: list[dict[str, Any]] = []
     for every in settings:
         path = os.path.join(directory, f"every{every}.journal")
         for p in (path, path + SNAPSHOT_SUFFIX):
