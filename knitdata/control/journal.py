@@ -35,7 +35,7 @@ __all__ = ["Journal", "JOURNALED_OPS"]
 
 #: The control-plane methods whose calls are journaled (every call that can change its state).
 JOURNALED_OPS: frozenset[str] = frozenset({
-    "admit_many", "reserve", "reserve_many", "unreserve", "offer", "offer_many", "set_in_flight", "withdraw", "report_version",
+    "admit_many", "admit_batches", "reserve", "reserve_many", "unreserve", "offer", "offer_many", "set_in_flight", "withdraw", "report_version",
     "close", "handed", "commit", "seek",
 })
 _MAX_LINE = 64 << 20
