@@ -188,3 +188,14 @@ def test_a_truncated_view_still_names_the_least_loaded_unit():
         assert unit == min(units, key=lambda u: (plane_side.snapshot_state()["load"][u], units.index(u))) \
             or m.group in dict(plane_side.snapshot_state()["groups"])
         plane_side.place_at(m, unit)
+
+
+def test_admit_batches_decides_each_batch_on_its_own_as_separate_calls_would():
+    batches = [[[_meta(_traj(2 * k + i)), 8, f"b{k}-{i}"] for i in range(2)] for k in range(4)]
+    batches[1][1][0] = {**batches[1][1][0], "source": "nope"}  # one bad batch among concurrent puts
+    a, b = _plane(), _plane()
+    one_by_one = [a.admit_many("node0", x) for x in batches]
+    together = b.admit_batches("node0", batches)
+    assert together == one_by_one
+    assert [x["accepted"] == [None, None] for x in together] == [False, True, False, False]
+    assert _decisions(a) == _decisions(b)

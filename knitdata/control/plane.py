@@ -512,6 +512,17 @@ class ControlPlane:
                 ans["exception"] = raised  # in-process only (an on_plan hook): re-raised by the pipeline
             return ans
 
+    @_journaled
+    def admit_batches(self, unit: str, batches: Sequence[Sequence[Sequence[Any]]]) -> list[dict[str, Any]]:
+        """:meth:`admit_many` for several independent batches stored on ``unit`` (concurrent puts a unit sends
+        together), in order, under one lock; each batch is refused or admitted on its own.
+
+        Raises:
+            ConfigError: An unknown unit. QuotaInfeasibleError: As :meth:`admit_many`.
+        """
+        with self.cond:
+            return [self.admit_many(unit, b) for b in batches]
+
     def placement_view(self) -> dict[str, Any]:
         """``{"placement": view, "seq": next arrival index}`` for a producer's placement replica (see
         :meth:`admit_many`)."""

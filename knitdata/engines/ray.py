@@ -130,6 +130,10 @@ class CoordinatorActor:
         """See :meth:`ControlPlane.admit_many` (called by the storage units)."""
         return self._plane.admit_many(unit, items)
 
+    def admit_batches(self, unit: str, batches: list[Any]) -> list[dict[str, Any]]:
+        """See :meth:`ControlPlane.admit_batches` (called by the storage units)."""
+        return self._plane.admit_batches(unit, batches)
+
     def placement_view(self) -> dict[str, Any]:
         """See :meth:`ControlPlane.placement_view`."""
         return self._plane.placement_view()
@@ -275,7 +279,7 @@ class RayControl:
     """
 
     ASYNC = frozenset({"handed", "report_consumer", "note_rejected", "report_transfer", "commit_async"})
-    METHODS = frozenset({"admit_many", "placement_view", "reserve", "reserve_many", "offer_many", "unreserve", "offer", "set_in_flight", "withdraw", "report_version", "close",
+    METHODS = frozenset({"admit_many", "admit_batches", "placement_view", "reserve", "reserve_many", "offer_many", "unreserve", "offer", "set_in_flight", "withdraw", "report_version", "close",
                          "lease", "unlease", "next_entries", "commit", "seek", "start_position", "holders",
                          "missing", "stats"}) | ASYNC
 

@@ -384,18 +384,69 @@ class StorageUnitActor:
         return {"stored": n, "status": status, "index": n, "admit": ans}
 
     def _admit(self, items: list[Any]) -> dict[str, Any]:
+        """Admit one put's items; concurrent puts share one coordinator call (a group commit)."""
+        gc = self._group_commit()
+        box: dict[str, Any] = {}
+        with gc["cond"]:
+            gc["queue"].append((items, box))
+            while not box and gc["busy"]:
+                gc["cond"].wait()
+            if box:  # another put's call carried this one
+                return self._answer(box)
+            batch, gc["queue"] = gc["queue"], []
+            gc["busy"] = True
+        try:
+            answers = self._call_admit([b[0] for b in batch])
+            for (_it, bx), ans in zip(batch, answers):
+                bx["ans"] = ans
+        except BaseException as e:  # noqa: BLE001 - handed to every put of the call
+            for _it, bx in batch:
+                bx["err"] = e
+        finally:
+            with gc["cond"]:
+                gc["busy"] = False
+                gc["calls"] += 1
+                gc["puts"] += len(batch)
+                gc["cond"].notify_all()
+        return self._answer(box)
+
+    @staticmethod
+    def _answer(box: Mapping[str, Any]) -> dict[str, Any]:
+        if "err" in box:
+            raise box["err"]
+        return dict(box["ans"])
+
+    def _group_commit(self) -> dict[str, Any]:
+        gc = getattr(self, "_gc", None)
+        if gc is None:
+            with self._s.cond:
+                gc = getattr(self, "_gc", None)
+                if gc is None:
+                    gc = self._gc = {"cond": threading.Condition(), "queue": [], "busy": False, "calls": 0, "puts": 0}
+        return gc
+
+    def _call_admit(self, batches: list[Any]) -> list[dict[str, Any]]:
         control = getattr(self, "_control", None)
         if control is None:
             raise EngineError(f"storage unit {self._s.unit_id!r} has no coordinator yet; retry the put")
         deadline = time.monotonic() + ADMIT_TIMEOUT_S
         while True:  # a restarting coordinator (journaled) answers a retried call as the first one
             try:
-                return ray.get(control.admit_many.remote(self._s.unit_id, items),
-                               timeout=max(0.1, deadline - time.monotonic()))
+                if len(batches) == 1:
+                    return [ray.get(control.admit_many.remote(self._s.unit_id, batches[0]),
+                                    timeout=max(0.1, deadline - time.monotonic()))]
+                return list(ray.get(control.admit_batches.remote(self._s.unit_id, batches),
+                                    timeout=max(0.1, deadline - time.monotonic())))
             except ray.exceptions.ActorUnavailableError:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.2)
+
+    def admit_stats(self) -> dict[str, int]:
+        """``{"calls", "puts"}``: coordinator calls made for puts, and puts they carried (group commits)."""
+        gc = self._group_commit()
+        with gc["cond"]:
+            return {"calls": gc["calls"], "puts": gc["puts"]}
 
     @ray.method(concurrency_group="wait")
     def wait_room(self, nbytes: int, max_wait_s: float) -> bool:
