@@ -840,9 +840,9 @@ def render_control(d: dict) -> str:
                     if not isinstance(c, dict):
                         continue
                     rows.append([eng, str(prod), size, call, f(c.get("traj_per_s"), ".0f"), f(c.get("p50_ms")),
-                                 f(c.get("p99_ms")), f(_coord(c), ".3f")])
-    parts = [run_text(r), table(["engine", "producers", "size", "call", "traj/s", "p50 ms", "p99 ms", "coord CPU ms/traj"],
-                                rows, "lrllrrrr")]
+                                 f(c.get("p99_ms")), f(_coord(c), ".3f"), f(g(c, "group_commit", "puts_per_call"), ".1f")])
+    parts = [run_text(r), table(["engine", "producers", "size", "call", "traj/s", "p50 ms", "p99 ms", "coord CPU ms/traj",
+                                 "puts per coordinator call"], rows, "lrllrrrrr")]
     td = r.get("trainer_data") or {}
     lines = []
     for eng, t in td.items():
@@ -870,6 +870,30 @@ def render_control(d: dict) -> str:
         goals.append(f"the trainer's commit under 1 ms per step on Ray: {'met' if rc < 1 else 'not met'} ({rc:.3f} ms)")
     if goals:
         parts.append("Goals: " + "; ".join(goals) + ".")
+    return _join(*parts)
+
+
+@block("journal", "journal.json")
+def render_journal(d: dict) -> str:
+    """The coordinator's journal with and without compaction: size, restart time, put rate."""
+    r = d["journal.json"]
+    rows = []
+    for key, e in sorted((r.get("settings") or {}).items(), key=lambda kv: int(kv[0])):
+        rows.append([str(e.get("compact_every", key)), f(e.get("put_per_s"), ".0f"), f(e.get("journal_bytes"), ".2f", 1e-6),
+                     f(e.get("snapshot_bytes"), ".3f", 1e-6), str(e.get("journal_records", "-")),
+                     str(e.get("compactions", "-")), f(e.get("compact_ms_median"), ".1f"), f(e.get("restart_s"), ".3f"),
+                     str(e.get("replayed", "-")), str(e.get("equal", "-"))])
+    head = (f"{r.get('trajectories', '-')} trajectories (one `admit_many` call each), {r.get('ranks', '-')} ranks, groups of "
+            f"{r.get('group_size', '-')}; restart = open + recover, median of {r.get('repeats', '-')}")
+    lt = load_text(r)
+    parts = [head + (f"; {lt}" if lt else "") + ".",
+             table(["compact_every", "put/s", "journal MB", "snapshot MB", "records", "compactions", "compact ms",
+                    "restart s", "replayed", "same state"], rows)]
+    st = r.get("settings") or {}
+    a, b = st.get("0"), st.get("10000")
+    if isinstance(a, dict) and isinstance(b, dict) and _num(a.get("journal_bytes")) and _num(a.get("restart_s")):
+        parts.append(f"Compaction every 10,000 records against none: journal bytes x{b['journal_bytes'] / a['journal_bytes']:.3f}, "
+                     f"restart time x{b['restart_s'] / a['restart_s']:.3f}.")
     return _join(*parts)
 
 

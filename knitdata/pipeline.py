@@ -112,7 +112,8 @@ class Pipeline:
             (``None``: this process's Ray, else a new local loopback-only one), ``nodes`` (layout node -> Ray node
             id), ``loopback_only`` (default ``True``), ``detached`` (keep the actors after this process exits),
             ``timeout_s``, ``journal_dir`` (default ``spill_dir``: journal the coordinator's decisions there, so
-            that Ray restarts it after a crash and it recovers them), ``resume`` (``True``: restart a run whose
+            that Ray restarts it after a crash and it recovers them), ``journal_compact_every`` (10,000: records
+            between snapshots of the coordinator's state; ``0``: never), ``resume`` (``True``: restart a run whose
             every process died from its journal and spill shards; consumers load their saved states, producers
             put again what was not acknowledged). The embedded engine takes none.
 
@@ -201,7 +202,8 @@ class Pipeline:
             if on_plan is not None:
                 raise ConfigError("on_plan runs in the pipeline's process: use the embedded engine, or read "
                                   "Pipeline.stats() on the Ray engine")
-            known = {"name", "address", "nodes", "loopback_only", "detached", "timeout_s", "journal_dir", "resume"}
+            known = {"name", "address", "nodes", "loopback_only", "detached", "timeout_s", "journal_dir",
+                     "journal_compact_every", "resume"}
             if set(opts) - known:
                 raise ConfigError(f"unknown Ray engine options {sorted(set(opts) - known)}; known: {sorted(known)}")
             try:

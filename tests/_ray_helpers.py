@@ -538,7 +538,7 @@ def pipeline_killed(spill_root: str, n_groups: int = 12) -> dict[str, Any]:
 
 
 @scenario
-def coordinator_killed(journal_root: str, n_groups: int = 24, kills: int = 2) -> dict[str, Any]:
+def coordinator_killed(journal_root: str, n_groups: int = 24, kills: int = 2, compact_every: int = 10_000) -> dict[str, Any]:
     """The coordinator actor is killed (SIGKILL) repeatedly while a producer puts and two ranks consume:
     Ray restarts it, it replays its journal, callers retry; everything is delivered exactly once."""
     import threading
@@ -551,7 +551,8 @@ def coordinator_killed(journal_root: str, n_groups: int = 24, kills: int = 2) ->
 
     name = f"ck-{os.getpid()}"
     pipe = Pipeline(_spec(2 * n_groups), num_consumers=2, engine="ray", token_budget=128, capacity_bytes=64 << 20,
-                    engine_options={"nodes": _nodes()[:1], "name": name, "journal_dir": journal_root})
+                    engine_options={"nodes": _nodes()[:1], "name": name, "journal_dir": journal_root,
+                                    "journal_compact_every": compact_every})
     trajs = workload(n_groups, extra=1000)
     got: list[list[list[str]]] = [[], []]
     errors: list[str] = []
@@ -584,7 +585,8 @@ def coordinator_killed(journal_root: str, n_groups: int = 24, kills: int = 2) ->
     return {"got": got, "all_ids": [t.id for t in trajs], "errors": errors, "killed": killed,
             "restarted": info["restarted"], "replayed": info["replayed"], "held": stats["held_trajectories"],
             "committed": stats["committed"], "planned": stats["planned"], "seconds": time.perf_counter() - t0,
-            "journal_exists": os.path.exists(os.path.join(journal_root, f"{name}.journal"))}
+            "journal_exists": os.path.exists(os.path.join(journal_root, f"{name}.journal")),
+            "snapshot_exists": os.path.exists(os.path.join(journal_root, f"{name}.journal.snapshot"))}
 
 
 @scenario

@@ -106,7 +106,7 @@ class CoordinatorActor:
         self._units = {u: RayStorageUnit.from_handle(actor, desc) for u, (actor, desc) in unit_handles.items()}
         units = self._units
         path = setup.get("journal")
-        journal = Journal(path) if path else None
+        journal = Journal(path, compact_every=int(setup.get("journal_compact_every", 10_000))) if path else None
         self._plane = ControlPlane(setup["config"], {u: unit.node for u, unit in units.items()},
                                    lambda u, ids, wait: units[u].release(ids) if wait else units[u].release_async(ids),
                                    journal=journal)
@@ -384,12 +384,15 @@ class RayEngine(Engine):
         detached: bool = False,
         timeout_s: float = 120.0,
         journal_dir: str | os.PathLike[str] | None = None,
+        journal_compact_every: int = 10_000,
         resume: bool = False,
     ) -> RayEngine:
         """Start the coordinator and the units of a new pipeline ``name``, and attach to it.
 
         With a journal (``journal_dir``, default ``spill_dir``) the coordinator journals its decisions and Ray
-        restarts it after a crash: it replays the journal, and callers' pending calls are retried. ``resume``: a
+        restarts it after a crash: it replays the journal, and callers' pending calls are retried. Every
+        ``journal_compact_every`` records the coordinator writes a snapshot of its state and starts a new journal
+        segment (``0``: never), so a restart replays at most that many records. ``resume``: a
         whole-job restart (every process of the run gone): the coordinator replays the dead run's journal and the
         new units serve its unreleased payloads from the spill shards (the same ``spill_dir``).
 
@@ -410,7 +413,8 @@ class RayEngine(Engine):
                               "name, remove the journal of the finished run, or pass resume=True to restart it")
         setup: dict[str, Any] = {"name": name, "config": dict(config), "capacity_bytes": int(capacity_bytes),
                  "nodes": resolve_nodes(layout, nodes), "spill_bytes": spill_bytes,
-                 "spill_dir": os.fspath(spill_dir) if spill_dir is not None else None, "journal": journal}
+                 "spill_dir": os.fspath(spill_dir) if spill_dir is not None else None, "journal": journal,
+                 "journal_compact_every": int(journal_compact_every)}
         try:
             ray.get_actor(coordinator_name(name), namespace=NAMESPACE)
             raise EngineError(f"a knitdata pipeline named {name!r} already runs on this cluster; pick another name "
