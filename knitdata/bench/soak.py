@@ -21,6 +21,19 @@ checkpoint); receiving it again after the restore is a *re-delivery*, not a dupl
 
 Payloads are checked on delivery (each trajectory's bytes are a function of its index), so a corrupted or
 misrouted payload counts as an error. Nothing here asserts timings: the numbers are measured and reported.
+
+``--engine ray --processes`` (:func:`run_soak_processes`, ``"mode": "cross_process"`` in the results) runs the
+cross-process Ray engine: the driver creates the pipeline by name on a new local Ray (loopback), ``--producers``
+producer processes and one process per consumer rank (``spawn``) attach with ``Pipeline.attach(name,
+address=...)``. A consumer's crash is real: at the crash point the process SIGKILLs itself, and the driver
+spawns a new process that restores the rank's dataset from the JSON state the dead one saved to disk (write and
+rename, then ``commit``). Every worker appends its puts, commits and roll-backs to its own JSON-lines file
+(flushed per line, so a SIGKILL loses nothing written); the driver replays them into the same :class:`Ledger`.
+With ``--kill-coordinator S`` the coordinator actor is SIGKILLed S seconds after it last came back (it
+journals; Ray restarts it; ``coordinator_recovery_s`` is the time from a kill to its first answer). There,
+``rss_growth_bytes`` is the growth of the summed proportional set size (PSS) of the driver and the worker
+processes after warm-up (Ray's processes and object store are not counted; the store is
+``store_high_water_bytes``), and ``rss_growth_driver_bytes`` the driver's alone.
 """
 
 from __future__ import annotations
@@ -341,9 +354,10 @@ def consume_with_restarts(pipe: Any, rank: int, cfg: SoakConfig, ledger: Ledger,
         consumed: Optional per-rank counters of committed trajectories (progress display).
     """
     consumed = consumed if consumed is not None else [0] * (rank + 1)
-    state: dict[str, Any] | None = None
     kw = {} if collate is None else {"collate": collate}
     ds = pipe.dataset(rank, fetch=cfg.fetch, **kw)
+    # the step-0 checkpoint: a crash before the first saved step restores to the start, not past what it received
+    state: dict[str, Any] | None = json.loads(json.dumps(ds.state_dict()))
     since_restart = 0
     while True:
         crashed = False
@@ -690,6 +704,8 @@ def _xproc_consumer(job: dict[str, Any]) -> None:
         if restored:
             with open(job["state"], encoding="utf-8") as f:
                 ds.load_state_dict(json.load(f))
+        else:  # the step-0 checkpoint: a crash before the first saved step restores to the start
+            _write_json_atomic(job["state"], ds.state_dict())
         log.write("ready", pid=os.getpid(), restored=restored)
         crash_after = int(job["crash_after"])
         n = 0
@@ -703,11 +719,13 @@ def _xproc_consumer(job: dict[str, Any]) -> None:
         for mb in ds:
             ids = list(mb.info.trajectory_ids)
             n += 1
+            if n == 1:
+                log.write("first", t=time.time())
             report_corrupt()
             crash_now = 0 < crash_after <= n
             if crash_now and cfg.crash_point == "mid_step":
                 log.write("rollback", ids=ids)
-                log.write("crash", point="mid_step")
+                log.write("crash", point="mid_step", t=time.time())
                 os.kill(os.getpid(), signal.SIGKILL)
             if cfg.consume_s and ids:
                 time.sleep(cfg.consume_s * len(ids))
@@ -716,7 +734,7 @@ def _xproc_consumer(job: dict[str, Any]) -> None:
             ds.commit(state)  # sent without waiting on the Ray engine, as a trainer would
             log.write("commit", ids=ids)
             if crash_now:
-                log.write("crash", point="between_steps")
+                log.write("crash", point="between_steps", t=time.time())
                 os.kill(os.getpid(), signal.SIGKILL)
         report_corrupt()
         ds.commit(wait=True)
@@ -1082,6 +1100,15 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
                 ledger.corrupt.extend(ev["ids"])
     ledger.restarts = sum(restarts)
     ledger.errors = errors
+    restore_s: list[float] = []  # a consumer's SIGKILL to its new process's first micro-batch
+    for s in consumers:
+        crash_t = None
+        for ev in s.log:
+            if ev["k"] == "crash":
+                crash_t = ev["t"]
+            elif ev["k"] == "first" and crash_t is not None:
+                restore_s.append(ev["t"] - crash_t)
+                crash_t = None
     units = [u for u in stats["units"].values() if u]
     high = max([high] + [u["high_water_bytes"] for u in units])
     committed = sum(1 for c in ledger.committed.values() if c > 0)
@@ -1103,6 +1130,8 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
         "producer_processes": num_producers,
         "consumer_processes": cfg.num_consumers,
         "consumer_processes_started": sum(s.incarnation for s in consumers),
+        "consumer_restore_s": [round(x, 3) for x in restore_s],
+        "consumer_restore_median_s": round(statistics.median(restore_s), 3) if restore_s else None,
         "rolled_back": ledger.rolled_back,
         "redelivered_after_restore": ledger.redelivered,
         "errors": ledger.errors,
@@ -1286,9 +1315,10 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(results))
     for r in results:
         if r.get("mode") == "cross_process":
-            rec = r["coordinator_recovery_median_s"]
+            rec, back = r["coordinator_recovery_median_s"], r["consumer_restore_median_s"]
             print(f"{r['label']}: {r['producer_processes']} producer and {r['consumer_processes']} consumer processes "
-                  f"({r['consumer_process_restarts']} consumer process restarts), start-up {r['startup_s']:.1f} s, "
+                  f"({r['consumer_process_restarts']} consumer process restarts, SIGKILL to the new process's first "
+                  f"micro-batch median {'-' if back is None else f'{back:.2f} s'}), start-up {r['startup_s']:.1f} s, "
                   f"coordinator recovery median {'-' if rec is None else f'{rec:.2f} s'}; memory growth = "
                   f"{r['rss_measure']}; driver alone {_mib(r['rss_growth_driver_bytes'])}; "
                   f"load average {', '.join(f'{x:.2f}' for x in r['loadavg'])}")
