@@ -32,8 +32,8 @@ rename, then ``commit``). Every worker appends its puts, commits and roll-backs 
 With ``--kill-coordinator S`` the coordinator actor is SIGKILLed S seconds after it last came back (it
 journals; Ray restarts it; ``coordinator_recovery_s`` is the time from a kill to its first answer). There,
 ``rss_growth_bytes`` is the growth of the summed proportional set size (PSS) of the driver and the worker
-processes after warm-up (Ray's processes and object store are not counted; the store is
-``store_high_water_bytes``), and ``rss_growth_driver_bytes`` the driver's alone.
+processes after warm-up (a process being replaced counts with its last value; Ray's processes and object
+store are not counted; the store is ``store_high_water_bytes``), and ``rss_growth_driver_bytes`` the driver's.
 """
 
 from __future__ import annotations
@@ -815,6 +815,7 @@ class _Slot:
     crash_logged: bool = False
     log: list[dict[str, Any]] = field(default_factory=list)
     tail: Any = None
+    mem: int = 0
 
 
 def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: bool = True,
@@ -822,7 +823,8 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
                        on_tick: Callable[[dict[str, Any]], None] | None = None,
                        kill_coordinator_every_s: float | None = None,
                        max_coordinator_kills: int | None = None,
-                       max_consumer_restarts: int | None = None) -> dict[str, Any]:
+                       max_consumer_restarts: int | None = None,
+                       label: str = "ray (processes)") -> dict[str, Any]:
     """Run one soak of the Ray engine with producers and consumers in their own processes.
 
     The driver creates ``Pipeline(engine="ray", engine_options={"name": ...})`` on a new local Ray (loopback),
@@ -842,13 +844,15 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
             the last kill (it journals to a temporary directory; Ray restarts it and it replays the journal).
         max_coordinator_kills: Most coordinator kills (``None``: no limit).
         max_consumer_restarts: Most process restarts per rank (``None``: no limit).
+        label: The run's name in the table and the plot.
 
     Returns:
         The keys of :func:`run_soak` plus ``mode="cross_process"``, ``producer_processes``,
         ``consumer_processes``, ``consumer_process_restarts``, ``coordinator_recovery_s`` and ``startup_s``.
         ``rss_growth_bytes`` here is the growth of the summed proportional set size (PSS) of the driver and
-        every producer and consumer process after warm-up (sampled every 0.2 s; Ray's own processes and the
-        object store are not counted, the store's bytes are ``store_high_water_bytes``).
+        every producer and consumer process after warm-up (sampled every 0.2 s, a consumer being replaced counted
+        with its dead process's last value; Ray's own processes and the object store are not counted, the store's
+        bytes are ``store_high_water_bytes``).
 
     Raises:
         ConfigError: Bad parameters, or an engine other than Ray.
@@ -998,7 +1002,7 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=round(cfg.seconds, 1), desc="soak ray (processes)", unit="s", leave=False)
+            bar = tqdm(total=round(cfg.seconds, 1), desc=f"soak {label}", unit="s", leave=False)
         t0 = time.perf_counter()
         go.set()
         while True:
@@ -1038,10 +1042,12 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
                 raise _XprocAbort
             units = pipe.stats()["units"]
             high = max([high] + [u["high_water_bytes"] for u in units.values() if u])
-            live = [s for s in producers + consumers if s.ready and s.proc.exitcode is None]
+            for s in producers + consumers:  # a slot whose process is being replaced keeps its last value
+                if s.ready and s.proc.exitcode is None:
+                    s.mem = _pss_bytes(s.proc.pid) or s.mem
             driver_mem = _pss_bytes(os.getpid())
-            total_mem = driver_mem + sum(_pss_bytes(s.proc.pid) for s in live)
-            if baseline is None and now >= warmup and all(s.ready and s.proc.exitcode is None for s in consumers):
+            total_mem = driver_mem + sum(s.mem for s in producers + consumers)
+            if baseline is None and now >= warmup and all(s.mem for s in producers + consumers):
                 gc.collect()
                 baseline, baseline_driver = total_mem, driver_mem
             if baseline is not None:
@@ -1115,7 +1121,7 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
     out = {
         "engine": "ray",
         "mode": "cross_process",
-        "label": "ray (processes)",
+        "label": label,
         "seconds": round(elapsed, 3),
         "startup_s": round(startup_s, 3),
         "trajectories": committed,
@@ -1140,7 +1146,8 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
         "largest_trajectory_bytes": largest,
         "store_high_water_bytes": high,
         "store_bound_bytes": capacity + largest,
-        "rss_measure": "summed PSS of the driver, producer and consumer processes (/proc/PID/smaps_rollup)",
+        "rss_measure": ("summed PSS of the driver, producer and consumer processes (/proc/PID/smaps_rollup; a consumer "
+                        "being replaced counts with its last value)"),
         "rss_baseline_bytes": baseline,
         "rss_growth_bytes": (rss_high - baseline) if baseline is not None else 0,
         "rss_growth_driver_bytes": (rss_high_driver - baseline_driver) if baseline_driver is not None else 0,
@@ -1271,6 +1278,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most consumer process restarts per rank (with --processes; default: no limit)")
     parser.add_argument("--max-kills", type=int, default=None,
                         help="most coordinator kills (with --processes and --kill-coordinator; default: no limit)")
+    parser.add_argument("--control", action="store_true",
+                        help="with --processes: first run the same cross-process soak without faults (no consumer "
+                        "restarts, no coordinator kills), reported side by side")
 
 
 def _config(args: argparse.Namespace, engine: str) -> SoakConfig:
@@ -1300,6 +1310,11 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--processes runs the Ray engine across processes: use --engine ray, not {args.engine!r}")
     for engine in engines:
         try:
+            if processes and getattr(args, "control", False):
+                quiet = _config(args, engine)
+                quiet.restart_every = 0
+                results.append(run_soak_processes(quiet, num_producers=args.producers, progress=not args.no_progress,
+                                                  label="ray (processes, no faults)"))
             if processes:
                 results.append(run_soak_processes(
                     _config(args, engine), num_producers=args.producers, progress=not args.no_progress,
@@ -1334,11 +1349,16 @@ def run(args: argparse.Namespace) -> int:
             payload.update({
                 "lost": sum(r["lost"] for r in results),
                 "duplicated": sum(r["duplicated"] for r in results),
+                "unexpected": sum(r["unexpected"] for r in results),
+                "coordinator_restarts": sum(r.get("coordinator_restarts", 0) for r in results),
                 "store_high_water_bytes": max(r["store_high_water_bytes"] for r in results),
                 "rss_growth_bytes": max(r["rss_growth_bytes"] for r in results),
                 "capacity_bytes": max(r["capacity_bytes"] for r in results),
                 "throughput_per_s": min(r["throughput_per_s"] for r in results),
             })
+            modes = {r.get("mode") for r in results}
+            if len(modes) == 1:
+                payload["mode"] = modes.pop()
         payload["skipped"] = skipped
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(payload, f, indent=2)
