@@ -110,3 +110,4 @@ def test_soak_cross_process_ray_survives_consumer_sigkill_and_coordinator_kill(t
     assert r["coordinator_restarts"] == 1
     assert r["store_high_water_bytes"] <= r["store_bound_bytes"]
     assert "ray (processes)" in printed  # the table names the mode
+

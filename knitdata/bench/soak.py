@@ -354,10 +354,9 @@ def consume_with_restarts(pipe: Any, rank: int, cfg: SoakConfig, ledger: Ledger,
         consumed: Optional per-rank counters of committed trajectories (progress display).
     """
     consumed = consumed if consumed is not None else [0] * (rank + 1)
+    state: dict[str, Any] | None = None
     kw = {} if collate is None else {"collate": collate}
     ds = pipe.dataset(rank, fetch=cfg.fetch, **kw)
-    # the step-0 checkpoint: a crash before the first saved step restores to the start, not past what it received
-    state: dict[str, Any] | None = json.loads(json.dumps(ds.state_dict()))
     since_restart = 0
     while True:
         crashed = False
@@ -1359,6 +1358,13 @@ def run(args: argparse.Namespace) -> int:
             modes = {r.get("mode") for r in results}
             if len(modes) == 1:
                 payload["mode"] = modes.pop()
+            if "cross_process" in modes:
+                xp = [r for r in results if r.get("mode") == "cross_process"]
+                payload.update({
+                    "producer_processes": max(r["producer_processes"] for r in xp),
+                    "consumer_processes": max(r["consumer_processes"] for r in xp),
+                    "consumer_process_restarts": sum(r["consumer_process_restarts"] for r in xp),
+                })
         payload["skipped"] = skipped
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(payload, f, indent=2)
