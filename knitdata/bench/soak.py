@@ -677,20 +677,37 @@ class _Tail:
         return [json.loads(ln) for ln in lines if ln.strip()]
 
 
-def _xproc_attach(job: dict[str, Any]) -> Any:
+def _xproc_job(conn: Any) -> dict[str, Any] | None:
+    """Import what a worker needs (while the driver starts Ray), then wait for its job (a plain dict)."""
     torch.set_num_threads(1)
+    import knitdata.engines.ray  # noqa: F401 - imports Ray too
+    import knitdata.pipeline  # noqa: F401
+
+    try:
+        job = conn.recv()
+    except EOFError:  # the driver gave up before sending one
+        return None
+    finally:
+        conn.close()
+    return job if isinstance(job, dict) else None
+
+
+def _xproc_attach(job: dict[str, Any]) -> Any:
     from knitdata.pipeline import Pipeline
 
     return Pipeline.attach(job["name"], address=job["address"], put_timeout=None)
 
 
-def _xproc_consumer(job: dict[str, Any]) -> None:
+def _xproc_consumer(conn: Any) -> None:
     """Consumer process of the cross-process soak (one incarnation of rank ``job["rank"]``).
 
     Restores the rank's dataset from the JSON state file when there is one, trains (sleeps), saves the state
     (write + rename), commits it, and logs each step's ids; at ``job["crash_after"]`` micro-batches it SIGKILLs
     itself at ``crash_point`` (the driver then spawns the next incarnation).
     """
+    job = _xproc_job(conn)
+    if job is None:
+        return
     log = _EventLog(job["events"])
     try:
         cfg = SoakConfig(**job["config"])
@@ -743,7 +760,7 @@ def _xproc_consumer(job: dict[str, Any]) -> None:
         raise SystemExit(1) from None
 
 
-def _xproc_producer(job: dict[str, Any], go: Any, stop_at: Any, progress: Any, lock: Any) -> None:
+def _xproc_producer(conn: Any, go: Any, stop_at: Any, progress: Any, lock: Any) -> None:
     """Producer process ``job["index"]`` of ``job["count"]``: puts its share (whole groups) of every train batch.
 
     Train batch ``b`` holds the same trajectories whatever the number of producers (ids ``t{index}`` numbered
@@ -751,6 +768,9 @@ def _xproc_producer(job: dict[str, Any], go: Any, stop_at: Any, progress: Any, l
     starts batch ``b`` only while ``b < stop_at`` (set by the driver at the deadline to one past the last batch
     any producer started), so every batch started is completed by all producers and can be admitted.
     """
+    job = _xproc_job(conn)
+    if job is None:
+        return
     log = _EventLog(job["events"])
     try:
         cfg = SoakConfig(**job["config"])
@@ -892,33 +912,63 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
     if kill_coordinator_every_s is not None:
         options.setdefault("journal_dir", workdir)
     t_setup = time.perf_counter()
-    pipe = Pipeline(spec, num_consumers=cfg.num_consumers, engine="ray", capacity_bytes=capacity,
-                    token_budget=cfg.token_budget, put_timeout=None, engine_options=options)
-    name = str(pipe.name)
     ctx = multiprocessing.get_context("spawn")
     go = ctx.Event()
     lock = ctx.Lock()
     stop_at = ctx.Value("q", 2**62, lock=False)
     progress_of = ctx.Array("q", [-1] * num_producers, lock=False)
-    base_job = {"name": name, "address": pipe.address, "config": asdict(cfg)}
     producers = [_Slot("producer", p, os.path.join(workdir, f"producer{p}.jsonl")) for p in range(num_producers)]
     consumers = [_Slot("consumer", r, os.path.join(workdir, f"consumer{r}.jsonl")) for r in range(cfg.num_consumers)]
     for s in producers + consumers:
         s.tail = _Tail(s.events)
     restarts = [0] * cfg.num_consumers
     errors: list[str] = []
+    base_job: dict[str, Any] = {"name": name, "config": asdict(cfg)}
 
     def consumer_job(r: int) -> dict[str, Any]:
         crash = cfg.restart_every if max_consumer_restarts is None or restarts[r] < max_consumer_restarts else 0
         return {**base_job, "rank": r, "events": consumers[r].events, "crash_after": crash,
                 "state": os.path.join(workdir, f"state{r}.json"), "timeout_s": XPROC_DRAIN_TIMEOUT_S + cfg.seconds}
 
-    def start_consumer(r: int) -> None:
-        s = consumers[r]
+    def spawn(s: _Slot, target: Callable[..., None], *extra: Any) -> Any:
+        """Start a worker process now (it imports while the driver works); returns the end to send its job on."""
+        ours, theirs = ctx.Pipe()
         s.incarnation += 1
         s.ready = s.crash_logged = False
-        s.proc = ctx.Process(target=_xproc_consumer, args=(consumer_job(r),), name=f"soak-consumer{r}-{s.incarnation}")
+        s.proc = ctx.Process(target=target, args=(theirs, *extra), name=f"soak-{s.kind}{s.index}-{s.incarnation}")
         s.proc.start()
+        theirs.close()
+        return ours
+
+    def start_consumer(r: int) -> None:
+        conn = spawn(consumers[r], _xproc_consumer)
+        conn.send(consumer_job(r))
+        conn.close()
+
+    # the first workers start importing while Ray and the pipeline start
+    conns = [spawn(s, _xproc_producer, go, stop_at, progress_of, lock) for s in producers]
+    conns += [spawn(s, _xproc_consumer) for s in consumers]
+    try:
+        pipe = Pipeline(spec, num_consumers=cfg.num_consumers, engine="ray", capacity_bytes=capacity,
+                        token_budget=cfg.token_budget, put_timeout=None, engine_options=options)
+    except BaseException:
+        for c in conns:
+            c.close()  # the workers see no job and exit
+        for s in producers + consumers:
+            s.proc.join(30)
+            if s.proc.exitcode is None:
+                s.proc.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise
+    name = str(pipe.name)
+    pipeline_start_s = time.perf_counter() - t_setup
+    base_job.update(name=name, address=pipe.address)
+    for p, (s, c) in enumerate(zip(producers, conns)):
+        c.send({**base_job, "index": p, "count": num_producers, "events": s.events})
+    for r, c in enumerate(conns[num_producers:]):
+        c.send(consumer_job(r))
+    for c in conns:
+        c.close()
 
     killer_stop = threading.Event()
     kills = [0]
@@ -976,14 +1026,6 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
     elapsed = startup_s = 0.0
     t0 = time.perf_counter()
     try:
-        for p, s in enumerate(producers):
-            job = {**base_job, "index": p, "count": num_producers, "events": s.events}
-            s.incarnation = 1
-            s.proc = ctx.Process(target=_xproc_producer, args=(job, go, stop_at, progress_of, lock),
-                                 name=f"soak-producer{p}")
-            s.proc.start()
-        for r in range(cfg.num_consumers):
-            start_consumer(r)
         start_deadline = time.perf_counter() + XPROC_START_TIMEOUT_S
         while not all(s.ready for s in producers + consumers):
             time.sleep(0.2)
@@ -1123,6 +1165,7 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
         "label": label,
         "seconds": round(elapsed, 3),
         "startup_s": round(startup_s, 3),
+        "pipeline_start_s": round(pipeline_start_s, 3),
         "trajectories": committed,
         "put": len(ledger.accepted),
         "lost": ledger.lost,
