@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from knitdata.bench.soak import Ledger, SoakConfig, format_table, run_soak
+from knitdata.bench.soak import Ledger, SoakConfig, format_table, run_soak, run_soak_processes
 from knitdata.cli import main
 from knitdata.errors import ConfigError
 
@@ -58,12 +58,23 @@ def test_soak_config_is_validated_and_table_renders():
         run_soak(SoakConfig(seconds=1, crash_point="nowhere"), progress=False)
     with pytest.raises(ConfigError):
         run_soak(SoakConfig(seconds=0), progress=False)
+    # the cross-process mode is the Ray engine's; checked before anything starts
+    with pytest.raises(ConfigError, match="--engine ray"):
+        run_soak_processes(SoakConfig(seconds=1, engine="embedded"), progress=False)
+    with pytest.raises(ConfigError, match="num_producers"):
+        run_soak_processes(SoakConfig(seconds=1, engine="ray"), num_producers=0, progress=False)
+    with pytest.raises(ConfigError, match="--engine ray"):
+        main(["bench", "soak", "--processes", "--seconds", "1", "--no-progress"])
     row = {"engine": "embedded", "seconds": 1.0, "trajectories": 3, "throughput_per_s": 3.0, "lost": 0,
            "duplicated": 0, "corrupt": 0, "restarts": 1, "redelivered_after_restore": 0, "capacity_bytes": 2**20,
            "store_high_water_bytes": 2**19, "store_bound_bytes": 2**20 + 10, "rss_growth_bytes": 0,
            "rss_bound_bytes": 2**26, "store_put_wait_s": 0.0, "errors": [], "ok": True}
     table = format_table([row])
     assert "throughput" in table and "embedded" in table and "yes" in table
+    xproc = dict(row, engine="ray", mode="cross_process", label="ray (processes)", coordinator_restarts=3)
+    table = format_table([row, xproc])
+    assert "ray (processes)" in table.splitlines()[0]
+    assert [ln for ln in table.splitlines() if ln.startswith("coordinator kills")][0].split("|")[2].strip() == "3"
 
 
 def test_soak_cross_process_ray_survives_consumer_sigkill_and_coordinator_kill(tmp_path):
