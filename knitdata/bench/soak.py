@@ -722,7 +722,7 @@ def _xproc_consumer(conn: Any) -> None:
                 ds.load_state_dict(json.load(f))
         else:  # the step-0 checkpoint: a crash before the first saved step restores to the start
             _write_json_atomic(job["state"], ds.state_dict())
-        log.write("ready", pid=os.getpid(), restored=restored)
+        log.write("ready", pid=os.getpid(), restored=restored, t=time.time())
         crash_after = int(job["crash_after"])
         n = 0
 
@@ -867,7 +867,9 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
 
     Returns:
         The keys of :func:`run_soak` plus ``mode="cross_process"``, ``producer_processes``,
-        ``consumer_processes``, ``consumer_process_restarts``, ``coordinator_recovery_s`` and ``startup_s``.
+        ``consumer_processes``, ``consumer_process_restarts``, ``coordinator_recovery_s``, ``startup_s``,
+        ``consumer_restore_s`` (a consumer's SIGKILL to its new process's first micro-batch) and
+        ``consumer_restore_attached_s`` (to the new process attached, its state loaded, before it iterates).
         ``rss_growth_bytes`` here is the growth of the summed proportional set size (PSS) of the driver and
         every producer and consumer process after warm-up (sampled every 0.2 s, a consumer being replaced counted
         with its dead process's last value; Ray's own processes and the object store are not counted, the store's
@@ -1148,11 +1150,14 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
     ledger.restarts = sum(restarts)
     ledger.errors = errors
     restore_s: list[float] = []  # a consumer's SIGKILL to its new process's first micro-batch
+    ready_s: list[float] = []  # ... to the new process attached with its state loaded (before iterating)
     for s in consumers:
         crash_t = None
         for ev in s.log:
             if ev["k"] == "crash":
                 crash_t = ev["t"]
+            elif ev["k"] == "ready" and crash_t is not None:
+                ready_s.append(ev["t"] - crash_t)
             elif ev["k"] == "first" and crash_t is not None:
                 restore_s.append(ev["t"] - crash_t)
                 crash_t = None
@@ -1180,6 +1185,7 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
         "consumer_processes_started": sum(s.incarnation for s in consumers),
         "consumer_restore_s": [round(x, 3) for x in restore_s],
         "consumer_restore_median_s": round(statistics.median(restore_s), 3) if restore_s else None,
+        "consumer_restore_attached_s": [round(x, 3) for x in ready_s],
         "rolled_back": ledger.rolled_back,
         "redelivered_after_restore": ledger.redelivered,
         "errors": ledger.errors,
