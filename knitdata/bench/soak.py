@@ -997,12 +997,18 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
                     break
                 time.sleep(0.05)
 
+    tally = {"put": 0, "commit": 0}
+
     def drain_events() -> None:
         for s in producers + consumers:
             for ev in s.tail.read():
                 s.log.append(ev)
                 k = ev["k"]
-                if k == "ready":
+                if k == "put":
+                    tally["put"] += 1
+                elif k == "commit":
+                    tally["commit"] += len(ev["ids"])
+                elif k == "ready":
                     s.ready = True
                 elif k == "done":
                     s.done = True
@@ -1010,11 +1016,6 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
                     s.crash_logged = True
                 elif k == "error":
                     errors.append(ev["error"])
-
-    def counts() -> tuple[int, int]:
-        put = sum(1 for s in producers for ev in s.log if ev["k"] == "put")
-        done = sum(len(ev["ids"]) for s in consumers for ev in s.log if ev["k"] == "commit")
-        return put, done
 
     bar = None
     timeline: list[list[float]] = []
@@ -1096,7 +1097,7 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
             if baseline is not None:
                 rss_high = max(rss_high, total_mem)
                 rss_high_driver = max(rss_high_driver, driver_mem)
-            put_n, done_n = counts()
+            put_n, done_n = tally["put"], tally["commit"]
             timeline.append([round(now, 2), sum(u["used_bytes"] for u in units.values() if u), total_mem, put_n, done_n])
             if len(timeline) > 2 * _TIMELINE_POINTS:
                 del timeline[::2]
