@@ -2,7 +2,9 @@
 
 Long soaks are benchmarks (``python benchmarks/soak.py --seconds 300``); this one runs about 8 seconds with
 consumer restarts from saved state every few micro-batches and a producer ten times faster than the consumers.
-No timing is asserted: only exactly-once delivery and the memory bounds.
+No timing is asserted: only exactly-once delivery and the memory bounds. The cross-process soak of the Ray
+engine (``--processes``: a consumer restart is a SIGKILL of its process and a new process restoring from the
+JSON state on disk; one coordinator kill) runs in a subprocess under a hard time-out, so pytest never imports Ray.
 """
 
 from __future__ import annotations
@@ -121,7 +123,6 @@ def test_soak_cross_process_ray_survives_consumer_sigkill_and_coordinator_kill(t
     assert r["coordinator_restarts"] == 1
     assert r["store_high_water_bytes"] <= r["store_bound_bytes"]
     assert "ray (processes)" in printed  # the table names the mode
-
 
 
 @pytest.mark.xfail(strict=True, reason=(
