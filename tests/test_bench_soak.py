@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from knitdata.bench.soak import Ledger, SoakConfig, format_table, run_soak, run_soak_processes
+from knitdata.bench.soak import Ledger, SoakConfig, format_table, run_soak, run_soak_processes, summarize_runs
 from knitdata.cli import main
 from knitdata.errors import ConfigError
 
@@ -77,6 +77,16 @@ def test_soak_config_is_validated_and_table_renders():
     table = format_table([row, xproc])
     assert "ray (processes)" in table.splitlines()[0]
     assert [ln for ln in table.splitlines() if ln.startswith("coordinator kills")][0].split("|")[2].strip() == "3"
+    # one command's JSON with two cross-process runs (a fault-free control beside the faulty run) sums them up
+    quiet = dict(xproc, unexpected=0, producer_processes=2, consumer_processes=2, consumer_process_restarts=0,
+                 coordinator_restarts=0, throughput_per_s=50.0)
+    faulty = dict(quiet, lost=1, consumer_process_restarts=4, coordinator_restarts=2, throughput_per_s=4.0)
+    assert summarize_runs([quiet]) == quiet
+    s = summarize_runs([quiet, faulty])
+    assert s["runs"] == [quiet, faulty] and s["mode"] == "cross_process"
+    assert (s["lost"], s["consumer_process_restarts"], s["coordinator_restarts"]) == (1, 4, 2)
+    assert s["throughput_per_s"] == 4.0 and s["producer_processes"] == 2 and s["consumer_processes"] == 2
+    assert "mode" not in summarize_runs([row | {"mode": "threads", "unexpected": 0}, faulty])
 
 
 def test_soak_cross_process_ray_survives_consumer_sigkill_and_coordinator_kill(tmp_path):

@@ -68,6 +68,7 @@ __all__ = [
     "run_soak",
     "run_soak_processes",
     "format_table",
+    "summarize_runs",
     "plot_timeline",
     "add_arguments",
     "run",
@@ -1348,6 +1349,40 @@ def _config(args: argparse.Namespace, engine: str) -> SoakConfig:
     )
 
 
+def summarize_runs(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON payload of one command: the run itself, or ``{"runs": [...]}`` with top-level keys summing up.
+
+    The summary keys: ``lost``, ``duplicated``, ``unexpected``, ``coordinator_restarts`` (sums),
+    ``store_high_water_bytes``, ``rss_growth_bytes``, ``capacity_bytes`` (maxima), ``throughput_per_s`` (the
+    minimum), ``mode`` when every run has the same, and for cross-process runs ``producer_processes``,
+    ``consumer_processes`` (maxima) and ``consumer_process_restarts`` (sum).
+    """
+    if len(results) == 1:
+        return dict(results[0])
+    payload: dict[str, Any] = {"runs": results}
+    payload.update({
+        "lost": sum(r["lost"] for r in results),
+        "duplicated": sum(r["duplicated"] for r in results),
+        "unexpected": sum(r["unexpected"] for r in results),
+        "coordinator_restarts": sum(r.get("coordinator_restarts", 0) for r in results),
+        "store_high_water_bytes": max(r["store_high_water_bytes"] for r in results),
+        "rss_growth_bytes": max(r["rss_growth_bytes"] for r in results),
+        "capacity_bytes": max(r["capacity_bytes"] for r in results),
+        "throughput_per_s": min(r["throughput_per_s"] for r in results),
+    })
+    modes = {r.get("mode") for r in results}
+    if len(modes) == 1:
+        payload["mode"] = next(iter(modes))
+    xp = [r for r in results if r.get("mode") == "cross_process"]
+    if xp:
+        payload.update({
+            "producer_processes": max(r["producer_processes"] for r in xp),
+            "consumer_processes": max(r["consumer_processes"] for r in xp),
+            "consumer_process_restarts": sum(r["consumer_process_restarts"] for r in xp),
+        })
+    return payload
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the soak(s), print a table, write JSON; exit 1 if anything was lost, duplicated or unbounded."""
     torch.set_num_threads(1)
@@ -1393,28 +1428,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{r.get('label', r['engine'])} error: {err}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        payload: dict[str, Any] = dict(results[0]) if len(results) == 1 else {"runs": results}
-        if len(results) > 1:  # top-level keys summarize all runs
-            payload.update({
-                "lost": sum(r["lost"] for r in results),
-                "duplicated": sum(r["duplicated"] for r in results),
-                "unexpected": sum(r["unexpected"] for r in results),
-                "coordinator_restarts": sum(r.get("coordinator_restarts", 0) for r in results),
-                "store_high_water_bytes": max(r["store_high_water_bytes"] for r in results),
-                "rss_growth_bytes": max(r["rss_growth_bytes"] for r in results),
-                "capacity_bytes": max(r["capacity_bytes"] for r in results),
-                "throughput_per_s": min(r["throughput_per_s"] for r in results),
-            })
-            modes = {r.get("mode") for r in results}
-            if len(modes) == 1:
-                payload["mode"] = modes.pop()
-            if "cross_process" in modes:
-                xp = [r for r in results if r.get("mode") == "cross_process"]
-                payload.update({
-                    "producer_processes": max(r["producer_processes"] for r in xp),
-                    "consumer_processes": max(r["consumer_processes"] for r in xp),
-                    "consumer_process_restarts": sum(r["consumer_process_restarts"] for r in xp),
-                })
+        payload = summarize_runs(results)
         payload["skipped"] = skipped
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(payload, f, indent=2)
