@@ -135,11 +135,6 @@ def test_soak_cross_process_ray_survives_consumer_sigkill_and_coordinator_kill(t
     assert "ray (processes)" in printed  # the table names the mode
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "exactly-once hole for producer retries (control plane, both engines): ControlPlane.reserve refuses an id only "
-    "while it is held (`tid in self.live`) and replaces a dead producer's in-flight reservation (`putting`), but "
-    "keeps no memory of ids already delivered and released, so a restarted producer that re-puts a group whose "
-    "first put landed (the producer died before put() returned) has it admitted and delivered a second time"))
 def test_producer_retry_of_a_delivered_and_released_group_is_not_delivered_twice():
     """Minimal reproduction (embedded engine; the Ray engine's coordinator runs the same ControlPlane).
 

@@ -76,6 +76,9 @@ PLANE_DEFAULTS: dict[str, Any] = {
     "release": "step",
 }
 
+#: How many delivered-and-released trajectory ids the plane remembers, to refuse a producer's retry of a put
+#: that was accepted, delivered and released (its answer lost with the producer).
+DELIVERED_MEMORY = 1 << 16
 #: How many withdrawn group ids the plane remembers, to refuse late members.
 WITHDRAWN_MEMORY = 1 << 16
 #: Seconds after which an iterator lease that was not renewed may be taken over (a consumer process died).
@@ -174,6 +177,7 @@ class ControlPlane:
         self.putting: dict[str, tuple[str, TrajectoryMeta, dict[str, Any] | None]] = {}
         self.schema: dict[str, Any] | None = None
         self.withdrawn: OrderedDict[str, None] = OrderedDict()
+        self.delivered: OrderedDict[str, None] = OrderedDict()  # released after planning (DELIVERED_MEMORY)
         self.live: dict[str, TrajectoryMeta] = {}  # stored and not released
         self.put_tokens: dict[str, str] = {}  # live id -> token of the admit_many call that put it (retries)
         self.pending: dict[str, TrajectoryMeta] = {}  # offered, not admitted yet
@@ -299,7 +303,7 @@ class ControlPlane:
                 "policy": self.policy.state_dict(), "placement": self.placement.snapshot_state(),
                 "seq": self.seq,
                 "putting": [[tid, u, m.to_dict(), f] for tid, (u, m, f) in self.putting.items()],
-                "schema": self.schema, "withdrawn": list(self.withdrawn),
+                "schema": self.schema, "withdrawn": list(self.withdrawn), "delivered": list(self.delivered),
                 "live": [m.to_dict() for m in self.live.values()], "put_tokens": dict(self.put_tokens),
                 "pending": [m.to_dict() for m in self.pending.values()],
                 "loss": dict(self.loss),
@@ -331,6 +335,7 @@ class ControlPlane:
             self.putting = {tid: (u, m, f) for tid, u, m, f in d["putting"]}
             self.schema = d["schema"]
             self.withdrawn = OrderedDict.fromkeys(d["withdrawn"])
+            self.delivered = OrderedDict.fromkeys(d["delivered"])
             self.live = {m.id: m for m in d["live"]}
             self.put_tokens = d["put_tokens"]
             self.pending = {m.id: self.live.get(m.id, m) for m in d["pending"]}
@@ -900,6 +905,9 @@ class ControlPlane:
         if tid in self.live or tid in batch:
             raise ValidationError("was already put and is still held; ids must be unique", trajectory_id=tid,
                                   field="id")
+        if tid in self.delivered:
+            raise ValidationError("was already put, delivered and released (a retry of a put that was accepted?); "
+                                  "ids must be unique", trajectory_id=tid, field="id")
         if meta["group"] in self.withdrawn:
             raise ValidationError(f"its group {meta['group']!r} was withdrawn (aborted or filtered); a late member is "
                                   "not accepted", trajectory_id=tid, field="group")
@@ -929,9 +937,13 @@ class ControlPlane:
         self.error = e
         self.cond.notify_all()
 
-    def _release_metas(self, metas: Sequence[TrajectoryMeta]) -> None:
+    def _release_metas(self, metas: Sequence[TrajectoryMeta], delivered: bool = False) -> None:
         by_unit: dict[str, list[str]] = {}
         for m in metas:
+            if delivered:
+                self.delivered[m.id] = None
+                while len(self.delivered) > DELIVERED_MEMORY:
+                    self.delivered.popitem(last=False)
             live = self.live.pop(m.id, None)
             self.loss.pop(m.id, None)
             self.put_tokens.pop(m.id, None)
@@ -948,7 +960,7 @@ class ControlPlane:
     def _drop_entry(self, rank: int, j: int) -> None:
         e = self.queues[rank].pop(j, None)
         if e is not None:
-            self._release_metas([self.live[tid] for tid, _u, _n in e["items"] if tid in self.live])
+            self._release_metas([self.live[tid] for tid, _u, _n in e["items"] if tid in self.live], delivered=True)
         while self.committed[rank] < self.planned[rank] and self.committed[rank] not in self.queues[rank]:
             self.committed[rank] += 1
 
@@ -987,7 +999,8 @@ class ControlPlane:
                     j = self.planned[rank]
                     self.planned[rank] = j + 1
                     if j < self.committed[rank]:  # the rank restored past it: release at once
-                        self._release_metas([self.live[m.id] for m in pmb.trajectories if m.id in self.live])
+                        self._release_metas([self.live[m.id] for m in pmb.trajectories if m.id in self.live],
+                                            delivered=True)
                         continue
                     self.queues[rank][j] = {
                         "j": j, "minibatch": pmb.minibatch, "microbatch": pmb.microbatch,

@@ -21,7 +21,7 @@ __all__ = ["decode_snapshot", "SNAPSHOT_KEYS", "ERROR_TYPES"]
 
 #: The keys of a snapshot (format 1).
 SNAPSHOT_KEYS: frozenset[str] = frozenset({
-    "format", "config", "unit_nodes", "policy", "placement", "seq", "putting", "schema", "withdrawn", "live",
+    "format", "config", "unit_nodes", "policy", "placement", "seq", "putting", "schema", "withdrawn", "delivered", "live",
     "put_tokens", "pending", "loss", "queues", "planned", "committed", "position", "closed", "close_report", "error", "version",
     "staleness", "counts", "rejected_by_cause", "recent_releases",
 })
@@ -198,6 +198,7 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
     out["putting"] = putting
     out["schema"] = _fields(s["schema"], "schema")
     out["withdrawn"] = [_str(g, f"withdrawn[{k}]") for k, g in enumerate(_list(s["withdrawn"], "withdrawn"))]
+    out["delivered"] = [_str(t, f"delivered[{k}]") for k, t in enumerate(_list(s["delivered"], "delivered"))]
     out["live"] = [_meta(m, f"live[{k}]", units, located=True) for k, m in enumerate(_list(s["live"], "live"))]
     tokens = _dict(s["put_tokens"], "put_tokens")
     if not all(isinstance(v, str) for v in tokens.values()):
