@@ -743,6 +743,8 @@ def _soak_runs(r: dict | None) -> list[dict]:
 
 
 def _soak_label(run: dict) -> str:
+    if run.get("mode") == "cross_process" and isinstance(run.get("label"), str):
+        return run["label"]  # e.g. "ray (processes, no faults)" beside "ray (processes)"
     eng = str(run.get("engine") or g(run, "config", "engine") or "?")
     mode = run.get("mode") or g(run, "config", "mode")
     return f"{eng} ({str(mode).replace('_', '-')})" if mode else eng
