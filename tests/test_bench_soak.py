@@ -133,37 +133,3 @@ def test_soak_cross_process_ray_survives_consumer_sigkill_and_coordinator_kill(t
     assert r["coordinator_restarts"] == 1
     assert r["store_high_water_bytes"] <= r["store_bound_bytes"]
     assert "ray (processes)" in printed  # the table names the mode
-
-
-def test_producer_retry_of_a_delivered_and_released_group_is_not_delivered_twice():
-    """Minimal reproduction (embedded engine; the Ray engine's coordinator runs the same ControlPlane).
-
-    A producer puts group g0; both puts land, but the producer dies before it sees them return (lost acks). The
-    group is delivered, the consumer commits a state past it and its payloads are released. The restarted
-    producer cannot tell whether its puts landed, so it puts g0 again (what the engine supports for a death before
-    admission: the retry replaces the dead reservation). Exactly once means the retry is refused with an error
-    naming the trajectory (as it is while the first copy is still held), and nothing is delivered twice.
-    """
-    from knitdata.admission import BatchSpec
-    from knitdata.bench.soak import make_soak_traj
-    from knitdata.errors import KnitdataError
-    from knitdata.pipeline import Pipeline
-
-    pipe = Pipeline(BatchSpec({"s0": 2}, num_minibatches=1, group_size=2), num_consumers=1, token_budget=64)
-    for i in range(2):
-        pipe.put(make_soak_traj(i, "s0", "g0", traj_bytes=256))  # landed; the producer dies before put() returns
-    ds = pipe.dataset(0, fetch="sample", timeout=5)
-    it = iter(ds)
-    assert list(next(it).info.trajectory_ids) == ["t0", "t1"]
-    ds.commit(wait=True)  # the checkpoint past g0: its payloads are released
-    assert pipe.stats()["held_trajectories"] == 0
-    refused = []
-    for i in range(2):  # the restarted producer retries the group it never saw acknowledged
-        try:
-            pipe.put(make_soak_traj(i, "s0", "g0", traj_bytes=256))
-        except KnitdataError as e:
-            refused.append(getattr(e, "trajectory_id", None))
-    pipe.close()
-    again = [tid for mb in it for tid in mb.info.trajectory_ids]
-    assert again == [], f"delivered a second time: {again}"
-    assert refused == ["t0", "t1"]  # the retry learns that its first puts had landed
