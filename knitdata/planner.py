@@ -28,11 +28,13 @@ from __future__ import annotations
 import gc
 import heapq
 import operator
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, chain, compress
+from itertools import accumulate, chain, compress, repeat
 from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
 
 from knitdata.errors import ConfigError, ValidationError
 from knitdata.placement import ConsumerLayout
@@ -225,48 +227,66 @@ class Planner:
             return location
         return self.unit_nodes.get(location)
 
-    def _layout_index(self) -> tuple[dict[str, int], dict[str, tuple[int, ...]], list[str]]:
-        """Node positions, ranks per node and node per rank of the layout (cached: the layout is immutable)."""
+    def _layout_index(self) -> _LayoutIndex:
+        """Node positions, node per rank and the initial heaps of the layout (cached: the layout is immutable)."""
         cached = self.__dict__.get("_layout_cache")
         if cached is None or cached[0] is not self.layout:
+            n = self.layout.num_consumers
             nodes = list(self.layout.nodes)
             node_pos = {node: i for i, node in enumerate(nodes)}
-            ranks_on = {node: tuple(self.layout.ranks_on(node)) for node in nodes}
-            node_of = [self.layout.node_of(r) for r in range(self.layout.num_consumers)]
-            cached = (self.layout, (node_pos, ranks_on, node_of))
+            index = _LayoutIndex(
+                node_pos=node_pos,
+                node_code=np.array([node_pos[self.layout.node_of(r)] for r in range(n)], dtype=np.int64),
+                node_code_list=[node_pos[self.layout.node_of(r)] for r in range(n)],
+                heap_all=[(0, r) for r in range(n)],  # ascending: already a heap
+                node_heaps=tuple([(0, r) for r in sorted(self.layout.ranks_on(node))] for node in nodes),
+            )
+            cached = (self.layout, index)
             self.__dict__["_layout_cache"] = cached
         return cached[1]
 
     # ------------------------------------------------------------------ shares
     def assign(self, metas: Sequence[TrajectoryMeta]) -> list[list[TrajectoryMeta]]:
-        """Split ``metas`` into one share per consumer (locality first, then token balance)."""
+        """Split ``metas`` into one share per consumer (locality first, then token balance).
+
+        Raises:
+            ValidationError: If a trajectory's ``num_tokens``, ``nbytes`` or ``seq`` is not an integer of
+                magnitude below 2**40.
+        """
         return [list(s) for s in self._assign(tuple(metas))[0]]
 
     def _assign(
-        self, metas: tuple[TrajectoryMeta, ...]
-    ) -> tuple[list[Sequence[TrajectoryMeta]], list[int], int, int, list[int]]:
-        """Shares (each in ``(seq, id)`` order), consumer loads, local and remote payload bytes, and tokens.
+        self, metas: tuple[TrajectoryMeta, ...], ids: list[str] | None = None
+    ) -> tuple[list[Sequence[TrajectoryMeta]], list[int], int, int, int, int]:
+        """Shares (each in ``(seq, id)`` order), consumer loads, local and remote payload bytes, and the total
+        and least trajectory tokens.
 
         Units go largest first to the least-loaded consumer on their home node, or overall (see the module
         docstring). The least-loaded searches use heaps of ``(load, rank)`` with lazy invalidation (an entry
         is current when its load is the rank's load; loads only grow), one over all ranks and one per node,
         so each unit costs O(log ranks) instead of O(ranks), with the same choices and tie-breaking (least
-        load, then lowest rank) as a linear search. Per-trajectory work is done by C-level passes (``map``,
-        slices) over the trajectories laid out unit after unit.
+        load, then lowest rank) as a linear search; the overall search runs only when its answer can matter.
+        Everything else is done by numpy over the trajectories laid out unit after unit (unit sums, the unit
+        order, where units are, the bytes that stay local) and the shares are cut from one sort of all
+        trajectories by ``(rank, seq)``.
+
+        Args:
+            metas: The trajectories.
+            ids: Their ids, when the caller has them already.
         """
         n = self.layout.num_consumers
         total_n = len(metas)
-        node_pos, ranks_on, node_of_rank = self._layout_index()
+        if total_n == 0:
+            return [() for _ in range(n)], [0] * n, 0, 0, 0, 0
+        index = self._layout_index()
         # lay the trajectories out unit after unit: units are the slices [starts[i], stops[i]) of `lay`
+        lay: Sequence[TrajectoryMeta] = metas
         if self.allow_split_groups:
-            lay: Sequence[TrajectoryMeta] = metas
-            starts: Sequence[int] = range(total_n)
+            starts = np.arange(total_n)
         else:
-            groups = list(map(_GROUP, metas))
-            starts = [0, *compress(range(1, total_n), map(operator.ne, groups, groups[1:]))] if total_n else []
-            if len(starts) == len(set(groups)):  # every group is one contiguous run (as admission emits them)
-                lay = metas
-            else:
+            groups = np.fromiter(map(_GROUP, metas), dtype=object, count=total_n)
+            starts = np.concatenate(([0], np.flatnonzero(groups[1:] != groups[:-1]) + 1))
+            if len(set(groups[starts].tolist())) != len(starts):  # a group in more than one run
                 by_group: dict[str, list[TrajectoryMeta]] = {}
                 for m in metas:
                     u = by_group.get(m.group)
@@ -275,97 +295,110 @@ class Planner:
                     else:
                         u.append(m)
                 lay = tuple(chain.from_iterable(by_group.values()))
-                starts = list(accumulate((len(u) for u in by_group.values()), initial=0))[:-1]
-        stops = [*starts[1:], total_n]
+                starts = np.array(list(accumulate(map(len, by_group.values()), initial=0))[:-1], dtype=np.int64)
+                ids = None
         n_units = len(starts)
-        tokens = list(map(_TOKENS, lay))
-        nbytes = list(map(_NBYTES, lay))
-        seqs = list(map(_SEQ, lay))
-        locs = list(map(_LOCATION, lay))
-        if self.unit_nodes is None:
-            loc_node: list[str | None] = locs
-        else:
-            get = self.unit_nodes.get
-            loc_node = [None if loc is None else get(loc) for loc in locs]
-        if self.allow_split_groups:
-            weights = [t if t > 1 else 1 for t in tokens]
-            keyed = sorted(zip(map(operator.neg, weights), seqs, map(_ID, lay), range(n_units)))
-        else:
-            weights = [max(1, sum(tokens[a:b])) for a, b in zip(starts, stops)]
-            keyed = sorted(
-                zip(map(operator.neg, weights), [seqs[a] for a in starts], [lay[a].id for a in starts], range(n_units))
-            )
-        cap = (1.0 + self.balance_tolerance) * sum(weights) / n
+        sizes = np.diff(starts, append=total_n)
+        tokens = _int_column(lay, _TOKENS, "num_tokens")
+        nbytes = _int_column(lay, _NBYTES, "nbytes")
+        seqs = _int_column(lay, _SEQ, "seq")
+        locs = np.fromiter(map(_LOCATION, lay), dtype=object, count=total_n)
+        # per unit: weight (tokens, at least 1) and the node of its first trajectory
+        weights = np.maximum(np.add.reduceat(tokens, starts), 1)
+        node_pos = index.node_pos
+        n_layout = len(node_pos)
+        codes: dict[str | None, int] = {}  # node (of a location) -> code: the layout's nodes first, None last
+        node_of_loc: dict[str | None, str | None] = {}  # location -> node
+
+        def code_of(locations: Iterable[str | None]) -> list[int]:
+            for loc in dict.fromkeys(locations).keys() - node_of_loc.keys():
+                node = self._node(loc)
+                node_of_loc[loc] = node
+                if node not in codes:
+                    codes[node] = node_pos.get(node, n_layout + len(codes)) if node is not None else -1
+            return [codes[node_of_loc[loc]] for loc in locations]
+
+        first_code = np.array(code_of(locs[starts].tolist()), dtype=np.int64)
+        home = first_code.copy()  # where a unit goes for locality
+        # units on several locations: a change of location inside the unit
+        change = np.flatnonzero(locs[1:] != locs[:-1]) + 1
+        unit_of_change = np.searchsorted(starts, change, side="right") - 1
+        mixed = np.unique(unit_of_change[starts[unit_of_change] != change])
+        mixed_members: Any = None
+        if mixed.size:
+            in_mixed = np.zeros(n_units, dtype=bool)
+            in_mixed[mixed] = True
+            mixed_members = np.flatnonzero(np.repeat(in_mixed, sizes))
+            member_codes = code_of(locs[mixed_members].tolist())
+            if self.locality:  # home: the node holding most of the unit's bytes
+                member_bytes = nbytes[mixed_members].tolist()
+                bounds = [0, *accumulate(sizes[mixed].tolist())]
+                names = {c: node for node, c in codes.items()}
+                for u, a, b in zip(mixed.tolist(), bounds, bounds[1:]):
+                    best = _mixed_home([names[c] for c in member_codes[a:b]], member_bytes[a:b], node_pos)
+                    home[u] = codes[best] if best is not None else -1
+        order = _unit_order(weights, seqs[starts], ids, lay, starts)
+        # the main loop: one unit at a time, largest first
+        local_heaps: list[list[tuple[int, int]] | None]
+        heaps = list(map(list.copy, index.node_heaps))
+        local_heaps = heaps + [None] * (len(codes) + 1) if self.locality else [None] * (n_layout + len(codes) + 1)
+        heap_all = index.heap_all.copy()
+        node_code = index.node_code_list
+        cap = (1.0 + self.balance_tolerance) * int(weights.sum()) / n
         loads = [0] * n
         unit_rank = [0] * n_units
-        heap_all = [(0, r) for r in range(n)]  # ascending: already a heap
-        node_heaps = {node: [(0, r) for r in sorted(rs)] for node, rs in ranks_on.items() if rs}
-        locality = self.locality
-        push, pop = heapq.heappush, heapq.heappop
-        local = remote = 0
-        for _nw, _seq, _id, i in keyed:
-            w = weights[i]
-            a = starts[i]
-            b = stops[i]
-            if b - a == 1:
-                mixed = None
-                home = loc_node[a]
+        push, pop, replace = heapq.heappush, heapq.heappop, heapq.heapreplace
+        for i, w, h in zip(order.tolist(), weights[order].tolist(), home[order].tolist()):
+            heap = local_heaps[h]
+            if heap is not None:
+                load_l, choice = heap[0]
+                while loads[choice] != load_l:
+                    pop(heap)
+                    load_l, choice = heap[0]
+                # the overall least-loaded consumer only matters when this one is over the cap and loaded
+                if load_l + w > cap and load_l > 0:
+                    load, best_all = heap_all[0]
+                    while loads[best_all] != load:
+                        pop(heap_all)
+                        load, best_all = heap_all[0]
+                    if load < load_l:  # to the least-loaded consumer overall (on another node)
+                        entry = (load + w, best_all)
+                        loads[best_all] = load + w
+                        unit_rank[i] = best_all
+                        replace(heap_all, entry)
+                        push(heaps[node_code[best_all]], entry)
+                        continue
+                entry = (load_l + w, choice)
+                loads[choice] = load_l + w
+                unit_rank[i] = choice
+                replace(heap, entry)
+                push(heap_all, entry)
             else:
-                mixed = loc_node[a:b]
-                home = mixed[0]
-                if mixed.count(home) == b - a:
-                    mixed = None  # one node (or none) holds the whole unit
-                elif locality:
-                    home = _mixed_home(mixed, nbytes[a:b], node_pos)
-            load, best_all = heap_all[0]
-            while loads[best_all] != load:
-                pop(heap_all)
-                load, best_all = heap_all[0]
-            choice = best_all
-            if locality and home is not None:
-                heap = node_heaps.get(home)
-                if heap:
-                    load_l, best_local = heap[0]
-                    while loads[best_local] != load_l:
-                        pop(heap)
-                        load_l, best_local = heap[0]
-                    choice = best_local
-                    if load_l + w > cap and load < load_l:
-                        choice = best_all
-            new_load = loads[choice] + w
-            loads[choice] = new_load
-            unit_rank[i] = choice
-            push(heap_all, (new_load, choice))
-            node = node_of_rank[choice]
-            push(node_heaps[node], (new_load, choice))
-            if mixed is None:
-                ub = nbytes[a] if b - a == 1 else sum(nbytes[a:b])
-                if home == node:
-                    local += ub
-                else:
-                    remote += ub
-            else:
-                for x, nb in zip(mixed, nbytes[a:b]):
-                    if x == node:
-                        local += nb
-                    else:
-                        remote += nb
-        # shares in (seq, id) order
-        units_of: list[list[int]] = [[] for _ in range(n)]
-        for i, r in enumerate(unit_rank):
-            units_of[r].append(i)
-        presorted = all(map(operator.lt, seqs, seqs[1:]))  # laid out in (seq, id) order already
-        key = _SEQ if presorted or len(set(seqs)) == total_n else _SEQ_ID
-        shares: list[Sequence[TrajectoryMeta]] = []
-        for us in units_of:
-            if not us:
-                shares.append(())
-            elif len(us) == 1:
-                a, b = starts[us[0]], stops[us[0]]
-                shares.append(lay[a:b] if presorted else sorted(lay[a:b], key=key))
-            else:
-                shares.append(sorted(chain.from_iterable(lay[starts[i] : stops[i]] for i in us), key=key))
-        return shares, loads, local, remote, tokens
+                load, choice = heap_all[0]
+                while loads[choice] != load:
+                    pop(heap_all)
+                    load, choice = heap_all[0]
+                entry = (load + w, choice)
+                loads[choice] = load + w
+                unit_rank[i] = choice
+                replace(heap_all, entry)
+                push(heaps[node_code[choice]], entry)
+        ranks = np.array(unit_rank, dtype=np.int64)
+        unit_node = index.node_code[ranks]
+        # bytes on the consumer's node: whole units at home, and the members of units on several nodes
+        unit_bytes = np.add.reduceat(nbytes, starts)
+        at_home = first_code == unit_node
+        if mixed_members is not None:
+            at_home[mixed] = False
+            local = int(unit_bytes[at_home].sum())
+            on = np.array(member_codes, dtype=np.int64) == np.repeat(unit_node[mixed], sizes[mixed])
+            local += int(nbytes[mixed_members][on].sum())
+        else:
+            local = int(unit_bytes[at_home].sum())
+        remote = int(nbytes.sum()) - local
+        traj_rank = ranks if self.allow_split_groups else np.repeat(ranks, sizes)
+        shares = _shares(lay, seqs, traj_rank, n)
+        return shares, loads, local, remote, int(tokens.sum()), int(tokens.min())
 
     # ------------------------------------------------------------------ micro-batches
     def _first_fit(self, share: Sequence[TrajectoryMeta]) -> tuple[list[int], list[int], list[list[int]]]:
@@ -447,22 +480,21 @@ class Planner:
             counts = Counter(ids)
             dup = next(i for i in ids if counts[i] > 1)
             raise ValidationError("appears twice in one admitted mini-batch", trajectory_id=dup, field="id")
-        shares, loads, local, remote, tokens = self._assign(metas)
+        shares, loads, local, remote, global_tokens, least_tokens = self._assign(metas, ids)
         # K: the most first-fit-decreasing bins over consumers. A share whose load (tokens, each unit
         # counted at least 1) fits the budget needs one bin; only the others run first-fit decreasing.
         budget = self.token_budget
-        if min(tokens, default=0) < 0:  # not token counts: no shortcut
+        if least_tokens < 0:  # not token counts: no shortcut
             budget = -1
         k = 1
         ffds: dict[int, tuple[list[int], list[int], list[list[int]]]] = {}
-        for rank, load in enumerate(loads):
-            if load > budget and len(shares[rank]) > 1:
+        for rank in compress(range(len(loads)), map(budget.__lt__, loads)):
+            if len(shares[rank]) > 1:
                 ffd = self._first_fit(shares[rank])
                 if len(ffd[2]) > 1:
                     ffds[rank] = ffd
                     k = max(k, len(ffd[2]))
-        global_tokens = sum(tokens)
-        global_loss = sum(int(loss_tokens.get(i, 0)) for i in ids) if loss_tokens else 0
+        global_loss = sum(map(int, map(loss_tokens.get, ids, repeat(0)))) if loss_tokens else 0
         common = {
             "train_batch": admitted.train_batch,
             "minibatch": admitted.step,
@@ -472,12 +504,12 @@ class Planner:
             "global_trajectories": len(metas),
             "global_loss_tokens": global_loss,
         }
-        make = _microbatch_factory(common)
-        rows: list[tuple[PlannedMicroBatch, ...]] = []
+        rows: list[tuple[PlannedMicroBatch, ...]] | list[tuple[PlannedMicroBatch]]
         if k == 1:
-            for rank, share in enumerate(shares):
-                rows.append((make(rank, 0, share),))
+            rows = list(zip(_microbatches(common, range(len(shares)), repeat(0), shares)))
         else:
+            make = _microbatch_factory(common)
+            rows = []
             for rank, share in enumerate(shares):
                 if not share:
                     rows.append(tuple(make(rank, i, ()) for i in range(k)))
@@ -495,6 +527,23 @@ class Planner:
             local_bytes=local,
             remote_bytes=remote,
         )
+
+
+def _microbatches(
+    common: dict[str, Any], consumers: Iterable[int], microbatches: Iterable[int], shares: Iterable[Sequence[TrajectoryMeta]]
+) -> list[PlannedMicroBatch]:
+    """Many :class:`PlannedMicroBatch` es sharing ``common`` fields, built by C-level passes.
+
+    The same fields and values as the dataclass constructor (so equality, hashing and ``repr`` are the
+    same), without its per-field frozen ``__setattr__`` calls: a plan at cluster scale builds tens of
+    thousands of them.
+    """
+    template = {**common, "consumer": 0, "microbatch": 0, "trajectories": ()}
+    dicts = [{**template, "consumer": c, "microbatch": i, "trajectories": tuple(s)}
+             for c, i, s in zip(consumers, microbatches, shares)]
+    objs = list(map(object.__new__, repeat(PlannedMicroBatch, len(dicts))))
+    deque(map(object.__setattr__, objs, repeat("__dict__"), dicts), 0)
+    return objs
 
 
 def _microbatch_factory(common: dict[str, Any]) -> Callable[[int, int, Sequence[TrajectoryMeta]], PlannedMicroBatch]:
@@ -529,3 +578,95 @@ def _mixed_home(unit_nodes: list[str | None], nbytes: list[int], node_pos: dict[
     if not by_node:
         return None
     return max(by_node, key=lambda k: (by_node[k], -node_pos[k] if k in node_pos else 0))
+
+
+@dataclass(frozen=True)
+class _LayoutIndex:
+    """What assignment reads of a layout, computed once per layout."""
+
+    node_pos: dict[str, int]  # position of each node in the layout (its code)
+    node_code: Any  # code of each rank's node (int64 array)
+    node_code_list: list[int]  # the same, as a list
+    heap_all: list[tuple[int, int]]  # (0, rank) for every rank: the initial heap over all ranks
+    node_heaps: tuple[list[tuple[int, int]], ...]  # the initial heap of each node, in layout order
+
+
+#: Largest magnitude (exclusive) of ``num_tokens``, ``nbytes`` and ``seq`` the planner takes: sums over a
+#: mini-batch stay exact in int64.
+MAX_PLANNED_VALUE = 1 << 40
+_INT64_SAFE = 1 << 62  # sort keys below this fit in int64
+
+
+def _int_column(metas: Sequence[TrajectoryMeta], get: Callable[[TrajectoryMeta], int], field: str) -> Any:
+    """An integer field of every trajectory as an int64 array (raises :class:`ValidationError` naming a bad one).
+
+    Read through float64 (exact below 2**53), which also catches non-integral and non-numeric values.
+    """
+    n = len(metas)
+    try:
+        values = np.fromiter(map(get, metas), dtype=np.float64, count=n)
+        ints = values.astype(np.int64)
+        ok = bool((ints == values).all()) and float(np.abs(values).max()) < MAX_PLANNED_VALUE
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        for m in metas:
+            v = get(m)
+            try:
+                good = float(v) == int(v) and abs(int(v)) < MAX_PLANNED_VALUE
+            except (TypeError, ValueError, OverflowError):
+                good = False
+            if not good:
+                raise ValidationError(f"must be an int of magnitude below 2**40 to be planned, got {v!r}",
+                                      trajectory_id=m.id, field=field)
+        raise ValidationError("must be ints of magnitude below 2**40 to be planned", field=field)
+    return ints
+
+
+def _unit_order(weights: Any, first_seqs: Any, ids: list[str] | None, lay: Sequence[TrajectoryMeta],
+                starts: Any) -> Any:
+    """Unit indices (an array) in ``(-weight, seq, id, index)`` order (``seq`` and ``id`` of the first trajectory).
+
+    One numpy sort of the integer key ``(max weight - weight, seq)`` when those pairs are distinct (the
+    common case, ``seq`` being unique in a pipeline); the full tuple sort otherwise.
+    """
+    n_units = len(weights)
+    if n_units < 2:
+        return np.arange(n_units)
+    w_max, s_min = int(weights.max()), int(first_seqs.min())
+    span = int(first_seqs.max()) - s_min + 1
+    if (w_max - int(weights.min()) + 1) * span < _INT64_SAFE:
+        key = (w_max - weights) * span + (first_seqs - s_min)
+        perm = np.argsort(key)
+        ks = key[perm]
+        if not (ks[1:] == ks[:-1]).any():
+            return perm
+    first = starts.tolist()
+    first_ids = map(ids.__getitem__, first) if ids is not None else map(_ID, map(lay.__getitem__, first))
+    keyed = sorted(zip((-weights).tolist(), first_seqs.tolist(), first_ids, range(n_units)))
+    return np.array([k[3] for k in keyed], dtype=np.int64)
+
+
+def _shares(lay: Sequence[TrajectoryMeta], seqs: Any, traj_rank: Any, n: int) -> list[Sequence[TrajectoryMeta]]:
+    """Each rank's trajectories (tuples) in ``(seq, id)`` order, given the rank of each trajectory of ``lay``.
+
+    One numpy sort of all trajectories by ``(rank, seq)``; equal ``seq`` s on one rank (rare) then by id.
+    """
+    s_min = int(seqs.min())
+    span = int(seqs.max()) - s_min + 1
+    if n * span < _INT64_SAFE:
+        key = traj_rank * span + (seqs - s_min)
+        perm = np.argsort(key)
+        ks = key[perm]
+        ties = np.flatnonzero(ks[1:] == ks[:-1])
+    else:  # pragma: no cover - seqs span more than 2**62 / ranks
+        perm = np.lexsort((seqs, traj_rank))
+        sr, rr = seqs[perm], traj_rank[perm]
+        ties = np.flatnonzero((sr[1:] == sr[:-1]) & (rr[1:] == rr[:-1]))
+    flat = operator.itemgetter(*perm.tolist())(lay) if len(lay) > 1 else tuple(lay)
+    bounds = [0, *accumulate(np.bincount(traj_rank, minlength=n).tolist())]
+    shares: list[Sequence[TrajectoryMeta]] = list(map(flat.__getitem__, map(slice, bounds, bounds[1:])))
+    if ties.size:  # equal seqs on one rank: by id
+        for r in set(traj_rank[perm[ties]].tolist()):
+            shares[r] = tuple(sorted(shares[r], key=_SEQ_ID))
+    return shares
