@@ -238,8 +238,7 @@ class Planner:
                 node_pos=node_pos,
                 node_code=np.array([node_pos[self.layout.node_of(r)] for r in range(n)], dtype=np.int64),
                 node_code_list=[node_pos[self.layout.node_of(r)] for r in range(n)],
-                heap_all=[(0, r) for r in range(n)],  # ascending: already a heap
-                node_heaps=tuple([(0, r) for r in sorted(self.layout.ranks_on(node))] for node in nodes),
+                node_heaps=tuple(sorted(self.layout.ranks_on(node)) for node in nodes),
             )
             cached = (self.layout, index)
             self.__dict__["_layout_cache"] = cached
@@ -256,7 +255,7 @@ class Planner:
         return [list(s) for s in self._assign(tuple(metas))[0]]
 
     def _assign(
-        self, metas: tuple[TrajectoryMeta, ...], ids: list[str] | None = None
+        self, metas: tuple[TrajectoryMeta, ...]
     ) -> tuple[list[Sequence[TrajectoryMeta]], list[int], int, int, int, int]:
         """Shares (each in ``(seq, id)`` order), consumer loads, local and remote payload bytes, and the total
         and least trajectory tokens.
@@ -269,10 +268,6 @@ class Planner:
         Everything else is done by numpy over the trajectories laid out unit after unit (unit sums, the unit
         order, where units are, the bytes that stay local) and the shares are cut from one sort of all
         trajectories by ``(rank, seq)``.
-
-        Args:
-            metas: The trajectories.
-            ids: Their ids, when the caller has them already.
         """
         n = self.layout.num_consumers
         total_n = len(metas)
@@ -296,7 +291,6 @@ class Planner:
                         u.append(m)
                 lay = tuple(chain.from_iterable(by_group.values()))
                 starts = np.array(list(accumulate(map(len, by_group.values()), initial=0))[:-1], dtype=np.int64)
-                ids = None
         n_units = len(starts)
         sizes = np.diff(starts, append=total_n)
         tokens = _int_column(lay, _TOKENS, "num_tokens")
@@ -331,58 +325,66 @@ class Planner:
             mixed_members = np.flatnonzero(np.repeat(in_mixed, sizes))
             member_codes = code_of(locs[mixed_members].tolist())
             if self.locality:  # home: the node holding most of the unit's bytes
-                member_bytes = nbytes[mixed_members].tolist()
-                bounds = [0, *accumulate(sizes[mixed].tolist())]
-                names = {c: node for node, c in codes.items()}
-                for u, a, b in zip(mixed.tolist(), bounds, bounds[1:]):
-                    best = _mixed_home([names[c] for c in member_codes[a:b]], member_bytes[a:b], node_pos)
-                    home[u] = codes[best] if best is not None else -1
-        order = _unit_order(weights, seqs[starts], ids, lay, starts)
+                home[mixed] = -1  # no node, unless one holds some of its trajectories
+                unit_home, node = _mixed_homes(np.repeat(mixed, sizes[mixed]), np.array(member_codes, dtype=np.int64),
+                                               nbytes[mixed_members], n_layout)
+                home[unit_home] = node
+        order = _unit_order(weights, seqs[starts], lay, starts)
         # the main loop: one unit at a time, largest first
-        local_heaps: list[list[tuple[int, int]] | None]
+        # heaps hold the key `load * n + rank` of consumers (least load, then lowest rank, first); an entry is
+        # current when it is the rank's key in `keys`
+        local_heaps: list[list[int] | None]
         heaps = list(map(list.copy, index.node_heaps))
         local_heaps = heaps + [None] * (len(codes) + 1) if self.locality else [None] * (n_layout + len(codes) + 1)
-        heap_all = index.heap_all.copy()
+        keys = list(range(n))
+        heap_all = keys.copy()  # ascending: already a heap
         node_code = index.node_code_list
         cap = (1.0 + self.balance_tolerance) * int(weights.sum()) / n
-        loads = [0] * n
         unit_rank = [0] * n_units
         push, pop, replace = heapq.heappush, heapq.heappop, heapq.heapreplace
-        for i, w, h in zip(order.tolist(), weights[order].tolist(), home[order].tolist()):
+        w_sorted = weights[order].tolist()
+        for i, w, wn, h in zip(order.tolist(), w_sorted, map(operator.mul, w_sorted, repeat(n)), home[order].tolist()):
             heap = local_heaps[h]
             if heap is not None:
-                load_l, choice = heap[0]
-                while loads[choice] != load_l:
+                e = heap[0]
+                r = e % n
+                while keys[r] != e:
                     pop(heap)
-                    load_l, choice = heap[0]
-                # the overall least-loaded consumer only matters when this one is over the cap and loaded
-                if load_l + w > cap and load_l > 0:
-                    load, best_all = heap_all[0]
-                    while loads[best_all] != load:
+                    e = heap[0]
+                    r = e % n
+                # the overall least-loaded consumer only matters when this one is loaded and over the cap
+                if e >= n and e // n + w > cap:
+                    ea = heap_all[0]
+                    ra = ea % n
+                    while keys[ra] != ea:
                         pop(heap_all)
-                        load, best_all = heap_all[0]
-                    if load < load_l:  # to the least-loaded consumer overall (on another node)
-                        entry = (load + w, best_all)
-                        loads[best_all] = load + w
-                        unit_rank[i] = best_all
-                        replace(heap_all, entry)
-                        push(heaps[node_code[best_all]], entry)
+                        ea = heap_all[0]
+                        ra = ea % n
+                    if ea < e - r:  # less loaded: to the least-loaded consumer overall (on another node)
+                        ea += wn
+                        keys[ra] = ea
+                        unit_rank[i] = ra
+                        replace(heap_all, ea)
+                        push(heaps[node_code[ra]], ea)
                         continue
-                entry = (load_l + w, choice)
-                loads[choice] = load_l + w
-                unit_rank[i] = choice
-                replace(heap, entry)
-                push(heap_all, entry)
+                e += wn
+                keys[r] = e
+                unit_rank[i] = r
+                replace(heap, e)
+                push(heap_all, e)
             else:
-                load, choice = heap_all[0]
-                while loads[choice] != load:
+                ea = heap_all[0]
+                ra = ea % n
+                while keys[ra] != ea:
                     pop(heap_all)
-                    load, choice = heap_all[0]
-                entry = (load + w, choice)
-                loads[choice] = load + w
-                unit_rank[i] = choice
-                replace(heap_all, entry)
-                push(heaps[node_code[choice]], entry)
+                    ea = heap_all[0]
+                    ra = ea % n
+                ea += wn
+                keys[ra] = ea
+                unit_rank[i] = ra
+                replace(heap_all, ea)
+                push(heaps[node_code[ra]], ea)
+        loads = [k // n for k in keys]
         ranks = np.array(unit_rank, dtype=np.int64)
         unit_node = index.node_code[ranks]
         # bytes on the consumer's node: whole units at home, and the members of units on several nodes
@@ -475,12 +477,11 @@ class Planner:
 
     def _plan(self, admitted: AdmittedLike, loss_tokens: Mapping[str, int] | None) -> MiniBatchPlan:
         metas = tuple(admitted.trajectories)
-        ids = list(map(_ID, metas))
-        if len(set(ids)) != len(ids):
-            counts = Counter(ids)
-            dup = next(i for i in ids if counts[i] > 1)
+        if len(set(map(_ID, metas))) != len(metas):
+            counts = Counter(map(_ID, metas))
+            dup = next(i for i in map(_ID, metas) if counts[i] > 1)
             raise ValidationError("appears twice in one admitted mini-batch", trajectory_id=dup, field="id")
-        shares, loads, local, remote, global_tokens, least_tokens = self._assign(metas, ids)
+        shares, loads, local, remote, global_tokens, least_tokens = self._assign(metas)
         # K: the most first-fit-decreasing bins over consumers. A share whose load (tokens, each unit
         # counted at least 1) fits the budget needs one bin; only the others run first-fit decreasing.
         budget = self.token_budget
@@ -494,7 +495,7 @@ class Planner:
                 if len(ffd[2]) > 1:
                     ffds[rank] = ffd
                     k = max(k, len(ffd[2]))
-        global_loss = sum(map(int, map(loss_tokens.get, ids, repeat(0)))) if loss_tokens else 0
+        global_loss = sum(map(int, map(loss_tokens.get, map(_ID, metas), repeat(0)))) if loss_tokens else 0
         common = {
             "train_batch": admitted.train_batch,
             "minibatch": admitted.step,
@@ -569,15 +570,36 @@ def _microbatch_factory(common: dict[str, Any]) -> Callable[[int, int, Sequence[
     return make
 
 
-def _mixed_home(unit_nodes: list[str | None], nbytes: list[int], node_pos: dict[str, int]) -> str | None:
-    """The node holding most of a unit's bytes (ties: the earliest node of the layout, then the first seen)."""
-    by_node: dict[str, int] = {}
-    for node, b in zip(unit_nodes, nbytes):
-        if node is not None:
-            by_node[node] = by_node.get(node, 0) + (b if b > 1 else 1)
-    if not by_node:
-        return None
-    return max(by_node, key=lambda k: (by_node[k], -node_pos[k] if k in node_pos else 0))
+def _mixed_homes(unit: Any, code: Any, nbytes: Any, n_layout: int) -> tuple[Any, Any]:
+    """Home of each unit on several nodes: the node holding most of its bytes (each trajectory counted at least 1).
+
+    Args:
+        unit: Unit of each trajectory (ascending, each unit's trajectories in order).
+        code: Node code of each trajectory (``-1``: no node; below ``n_layout``: the node's position in the
+            layout; above: a node without consumers).
+        nbytes: Bytes of each trajectory.
+        n_layout: Nodes of the layout.
+
+    Returns:
+        ``(units, codes)``: the units with a trajectory on a node, ascending, and their home's code. Ties go
+        to the earliest node of the layout (a node without consumers ranks with the first), then to the
+        node seen first in the unit.
+    """
+    known = np.flatnonzero(code >= 0)  # positions, in order
+    if not known.size:
+        return known, known
+    pair = unit[known] * (int(code.max()) + 1) + code[known]
+    by_pair = np.argsort(pair, kind="stable")  # stable: each pair's first position first
+    sorted_pair = pair[by_pair]
+    run = np.flatnonzero(np.concatenate(([True], sorted_pair[1:] != sorted_pair[:-1])))
+    total = np.add.reduceat(np.maximum(nbytes[known][by_pair], 1), run)
+    first = known[by_pair[run]]
+    u = unit[known][by_pair[run]]
+    c = code[known][by_pair[run]]
+    tie = np.where(c < n_layout, -c, 0)
+    best = np.lexsort((-first, tie, total, u))  # ascending: each unit's best last
+    last = best[np.concatenate((u[best][1:] != u[best][:-1], [True]))]
+    return u[last], c[last]
 
 
 @dataclass(frozen=True)
@@ -587,8 +609,7 @@ class _LayoutIndex:
     node_pos: dict[str, int]  # position of each node in the layout (its code)
     node_code: Any  # code of each rank's node (int64 array)
     node_code_list: list[int]  # the same, as a list
-    heap_all: list[tuple[int, int]]  # (0, rank) for every rank: the initial heap over all ranks
-    node_heaps: tuple[list[tuple[int, int]], ...]  # the initial heap of each node, in layout order
+    node_heaps: tuple[list[int], ...]  # the ranks of each node, ascending (its initial heap), in layout order
 
 
 #: Largest magnitude (exclusive) of ``num_tokens``, ``nbytes`` and ``seq`` the planner takes: sums over a
@@ -605,7 +626,8 @@ def _int_column(metas: Sequence[TrajectoryMeta], get: Callable[[TrajectoryMeta],
     n = len(metas)
     try:
         values = np.fromiter(map(get, metas), dtype=np.float64, count=n)
-        ints = values.astype(np.int64)
+        with np.errstate(invalid="ignore"):  # NaN or infinity: caught below
+            ints = values.astype(np.int64)
         ok = bool((ints == values).all()) and float(np.abs(values).max()) < MAX_PLANNED_VALUE
     except (TypeError, ValueError):
         ok = False
@@ -623,8 +645,7 @@ def _int_column(metas: Sequence[TrajectoryMeta], get: Callable[[TrajectoryMeta],
     return ints
 
 
-def _unit_order(weights: Any, first_seqs: Any, ids: list[str] | None, lay: Sequence[TrajectoryMeta],
-                starts: Any) -> Any:
+def _unit_order(weights: Any, first_seqs: Any, lay: Sequence[TrajectoryMeta], starts: Any) -> Any:
     """Unit indices (an array) in ``(-weight, seq, id, index)`` order (``seq`` and ``id`` of the first trajectory).
 
     One numpy sort of the integer key ``(max weight - weight, seq)`` when those pairs are distinct (the
@@ -642,7 +663,7 @@ def _unit_order(weights: Any, first_seqs: Any, ids: list[str] | None, lay: Seque
         if not (ks[1:] == ks[:-1]).any():
             return perm
     first = starts.tolist()
-    first_ids = map(ids.__getitem__, first) if ids is not None else map(_ID, map(lay.__getitem__, first))
+    first_ids = map(_ID, map(lay.__getitem__, first))
     keyed = sorted(zip((-weights).tolist(), first_seqs.tolist(), first_ids, range(n_units)))
     return np.array([k[3] for k in keyed], dtype=np.int64)
 

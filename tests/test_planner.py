@@ -285,3 +285,27 @@ def test_plan_is_identical_to_the_reference_algorithm(case, step, with_loss) -> 
             assert mb.global_trajectories == len(metas)
             assert mb.global_loss_tokens == (sum(loss.values()) if loss else 0)
             assert mb == type(mb)(**{f: getattr(mb, f) for f in mb.__dataclass_fields__})
+
+
+@settings(max_examples=40, deadline=None)
+@given(_planning_cases(), st.integers(20, 33), st.integers(20, 32))
+def test_plan_matches_the_reference_with_large_values(case, seq_bits, token_bits) -> None:
+    """Sequence numbers and token counts near the planner's bound (2**40): the integer sort keys do not overflow."""
+    layout, budget, kwargs, metas = case
+    metas = [TrajectoryMeta(id=m.id, source=m.source, group=m.group, num_tokens=m.num_tokens << token_bits,
+                            nbytes=m.nbytes << 20, location=m.location, seq=m.seq << seq_bits) for m in metas]
+    budget <<= token_bits
+    plan = Planner(layout, budget, **kwargs).plan(_Admitted(0, 0, 0, tuple(metas)))
+    rows, k, local, remote = _ReferencePlanner(layout, budget, **kwargs).plan_rows(metas)
+    assert [[list(mb.trajectory_ids) for mb in row] for row in plan.microbatches] == rows
+    assert (plan.num_microbatches, plan.local_bytes, plan.remote_bytes) == (k, local, remote)
+
+
+@pytest.mark.parametrize("field, value", [("num_tokens", 1.5), ("num_tokens", None), ("nbytes", "ten"),
+                                          ("seq", 1 << 40), ("nbytes", -(1 << 41)), ("seq", float("nan"))])
+def test_values_the_planner_cannot_take_are_named(field, value) -> None:
+    metas = [TrajectoryMeta(id=f"t{i}", source="s", group=f"g{i}", num_tokens=5, nbytes=5, location="node0", seq=i)
+             for i in range(4)]
+    metas[2] = TrajectoryMeta(**{**metas[2].to_dict(), "media_digests": (), field: value})
+    with pytest.raises(ValidationError, match=f"'t2'.*'{field}'"):
+        Planner(ConsumerLayout.single_node(2), 10).plan(_Admitted(0, 0, 0, tuple(metas)))
