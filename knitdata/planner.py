@@ -17,10 +17,17 @@ rebalanced into ``K`` bins when that stays within the budget, and padded with ex
 micro-batches otherwise, so every consumer runs exactly ``K`` micro-batches per mini-batch. A single
 trajectory larger than the budget gets a micro-batch of its own.
 
-Cost. The least-loaded searches run on heaps (one over all consumers, one per node, lazily invalidated),
-so a unit costs O(log consumers), and per-trajectory work is done in C-level passes: one mini-batch of
-64,000 trajectories over 8,000 consumers plans in about 150 ms on a shared 2-core machine (``knitdata bench control
---scale``). The choices, tie-breaking included (least load, then lowest rank), are those of a linear search.
+Cost. The least-loaded searches run on heaps of integer keys ``load * consumers + rank`` (one over all
+consumers, one per node, lazily invalidated), so a unit costs O(log consumers), and the search over all
+consumers runs only when its answer can change the choice. Everything else is numpy or C-level passes over
+the trajectories laid out unit after unit: reading their fields, unit sums, the unit order, where units
+are, the bytes that stay local, and one sort by ``(rank, seq)`` that cuts every share. The choices,
+tie-breaking included (least load, then lowest rank), are those of a linear search (see
+``benchmarks/planner_before_after.py`` and ``knitdata bench control --scale`` for the cost).
+
+Inputs. ``num_tokens``, ``nbytes`` and ``seq`` must be integers of magnitude below ``2**40`` (sums stay
+exact in int64); anything else raises :class:`~knitdata.errors.ValidationError` naming the trajectory and
+the field.
 """
 
 from __future__ import annotations
@@ -261,8 +268,8 @@ class Planner:
         and least trajectory tokens.
 
         Units go largest first to the least-loaded consumer on their home node, or overall (see the module
-        docstring). The least-loaded searches use heaps of ``(load, rank)`` with lazy invalidation (an entry
-        is current when its load is the rank's load; loads only grow), one over all ranks and one per node,
+        docstring). The least-loaded searches use heaps of the keys ``load * n + rank`` with lazy invalidation
+        (an entry is current when it is the rank's key; loads only grow), one over all ranks and one per node,
         so each unit costs O(log ranks) instead of O(ranks), with the same choices and tie-breaking (least
         load, then lowest rank) as a linear search; the overall search runs only when its answer can matter.
         Everything else is done by numpy over the trajectories laid out unit after unit (unit sums, the unit
@@ -305,7 +312,7 @@ class Planner:
         node_of_loc: dict[str | None, str | None] = {}  # location -> node
 
         def code_of(locations: Iterable[str | None]) -> list[int]:
-            for loc in dict.fromkeys(locations).keys() - node_of_loc.keys():
+            for loc in [loc for loc in dict.fromkeys(locations) if loc not in node_of_loc]:
                 node = self._node(loc)
                 node_of_loc[loc] = node
                 if node not in codes:
@@ -384,7 +391,7 @@ class Planner:
                 unit_rank[i] = ra
                 replace(heap_all, ea)
                 push(heaps[node_code[ra]], ea)
-        loads = [k // n for k in keys]
+        loads = list(map(operator.floordiv, keys, repeat(n)))
         ranks = np.array(unit_rank, dtype=np.int64)
         unit_node = index.node_code[ranks]
         # bytes on the consumer's node: whole units at home, and the members of units on several nodes
@@ -465,7 +472,8 @@ class Planner:
             loss_tokens: Loss-mask tokens per trajectory id, for ``global_loss_tokens`` (0 if absent).
 
         Raises:
-            ValidationError: If the mini-batch holds a trajectory id twice.
+            ValidationError: If the mini-batch holds a trajectory id twice, or a trajectory's ``num_tokens``,
+                ``nbytes`` or ``seq`` is not an integer of magnitude below 2**40.
         """
         gc_was_enabled = gc.isenabled()
         gc.disable()  # a plan allocates ~100k short-lived tuples: pausing the collector halves its cost
