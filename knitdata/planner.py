@@ -513,7 +513,7 @@ class Planner:
             "global_trajectories": len(metas),
             "global_loss_tokens": global_loss,
         }
-        rows: list[tuple[PlannedMicroBatch, ...]] | list[tuple[PlannedMicroBatch]]
+        rows: list[tuple[PlannedMicroBatch, ...]]
         if k == 1:
             rows = list(zip(_microbatches(common, range(len(shares)), repeat(0), shares)))
         else:
