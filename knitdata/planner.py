@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import gc
 import heapq
+import math
 import operator
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -347,10 +348,12 @@ class Planner:
         heap_all = keys.copy()  # ascending: already a heap
         node_code = index.node_code_list
         cap = (1.0 + self.balance_tolerance) * int(weights.sum()) / n
+        # load + w > cap (integers against a float) <=> (load + w) * n + rank >= over, for 0 <= rank < n
+        over = (math.floor(cap) + 1) * n
         unit_rank = [0] * n_units
         push, pop, replace = heapq.heappush, heapq.heappop, heapq.heapreplace
         w_sorted = weights[order].tolist()
-        for i, w, wn, h in zip(order.tolist(), w_sorted, map(operator.mul, w_sorted, repeat(n)), home[order].tolist()):
+        for i, wn, h in zip(order.tolist(), map(operator.mul, w_sorted, repeat(n)), home[order].tolist()):
             heap = local_heaps[h]
             if heap is not None:
                 e = heap[0]
@@ -360,7 +363,7 @@ class Planner:
                     e = heap[0]
                     r = e % n
                 # the overall least-loaded consumer only matters when this one is loaded and over the cap
-                if e >= n and e // n + w > cap:
+                if e + wn >= over and e >= n:
                     ea = heap_all[0]
                     ra = ea % n
                     while keys[ra] != ea:
