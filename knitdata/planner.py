@@ -309,16 +309,17 @@ class Planner:
         weights = np.maximum(np.add.reduceat(tokens, starts), 1)
         node_pos = index.node_pos
         n_layout = len(node_pos)
-        codes: dict[str | None, int] = {}  # node (of a location) -> code: the layout's nodes first, None last
-        node_of_loc: dict[str | None, str | None] = {}  # location -> node
+        # node codes: a layout node's position; above: nodes without consumers; -1: no node
+        codes: dict[str | None, int] = {}  # node -> code
+        loc_code: dict[str | None, int] = {}  # location -> code of its node
 
-        def code_of(locations: Iterable[str | None]) -> list[int]:
-            for loc in [loc for loc in dict.fromkeys(locations) if loc not in node_of_loc]:
+        def code_of(locations: list[str | None]) -> list[int]:
+            for loc in [loc for loc in dict.fromkeys(locations) if loc not in loc_code]:
                 node = self._node(loc)
-                node_of_loc[loc] = node
                 if node not in codes:
                     codes[node] = node_pos.get(node, n_layout + len(codes)) if node is not None else -1
-            return [codes[node_of_loc[loc]] for loc in locations]
+                loc_code[loc] = codes[node]
+            return list(map(loc_code.__getitem__, locations))
 
         first_code = np.array(code_of(locs[starts].tolist()), dtype=np.int64)
         home = first_code.copy()  # where a unit goes for locality
