@@ -37,7 +37,7 @@ import heapq
 import math
 import operator
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain, compress, repeat
 from typing import TYPE_CHECKING, Any, Protocol
@@ -519,7 +519,7 @@ class Planner:
         }
         rows: list[tuple[PlannedMicroBatch, ...]]
         if k == 1:
-            rows = list(zip(_microbatches(common, range(len(shares)), repeat(0), shares)))
+            rows = list(zip(_single_microbatches(common, shares)))
         else:
             make = _microbatch_factory(common)
             rows = []
@@ -542,18 +542,14 @@ class Planner:
         )
 
 
-def _microbatches(
-    common: dict[str, Any], consumers: Iterable[int], microbatches: Iterable[int], shares: Iterable[Sequence[TrajectoryMeta]]
-) -> list[PlannedMicroBatch]:
-    """Many :class:`PlannedMicroBatch` es sharing ``common`` fields, built by C-level passes.
+def _single_microbatches(common: dict[str, Any], shares: list[Sequence[TrajectoryMeta]]) -> list[PlannedMicroBatch]:
+    """Micro-batch 0 of every consumer (``shares[rank]``, tuples), sharing ``common`` fields, in bulk.
 
     The same fields and values as the dataclass constructor (so equality, hashing and ``repr`` are the
-    same), without its per-field frozen ``__setattr__`` calls: a plan at cluster scale builds tens of
-    thousands of them.
+    same), without its per-field frozen ``__setattr__`` calls: a plan at cluster scale builds thousands.
     """
     template = {**common, "consumer": 0, "microbatch": 0, "trajectories": ()}
-    dicts = [{**template, "consumer": c, "microbatch": i, "trajectories": tuple(s)}
-             for c, i, s in zip(consumers, microbatches, shares)]
+    dicts = [{**template, "consumer": c, "trajectories": s} for c, s in enumerate(shares)]
     objs = list(map(object.__new__, repeat(PlannedMicroBatch, len(dicts))))
     deque(map(object.__setattr__, objs, repeat("__dict__"), dicts), 0)
     return objs
