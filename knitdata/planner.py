@@ -205,7 +205,13 @@ class Planner:
         balance_tolerance: How far above the mean share (fraction) a local consumer may go before work
             moves to a less-loaded remote consumer.
         unit_nodes: Node of each storage-unit id (default: the unit id is the node name).
+
+    Attributes:
+        vectorize_from: Mini-batches of at least this many trajectories are assigned with numpy passes,
+            smaller ones with Python lists (numpy's per-call cost would dominate); the plans are the same.
     """
+
+    vectorize_from: int = 2048
 
     def __init__(
         self,
@@ -243,6 +249,8 @@ class Planner:
             nodes = list(self.layout.nodes)
             node_pos = {node: i for i, node in enumerate(nodes)}
             index = _LayoutIndex(
+                nodes=tuple(nodes),
+                node_of=[self.layout.node_of(r) for r in range(n)],
                 node_pos=node_pos,
                 node_code=np.array([node_pos[self.layout.node_of(r)] for r in range(n)], dtype=np.int64),
                 node_code_list=[node_pos[self.layout.node_of(r)] for r in range(n)],
@@ -281,6 +289,8 @@ class Planner:
         total_n = len(metas)
         if total_n == 0:
             return [() for _ in range(n)], [0] * n, 0, 0, 0, 0
+        if total_n < self.vectorize_from:
+            return self._assign_small(metas)
         index = self._layout_index()
         # lay the trajectories out unit after unit: units are the slices [starts[i], stops[i]) of `lay`
         lay: Sequence[TrajectoryMeta] = metas
@@ -412,6 +422,127 @@ class Planner:
         traj_rank = ranks if self.allow_split_groups else np.repeat(ranks, sizes)
         shares = _shares(lay, seqs, traj_rank, n)
         return shares, loads, local, remote, int(tokens.sum()), int(tokens.min())
+
+    def _assign_small(
+        self, metas: tuple[TrajectoryMeta, ...]
+    ) -> tuple[list[Sequence[TrajectoryMeta]], list[int], int, int, int, int]:
+        """:meth:`_assign` for small mini-batches: the same choices with Python lists and tuple heaps (no numpy).
+
+        Below :attr:`vectorize_from` trajectories numpy's per-call cost outweighs what it saves.
+        """
+        n = self.layout.num_consumers
+        total_n = len(metas)
+        index = self._layout_index()
+        node_pos, node_of_rank = index.node_pos, index.node_of
+        # lay the trajectories out unit after unit: units are the slices [starts[i], stops[i]) of `lay`
+        if self.allow_split_groups:
+            lay: Sequence[TrajectoryMeta] = metas
+            starts: Sequence[int] = range(total_n)
+        else:
+            groups = list(map(_GROUP, metas))
+            starts = [0, *compress(range(1, total_n), map(operator.ne, groups, groups[1:]))] if total_n else []
+            if len(starts) == len(set(groups)):  # every group is one contiguous run (as admission emits them)
+                lay = metas
+            else:
+                by_group: dict[str, list[TrajectoryMeta]] = {}
+                for m in metas:
+                    u = by_group.get(m.group)
+                    if u is None:
+                        by_group[m.group] = [m]
+                    else:
+                        u.append(m)
+                lay = tuple(chain.from_iterable(by_group.values()))
+                starts = list(accumulate((len(u) for u in by_group.values()), initial=0))[:-1]
+        stops = [*starts[1:], total_n]
+        n_units = len(starts)
+        tokens = _int_list(lay, _TOKENS, "num_tokens")
+        nbytes = _int_list(lay, _NBYTES, "nbytes")
+        seqs = _int_list(lay, _SEQ, "seq")
+        locs = list(map(_LOCATION, lay))
+        if self.unit_nodes is None:
+            loc_node: list[str | None] = locs
+        else:
+            get = self.unit_nodes.get
+            loc_node = [None if loc is None else get(loc) for loc in locs]
+        if self.allow_split_groups:
+            weights = [t if t > 1 else 1 for t in tokens]
+            keyed = sorted(zip(map(operator.neg, weights), seqs, map(_ID, lay), range(n_units)))
+        else:
+            weights = [max(1, sum(tokens[a:b])) for a, b in zip(starts, stops)]
+            keyed = sorted(
+                zip(map(operator.neg, weights), [seqs[a] for a in starts], [lay[a].id for a in starts], range(n_units))
+            )
+        cap = (1.0 + self.balance_tolerance) * sum(weights) / n
+        loads = [0] * n
+        unit_rank = [0] * n_units
+        heap_all = [(0, r) for r in range(n)]  # ascending: already a heap
+        node_heaps = {node: [(0, r) for r in rs] for node, rs in zip(index.nodes, index.node_heaps)}
+        locality = self.locality
+        push, pop = heapq.heappush, heapq.heappop
+        local = remote = 0
+        for _nw, _seq, _id, i in keyed:
+            w = weights[i]
+            a = starts[i]
+            b = stops[i]
+            if b - a == 1:
+                mixed = None
+                home = loc_node[a]
+            else:
+                mixed = loc_node[a:b]
+                home = mixed[0]
+                if mixed.count(home) == b - a:
+                    mixed = None  # one node (or none) holds the whole unit
+                elif locality:
+                    home = _mixed_home(mixed, nbytes[a:b], node_pos)
+            load, best_all = heap_all[0]
+            while loads[best_all] != load:
+                pop(heap_all)
+                load, best_all = heap_all[0]
+            choice = best_all
+            if locality and home is not None:
+                heap = node_heaps.get(home)
+                if heap:
+                    load_l, best_local = heap[0]
+                    while loads[best_local] != load_l:
+                        pop(heap)
+                        load_l, best_local = heap[0]
+                    choice = best_local
+                    if load_l + w > cap and load < load_l:
+                        choice = best_all
+            new_load = loads[choice] + w
+            loads[choice] = new_load
+            unit_rank[i] = choice
+            push(heap_all, (new_load, choice))
+            node = node_of_rank[choice]
+            push(node_heaps[node], (new_load, choice))
+            if mixed is None:
+                ub = nbytes[a] if b - a == 1 else sum(nbytes[a:b])
+                if home == node:
+                    local += ub
+                else:
+                    remote += ub
+            else:
+                for x, nb in zip(mixed, nbytes[a:b]):
+                    if x == node:
+                        local += nb
+                    else:
+                        remote += nb
+        # shares in (seq, id) order
+        units_of: list[list[int]] = [[] for _ in range(n)]
+        for i, r in enumerate(unit_rank):
+            units_of[r].append(i)
+        presorted = all(map(operator.lt, seqs, seqs[1:]))  # laid out in (seq, id) order already
+        key = _SEQ if presorted or len(set(seqs)) == total_n else _SEQ_ID
+        shares: list[Sequence[TrajectoryMeta]] = []
+        for us in units_of:
+            if not us:
+                shares.append(())
+            elif len(us) == 1:
+                a, b = starts[us[0]], stops[us[0]]
+                shares.append(lay[a:b] if presorted else sorted(lay[a:b], key=key))
+            else:
+                shares.append(sorted(chain.from_iterable(lay[starts[i] : stops[i]] for i in us), key=key))
+        return shares, loads, local, remote, sum(tokens), min(tokens)
 
     # ------------------------------------------------------------------ micro-batches
     def _first_fit(self, share: Sequence[TrajectoryMeta]) -> tuple[list[int], list[int], list[list[int]]]:
@@ -578,6 +709,17 @@ def _microbatch_factory(common: dict[str, Any]) -> Callable[[int, int, Sequence[
     return make
 
 
+def _mixed_home(unit_nodes: list[str | None], nbytes: list[int], node_pos: dict[str, int]) -> str | None:
+    """The node holding most of a unit's bytes (ties: the earliest node of the layout, then the first seen)."""
+    by_node: dict[str, int] = {}
+    for node, b in zip(unit_nodes, nbytes):
+        if node is not None:
+            by_node[node] = by_node.get(node, 0) + (b if b > 1 else 1)
+    if not by_node:
+        return None
+    return max(by_node, key=lambda k: (by_node[k], -node_pos[k] if k in node_pos else 0))
+
+
 def _mixed_homes(unit: Any, code: Any, nbytes: Any, n_layout: int) -> tuple[Any, Any]:
     """Home of each unit on several nodes: the node holding most of its bytes (each trajectory counted at least 1).
 
@@ -614,6 +756,8 @@ def _mixed_homes(unit: Any, code: Any, nbytes: Any, n_layout: int) -> tuple[Any,
 class _LayoutIndex:
     """What assignment reads of a layout, computed once per layout."""
 
+    nodes: tuple[str, ...]  # the layout's nodes
+    node_of: list[str]  # node of each rank
     node_pos: dict[str, int]  # position of each node in the layout (its code)
     node_code: Any  # code of each rank's node (int64 array)
     node_code_list: list[int]  # the same, as a list
@@ -651,6 +795,17 @@ def _int_column(metas: Sequence[TrajectoryMeta], get: Callable[[TrajectoryMeta],
                                       trajectory_id=m.id, field=field)
         raise ValidationError("must be ints of magnitude below 2**40 to be planned", field=field)
     return ints
+
+
+def _int_list(metas: Sequence[TrajectoryMeta], get: Callable[[TrajectoryMeta], int], field: str) -> list[int]:
+    """:func:`_int_column` as a list, checked without numpy when the values are plain ints in range."""
+    values = list(map(get, metas))
+    try:  # a sum of ints is an int (a float, a numpy scalar or None among them changes that)
+        if type(sum(values)) is int and -MAX_PLANNED_VALUE < min(values) and max(values) < MAX_PLANNED_VALUE:
+            return values
+    except TypeError:
+        pass
+    return _int_column(metas, get, field).tolist()  # type: ignore[no-any-return]
 
 
 def _unit_order(weights: Any, first_seqs: Any, lay: Sequence[TrajectoryMeta], starts: Any) -> Any:
