@@ -25,9 +25,9 @@ are, the bytes that stay local, and one sort by ``(rank, seq)`` that cuts every 
 tie-breaking included (least load, then lowest rank), are those of a linear search (see
 ``benchmarks/planner_before_after.py`` and ``knitdata bench control --scale`` for the cost).
 
-Inputs. ``num_tokens``, ``nbytes`` and ``seq`` must be integers of magnitude below ``2**40`` (sums stay
-exact in int64); anything else raises :class:`~knitdata.errors.ValidationError` naming the trajectory and
-the field.
+Mini-batches below :attr:`Planner.vectorize_from` trajectories, or whose ``num_tokens``, ``nbytes`` or
+``seq`` are not all integers of magnitude below ``2**40``, are assigned with Python lists instead (the same
+choices: numpy's per-call cost dominates small mini-batches, and int64 must hold the sums).
 """
 
 from __future__ import annotations
@@ -262,12 +262,7 @@ class Planner:
 
     # ------------------------------------------------------------------ shares
     def assign(self, metas: Sequence[TrajectoryMeta]) -> list[list[TrajectoryMeta]]:
-        """Split ``metas`` into one share per consumer (locality first, then token balance).
-
-        Raises:
-            ValidationError: If a trajectory's ``num_tokens``, ``nbytes`` or ``seq`` is not an integer of
-                magnitude below 2**40.
-        """
+        """Split ``metas`` into one share per consumer (locality first, then token balance)."""
         return [list(s) for s in self._assign(tuple(metas))[0]]
 
     def _assign(
@@ -311,9 +306,11 @@ class Planner:
                 starts = np.array(list(accumulate(map(len, by_group.values()), initial=0))[:-1], dtype=np.int64)
         n_units = len(starts)
         sizes = np.diff(starts, append=total_n)
-        tokens = _int_column(lay, _TOKENS, "num_tokens")
-        nbytes = _int_column(lay, _NBYTES, "nbytes")
-        seqs = _int_column(lay, _SEQ, "seq")
+        tokens = _int_column(lay, _TOKENS)
+        nbytes = _int_column(lay, _NBYTES)
+        seqs = _int_column(lay, _SEQ)
+        if tokens is None or nbytes is None or seqs is None:  # not int64-safe integers: exact Python arithmetic
+            return self._assign_small(metas)
         locs = np.fromiter(map(_LOCATION, lay), dtype=object, count=total_n)
         # per unit: weight (tokens, at least 1) and the node of its first trajectory
         weights = np.maximum(np.add.reduceat(tokens, starts), 1)
@@ -428,7 +425,8 @@ class Planner:
     ) -> tuple[list[Sequence[TrajectoryMeta]], list[int], int, int, int, int]:
         """:meth:`_assign` for small mini-batches: the same choices with Python lists and tuple heaps (no numpy).
 
-        Below :attr:`vectorize_from` trajectories numpy's per-call cost outweighs what it saves.
+        Below :attr:`vectorize_from` trajectories numpy's per-call cost outweighs what it saves; and it is
+        exact for any numbers (int64 is not).
         """
         n = self.layout.num_consumers
         total_n = len(metas)
@@ -455,9 +453,9 @@ class Planner:
                 starts = list(accumulate((len(u) for u in by_group.values()), initial=0))[:-1]
         stops = [*starts[1:], total_n]
         n_units = len(starts)
-        tokens = _int_list(lay, _TOKENS, "num_tokens")
-        nbytes = _int_list(lay, _NBYTES, "nbytes")
-        seqs = _int_list(lay, _SEQ, "seq")
+        tokens = list(map(_TOKENS, lay))
+        nbytes = list(map(_NBYTES, lay))
+        seqs = list(map(_SEQ, lay))
         locs = list(map(_LOCATION, lay))
         if self.unit_nodes is None:
             loc_node: list[str | None] = locs
@@ -542,7 +540,7 @@ class Planner:
                 shares.append(lay[a:b] if presorted else sorted(lay[a:b], key=key))
             else:
                 shares.append(sorted(chain.from_iterable(lay[starts[i] : stops[i]] for i in us), key=key))
-        return shares, loads, local, remote, sum(tokens), min(tokens)
+        return shares, loads, local, remote, sum(tokens), min(tokens, default=0)
 
     # ------------------------------------------------------------------ micro-batches
     def _first_fit(self, share: Sequence[TrajectoryMeta]) -> tuple[list[int], list[int], list[list[int]]]:
@@ -607,8 +605,7 @@ class Planner:
             loss_tokens: Loss-mask tokens per trajectory id, for ``global_loss_tokens`` (0 if absent).
 
         Raises:
-            ValidationError: If the mini-batch holds a trajectory id twice, or a trajectory's ``num_tokens``,
-                ``nbytes`` or ``seq`` is not an integer of magnitude below 2**40.
+            ValidationError: If the mini-batch holds a trajectory id twice.
         """
         gc_was_enabled = gc.isenabled()
         gc.disable()  # a plan allocates ~100k short-lived tuples: pausing the collector halves its cost
@@ -632,7 +629,7 @@ class Planner:
             budget = -1
         k = 1
         ffds: dict[int, tuple[list[int], list[int], list[list[int]]]] = {}
-        for rank in compress(range(len(loads)), map(budget.__lt__, loads)):
+        for rank in compress(range(len(loads)), map(operator.lt, repeat(budget), loads)):
             if len(shares[rank]) > 1:
                 ffd = self._first_fit(shares[rank])
                 if len(ffd[2]) > 1:
@@ -764,48 +761,24 @@ class _LayoutIndex:
     node_heaps: tuple[list[int], ...]  # the ranks of each node, ascending (its initial heap), in layout order
 
 
-#: Largest magnitude (exclusive) of ``num_tokens``, ``nbytes`` and ``seq`` the planner takes: sums over a
-#: mini-batch stay exact in int64.
-MAX_PLANNED_VALUE = 1 << 40
+#: Largest magnitude (exclusive) of ``num_tokens``, ``nbytes`` and ``seq`` for the numpy passes (sums over a
+#: mini-batch stay exact in int64); other values are planned with Python arithmetic.
+_MAX_EXACT = 1 << 40
 _INT64_SAFE = 1 << 62  # sort keys below this fit in int64
 
 
-def _int_column(metas: Sequence[TrajectoryMeta], get: Callable[[TrajectoryMeta], int], field: str) -> Any:
-    """An integer field of every trajectory as an int64 array (raises :class:`ValidationError` naming a bad one).
-
-    Read through float64 (exact below 2**53), which also catches non-integral and non-numeric values.
-    """
-    n = len(metas)
+def _int_column(metas: Sequence[TrajectoryMeta], get: Callable[[TrajectoryMeta], int]) -> Any:
+    """An integer field of every trajectory as an int64 array, or ``None`` unless all are integers of magnitude
+    below 2**40 (read through float64, exact below 2**53)."""
     try:
-        values = np.fromiter(map(get, metas), dtype=np.float64, count=n)
-        with np.errstate(invalid="ignore"):  # NaN or infinity: caught below
-            ints = values.astype(np.int64)
-        ok = bool((ints == values).all()) and float(np.abs(values).max()) < MAX_PLANNED_VALUE
+        values = np.fromiter(map(get, metas), dtype=np.float64, count=len(metas))
     except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        for m in metas:
-            v = get(m)
-            try:
-                good = float(v) == int(v) and abs(int(v)) < MAX_PLANNED_VALUE
-            except (TypeError, ValueError, OverflowError):
-                good = False
-            if not good:
-                raise ValidationError(f"must be an int of magnitude below 2**40 to be planned, got {v!r}",
-                                      trajectory_id=m.id, field=field)
-        raise ValidationError("must be ints of magnitude below 2**40 to be planned", field=field)
+        return None
+    with np.errstate(invalid="ignore"):  # NaN or infinity: not equal below
+        ints = values.astype(np.int64)
+    if not (ints == values).all() or float(np.abs(values).max()) >= _MAX_EXACT:
+        return None
     return ints
-
-
-def _int_list(metas: Sequence[TrajectoryMeta], get: Callable[[TrajectoryMeta], int], field: str) -> list[int]:
-    """:func:`_int_column` as a list, checked without numpy when the values are plain ints in range."""
-    values = list(map(get, metas))
-    try:  # a sum of ints is an int (a float, a numpy scalar or None among them changes that)
-        if type(sum(values)) is int and -MAX_PLANNED_VALUE < min(values) and max(values) < MAX_PLANNED_VALUE:
-            return values
-    except TypeError:
-        pass
-    return _int_column(metas, get, field).tolist()  # type: ignore[no-any-return]
 
 
 def _unit_order(weights: Any, first_seqs: Any, lay: Sequence[TrajectoryMeta], starts: Any) -> Any:

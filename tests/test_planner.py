@@ -307,13 +307,16 @@ def test_plan_matches_the_reference_with_large_values(vectorize_from, case, seq_
 
 
 @pytest.mark.parametrize("vectorize_from", [Planner.vectorize_from, 1])
-@pytest.mark.parametrize("field, value", [("num_tokens", 1.5), ("num_tokens", None), ("nbytes", "ten"),
-                                          ("seq", 1 << 40), ("nbytes", -(1 << 41)), ("seq", float("nan"))])
-def test_values_the_planner_cannot_take_are_named(field, value, vectorize_from) -> None:
-    metas = [TrajectoryMeta(id=f"t{i}", source="s", group=f"g{i}", num_tokens=5, nbytes=5, location="node0", seq=i)
-             for i in range(4)]
-    metas[2] = TrajectoryMeta(**{**metas[2].to_dict(), "media_digests": (), field: value})
-    planner = Planner(ConsumerLayout.single_node(2), 10)
+@pytest.mark.parametrize("field, value", [("num_tokens", 7.5), ("seq", 1 << 70), ("nbytes", 1 << 45),
+                                          ("num_tokens", -(1 << 41))])
+def test_values_outside_int64_planning_are_planned_exactly(field, value, vectorize_from) -> None:
+    rng = random.Random(7)
+    layout = ConsumerLayout.uniform(2, 2)
+    metas = _metas(rng, 24, 3, list(layout.nodes))
+    metas[5] = TrajectoryMeta(**{**metas[5].to_dict(), "media_digests": (), field: value})
+    planner = Planner(layout, 40)
     planner.vectorize_from = vectorize_from
-    with pytest.raises(ValidationError, match=f"'t2'.*'{field}'"):
-        planner.plan(_Admitted(0, 0, 0, tuple(metas)))
+    plan = planner.plan(_Admitted(0, 0, 0, tuple(metas)))
+    rows, k, local, remote = _ReferencePlanner(layout, 40).plan_rows(metas)
+    assert [[list(mb.trajectory_ids) for mb in row] for row in plan.microbatches] == rows
+    assert (plan.num_microbatches, plan.local_bytes, plan.remote_bytes) == (k, local, remote)
