@@ -25,9 +25,10 @@ are, the bytes that stay local, and one sort by ``(rank, seq)`` that cuts every 
 tie-breaking included (least load, then lowest rank), are those of a linear search (see
 ``benchmarks/planner_before_after.py`` and ``knitdata bench control --scale`` for the cost).
 
-Mini-batches below :attr:`Planner.vectorize_from` trajectories, or whose ``num_tokens``, ``nbytes`` or
-``seq`` are not all integers of magnitude below ``2**40``, are assigned with Python lists instead (the same
-choices: numpy's per-call cost dominates small mini-batches, and int64 must hold the sums).
+Mini-batches below :attr:`Planner.vectorize_from` trajectories (or of ``2**22`` or more), or whose
+``num_tokens``, ``nbytes`` or ``seq`` are not all integers of magnitude below ``2**40``, are assigned with
+Python lists instead (the same choices: numpy's per-call cost dominates small mini-batches, and int64 must
+hold the sums).
 """
 
 from __future__ import annotations
@@ -284,7 +285,7 @@ class Planner:
         total_n = len(metas)
         if total_n == 0:
             return [() for _ in range(n)], [0] * n, 0, 0, 0, 0
-        if total_n < self.vectorize_from:
+        if total_n < self.vectorize_from or total_n >= _MAX_EXACT_COUNT:
             return self._assign_small(metas)
         index = self._layout_index()
         # lay the trajectories out unit after unit: units are the slices [starts[i], stops[i]) of `lay`
@@ -761,9 +762,10 @@ class _LayoutIndex:
     node_heaps: tuple[list[int], ...]  # the ranks of each node, ascending (its initial heap), in layout order
 
 
-#: Largest magnitude (exclusive) of ``num_tokens``, ``nbytes`` and ``seq`` for the numpy passes (sums over a
-#: mini-batch stay exact in int64); other values are planned with Python arithmetic.
+#: Largest magnitude (exclusive) of ``num_tokens``, ``nbytes`` and ``seq``, and most trajectories, for the
+#: numpy passes (sums over a mini-batch stay exact in int64); other mini-batches use Python arithmetic.
 _MAX_EXACT = 1 << 40
+_MAX_EXACT_COUNT = 1 << 22
 _INT64_SAFE = 1 << 62  # sort keys below this fit in int64
 
 
