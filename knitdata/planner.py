@@ -17,22 +17,33 @@ rebalanced into ``K`` bins when that stays within the budget, and padded with ex
 micro-batches otherwise, so every consumer runs exactly ``K`` micro-batches per mini-batch. A single
 trajectory larger than the budget gets a micro-batch of its own.
 
-Cost. The least-loaded searches run on heaps (one over all consumers, one per node, lazily invalidated),
-so a unit costs O(log consumers), and per-trajectory work is done in C-level passes: one mini-batch of
-64,000 trajectories over 8,000 consumers plans in about 150 ms on a shared 2-core machine (``knitdata bench control
---scale``). The choices, tie-breaking included (least load, then lowest rank), are those of a linear search.
+Cost. The least-loaded searches run on heaps of integer keys ``load * consumers + rank`` (one over all
+consumers, one per node, lazily invalidated), so a unit costs O(log consumers), and the search over all
+consumers runs only when its answer can change the choice. Everything else is numpy or C-level passes over
+the trajectories laid out unit after unit: reading their fields, unit sums, the unit order, where units
+are, the bytes that stay local, and one sort by ``(rank, seq)`` that cuts every share. The choices,
+tie-breaking included (least load, then lowest rank), are those of a linear search (see
+``benchmarks/planner_before_after.py`` and ``knitdata bench control --scale`` for the cost).
+
+Mini-batches below :attr:`Planner.vectorize_from` trajectories (or of ``2**22`` or more), or whose
+``num_tokens``, ``nbytes`` or ``seq`` are not all integers of magnitude below ``2**40``, are assigned with
+Python lists instead (the same choices: numpy's per-call cost dominates small mini-batches, and int64 must
+hold the sums).
 """
 
 from __future__ import annotations
 
 import gc
 import heapq
+import math
 import operator
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, chain, compress
+from itertools import accumulate, chain, compress, repeat
 from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
 
 from knitdata.errors import ConfigError, ValidationError
 from knitdata.placement import ConsumerLayout
@@ -195,7 +206,13 @@ class Planner:
         balance_tolerance: How far above the mean share (fraction) a local consumer may go before work
             moves to a less-loaded remote consumer.
         unit_nodes: Node of each storage-unit id (default: the unit id is the node name).
+
+    Attributes:
+        vectorize_from: Mini-batches of at least this many trajectories are assigned with numpy passes,
+            smaller ones with Python lists (numpy's per-call cost would dominate); the plans are the same.
     """
+
+    vectorize_from: int = 2048
 
     def __init__(
         self,
@@ -225,15 +242,22 @@ class Planner:
             return location
         return self.unit_nodes.get(location)
 
-    def _layout_index(self) -> tuple[dict[str, int], dict[str, tuple[int, ...]], list[str]]:
-        """Node positions, ranks per node and node per rank of the layout (cached: the layout is immutable)."""
+    def _layout_index(self) -> _LayoutIndex:
+        """Node positions, node per rank and the initial heaps of the layout (cached: the layout is immutable)."""
         cached = self.__dict__.get("_layout_cache")
         if cached is None or cached[0] is not self.layout:
+            n = self.layout.num_consumers
             nodes = list(self.layout.nodes)
             node_pos = {node: i for i, node in enumerate(nodes)}
-            ranks_on = {node: tuple(self.layout.ranks_on(node)) for node in nodes}
-            node_of = [self.layout.node_of(r) for r in range(self.layout.num_consumers)]
-            cached = (self.layout, (node_pos, ranks_on, node_of))
+            index = _LayoutIndex(
+                nodes=tuple(nodes),
+                node_of=[self.layout.node_of(r) for r in range(n)],
+                node_pos=node_pos,
+                node_code=np.array([node_pos[self.layout.node_of(r)] for r in range(n)], dtype=np.int64),
+                node_code_list=[node_pos[self.layout.node_of(r)] for r in range(n)],
+                node_heaps=tuple(sorted(self.layout.ranks_on(node)) for node in nodes),
+            )
+            cached = (self.layout, index)
             self.__dict__["_layout_cache"] = cached
         return cached[1]
 
@@ -244,19 +268,171 @@ class Planner:
 
     def _assign(
         self, metas: tuple[TrajectoryMeta, ...]
-    ) -> tuple[list[Sequence[TrajectoryMeta]], list[int], int, int, list[int]]:
-        """Shares (each in ``(seq, id)`` order), consumer loads, local and remote payload bytes, and tokens.
+    ) -> tuple[list[Sequence[TrajectoryMeta]], list[int], int, int, int, int]:
+        """Shares (each in ``(seq, id)`` order), consumer loads, local and remote payload bytes, and the total
+        and least trajectory tokens.
 
         Units go largest first to the least-loaded consumer on their home node, or overall (see the module
-        docstring). The least-loaded searches use heaps of ``(load, rank)`` with lazy invalidation (an entry
-        is current when its load is the rank's load; loads only grow), one over all ranks and one per node,
+        docstring). The least-loaded searches use heaps of the keys ``load * n + rank`` with lazy invalidation
+        (an entry is current when it is the rank's key; loads only grow), one over all ranks and one per node,
         so each unit costs O(log ranks) instead of O(ranks), with the same choices and tie-breaking (least
-        load, then lowest rank) as a linear search. Per-trajectory work is done by C-level passes (``map``,
-        slices) over the trajectories laid out unit after unit.
+        load, then lowest rank) as a linear search; the overall search runs only when its answer can matter.
+        Everything else is done by numpy over the trajectories laid out unit after unit (unit sums, the unit
+        order, where units are, the bytes that stay local) and the shares are cut from one sort of all
+        trajectories by ``(rank, seq)``.
         """
         n = self.layout.num_consumers
         total_n = len(metas)
-        node_pos, ranks_on, node_of_rank = self._layout_index()
+        if total_n == 0:
+            return [() for _ in range(n)], [0] * n, 0, 0, 0, 0
+        if total_n < self.vectorize_from or total_n >= _MAX_EXACT_COUNT:
+            return self._assign_small(metas)
+        index = self._layout_index()
+        # lay the trajectories out unit after unit: units are the slices [starts[i], stops[i]) of `lay`
+        lay: Sequence[TrajectoryMeta] = metas
+        if self.allow_split_groups:
+            starts = np.arange(total_n)
+        else:
+            groups = np.fromiter(map(_GROUP, metas), dtype=object, count=total_n)
+            starts = np.concatenate(([0], np.flatnonzero(groups[1:] != groups[:-1]) + 1))
+            if len(set(groups[starts].tolist())) != len(starts):  # a group in more than one run
+                by_group: dict[str, list[TrajectoryMeta]] = {}
+                for m in metas:
+                    u = by_group.get(m.group)
+                    if u is None:
+                        by_group[m.group] = [m]
+                    else:
+                        u.append(m)
+                lay = tuple(chain.from_iterable(by_group.values()))
+                starts = np.array(list(accumulate(map(len, by_group.values()), initial=0))[:-1], dtype=np.int64)
+        n_units = len(starts)
+        sizes = np.diff(starts, append=total_n)
+        tokens = _int_column(lay, _TOKENS)
+        nbytes = _int_column(lay, _NBYTES)
+        seqs = _int_column(lay, _SEQ)
+        if tokens is None or nbytes is None or seqs is None:  # not int64-safe integers: exact Python arithmetic
+            return self._assign_small(metas)
+        locs = np.fromiter(map(_LOCATION, lay), dtype=object, count=total_n)
+        # per unit: weight (tokens, at least 1) and the node of its first trajectory
+        weights = np.maximum(np.add.reduceat(tokens, starts), 1)
+        node_pos = index.node_pos
+        n_layout = len(node_pos)
+        # node codes: a layout node's position; above: nodes without consumers; -1: no node
+        codes: dict[str | None, int] = {}  # node -> code
+        loc_code: dict[str | None, int] = {}  # location -> code of its node
+
+        def code_of(locations: list[str | None]) -> list[int]:
+            for loc in [loc for loc in dict.fromkeys(locations) if loc not in loc_code]:
+                node = self._node(loc)
+                if node not in codes:
+                    codes[node] = node_pos.get(node, n_layout + len(codes)) if node is not None else -1
+                loc_code[loc] = codes[node]
+            return list(map(loc_code.__getitem__, locations))
+
+        first_code = np.array(code_of(locs[starts].tolist()), dtype=np.int64)
+        home = first_code.copy()  # where a unit goes for locality
+        # units on several locations: a change of location inside the unit
+        change = np.flatnonzero(locs[1:] != locs[:-1]) + 1
+        unit_of_change = np.searchsorted(starts, change, side="right") - 1
+        mixed = np.unique(unit_of_change[starts[unit_of_change] != change])
+        mixed_members: Any = None
+        if mixed.size:
+            in_mixed = np.zeros(n_units, dtype=bool)
+            in_mixed[mixed] = True
+            mixed_members = np.flatnonzero(np.repeat(in_mixed, sizes))
+            member_codes = code_of(locs[mixed_members].tolist())
+            if self.locality:  # home: the node holding most of the unit's bytes
+                home[mixed] = -1  # no node, unless one holds some of its trajectories
+                unit_home, node = _mixed_homes(np.repeat(mixed, sizes[mixed]), np.array(member_codes, dtype=np.int64),
+                                               nbytes[mixed_members], n_layout)
+                home[unit_home] = node
+        order = _unit_order(weights, seqs[starts], lay, starts)
+        # the main loop: one unit at a time, largest first
+        # heaps hold the key `load * n + rank` of consumers (least load, then lowest rank, first); an entry is
+        # current when it is the rank's key in `keys`
+        local_heaps: list[list[int] | None]
+        heaps = list(map(list.copy, index.node_heaps))
+        local_heaps = heaps + [None] * (len(codes) + 1) if self.locality else [None] * (n_layout + len(codes) + 1)
+        keys = list(range(n))
+        heap_all = keys.copy()  # ascending: already a heap
+        node_code = index.node_code_list
+        cap = (1.0 + self.balance_tolerance) * int(weights.sum()) / n
+        # load + w > cap (integers against a float) <=> (load + w) * n + rank >= over, for 0 <= rank < n
+        over = (math.floor(cap) + 1) * n
+        unit_rank = [0] * n_units
+        push, pop, replace = heapq.heappush, heapq.heappop, heapq.heapreplace
+        w_sorted = weights[order].tolist()
+        for i, wn, h in zip(order.tolist(), map(operator.mul, w_sorted, repeat(n)), home[order].tolist()):
+            heap = local_heaps[h]
+            if heap is not None:
+                e = heap[0]
+                r = e % n
+                while keys[r] != e:
+                    pop(heap)
+                    e = heap[0]
+                    r = e % n
+                # the overall least-loaded consumer only matters when this one is loaded and over the cap
+                if e + wn >= over and e >= n:
+                    ea = heap_all[0]
+                    ra = ea % n
+                    while keys[ra] != ea:
+                        pop(heap_all)
+                        ea = heap_all[0]
+                        ra = ea % n
+                    if ea < e - r:  # less loaded: to the least-loaded consumer overall (on another node)
+                        ea += wn
+                        keys[ra] = ea
+                        unit_rank[i] = ra
+                        replace(heap_all, ea)
+                        push(heaps[node_code[ra]], ea)
+                        continue
+                e += wn
+                keys[r] = e
+                unit_rank[i] = r
+                replace(heap, e)
+                push(heap_all, e)
+            else:
+                ea = heap_all[0]
+                ra = ea % n
+                while keys[ra] != ea:
+                    pop(heap_all)
+                    ea = heap_all[0]
+                    ra = ea % n
+                ea += wn
+                keys[ra] = ea
+                unit_rank[i] = ra
+                replace(heap_all, ea)
+                push(heaps[node_code[ra]], ea)
+        loads = list(map(operator.floordiv, keys, repeat(n)))
+        ranks = np.array(unit_rank, dtype=np.int64)
+        unit_node = index.node_code[ranks]
+        # bytes on the consumer's node: whole units at home, and the members of units on several nodes
+        unit_bytes = np.add.reduceat(nbytes, starts)
+        at_home = first_code == unit_node
+        if mixed_members is not None:
+            at_home[mixed] = False
+            local = int(unit_bytes[at_home].sum())
+            on = np.array(member_codes, dtype=np.int64) == np.repeat(unit_node[mixed], sizes[mixed])
+            local += int(nbytes[mixed_members][on].sum())
+        else:
+            local = int(unit_bytes[at_home].sum())
+        remote = int(nbytes.sum()) - local
+        traj_rank = ranks if self.allow_split_groups else np.repeat(ranks, sizes)
+        shares = _shares(lay, seqs, traj_rank, n)
+        return shares, loads, local, remote, int(tokens.sum()), int(tokens.min())
+
+    def _assign_small(
+        self, metas: tuple[TrajectoryMeta, ...]
+    ) -> tuple[list[Sequence[TrajectoryMeta]], list[int], int, int, int, int]:
+        """:meth:`_assign` for small mini-batches: the same choices with Python lists and tuple heaps (no numpy).
+
+        Below :attr:`vectorize_from` trajectories numpy's per-call cost outweighs what it saves; and it is
+        exact for any numbers (int64 is not).
+        """
+        n = self.layout.num_consumers
+        total_n = len(metas)
+        index = self._layout_index()
+        node_pos, node_of_rank = index.node_pos, index.node_of
         # lay the trajectories out unit after unit: units are the slices [starts[i], stops[i]) of `lay`
         if self.allow_split_groups:
             lay: Sequence[TrajectoryMeta] = metas
@@ -299,7 +475,7 @@ class Planner:
         loads = [0] * n
         unit_rank = [0] * n_units
         heap_all = [(0, r) for r in range(n)]  # ascending: already a heap
-        node_heaps = {node: [(0, r) for r in sorted(rs)] for node, rs in ranks_on.items() if rs}
+        node_heaps = {node: [(0, r) for r in rs] for node, rs in zip(index.nodes, index.node_heaps)}
         locality = self.locality
         push, pop = heapq.heappush, heapq.heappop
         local = remote = 0
@@ -365,7 +541,7 @@ class Planner:
                 shares.append(lay[a:b] if presorted else sorted(lay[a:b], key=key))
             else:
                 shares.append(sorted(chain.from_iterable(lay[starts[i] : stops[i]] for i in us), key=key))
-        return shares, loads, local, remote, tokens
+        return shares, loads, local, remote, sum(tokens), min(tokens, default=0)
 
     # ------------------------------------------------------------------ micro-batches
     def _first_fit(self, share: Sequence[TrajectoryMeta]) -> tuple[list[int], list[int], list[list[int]]]:
@@ -442,27 +618,25 @@ class Planner:
 
     def _plan(self, admitted: AdmittedLike, loss_tokens: Mapping[str, int] | None) -> MiniBatchPlan:
         metas = tuple(admitted.trajectories)
-        ids = list(map(_ID, metas))
-        if len(set(ids)) != len(ids):
-            counts = Counter(ids)
-            dup = next(i for i in ids if counts[i] > 1)
+        if len(set(map(_ID, metas))) != len(metas):
+            counts = Counter(map(_ID, metas))
+            dup = next(i for i in map(_ID, metas) if counts[i] > 1)
             raise ValidationError("appears twice in one admitted mini-batch", trajectory_id=dup, field="id")
-        shares, loads, local, remote, tokens = self._assign(metas)
+        shares, loads, local, remote, global_tokens, least_tokens = self._assign(metas)
         # K: the most first-fit-decreasing bins over consumers. A share whose load (tokens, each unit
         # counted at least 1) fits the budget needs one bin; only the others run first-fit decreasing.
         budget = self.token_budget
-        if min(tokens, default=0) < 0:  # not token counts: no shortcut
+        if least_tokens < 0:  # not token counts: no shortcut
             budget = -1
         k = 1
         ffds: dict[int, tuple[list[int], list[int], list[list[int]]]] = {}
-        for rank, load in enumerate(loads):
-            if load > budget and len(shares[rank]) > 1:
+        for rank in compress(range(len(loads)), map(operator.lt, repeat(budget), loads)):
+            if len(shares[rank]) > 1:
                 ffd = self._first_fit(shares[rank])
                 if len(ffd[2]) > 1:
                     ffds[rank] = ffd
                     k = max(k, len(ffd[2]))
-        global_tokens = sum(tokens)
-        global_loss = sum(int(loss_tokens.get(i, 0)) for i in ids) if loss_tokens else 0
+        global_loss = sum(map(int, map(loss_tokens.get, map(_ID, metas), repeat(0)))) if loss_tokens else 0
         common = {
             "train_batch": admitted.train_batch,
             "minibatch": admitted.step,
@@ -472,12 +646,12 @@ class Planner:
             "global_trajectories": len(metas),
             "global_loss_tokens": global_loss,
         }
-        make = _microbatch_factory(common)
-        rows: list[tuple[PlannedMicroBatch, ...]] = []
+        rows: list[tuple[PlannedMicroBatch, ...]]
         if k == 1:
-            for rank, share in enumerate(shares):
-                rows.append((make(rank, 0, share),))
+            rows = list(zip(_single_microbatches(common, shares)))
         else:
+            make = _microbatch_factory(common)
+            rows = []
             for rank, share in enumerate(shares):
                 if not share:
                     rows.append(tuple(make(rank, i, ()) for i in range(k)))
@@ -495,6 +669,19 @@ class Planner:
             local_bytes=local,
             remote_bytes=remote,
         )
+
+
+def _single_microbatches(common: dict[str, Any], shares: list[Sequence[TrajectoryMeta]]) -> list[PlannedMicroBatch]:
+    """Micro-batch 0 of every consumer (``shares[rank]``, tuples), sharing ``common`` fields, in bulk.
+
+    The same fields and values as the dataclass constructor (so equality, hashing and ``repr`` are the
+    same), without its per-field frozen ``__setattr__`` calls: a plan at cluster scale builds thousands.
+    """
+    template = {**common, "consumer": 0, "microbatch": 0, "trajectories": ()}
+    dicts = [{**template, "consumer": c, "trajectories": s} for c, s in enumerate(shares)]
+    objs = list(map(object.__new__, repeat(PlannedMicroBatch, len(dicts))))
+    deque(map(object.__setattr__, objs, repeat("__dict__"), dicts), 0)
+    return objs
 
 
 def _microbatch_factory(common: dict[str, Any]) -> Callable[[int, int, Sequence[TrajectoryMeta]], PlannedMicroBatch]:
@@ -529,3 +716,116 @@ def _mixed_home(unit_nodes: list[str | None], nbytes: list[int], node_pos: dict[
     if not by_node:
         return None
     return max(by_node, key=lambda k: (by_node[k], -node_pos[k] if k in node_pos else 0))
+
+
+def _mixed_homes(unit: Any, code: Any, nbytes: Any, n_layout: int) -> tuple[Any, Any]:
+    """Home of each unit on several nodes: the node holding most of its bytes (each trajectory counted at least 1).
+
+    Args:
+        unit: Unit of each trajectory (ascending, each unit's trajectories in order).
+        code: Node code of each trajectory (``-1``: no node; below ``n_layout``: the node's position in the
+            layout; above: a node without consumers).
+        nbytes: Bytes of each trajectory.
+        n_layout: Nodes of the layout.
+
+    Returns:
+        ``(units, codes)``: the units with a trajectory on a node, ascending, and their home's code. Ties go
+        to the earliest node of the layout (a node without consumers ranks with the first), then to the
+        node seen first in the unit.
+    """
+    known = np.flatnonzero(code >= 0)  # positions, in order
+    if not known.size:
+        return known, known
+    pair = unit[known] * (int(code.max()) + 1) + code[known]
+    by_pair = np.argsort(pair, kind="stable")  # stable: each pair's first position first
+    sorted_pair = pair[by_pair]
+    run = np.flatnonzero(np.concatenate(([True], sorted_pair[1:] != sorted_pair[:-1])))
+    total = np.add.reduceat(np.maximum(nbytes[known][by_pair], 1), run)
+    first = known[by_pair[run]]
+    u = unit[known][by_pair[run]]
+    c = code[known][by_pair[run]]
+    tie = np.where(c < n_layout, -c, 0)
+    best = np.lexsort((-first, tie, total, u))  # ascending: each unit's best last
+    last = best[np.concatenate((u[best][1:] != u[best][:-1], [True]))]
+    return u[last], c[last]
+
+
+@dataclass(frozen=True)
+class _LayoutIndex:
+    """What assignment reads of a layout, computed once per layout."""
+
+    nodes: tuple[str, ...]  # the layout's nodes
+    node_of: list[str]  # node of each rank
+    node_pos: dict[str, int]  # position of each node in the layout (its code)
+    node_code: Any  # code of each rank's node (int64 array)
+    node_code_list: list[int]  # the same, as a list
+    node_heaps: tuple[list[int], ...]  # the ranks of each node, ascending (its initial heap), in layout order
+
+
+#: Largest magnitude (exclusive) of ``num_tokens``, ``nbytes`` and ``seq``, and most trajectories, for the
+#: numpy passes (sums over a mini-batch stay exact in int64); other mini-batches use Python arithmetic.
+_MAX_EXACT = 1 << 40
+_MAX_EXACT_COUNT = 1 << 22
+_INT64_SAFE = 1 << 62  # sort keys below this fit in int64
+
+
+def _int_column(metas: Sequence[TrajectoryMeta], get: Callable[[TrajectoryMeta], int]) -> Any:
+    """An integer field of every trajectory as an int64 array, or ``None`` unless all are integers of magnitude
+    below 2**40 (read through float64, exact below 2**53)."""
+    try:
+        values = np.fromiter(map(get, metas), dtype=np.float64, count=len(metas))
+    except (TypeError, ValueError):
+        return None
+    with np.errstate(invalid="ignore"):  # NaN or infinity: not equal below
+        ints = values.astype(np.int64)
+    if not (ints == values).all() or float(np.abs(values).max()) >= _MAX_EXACT:
+        return None
+    return ints
+
+
+def _unit_order(weights: Any, first_seqs: Any, lay: Sequence[TrajectoryMeta], starts: Any) -> Any:
+    """Unit indices (an array) in ``(-weight, seq, id, index)`` order (``seq`` and ``id`` of the first trajectory).
+
+    One numpy sort of the integer key ``(max weight - weight, seq)`` when those pairs are distinct (the
+    common case, ``seq`` being unique in a pipeline); the full tuple sort otherwise.
+    """
+    n_units = len(weights)
+    if n_units < 2:
+        return np.arange(n_units)
+    w_max, s_min = int(weights.max()), int(first_seqs.min())
+    span = int(first_seqs.max()) - s_min + 1
+    if (w_max - int(weights.min()) + 1) * span < _INT64_SAFE:
+        key = (w_max - weights) * span + (first_seqs - s_min)
+        perm = np.argsort(key)
+        ks = key[perm]
+        if not (ks[1:] == ks[:-1]).any():
+            return perm
+    first = starts.tolist()
+    first_ids = map(_ID, map(lay.__getitem__, first))
+    keyed = sorted(zip((-weights).tolist(), first_seqs.tolist(), first_ids, range(n_units)))
+    return np.array([k[3] for k in keyed], dtype=np.int64)
+
+
+def _shares(lay: Sequence[TrajectoryMeta], seqs: Any, traj_rank: Any, n: int) -> list[Sequence[TrajectoryMeta]]:
+    """Each rank's trajectories (tuples) in ``(seq, id)`` order, given the rank of each trajectory of ``lay``.
+
+    One numpy sort of all trajectories by ``(rank, seq)``; equal ``seq`` s on one rank (rare) then by id.
+    """
+    s_min = int(seqs.min())
+    span = int(seqs.max()) - s_min + 1
+    if n * span < _INT64_SAFE:
+        key = traj_rank * span + (seqs - s_min)
+        perm = np.argsort(key)
+        ks = key[perm]
+        ties = np.flatnonzero(ks[1:] == ks[:-1])
+    else:  # pragma: no cover - seqs span more than 2**62 / ranks
+        perm = np.lexsort((seqs, traj_rank))
+        sr, rr = seqs[perm], traj_rank[perm]
+        ties = np.flatnonzero((sr[1:] == sr[:-1]) & (rr[1:] == rr[:-1]))
+    flat = operator.itemgetter(*perm.tolist())(lay) if len(lay) > 1 else tuple(lay)
+    bounds = [0, *accumulate(np.bincount(traj_rank, minlength=n).tolist())]
+    shares: list[Sequence[TrajectoryMeta]] = list(map(flat.__getitem__, map(slice, bounds, bounds[1:])))
+    if ties.size:  # equal seqs on one rank: by id
+        for r in set(traj_rank[perm[ties]].tolist()):
+            shares[r] = tuple(sorted(shares[r], key=_SEQ_ID))
+    return shares

@@ -267,10 +267,12 @@ def _planning_cases(draw):
 
 @settings(max_examples=150, deadline=None)
 @given(_planning_cases(), st.integers(0, 3), st.booleans())
-def test_plan_is_identical_to_the_reference_algorithm(case, step, with_loss) -> None:
+@pytest.mark.parametrize("vectorize_from", [Planner.vectorize_from, 1])  # Python lists, numpy passes
+def test_plan_is_identical_to_the_reference_algorithm(vectorize_from, case, step, with_loss) -> None:
     layout, budget, kwargs, metas = case
     ref = _ReferencePlanner(layout, budget, **kwargs)
     new = Planner(layout, budget, **kwargs)
+    new.vectorize_from = vectorize_from
     loss = {m.id: m.num_tokens // 2 for m in metas} if with_loss else None
     plan = new.plan(_Admitted(train_batch=1, index=step, step=10 + step, trajectories=tuple(metas)), loss)
     rows, k, local, remote = ref.plan_rows(metas)
@@ -285,3 +287,36 @@ def test_plan_is_identical_to_the_reference_algorithm(case, step, with_loss) -> 
             assert mb.global_trajectories == len(metas)
             assert mb.global_loss_tokens == (sum(loss.values()) if loss else 0)
             assert mb == type(mb)(**{f: getattr(mb, f) for f in mb.__dataclass_fields__})
+
+
+@settings(max_examples=40, deadline=None)
+@given(_planning_cases(), st.integers(20, 33), st.integers(20, 32))
+@pytest.mark.parametrize("vectorize_from", [Planner.vectorize_from, 1])
+def test_plan_matches_the_reference_with_large_values(vectorize_from, case, seq_bits, token_bits) -> None:
+    """Sequence numbers and token counts near the planner's bound (2**40): the integer sort keys do not overflow."""
+    layout, budget, kwargs, metas = case
+    metas = [TrajectoryMeta(id=m.id, source=m.source, group=m.group, num_tokens=m.num_tokens << token_bits,
+                            nbytes=m.nbytes << 20, location=m.location, seq=m.seq << seq_bits) for m in metas]
+    budget <<= token_bits
+    planner = Planner(layout, budget, **kwargs)
+    planner.vectorize_from = vectorize_from
+    plan = planner.plan(_Admitted(0, 0, 0, tuple(metas)))
+    rows, k, local, remote = _ReferencePlanner(layout, budget, **kwargs).plan_rows(metas)
+    assert [[list(mb.trajectory_ids) for mb in row] for row in plan.microbatches] == rows
+    assert (plan.num_microbatches, plan.local_bytes, plan.remote_bytes) == (k, local, remote)
+
+
+@pytest.mark.parametrize("vectorize_from", [Planner.vectorize_from, 1])
+@pytest.mark.parametrize("field, value", [("num_tokens", 7.5), ("seq", 1 << 70), ("nbytes", 1 << 45),
+                                          ("num_tokens", -(1 << 41))])
+def test_values_outside_int64_planning_are_planned_exactly(field, value, vectorize_from) -> None:
+    rng = random.Random(7)
+    layout = ConsumerLayout.uniform(2, 2)
+    metas = _metas(rng, 24, 3, list(layout.nodes))
+    metas[5] = TrajectoryMeta(**{**metas[5].to_dict(), "media_digests": (), field: value})
+    planner = Planner(layout, 40)
+    planner.vectorize_from = vectorize_from
+    plan = planner.plan(_Admitted(0, 0, 0, tuple(metas)))
+    rows, k, local, remote = _ReferencePlanner(layout, 40).plan_rows(metas)
+    assert [[list(mb.trajectory_ids) for mb in row] for row in plan.microbatches] == rows
+    assert (plan.num_microbatches, plan.local_bytes, plan.remote_bytes) == (k, local, remote)
