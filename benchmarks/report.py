@@ -975,6 +975,21 @@ def render_learning_result(r: dict) -> str:
     return _join(*parts)
 
 
+@block("planner-before-after", "planner_before_after.json")
+def render_planner_before_after(d: dict) -> str:
+    """The planner before and after the cluster-scale work, alternating call by call in one run."""
+    r = d["planner_before_after.json"]
+    rows = []
+    for ranks, pts in (r.get("points") or {}).items():
+        for n, p in (pts or {}).items():
+            rows.append([str(ranks), str(n), f(g(p, "before", "plan_ms"), ".1f"), f(g(p, "after", "plan_ms"), ".1f"),
+                         f(p.get("speedup"), ".2f", suffix="x"), str(p.get("identical_plans", "-"))])
+    lt = load_text(r)
+    head = (f"Old planner (git `{g(r, 'config', 'before', default='?')}`) beside the new one, alternating call by call, "
+            f"median of {g(r, 'config', 'repeats', default='-')} plans" + (f"; {lt}" if lt else "") + ".")
+    return _join(head, table(["ranks", "trajectories", "before ms", "after ms", "speedup", "identical plans"], rows))
+
+
 @block("learning", "learning.json")
 def render_learning(d: dict) -> str:
     """The default learning preset."""
