@@ -98,8 +98,8 @@ def _items(w, cfg, encoding, trajs):
     out = []
     for i, mb in enumerate(mbs):
         m = kw["collate"](mb)
-        out.append(tb._Item(tuple(t.id for t in mb), m.input_ids, m.tensors.get("image_patches"), media, i, k,
-                            i == k - 1, 0))
+        inputs = {kd: m.tensors[f"{kd}_inputs"] for kd in w.media_kinds} if encoding == "dup" else None
+        out.append(tb._Item(tuple(t.id for t in mb), m.input_ids, inputs, media, i, k, i == k - 1, 0))
     return out
 
 
