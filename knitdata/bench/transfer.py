@@ -3,10 +3,17 @@
 One fixed multimodal RL workload (the seed's Figures 8 and 11a-c): groups of ``n = 8`` trajectories of 2,048
 tokens that share one ``3x448x448`` uint8 image per group, 4 consumer processes, micro-batches of 4
 trajectories, 4 micro-batches per step, one torch thread per process, warm-up steps excluded, start-up
-excluded. It is delivered by
+excluded. ``--workload omni`` gives each group a short video (frames as image items; 4 frames at 224 px by
+default on this 2-core machine, 16 at 448 px with ``--omni-frames 16 --omni-px 448``) and a 30 s 16 kHz audio
+clip stored as FLAC bytes and decoded with soundfile; the model gets an audio encoder. It is delivered by
 
-* ``transferqueue`` -- the real ``transferqueue`` package (controller + SimpleStorage units as Ray actors,
-  started once per run on loopback only; consumers fetch sample-level rows with ``get_meta``/``get_data``),
+* ``transferqueue`` -- the real ``transferqueue`` package as verl drives it (controller + SimpleStorage units as
+  Ray actors, started once per run on loopback only; one partition per consumer rank; the trainer calls
+  ``get_meta``/``get_data`` synchronously per micro-batch),
+* ``transferqueue_best`` -- transferqueue at its best, the better (lower exposed latency, per encoding) of
+  (a) ``async``: its ``AsyncTransferQueueClient`` in a background thread fetching and processing two
+  micro-batches ahead, and (b) ``loader``: its own ``StreamingDataset`` + ``StreamingDataLoader`` (worker
+  processes, ``prefetch_factor``) as its documentation recommends; both sub-figures are kept,
 * ``sample`` / ``eager`` / ``iter`` -- knitdata's fetch modes with consumers as separate processes: the Ray
   engine (:mod:`knitdata.engines.ray`); with ``shared`` encoding the rank's
   :class:`~knitdata.dataset.TrajectoryDataset` takes a ``media_collator``,
@@ -14,15 +21,17 @@ excluded. It is delivered by
 
 The process-mode sources are prepared first, then run interleaved step by step in the same 4 consumer
 processes (step ``s`` of every source, then step ``s + 1``), so the drifting load of a shared machine hits
-them alike; ``iter_embedded`` runs afterwards in the driver process.
+them alike. Since prefetching sources work ahead while the others' steps run, each process mode then runs
+alone in the same processes as a control (``controls``); ``iter_embedded`` runs afterwards in the driver.
 
-Every consumer trains a tiny vision-language model (a patch-MLP vision encoder and an MLP backbone) on each
-micro-batch, with the image encoded per copy (``dup``: what verl and slime do) or once per mini-batch with
-:class:`~knitdata.encoder.SharedEncoding` (``shared``). Exposed transfer latency: per step, the wall
-time the trainer spends inside ``next()`` (plus any host-to-device wait; none on CPU), median over the
-measured steps. The GPU projection replaces this CPU's compute time with the FLOPs of a 7B-class model
-(counted with :class:`torch.utils.flop_counter.FlopCounterMode` on the meta device) at a stated rate, and
-keeps the transfer times measured here.
+Every consumer trains a tiny vision-language model (a patch-MLP vision encoder, an audio encoder for omni, and
+an MLP backbone) on each micro-batch, with the media encoded per copy (``dup``: what verl and slime do) or once
+per mini-batch with :class:`~knitdata.encoder.SharedEncoding` (``shared``; on transferqueue too, so the 2x2
+table ``end_to_end`` separates transfer and encoding effects). Exposed latency: per step, the wall time of every
+data call of the trainer -- ``next()`` for every system, plus knitdata's ``state_dict()`` and ``commit()`` after
+the optimizer step -- median over the measured steps. The GPU projection (``gpu_projection``, labelled
+``projected`` with its assumptions) replaces this CPU's compute time with the FLOPs of a 7B-class model at a
+stated rate and keeps the transfer times measured here; ``--gpu`` measures knitdata's modes on CUDA instead.
 """
 
 from __future__ import annotations
