@@ -659,7 +659,16 @@ class ConsumerStepRecord:
     commit_s: float = 0.0
 
 
+def _tq_patience() -> None:
+    """Give transferqueue's client handshakes more patience than its default 3 tries a second apart: on a loaded
+    2-core machine a fresh client (a streaming-loader worker) otherwise fails to reach the controller. Read by
+    transferqueue when imported; inherited by spawned processes."""
+    os.environ.setdefault("TQ_STORAGE_HANDSHAKE_MAX_RETRIES", "60")
+    os.environ.setdefault("TQ_STORAGE_HANDSHAKE_TIMEOUT", "120")
+
+
 def _pin_threads() -> None:
+    _tq_patience()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["TQ_NUM_THREADS"] = "1"
@@ -1841,6 +1850,7 @@ def run_transfer_benchmark(
     # Ray's default for a new local cluster, made explicit before the consumer processes are spawned: a
     # process that imported Ray caches its auth mode, and the consumers must agree with the driver's cluster.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
+    _tq_patience()
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ConfigError(f"unknown modes {bad}; choose from {MODES}")
