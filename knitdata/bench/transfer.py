@@ -1272,7 +1272,8 @@ class _TQLoaderSource:
         ds = StreamingDataset(config=conf, batch_size=w.per_consumer_step, micro_batch_size=w.microbatch_size,
                               data_fields=_tq_fields(w), partition_id=_tq_partition(rank), task_name=task,
                               dp_rank=rank, process_batch_fn=None if encoding == "dup" else _tq_whole_batch)
-        self.loader = StreamingDataLoader(ds, num_workers=num_workers, prefetch_factor=prefetch_factor,
+        self.loader = StreamingDataLoader(ds, num_workers=num_workers,
+                                          prefetch_factor=prefetch_factor if num_workers else None,
                                           collate_fn=_tq_collate(_TQDecode(w, cfg), encoding, k),
                                           multiprocessing_context="spawn" if num_workers else None,
                                           persistent_workers=False)
