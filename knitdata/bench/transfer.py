@@ -984,7 +984,7 @@ class _TQServer:
                     "tidx": torch.arange(idx, idx + n, dtype=torch.int64),
                 }
                 if w.workload == "omni":
-                    frames = [m.tensor for m in group[0].media if m.kind == "image"]
+                    frames = [m.tensor for m in group[0].media if m.kind == "image" and m.tensor is not None]
                     audio = next(m for m in group[0].media if m.kind == "audio")
                     assert audio.data is not None
                     fields["frames"] = torch.stack(frames).unsqueeze(0).expand(n, *([-1] * 4)).contiguous()
@@ -2488,7 +2488,11 @@ def run(args: argparse.Namespace) -> int:
     """Run ``knitdata bench transfer``; prints the table, writes JSON/plot. Returns 0, or 1 if a run was not
     exactly-once."""
     if getattr(args, "gpu", False):
-        require_cuda()
+        try:
+            require_cuda()
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         preset = gpu_config(args.workload, args.steps, args.warmup)
         result = run_gpu_benchmark(preset, timeout_s=args.timeout or 600.0, progress=not args.no_progress)
     else:
