@@ -2331,8 +2331,10 @@ def plot_result(result: Mapping[str, Any], path: str) -> None:
 class GpuPreset:
     """The ``--gpu`` preset: knitdata's fetch modes on the embedded engine (no Ray), training on CUDA.
 
-    Sized to finish within 5 minutes on one H200 (estimate: 6 runs of 13 steps; about 1e14 FLOPs per step over
-    the 4 consumers at an effective 100+ TFLOP/s with TF32 matmuls, plus filling the pipeline per run).
+    Sized to finish within 5 minutes on one H200. Estimate (FLOPs counted by :func:`count_step_flops`, ``dup``,
+    all 4 consumers): image, 6 runs x 13 steps x 9.3e13 FLOPs; omni (16 frames at 448 px), 6 runs x 7 steps x
+    5.8e14 FLOPs; at an effective 100-200 TFLOP/s (TF32 matmuls) that is about 40-80 s (image) and 120-245 s
+    (omni) of compute, plus filling the pipeline once per run. Not yet run on a GPU.
 
     Attributes:
         workload: The workload (the image workload's shapes by default).
@@ -2356,21 +2358,23 @@ class GpuPreset:
                 "encodings": list(self.encodings), "device": self.device, "budget_s": self.budget_s}
 
 
-#: The model of the ``--gpu`` preset: a ~0.1B-parameter VLM (attention in both towers, 2x2 patch merger).
-GPU_PRESET_VLM = VLMConfig(name="0.1B-class VLM (GPU preset)", d_model=1024, layers=4, heads=16, mlp_ratio=4,
+#: The model of the ``--gpu`` preset: a 0.16B-parameter VLM (attention in both towers, 2x2 patch merger).
+GPU_PRESET_VLM = VLMConfig(name="0.16B-class VLM (GPU preset)", d_model=1024, layers=4, heads=16, mlp_ratio=4,
                            vocab=32768, patch=14, d_vision=768, vision_layers=6, vision_heads=12, vision_mlp_ratio=4,
                            merge=4)
 
 
 def gpu_config(workload: str = "image", steps: int | None = None, warmup: int | None = None) -> GpuPreset:
-    """The ``--gpu`` preset for ``workload`` (``"image"`` or ``"omni"``; omni uses 16 frames at 448 px).
+    """The ``--gpu`` preset for ``workload`` (``"image"``: 3 + 10 steps; ``"omni"``: 16 frames at 448 px, 2 + 5 steps).
 
     Raises:
         ConfigError: Unknown workload, or non-positive steps.
     """
     if workload not in WORKLOADS:
         raise ConfigError(f"workload must be one of {WORKLOADS}, got {workload!r}")
-    kw: dict[str, Any] = {"steps": 10 if steps is None else steps, "warmup_steps": 3 if warmup is None else warmup}
+    omni = workload == "omni"
+    kw: dict[str, Any] = {"steps": (5 if omni else 10) if steps is None else steps,
+                          "warmup_steps": (2 if omni else 3) if warmup is None else warmup}
     if workload == "omni":
         w = omni_workload(16, 448, cfg=GPU_PRESET_VLM, **kw)
     else:
