@@ -340,3 +340,18 @@ def test_gpu_preset_fails_clearly_without_cuda(monkeypatch, capsys):
     tb.add_arguments(parser)
     assert tb.run(parser.parse_args(["--gpu", "--no-progress"])) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_benchmark_loop_reports_every_fetch_mode(monkeypatch):
+    """The --gpu loop and its JSON layout, run here on the CPU device (the CUDA check skipped; no GPU needed)."""
+    monkeypatch.setattr(tb, "require_cuda", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake")
+    preset = tb.GpuPreset(workload=SMALL, model=SMALL_VLM, device="cpu")
+    res = tb.run_gpu_benchmark(preset, timeout_s=60, progress=False, log=lambda s: None)
+    assert set(res["modes"]) == {"sample_embedded", "eager_embedded", "iter_embedded"}
+    for d in res["modes"].values():
+        assert d["exactly_once"] and d["shared"]["exactly_once"] and d["exposed_ms"] >= 0
+    assert res["gpu"] is True and res["end_to_end"]["iter_shared"]["step_s"] > 0
+    assert res["exactly_once_all_runs"] is True
+    assert "CUDA" in tb.format_table(res)
+    json.dumps(tb._clean(res), allow_nan=False)
