@@ -1,9 +1,11 @@
-"""Transfer benchmark script: ``python benchmarks/transfer.py [--smoke] [--steps N] [--modes ...]``.
+"""Transfer benchmark script: ``python benchmarks/transfer.py [--smoke] [--workload omni] [--gpu] [--steps N]``.
 
-Thin wrapper around :mod:`knitdata.bench.transfer` (also ``knitdata bench transfer``): transferqueue vs knitdata
-``sample`` / ``eager`` / ``iter`` (consumer processes) and ``iter`` on the embedded engine, with duplicated and
-shared encoding. Writes ``benchmarks/results/transfer.json`` and ``benchmarks/results/transfer.png`` unless
-``--json`` / ``--plot`` say otherwise (``transfer_smoke.*`` with ``--smoke``).
+Thin wrapper around :mod:`knitdata.bench.transfer` (also ``knitdata bench transfer``): transferqueue (as verl
+drives it, and at its best: async client prefetching or its streaming loader) vs knitdata ``sample`` / ``eager`` /
+``iter`` (consumer processes, interleaved, then each alone) and ``iter`` on the embedded engine, with duplicated
+and shared encoding. Writes ``benchmarks/results/transfer.json`` and ``.png`` unless ``--json`` / ``--plot`` say
+otherwise (``transfer_omni.*`` with ``--workload omni``, ``transfer_gpu*`` with ``--gpu``, ``*_smoke`` with
+``--smoke``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     transfer.add_arguments(parser)
     args = parser.parse_args(argv)
-    stem = "transfer_smoke" if args.smoke else "transfer"
+    stem = "transfer" + ("_omni" if args.workload == "omni" else "") + ("_gpu" if args.gpu else "")
+    stem += "_smoke" if args.smoke else ""
     if args.json is None:
         args.json = os.path.join(_RESULTS, f"{stem}.json")
     if args.plot is None:

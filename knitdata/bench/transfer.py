@@ -3,10 +3,17 @@
 One fixed multimodal RL workload (the seed's Figures 8 and 11a-c): groups of ``n = 8`` trajectories of 2,048
 tokens that share one ``3x448x448`` uint8 image per group, 4 consumer processes, micro-batches of 4
 trajectories, 4 micro-batches per step, one torch thread per process, warm-up steps excluded, start-up
-excluded. It is delivered by
+excluded. ``--workload omni`` gives each group a short video (frames as image items; 4 frames at 224 px by
+default on this 2-core machine, 16 at 448 px with ``--omni-frames 16 --omni-px 448``) and a 30 s 16 kHz audio
+clip stored as FLAC bytes and decoded with soundfile; the model gets an audio encoder. It is delivered by
 
-* ``transferqueue`` -- the real ``transferqueue`` package (controller + SimpleStorage units as Ray actors,
-  started once per run on loopback only; consumers fetch sample-level rows with ``get_meta``/``get_data``),
+* ``transferqueue`` -- the real ``transferqueue`` package as verl drives it (controller + SimpleStorage units as
+  Ray actors, started once per run on loopback only; one partition per consumer rank; the trainer calls
+  ``get_meta``/``get_data`` synchronously per micro-batch),
+* ``transferqueue_best`` -- transferqueue at its best, the better (lower exposed latency, per encoding) of
+  (a) ``async``: its ``AsyncTransferQueueClient`` in a background thread fetching and processing two
+  micro-batches ahead, and (b) ``loader``: its own ``StreamingDataset`` + ``StreamingDataLoader`` (worker
+  processes, ``prefetch_factor``) as its documentation recommends; both sub-figures are kept,
 * ``sample`` / ``eager`` / ``iter`` -- knitdata's fetch modes with consumers as separate processes: the Ray
   engine (:mod:`knitdata.engines.ray`); with ``shared`` encoding the rank's
   :class:`~knitdata.dataset.TrajectoryDataset` takes a ``media_collator``,
@@ -14,21 +21,24 @@ excluded. It is delivered by
 
 The process-mode sources are prepared first, then run interleaved step by step in the same 4 consumer
 processes (step ``s`` of every source, then step ``s + 1``), so the drifting load of a shared machine hits
-them alike; ``iter_embedded`` runs afterwards in the driver process.
+them alike. Since prefetching sources work ahead while the others' steps run, each process mode then runs
+alone in the same processes as a control (``controls``); ``iter_embedded`` runs afterwards in the driver.
 
-Every consumer trains a tiny vision-language model (a patch-MLP vision encoder and an MLP backbone) on each
-micro-batch, with the image encoded per copy (``dup``: what verl and slime do) or once per mini-batch with
-:class:`~knitdata.encoder.SharedEncoding` (``shared``). Exposed transfer latency: per step, the wall
-time the trainer spends inside ``next()`` (plus any host-to-device wait; none on CPU), median over the
-measured steps. The GPU projection replaces this CPU's compute time with the FLOPs of a 7B-class model
-(counted with :class:`torch.utils.flop_counter.FlopCounterMode` on the meta device) at a stated rate, and
-keeps the transfer times measured here.
+Every consumer trains a tiny vision-language model (a patch-MLP vision encoder, an audio encoder for omni, and
+an MLP backbone) on each micro-batch, with the media encoded per copy (``dup``: what verl and slime do) or once
+per mini-batch with :class:`~knitdata.encoder.SharedEncoding` (``shared``; on transferqueue too, so the 2x2
+table ``end_to_end`` separates transfer and encoding effects). Exposed latency: per step, the wall time of every
+data call of the trainer -- ``next()`` for every system, plus knitdata's ``state_dict()`` and ``commit()`` after
+the optimizer step -- median over the measured steps. The GPU projection (``gpu_projection``, labelled
+``projected`` with its assumptions) replaces this CPU's compute time with the FLOPs of a 7B-class model at a
+stated rate and keeps the transfer times measured here; ``--gpu`` measures knitdata's modes on CUDA instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -49,7 +59,19 @@ from knitdata.record import MediaItem, Trajectory
 
 __all__ = [
     "MODES",
+    "TQ_BEST_VARIANTS",
+    "WORKLOADS",
     "ENCODINGS",
+    "omni_workload",
+    "media_tokens",
+    "make_audio_flac",
+    "OMNI_VLM",
+    "OMNI_SMOKE_VLM",
+    "GpuPreset",
+    "GPU_PRESET_VLM",
+    "gpu_config",
+    "require_cuda",
+    "run_gpu_benchmark",
     "TransferWorkload",
     "VLMConfig",
     "TINY_VLM",
@@ -70,7 +92,11 @@ __all__ = [
 ]
 
 #: Delivery modes, in the order they run.
-MODES: tuple[str, ...] = ("transferqueue", "sample", "eager", "iter", "iter_embedded")
+MODES: tuple[str, ...] = ("transferqueue", "transferqueue_best", "sample", "eager", "iter", "iter_embedded")
+#: The ways ``transferqueue_best`` drives transferqueue; the better one (lower exposed latency) is reported.
+TQ_BEST_VARIANTS: tuple[str, ...] = ("async", "loader")
+#: Workloads: one image per group, or a short video (frames) and a 30 s audio clip per group (``omni``).
+WORKLOADS: tuple[str, ...] = ("image", "omni")
 #: Encodings: every copy of an image encoded (``dup``) or each unique image once per mini-batch (``shared``).
 ENCODINGS: tuple[str, ...] = ("dup", "shared")
 #: The seed's headline end-to-end speedup (transfer plus training over the baseline).
@@ -100,6 +126,14 @@ class TransferWorkload:
         steps: Measured steps.
         vocab: Token id range.
         seed: Seed of the data and the model.
+        workload: ``"image"`` (one ``image_shape`` image per group) or ``"omni"`` (per group a video of
+            ``video_frames`` frames of ``3 x frame_px x frame_px`` uint8 pixels, each frame an image item, and an
+            audio clip of ``audio_seconds`` at ``audio_rate`` Hz stored as FLAC bytes and decoded with soundfile).
+        video_frames: Frames per video (omni).
+        frame_px: Frame side in pixels (omni).
+        audio_seconds: Audio clip length in seconds (omni).
+        audio_rate: Audio sample rate in Hz (omni).
+        audio_hop: Audio samples per encoder input row (omni; 800 = 50 ms at 16 kHz).
     """
 
     group_size: int = 8
@@ -113,8 +147,23 @@ class TransferWorkload:
     steps: int = 10
     vocab: int = 512
     seed: int = 0
+    workload: str = "image"
+    video_frames: int = 4
+    frame_px: int = 224
+    audio_seconds: float = 30.0
+    audio_rate: int = 16000
+    audio_hop: int = 800
 
     def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ConfigError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
+        if self.workload == "omni":
+            for name in ("video_frames", "frame_px", "audio_rate", "audio_hop"):
+                if int(getattr(self, name)) <= 0:
+                    raise ConfigError(f"omni workload: {name} must be positive, got {getattr(self, name)}")
+            if self.audio_rows <= 0:
+                raise ConfigError(f"omni workload: {self.audio_seconds} s at {self.audio_rate} Hz is shorter than one "
+                                  f"audio row of {self.audio_hop} samples")
         for name in ("group_size", "response_tokens", "num_consumers", "microbatch_size", "microbatches_per_step",
                      "steps", "vocab"):
             if int(getattr(self, name)) <= 0:
@@ -164,33 +213,112 @@ class TransferWorkload:
         return c * h * w
 
     @property
+    def media_kinds(self) -> tuple[str, ...]:
+        """Media kinds of a trajectory (each has its own encoder)."""
+        return ("image", "audio") if self.workload == "omni" else ("image",)
+
+    @property
+    def image_items(self) -> int:
+        """Image items per trajectory (the image, or the video's frames)."""
+        return self.video_frames if self.workload == "omni" else 1
+
+    @property
+    def item_shape(self) -> tuple[int, int, int]:
+        """``(C, H, W)`` of one image item (an image or a video frame)."""
+        return (3, self.frame_px, self.frame_px) if self.workload == "omni" else tuple(self.image_shape)  # type: ignore[return-value]
+
+    @property
+    def audio_samples(self) -> int:
+        """Samples of one audio clip (omni)."""
+        return int(round(self.audio_seconds * self.audio_rate))
+
+    @property
+    def audio_rows(self) -> int:
+        """Audio encoder input rows of one clip (omni; the tail shorter than a row is dropped)."""
+        return self.audio_samples // self.audio_hop if self.workload == "omni" else 0
+
+    @property
+    def media_bytes(self) -> int:
+        """Upper bound of the media bytes of one trajectory (FLAC at most 16-bit PCM plus headers)."""
+        c, h, w = self.item_shape
+        audio = self.audio_samples * 2 + 65536 if self.workload == "omni" else 0
+        return self.image_items * c * h * w + audio
+
+    @property
     def trajectory_bytes(self) -> int:
-        """Payload bytes of one trajectory with its own copy of the image (int64 tokens)."""
-        return self.tokens * 8 + self.image_bytes
+        """Payload bytes of one trajectory with its own copy of the media (int64 tokens; audio bound)."""
+        return self.tokens * 8 + self.media_bytes
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable fields plus the derived sizes."""
         d = dataclasses.asdict(self)
         d["image_shape"] = list(self.image_shape)
         d.update(tokens=self.tokens, trajectories_per_step=self.trajectories_per_step,
-                 groups_per_step=self.groups_per_step, trajectory_bytes=self.trajectory_bytes)
+                 groups_per_step=self.groups_per_step, trajectory_bytes=self.trajectory_bytes,
+                 media_kinds=list(self.media_kinds), image_items=self.image_items, item_shape=list(self.item_shape),
+                 audio_rows=self.audio_rows)
         return d
+
+
+def omni_workload(frames: int = 4, frame_px: int = 224, *, prompt_tokens: int | None = None,
+                  cfg: VLMConfig | None = None, **kw: Any) -> TransferWorkload:
+    """The omni workload: per group a ``frames``-frame video at ``frame_px`` px and a 30 s 16 kHz audio clip.
+
+    The default (4 frames at 224 px) fits the 2-core CPU machine; ``frames=16, frame_px=448`` is the seed's
+    setting. ``prompt_tokens`` defaults to the media tokens of ``cfg`` (default :data:`OMNI_VLM`) plus 64, at
+    least 512.
+    """
+    w = TransferWorkload(workload="omni", video_frames=frames, frame_px=frame_px, **kw)
+    if prompt_tokens is None:
+        c = cfg or OMNI_VLM
+        need = media_tokens(c, w) + 64
+        prompt_tokens = max(512, need)
+    return dataclasses.replace(w, prompt_tokens=prompt_tokens)
 
 
 def _group_id(step: int, g: int) -> str:
     return f"s{step:05d}g{g:03d}"
 
 
-def make_group(w: TransferWorkload, step: int, g: int) -> list[Trajectory]:
-    """The ``g``-th group of step ``step``: ``group_size`` trajectories sharing one image (deterministic).
+def make_audio_flac(w: TransferWorkload, seed: int) -> bytes:
+    """A deterministic mono clip of ``w.audio_seconds`` at ``w.audio_rate`` Hz (tones plus noise), as FLAC bytes
+    written by soundfile."""
+    import io
 
-    The members hold the very same image tensor (one object), as a rollout engine repeating a prompt does.
+    import numpy as np
+    import soundfile as sf
+
+    rng = np.random.default_rng(seed)
+    n = w.audio_samples
+    t = np.arange(n, dtype=np.float32) / w.audio_rate
+    f = rng.uniform(110.0, 880.0, size=3).astype(np.float32)
+    x = sum(np.sin(2 * np.pi * fi * t) for fi in f) / 4 + rng.normal(0.0, 0.05, size=n).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, np.clip(x, -1.0, 1.0).astype(np.float32), w.audio_rate, format="FLAC", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def _group_media(w: TransferWorkload, step: int, g: int, gen: torch.Generator) -> list[MediaItem]:
+    """The media items every member of group ``g`` of ``step`` carries (one shared list of items)."""
+    if w.workload == "image":
+        return [MediaItem("image", tensor=torch.randint(0, 256, w.image_shape, dtype=torch.uint8, generator=gen))]
+    frames = torch.randint(0, 256, (w.video_frames, *w.item_shape), dtype=torch.uint8, generator=gen)
+    items = [MediaItem("image", tensor=frames[i]) for i in range(w.video_frames)]
+    data = make_audio_flac(w, w.seed * 1_000_003 + step * 1009 + g)
+    items.append(MediaItem("audio", data=data, sample_rate=w.audio_rate))
+    return items
+
+
+def make_group(w: TransferWorkload, step: int, g: int) -> list[Trajectory]:
+    """The ``g``-th group of step ``step``: ``group_size`` trajectories sharing one set of media (deterministic).
+
+    The members hold the very same media items (one object each: the image, or the video frames and the
+    FLAC-encoded audio clip), as a rollout engine repeating a prompt does.
     """
     gid = _group_id(step, g)
     gen = torch.Generator().manual_seed(w.seed * 1_000_003 + step * 1009 + g)
-    image = torch.randint(0, 256, w.image_shape, dtype=torch.uint8, generator=gen)
+    media = _group_media(w, step, g, gen)
     prompt = torch.randint(0, w.vocab, (w.prompt_tokens,), dtype=torch.int64, generator=gen)
-    item = MediaItem("image", tensor=image)
     out = []
     for j in range(w.group_size):
         resp = torch.randint(0, w.vocab, (w.response_tokens,), dtype=torch.int64, generator=gen)
@@ -203,7 +331,7 @@ def make_group(w: TransferWorkload, step: int, g: int) -> list[Trajectory]:
                 response_ids=resp,
                 gen_version=step,
                 scalars={"advantage": float(j - w.group_size / 2) / w.group_size},
-                media=[item],
+                media=list(media),
             )
         )
     return out
@@ -232,6 +360,8 @@ class VLMConfig:
         vision_heads: Vision attention heads within one image (0: MLP-only blocks).
         vision_mlp_ratio: Vision MLP hidden width over ``d_vision``.
         merge: Vision patches merged into one image token (``merge`` consecutive rows).
+        audio_merge: Audio rows merged into one audio token (omni).
+        audio_layers: Audio encoder blocks (omni; width ``d_vision``, MLP-only).
     """
 
     name: str
@@ -246,6 +376,8 @@ class VLMConfig:
     vision_heads: int
     vision_mlp_ratio: int
     merge: int = 1
+    audio_merge: int = 4
+    audio_layers: int = 1
 
     def image_tokens(self, image_shape: Sequence[int]) -> int:
         """Image tokens one image becomes in the backbone."""
@@ -263,6 +395,11 @@ TINY_VLM = VLMConfig(name="tiny (CPU)", d_model=64, layers=1, heads=0, mlp_ratio
 #: A smaller model for ``--smoke`` (the comparison must not rot; its numbers are not the result).
 SMOKE_VLM = VLMConfig(name="smoke (CPU)", d_model=32, layers=1, heads=0, mlp_ratio=2, vocab=128, patch=28,
                       d_vision=32, vision_layers=1, vision_heads=0, vision_mlp_ratio=2)
+#: The omni workload's model on this CPU: the tiny VLM with a 4-row patch merger (a frame of 224 px becomes 16
+#: tokens) and an audio encoder (50 ms rows, 4 rows per token: a 30 s clip becomes 150 tokens).
+OMNI_VLM = dataclasses.replace(TINY_VLM, name="tiny omni (CPU)", merge=4)
+#: The omni model of ``--smoke``.
+OMNI_SMOKE_VLM = dataclasses.replace(SMOKE_VLM, name="smoke omni (CPU)", merge=4)
 #: A 7B-class VLM (Qwen2.5-VL-7B-like widths; MLP ratio 8 stands in for its SwiGLU) for the GPU projection.
 GPU_VLM = VLMConfig(name="7B-class VLM (projection)", d_model=3584, layers=28, heads=28, mlp_ratio=8, vocab=152064,
                     patch=14, d_vision=1280, vision_layers=32, vision_heads=16, vision_mlp_ratio=4, merge=4)
@@ -297,17 +434,20 @@ class VisionEncoder(nn.Module):
 
     Called as ``encoder(values, offsets)`` (the :class:`~knitdata.encoder.SharedEncoding` convention):
     ``values`` ``[sum of patches, C * p * p]`` float, ``offsets`` ``int64 [U + 1]``; every image has the
-    same patch count here.
+    same patch count here. The omni workload's audio encoder is the same stack over 50 ms sample rows
+    (``layers``/``merge`` given explicitly).
     """
 
-    def __init__(self, cfg: VLMConfig, in_features: int):
+    def __init__(self, cfg: VLMConfig, in_features: int, *, layers: int | None = None, merge: int | None = None):
         super().__init__()
         self.cfg = cfg
+        self.merge = cfg.merge if merge is None else merge
+        n_layers = cfg.vision_layers if layers is None else layers
         self.embed = nn.Linear(in_features, cfg.d_vision)
         self.blocks = nn.ModuleList(
-            _Block(cfg.d_vision, cfg.vision_heads, cfg.vision_mlp_ratio, causal=False) for _ in range(cfg.vision_layers)
+            _Block(cfg.d_vision, cfg.vision_heads, cfg.vision_mlp_ratio, causal=False) for _ in range(n_layers)
         )
-        self.out = nn.Linear(cfg.d_vision * cfg.merge, cfg.d_model)
+        self.out = nn.Linear(cfg.d_vision * self.merge, cfg.d_model)
 
     def forward(self, values: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
         n_items = 1 if offsets is None else int(offsets.numel()) - 1
@@ -315,38 +455,66 @@ class VisionEncoder(nn.Module):
         x = x.view(n_items, -1, x.shape[-1])  # equal patch counts per image
         for blk in self.blocks:
             x = blk(x)
-        x = x.reshape(-1, self.cfg.d_vision * self.cfg.merge)
+        x = x.reshape(-1, self.cfg.d_vision * self.merge)
         return self.out(x)
 
 
+def media_tokens(cfg: VLMConfig, w: TransferWorkload) -> int:
+    """Backbone positions the media of one trajectory fill (image or video frames, plus audio for omni)."""
+    n = w.image_items * cfg.image_tokens(w.item_shape)
+    if w.workload == "omni":
+        n += w.audio_rows // cfg.audio_merge
+    return n
+
+
 class TinyVLM(nn.Module):
-    """Vision encoder plus backbone; the image rows replace the first prompt positions of each sequence."""
+    """Vision (and, for omni, audio) encoder plus backbone; the media rows replace the first prompt positions of
+    each sequence (image or frame rows first, then audio rows)."""
 
     def __init__(self, cfg: VLMConfig, w: TransferWorkload):
         super().__init__()
         self.cfg = cfg
-        c, _, _ = w.image_shape
-        self.image_tokens = cfg.image_tokens(w.image_shape)
+        c, _, _ = w.item_shape
+        self.kinds = w.media_kinds
+        self.tokens_of = {"image": w.image_items * cfg.image_tokens(w.item_shape)}
+        if w.workload == "omni":
+            if w.audio_rows % cfg.audio_merge:
+                raise ConfigError(f"{w.audio_rows} audio rows per clip are not a multiple of audio_merge "
+                                  f"{cfg.audio_merge}: change audio_seconds or audio_hop")
+            self.tokens_of["audio"] = w.audio_rows // cfg.audio_merge
+        self.image_tokens = sum(self.tokens_of.values())  # every media position of a sequence
         if self.image_tokens > w.prompt_tokens:
-            raise ConfigError(f"{self.image_tokens} image tokens do not fit in {w.prompt_tokens} prompt tokens")
+            raise ConfigError(f"{self.image_tokens} media tokens do not fit in {w.prompt_tokens} prompt tokens")
         self.prompt_tokens = w.prompt_tokens
         self.encoder = VisionEncoder(cfg, c * cfg.patch * cfg.patch)
+        self.audio_encoder = (VisionEncoder(cfg, w.audio_hop, layers=cfg.audio_layers, merge=cfg.audio_merge)
+                              if w.workload == "omni" else None)
         self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
         self.blocks = nn.ModuleList(_Block(cfg.d_model, cfg.heads, cfg.mlp_ratio, causal=True) for _ in range(cfg.layers))
         self.norm = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab)
 
-    def backbone_loss(self, input_ids: torch.Tensor, image_rows: torch.Tensor) -> torch.Tensor:
+    def encoders(self) -> dict[str, nn.Module]:
+        """The encoder of each media kind."""
+        out: dict[str, nn.Module] = {"image": self.encoder}
+        if self.audio_encoder is not None:
+            out["audio"] = self.audio_encoder
+        return out
+
+    def backbone_loss(self, input_ids: torch.Tensor, image_rows: torch.Tensor | Sequence[torch.Tensor]
+                      ) -> torch.Tensor:
         """Mean next-token loss over the response positions.
 
         Args:
             input_ids: ``int64 [B, T]``.
-            image_rows: ``[B * image_tokens, d_model]``: the encoder's rows for each sequence's image, in order.
+            image_rows: ``[B * image_tokens, d_model]``: the encoder's rows for each sequence's media, in order;
+                or one such tensor per media kind (in :attr:`kinds` order).
         """
         b = input_ids.shape[0]
         p = self.image_tokens
         x = self.embed(input_ids[:, p:] % self.cfg.vocab)
-        x = torch.cat([image_rows.view(b, p, -1).to(x.dtype), x], dim=1)
+        parts = [image_rows] if isinstance(image_rows, torch.Tensor) else list(image_rows)
+        x = torch.cat([r.reshape(b, -1, r.shape[-1]).to(x.dtype) for r in parts] + [x], dim=1)
         for blk in self.blocks:
             x = blk(x)
         start = self.prompt_tokens - 1
@@ -358,7 +526,32 @@ class TinyVLM(nn.Module):
 def _patchify_fn(cfg: VLMConfig, w: TransferWorkload) -> Callable[[torch.Tensor], torch.Tensor]:
     from knitdata.media import patchify
 
-    return patchify(cfg.patch, size=(w.image_shape[1], w.image_shape[2]))
+    return patchify(cfg.patch, size=(w.item_shape[1], w.item_shape[2]))
+
+
+class _AudioRows:
+    """Audio preprocessing of the omni workload: mono samples cut into rows of ``hop`` samples (a picklable
+    callable ``fn(samples [frames, channels], sample_rate)``)."""
+
+    def __init__(self, rows: int, hop: int, rate: int):
+        self.rows, self.hop, self.rate = rows, hop, rate
+
+    def __call__(self, samples: torch.Tensor, sample_rate: int) -> torch.Tensor:
+        if sample_rate != self.rate:
+            raise ConfigError(f"audio clip at {sample_rate} Hz; the workload's encoder expects {self.rate} Hz")
+        x = samples[:, 0] if samples.dim() == 2 else samples
+        n = self.rows * self.hop
+        if x.numel() < n:
+            raise ConfigError(f"audio clip of {x.numel()} samples is shorter than {self.rows} rows of {self.hop}")
+        return x[:n].reshape(self.rows, self.hop).contiguous()
+
+
+def _preprocess(w: TransferWorkload, cfg: VLMConfig) -> dict[str, Callable[..., torch.Tensor]]:
+    """Per media kind, the model's preprocessing (knitdata's MediaProcessor convention)."""
+    out: dict[str, Callable[..., torch.Tensor]] = {"image": _patchify_fn(cfg, w)}
+    if w.workload == "omni":
+        out["audio"] = _AudioRows(w.audio_rows, w.audio_hop, w.audio_rate)
+    return out
 
 
 def count_step_flops(cfg: VLMConfig, w: TransferWorkload) -> dict[str, float]:
@@ -371,10 +564,13 @@ def count_step_flops(cfg: VLMConfig, w: TransferWorkload) -> dict[str, float]:
     """
     from torch.utils.flop_counter import FlopCounterMode
 
+    need = media_tokens(cfg, w)
+    if need > w.prompt_tokens:  # a bigger model's media need more positions: count it at its own length
+        w = dataclasses.replace(w, prompt_tokens=need + 64)
     with torch.device("meta"):
         model = TinyVLM(cfg, w)
     params = sum(p.numel() for p in model.parameters())
-    c, h, wd = w.image_shape
+    c, h, wd = w.item_shape
     n_patch = (h // cfg.patch) * (wd // cfg.patch)
     feat = c * cfg.patch * cfg.patch
     b = w.microbatch_size
@@ -393,17 +589,27 @@ def count_step_flops(cfg: VLMConfig, w: TransferWorkload) -> dict[str, float]:
         rows = torch.zeros(b * model.image_tokens, cfg.d_model, device="meta", requires_grad=True)
         return model.backbone_loss(ids, rows)
 
+    def audio_one() -> torch.Tensor:
+        assert model.audio_encoder is not None
+        vals = torch.zeros(w.audio_rows, w.audio_hop, device="meta")
+        return model.audio_encoder(vals, torch.tensor([0, w.audio_rows])).float().sum()
+
     enc = measure(enc_one)
+    enc_audio = measure(audio_one) if model.audio_encoder is not None else 0.0
+    per_traj = w.image_items * enc + enc_audio
     bb = measure(backbone)
     k = w.microbatches_per_step
     unique = w.per_consumer_step // w.group_size
     return {
         "backbone_microbatch": bb,
         "encoder_image": enc,
-        "step_dup": k * (bb + b * enc),
-        "step_shared": k * bb + unique * enc,
+        "encoder_audio": enc_audio,
+        "encoder_trajectory": per_traj,
+        "step_dup": k * (bb + b * per_traj),
+        "step_shared": k * bb + unique * per_traj,
         "unique_images_per_step": float(unique),
         "params": float(params),
+        "prompt_tokens_counted": float(w.prompt_tokens),
     }
 
 
@@ -414,7 +620,7 @@ class _Item:
 
     ids: tuple[str, ...]
     input_ids: torch.Tensor
-    patches: torch.Tensor | None  # dup: one patch block per trajectory (copies included)
+    inputs: dict[str, torch.Tensor] | None  # dup: per kind, every trajectory's own encoder inputs (copies included)
     media: Any  # shared: the MultimodalBatch of the consumer's share of the mini-batch
     index: int
     num_microbatches: int
@@ -437,6 +643,8 @@ class ConsumerStepRecord:
         moved: Payload bytes moved out of storage for the step, when the source reports it per item.
         ids: Trajectory ids delivered in the step.
         waits: Seconds inside ``next()`` per micro-batch.
+        commit_s: Seconds of the step's other data calls after the optimizer step (knitdata: ``state_dict()``
+            and ``commit()``); included in ``exposed_s``.
     """
 
     step: int
@@ -448,9 +656,19 @@ class ConsumerStepRecord:
     moved: int
     ids: list[str]
     waits: list[float]
+    commit_s: float = 0.0
+
+
+def _tq_patience() -> None:
+    """Give transferqueue's client handshakes more patience than its default 3 tries a second apart: on a loaded
+    2-core machine a fresh client (a streaming-loader worker) otherwise fails to reach the controller. Read by
+    transferqueue when imported; inherited by spawned processes."""
+    os.environ.setdefault("TQ_STORAGE_HANDSHAKE_MAX_RETRIES", "60")
+    os.environ.setdefault("TQ_STORAGE_HANDSHAKE_TIMEOUT", "120")
 
 
 def _pin_threads() -> None:
+    _tq_patience()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["TQ_NUM_THREADS"] = "1"
@@ -460,21 +678,31 @@ def _pin_threads() -> None:
 class _Trainer:
     """The tiny VLM of one consumer and its optimizer; ``dup`` or ``shared`` encoding."""
 
-    def __init__(self, w: TransferWorkload, cfg: VLMConfig, encoding: str):
+    def __init__(self, w: TransferWorkload, cfg: VLMConfig, encoding: str, device: str = "cpu"):
         if encoding not in ENCODINGS:
             raise ConfigError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
         torch.manual_seed(w.seed)
         self.w = w
-        self.model = TinyVLM(cfg, w)
+        self.device = torch.device(device)
+        self.model = TinyVLM(cfg, w).to(self.device)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
         self.encoding = encoding
-        c, h, wd = w.image_shape
-        self.n_patch = (h // cfg.patch) * (wd // cfg.patch)
+        c, h, wd = w.item_shape
+        n_patch = (h // cfg.patch) * (wd // cfg.patch)
+        # per kind: (encoder input rows per item, items per trajectory)
+        self.layout = {"image": (n_patch, w.image_items), "audio": (w.audio_rows, 1)}
+        self.kinds = self.model.kinds
         self.shared = None
         if encoding == "shared":
             from knitdata.encoder import SharedEncoding
 
-            self.shared = SharedEncoding(self.model.encoder, dummy=False)
+            merge = {"image": cfg.merge, "audio": cfg.audio_merge}
+            out_rows = None
+            if any(merge[k] != 1 for k in self.kinds):
+                def out_rows(table: Any) -> torch.Tensor:
+                    return table.lengths // merge[table.kind]
+            encs = self.model.encoders()
+            self.shared = SharedEncoding(encs if len(encs) > 1 else encs["image"], dummy=False, out_rows=out_rows)
         self._ctx: Any = None
 
     def microbatch(self, item: _Item) -> None:
@@ -482,26 +710,37 @@ class _Trainer:
         scale = 1.0 / item.num_microbatches
         if item.input_ids.numel() == 0:
             return
+        dev = self.device
+        ids = item.input_ids.to(dev, non_blocking=True)
         if self.encoding == "dup":
-            b = item.input_ids.shape[0]
-            offsets = torch.arange(b + 1, dtype=torch.long) * self.n_patch
-            rows = self.model.encoder(item.patches, offsets)
-            (self.model.backbone_loss(item.input_ids, rows) * scale).backward()
+            assert item.inputs is not None
+            b = ids.shape[0]
+            encs = self.model.encoders()
+            rows = []
+            for kind in self.kinds:
+                per_item, n = self.layout[kind]
+                offsets = torch.arange(b * n + 1, dtype=torch.long) * per_item
+                rows.append(encs[kind](item.inputs[kind].to(dev, non_blocking=True), offsets))
+            (self.model.backbone_loss(ids, rows) * scale).backward()
             return
         assert self.shared is not None
         if item.index == 0 or self._ctx is None:
-            self._ctx = self.shared.minibatch(item.media)
+            media = item.media if dev.type == "cpu" else item.media.to(dev, non_blocking=True)
+            self._ctx = self.shared.minibatch(media)
             self._ctx.__enter__()
-        rows = self._ctx.rows(item.index)
-        self._ctx.backward(self.model.backbone_loss(item.input_ids, rows) * scale)
+        multi = len(self.kinds) > 1
+        rows = [self._ctx.rows(item.index, k) if multi else self._ctx.rows(item.index) for k in self.kinds]
+        self._ctx.backward(self.model.backbone_loss(ids, rows) * scale)
         if item.is_last:
             ctx, self._ctx = self._ctx, None
             ctx.__exit__(None, None, None)
 
     def optimizer_step(self) -> None:
-        """Step the optimizer and clear the gradients."""
+        """Step the optimizer and clear the gradients (on CUDA: and wait for the step's kernels)."""
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 def _run_step(
@@ -512,8 +751,9 @@ def _run_step(
 ) -> ConsumerStepRecord:
     """One optimizer step of one consumer: micro-batches until ``is_last``, then the optimizer step.
 
-    ``next_item()`` returns the item and the seconds spent getting it (the exposed latency);
-    ``after_optimizer_step`` (e.g. committing the loader state) runs inside the step's time.
+    ``next_item()`` returns the item and the seconds spent getting it (exposed latency);
+    ``after_optimizer_step`` (the trainer's other data calls: saving and committing the loader state) is
+    exposed latency too.
     """
     t0 = time.perf_counter()
     exposed = compute = 0.0
@@ -535,11 +775,13 @@ def _run_step(
             break
     t1 = time.perf_counter()
     trainer.optimizer_step()
-    if after_optimizer_step is not None:
-        after_optimizer_step()
     t2 = time.perf_counter()
     compute += t2 - t1
-    return ConsumerStepRecord(step, exposed, compute, t2 - t0, n, nbytes, moved, ids, waits)
+    if after_optimizer_step is not None:
+        after_optimizer_step()
+    t3 = time.perf_counter()
+    exposed += t3 - t2
+    return ConsumerStepRecord(step, exposed, compute, t3 - t0, n, nbytes, moved, ids, waits, t3 - t2)
 
 
 def _consume(
@@ -577,26 +819,27 @@ def _consume_interleaved(
 
 
 # ---------------------------------------------------------------------------------------------- knitdata sources
-def _image(t: Trajectory) -> torch.Tensor:
-    """The decoded image of a benchmark trajectory (its first media item, always decoded here)."""
-    img = t.media[0].tensor
-    assert img is not None
-    return img
-
-
 class _DupCollator:
-    """TokenCollator plus every trajectory's own copy of its image, patchified (what verl/slime hand over)."""
+    """TokenCollator plus every trajectory's own copy of its media, processed per copy (what verl/slime hand
+    over): per kind a tensor ``{kind}_inputs`` of the concatenated encoder inputs."""
 
     def __init__(self, w: TransferWorkload, cfg: VLMConfig):
         from knitdata.collate import TokenCollator
+        from knitdata.media import MediaProcessor
 
         self.tokens = TokenCollator()
-        self.patchify = _patchify_fn(cfg, w)
+        self.proc = MediaProcessor(_preprocess(w, cfg))
+        self.kinds = w.media_kinds
 
     def __call__(self, trajs: Sequence[Trajectory], info: Any = None) -> Any:
         mb = self.tokens(trajs, info)
         if trajs:
-            mb.tensors["image_patches"] = torch.cat([self.patchify(_image(t)) for t in trajs])
+            per: dict[str, list[torch.Tensor]] = {k: [] for k in self.kinds}
+            for t in trajs:
+                for i, item in enumerate(t.media):
+                    per[item.kind].append(self.proc.process(item, trajectory_id=t.id, index=i).tensor)
+            for k, v in per.items():
+                mb.tensors[f"{k}_inputs"] = torch.cat(v)
         return mb
 
 
@@ -606,10 +849,10 @@ def _dataset_kwargs(w: TransferWorkload, cfg: VLMConfig, encoding: str) -> dict[
     from knitdata.collate import TokenCollator
     from knitdata.multimodal import MultimodalCollator
 
-    return {"collate": TokenCollator(), "media_collator": MultimodalCollator({"image": _patchify_fn(cfg, w)})}
+    return {"collate": TokenCollator(), "media_collator": MultimodalCollator(_preprocess(w, cfg))}
 
 
-def _knitdata_next(it: Iterator[Any]) -> Callable[[], tuple[_Item, float]]:
+def _knitdata_next(it: Iterator[Any], kinds: Sequence[str] = ("image",)) -> Callable[[], tuple[_Item, float]]:
     """Adapt a TrajectoryDataset iterator: time ``next()`` only, then read the micro-batch."""
 
     def nxt() -> tuple[_Item, float]:
@@ -620,11 +863,21 @@ def _knitdata_next(it: Iterator[Any]) -> Callable[[], tuple[_Item, float]]:
         nbytes = sum(t.numel() * t.element_size() for t in mb.iter_tensors())
         if mb.media is not None and info.microbatch == 0:
             nbytes += int(getattr(mb.media, "nbytes", 0))
-        item = _Item(tuple(info.trajectory_ids), mb.input_ids, mb.tensors.get("image_patches"), mb.media,
+        inputs = {k: mb.tensors[f"{k}_inputs"] for k in kinds if f"{k}_inputs" in mb.tensors} or None
+        item = _Item(tuple(info.trajectory_ids), mb.input_ids, inputs, mb.media,
                      info.microbatch, info.num_microbatches, info.is_last, nbytes)
         return item, waited
 
     return nxt
+
+
+def _save_and_commit(ds: Any) -> Callable[[], Any]:
+    """The trainer's per-step data calls after the optimizer step: save the loader state, then commit it."""
+
+    def after() -> None:
+        ds.commit(ds.state_dict())
+
+    return after
 
 
 def _batch_spec(w: TransferWorkload) -> Any:
@@ -645,7 +898,18 @@ def _pipeline_kwargs(w: TransferWorkload) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- transferqueue
 _TQ_PARTITION = "knitdata_bench"
-_TQ_FIELDS = ["input_ids", "pixel_values", "tidx"]
+
+
+def _tq_fields(w: TransferWorkload) -> list[str]:
+    """transferqueue row fields of the workload (every row holds its own copy of the media)."""
+    if w.workload == "omni":
+        return ["input_ids", "frames", "audio", "tidx"]
+    return ["input_ids", "pixel_values", "tidx"]
+
+
+def _tq_partition(rank: int) -> str:
+    """The partition of consumer ``rank``: its share of every step, in training order."""
+    return f"{_TQ_PARTITION}_r{rank}"
 
 
 def _tq_id(w: TransferWorkload, idx: int) -> str:
@@ -658,7 +922,11 @@ def _is_loopback(ip: str) -> bool:
 
 
 class _TQServer:
-    """The real transferqueue: Ray on loopback, controller + SimpleStorage units, the workload put once."""
+    """The real transferqueue: Ray on loopback, controller + SimpleStorage units, the workload put once.
+
+    Each consumer rank reads its own partition (its share of every step, in order); every source reads it
+    under its own ``task_name``, so the rows are put once and each source consumes all of them.
+    """
 
     def __init__(self, w: TransferWorkload, num_units: int = 2):
         self.w = w
@@ -696,7 +964,9 @@ class _TQServer:
         self.startup_s = time.perf_counter() - t0
 
     def put_all(self, progress: Any = None) -> set[str]:
-        """Put every trajectory of the run as sample-level rows (each row holds its own image copy)."""
+        """Put every trajectory of the run as sample-level rows (each row holds its own media copy) into the
+        partition of the rank that trains on it."""
+        import numpy as np
         import transfer_queue as tq
         from tensordict import TensorDict
 
@@ -705,18 +975,26 @@ class _TQServer:
         t0 = time.perf_counter()
         ids: set[str] = set()
         idx = 0
+        groups_per_rank = w.per_consumer_step // w.group_size
         for step in range(w.total_steps):
-            for group in make_step_groups(w, step):
+            for g, group in enumerate(make_step_groups(w, step)):
                 n = len(group)
-                td = TensorDict(
-                    {
-                        "input_ids": torch.stack([torch.cat([t.prompt_ids, t.response_ids]) for t in group]),
-                        "pixel_values": torch.stack([_image(t) for t in group]),
-                        "tidx": torch.arange(idx, idx + n, dtype=torch.int64),
-                    },
-                    batch_size=n,
-                )
-                client.put(td, partition_id=_TQ_PARTITION)
+                fields: dict[str, torch.Tensor] = {
+                    "input_ids": torch.stack([torch.cat([t.prompt_ids, t.response_ids]) for t in group]),
+                    "tidx": torch.arange(idx, idx + n, dtype=torch.int64),
+                }
+                if w.workload == "omni":
+                    frames = [m.tensor for m in group[0].media if m.kind == "image" and m.tensor is not None]
+                    audio = next(m for m in group[0].media if m.kind == "audio")
+                    assert audio.data is not None
+                    fields["frames"] = torch.stack(frames).unsqueeze(0).expand(n, *([-1] * 4)).contiguous()
+                    clip = torch.from_numpy(np.frombuffer(audio.data, dtype=np.uint8).copy())
+                    fields["audio"] = clip.unsqueeze(0).expand(n, -1).contiguous()
+                else:
+                    img = group[0].media[0].tensor
+                    assert img is not None
+                    fields["pixel_values"] = img.unsqueeze(0).expand(n, *img.shape).contiguous()
+                client.put(TensorDict(fields, batch_size=n), partition_id=_tq_partition(g // groups_per_rank))
                 for t in group:
                     assert _tq_id(w, idx) == t.id
                     ids.add(t.id)
@@ -736,52 +1014,288 @@ class _TQServer:
             self.conf = None
 
 
-class _TQSource:
-    """One consumer's transferqueue client: ``get_meta`` (polling) + ``get_data`` per micro-batch."""
+def _unbind(t: torch.Tensor) -> list[torch.Tensor]:
+    return list(t.unbind()) if t.is_nested else list(t)
 
-    def __init__(self, conf: Any, rank: int, w: TransferWorkload, cfg: VLMConfig, poll_timeout_s: float = 60.0):
+
+class _TQDecode:
+    """Turn transferqueue micro-batches (TensorDicts) into what the trainer consumes (picklable: it also runs in
+    the streaming loader's worker processes).
+
+    ``dup``: per kind the encoder inputs of every row (each row's media processed, audio decoded from its FLAC
+    bytes with soundfile); ``shared``: a step's micro-batches become trajectories whose media a
+    :class:`~knitdata.multimodal.MultimodalCollator` (provenance keys) collates once per unique item.
+    """
+
+    def __init__(self, w: TransferWorkload, cfg: VLMConfig):
+        self.w = w
+        self.cfg = cfg
+        self._proc: Any = None
+        self._coll: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"w": self.w, "cfg": self.cfg, "_proc": None, "_coll": None}
+
+    def _rows(self, td: Any) -> tuple[list[int], torch.Tensor, list[list[MediaItem]], int]:
+        w = self.w
+        tidx_t = td["tidx"]
+        tidx = [int(x) for x in (torch.cat(_unbind(tidx_t)) if tidx_t.is_nested else tidx_t.reshape(-1))]
+        ids_t = td["input_ids"]
+        input_ids = torch.stack(_unbind(ids_t)) if ids_t.is_nested else ids_t
+        moved = input_ids.numel() * 8 + len(tidx) * 8
+        media: list[list[MediaItem]] = []
+        if w.workload == "omni":
+            frames, clips = _unbind(td["frames"]), _unbind(td["audio"])
+            for i, f, c in zip(tidx, frames, clips):
+                gid = _tq_id(w, i).rsplit("t", 1)[0]
+                f = f.reshape(w.video_frames, *w.item_shape)
+                items = [MediaItem("image", tensor=f[j], digest=f"{gid}/{j}") for j in range(w.video_frames)]
+                items.append(MediaItem("audio", data=c.numpy().tobytes(), sample_rate=w.audio_rate,
+                                       digest=f"{gid}/a"))
+                media.append(items)
+                moved += f.numel() + c.numel()
+        else:
+            for i, im in zip(tidx, _unbind(td["pixel_values"])):
+                gid = _tq_id(w, i).rsplit("t", 1)[0]
+                media.append([MediaItem("image", tensor=im.reshape(w.image_shape), digest=f"{gid}/0")])
+                moved += im.numel()
+        return tidx, input_ids, media, moved
+
+    def dup(self, td: Any, index: int, k: int) -> _Item:
+        """One micro-batch with every row's own media processed (``dup`` encoding)."""
+        if self._proc is None:
+            from knitdata.media import MediaProcessor
+
+            self._proc = MediaProcessor(_preprocess(self.w, self.cfg))
+        tidx, input_ids, media, moved = self._rows(td)
+        per: dict[str, list[torch.Tensor]] = {kd: [] for kd in self.w.media_kinds}
+        for i, items in zip(tidx, media):
+            for j, item in enumerate(items):
+                per[item.kind].append(self._proc.process(item, trajectory_id=_tq_id(self.w, i), index=j).tensor)
+        inputs = {kd: torch.cat(v) for kd, v in per.items()}
+        nbytes = input_ids.numel() * input_ids.element_size() + sum(v.numel() * v.element_size()
+                                                                    for v in inputs.values())
+        return _Item(tuple(_tq_id(self.w, i) for i in tidx), input_ids, inputs, None, index, k, index == k - 1,
+                     nbytes, moved)
+
+    def shared(self, tds: Sequence[Any]) -> list[_Item]:
+        """A step's micro-batches with one :class:`~knitdata.multimodal.MultimodalBatch` (``shared``)."""
+        if self._coll is None:
+            from knitdata.multimodal import MultimodalCollator
+
+            self._coll = MultimodalCollator(_preprocess(self.w, self.cfg), key="provenance")
+        w = self.w
+        p = w.prompt_tokens
+        mbs: list[list[Trajectory]] = []
+        rows = []
+        for td in tds:
+            tidx, input_ids, media, moved = self._rows(td)
+            trajs = [Trajectory(id=_tq_id(w, i), source="mm", group=_tq_id(w, i).rsplit("t", 1)[0],
+                                prompt_ids=ids[:p], response_ids=ids[p:], media=items)
+                     for i, ids, items in zip(tidx, input_ids, media)]
+            mbs.append(trajs)
+            rows.append((tidx, input_ids, moved))
+        batch = self._coll(mbs)
+        k = len(tds)
+        out = []
+        for i, (tidx, input_ids, moved) in enumerate(rows):
+            nbytes = input_ids.numel() * input_ids.element_size() + (int(batch.nbytes) if i == 0 else 0)
+            out.append(_Item(tuple(_tq_id(w, t) for t in tidx), input_ids, None, batch, i, k, i == k - 1, nbytes,
+                             moved))
+        return out
+
+
+class _TQSource:
+    """transferqueue as verl drives it: one consumer's synchronous client, ``get_meta`` (polling) + ``get_data``
+    per micro-batch in the trainer thread, rows processed there."""
+
+    def __init__(self, conf: Any, rank: int, w: TransferWorkload, cfg: VLMConfig, task: str = "train",
+                 poll_timeout_s: float = 60.0):
         os.environ["TQ_NUM_THREADS"] = "1"
         from transfer_queue.client import TransferQueueClient
 
-        self.client = TransferQueueClient(client_id=f"knitdata_bench_{rank}_{os.getpid()}",
+        self.client = TransferQueueClient(client_id=f"knitdata_bench_{task}_{rank}_{os.getpid()}",
                                           controller_info=conf.controller.zmq_info)
         self.client.initialize_storage_manager(manager_type="SimpleStorage", config=conf.backend.SimpleStorage)
         self.w = w
-        self.patchify = _patchify_fn(cfg, w)
+        self.task = task
+        self.partition = _tq_partition(rank)
+        self.decode = _TQDecode(w, cfg)
         self.poll_timeout_s = poll_timeout_s
         self.i = 0
         torch.set_num_threads(1)
 
-    def fetch(self) -> _Item:
-        w = self.w
-        b = w.microbatch_size
+    def get(self) -> Any:
+        """One micro-batch's rows (polls until ``microbatch_size`` rows are ready)."""
+        b = self.w.microbatch_size
         deadline = time.monotonic() + self.poll_timeout_s
         while True:
-            meta = self.client.get_meta(data_fields=_TQ_FIELDS, batch_size=b, partition_id=_TQ_PARTITION,
-                                        task_name="train")
+            meta = self.client.get_meta(data_fields=_tq_fields(self.w), batch_size=b, partition_id=self.partition,
+                                        task_name=self.task)
             if len(meta) == b:
                 break
             if time.monotonic() > deadline:
-                raise EngineError(f"transferqueue delivered no micro-batch of {b} within {self.poll_timeout_s} s")
+                raise EngineError(f"transferqueue delivered no micro-batch of {b} within {self.poll_timeout_s} s "
+                                  f"(partition {self.partition}, task {self.task})")
             time.sleep(0.001)
-        td = self.client.get_data(meta)
-        ids_t = td["input_ids"]
-        input_ids = torch.stack(list(ids_t.unbind())) if ids_t.is_nested else ids_t
-        imgs = td["pixel_values"]
-        imgs = list(imgs.unbind()) if imgs.is_nested else list(imgs)
-        patches = torch.cat([self.patchify(im.reshape(w.image_shape)) for im in imgs])
-        tidx = td["tidx"]
-        tidx = [int(x) for x in (torch.cat(list(tidx.unbind())) if tidx.is_nested else tidx.reshape(-1))]
-        moved = input_ids.numel() * 8 + sum(im.numel() * im.element_size() for im in imgs) + len(tidx) * 8
-        nbytes = input_ids.numel() * input_ids.element_size() + patches.numel() * patches.element_size()
-        k = w.microbatches_per_step
-        item = _Item(tuple(_tq_id(w, i) for i in tidx), input_ids, patches, None, self.i % k, k,
-                     self.i % k == k - 1, nbytes, moved)
+        return self.client.get_data(meta)
+
+    def fetch(self) -> _Item:
+        k = self.w.microbatches_per_step
+        item = self.decode.dup(self.get(), self.i % k, k)
         self.i += 1
         return item
 
     def close(self) -> None:
         self.client.close()
+
+
+class _TQAsyncSource:
+    """transferqueue at its best, (a): its asyncio client (``AsyncTransferQueueClient``) in a background thread
+    that fetches and processes micro-batches ahead of the trainer.
+
+    ``dup``: up to ``ahead`` processed micro-batches wait in the queue (plus one being fetched); ``shared``: the
+    unit is a step (its ``K`` micro-batches and their media batch, needed at micro-batch 0), one step ahead.
+    The thread stops after the run's last micro-batch; errors reach the trainer at its next ``next()``.
+    """
+
+    def __init__(self, conf: Any, rank: int, w: TransferWorkload, cfg: VLMConfig, encoding: str, task: str,
+                 ahead: int = 2, poll_timeout_s: float = 60.0):
+        self.conf, self.rank, self.w, self.encoding, self.task = conf, rank, w, encoding, task
+        self.decode = _TQDecode(w, cfg)
+        self.poll_timeout_s = poll_timeout_s
+        self.q: queue.Queue = queue.Queue(maxsize=ahead if encoding == "dup" else 1)
+        self.buf: list[_Item] = []
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"tq-prefetch-{task}-{rank}", daemon=True)
+        self.thread.start()
+
+    def _put(self, x: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self.q.put(x, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        import asyncio
+
+        torch.set_num_threads(1)
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # handed to the trainer
+            self._put(e)
+
+    async def _main(self) -> None:
+        import asyncio
+
+        from transfer_queue.client import AsyncTransferQueueClient
+
+        w = self.w
+        client = AsyncTransferQueueClient(f"knitdata_bench_{self.task}_{self.rank}_{os.getpid()}",
+                                          self.conf.controller.zmq_info)
+        client.initialize_storage_manager(manager_type="SimpleStorage", config=self.conf.backend.SimpleStorage)
+        part, b, k = _tq_partition(self.rank), w.microbatch_size, w.microbatches_per_step
+        try:
+            pending: list[Any] = []
+            for i in range(w.total_steps * k):
+                deadline = time.monotonic() + self.poll_timeout_s
+                while True:
+                    meta = await client.async_get_meta(data_fields=_tq_fields(w), batch_size=b, partition_id=part,
+                                                       task_name=self.task)
+                    if len(meta) == b:
+                        break
+                    if time.monotonic() > deadline:
+                        raise EngineError(f"transferqueue delivered no micro-batch of {b} within "
+                                          f"{self.poll_timeout_s} s (partition {part}, task {self.task})")
+                    await asyncio.sleep(0.001)
+                td = await client.async_get_data(meta)
+                if self.encoding == "dup":
+                    if not self._put(self.decode.dup(td, i % k, k)):
+                        return
+                else:
+                    pending.append(td)
+                    if len(pending) == k:
+                        bundle, pending = self.decode.shared(pending), []
+                        if not self._put(bundle):
+                            return
+        finally:
+            client.close()
+
+    def fetch(self) -> _Item:
+        if not self.buf:
+            x = self.q.get(timeout=self.poll_timeout_s * 2)
+            if isinstance(x, BaseException):
+                raise x
+            self.buf = [x] if isinstance(x, _Item) else list(x)
+        return self.buf.pop(0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=10)
+
+
+def _tq_collate(decode: _TQDecode, encoding: str, k: int) -> Callable[[Any], Any]:
+    return functools.partial(_tq_loader_collate, decode, encoding, k)
+
+
+def _tq_loader_collate(decode: _TQDecode, encoding: str, k: int, data: Any) -> Any:
+    """The streaming loader's ``collate_fn`` (runs in its workers): process rows like the other sources."""
+    td, meta = data
+    if encoding == "dup":
+        return [decode.dup(td, 0, k)]
+    # shared: the dataset yields the whole step (one batch of K micro-batches); split it here
+    b = decode.w.microbatch_size
+    n = td.batch_size[0]
+    return decode.shared([td[i:i + b] for i in range(0, n, b)])
+
+
+def _tq_whole_batch(td: Any, batch_meta: Any, micro_batch_size: int = 1) -> list[tuple[Any, Any]]:
+    """``process_batch_fn`` of the streaming dataset in ``shared`` mode: yield the step's batch whole."""
+    return [(td, batch_meta)]
+
+
+class _TQLoaderSource:
+    """transferqueue at its best, (b): its own ``StreamingDataset`` + ``StreamingDataLoader`` as its documentation
+    recommends (``num_workers`` loader processes, each with its own client, ``prefetch_factor`` batches ahead);
+    each worker fetches a step's share (``batch_size`` = the rank's trajectories per step) and processes it in
+    its ``collate_fn``. Workers are started (spawn) when the source is built, before the measured steps."""
+
+    def __init__(self, conf: Any, rank: int, w: TransferWorkload, cfg: VLMConfig, encoding: str, task: str,
+                 num_workers: int = 1, prefetch_factor: int = 2):
+        from transfer_queue.dataloader import StreamingDataLoader, StreamingDataset
+
+        self.w = w
+        k = w.microbatches_per_step
+        ds = StreamingDataset(config=conf, batch_size=w.per_consumer_step, micro_batch_size=w.microbatch_size,
+                              data_fields=_tq_fields(w), partition_id=_tq_partition(rank), task_name=task,
+                              dp_rank=rank, process_batch_fn=None if encoding == "dup" else _tq_whole_batch)
+        self.loader = StreamingDataLoader(ds, num_workers=num_workers,
+                                          prefetch_factor=prefetch_factor if num_workers else None,
+                                          collate_fn=_tq_collate(_TQDecode(w, cfg), encoding, k),
+                                          multiprocessing_context="spawn" if num_workers else None,
+                                          persistent_workers=False)
+        self.it: Any = iter(self.loader)
+        self.buf: list[_Item] = []
+        self.i = 0
+
+    def fetch(self) -> _Item:
+        if not self.buf:
+            self.buf = list(next(self.it))
+        item = self.buf.pop(0)
+        k = self.w.microbatches_per_step
+        if item.media is None:  # dup: the workers see one micro-batch at a time; number it here
+            item.index, item.is_last = self.i % k, self.i % k == k - 1
+        self.i += 1
+        return item
+
+    def close(self) -> None:
+        self.it = None  # the DataLoader iterator stops its workers when it is collected
+        import gc
+
+        gc.collect()
 
 
 # ---------------------------------------------------------------------------------------------- worker processes
@@ -819,24 +1333,31 @@ def _run_worker_job(rank: int, job: Mapping[str, Any], barrier: Any, res_q: Any,
                 trainers[enc] = _Trainer(w, cfg, enc)
             name = spec["name"]
             extra[name] = {}
-            if spec["kind"] == "transferqueue":
-                src = _TQSource(spec["conf"], rank, w, cfg)
+            if spec["kind"] in ("transferqueue", "tq_async", "tq_loader"):
+                if spec["kind"] == "transferqueue":
+                    src: Any = _TQSource(spec["conf"], rank, w, cfg, task=spec["task"])
+                elif spec["kind"] == "tq_async":
+                    src = _TQAsyncSource(spec["conf"], rank, w, cfg, enc, spec["task"])
+                else:
+                    src = _TQLoaderSource(spec["conf"], rank, w, cfg, enc, spec["task"],
+                                          num_workers=spec.get("num_workers", 1),
+                                          prefetch_factor=spec.get("prefetch_factor", 2))
                 closers.append(src.close)
 
-                def nxt(src: _TQSource = src) -> tuple[_Item, float]:
+                def nxt(src: Any = src) -> tuple[_Item, float]:
                     t0 = time.perf_counter()
                     item = src.fetch()
                     return item, time.perf_counter() - t0
 
+                # transferqueue's controller records consumption at get_meta: no per-step state call is needed
                 sources.append((name, trainers[enc], nxt, None))
             elif spec["kind"] == "knitdata":
                 ds = _attach_dataset(spec, rank, w, cfg)
                 it = iter(ds)
                 closers.append(getattr(it, "close", lambda: None))
-                # Ray engine (release="commit"): commit the state after each optimizer step, which releases the
-                # step's payloads (a trainer would do it after saving a checkpoint).
-                commit = getattr(ds, "commit", None) if spec.get("engine") == "ray_engine" else None
-                sources.append((name, trainers[enc], _knitdata_next(it), commit))
+                # every step: save the loader state and commit it (releases the step's payloads); both are
+                # data calls of the trainer, counted as exposed latency
+                sources.append((name, trainers[enc], _knitdata_next(it, w.media_kinds), _save_and_commit(ds)))
                 if getattr(ds, "metrics", None) is not None:
                     extra[name]["_metrics_of"] = ds.metrics
             else:  # pragma: no cover - programming error
@@ -905,7 +1426,7 @@ class _WorkerPool:
         try:
             self.procs = [
                 ctx.Process(target=_worker_main, args=(r, self.cmd[r], self.res, self.barrier, barrier_timeout),
-                            name=f"knitdata-bench-consumer-{r}", daemon=True)
+                            name=f"knitdata-bench-consumer-{r}", daemon=False)
                 for r in range(n)
             ]
             for p in self.procs:
@@ -980,8 +1501,10 @@ def _fill_pipeline(pipe: Any, w: TransferWorkload) -> set[str]:
 
 
 def _run_embedded(w: TransferWorkload, cfg: VLMConfig, fetch: str, encoding: str, timeout_s: float,
-                  progress: Any = None) -> tuple[list[list[ConsumerStepRecord]], list[dict], set[str], dict]:
-    """``fetch`` on the embedded engine: one process, consumers are threads (one torch thread each)."""
+                  progress: Any = None, device: str = "cpu"
+                  ) -> tuple[list[list[ConsumerStepRecord]], list[dict], set[str], dict]:
+    """``fetch`` on the embedded engine: one process, consumers are threads (one torch thread each), training on
+    ``device``."""
     from knitdata.pipeline import Pipeline
 
     pipe = Pipeline(_batch_spec(w), engine="embedded", **_pipeline_kwargs(w))
@@ -990,7 +1513,7 @@ def _run_embedded(w: TransferWorkload, cfg: VLMConfig, fetch: str, encoding: str
     fill_s = time.perf_counter() - t0
     n = w.num_consumers
     barrier = threading.Barrier(n)
-    trainers = [_Trainer(w, cfg, encoding) for _ in range(n)]
+    trainers = [_Trainer(w, cfg, encoding, device) for _ in range(n)]
     out: list[Any] = [None] * n
     errs: list[BaseException | None] = [None] * n
 
@@ -998,8 +1521,9 @@ def _run_embedded(w: TransferWorkload, cfg: VLMConfig, fetch: str, encoding: str
         ds = pipe.dataset(rank, fetch=fetch, **_dataset_kwargs(w, cfg, encoding))
         it = iter(ds)
         try:
-            out[rank] = _consume(w, trainers[rank], _knitdata_next(it), lambda: barrier.wait(timeout_s),
-                                 (lambda s: progress.update(1)) if (rank == 0 and progress is not None) else None)
+            out[rank] = _consume(w, trainers[rank], _knitdata_next(it, w.media_kinds), lambda: barrier.wait(timeout_s),
+                                 (lambda s: progress.update(1)) if (rank == 0 and progress is not None) else None,
+                                 _save_and_commit(ds))
         except BaseException as e:
             errs[rank] = e
             barrier.abort()
@@ -1074,11 +1598,19 @@ class _RayCluster:
 
         if ray.is_initialized():
             raise EngineError("Ray is already initialized in this process; the transfer benchmark starts its own")
-        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
-                 logging_level="ERROR",  # type: ignore[arg-type]  # ray annotates int; it takes level names too
-                 _node_ip_address=ray_unit.LOOPBACK, object_store_memory=4 << 30,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-                                           "TQ_NUM_THREADS": "1"}})
+        for attempt in range(3):  # on an overloaded machine the raylet can miss Ray's fixed 30 s start-up wait
+            try:
+                ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
+                         logging_level="ERROR",  # type: ignore[arg-type]  # ray annotates int; takes names too
+                         _node_ip_address=ray_unit.LOOPBACK, object_store_memory=4 << 30,
+                         runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                                                   "TQ_NUM_THREADS": "1"}})
+                break
+            except Exception as e:
+                if "timed out during startup" not in str(e) or attempt == 2:
+                    raise
+                ray.shutdown()
+                time.sleep(5)
         try:
             ray_unit.check_loopback()
         except EngineError as e:
@@ -1157,6 +1689,7 @@ def summarize_mode(records: Sequence[Sequence[ConsumerStepRecord]], w: TransferW
     ex_max = [max(r[s].exposed_s for r in records) for s in measured]
     step = [max(r[s].step_s for r in records) for s in measured]
     comp = [statistics.fmean(r[s].compute_s for r in records) for s in measured]
+    commit = [statistics.fmean(r[s].commit_s for r in records) for s in measured]
     to_trainer = [sum(r[s].bytes for r in records) for s in measured]
     moved = [sum(r[s].moved for r in records) for s in measured]
     counts: dict[str, int] = {}
@@ -1170,6 +1703,7 @@ def summarize_mode(records: Sequence[Sequence[ConsumerStepRecord]], w: TransferW
         "exposed_latency_max_s": _median(ex_max),
         "step_s": _median(step),
         "compute_s": _median(comp),
+        "exposed_commit_s": _median(commit),
         "bytes_to_trainer_per_step": _median(to_trainer),
         "bytes_moved_per_step": _median(moved) if any(moved) else None,
         "delivered": sum(counts.values()),
@@ -1242,6 +1776,17 @@ def _gpu_projection(flops: Mapping[str, tuple[VLMConfig, Mapping[str, float]]], 
                 d["speedup_encoding"] = (c_dup + iter_dup_ex) / (c_sh + iter_dup_ex)
         out[label] = d
     out["value"] = out["model"].get("speedup")
+    out["projected"] = True
+    out["assumptions"] = {
+        "gpu_rate_tflops": tflops,
+        "compute": "counted FLOPs (torch.utils.flop_counter.FlopCounterMode on the meta device, forward + "
+                   "backward of one consumer's step) divided by the rate; no kernel launch, memory or "
+                   "communication time",
+        "transfer": "the exposed latency measured on this CPU, unchanged on a GPU; the baseline is "
+                    "transferqueue at its best when it ran",
+        "model": GPU_VLM.name,
+        "not_measured": True,
+    }
     out["assumption"] = (
         "compute = counted FLOPs (FlopCounterMode, forward+backward, one consumer's step) / rate; transfer = the "
         "exposed latency measured here on CPU, unchanged on a GPU (iter hides its fetch behind the GPU compute, "
@@ -1261,7 +1806,11 @@ def run_transfer_benchmark(
     w: TransferWorkload | None = None,
     modes: Sequence[str] = MODES,
     *,
-    shared_modes: Sequence[str] = ("iter", "iter_embedded"),
+    shared_modes: Sequence[str] = ("transferqueue_best", "iter", "iter_embedded"),
+    controls: Sequence[str] | None = None,
+    control_encodings: Sequence[str] = ENCODINGS,
+    tq_best_variants: Sequence[str] = TQ_BEST_VARIANTS,
+    loader_workers: int = 1,
     cfg: VLMConfig = TINY_VLM,
     gpu_tflops: float = DEFAULT_GPU_TFLOPS,
     tq_units: int = 2,
@@ -1272,9 +1821,15 @@ def run_transfer_benchmark(
     """Run every requested mode side by side on one workload and return the JSON-serializable result.
 
     Args:
-        w: The workload (default: the fixed one).
+        w: The workload (default: the fixed image one).
         modes: Subset of :data:`MODES` (run in that order).
         shared_modes: Modes also run with :class:`~knitdata.encoder.SharedEncoding`.
+        controls: Process modes (``transferqueue``, ``transferqueue_best``, ``sample``, ``eager``, ``iter``) also
+            run alone afterwards, each with the encodings it ran with (default: every process mode that ran).
+        control_encodings: The encodings the controls run with (when the mode ran with them).
+        tq_best_variants: How ``transferqueue_best`` drives transferqueue (subset of :data:`TQ_BEST_VARIANTS`);
+            the variant with the lower exposed latency is reported per encoding.
+        loader_workers: ``num_workers`` of transferqueue's streaming loader (variant ``loader``).
         cfg: The model the consumers train.
         gpu_tflops: Effective GPU rate for the projection.
         tq_units: transferqueue SimpleStorage units.
@@ -1283,7 +1838,7 @@ def run_transfer_benchmark(
         log: Where to print notes (default: stderr).
 
     Raises:
-        ConfigError: Unknown modes.
+        ConfigError: Unknown modes or variants.
         LoopbackError: transferqueue or Ray listens on a non-loopback address.
         EngineError: Consumers failed or timed out.
     """
@@ -1296,10 +1851,19 @@ def run_transfer_benchmark(
     # Ray's default for a new local cluster, made explicit before the consumer processes are spawned: a
     # process that imported Ray caches its auth mode, and the consumers must agree with the driver's cluster.
     os.environ.setdefault("RAY_AUTH_MODE", "token")
+    _tq_patience()
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ConfigError(f"unknown modes {bad}; choose from {MODES}")
+    bad = [v for v in tq_best_variants if v not in TQ_BEST_VARIANTS]
+    if bad or not tq_best_variants:
+        raise ConfigError(f"tq_best_variants must be a non-empty subset of {TQ_BEST_VARIANTS}, got {list(tq_best_variants)}")
     modes = [m for m in MODES if m in modes]
+    process_modes = ("transferqueue", "transferqueue_best", "sample", "eager", "iter")
+    controls = [m for m in (controls if controls is not None else process_modes) if m in modes]
+    bad = [m for m in controls if m not in process_modes]
+    if bad:
+        raise ConfigError(f"controls must be process modes {process_modes}, got {bad}")
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     t_start = time.perf_counter()
     threads_before = torch.get_num_threads()
@@ -1310,9 +1874,23 @@ def run_transfer_benchmark(
         "model": cfg.to_dict(),
         "machine": _machine(),
         "modes": {},
+        "controls": {},
         "runs": [],
+        "control_runs": [],
         "notes": [],
         "startup_s": {},
+        "exposed_latency_counts": (
+            "every data call the trainer makes per step: knitdata: next() per micro-batch, then state_dict() and "
+            "commit() after the optimizer step; transferqueue: its get_meta + get_data (sync), or next() of its "
+            "prefetching client or streaming loader (its controller records consumption at get_meta: no state "
+            "call per step)"),
+        "transferqueue_best_variants": {
+            "async": "AsyncTransferQueueClient in a background thread of each consumer, fetching and processing "
+                     "2 micro-batches ahead (shared encoding: one step ahead, the step's media batch built there)",
+            "loader": f"transferqueue's StreamingDataset + StreamingDataLoader (num_workers={loader_workers}, "
+                      "prefetch_factor=2, spawn), batch = the rank's share of a step, rows processed in its "
+                      "collate_fn",
+        },
     }
     runs: list[tuple[str, str]] = [(m, "dup") for m in modes] + [(m, "shared") for m in modes if m in shared_modes]
     import importlib.util
@@ -1322,24 +1900,28 @@ def run_transfer_benchmark(
                                "skipped; install the 'ray' and 'baseline' extras")
         say(result["notes"][-1])
         runs = [r for r in runs if r[0] == "iter_embedded"]
-    process_modes = {"transferqueue", "sample", "eager", "iter"}
     pool: _WorkerPool | None = None
 
     def bar(label: str) -> Any:
         return tqdm(total=w.total_steps, desc=f"{label:<22}", disable=not progress, leave=False, file=sys.stderr)
 
     def record(mode: str, encoding: str, recs: Any, extras: Any, expected: set[str] | None, engine: str,
-               **extra: Any) -> None:
+               control: bool = False, variant: str | None = None, **extra: Any) -> None:
         s = summarize_mode(recs, w, expected)
         s["run_wall_s"] = sum(max(r[i].step_s for r in recs) for i in range(w.total_steps))
         if s["bytes_moved_per_step"] is None:
             s["bytes_moved_per_step"] = _bytes_moved_from_metrics(extras, w)
         s.update(mode=mode, encoding=encoding, engine=engine, **extra)
-        result["runs"].append(s)
+        if variant is not None:
+            s["variant"] = variant
+        result["control_runs" if control else "runs"].append(s)
+        top = result["controls" if control else "modes"].setdefault(mode, {})
+        if variant is not None:
+            top = top.setdefault("variants", {}).setdefault(variant, {})
         if encoding == "dup":
-            result["modes"].setdefault(mode, {}).update(s)
+            top.update(s)
         else:
-            result["modes"].setdefault(mode, {})["shared"] = s
+            top["shared"] = s
 
     t_mark = time.perf_counter()
 
@@ -1362,6 +1944,41 @@ def run_transfer_benchmark(
             flops_job.result()
             mark("flop counts (waited)")
 
+    def tq_sources(mode: str, enc: str, prefix: str) -> list[dict[str, Any]]:
+        assert server is not None
+        if mode == "transferqueue":
+            return [{"name": f"transferqueue/{enc}", "kind": "transferqueue", "conf": server.conf, "encoding": enc,
+                     "task": f"{prefix}sync_{enc}", "mode": mode}]
+        return [{"name": f"tq_{v}/{enc}", "kind": f"tq_{v}", "conf": server.conf, "encoding": enc,
+                 "task": f"{prefix}{v}_{enc}", "mode": mode, "variant": v, "num_workers": loader_workers}
+                for v in tq_best_variants]
+
+    def run_sources(sources: list[dict[str, Any]], label: str, control: bool) -> None:
+        assert pool is not None
+        before_measuring()
+        job = {"sources": sources, **_job_base(w, cfg, "dup")}
+        say(f"{label}: " + ", ".join(x["name"] for x in sources))
+        with tqdm(total=w.total_steps * len(sources), desc=label[:22], disable=not progress, leave=False,
+                  file=sys.stderr) as pb:
+            recs, extras = pool.run(job, timeout_s * len(sources), pb)
+        for x in sources:
+            name = x["name"]
+            enc = x["encoding"]
+            ex = extras[name]
+            if x["kind"] == "knitdata":
+                moved = cluster.engine_bytes_fetched(x["pipeline"])
+                if moved is not None:
+                    ex = [{"metrics": {"bytes_fetched": moved if r == 0 else 0}} for r in range(len(ex))]
+                record(x["fetch"], enc, recs[name], ex, expected_of[x["fetch"]], "ray (consumer processes; "
+                       "knitdata.engines.ray)", control=control, interleaved=not control, via="ray_engine",
+                       prepare_s=x.get("prepare_s"))
+            else:
+                record(x["mode"], enc, recs[name], ex, expected_of["transferqueue"],
+                       "transferqueue (Ray actors, ZMQ on loopback)", control=control, variant=x.get("variant"),
+                       interleaved=not control)
+
+    expected_of: dict[str, set[str]] = {}
+    server: _TQServer | None = None
     try:
         need_pool = any(m in process_modes for m, _ in runs)
         if need_pool:
@@ -1369,71 +1986,66 @@ def run_transfer_benchmark(
             pool = _WorkerPool(w.num_consumers)
             result["startup_s"]["consumer_processes_spawned"] = time.perf_counter() - t0
         # Sources of the process modes, all prepared first (start-up, not measured), then run interleaved step by
-        # step in the same 4 consumer processes: (a) transferqueue, (b)-(d) knitdata sample/eager/iter.
+        # step in the same consumer processes: transferqueue (sync; best: async client and streaming loader), then
+        # knitdata sample/eager/iter. Then each control alone.
         sources: list[dict[str, Any]] = []
-        expected_of: dict[str, set[str]] = {}
-        info_of: dict[str, dict[str, Any]] = {}
-        server: _TQServer | None = None
         try:
-            if any(r[0] == "transferqueue" for r in runs):
+            tq_runs = [r for r in runs if r[0] in ("transferqueue", "transferqueue_best")]
+            if tq_runs:
                 try:
                     import tensordict  # noqa: F401
                     import transfer_queue  # noqa: F401
                 except ImportError as e:
-                    result["notes"].append(f"transferqueue is not installed ({e}); mode 'transferqueue' skipped. "
+                    result["notes"].append(f"transferqueue is not installed ({e}); its modes are skipped. "
                                            "Install the 'baseline' extra: pip install 'knitdata[baseline]'")
                     say(result["notes"][-1])
-                    runs = [r for r in runs if r[0] != "transferqueue"]
+                    runs = [r for r in runs if r not in tq_runs]
+                    tq_runs = []
                 else:
                     server = _TQServer(w, tq_units)
                     server.start(cluster)
                     mark("ray + transferqueue start")
                     result["transferqueue"] = {"addresses": server.addresses, "storage_units": tq_units,
-                                               "startup_s": server.startup_s}
+                                               "startup_s": server.startup_s,
+                                               "partitions": "one per consumer rank (its share of every step, "
+                                                             "in order); each source reads under its own task_name"}
                     say(f"transferqueue up in {server.startup_s:.1f} s on {server.addresses}")
-                    expected = server.put_all()
+                    expected_of["transferqueue"] = server.put_all()
                     mark("transferqueue put")
                     result["transferqueue"]["put_s"] = server.put_s
                     result["startup_s"]["transferqueue"] = server.startup_s + server.put_s
-                    for mode, enc in [r for r in runs if r[0] == "transferqueue"]:
-                        name = f"{mode}/{enc}"
-                        sources.append({"name": name, "kind": "transferqueue", "conf": server.conf, "encoding": enc})
-                        expected_of[name] = expected
-                        info_of[name] = {"engine": "transferqueue (Ray actors, ZMQ on loopback)"}
+                    for mode, enc in tq_runs:
+                        sources += tq_sources(mode, enc, "")
             ray_runs = [r for r in runs if r[0] in ("sample", "eager", "iter")]
             if ray_runs:
                 result["process_modes_via"] = {"ray_engine": _PROCESS_MODES_ENGINE}
                 cluster.start()
                 for mode, enc in ray_runs:
-                    via = "ray_engine"
                     job, expected, prep_s = cluster.prepare_engine(w)
-                    name = f"{mode}/{enc}"
-                    sources.append({**job, "name": name, "fetch": mode, "encoding": enc})
-                    expected_of[name] = expected
-                    engine = "ray (consumer processes; knitdata.engines.ray)"
-                    info_of[name] = {"engine": engine, "via": via, "prepare_s": prep_s}
-                    mark(f"prepare {name} ({via})")
+                    sources.append({**job, "name": f"{mode}/{enc}", "fetch": mode, "encoding": enc,
+                                    "prepare_s": prep_s})
+                    expected_of[mode] = expected
+                    mark(f"prepare {mode}/{enc} (ray_engine)")
             if sources:
-                assert pool is not None
-                before_measuring()
-                job = {"sources": sources, **_job_base(w, cfg, "dup")}
-                desc = "interleaved: " + ", ".join(x["name"] for x in sources)
-                say(desc)
-                with tqdm(total=w.total_steps * len(sources), desc="process modes", disable=not progress,
-                          leave=False, file=sys.stderr) as pb:
-                    recs, extras = pool.run(job, timeout_s * len(sources), pb)
+                run_sources(sources, "interleaved", control=False)
                 mark("run process modes (interleaved)")
-                for x in sources:
-                    name = x["name"]
-                    mode, enc = name.split("/")
-                    info = dict(info_of[name])
-                    engine = info.pop("engine")
-                    ex = extras[name]
-                    if info.get("via") == "ray_engine":
-                        moved = cluster.engine_bytes_fetched(x["pipeline"])
-                        if moved is not None:
-                            ex = [{"metrics": {"bytes_fetched": moved if r == 0 else 0}} for r in range(len(ex))]
-                    record(mode, enc, recs[name], ex, expected_of[name], engine, interleaved=True, **info)
+            cluster.finish_runs()  # frees the object store before the controls
+            # Controls: each process mode alone (same consumer processes, nothing interleaved).
+            ctl = [r for r in runs if r[0] in controls and r[1] in control_encodings]
+            if ctl:
+                result["controls_note"] = ("each mode alone in the same consumer processes after the interleaved "
+                                           "run (a fresh knitdata pipeline; transferqueue re-read under new task "
+                                           "names)")
+            for mode, enc in ctl:
+                if mode in ("transferqueue", "transferqueue_best"):
+                    srcs = tq_sources(mode, enc, "ctl_")
+                else:
+                    job, expected, prep_s = cluster.prepare_engine(w)
+                    srcs = [{**job, "name": f"{mode}/{enc}", "fetch": mode, "encoding": enc, "prepare_s": prep_s}]
+                for src in srcs:  # the variants of transferqueue_best also run one at a time
+                    run_sources([src], f"alone {src['name']}", control=True)
+                    mark(f"control {src['name']}")
+                cluster.finish_runs()
         finally:
             if server is not None:
                 server.close()
@@ -1444,7 +2056,7 @@ def run_transfer_benchmark(
             pool.close()
             pool = None
         mark("ray shutdown")
-        # (e) iter on the embedded engine.
+        # iter on the embedded engine (always alone).
         for mode, enc in [r for r in runs if r[0] == "iter_embedded"]:
             before_measuring()
             with bar(f"{mode}/{enc}") as pb:
@@ -1457,31 +2069,108 @@ def run_transfer_benchmark(
             pool.close()
         torch.set_num_threads(threads_before)
 
+    _pick_tq_best(result["modes"])
+    _pick_tq_best(result["controls"])
     _add_speedups(result, flops_job.result(), gpu_tflops)
     flops_pool.shutdown()
+    try:
+        result["machine"]["loadavg_at_end"] = list(os.getloadavg())
+    except OSError:
+        pass
     result["total_s"] = time.perf_counter() - t_start
     return result
+
+
+def _pick_tq_best(modes: dict[str, Any]) -> None:
+    """``transferqueue_best``: per encoding, the variant with the lower exposed latency (all variants kept)."""
+    best = modes.get("transferqueue_best")
+    if not best or "variants" not in best:
+        return
+    variants = best["variants"]
+    for enc in ENCODINGS:
+        cands = [(v, d if enc == "dup" else d.get("shared")) for v, d in variants.items()]
+        cands = [(v, d) for v, d in cands if d and "exposed_latency_s" in d]
+        if not cands:
+            continue
+        v, d = min(cands, key=lambda c: c[1]["exposed_latency_s"])
+        chosen = {**d, "chosen_variant": v,
+                  "variants_exposed_ms": {vv: dd["exposed_latency_s"] * 1e3 for vv, dd in cands},
+                  "variants_step_s": {vv: dd["step_s"] for vv, dd in cands}}
+        if enc == "dup":
+            best.update(chosen)
+        else:
+            best["shared"] = chosen
+
+
+def _cell(d: Mapping[str, Any] | None, source: str) -> dict[str, Any] | None:
+    if not d or "step_s" not in d:
+        return None
+    return {"step_s": d["step_s"], "exposed_ms": d["exposed_latency_s"] * 1e3,
+            "exposed_max_ms": d["exposed_latency_max_s"] * 1e3, "compute_s": d["compute_s"],
+            "source": source + (f" ({d['chosen_variant']})" if d.get("chosen_variant") else ""),
+            "exactly_once": d.get("exactly_once")}
+
+
+def _two_by_two(m: Mapping[str, Any], it_name: str | None) -> dict[str, Any]:
+    tq = m.get("transferqueue_best")
+    it = m.get(it_name) if it_name else None
+    cells = {
+        "tq_dup": _cell(tq, "transferqueue_best"),
+        "tq_shared": _cell((tq or {}).get("shared"), "transferqueue_best"),
+        "iter_dup": _cell(it, str(it_name)),
+        "iter_shared": _cell((it or {}).get("shared"), str(it_name)),
+    }
+    out: dict[str, Any] = {k: v for k, v in cells.items()}
+    s = {k: (v or {}).get("step_s") for k, v in cells.items()}
+    out["effects"] = {
+        "transfer_dup": _ratio(s["tq_dup"], s["iter_dup"]),
+        "transfer_shared": _ratio(s["tq_shared"], s["iter_shared"]),
+        "encoding_tq": _ratio(s["tq_dup"], s["tq_shared"]),
+        "encoding_iter": _ratio(s["iter_dup"], s["iter_shared"]),
+        "both": _ratio(s["tq_dup"], s["iter_shared"]),
+        "note": "ratios of step times: transfer_* = transferqueue_best / knitdata iter at one encoding; "
+                "encoding_* = dup / shared on one system; both = transferqueue_best+dup / iter+shared",
+    }
+    return out
 
 
 def _add_speedups(result: dict[str, Any], flops: Mapping[str, Any], gpu_tflops: float) -> None:
     m = result["modes"]
     tq = m.get("transferqueue")
+    tqb = m.get("transferqueue_best")
     it_name = "iter" if "iter" in m else ("iter_embedded" if "iter_embedded" in m else None)
     it = m.get(it_name) if it_name else None
     it_sh = (it or {}).get("shared")
     g = lambda d, k: None if d is None else d.get(k)  # noqa: E731
+    for d in list(m.values()) + list(result.get("controls", {}).values()):
+        for x in (d, d.get("shared")):
+            if x and "exposed_latency_s" in x:
+                x["exposed_ms"] = x["exposed_latency_s"] * 1e3
     result["iter_reference_mode"] = it_name
     result["latency_ratio_transferqueue_vs_iter"] = _ratio(g(tq, "exposed_latency_s"), g(it, "exposed_latency_s"))
+    result["latency_ratio_transferqueue_best_vs_iter"] = _ratio(g(tqb, "exposed_latency_s"),
+                                                                g(it, "exposed_latency_s"))
+    c = result.get("controls", {})
+    c_it = c.get(it_name) if it_name in ("iter",) else m.get("iter_embedded")
+    result["latency_ratio_transferqueue_best_vs_iter_alone"] = _ratio(
+        g(c.get("transferqueue_best"), "exposed_latency_s"), g(c_it, "exposed_latency_s"))
     frac = _ratio(g(it, "exposed_latency_s"), g(tq, "exposed_latency_s"))
     result["iter_latency_fraction_of_transferqueue"] = frac
     result["acceptance_iter_latency_le_1pct"] = None if frac is None else frac <= 0.01
     result["speedup_transfer"] = _ratio(g(tq, "step_s"), g(it, "step_s"))
+    result["speedup_transfer_vs_best"] = _ratio(g(tqb, "step_s"), g(it, "step_s"))
     result["speedup_encoding"] = _ratio(g(it, "step_s"), g(it_sh, "step_s"))
     result["speedup_end_to_end_cpu"] = _ratio(g(tq, "step_s"), g(it_sh, "step_s"))
-    result["speedup_end_to_end_projected_gpu"] = _gpu_projection(
-        flops, gpu_tflops, g(tq, "exposed_latency_s"), g(it, "exposed_latency_s"), g(it_sh, "exposed_latency_s")
-    )
-    result["exactly_once_all_runs"] = all(r["exactly_once"] for r in result["runs"])
+    result["speedup_end_to_end_cpu_vs_best"] = _ratio(g(tqb, "step_s"), g(it_sh, "step_s"))
+    result["end_to_end"] = _two_by_two(m, it_name)
+    if c:
+        result["end_to_end_alone"] = _two_by_two({**c, "iter_embedded": m.get("iter_embedded")}, it_name)
+    proj = _gpu_projection(flops, gpu_tflops, g(tqb, "exposed_latency_s") if tqb else g(tq, "exposed_latency_s"),
+                           g(it, "exposed_latency_s"), g(it_sh, "exposed_latency_s"))
+    proj["baseline"] = "transferqueue_best" if tqb else "transferqueue"
+    result["speedup_end_to_end_projected_gpu"] = proj
+    result["gpu_projection"] = proj
+    result["exactly_once_all_runs"] = all(r["exactly_once"] for r in result["runs"] + result.get("control_runs", []))
 
 
 # ---------------------------------------------------------------------------------------------- report
@@ -1496,55 +2185,105 @@ def _short_engine(r: Mapping[str, Any]) -> str:
     return str(r["engine"]).split(" ")[0]
 
 
-def format_table(result: Mapping[str, Any]) -> str:
-    """The printed table and summary."""
-    w = result["workload"]
+def _run_label(r: Mapping[str, Any]) -> str:
+    if r.get("variant"):
+        return f"tq_best.{r['variant']}"
+    return str(r["mode"])
+
+
+def _run_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = [
-        f"transfer benchmark: {w['groups_per_step']} groups x n={w['group_size']} trajectories of {w['tokens']} tokens, "
-        f"one {'x'.join(map(str, w['image_shape']))} uint8 image per group; {w['num_consumers']} consumers x "
-        f"{w['microbatches_per_step']} micro-batches of {w['microbatch_size']}; {w['warmup_steps']} warm-up + "
-        f"{w['steps']} measured steps; medians per step. Process modes ran interleaved step by step in the same "
-        "4 consumer processes; iter_embedded (threads of one process) ran after them.",
-        "",
-        f"{'mode':<15}{'encoding':<9}{'engine':<13}{'exposed ms':>11}{'max ms':>9}{'step s':>8}{'compute s':>10}"
-        f"{'moved MiB':>10}{'trainer MiB':>12}{'delivered':>10}{'lost':>5}{'dup':>5}",
+        f"{'mode':<19}{'encoding':<9}{'engine':<13}{'exposed ms':>11}{'commit ms':>10}{'max ms':>9}{'step s':>8}"
+        f"{'compute s':>10}{'moved MiB':>10}{'trainer MiB':>12}{'delivered':>10}{'lost':>5}{'dup':>5}",
     ]
-    for r in result["runs"]:
-        mib = 1 << 20
+    mib = 1 << 20
+    for r in runs:
         lines.append(
-            f"{r['mode']:<15}{r['encoding']:<9}{_short_engine(r):<13}"
-            f"{_fmt(r['exposed_latency_s'] * 1e3, '.2f'):>11}{_fmt(r['exposed_latency_max_s'] * 1e3, '.2f'):>9}"
+            f"{_run_label(r):<19}{r['encoding']:<9}{_short_engine(r):<13}"
+            f"{_fmt(r['exposed_latency_s'] * 1e3, '.2f'):>11}{_fmt(r.get('exposed_commit_s', 0.0) * 1e3, '.2f'):>10}"
+            f"{_fmt(r['exposed_latency_max_s'] * 1e3, '.2f'):>9}"
             f"{_fmt(r['step_s'], '.3f'):>8}{_fmt(r['compute_s'], '.3f'):>10}"
             f"{_fmt(None if r['bytes_moved_per_step'] is None else r['bytes_moved_per_step'] / mib, '.1f'):>10}"
             f"{_fmt(r['bytes_to_trainer_per_step'] / mib, '.1f'):>12}{r['delivered']:>10}{r['lost']:>5}"
             f"{r['duplicated']:>5}"
         )
-    it = result.get("iter_reference_mode")
-    frac = result.get("iter_latency_fraction_of_transferqueue")
-    lines += [
+    return lines
+
+
+def _describe_media(w: Mapping[str, Any]) -> str:
+    if w.get("workload") == "omni":
+        return (f"a {w['video_frames']}-frame {w['frame_px']}x{w['frame_px']} uint8 video and a "
+                f"{w['audio_seconds']:g} s {w['audio_rate']} Hz FLAC audio clip per group")
+    return f"one {'x'.join(map(str, w['image_shape']))} uint8 image per group"
+
+
+def format_table(result: Mapping[str, Any]) -> str:
+    """The printed table and summary."""
+    w = result["workload"]
+    where = ("knitdata modes on the embedded engine, training on CUDA" if result.get("gpu") else
+             "Process modes ran interleaved step by step in the same consumer processes, then each control alone; "
+             "iter_embedded (threads of one process) ran after them")
+    lines = [
+        f"transfer benchmark ({w.get('workload', 'image')}): {w['groups_per_step']} groups x n={w['group_size']} "
+        f"trajectories of {w['tokens']} tokens, {_describe_media(w)}; {w['num_consumers']} consumers x "
+        f"{w['microbatches_per_step']} micro-batches of {w['microbatch_size']}; {w['warmup_steps']} warm-up + "
+        f"{w['steps']} measured steps; medians per step. {where}. Exposed = every data call of the trainer per "
+        "step (next(); knitdata also state_dict() + commit(), the 'commit ms' column).",
         "",
-        f"exposed latency, transferqueue / {it}: {_fmt(result.get('latency_ratio_transferqueue_vs_iter'), '.0f')}x "
-        f"({it} is {_fmt(None if frac is None else frac * 100, '.3f')}% of transferqueue; acceptance <= 1%: "
-        f"{result.get('acceptance_iter_latency_le_1pct')})",
-        f"speedup, transfer alone (transferqueue vs {it}, dup encoding):  {_fmt(result.get('speedup_transfer'), '.2f')}x",
-        f"speedup, encoding alone ({it}: dup vs SharedEncoding):           {_fmt(result.get('speedup_encoding'), '.2f')}x",
-        f"speedup, both (transferqueue+dup vs {it}+SharedEncoding), CPU:   "
-        f"{_fmt(result.get('speedup_end_to_end_cpu'), '.2f')}x",
     ]
+    lines += _run_rows(result["runs"])
+    if result.get("control_runs"):
+        lines += ["", "controls (each mode alone):"] + _run_rows(result["control_runs"])
+    for key, title in (("end_to_end", "interleaved"), ("end_to_end_alone", "alone")):
+        e = result.get(key)
+        if not e:
+            continue
+        lines += ["", f"2x2 step time ({title}): transfer x encoding"]
+        lines.append(f"{'':<22}{'dup':>22}{'shared':>22}")
+        for sysname, a, b in (("transferqueue best", "tq_dup", "tq_shared"), ("knitdata iter", "iter_dup",
+                                                                               "iter_shared")):
+            def cell(c: Any) -> str:
+                return "-" if not c else f"{c['step_s']:.3f} s ({c['exposed_ms']:.1f} ms)"
+            lines.append(f"{sysname:<22}{cell(e.get(a)):>22}{cell(e.get(b)):>22}")
+        ef = e.get("effects", {})
+        lines.append(
+            f"transfer effect {_fmt(ef.get('transfer_dup'), '.2f')}x (dup) / {_fmt(ef.get('transfer_shared'), '.2f')}x "
+            f"(shared); encoding effect {_fmt(ef.get('encoding_tq'), '.2f')}x (transferqueue) / "
+            f"{_fmt(ef.get('encoding_iter'), '.2f')}x (iter); both {_fmt(ef.get('both'), '.2f')}x")
+    it = result.get("iter_reference_mode")
+    if not result.get("gpu"):
+        frac = result.get("iter_latency_fraction_of_transferqueue")
+        lines += [
+            "",
+            f"exposed latency, transferqueue (sync) / {it}: {_fmt(result.get('latency_ratio_transferqueue_vs_iter'), '.1f')}x "
+            f"({it} is {_fmt(None if frac is None else frac * 100, '.3f')}% of transferqueue; acceptance <= 1%: "
+            f"{result.get('acceptance_iter_latency_le_1pct')})",
+            f"exposed latency, transferqueue_best / {it}: "
+            f"{_fmt(result.get('latency_ratio_transferqueue_best_vs_iter'), '.1f')}x interleaved, "
+            f"{_fmt(result.get('latency_ratio_transferqueue_best_vs_iter_alone'), '.1f')}x alone",
+            f"speedup, transfer alone (transferqueue sync vs {it}, dup):  {_fmt(result.get('speedup_transfer'), '.2f')}x; "
+            f"vs transferqueue_best: {_fmt(result.get('speedup_transfer_vs_best'), '.2f')}x",
+            f"speedup, encoding alone ({it}: dup vs SharedEncoding):           {_fmt(result.get('speedup_encoding'), '.2f')}x",
+            f"speedup, both (transferqueue+dup vs {it}+SharedEncoding), CPU:   "
+            f"{_fmt(result.get('speedup_end_to_end_cpu'), '.2f')}x (sync), "
+            f"{_fmt(result.get('speedup_end_to_end_cpu_vs_best'), '.2f')}x (best)",
+        ]
     p = result.get("speedup_end_to_end_projected_gpu") or {}
     pm = p.get("model", {})
     if pm.get("speedup") is not None:
         lines += [
-            f"projected on a GPU at {p['rate_tflops']:.0f} TFLOP/s ({GPU_VLM.name}, {pm['params'] / 1e9:.1f}B params): "
+            f"PROJECTED (not measured) on a GPU at {p['rate_tflops']:.0f} TFLOP/s ({GPU_VLM.name}, "
+            f"{pm['params'] / 1e9:.1f}B params), baseline {p.get('baseline')}: "
             f"compute {pm['compute_s_dup']:.2f} s (dup) / {pm['compute_s_shared']:.2f} s (shared) per step; "
             f"end-to-end {pm['speedup']:.2f}x (transfer alone {_fmt(pm.get('speedup_transfer'), '.2f')}x, encoding "
-            f"alone {_fmt(pm.get('speedup_encoding'), '.2f')}x) vs the seed's {SEED_SPEEDUP}x; 5.8x would need "
-            f"transferqueue to expose {pm['break_even_transferqueue_latency_s_for_seed']:.1f} s per step here",
+            f"alone {_fmt(pm.get('speedup_encoding'), '.2f')}x) vs the seed's {SEED_SPEEDUP}x",
         ]
-        pt = p.get("tiny_model", {})
-        if pt.get("speedup") is not None:
-            lines.append(f"  (same projection with the tiny CPU model's FLOPs: {pt['speedup']:.1f}x, transfer-bound)")
     lines.append(f"exactly-once in every run: {result.get('exactly_once_all_runs')}")
+    m = result.get("machine", {})
+    if m.get("loadavg_at_start"):
+        la = ", ".join(f"{x:.2f}" for x in m["loadavg_at_start"])
+        lb = ", ".join(f"{x:.2f}" for x in m.get("loadavg_at_end", []))
+        lines.append(f"load average at start: {la}; at end: {lb or '-'} ({m.get('cpus')} CPUs)")
     for n in result.get("notes", []):
         lines.append(f"note: {n}")
     return "\n".join(lines)
@@ -1561,16 +2300,20 @@ def plot_result(result: Mapping[str, Any], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover
         raise OptionalDependencyError("matplotlib", "plot", "--plot") from e
-    runs = result["runs"]
-    labels = [r["mode"].replace("_embedded", "\n(embedded)") + "\n" + r["encoding"] for r in runs]
+    runs = list(result["runs"]) + [dict(r, encoding=r["encoding"] + "\nalone") for r in result.get("control_runs", [])]
+    labels = [_run_label(r).replace("_embedded", "\n(embedded)").replace("tq_best.", "tq_best\n") + "\n"
+              + r["encoding"] for r in runs]
     ex = [max(r["exposed_latency_s"], 1e-6) * 1e3 for r in runs]
     step = [r["step_s"] for r in runs]
     exs = [r["exposed_latency_max_s"] for r in runs]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(max(12, 0.75 * len(runs)), 9))
+    w = result.get("workload", {})
+    fig.suptitle(f"transfer benchmark, {w.get('workload', 'image')} workload: {_describe_media(w)}"
+                 + (" (CUDA)" if result.get("gpu") else ""), fontsize=10)
     a1.bar(labels, ex, color="tab:red")
     a1.set_yscale("log")
-    a1.set_ylabel("exposed transfer latency per step (ms, log)")
-    a1.set_title("time in next() per step (median)")
+    a1.set_ylabel("exposed latency per step (ms, log)")
+    a1.set_title("exposed data calls per step: next(), plus knitdata's state_dict() + commit() (median)")
     a2.bar(labels, exs, color="tab:red", label="exposed transfer (slowest consumer)")
     a2.bar(labels, [max(0.0, s - e) for s, e in zip(step, exs)], bottom=exs, color="tab:blue",
            label="training compute and the rest")
@@ -1584,17 +2327,151 @@ def plot_result(result: Mapping[str, Any], path: str) -> None:
     plt.close(fig)
 
 
+@dataclass(frozen=True)
+class GpuPreset:
+    """The ``--gpu`` preset: knitdata's fetch modes on the embedded engine (no Ray), training on CUDA.
+
+    Sized to finish within 5 minutes on one H200. Estimate (FLOPs counted by :func:`count_step_flops`, ``dup``,
+    all 4 consumers): image, 6 runs x 13 steps x 9.3e13 FLOPs; omni (16 frames at 448 px), 6 runs x 7 steps x
+    5.8e14 FLOPs; at an effective 100-200 TFLOP/s (TF32 matmuls) that is about 40-80 s (image) and 120-245 s
+    (omni) of compute, plus filling the pipeline once per run. Not yet run on a GPU.
+
+    Attributes:
+        workload: The workload (the image workload's shapes by default).
+        model: The model each consumer trains on the GPU.
+        fetches: knitdata fetch modes, each on the embedded engine (recorded as ``<fetch>_embedded``).
+        encodings: Encodings each fetch mode runs with.
+        device: The torch device.
+        budget_s: The wall-time budget the preset is sized for.
+    """
+
+    workload: TransferWorkload
+    model: VLMConfig
+    fetches: tuple[str, ...] = ("sample", "eager", "iter")
+    encodings: tuple[str, ...] = ENCODINGS
+    device: str = "cuda"
+    budget_s: float = 300.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable fields."""
+        return {"workload": self.workload.to_dict(), "model": self.model.to_dict(), "fetches": list(self.fetches),
+                "encodings": list(self.encodings), "device": self.device, "budget_s": self.budget_s}
+
+
+#: The model of the ``--gpu`` preset: a 0.16B-parameter VLM (attention in both towers, 2x2 patch merger).
+GPU_PRESET_VLM = VLMConfig(name="0.16B-class VLM (GPU preset)", d_model=1024, layers=4, heads=16, mlp_ratio=4,
+                           vocab=32768, patch=14, d_vision=768, vision_layers=6, vision_heads=12, vision_mlp_ratio=4,
+                           merge=4)
+
+
+def gpu_config(workload: str = "image", steps: int | None = None, warmup: int | None = None) -> GpuPreset:
+    """The ``--gpu`` preset for ``workload`` (``"image"``: 3 + 10 steps; ``"omni"``: 16 frames at 448 px, 2 + 5 steps).
+
+    Raises:
+        ConfigError: Unknown workload, or non-positive steps.
+    """
+    if workload not in WORKLOADS:
+        raise ConfigError(f"workload must be one of {WORKLOADS}, got {workload!r}")
+    omni = workload == "omni"
+    kw: dict[str, Any] = {"steps": (5 if omni else 10) if steps is None else steps,
+                          "warmup_steps": (2 if omni else 3) if warmup is None else warmup}
+    if workload == "omni":
+        w = omni_workload(16, 448, cfg=GPU_PRESET_VLM, **kw)
+    else:
+        w = TransferWorkload(**kw)
+    return GpuPreset(workload=w, model=GPU_PRESET_VLM)
+
+
+def require_cuda() -> None:
+    """Raise unless torch sees a CUDA device.
+
+    Raises:
+        ConfigError: No CUDA device (CPU-only torch, or no GPU visible).
+    """
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"--gpu trains on CUDA, but torch {torch.__version__} sees no CUDA device "
+            f"(torch.cuda.is_available() is False; built with CUDA {torch.version.cuda}). Run it on a machine "
+            "with a GPU and a CUDA build of torch, or drop --gpu for the CPU benchmark."
+        )
+
+
+def run_gpu_benchmark(preset: GpuPreset, *, timeout_s: float = 600.0, progress: bool = True,
+                      log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """knitdata's fetch modes on the embedded engine, training on CUDA (measured, not projected).
+
+    Raises:
+        ConfigError: No CUDA device.
+    """
+    from tqdm import tqdm
+
+    require_cuda()
+    say = log or (lambda s: print(s, file=sys.stderr, flush=True))
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    w, cfg = preset.workload, preset.model
+    t_start = time.perf_counter()
+    result: dict[str, Any] = {
+        "benchmark": "transfer", "gpu": True, "preset": preset.to_dict(), "workload": w.to_dict(),
+        "model": cfg.to_dict(), "machine": {**_machine(), "gpu_name": torch.cuda.get_device_name()},
+        "modes": {}, "controls": {}, "runs": [], "notes": ["measured on CUDA (not a projection); knitdata modes only, "
+                                                         "embedded engine (consumer threads), no Ray"],
+        "exposed_latency_counts": "next() per micro-batch plus state_dict() and commit() after the optimizer step",
+    }
+    for fetch in preset.fetches:
+        for enc in preset.encodings:
+            say(f"gpu: {fetch}_embedded/{enc}")
+            with tqdm(total=w.total_steps, desc=f"{fetch}/{enc}", disable=not progress, leave=False,
+                      file=sys.stderr) as pb:
+                recs, extras, expected, info = _run_embedded(w, cfg, fetch, enc, timeout_s, pb, device=preset.device)
+            s = summarize_mode(recs, w, expected)
+            s.update(mode=f"{fetch}_embedded", encoding=enc, engine="embedded (consumer threads), CUDA", **info)
+            result["runs"].append(s)
+            top = result["modes"].setdefault(f"{fetch}_embedded", {})
+            if enc == "dup":
+                top.update(s)
+            else:
+                top["shared"] = s
+    for d in result["modes"].values():
+        for x in (d, d.get("shared")):
+            if x:
+                x["exposed_ms"] = x["exposed_latency_s"] * 1e3
+    m = result["modes"]
+    result["end_to_end"] = _two_by_two(m, "iter_embedded")
+    result["exactly_once_all_runs"] = all(r["exactly_once"] for r in result["runs"])
+    result["total_s"] = time.perf_counter() - t_start
+    return result
+
+
 # ---------------------------------------------------------------------------------------------- command line
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``knitdata bench transfer``."""
     parser.add_argument("--json", metavar="PATH", help="write the result as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG plot")
+    parser.add_argument("--workload", choices=WORKLOADS, default="image",
+                        help="image: one 3x448x448 image per group; omni: a video (frames) and a 30 s 16 kHz "
+                             "FLAC audio clip per group")
+    parser.add_argument("--omni-frames", type=int, default=None,
+                        help="omni: video frames (default 4; smoke 2; the seed's setting is 16)")
+    parser.add_argument("--omni-px", type=int, default=None,
+                        help="omni: frame side in px (default 224; smoke 112; the seed's setting is 448)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 10; smoke 1)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; smoke 1)")
     parser.add_argument("--smoke", action="store_true", help="a short run of every mode (CI; < 240 s on 2 cores)")
+    parser.add_argument("--gpu", action="store_true",
+                        help="the GPU preset: knitdata's modes on the embedded engine (no Ray) training on CUDA, "
+                             "sized for < 5 min on one H200; fails clearly without CUDA")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="modes to run")
     parser.add_argument("--shared-modes", nargs="*", choices=MODES, default=None,
-                        help="modes also run with SharedEncoding (default: iter and iter_embedded; smoke: iter_embedded)")
+                        help="modes also run with SharedEncoding (default: transferqueue_best, iter, iter_embedded)")
+    parser.add_argument("--controls", nargs="*", default=None,
+                        choices=("transferqueue", "transferqueue_best", "sample", "eager", "iter"),
+                        help="process modes also run alone (default: all that ran; smoke: iter, dup encoding)")
+    parser.add_argument("--tq-best-variants", nargs="+", choices=TQ_BEST_VARIANTS, default=list(TQ_BEST_VARIANTS),
+                        help="how transferqueue_best drives transferqueue (the better is reported)")
+    parser.add_argument("--loader-workers", type=int, default=None,
+                        help="num_workers of transferqueue's streaming loader (variant 'loader'; default 1; smoke 0: "
+                             "the loader runs in the consumer process, no worker start-up)")
     parser.add_argument("--gpu-tflops", type=float, default=DEFAULT_GPU_TFLOPS,
                         help="effective GPU rate for the projection (TFLOP/s)")
     parser.add_argument("--tq-units", type=int, default=2, help="transferqueue SimpleStorage units")
@@ -1602,18 +2479,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _workload_of(args: argparse.Namespace, steps: int, warmup: int) -> tuple[TransferWorkload, VLMConfig]:
+    if args.workload == "omni":
+        cfg = OMNI_SMOKE_VLM if args.smoke else OMNI_VLM
+        frames = args.omni_frames if args.omni_frames is not None else (2 if args.smoke else 4)
+        px = args.omni_px if args.omni_px is not None else (112 if args.smoke else 224)
+        return omni_workload(frames, px, cfg=cfg, steps=steps, warmup_steps=warmup), cfg
+    return TransferWorkload(steps=steps, warmup_steps=warmup), SMOKE_VLM if args.smoke else TINY_VLM
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``knitdata bench transfer``; prints the table, writes JSON/plot. Returns 0, or 1 if a run was not
     exactly-once."""
-    steps = args.steps if args.steps is not None else (1 if args.smoke else 10)
-    warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
-    shared = args.shared_modes if args.shared_modes is not None else (["iter_embedded"] if args.smoke else
-                                                                         ["iter", "iter_embedded"])
-    w = TransferWorkload(steps=steps, warmup_steps=warmup)
-    timeout = args.timeout if args.timeout is not None else (150.0 if args.smoke else 900.0)
-    result = run_transfer_benchmark(w, args.modes, shared_modes=shared, cfg=SMOKE_VLM if args.smoke else TINY_VLM,
-                                    gpu_tflops=args.gpu_tflops, tq_units=args.tq_units, timeout_s=timeout,
-                                    progress=not args.no_progress)
+    if getattr(args, "gpu", False):
+        try:
+            require_cuda()
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        preset = gpu_config(args.workload, args.steps, args.warmup)
+        result = run_gpu_benchmark(preset, timeout_s=args.timeout or 600.0, progress=not args.no_progress)
+    else:
+        steps = args.steps if args.steps is not None else (1 if args.smoke else 10)
+        warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
+        shared = args.shared_modes if args.shared_modes is not None else ["transferqueue_best", "iter",
+                                                                          "iter_embedded"]
+        controls = args.controls if args.controls is not None else (["iter"] if args.smoke else None)
+        w, cfg = _workload_of(args, steps, warmup)
+        timeout = args.timeout if args.timeout is not None else (150.0 if args.smoke else 900.0)
+        workers = args.loader_workers if args.loader_workers is not None else (0 if args.smoke else 1)
+        result = run_transfer_benchmark(w, args.modes, shared_modes=shared, controls=controls,
+                                        control_encodings=("dup",) if args.smoke else ENCODINGS,
+                                        tq_best_variants=args.tq_best_variants, loader_workers=workers,
+                                        cfg=cfg, gpu_tflops=args.gpu_tflops, tq_units=args.tq_units,
+                                        timeout_s=timeout, progress=not args.no_progress)
     prog = os.path.basename(sys.argv[0]) if sys.argv else ""
     result["command"] = (f"knitdata {' '.join(sys.argv[1:])}" if prog in ("__main__.py", "knitdata")
                          else f"python {' '.join(sys.argv)}")
