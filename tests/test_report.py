@@ -141,7 +141,7 @@ def test_transfer_renders_the_new_keys_when_present():
     assert "| transferqueue (best) | 0.900 s (40.00 ms exposed) | 0.700 s (41.00 ms exposed) |" in text
     assert "| knitdata iter | 0.850 s (2.00 ms exposed) | 0.610 s (1.50 ms exposed) |" in text
     assert "| iter | dup | 3.25 | 2.00 | 0.820 | yes |" in text
-    assert "20.0x" in text and "100.0x" in text
+    assert "20.00x interleaved" in text and "100.0x" in text
     assert "load average 1.00 / 2.00 / 3.00 at start" in text
     assert "command `python benchmarks/transfer.py --no-progress`" in text
     head = report.render_headline({"transfer.json": tr, "admission_skewed.json": None, "encode.json": None})
@@ -223,3 +223,18 @@ def test_admission_and_learning_render_synthetic_results():
     text = report.render_learning_result(lr)
     assert "| train_batch | 0.450 |" in text and "0/2" in text
     assert "25% below colocated's" in text and "median over seeds 1.10" in text
+
+
+def test_headline_compares_transfer_runs_alone_when_controls_exist():
+    tr = {
+        "modes": {"transferqueue": _mode(200.0, 0.9), "transferqueue_best": _mode(0.5, 0.7, variant="async"),
+                  "iter": _mode(12.0, 0.8)},
+        "controls": {"iter": {"exposed_ms": 10.0}, "transferqueue_best": {"exposed_ms": 30.0},
+                     "transferqueue": {"exposed_ms": 250.0}},
+        "end_to_end_alone": {"tq_dup": {"step_s": 0.81}, "iter_dup": {"step_s": 0.72}, "tq_shared": {"step_s": 0.58},
+                             "iter_shared": {"step_s": 0.6}},
+    }
+    head = report.render_headline({"transfer.json": tr, "admission_skewed.json": None, "encode.json": None})
+    assert "each system run alone" in head
+    assert "10.00 ms" in head and "30.00 ms" in head and "(3.0x)" in head and "(25x)" in head
+    assert "0.810 / 0.720 s duplicated encoding" in head and "exposes 0.50 ms against `iter`'s 12.00 ms" in head

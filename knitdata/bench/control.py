@@ -341,7 +341,8 @@ def run_engine_point(engine: str, producers: int, size: str, count: int, batch: 
     if engine == "ray":
         import ray
 
-        counts = [ray.get(u.actor.admit_stats.remote(), timeout=60) for u in pipe.units.values()]
+        units: list[Any] = list(pipe.units.values())  # RayStorageUnit: the actor counts its group commits
+        counts: list[dict[str, int]] = [ray.get(u.actor.admit_stats.remote(), timeout=60) for u in units]
         calls = sum(c["calls"] for c in counts)
         group_commit = {"coordinator_calls": calls, "puts": sum(c["puts"] for c in counts),
                         "puts_per_call": sum(c["puts"] for c in counts) / calls if calls else None}
