@@ -236,5 +236,5 @@ def test_headline_compares_transfer_runs_alone_when_controls_exist():
     }
     head = report.render_headline({"transfer.json": tr, "admission_skewed.json": None, "encode.json": None})
     assert "each system run alone" in head
-    assert "10.00 ms" in head and "30.00 ms" in head and "(3.0x)" in head and "(25x)" in head
+    assert "10.00 ms" in head and "30.00 ms" in head and "; 3.0x)" in head and "(25x)" in head
     assert "0.810 / 0.720 s duplicated encoding" in head and "exposes 0.50 ms against `iter`'s 12.00 ms" in head
