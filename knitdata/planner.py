@@ -296,15 +296,8 @@ class Planner:
             groups = np.fromiter(map(_GROUP, metas), dtype=object, count=total_n)
             starts = np.concatenate(([0], np.flatnonzero(groups[1:] != groups[:-1]) + 1))
             if len(set(groups[starts].tolist())) != len(starts):  # a group in more than one run
-                by_group: dict[str, list[TrajectoryMeta]] = {}
-                for m in metas:
-                    u = by_group.get(m.group)
-                    if u is None:
-                        by_group[m.group] = [m]
-                    else:
-                        u.append(m)
-                lay = tuple(chain.from_iterable(by_group.values()))
-                starts = np.array(list(accumulate(map(len, by_group.values()), initial=0))[:-1], dtype=np.int64)
+                lay, run_starts = _regroup(metas)
+                starts = np.array(run_starts, dtype=np.int64)
         n_units = len(starts)
         sizes = np.diff(starts, append=total_n)
         tokens = _int_column(lay, _TOKENS)
@@ -443,15 +436,7 @@ class Planner:
             if len(starts) == len(set(groups)):  # every group is one contiguous run (as admission emits them)
                 lay = metas
             else:
-                by_group: dict[str, list[TrajectoryMeta]] = {}
-                for m in metas:
-                    u = by_group.get(m.group)
-                    if u is None:
-                        by_group[m.group] = [m]
-                    else:
-                        u.append(m)
-                lay = tuple(chain.from_iterable(by_group.values()))
-                starts = list(accumulate((len(u) for u in by_group.values()), initial=0))[:-1]
+                lay, starts = _regroup(metas)
         stops = [*starts[1:], total_n]
         n_units = len(starts)
         tokens = list(map(_TOKENS, lay))
@@ -669,6 +654,20 @@ class Planner:
             local_bytes=local,
             remote_bytes=remote,
         )
+
+
+def _regroup(metas: Sequence[TrajectoryMeta]) -> tuple[tuple[TrajectoryMeta, ...], list[int]]:
+    """The trajectories laid out group after group (groups in order of first appearance, members in order),
+    and where each group starts."""
+    by_group: dict[str, list[TrajectoryMeta]] = {}
+    for m in metas:
+        u = by_group.get(m.group)
+        if u is None:
+            by_group[m.group] = [m]
+        else:
+            u.append(m)
+    lay = tuple(chain.from_iterable(by_group.values()))
+    return lay, list(accumulate(map(len, by_group.values()), initial=0))[:-1]
 
 
 def _single_microbatches(common: dict[str, Any], shares: list[Sequence[TrajectoryMeta]]) -> list[PlannedMicroBatch]:
