@@ -282,6 +282,15 @@ class Ledger:
             return sum(1 for t in self.committed if t not in self.accepted)
 
 
+    def summary(self) -> dict[str, Any]:
+        """The counts a soak result reports: ``put``, ``trajectories`` (committed), ``lost``, ``duplicated``,
+        ``unexpected``, ``corrupt``, ``restarts``, ``rolled_back``, ``redelivered_after_restore``, ``errors``."""
+        committed = sum(1 for c in self.committed.values() if c > 0)
+        return {"trajectories": committed, "put": len(self.accepted), "lost": self.lost, "duplicated": self.duplicated,
+                "unexpected": self.unexpected, "corrupt": len(self.corrupt), "restarts": self.restarts,
+                "rolled_back": self.rolled_back, "redelivered_after_restore": self.redelivered,
+                "errors": list(self.errors)}
+
 # ------------------------------------------------------------------------------------------ memory
 def _rss_bytes() -> int:
     """Resident set size of this process (Linux ``/proc``; 0 where unavailable)."""
@@ -430,6 +439,16 @@ def _producer(pipe: Any, cfg: SoakConfig, ledger: Ledger, deadline: float, produ
         b += 1
 
 
+def _judged(out: dict[str, Any]) -> dict[str, Any]:
+    """Add the verdicts of a soak result: within its store and RSS bounds, and ``ok`` (nothing lost, duplicated,
+    unexpected or corrupt, no error, within bounds)."""
+    out["within_store_bound"] = out["store_high_water_bytes"] <= out["store_bound_bytes"]
+    out["within_rss_bound"] = out["rss_growth_bytes"] <= out["rss_bound_bytes"]
+    out["ok"] = (out["lost"] == 0 and out["duplicated"] == 0 and out["unexpected"] == 0 and out["corrupt"] == 0
+                 and not out["errors"] and out["within_store_bound"] and out["within_rss_bound"])
+    return out
+
+
 def run_soak(cfg: SoakConfig, *, progress: bool = True, engine_options: dict[str, Any] | None = None,
              on_tick: Callable[[dict[str, Any]], None] | None = None,
              kill_coordinator_every_s: float | None = None) -> dict[str, Any]:
@@ -571,21 +590,13 @@ def run_soak(cfg: SoakConfig, *, progress: bool = True, engine_options: dict[str
 
         shutil.rmtree(journal_tmp, ignore_errors=True)
     high = max([high] + [u["high_water_bytes"] for u in stats["units"].values()])
-    committed = sum(1 for c in ledger.committed.values() if c > 0)
+    summary = ledger.summary()
+    committed = summary["trajectories"]
     out = {
         "engine": cfg.engine,
         "mode": "threads",
         "seconds": round(elapsed, 3),
-        "trajectories": committed,
-        "put": len(ledger.accepted),
-        "lost": ledger.lost,
-        "duplicated": ledger.duplicated,
-        "unexpected": ledger.unexpected,
-        "corrupt": len(ledger.corrupt),
-        "restarts": ledger.restarts,
-        "rolled_back": ledger.rolled_back,
-        "redelivered_after_restore": ledger.redelivered,
-        "errors": ledger.errors,
+        **summary,
         "throughput_per_s": committed / elapsed if elapsed > 0 else 0.0,
         "capacity_bytes": capacity,
         "largest_trajectory_bytes": largest,
@@ -602,11 +613,7 @@ def run_soak(cfg: SoakConfig, *, progress: bool = True, engine_options: dict[str
         "timeline_columns": ["t_s", "store_used_bytes", "rss_bytes", "put", "committed"],
         "timeline": timeline,
     }
-    out["within_store_bound"] = out["store_high_water_bytes"] <= out["store_bound_bytes"]
-    out["within_rss_bound"] = out["rss_growth_bytes"] <= out["rss_bound_bytes"]
-    out["ok"] = (out["lost"] == 0 and out["duplicated"] == 0 and out["unexpected"] == 0 and out["corrupt"] == 0
-                 and not out["errors"] and out["within_store_bound"] and out["within_rss_bound"])
-    return out
+    return _judged(out)
 
 
 # ------------------------------------------------------------------------------------------ cross-process (Ray)
@@ -1165,7 +1172,8 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
                 crash_t = None
     units = [u for u in stats["units"].values() if u]
     high = max([high] + [u["high_water_bytes"] for u in units])
-    committed = sum(1 for c in ledger.committed.values() if c > 0)
+    summary = ledger.summary()
+    committed = summary["trajectories"]
     out = {
         "engine": "ray",
         "mode": "cross_process",
@@ -1173,13 +1181,7 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
         "seconds": round(elapsed, 3),
         "startup_s": round(startup_s, 3),
         "pipeline_start_s": round(pipeline_start_s, 3),
-        "trajectories": committed,
-        "put": len(ledger.accepted),
-        "lost": ledger.lost,
-        "duplicated": ledger.duplicated,
-        "unexpected": ledger.unexpected,
-        "corrupt": len(ledger.corrupt),
-        "restarts": ledger.restarts,
+        **summary,
         "consumer_process_restarts": ledger.restarts,
         "consumer_process_restarts_per_rank": restarts,
         "producer_processes": num_producers,
@@ -1188,9 +1190,6 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
         "consumer_restore_s": [round(x, 3) for x in restore_s],
         "consumer_restore_median_s": round(statistics.median(restore_s), 3) if restore_s else None,
         "consumer_restore_attached_s": [round(x, 3) for x in ready_s],
-        "rolled_back": ledger.rolled_back,
-        "redelivered_after_restore": ledger.redelivered,
-        "errors": ledger.errors,
         "throughput_per_s": committed / elapsed if elapsed > 0 else 0.0,
         "capacity_bytes": capacity,
         "largest_trajectory_bytes": largest,
@@ -1213,11 +1212,7 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
         "timeline_columns": ["t_s", "store_used_bytes", "pss_bytes", "put", "committed"],
         "timeline": timeline,
     }
-    out["within_store_bound"] = out["store_high_water_bytes"] <= out["store_bound_bytes"]
-    out["within_rss_bound"] = out["rss_growth_bytes"] <= out["rss_bound_bytes"]
-    out["ok"] = (out["lost"] == 0 and out["duplicated"] == 0 and out["unexpected"] == 0 and out["corrupt"] == 0
-                 and not out["errors"] and out["within_store_bound"] and out["within_rss_bound"])
-    return out
+    return _judged(out)
 
 
 class _XprocAbort(Exception):
