@@ -471,7 +471,7 @@ class ControlPlane:
                 if fresh:
                     self.counts["rejected"] += len(fresh)
                     self.rejected_by_cause["batch"] = self.rejected_by_cause.get("batch", 0) + len(fresh)
-                return {"accepted": accepted, "errors": errors, "placement": self.placement.view(), "seq": self.seq}
+                return {"accepted": accepted, "errors": errors, **self.placement_view()}
             raised: BaseException | None = None
             for k in fresh:
                 meta, loss, token = items[k]
@@ -512,7 +512,7 @@ class ControlPlane:
                 except BaseException as e:  # this item is admitted; the producer gets the error
                     raised = e
                     errors.insert(0, [m.id, type(e).__name__, str(e), None])
-            ans = {"accepted": accepted, "errors": errors, "placement": self.placement.view(), "seq": self.seq}
+            ans = {"accepted": accepted, "errors": errors, **self.placement_view()}
             if raised is not None and not isinstance(raised, KnitdataError):
                 ans["exception"] = raised  # in-process only (an on_plan hook): re-raised by the pipeline
             return ans

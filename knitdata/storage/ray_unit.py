@@ -274,6 +274,9 @@ class StorageUnitActor:
     def __init__(self, unit_id: str, capacity_bytes: int, spill_dir: str | None = None,
                  node_name: str | None = None, spill_bytes: int | None = None, resume: bool = False) -> None:
         self._s = _UnitState(unit_id, capacity_bytes, spill_dir, node_name, spill_bytes, resume)
+        self._control: Any = None  # the coordinator, set by set_control
+        # group commit of the puts' admission calls (see _admit)
+        self._gc: dict[str, Any] = {"cond": threading.Condition(), "queue": [], "busy": False, "calls": 0, "puts": 0}
 
     def info(self) -> dict[str, Any]:
         """``unit_id``, ``node`` (Ray node id), ``node_name``, ``capacity_bytes``, ``pid``, ``spill``."""
@@ -360,13 +363,9 @@ class StorageUnitActor:
             stored, "admit": the coordinator's answer or None}``; after ``"dup"`` or ``"closed"`` nothing of the
             batch is kept.
         """
-        status = "ok"
-        n = 0
-        for tid, rec, nbytes in recs:
-            status = self.put(tid, rec, nbytes)
-            if status != "ok":
-                break
-            n += 1
+        statuses = self.put_batch(recs)
+        status = statuses[-1] if statuses else "ok"
+        n = len(statuses) - (status != "ok")
         ids = [r[0] for r in recs[:n]]
         if status in ("dup", "closed"):
             self.release(ids)
@@ -385,7 +384,7 @@ class StorageUnitActor:
 
     def _admit(self, items: list[Any]) -> dict[str, Any]:
         """Admit one put's items; concurrent puts share one coordinator call (a group commit)."""
-        gc = self._group_commit()
+        gc = self._gc
         box: dict[str, Any] = {}
         with gc["cond"]:
             gc["queue"].append((items, box))
@@ -416,17 +415,8 @@ class StorageUnitActor:
             raise box["err"]
         return dict(box["ans"])
 
-    def _group_commit(self) -> dict[str, Any]:
-        gc = getattr(self, "_gc", None)
-        if gc is None:
-            with self._s.cond:
-                gc = getattr(self, "_gc", None)
-                if gc is None:
-                    gc = self._gc = {"cond": threading.Condition(), "queue": [], "busy": False, "calls": 0, "puts": 0}
-        return gc
-
     def _call_admit(self, batches: list[Any]) -> list[dict[str, Any]]:
-        control = getattr(self, "_control", None)
+        control = self._control
         if control is None:
             raise EngineError(f"storage unit {self._s.unit_id!r} has no coordinator yet; retry the put")
         deadline = time.monotonic() + ADMIT_TIMEOUT_S
@@ -444,7 +434,7 @@ class StorageUnitActor:
 
     def admit_stats(self) -> dict[str, int]:
         """``{"calls", "puts"}``: coordinator calls made for puts, and puts they carried (group commits)."""
-        gc = self._group_commit()
+        gc = self._gc
         with gc["cond"]:
             return {"calls": gc["calls"], "puts": gc["puts"]}
 
