@@ -429,12 +429,7 @@ def _producer(pipe: Any, cfg: SoakConfig, ledger: Ledger, deadline: float, produ
             ledger.accept(t.id)
             produced[0] += 1
             if interval:
-                next_t += interval
-                delay = next_t - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-                else:
-                    next_t = time.perf_counter()
+                next_t = _pace(next_t, interval)
         pipe.report_version(b + 1)
         b += 1
 
@@ -447,6 +442,17 @@ def _judged(out: dict[str, Any]) -> dict[str, Any]:
     out["ok"] = (out["lost"] == 0 and out["duplicated"] == 0 and out["unexpected"] == 0 and out["corrupt"] == 0
                  and not out["errors"] and out["within_store_bound"] and out["within_rss_bound"])
     return out
+
+
+def _pace(next_t: float, interval: float) -> float:
+    """Wait until the next put is due, ``interval`` after the previous one; returns when that one was due (now,
+    if the producer is behind)."""
+    next_t += interval
+    delay = next_t - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+        return next_t
+    return time.perf_counter()
 
 
 def run_soak(cfg: SoakConfig, *, progress: bool = True, engine_options: dict[str, Any] | None = None,
@@ -813,12 +819,7 @@ def _xproc_producer(conn: Any, go: Any, stop_at: Any, progress: Any, lock: Any) 
                 pipe.put(t, timeout=None)
                 log.write("put", id=t.id)
                 if interval:
-                    next_t += interval
-                    delay = next_t - time.perf_counter()
-                    if delay > 0:
-                        time.sleep(delay)
-                    else:
-                        next_t = time.perf_counter()
+                    next_t = _pace(next_t, interval)
             if p == 0:
                 pipe.report_version(b + 1)
             b += 1
