@@ -47,7 +47,7 @@ import numpy as np
 
 from knitdata.errors import ConfigError, ValidationError
 from knitdata.placement import ConsumerLayout
-from knitdata.record import TrajectoryMeta
+from knitdata.record import TrajectoryMeta, metas_by_group
 
 if TYPE_CHECKING:  # pragma: no cover
     from knitdata.collate import MicroBatchInfo
@@ -659,13 +659,7 @@ class Planner:
 def _regroup(metas: Sequence[TrajectoryMeta]) -> tuple[tuple[TrajectoryMeta, ...], list[int]]:
     """The trajectories laid out group after group (groups in order of first appearance, members in order),
     and where each group starts."""
-    by_group: dict[str, list[TrajectoryMeta]] = {}
-    for m in metas:
-        u = by_group.get(m.group)
-        if u is None:
-            by_group[m.group] = [m]
-        else:
-            u.append(m)
+    by_group = metas_by_group(metas)
     lay = tuple(chain.from_iterable(by_group.values()))
     return lay, list(accumulate(map(len, by_group.values()), initial=0))[:-1]
 
