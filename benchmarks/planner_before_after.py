@@ -48,7 +48,7 @@ def load_planner_at(rev: str) -> Any:
 
 
 def _rows(plan: Any) -> list[list[dict[str, Any]]]:
-    return [[dict(vars(mb)) for mb in row] for row in plan.microbatches]
+    return [[mb._asdict() if hasattr(mb, "_asdict") else dict(vars(mb)) for mb in row] for row in plan.microbatches]
 
 
 def main(argv: list[str] | None = None) -> int:

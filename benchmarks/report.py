@@ -898,6 +898,12 @@ def render_control(d: dict) -> str:
         goals.append(f"the trainer's commit under 1 ms per step on Ray: {'met' if rc < 1 else 'not met'} ({rc:.3f} ms)")
     if goals:
         parts.append("Goals: " + "; ".join(goals) + ".")
+    ref = r.get("machine_reference") or {}
+    if _num(ref.get("ms_median")) is not None:
+        parts.append(f"Machine speed between the plans ({ref.get('work', 'a fixed Python loop')}): "
+                     f"{ref['ms_median']:.1f} ms median ({f(ref.get('ms_min'), '.1f')}-{f(ref.get('ms_max'), '.1f')}). "
+                     "On this shared host that loop's time changes from run to run even at a low load average, and "
+                     "plan times change with it.")
     return _join(*parts)
 
 
@@ -951,6 +957,12 @@ def render_control_scale(d: dict) -> str:
              table(["ranks", "trajectories", "plan_ms", "min_ms", "K", "max/mean tok", "cross-node"], rows, "rrrrrrr")]
     if goals:
         parts.append("Goals: " + "; ".join(goals) + ".")
+    ref = r.get("machine_reference") or {}
+    if _num(ref.get("ms_median")) is not None:
+        parts.append(f"Machine speed between the plans ({ref.get('work', 'a fixed Python loop')}): "
+                     f"{ref['ms_median']:.1f} ms median ({f(ref.get('ms_min'), '.1f')}-{f(ref.get('ms_max'), '.1f')}). "
+                     "On this shared host that loop's time changes from run to run even at a low load average, and "
+                     "plan times change with it.")
     return _join(*parts)
 
 

@@ -18,12 +18,15 @@ micro-batches otherwise, so every consumer runs exactly ``K`` micro-batches per 
 trajectory larger than the budget gets a micro-batch of its own.
 
 Cost. The least-loaded searches run on heaps of integer keys ``load * consumers + rank`` (one over all
-consumers, one per node, lazily invalidated), so a unit costs O(log consumers), and the search over all
-consumers runs only when its answer can change the choice. Everything else is numpy or C-level passes over
-the trajectories laid out unit after unit: reading their fields, unit sums, the unit order, where units
-are, the bytes that stay local, and one sort by ``(rank, seq)`` that cuts every share. The choices,
-tie-breaking included (least load, then lowest rank), are those of a linear search (see
-``benchmarks/planner_before_after.py`` and ``knitdata bench control --scale`` for the cost).
+consumers, one per node, each holding one entry per rank that is raised to the rank's key when found
+stale), so a unit costs O(log consumers), and the search over all consumers runs only when its answer can
+change the choice. Everything else is numpy or C-level passes over the trajectories laid out unit after
+unit: their counts read as one buffer (:attr:`~knitdata.record.TrajectoryMeta.packed`), unit sums, the unit
+order, where units are, the bytes that stay local, and the shares: slices of whole units when each unit's
+trajectories arrived in order (as admission lists a group), else one sort by ``(rank, seq)``. Plans are
+:class:`PlannedMicroBatch` named tuples built in bulk. The choices, tie-breaking included (least load, then
+lowest rank), are those of a linear search (see ``benchmarks/planner_before_after.py`` and ``knitdata bench
+control --scale`` for the cost).
 
 Mini-batches below :attr:`Planner.vectorize_from` trajectories (or of ``2**22`` or more), or whose
 ``num_tokens``, ``nbytes`` or ``seq`` are not all integers of magnitude below ``2**40``, are assigned with
@@ -41,13 +44,13 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain, compress, repeat
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
 from knitdata.errors import ConfigError, ValidationError
 from knitdata.placement import ConsumerLayout
-from knitdata.record import TrajectoryMeta, metas_by_group
+from knitdata.record import PACKED_COUNTS, TrajectoryMeta, metas_by_group
 
 if TYPE_CHECKING:  # pragma: no cover
     from knitdata.collate import MicroBatchInfo
@@ -61,6 +64,7 @@ _SEQ = operator.attrgetter("seq")
 _SEQ_ID = operator.attrgetter("seq", "id")
 _ID = operator.attrgetter("id")
 _LOCATION = operator.attrgetter("location")
+_PACKED = operator.attrgetter("packed")
 
 
 class AdmittedLike(Protocol):
@@ -79,9 +83,12 @@ class AdmittedLike(Protocol):
     def trajectories(self) -> tuple[TrajectoryMeta, ...]: ...
 
 
-@dataclass(frozen=True)
-class PlannedMicroBatch:
-    """One consumer's micro-batch in a plan (metadata only).
+class PlannedMicroBatch(NamedTuple):
+    """One consumer's micro-batch in a plan (metadata only): an immutable record.
+
+    A :class:`~typing.NamedTuple` rather than a dataclass: a plan at cluster scale builds one per consumer
+    and micro-batch (8,000 ranks: 8,000 per mini-batch), and a tuple is the cheapest immutable record
+    Python builds in bulk. Read it by attribute; equality and hashing are those of its fields.
 
     Attributes:
         consumer: Rank.
@@ -254,7 +261,6 @@ class Planner:
                 node_of=[self.layout.node_of(r) for r in range(n)],
                 node_pos=node_pos,
                 node_code=np.array([node_pos[self.layout.node_of(r)] for r in range(n)], dtype=np.int64),
-                node_code_list=[node_pos[self.layout.node_of(r)] for r in range(n)],
                 node_heaps=tuple(sorted(self.layout.ranks_on(node)) for node in nodes),
             )
             cached = (self.layout, index)
@@ -273,8 +279,9 @@ class Planner:
         and least trajectory tokens.
 
         Units go largest first to the least-loaded consumer on their home node, or overall (see the module
-        docstring). The least-loaded searches use heaps of the keys ``load * n + rank`` with lazy invalidation
-        (an entry is current when it is the rank's key; loads only grow), one over all ranks and one per node,
+        docstring). The least-loaded searches use heaps of the keys ``load * n + rank``, one over all ranks and
+        one per node, each with one entry per rank at most the rank's key (loads only grow; a stale entry on top
+        is raised to the key),
         so each unit costs O(log ranks) instead of O(ranks), with the same choices and tie-breaking (least
         load, then lowest rank) as a linear search; the overall search runs only when its answer can matter.
         Everything else is done by numpy over the trajectories laid out unit after unit (unit sums, the unit
@@ -289,7 +296,7 @@ class Planner:
             return self._assign_small(metas)
         index = self._layout_index()
         # lay the trajectories out unit after unit: units are the slices [starts[i], stops[i]) of `lay`
-        lay: Sequence[TrajectoryMeta] = metas
+        lay: tuple[TrajectoryMeta, ...] = metas
         if self.allow_split_groups:
             starts = np.arange(total_n)
         else:
@@ -300,9 +307,7 @@ class Planner:
                 starts = np.array(run_starts, dtype=np.int64)
         n_units = len(starts)
         sizes = np.diff(starts, append=total_n)
-        tokens = _int_column(lay, _TOKENS)
-        nbytes = _int_column(lay, _NBYTES)
-        seqs = _int_column(lay, _SEQ)
+        tokens, nbytes, seqs = _count_columns(lay)
         if tokens is None or nbytes is None or seqs is None:  # not int64-safe integers: exact Python arithmetic
             return self._assign_small(metas)
         locs = np.fromiter(map(_LOCATION, lay), dtype=object, count=total_n)
@@ -341,27 +346,27 @@ class Planner:
                 home[unit_home] = node
         order = _unit_order(weights, seqs[starts], lay, starts)
         # the main loop: one unit at a time, largest first
-        # heaps hold the key `load * n + rank` of consumers (least load, then lowest rank, first); an entry is
-        # current when it is the rank's key in `keys`
+        # heaps hold the key `load * n + rank` of consumers (least load, then lowest rank, first): one entry per
+        # rank in `heap_all` and one in its node's heap, each at most the rank's key in `keys` (loads only grow);
+        # an assignment updates the entry it found on top, and a stale entry found on top is raised to the key
         local_heaps: list[list[int] | None]
         heaps = list(map(list.copy, index.node_heaps))
         local_heaps = heaps + [None] * (len(codes) + 1) if self.locality else [None] * (n_layout + len(codes) + 1)
         keys = list(range(n))
         heap_all = keys.copy()  # ascending: already a heap
-        node_code = index.node_code_list
         cap = (1.0 + self.balance_tolerance) * int(weights.sum()) / n
         # load + w > cap (integers against a float) <=> (load + w) * n + rank >= over, for 0 <= rank < n
         over = (math.floor(cap) + 1) * n
         unit_rank = [0] * n_units
-        push, pop, replace = heapq.heappush, heapq.heappop, heapq.heapreplace
+        replace = heapq.heapreplace
         w_sorted = weights[order].tolist()
         for i, wn, h in zip(order.tolist(), map(operator.mul, w_sorted, repeat(n)), home[order].tolist()):
             heap = local_heaps[h]
             if heap is not None:
                 e = heap[0]
                 r = e % n
-                while keys[r] != e:
-                    pop(heap)
+                while keys[r] != e:  # stale (below the rank's key): raise it to the key
+                    replace(heap, keys[r])
                     e = heap[0]
                     r = e % n
                 # the overall least-loaded consumer only matters when this one is loaded and over the cap
@@ -369,7 +374,7 @@ class Planner:
                     ea = heap_all[0]
                     ra = ea % n
                     while keys[ra] != ea:
-                        pop(heap_all)
+                        replace(heap_all, keys[ra])
                         ea = heap_all[0]
                         ra = ea % n
                     if ea < e - r:  # less loaded: to the least-loaded consumer overall (on another node)
@@ -377,25 +382,22 @@ class Planner:
                         keys[ra] = ea
                         unit_rank[i] = ra
                         replace(heap_all, ea)
-                        push(heaps[node_code[ra]], ea)
                         continue
                 e += wn
                 keys[r] = e
                 unit_rank[i] = r
                 replace(heap, e)
-                push(heap_all, e)
             else:
                 ea = heap_all[0]
                 ra = ea % n
                 while keys[ra] != ea:
-                    pop(heap_all)
+                    replace(heap_all, keys[ra])
                     ea = heap_all[0]
                     ra = ea % n
                 ea += wn
                 keys[ra] = ea
                 unit_rank[i] = ra
                 replace(heap_all, ea)
-                push(heaps[node_code[ra]], ea)
         loads = list(map(operator.floordiv, keys, repeat(n)))
         ranks = np.array(unit_rank, dtype=np.int64)
         unit_node = index.node_code[ranks]
@@ -410,8 +412,9 @@ class Planner:
         else:
             local = int(unit_bytes[at_home].sum())
         remote = int(nbytes.sum()) - local
-        traj_rank = ranks if self.allow_split_groups else np.repeat(ranks, sizes)
-        shares = _shares(lay, seqs, traj_rank, n)
+        shares = None if self.allow_split_groups else _unit_shares(lay, seqs, starts, sizes, ranks, n)
+        if shares is None:
+            shares = _shares(lay, seqs, ranks if self.allow_split_groups else np.repeat(ranks, sizes), n)
         return shares, loads, local, remote, int(tokens.sum()), int(tokens.min())
 
     def _assign_small(
@@ -665,37 +668,25 @@ def _regroup(metas: Sequence[TrajectoryMeta]) -> tuple[tuple[TrajectoryMeta, ...
 
 
 def _single_microbatches(common: dict[str, Any], shares: list[Sequence[TrajectoryMeta]]) -> list[PlannedMicroBatch]:
-    """Micro-batch 0 of every consumer (``shares[rank]``, tuples), sharing ``common`` fields, in bulk.
-
-    The same fields and values as the dataclass constructor (so equality, hashing and ``repr`` are the
-    same), without its per-field frozen ``__setattr__`` calls: a plan at cluster scale builds thousands.
-    """
-    template = {**common, "consumer": 0, "microbatch": 0, "trajectories": ()}
-    dicts = [{**template, "consumer": c, "trajectories": s} for c, s in enumerate(shares)]
-    objs = list(map(object.__new__, repeat(PlannedMicroBatch, len(dicts))))
-    deque(map(object.__setattr__, objs, repeat("__dict__"), dicts), 0)
-    return objs
+    """Micro-batch 0 of every consumer (``shares[rank]``), sharing ``common`` fields, in bulk (one C-level
+    pass of ``tuple.__new__``)."""
+    c = common
+    fields = zip(range(len(shares)), repeat(c["train_batch"]), repeat(c["minibatch"]), repeat(c["minibatch_in_batch"]),
+                 repeat(0), repeat(c["num_microbatches"]), repeat(c["global_tokens"]),
+                 repeat(c["global_trajectories"]), repeat(c["global_loss_tokens"]), map(tuple, shares))
+    return list(map(tuple.__new__, repeat(PlannedMicroBatch), fields))
 
 
 def _microbatch_factory(common: dict[str, Any]) -> Callable[[int, int, Sequence[TrajectoryMeta]], PlannedMicroBatch]:
-    """A fast constructor of :class:`PlannedMicroBatch` es sharing ``common`` fields.
-
-    The same fields and values as the dataclass constructor (so equality, hashing and ``repr`` are the
-    same), without its per-field frozen ``__setattr__`` calls: a plan at cluster scale builds tens of
-    thousands of them.
-    """
-    new = object.__new__
-    setattr_ = object.__setattr__
+    """A constructor of :class:`PlannedMicroBatch` es sharing ``common`` fields (positional, no keyword parsing)."""
+    c = common
+    head = (c["train_batch"], c["minibatch"], c["minibatch_in_batch"])
+    tail = (c["num_microbatches"], c["global_tokens"], c["global_trajectories"], c["global_loss_tokens"])
+    new = tuple.__new__
     cls = PlannedMicroBatch
 
     def make(consumer: int, microbatch: int, trajectories: Sequence[TrajectoryMeta]) -> PlannedMicroBatch:
-        obj = new(cls)
-        d = dict(common)
-        d["consumer"] = consumer
-        d["microbatch"] = microbatch
-        d["trajectories"] = tuple(trajectories)
-        setattr_(obj, "__dict__", d)
-        return obj
+        return new(cls, (consumer, *head, microbatch, *tail, tuple(trajectories)))
 
     return make
 
@@ -751,7 +742,6 @@ class _LayoutIndex:
     node_of: list[str]  # node of each rank
     node_pos: dict[str, int]  # position of each node in the layout (its code)
     node_code: Any  # code of each rank's node (int64 array)
-    node_code_list: list[int]  # the same, as a list
     node_heaps: tuple[list[int], ...]  # the ranks of each node, ascending (its initial heap), in layout order
 
 
@@ -774,6 +764,28 @@ def _int_column(metas: Sequence[TrajectoryMeta], get: Callable[[TrajectoryMeta],
     if not (ints == values).all() or float(np.abs(values).max()) >= _MAX_EXACT:
         return None
     return ints
+
+
+def _count_columns(metas: Sequence[TrajectoryMeta]) -> tuple[Any, Any, Any]:
+    """``num_tokens``, ``nbytes`` and ``seq`` of every trajectory as int64 arrays (``None`` for a field whose
+    values are not all integers of magnitude below 2**40).
+
+    One join of the trajectories' :attr:`~knitdata.record.TrajectoryMeta.packed` counts read as one buffer;
+    a field at a time (:func:`_int_column`) when some trajectory has none.
+    """
+    try:
+        packed = b"".join(map(_PACKED, metas))
+    except (TypeError, AttributeError):  # a count that does not fit int64, or not a TrajectoryMeta
+        return _int_column(metas, _TOKENS), _int_column(metas, _NBYTES), _int_column(metas, _SEQ)
+    if len(packed) != PACKED_COUNTS.size * len(metas):  # pragma: no cover - PACKED_COUNTS and the bytes disagree
+        raise AssertionError("packed counts of the wrong size")
+    columns = np.frombuffer(packed, dtype="<i8").reshape(len(metas), 3).T.copy()
+    if len(metas):  # (no np.abs: it overflows at -2**63)
+        fits = (columns.max(axis=1) < _MAX_EXACT) & (columns.min(axis=1) > -_MAX_EXACT)
+    else:
+        fits = np.ones(3, dtype=bool)
+    tokens, nbytes, seqs = columns
+    return (tokens if fits[0] else None, nbytes if fits[1] else None, seqs if fits[2] else None)
 
 
 def _unit_order(weights: Any, first_seqs: Any, lay: Sequence[TrajectoryMeta], starts: Any) -> Any:
@@ -799,6 +811,42 @@ def _unit_order(weights: Any, first_seqs: Any, lay: Sequence[TrajectoryMeta], st
     return np.array([k[3] for k in keyed], dtype=np.int64)
 
 
+def _unit_shares(lay: tuple[TrajectoryMeta, ...], seqs: Any, starts: Any, sizes: Any, unit_rank: Any,
+                 n: int) -> list[Sequence[TrajectoryMeta]] | None:
+    """:func:`_shares` from whole units: ``None`` unless every unit's trajectories are in ascending ``seq`` order
+    (as admission emits them: a group's members in arrival order).
+
+    A rank's share is then its units' slices of ``lay`` in order of their first ``seq``: a rank with one unit
+    gets a slice of ``lay``, one whose units follow each other in ``seq`` their concatenation, and only one
+    whose units interleave (concurrent groups) a sort of its own trajectories by ``(seq, id)``.
+    """
+    ascending = seqs[1:] > seqs[:-1]
+    ascending[starts[1:] - 1] = True  # across a unit boundary: no constraint
+    if not ascending.all():
+        return None
+    first = seqs[starts]
+    last = seqs[starts + sizes - 1]
+    s_min = int(first.min())
+    span = int(first.max()) - s_min + 1
+    if n * span >= _INT64_SAFE:  # pragma: no cover - seqs span more than 2**62 / ranks
+        return None
+    by_rank = np.argsort(unit_rank * span + (first - s_min))  # units by (rank, first seq)
+    r = unit_rank[by_rank]
+    same = r[1:] == r[:-1]
+    interleaved = set(r[1:][same & (last[by_rank[:-1]] >= first[by_rank[1:]])].tolist())
+    a = starts[by_rank]
+    cuts = list(map(lay.__getitem__, map(slice, a.tolist(), (a + sizes[by_rank]).tolist())))
+    shares: list[Sequence[TrajectoryMeta]] = [()] * n
+    run = np.flatnonzero(np.concatenate(([True], ~same)))  # each rank's first unit, in by_rank order
+    counts = np.diff(run, append=len(r))
+    alone = counts == 1
+    deque(map(shares.__setitem__, r[run[alone]].tolist(), map(cuts.__getitem__, run[alone].tolist())), 0)
+    for rank, i, k in zip(r[run[~alone]].tolist(), run[~alone].tolist(), counts[~alone].tolist()):
+        merged = chain.from_iterable(cuts[i : i + k])
+        shares[rank] = tuple(sorted(merged, key=_SEQ_ID) if rank in interleaved else merged)
+    return shares
+
+
 def _shares(lay: Sequence[TrajectoryMeta], seqs: Any, traj_rank: Any, n: int) -> list[Sequence[TrajectoryMeta]]:
     """Each rank's trajectories (tuples) in ``(seq, id)`` order, given the rank of each trajectory of ``lay``.
 
@@ -816,8 +864,17 @@ def _shares(lay: Sequence[TrajectoryMeta], seqs: Any, traj_rank: Any, n: int) ->
         sr, rr = seqs[perm], traj_rank[perm]
         ties = np.flatnonzero((sr[1:] == sr[:-1]) & (rr[1:] == rr[:-1]))
     flat = operator.itemgetter(*perm.tolist())(lay) if len(lay) > 1 else tuple(lay)
-    bounds = [0, *accumulate(np.bincount(traj_rank, minlength=n).tolist())]
-    shares: list[Sequence[TrajectoryMeta]] = list(map(flat.__getitem__, map(slice, bounds, bounds[1:])))
+    counts = np.bincount(traj_rank, minlength=n)
+    held = np.flatnonzero(counts)  # ranks with trajectories (at cluster scale, many may have none)
+    shares: list[Sequence[TrajectoryMeta]]
+    if 2 * len(held) < n:  # mostly empty: slice only the ranks that hold some
+        ends = np.cumsum(counts[held])
+        shares = [()] * n
+        cuts = map(flat.__getitem__, map(slice, (ends - counts[held]).tolist(), ends.tolist()))
+        deque(map(shares.__setitem__, held.tolist(), cuts), 0)
+    else:
+        bounds = [0, *accumulate(counts.tolist())]
+        shares = list(map(flat.__getitem__, map(slice, bounds, bounds[1:])))
     if ties.size:  # equal seqs on one rank: by id
         for r in set(traj_rank[perm[ties]].tolist()):
             shares[r] = tuple(sorted(shares[r], key=_SEQ_ID))

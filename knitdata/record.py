@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from knitdata.errors import FieldTypeError, ValidationError
 
 __all__ = [
     "MEDIA_KINDS",
+    "PACKED_COUNTS",
     "SUPPORTED_DTYPES",
     "MediaItem",
     "Trajectory",
@@ -350,7 +352,11 @@ class Trajectory:
         return True
 
 
-@dataclass(frozen=True)
+#: Layout of :attr:`TrajectoryMeta.packed`: ``num_tokens``, ``nbytes``, ``seq`` as little-endian int64.
+PACKED_COUNTS = struct.Struct("<qqq")
+
+
+@dataclass(frozen=True, slots=True)
 class TrajectoryMeta:
     """What admission and planning know of a trajectory: no payload.
 
@@ -365,6 +371,10 @@ class TrajectoryMeta:
         media_digests: Content digests of its media items, in order.
         location: Id of the storage unit holding the payload (``None`` if not stored yet).
         seq: Arrival sequence number (monotonic per pipeline; ``-1`` if unknown).
+        packed: ``num_tokens``, ``nbytes`` and ``seq`` as three little-endian int64 (:data:`PACKED_COUNTS`), set
+            at construction; ``None`` when one is not an integer that fits. The planner reads a mini-batch's
+            counts as one buffer (``b"".join``, then ``numpy.frombuffer``) instead of three passes over the
+            objects. Not an argument, not compared, not in :meth:`to_dict`.
     """
 
     id: str
@@ -377,6 +387,14 @@ class TrajectoryMeta:
     media_digests: tuple[str, ...] = ()
     location: str | None = None
     seq: int = -1
+    packed: bytes | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        try:
+            packed: bytes | None = PACKED_COUNTS.pack(self.num_tokens, self.nbytes, self.seq)
+        except (struct.error, TypeError, OverflowError):
+            packed = None  # not int64 integers: the planner reads the fields themselves
+        object.__setattr__(self, "packed", packed)
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-serializable dict."""

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from knitdata.errors import ConfigError, ValidationError
 from knitdata.placement import ConsumerLayout
-from knitdata.planner import Planner
+from knitdata.planner import PlannedMicroBatch, Planner
 from knitdata.record import TrajectoryMeta
 
 
@@ -286,7 +286,8 @@ def test_plan_is_identical_to_the_reference_algorithm(vectorize_from, case, step
             assert mb.global_tokens == sum(m.num_tokens for m in metas)
             assert mb.global_trajectories == len(metas)
             assert mb.global_loss_tokens == (sum(loss.values()) if loss else 0)
-            assert mb == type(mb)(**{f: getattr(mb, f) for f in mb.__dataclass_fields__})
+            assert type(mb) is PlannedMicroBatch and isinstance(mb.trajectories, tuple)
+            assert mb == PlannedMicroBatch(**mb._asdict())  # built in bulk: the same record as the constructor's
 
 
 @settings(max_examples=40, deadline=None)
@@ -308,7 +309,7 @@ def test_plan_matches_the_reference_with_large_values(vectorize_from, case, seq_
 
 @pytest.mark.parametrize("vectorize_from", [Planner.vectorize_from, 1])
 @pytest.mark.parametrize("field, value", [("num_tokens", 7.5), ("seq", 1 << 70), ("nbytes", 1 << 45),
-                                          ("num_tokens", -(1 << 41))])
+                                          ("num_tokens", -(1 << 41)), ("seq", -(1 << 63)), ("nbytes", 1 << 63)])
 def test_values_outside_int64_planning_are_planned_exactly(field, value, vectorize_from) -> None:
     rng = random.Random(7)
     layout = ConsumerLayout.uniform(2, 2)
@@ -320,3 +321,35 @@ def test_values_outside_int64_planning_are_planned_exactly(field, value, vectori
     rows, k, local, remote = _ReferencePlanner(layout, 40).plan_rows(metas)
     assert [[list(mb.trajectory_ids) for mb in row] for row in plan.microbatches] == rows
     assert (plan.num_microbatches, plan.local_bytes, plan.remote_bytes) == (k, local, remote)
+
+
+@pytest.mark.parametrize("order", ["arrival", "interleaved", "shuffled"])
+def test_whole_unit_shares_match_the_reference(monkeypatch, order) -> None:
+    """Groups whose members are in arrival order (as admission emits them) are cut into shares unit by unit,
+    without the general sort of all trajectories, also when a rank's groups interleave in arrival (that rank's
+    share alone is sorted); shuffled members take the general sort. Every way the plan is the reference's."""
+    import knitdata.planner as planner_module
+
+    calls = []
+    general = planner_module._shares
+    monkeypatch.setattr(planner_module, "_shares", lambda *a: calls.append(1) or general(*a))
+    rng = random.Random(3)
+    layout = ConsumerLayout.uniform(4, 2)
+    metas = []
+    for g in range(60):  # groups of 4 in arrival order; interleaved: two groups arrive alternately
+        base = (g // 2) * 8 + (g % 2) if order == "interleaved" else g * 4
+        step = 2 if order == "interleaved" else 1
+        seqs = [base + k * step for k in range(4)]
+        if order == "shuffled":
+            rng.shuffle(seqs)
+        node = list(layout.nodes)[rng.randrange(4)]
+        metas += [TrajectoryMeta(id=f"t{g}-{k}", source="s", group=f"g{g}", num_tokens=rng.randint(1, 50),
+                                 nbytes=rng.randint(1, 99), location=node, seq=seqs[k]) for k in range(4)]
+    planner = Planner(layout, 10_000, balance_tolerance=0.0)
+    planner.vectorize_from = 1
+    plan = planner.plan(_Admitted(0, 0, 0, tuple(metas)))
+    rows, k, local, remote = _ReferencePlanner(layout, 10_000, balance_tolerance=0.0).plan_rows(metas)
+    assert [[list(mb.trajectory_ids) for mb in row] for row in plan.microbatches] == rows
+    assert (plan.num_microbatches, plan.local_bytes, plan.remote_bytes) == (k, local, remote)
+    assert bool(calls) == (order == "shuffled")  # the general sort only for members out of arrival order
+    assert all(type(mb.trajectories) is tuple for row in plan.microbatches for mb in row)

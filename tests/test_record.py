@@ -162,3 +162,20 @@ def test_int_scalars_are_stored_as_float() -> None:
     assert json.loads(json.dumps(t.scalars)) == {"reward": 1.0, "advantage": -2.5}
     with pytest.raises(FieldTypeError, match="scalars.flag"):
         make(scalars={"flag": True})
+
+
+def test_meta_packs_its_counts_for_planning() -> None:
+    """``packed`` holds num_tokens, nbytes and seq as int64 (None when they do not fit); it is derived, so it
+    is not an argument, not compared and not serialized."""
+    import dataclasses
+
+    from knitdata.record import PACKED_COUNTS, TrajectoryMeta
+
+    m = TrajectoryMeta(id="t", source="s", group="g", num_tokens=5, nbytes=1 << 40, seq=-1)
+    assert PACKED_COUNTS.unpack(m.packed) == (5, 1 << 40, -1)
+    assert dataclasses.replace(m, seq=9).packed == PACKED_COUNTS.pack(5, 1 << 40, 9)
+    assert "packed" not in m.to_dict() and TrajectoryMeta.from_dict(m.to_dict()) == m
+    assert TrajectoryMeta(id="t", source="s", group="g", num_tokens=7.5).packed is None
+    assert TrajectoryMeta(id="t", source="s", group="g", seq=1 << 64).packed is None
+    with pytest.raises(TypeError):
+        TrajectoryMeta(id="t", source="s", group="g", packed=b"")  # type: ignore[call-arg]

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["add_arguments", "run", "run_scale", "run_engines", "run_engine_point", "trainer_data_point", "make_admitted",
+__all__ = ["add_arguments", "reference_ms", "run", "run_scale", "run_engines", "run_engine_point", "trainer_data_point", "make_admitted",
            "plan_quality", "SIZES"]
 
 
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ranks-per-node", type=int, default=8, help="consumer ranks per node (--scale)")
     parser.add_argument("--ref-ranks", type=int, default=80, help="ranks of the small reference layout (0: none)")
     parser.add_argument("--token-budget", type=int, default=65_536, help="tokens per micro-batch (--scale)")
-    parser.add_argument("--repeats", type=int, default=5, help="plans timed per point; the median is reported")
+    parser.add_argument("--repeats", type=int, default=9, help="plans timed per point; the median is reported")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engines", default="embedded,ray", help="engines to measure (comma-separated)")
     parser.add_argument("--producers", type=int, nargs="+", default=[1, 4, 16],
@@ -77,7 +77,8 @@ def make_admitted(n_traj: int, group_size: int, nodes: list[str], seed: int = 0)
 
     Returns:
         An admitted-mini-batch-like object (``train_batch``, ``index``, ``step``, ``trajectories``): whole
-        groups in completion order, each trajectory's ``seq`` its arrival rank (groups interleave).
+        groups in completion order, each group's members in arrival order (as admission lists them), each
+        trajectory's ``seq`` its arrival rank (groups interleave).
     """
     from knitdata.record import TrajectoryMeta
 
@@ -98,7 +99,7 @@ def make_admitted(n_traj: int, group_size: int, nodes: list[str], seed: int = 0)
         home = rng.randrange(len(nodes))
         other = rng.randrange(len(nodes))
         prompt = rng.randint(128, 2048)
-        for k in range(group_size):
+        for k in sorted(range(group_size), key=lambda k: seq_of[(g, k)]):  # members in arrival order
             tokens = min(16_384, prompt + int(rng.lognormvariate(7.0, 0.8)))
             node = nodes[other] if (g % 10 == 9 and k % 2) else nodes[home]
             metas.append(TrajectoryMeta(
@@ -129,6 +130,7 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
         layouts.append((max(1, args.ref_ranks // args.ranks_per_node), args.ranks_per_node))
     out: dict[str, Any] = {}
     rows = []
+    reference: list[float] = []  # the machine's speed, timed between the plans
     for n_nodes, per in layouts:
         layout = ConsumerLayout.uniform(n_nodes, per)
         planner = Planner(layout, args.token_budget, locality=True)
@@ -141,6 +143,7 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 plan = planner.plan(admitted)
                 times.append((time.perf_counter() - t0) * 1e3)
+                reference.append(reference_ms())
             assert plan is not None  # at least one repeat
             q = plan_quality(plan)
             point = {
@@ -158,7 +161,24 @@ def run_scale(args: argparse.Namespace) -> dict[str, Any]:
     for ranks, n, p in rows:
         print(f"{ranks:>6} {n:>12} {p['plan_ms']:>9.1f} {p['plan_ms_min']:>8.1f} {p['microbatches_per_rank']:>3} "
               f"{p['max_over_mean_tokens']:>12.3f} {p['cross_node_bytes_fraction']:>10.3f}")
-    return {"scale": out}
+    ref = {"ms_median": statistics.median(reference), "ms_min": min(reference), "ms_max": max(reference),
+           "work": REFERENCE_WORK}
+    print(f"machine speed: {REFERENCE_WORK} took {ref['ms_median']:.1f} ms (median; {ref['ms_min']:.1f}-"
+          f"{ref['ms_max']:.1f}) between the plans")
+    return {"scale": out, "machine_reference": ref}
+
+
+#: What :func:`reference_ms` times: a fixed pure-Python loop, to tell a slow phase of a shared host from a slow plan.
+REFERENCE_WORK = "a Python loop of 300,000 integer additions"
+
+
+def reference_ms() -> float:
+    """Milliseconds of :data:`REFERENCE_WORK` (reported beside timings on shared, noisy machines)."""
+    t0 = time.perf_counter()
+    s = 0
+    for i in range(300_000):
+        s += i
+    return (time.perf_counter() - t0) * 1e3
 
 
 # ----------------------------------------------------------------------------------------------- engines
