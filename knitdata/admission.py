@@ -196,6 +196,8 @@ class AdmittedMiniBatch:
         step: Global mini-batch counter ``b * M + k``.
         trajectories: Exactly ``m`` trajectories, whole groups, in admission order.
         admitted_at: The ``now`` passed to :meth:`AdmissionPolicy.poll`, if any.
+        group_sizes: How many trajectories each of those groups has, in order (empty: not given). The
+            planner takes its assignment units from it instead of scanning every trajectory's group id.
     """
 
     train_batch: int
@@ -203,6 +205,7 @@ class AdmittedMiniBatch:
     step: int
     trajectories: tuple[TrajectoryMeta, ...]
     admitted_at: float | None = None
+    group_sizes: tuple[int, ...] = ()
 
     def counts(self) -> dict[str, int]:
         """Trajectories per source in this mini-batch."""
@@ -590,7 +593,8 @@ class AdmissionPolicy(abc.ABC):
         for grp in groups:
             self._admitted[grp.source] += 1
             trajs.extend(grp.metas)
-        mb = AdmittedMiniBatch(self._b, self._k, self._b * self._M + self._k, tuple(trajs), now)
+        mb = AdmittedMiniBatch(self._b, self._k, self._b * self._M + self._k, tuple(trajs), now,
+                               tuple(len(grp.metas) for grp in groups))
         self._k += 1
         if self._k == self._M:
             self._k = 0

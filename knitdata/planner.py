@@ -68,7 +68,12 @@ _PACKED = operator.attrgetter("packed")
 
 
 class AdmittedLike(Protocol):
-    """What the planner reads of an admitted mini-batch (:class:`knitdata.admission.AdmittedMiniBatch`)."""
+    """What the planner reads of an admitted mini-batch (:class:`knitdata.admission.AdmittedMiniBatch`).
+
+    An optional ``group_sizes`` attribute (the sizes of the consecutive whole groups ``trajectories`` is made
+    of, as admission emits them) spares the planner a scan of every trajectory's group id; it is checked
+    against the groups of each group's first and last trajectory.
+    """
 
     @property
     def train_batch(self) -> int: ...
@@ -273,10 +278,10 @@ class Planner:
         return [list(s) for s in self._assign(tuple(metas))[0]]
 
     def _assign(
-        self, metas: tuple[TrajectoryMeta, ...]
+        self, metas: tuple[TrajectoryMeta, ...], group_sizes: tuple[int, ...] = ()
     ) -> tuple[list[Sequence[TrajectoryMeta]], list[int], int, int, int, int]:
         """Shares (each in ``(seq, id)`` order), consumer loads, local and remote payload bytes, and the total
-        and least trajectory tokens.
+        and least trajectory tokens. ``group_sizes``: see :class:`AdmittedLike` (empty: scan the group ids).
 
         Units go largest first to the least-loaded consumer on their home node, or overall (see the module
         docstring). The least-loaded searches use heaps of the keys ``load * n + rank``, one over all ranks and
@@ -293,12 +298,14 @@ class Planner:
         if total_n == 0:
             return [() for _ in range(n)], [0] * n, 0, 0, 0, 0
         if total_n < self.vectorize_from or total_n >= _MAX_EXACT_COUNT:
-            return self._assign_small(metas)
+            return self._assign_small(metas, group_sizes)
         index = self._layout_index()
         # lay the trajectories out unit after unit: units are the slices [starts[i], stops[i]) of `lay`
         lay: tuple[TrajectoryMeta, ...] = metas
         if self.allow_split_groups:
             starts = np.arange(total_n)
+        elif group_sizes:
+            starts = _group_starts(metas, group_sizes)
         else:
             groups = np.fromiter(map(_GROUP, metas), dtype=object, count=total_n)
             starts = np.concatenate(([0], np.flatnonzero(groups[1:] != groups[:-1]) + 1))
@@ -309,7 +316,7 @@ class Planner:
         sizes = np.diff(starts, append=total_n)
         tokens, nbytes, seqs = _count_columns(lay)
         if tokens is None or nbytes is None or seqs is None:  # not int64-safe integers: exact Python arithmetic
-            return self._assign_small(metas)
+            return self._assign_small(metas, group_sizes)
         locs = np.fromiter(map(_LOCATION, lay), dtype=object, count=total_n)
         # per unit: weight (tokens, at least 1) and the node of its first trajectory
         weights = np.maximum(np.add.reduceat(tokens, starts), 1)
@@ -418,7 +425,7 @@ class Planner:
         return shares, loads, local, remote, int(tokens.sum()), int(tokens.min())
 
     def _assign_small(
-        self, metas: tuple[TrajectoryMeta, ...]
+        self, metas: tuple[TrajectoryMeta, ...], group_sizes: tuple[int, ...] = ()
     ) -> tuple[list[Sequence[TrajectoryMeta]], list[int], int, int, int, int]:
         """:meth:`_assign` for small mini-batches: the same choices with Python lists and tuple heaps (no numpy).
 
@@ -433,6 +440,9 @@ class Planner:
         if self.allow_split_groups:
             lay: Sequence[TrajectoryMeta] = metas
             starts: Sequence[int] = range(total_n)
+        elif group_sizes:
+            lay = metas
+            starts = _group_starts(metas, group_sizes).tolist()
         else:
             groups = list(map(_GROUP, metas))
             starts = [0, *compress(range(1, total_n), map(operator.ne, groups, groups[1:]))] if total_n else []
@@ -610,7 +620,8 @@ class Planner:
             counts = Counter(map(_ID, metas))
             dup = next(i for i in map(_ID, metas) if counts[i] > 1)
             raise ValidationError("appears twice in one admitted mini-batch", trajectory_id=dup, field="id")
-        shares, loads, local, remote, global_tokens, least_tokens = self._assign(metas)
+        hint = getattr(admitted, "group_sizes", None)
+        shares, loads, local, remote, global_tokens, least_tokens = self._assign(metas, tuple(hint or ()))
         # K: the most first-fit-decreasing bins over consumers. A share whose load (tokens, each unit
         # counted at least 1) fits the budget needs one bin; only the others run first-fit decreasing.
         budget = self.token_budget
@@ -657,6 +668,31 @@ class Planner:
             local_bytes=local,
             remote_bytes=remote,
         )
+
+
+def _group_starts(metas: Sequence[TrajectoryMeta], group_sizes: Sequence[int]) -> Any:
+    """Where each group starts, from the sizes of the consecutive whole groups ``metas`` is made of.
+
+    Checked without reading every trajectory: the sizes add up, and each group's first and last trajectory
+    name the same group, a different one from every other group's.
+
+    Raises:
+        ValidationError: ``group_sizes`` does not describe ``metas`` (field ``group_sizes``; names the group).
+    """
+    sizes = np.asarray(group_sizes)
+    if sizes.ndim != 1 or sizes.dtype.kind not in "iu" or (sizes < 1).any() or int(sizes.sum()) != len(metas):
+        raise ValidationError(f"{len(sizes)} group sizes adding up to {int(np.sum(sizes))} do not describe "
+                              f"{len(metas)} trajectories in whole groups", field="group_sizes")
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    firsts = list(map(_GROUP, map(metas.__getitem__, starts.tolist())))
+    lasts = list(map(_GROUP, map(metas.__getitem__, (ends - 1).tolist())))
+    if firsts != lasts or len(set(firsts)) != len(firsts):
+        bad = next((a for a, b in zip(firsts, lasts) if a != b), None)
+        if bad is None:
+            bad = next(k for k, n in Counter(firsts).items() if n > 1)
+        raise ValidationError(f"group {bad!r} is not one run of the size given for it", field="group_sizes")
+    return starts
 
 
 def _regroup(metas: Sequence[TrajectoryMeta]) -> tuple[tuple[TrajectoryMeta, ...], list[int]]:

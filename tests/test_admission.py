@@ -312,6 +312,10 @@ def check_admitted(spec: BatchSpec, mbs, T: int) -> None:
         for t in mb.trajectories:
             by_group[t.group] = by_group.get(t.group, 0) + 1
         assert all(v == spec.group_size for v in by_group.values())
+        # group_sizes: the whole groups, one run each, in order (the planner's units)
+        runs = [0, *(i for i in range(1, len(mb.trajectories))
+                     if mb.trajectories[i].group != mb.trajectories[i - 1].group), len(mb.trajectories)]
+        assert mb.group_sizes == tuple(b - a for a, b in zip(runs, runs[1:])) and len(runs) - 1 == len(by_group)
     assert len(mbs) == T * spec.num_minibatches  # never deadlocks: everything arrived, everything admitted
     for b in range(T):
         assert per_batch[b] == dict(spec.quotas)

@@ -353,3 +353,51 @@ def test_whole_unit_shares_match_the_reference(monkeypatch, order) -> None:
     assert (plan.num_microbatches, plan.local_bytes, plan.remote_bytes) == (k, local, remote)
     assert bool(calls) == (order == "shuffled")  # the general sort only for members out of arrival order
     assert all(type(mb.trajectories) is tuple for row in plan.microbatches for mb in row)
+
+
+@dataclass(frozen=True)
+class _AdmittedWithGroups:
+    train_batch: int
+    index: int
+    step: int
+    trajectories: tuple
+    group_sizes: tuple
+
+
+def _runs(metas) -> list[int]:
+    sizes: list[int] = []
+    for i, m in enumerate(metas):
+        if i and m.group == metas[i - 1].group:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return sizes
+
+
+@settings(max_examples=80, deadline=None)
+@given(_planning_cases())
+@pytest.mark.parametrize("vectorize_from", [Planner.vectorize_from, 1])
+def test_group_sizes_hint_plans_the_same(vectorize_from, case) -> None:
+    """Admission's ``group_sizes`` spare the planner the scan of group ids: the plan is the one without it."""
+    layout, budget, kwargs, metas = case
+    sizes = _runs(metas)
+    if len(sizes) != len({m.group for m in metas}):  # a group in several runs: not whole groups in a row
+        return
+    planner = Planner(layout, budget, **kwargs)
+    planner.vectorize_from = vectorize_from
+    plain = planner.plan(_Admitted(0, 0, 0, tuple(metas)))
+    hinted = planner.plan(_AdmittedWithGroups(0, 0, 0, tuple(metas), tuple(sizes)))
+    assert hinted == plain
+
+
+def test_wrong_group_sizes_are_refused_naming_the_group() -> None:
+    layout = ConsumerLayout.uniform(2, 2)
+    metas = tuple(_metas(random.Random(1), 24, 3, list(layout.nodes)))  # 8 groups of 3
+    planner = Planner(layout, 40)
+    for sizes, needle in [((3,) * 7, "do not describe"), ((3,) * 7 + (2, 1), "'g7'"), ((3,) * 8 + (0,), "do not"),
+                          ((2, 4) + (3,) * 6, "'g0'"), ((3, 3, 6, 3, 3, 3, 3), "'g2'"), ((0, 3) + (3,) * 7, "do not")]:
+        for vectorize_from in (Planner.vectorize_from, 1):  # Python lists, numpy passes: the same check
+            planner.vectorize_from = vectorize_from
+            with pytest.raises(ValidationError, match=needle) as info:
+                planner.plan(_AdmittedWithGroups(0, 0, 0, metas, sizes))
+            assert info.value.field == "group_sizes"

@@ -27,8 +27,10 @@ import random
 import statistics
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from knitdata.admission import AdmittedMiniBatch
 
 __all__ = ["add_arguments", "reference_ms", "run", "run_scale", "run_engines", "run_engine_point", "trainer_data_point", "make_admitted",
            "plan_quality", "SIZES"]
@@ -58,15 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, help="(unused: no plot for this benchmark)")
 
 
-@dataclass(frozen=True)
-class _Admitted:
-    train_batch: int
-    index: int
-    step: int
-    trajectories: tuple[Any, ...]
-
-
-def make_admitted(n_traj: int, group_size: int, nodes: list[str], seed: int = 0) -> _Admitted:
+def make_admitted(n_traj: int, group_size: int, nodes: list[str], seed: int = 0) -> AdmittedMiniBatch:
     """One admitted mini-batch of :class:`~knitdata.record.TrajectoryMeta` (no payloads).
 
     Args:
@@ -76,10 +70,11 @@ def make_admitted(n_traj: int, group_size: int, nodes: list[str], seed: int = 0)
         seed: Random seed.
 
     Returns:
-        An admitted-mini-batch-like object (``train_batch``, ``index``, ``step``, ``trajectories``): whole
-        groups in completion order, each group's members in arrival order (as admission lists them), each
+        An :class:`~knitdata.admission.AdmittedMiniBatch` (mini-batch 0, with its ``group_sizes`` as admission
+        gives them): whole groups in completion order, each group's members in arrival order (as admission lists them), each
         trajectory's ``seq`` its arrival rank (groups interleave).
     """
+    from knitdata.admission import AdmittedMiniBatch
     from knitdata.record import TrajectoryMeta
 
     rng = random.Random(seed)
@@ -106,7 +101,7 @@ def make_admitted(n_traj: int, group_size: int, nodes: list[str], seed: int = 0)
                 id=f"t{g * group_size + k}", source=("math", "code")[g % 2], group=f"g{g}", num_tokens=tokens,
                 nbytes=12 * tokens, location=node, seq=seq_of[(g, k)],
             ))
-    return _Admitted(train_batch=0, index=0, step=0, trajectories=tuple(metas))
+    return AdmittedMiniBatch(0, 0, 0, tuple(metas), None, (group_size,) * n_groups)
 
 
 def plan_quality(plan: Any) -> dict[str, float]:
