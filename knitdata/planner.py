@@ -50,7 +50,7 @@ import numpy as np
 
 from knitdata.errors import ConfigError, ValidationError
 from knitdata.placement import ConsumerLayout
-from knitdata.record import PACKED_COUNTS, TrajectoryMeta, metas_by_group
+from knitdata.record import PACKED_META, TrajectoryMeta, metas_by_group
 
 if TYPE_CHECKING:  # pragma: no cover
     from knitdata.collate import MicroBatchInfo
@@ -278,10 +278,11 @@ class Planner:
         return [list(s) for s in self._assign(tuple(metas))[0]]
 
     def _assign(
-        self, metas: tuple[TrajectoryMeta, ...], group_sizes: tuple[int, ...] = ()
+        self, metas: tuple[TrajectoryMeta, ...], group_sizes: tuple[int, ...] = (), columns: Any = None
     ) -> tuple[list[Sequence[TrajectoryMeta]], list[int], int, int, int, int]:
         """Shares (each in ``(seq, id)`` order), consumer loads, local and remote payload bytes, and the total
-        and least trajectory tokens. ``group_sizes``: see :class:`AdmittedLike` (empty: scan the group ids).
+        and least trajectory tokens. ``group_sizes``: see :class:`AdmittedLike` (empty: scan the group ids);
+        ``columns``: :func:`_packed_columns` of ``metas``, if already read.
 
         Units go largest first to the least-loaded consumer on their home node, or overall (see the module
         docstring). The least-loaded searches use heaps of the keys ``load * n + rank``, one over all ranks and
@@ -314,7 +315,7 @@ class Planner:
                 starts = np.array(run_starts, dtype=np.int64)
         n_units = len(starts)
         sizes = np.diff(starts, append=total_n)
-        tokens, nbytes, seqs = _count_columns(lay)
+        tokens, nbytes, seqs, _hash = columns if columns is not None and lay is metas else _packed_columns(lay)
         if tokens is None or nbytes is None or seqs is None:  # not int64-safe integers: exact Python arithmetic
             return self._assign_small(metas, group_sizes)
         locs = np.fromiter(map(_LOCATION, lay), dtype=object, count=total_n)
@@ -616,12 +617,12 @@ class Planner:
 
     def _plan(self, admitted: AdmittedLike, loss_tokens: Mapping[str, int] | None) -> MiniBatchPlan:
         metas = tuple(admitted.trajectories)
-        if len(set(map(_ID, metas))) != len(metas):
-            counts = Counter(map(_ID, metas))
-            dup = next(i for i in map(_ID, metas) if counts[i] > 1)
+        columns = _packed_columns(metas) if self.vectorize_from <= len(metas) < _MAX_EXACT_COUNT else None
+        dup = _duplicate_id(metas, columns[3] if columns is not None else None)
+        if dup is not None:
             raise ValidationError("appears twice in one admitted mini-batch", trajectory_id=dup, field="id")
         hint = getattr(admitted, "group_sizes", None)
-        shares, loads, local, remote, global_tokens, least_tokens = self._assign(metas, tuple(hint or ()))
+        shares, loads, local, remote, global_tokens, least_tokens = self._assign(metas, tuple(hint or ()), columns)
         # K: the most first-fit-decreasing bins over consumers. A share whose load (tokens, each unit
         # counted at least 1) fits the budget needs one bin; only the others run first-fit decreasing.
         budget = self.token_budget
@@ -802,26 +803,41 @@ def _int_column(metas: Sequence[TrajectoryMeta], get: Callable[[TrajectoryMeta],
     return ints
 
 
-def _count_columns(metas: Sequence[TrajectoryMeta]) -> tuple[Any, Any, Any]:
-    """``num_tokens``, ``nbytes`` and ``seq`` of every trajectory as int64 arrays (``None`` for a field whose
-    values are not all integers of magnitude below 2**40).
+def _packed_columns(metas: Sequence[TrajectoryMeta]) -> tuple[Any, Any, Any, Any]:
+    """``num_tokens``, ``nbytes``, ``seq`` and the id's hash of every trajectory as int64 arrays: ``None`` for a
+    count whose values are not all integers of magnitude below 2**40, and for the hashes when read field by field.
 
-    One join of the trajectories' :attr:`~knitdata.record.TrajectoryMeta.packed` counts read as one buffer;
-    a field at a time (:func:`_int_column`) when some trajectory has none.
+    One join of the trajectories' :attr:`~knitdata.record.TrajectoryMeta.packed` fields read as one buffer;
+    field by field (:func:`_int_column`) when some trajectory has none.
     """
     try:
         packed = b"".join(map(_PACKED, metas))
     except (TypeError, AttributeError):  # a count that does not fit int64, or not a TrajectoryMeta
-        return _int_column(metas, _TOKENS), _int_column(metas, _NBYTES), _int_column(metas, _SEQ)
-    if len(packed) != PACKED_COUNTS.size * len(metas):  # pragma: no cover - PACKED_COUNTS and the bytes disagree
-        raise AssertionError("packed counts of the wrong size")
-    columns = np.frombuffer(packed, dtype="<i8").reshape(len(metas), 3).T.copy()
+        return _int_column(metas, _TOKENS), _int_column(metas, _NBYTES), _int_column(metas, _SEQ), None
+    if len(packed) != PACKED_META.size * len(metas):  # pragma: no cover - PACKED_META and the bytes disagree
+        raise AssertionError("packed metadata of the wrong size")
+    columns = np.frombuffer(packed, dtype="<i8").reshape(len(metas), 4).T.copy()
+    counts = columns[:3]
     if len(metas):  # (no np.abs: it overflows at -2**63)
-        fits = (columns.max(axis=1) < _MAX_EXACT) & (columns.min(axis=1) > -_MAX_EXACT)
+        fits = (counts.max(axis=1) < _MAX_EXACT) & (counts.min(axis=1) > -_MAX_EXACT)
     else:
         fits = np.ones(3, dtype=bool)
-    tokens, nbytes, seqs = columns
-    return (tokens if fits[0] else None, nbytes if fits[1] else None, seqs if fits[2] else None)
+    tokens, nbytes, seqs, id_hash = columns
+    return (tokens if fits[0] else None, nbytes if fits[1] else None, seqs if fits[2] else None, id_hash)
+
+
+def _duplicate_id(metas: Sequence[TrajectoryMeta], id_hash: Any) -> str | None:
+    """An id that appears twice in ``metas``, or ``None``. With the ids' hashes (``id_hash``, int64), all distinct
+    settles it in one numpy sort; otherwise (or without them) the ids themselves are compared."""
+    if id_hash is not None:
+        h = np.sort(id_hash)
+        if not (h[1:] == h[:-1]).any():  # distinct hashes: distinct ids
+            return None
+    ids = list(map(_ID, metas))
+    if len(set(ids)) == len(ids):
+        return None
+    counts = Counter(ids)
+    return next(i for i in ids if counts[i] > 1)
 
 
 def _unit_order(weights: Any, first_seqs: Any, lay: Sequence[TrajectoryMeta], starts: Any) -> Any:

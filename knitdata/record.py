@@ -19,7 +19,7 @@ from knitdata.errors import FieldTypeError, ValidationError
 
 __all__ = [
     "MEDIA_KINDS",
-    "PACKED_COUNTS",
+    "PACKED_META",
     "SUPPORTED_DTYPES",
     "MediaItem",
     "Trajectory",
@@ -352,8 +352,8 @@ class Trajectory:
         return True
 
 
-#: Layout of :attr:`TrajectoryMeta.packed`: ``num_tokens``, ``nbytes``, ``seq`` as little-endian int64.
-PACKED_COUNTS = struct.Struct("<qqq")
+#: Layout of :attr:`TrajectoryMeta.packed`: ``num_tokens``, ``nbytes``, ``seq`` and ``hash(id)``, little-endian int64.
+PACKED_META = struct.Struct("<qqqq")
 
 
 @dataclass(frozen=True, slots=True)
@@ -371,10 +371,12 @@ class TrajectoryMeta:
         media_digests: Content digests of its media items, in order.
         location: Id of the storage unit holding the payload (``None`` if not stored yet).
         seq: Arrival sequence number (monotonic per pipeline; ``-1`` if unknown).
-        packed: ``num_tokens``, ``nbytes`` and ``seq`` as three little-endian int64 (:data:`PACKED_COUNTS`), set
-            at construction; ``None`` when one is not an integer that fits. The planner reads a mini-batch's
-            counts as one buffer (``b"".join``, then ``numpy.frombuffer``) instead of three passes over the
-            objects. Not an argument, not compared, not in :meth:`to_dict`.
+        packed: ``num_tokens``, ``nbytes``, ``seq`` and ``hash(id)`` as four little-endian int64
+            (:data:`PACKED_META`), set at construction; ``None`` when a count is not an integer that fits. The
+            planner reads a whole mini-batch of them as one buffer (``b"".join``, then ``numpy.frombuffer``)
+            instead of a pass over the objects per field. ``hash(id)`` is this process's string hash: a meta
+            unpickled or copied is built again, so it is never carried from another process. Not an
+            argument, not compared, not in :meth:`to_dict`.
     """
 
     id: str
@@ -391,10 +393,15 @@ class TrajectoryMeta:
 
     def __post_init__(self) -> None:
         try:
-            packed: bytes | None = PACKED_COUNTS.pack(self.num_tokens, self.nbytes, self.seq)
+            packed: bytes | None = PACKED_META.pack(self.num_tokens, self.nbytes, self.seq, hash(self.id))
         except (struct.error, TypeError, OverflowError):
-            packed = None  # not int64 integers: the planner reads the fields themselves
+            packed = None  # not int64 integers (or an unhashable id): the planner reads the fields themselves
         object.__setattr__(self, "packed", packed)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # rebuilt through __init__ where it is loaded: ``packed`` holds that process's hash of the id
+        return (type(self), (self.id, self.source, self.group, self.gen_version, self.version_mean, self.num_tokens,
+                             self.nbytes, self.media_digests, self.location, self.seq))
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-serializable dict."""

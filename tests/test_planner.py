@@ -401,3 +401,28 @@ def test_wrong_group_sizes_are_refused_naming_the_group() -> None:
             with pytest.raises(ValidationError, match=needle) as info:
                 planner.plan(_AdmittedWithGroups(0, 0, 0, metas, sizes))
             assert info.value.field == "group_sizes"
+
+
+@pytest.mark.parametrize("vectorize_from", [Planner.vectorize_from, 1])
+def test_a_duplicate_id_is_refused_and_equal_hashes_alone_are_not(monkeypatch, vectorize_from) -> None:
+    """The duplicate-id check settles distinct ids by their hashes and compares the ids themselves otherwise:
+    a real duplicate is named, and a hash collision between different ids is no error."""
+    import knitdata.planner as planner_module
+
+    layout = ConsumerLayout.uniform(2, 2)
+    metas = _metas(random.Random(2), 12, 3, list(layout.nodes))
+    planner = Planner(layout, 40)
+    planner.vectorize_from = vectorize_from
+    dup = [*metas[:-1], TrajectoryMeta(**{**metas[4].to_dict(), "media_digests": (), "group": metas[-1].group})]
+    with pytest.raises(ValidationError, match="'t4'") as info:
+        planner.plan(_Admitted(0, 0, 0, tuple(dup)))
+    assert info.value.field == "id" and info.value.trajectory_id == "t4"
+    real = planner_module._packed_columns
+
+    def colliding(ms):
+        tokens, nbytes, seqs, hashes = real(ms)
+        return tokens, nbytes, seqs, None if hashes is None else hashes * 0  # every id hashes alike
+
+    monkeypatch.setattr(planner_module, "_packed_columns", colliding)
+    expected = _ReferencePlanner(layout, 40).plan_rows(metas)[0]
+    assert [[list(mb.trajectory_ids) for mb in row] for row in planner.plan(_Admitted(0, 0, 0, tuple(metas))).microbatches] == expected

@@ -165,15 +165,19 @@ def test_int_scalars_are_stored_as_float() -> None:
 
 
 def test_meta_packs_its_counts_for_planning() -> None:
-    """``packed`` holds num_tokens, nbytes and seq as int64 (None when they do not fit); it is derived, so it
-    is not an argument, not compared and not serialized."""
+    """``packed`` holds num_tokens, nbytes, seq and hash(id) as int64 (None when they do not fit); it is derived,
+    so it is not an argument, not compared and not serialized; pickling and copying build it again."""
+    import copy
     import dataclasses
+    import pickle
 
-    from knitdata.record import PACKED_COUNTS, TrajectoryMeta
+    from knitdata.record import PACKED_META, TrajectoryMeta
 
-    m = TrajectoryMeta(id="t", source="s", group="g", num_tokens=5, nbytes=1 << 40, seq=-1)
-    assert PACKED_COUNTS.unpack(m.packed) == (5, 1 << 40, -1)
-    assert dataclasses.replace(m, seq=9).packed == PACKED_COUNTS.pack(5, 1 << 40, 9)
+    m = TrajectoryMeta(id="t", source="s", group="g", num_tokens=5, nbytes=1 << 40, seq=-1, location="u")
+    assert PACKED_META.unpack(m.packed) == (5, 1 << 40, -1, hash("t"))
+    assert dataclasses.replace(m, seq=9).packed == PACKED_META.pack(5, 1 << 40, 9, hash("t"))
+    for twin in (pickle.loads(pickle.dumps(m)), copy.copy(m), copy.deepcopy(m)):
+        assert twin == m and twin.packed == m.packed and twin.location == "u"
     assert "packed" not in m.to_dict() and TrajectoryMeta.from_dict(m.to_dict()) == m
     assert TrajectoryMeta(id="t", source="s", group="g", num_tokens=7.5).packed is None
     assert TrajectoryMeta(id="t", source="s", group="g", seq=1 << 64).packed is None
