@@ -868,9 +868,10 @@ def render_control(d: dict) -> str:
                     if not isinstance(c, dict):
                         continue
                     rows.append([eng, str(prod), size, call, f(c.get("traj_per_s"), ".0f"), f(c.get("p50_ms")),
-                                 f(c.get("p99_ms")), f(_coord(c), ".3f"), f(g(c, "group_commit", "puts_per_call"), ".1f")])
+                                 f(c.get("p99_ms")), f(_coord(c), ".3f"), f(c.get("coordinator_admit_cpu_ms_per_traj"), ".3f"),
+                                 f(g(c, "group_commit", "puts_per_call"), ".1f")])
     parts = [run_text(r), table(["engine", "producers", "size", "call", "traj/s", "p50 ms", "p99 ms", "coord CPU ms/traj",
-                                 "puts per coordinator call"], rows, "lrllrrrrr")]
+                                 "of it in admission", "puts per coordinator call"], rows, "lrllrrrrrr")]
     td = r.get("trainer_data") or {}
     lines = []
     for eng, t in td.items():
@@ -898,12 +899,6 @@ def render_control(d: dict) -> str:
         goals.append(f"the trainer's commit under 1 ms per step on Ray: {'met' if rc < 1 else 'not met'} ({rc:.3f} ms)")
     if goals:
         parts.append("Goals: " + "; ".join(goals) + ".")
-    ref = r.get("machine_reference") or {}
-    if _num(ref.get("ms_median")) is not None:
-        parts.append(f"Machine speed between the plans ({ref.get('work', 'a fixed Python loop')}): "
-                     f"{ref['ms_median']:.1f} ms median ({f(ref.get('ms_min'), '.1f')}-{f(ref.get('ms_max'), '.1f')}). "
-                     "On this shared host that loop's time changes from run to run even at a low load average, and "
-                     "plan times change with it.")
     return _join(*parts)
 
 

@@ -27,8 +27,10 @@ def test_scale_smoke_writes_plan_ms_and_quality(tmp_path, capsys) -> None:
             assert 0.0 <= point["cross_node_bytes_fraction"] <= 1.0
             assert point["microbatches_per_rank"] >= 1
     assert len(report["loadavg_start"]) == 3
+    ref = report["machine_reference"]  # the machine's speed, timed between the plans
+    assert 0 < ref["ms_min"] <= ref["ms_median"] <= ref["ms_max"] and ref["work"]
     text = capsys.readouterr().out
-    assert "plan_ms" in text and "load average" in text
+    assert "plan_ms" in text and "load average" in text and "machine speed" in text
 
 
 def test_engine_part_smoke_on_the_embedded_engine(tmp_path, capsys) -> None:
@@ -56,6 +58,10 @@ def test_workload_is_whole_groups_with_interleaved_arrivals() -> None:
     assert len(runs) == len(set(groups)) == 15  # each group is one contiguous run
     assert sorted(m.seq for m in metas) == list(range(60))
     assert [m.seq for m in metas] != sorted(m.seq for m in metas)  # arrivals interleave across groups
+    assert adm.group_sizes == (4,) * 15  # as admission hands them to the planner
+    for g in set(groups):  # a group's members in arrival order, as admission lists them
+        seqs = [m.seq for m in metas if m.group == g]
+        assert seqs == sorted(seqs)
     plan = Planner(layout, 4096).plan(adm)
     q = plan_quality(plan)
     assert sum(plan.share_tokens()) == sum(m.num_tokens for m in metas)

@@ -12,7 +12,8 @@ Without ``--scale``: for each engine (``--engines``), ``--producers`` producers 
 spawned processes attached with :meth:`Pipeline.attach` on Ray) put 1 KiB and 1 MiB trajectories with ``put()``
 and with ``put_many()`` while one consumer drains; reported per point: put-to-admission throughput
 (trajectories admitted per second, from the first put to the last admission), p50/p99 latency per trajectory
-of the put calls, and (Ray) the coordinator process's CPU time per trajectory from ``/proc`` and how many puts
+of the put calls, and (Ray) the coordinator process's CPU time per trajectory from ``/proc`` (and the part of it
+spent inside the control plane's admission calls, the rest being Ray's handling of calls) and how many puts
 each admission call to the coordinator carried (concurrent puts on a unit share one call). Then a trainer
 (one consumer, ``fetch="iter"``, 4 ms of compute per micro-batch) measures its time per optimizer step in data
 calls: ``next()``, ``state_dict()`` and ``commit()``.
@@ -320,6 +321,7 @@ def run_engine_point(engine: str, producers: int, size: str, count: int, batch: 
         box: dict[str, float] = {}
 
         def on_go() -> None:
+            box["plane0"] = pipe.control.call("admit_cpu")["cpu_s"]
             box["cpu0"] = _cpu_s(pid) if pid else float("nan")
             box["t0"] = time.perf_counter()
 
@@ -349,8 +351,10 @@ def run_engine_point(engine: str, producers: int, size: str, count: int, batch: 
             break
         time.sleep(0.01)
     elapsed = time.perf_counter() - t0
+    plane_cpu = None
     if pid:
         cpu1 = _cpu_s(pid)
+        plane_cpu = pipe.control.call("admit_cpu")["cpu_s"] - box["plane0"]
     st = pipe.stats_light()
     group_commit = None
     if engine == "ray":
@@ -372,6 +376,7 @@ def run_engine_point(engine: str, producers: int, size: str, count: int, batch: 
         "trajectories": total, "batch": batch, "seconds": elapsed, "errors": errors,
         "admitted": st["admitted_trajectories"],
         "coordinator_cpu_ms_per_traj": (cpu1 - cpu0) * 1000 / total if cpu0 is not None and cpu1 is not None else None,
+        "coordinator_admit_cpu_ms_per_traj": plane_cpu * 1000 / total if plane_cpu is not None else None,
         "group_commit": group_commit,
     }
 
@@ -471,12 +476,14 @@ def run_engines(args: argparse.Namespace) -> dict[str, Any]:
         out["trainer_data_ms_per_step"][engine] = td["ms_per_step"]
     print()
     print(f"{'engine':<9} {'prod':>4} {'size':>5} {'call':>12} {'traj/s':>9} {'p50_ms':>8} {'p99_ms':>8} {'coord_cpu_ms':>12} "
-          f"{'puts/call':>9}")
+          f"{'in_admit_ms':>11} {'puts/call':>9}")
     for engine, n, size, key, p in rows:
         cpu = p["coordinator_cpu_ms_per_traj"]
+        adm = p.get("coordinator_admit_cpu_ms_per_traj")
         ppc = (p.get("group_commit") or {}).get("puts_per_call")
         print(f"{engine:<9} {n:>4} {size:>5} {key:>12} {p['traj_per_s']:>9.0f} {p['p50_ms']:>8.2f} {p['p99_ms']:>8.2f} "
-              f"{'-' if cpu is None else f'{cpu:.3f}':>12} {'-' if ppc is None else f'{ppc:.1f}':>9}")
+              f"{'-' if cpu is None else f'{cpu:.3f}':>12} {'-' if adm is None else f'{adm:.3f}':>11} "
+              f"{'-' if ppc is None else f'{ppc:.1f}':>9}")
     for engine, td in out["trainer_data"].items():
         print(f"trainer data time per step ({engine}): {td['ms_per_step']:.2f} ms (next {td['next_ms_median']:.2f}, "
               f"commit {td['commit_ms_median']:.3f}, state_dict {td['state_ms_median']:.3f} ms medians)")

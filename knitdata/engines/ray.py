@@ -18,6 +18,7 @@ it attaches there and, with ``loopback_only=True`` (the default), refuses a clus
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -120,6 +121,8 @@ class CoordinatorActor:
         if path and os.path.exists(path):
             self._plane.recover(path)  # a restart: the state as of the last journaled call
         self._recovery = SpillRecovery(setup["spill_dir"]) if setup.get("spill_dir") else None
+        self._admit_lock = threading.Lock()
+        self._admit_cpu = {"cpu_s": 0.0, "calls": 0, "trajectories": 0}  # this actor's CPU inside the plane's admits
 
     # the control plane, one method each (Ray needs them declared) -------------------------------------
     def reserve(self, meta: dict[str, Any]) -> dict[str, Any]:
@@ -128,11 +131,32 @@ class CoordinatorActor:
 
     def admit_many(self, unit: str, items: list[Any]) -> dict[str, Any]:
         """See :meth:`ControlPlane.admit_many` (called by the storage units)."""
-        return self._plane.admit_many(unit, items)
+        c0 = time.thread_time()
+        try:
+            return self._plane.admit_many(unit, items)
+        finally:
+            self._count_admit(time.thread_time() - c0, len(items))
 
     def admit_batches(self, unit: str, batches: list[Any]) -> list[dict[str, Any]]:
         """See :meth:`ControlPlane.admit_batches` (called by the storage units)."""
-        return self._plane.admit_batches(unit, batches)
+        c0 = time.thread_time()
+        try:
+            return self._plane.admit_batches(unit, batches)
+        finally:
+            self._count_admit(time.thread_time() - c0, sum(map(len, batches)))
+
+    def _count_admit(self, cpu_s: float, trajectories: int) -> None:
+        with self._admit_lock:
+            self._admit_cpu["cpu_s"] += cpu_s
+            self._admit_cpu["calls"] += 1
+            self._admit_cpu["trajectories"] += trajectories
+
+    def admit_cpu(self) -> dict[str, Any]:
+        """``{"cpu_s", "calls", "trajectories"}`` since this actor started: CPU seconds its threads spent inside the
+        plane's admission calls from the units, how many calls, and the trajectories they carried (the rest of
+        the actor's CPU is Ray's handling of calls, the consumers' calls and idle work)."""
+        with self._admit_lock:
+            return dict(self._admit_cpu)
 
     def placement_view(self) -> dict[str, Any]:
         """See :meth:`ControlPlane.placement_view`."""
