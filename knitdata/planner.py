@@ -686,8 +686,11 @@ def _group_starts(metas: Sequence[TrajectoryMeta], group_sizes: Sequence[int]) -
                               f"{len(metas)} trajectories in whole groups", field="group_sizes")
     ends = np.cumsum(sizes)
     starts = ends - sizes
-    firsts = list(map(_GROUP, map(metas.__getitem__, starts.tolist())))
-    lasts = list(map(_GROUP, map(metas.__getitem__, (ends - 1).tolist())))
+    if len(sizes) == 1:
+        firsts, lasts = [metas[0].group], [metas[-1].group]
+    else:
+        firsts = list(map(_GROUP, operator.itemgetter(*starts.tolist())(metas)))
+        lasts = list(map(_GROUP, operator.itemgetter(*(ends - 1).tolist())(metas)))
     if firsts != lasts or len(set(firsts)) != len(firsts):
         bad = next((a for a, b in zip(firsts, lasts) if a != b), None)
         if bad is None:
@@ -887,14 +890,16 @@ def _unit_shares(lay: tuple[TrajectoryMeta, ...], seqs: Any, starts: Any, sizes:
     same = r[1:] == r[:-1]
     interleaved = set(r[1:][same & (last[by_rank[:-1]] >= first[by_rank[1:]])].tolist())
     a = starts[by_rank]
-    cuts = list(map(lay.__getitem__, map(slice, a.tolist(), (a + sizes[by_rank]).tolist())))
+    b = a + sizes[by_rank]
     shares: list[Sequence[TrajectoryMeta]] = [()] * n
     run = np.flatnonzero(np.concatenate(([True], ~same)))  # each rank's first unit, in by_rank order
     counts = np.diff(run, append=len(r))
-    alone = counts == 1
-    deque(map(shares.__setitem__, r[run[alone]].tolist(), map(cuts.__getitem__, run[alone].tolist())), 0)
-    for rank, i, k in zip(r[run[~alone]].tolist(), run[~alone].tolist(), counts[~alone].tolist()):
-        merged = chain.from_iterable(cuts[i : i + k])
+    alone = run[counts == 1]  # ranks with one unit: a slice of lay each
+    cuts = map(lay.__getitem__, map(slice, a[alone].tolist(), b[alone].tolist()))
+    deque(map(shares.__setitem__, r[alone].tolist(), cuts), 0)
+    a_list, b_list = a.tolist(), b.tolist()
+    for rank, i, k in zip(r[run[counts > 1]].tolist(), run[counts > 1].tolist(), counts[counts > 1].tolist()):
+        merged = chain.from_iterable(lay[a_list[u] : b_list[u]] for u in range(i, i + k))
         shares[rank] = tuple(sorted(merged, key=_SEQ_ID) if rank in interleaved else merged)
     return shares
 
