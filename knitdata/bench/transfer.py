@@ -2457,7 +2457,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="omni: frame side in px (default 224; smoke 112; the seed's setting is 448)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 10; smoke 1)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; smoke 1)")
-    parser.add_argument("--smoke", action="store_true", help="a short run of every mode (CI; < 240 s on 2 cores)")
+    parser.add_argument("--smoke", action="store_true", help="a short run of every mode (CI; 2 consumers; < 240 s on 2 cores)")
     parser.add_argument("--gpu", action="store_true",
                         help="the GPU preset: knitdata's modes on the embedded engine (no Ray) training on CUDA, "
                              "sized for < 5 min on one H200; fails clearly without CUDA")
@@ -2485,7 +2485,9 @@ def _workload_of(args: argparse.Namespace, steps: int, warmup: int) -> tuple[Tra
         frames = args.omni_frames if args.omni_frames is not None else (2 if args.smoke else 4)
         px = args.omni_px if args.omni_px is not None else (112 if args.smoke else 224)
         return omni_workload(frames, px, cfg=cfg, steps=steps, warmup_steps=warmup), cfg
-    return TransferWorkload(steps=steps, warmup_steps=warmup), SMOKE_VLM if args.smoke else TINY_VLM
+    if args.smoke:  # 2 consumer processes (ranks) instead of 4: half the processes to start, still several ranks
+        return TransferWorkload(steps=steps, warmup_steps=warmup, num_consumers=2), SMOKE_VLM
+    return TransferWorkload(steps=steps, warmup_steps=warmup), TINY_VLM
 
 
 def run(args: argparse.Namespace) -> int:
