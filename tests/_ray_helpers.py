@@ -675,12 +675,13 @@ def one_round_trip(n_groups: int = 12) -> dict[str, Any]:
     from knitdata.record import TrajectoryMeta
 
     expected = [ref.place(TrajectoryMeta.from_dict({**t.meta().to_dict(), "seq": i})) for i, t in enumerate(trajs)]
+    admit_cpu = pipe.control.call("admit_cpu")  # the coordinator's CPU inside the units' admission calls
     pipe.close()
     got = [pipe.dataset(r, fetch="iter") for r in range(2)]
     ids = sorted(i for ds in got for mb in ds for i in mb.info.trajectory_ids)
     out = {"after_first": after_first, "singles": singles, "singles_n": half - 1, "batch": batch,
            "locations": [m.location for m in metas], "expected": expected, "ids": ids,
-           "all_ids": sorted(t.id for t in trajs)}
+           "all_ids": sorted(t.id for t in trajs), "admit_cpu": admit_cpu}
     pipe.shutdown()
     return out
 

@@ -250,3 +250,6 @@ def test_a_put_is_one_round_trip_and_lands_where_placement_puts_it(cluster: Clus
     # one producer: its replica of the placement picks exactly the units the plane's placement would
     assert r["locations"] == r["expected"] and set(r["locations"]) == {"a", "b"}
     assert r["ids"] == r["all_ids"]  # every trajectory exactly once
+    # the coordinator counted every admission call of the units and the trajectories they carried
+    cpu = r["admit_cpu"]
+    assert cpu["trajectories"] == len(r["all_ids"]) and 1 <= cpu["calls"] <= cpu["trajectories"] and cpu["cpu_s"] > 0
