@@ -273,6 +273,10 @@ class Planner:
         return cached[1]
 
     # ------------------------------------------------------------------ shares
+    def _vectorized(self, total_n: int) -> bool:
+        """Whether a mini-batch of ``total_n`` trajectories is assigned with numpy passes (see the module docstring)."""
+        return self.vectorize_from <= total_n < _MAX_EXACT_COUNT
+
     def assign(self, metas: Sequence[TrajectoryMeta]) -> list[list[TrajectoryMeta]]:
         """Split ``metas`` into one share per consumer (locality first, then token balance)."""
         return [list(s) for s in self._assign(tuple(metas))[0]]
@@ -298,7 +302,7 @@ class Planner:
         total_n = len(metas)
         if total_n == 0:
             return [() for _ in range(n)], [0] * n, 0, 0, 0, 0
-        if total_n < self.vectorize_from or total_n >= _MAX_EXACT_COUNT:
+        if not self._vectorized(total_n):
             return self._assign_small(metas, group_sizes)
         index = self._layout_index()
         # lay the trajectories out unit after unit: units are the slices [starts[i], stops[i]) of `lay`
@@ -370,42 +374,29 @@ class Planner:
         w_sorted = weights[order].tolist()
         for i, wn, h in zip(order.tolist(), map(operator.mul, w_sorted, repeat(n)), home[order].tolist()):
             heap = local_heaps[h]
-            if heap is not None:
+            e = r = 0
+            if heap is not None:  # the least-loaded consumer on the unit's home node
                 e = heap[0]
                 r = e % n
                 while keys[r] != e:  # stale (below the rank's key): raise it to the key
                     replace(heap, keys[r])
                     e = heap[0]
                     r = e % n
-                # the overall least-loaded consumer only matters when this one is loaded and over the cap
-                if e + wn >= over and e >= n:
-                    ea = heap_all[0]
-                    ra = ea % n
-                    while keys[ra] != ea:
-                        replace(heap_all, keys[ra])
-                        ea = heap_all[0]
-                        ra = ea % n
-                    if ea < e - r:  # less loaded: to the least-loaded consumer overall (on another node)
-                        ea += wn
-                        keys[ra] = ea
-                        unit_rank[i] = ra
-                        replace(heap_all, ea)
-                        continue
-                e += wn
-                keys[r] = e
-                unit_rank[i] = r
-                replace(heap, e)
-            else:
+            # the overall least-loaded consumer only matters without a local one, or when the local one is
+            # loaded and would go over the cap
+            if heap is None or (e + wn >= over and e >= n):
                 ea = heap_all[0]
                 ra = ea % n
                 while keys[ra] != ea:
                     replace(heap_all, keys[ra])
                     ea = heap_all[0]
                     ra = ea % n
-                ea += wn
-                keys[ra] = ea
-                unit_rank[i] = ra
-                replace(heap_all, ea)
+                if heap is None or ea < e - r:  # less loaded: to the least-loaded consumer overall
+                    heap, e, r = heap_all, ea, ra
+            e += wn
+            keys[r] = e
+            unit_rank[i] = r
+            replace(heap, e)  # the chosen rank's entry is that heap's top
         loads = list(map(operator.floordiv, keys, repeat(n)))
         ranks = np.array(unit_rank, dtype=np.int64)
         unit_node = index.node_code[ranks]
@@ -617,7 +608,7 @@ class Planner:
 
     def _plan(self, admitted: AdmittedLike, loss_tokens: Mapping[str, int] | None) -> MiniBatchPlan:
         metas = tuple(admitted.trajectories)
-        columns = _packed_columns(metas) if self.vectorize_from <= len(metas) < _MAX_EXACT_COUNT else None
+        columns = _packed_columns(metas) if self._vectorized(len(metas)) else None
         dup = _duplicate_id(metas, columns[3] if columns is not None else None)
         if dup is not None:
             raise ValidationError("appears twice in one admitted mini-batch", trajectory_id=dup, field="id")
@@ -843,6 +834,16 @@ def _duplicate_id(metas: Sequence[TrajectoryMeta], id_hash: Any) -> str | None:
     return next(i for i in ids if counts[i] > 1)
 
 
+def _pair_key(major: Any, majors: int, minor: Any) -> Any:
+    """The int64 key ``major * span + (minor - min(minor))`` that sorts as the pairs ``(major, minor)`` do, for
+    ``0 <= major < majors``; ``None`` when it would not fit int64."""
+    low = int(minor.min())
+    span = int(minor.max()) - low + 1
+    if majors * span >= _INT64_SAFE:
+        return None
+    return major * span + (minor - low)
+
+
 def _unit_order(weights: Any, first_seqs: Any, lay: Sequence[TrajectoryMeta], starts: Any) -> Any:
     """Unit indices (an array) in ``(-weight, seq, id, index)`` order (``seq`` and ``id`` of the first trajectory).
 
@@ -852,10 +853,9 @@ def _unit_order(weights: Any, first_seqs: Any, lay: Sequence[TrajectoryMeta], st
     n_units = len(weights)
     if n_units < 2:
         return np.arange(n_units)
-    w_max, s_min = int(weights.max()), int(first_seqs.min())
-    span = int(first_seqs.max()) - s_min + 1
-    if (w_max - int(weights.min()) + 1) * span < _INT64_SAFE:
-        key = (w_max - weights) * span + (first_seqs - s_min)
+    w_max = int(weights.max())
+    key = _pair_key(w_max - weights, w_max - int(weights.min()) + 1, first_seqs)
+    if key is not None:
         perm = np.argsort(key)
         ks = key[perm]
         if not (ks[1:] == ks[:-1]).any():
@@ -881,11 +881,10 @@ def _unit_shares(lay: tuple[TrajectoryMeta, ...], seqs: Any, starts: Any, sizes:
         return None
     first = seqs[starts]
     last = seqs[starts + sizes - 1]
-    s_min = int(first.min())
-    span = int(first.max()) - s_min + 1
-    if n * span >= _INT64_SAFE:  # pragma: no cover - seqs span more than 2**62 / ranks
+    key = _pair_key(unit_rank, n, first)
+    if key is None:  # pragma: no cover - seqs span more than 2**62 / ranks
         return None
-    by_rank = np.argsort(unit_rank * span + (first - s_min))  # units by (rank, first seq)
+    by_rank = np.argsort(key)  # units by (rank, first seq)
     r = unit_rank[by_rank]
     same = r[1:] == r[:-1]
     interleaved = set(r[1:][same & (last[by_rank[:-1]] >= first[by_rank[1:]])].tolist())
@@ -909,10 +908,8 @@ def _shares(lay: Sequence[TrajectoryMeta], seqs: Any, traj_rank: Any, n: int) ->
 
     One numpy sort of all trajectories by ``(rank, seq)``; equal ``seq`` s on one rank (rare) then by id.
     """
-    s_min = int(seqs.min())
-    span = int(seqs.max()) - s_min + 1
-    if n * span < _INT64_SAFE:
-        key = traj_rank * span + (seqs - s_min)
+    key = _pair_key(traj_rank, n, seqs)
+    if key is not None:
         perm = np.argsort(key)
         ks = key[perm]
         ties = np.flatnonzero(ks[1:] == ks[:-1])
