@@ -40,8 +40,10 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from knitdata.collate import MicroBatchInfo
+from knitdata.control.plane import LEASE_TTL_S
 from knitdata.engines.base import Engine
-from knitdata.errors import ConfigError, DataTimeoutError, EngineError, StateError
+from knitdata.errors import ConfigError, DataTimeoutError, EngineError, FencedError, StateError
+from knitdata.handoff import ConsumerLease
 
 if TYPE_CHECKING:  # pragma: no cover
     from knitdata.collate import MicroBatch
@@ -53,7 +55,8 @@ __all__ = ["TrajectoryDataset", "FETCH_MODES", "STATE_FORMAT", "find_states"]
 FETCH_MODES: tuple[str, ...] = ("sample", "eager", "iter")
 #: ``format`` of a :class:`TrajectoryDataset` state.
 STATE_FORMAT = "knitdata.TrajectoryDataset"
-_STATE_VERSION = 2
+_STATE_VERSION = 3
+_OLD_STATE_VERSIONS = (2,)  # read too (no fingerprint: a refill cannot be checked against them)
 _POLL_S = 1.0
 
 
@@ -148,9 +151,11 @@ class TrajectoryDataset(IterableDataset):
         self._next: int | None = None  # next j of this (worker's) iteration; None: the rank's committed position
         self._worker = (0, 1)
         self._pos: tuple[int, int] | None = None  # (minibatch, microbatch) after the last handed out
+        self._fp: tuple[int, str] | None = None  # (length, fingerprint) of the rank's prefix the position covers
         self._end_step: int | None = None
         self._epoch = 0
         self._handed_out = 0
+        self._cap: int | None = None  # release="step" never releases past the last state taken or loaded
         self._active: weakref.ref[_ConsumerIterator] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -192,11 +197,8 @@ class TrajectoryDataset(IterableDataset):
             if self._next is not None and self._worker != (w, nw):
                 raise StateError(f"state of worker {self._worker[0]} of {self._worker[1]} loaded into worker {w} of "
                                  f"{nw}: resume with the same num_workers")
-            if self._next is None:
-                base = int(self.engine.control.start_position(self.rank))
-                self._next = base + ((w - base) % nw)
             self._worker = (w, nw)
-            it = _ConsumerIterator(self, self._next, w, nw)
+            it = _ConsumerIterator(self, w, nw)  # takes the lease (fencing an older iterator), then the position
             self._active = weakref.ref(it)
         return it
 
@@ -245,22 +247,32 @@ class TrajectoryDataset(IterableDataset):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serializable position after the last micro-batch handed out (constant size)."""
+        """JSON-serializable position after the last micro-batch handed out (constant size).
+
+        It holds a fingerprint of the rank's micro-batches up to there, so that a new job refilled with other puts
+        (or the same in another order) refuses it instead of delivering twice or skipping. With ``release="step"``
+        the automatic release at the start of each mini-batch never goes past the last state taken (or loaded):
+        a job can always roll back to the last state it saved.
+        """
         with self._lock:
             w, nw = self._worker
             if self._next is None:
                 wi = get_worker_info()
                 w, nw = (wi.id, wi.num_workers) if wi is not None else (0, 1)
-            nxt = self._next
+            nxt, fp = self._next, self._fp
             if nxt is None:
-                base = int(self.engine.control.start_position(self.rank))
+                ans = self.engine.control.start_point(self.rank)
+                base = int(ans["next"])
                 nxt = base + ((w - base) % nw)
+                fp = None if ans.get("fp") is None else (base, str(ans["fp"]))
             mb, micro = self._pos if self._pos is not None else (None, None)
+            self._cap = nxt
             return {
                 "format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name, "rank": self.rank,
                 "num_consumers": self.engine.num_consumers, "worker": w, "num_workers": nw, "next": nxt,
                 "minibatch": mb, "microbatch": micro, "end_minibatch": self._end_step, "epoch": self._epoch,
                 "handed_out": self._handed_out,
+                "fingerprint": None if fp is None else fp[1], "fingerprint_length": None if fp is None else fp[0],
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -271,7 +283,7 @@ class TrajectoryDataset(IterableDataset):
         """
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise StateError(f"not a {STATE_FORMAT} state: {state!r:.200}")
-        if state.get("version") != _STATE_VERSION:
+        if state.get("version") != _STATE_VERSION and state.get("version") not in _OLD_STATE_VERSIONS:
             raise StateError(f"unsupported state version {state.get('version')!r}; expected {_STATE_VERSION}")
         if state.get("rank") != self.rank or state.get("num_consumers") != self.engine.num_consumers:
             raise StateError(
@@ -283,29 +295,38 @@ class TrajectoryDataset(IterableDataset):
         pos = None if mb is None or micro is None else (mb, micro)
         if not w < nw:
             raise StateError(f"bad position in state: worker {w} of {nw}")
+        fp_len, fp = _count(state, "fingerprint_length", optional=True), state.get("fingerprint")
+        if fp is not None and (not isinstance(fp, str) or fp_len is None or fp_len > nxt):
+            raise StateError(f"bad {STATE_FORMAT} state: fingerprint {fp!r:.40} of length {fp_len!r}")
+        if fp is not None and fp_len is not None:
+            where = (f"after mini-batch {mb} micro-batch {micro - 1}" if pos is not None and micro
+                     else f"before mini-batch {mb}" if pos is not None else f"at micro-batch {nxt}")
+            self.engine.control.verify(self.rank, fp_len, fp, where)
         with self._lock:
             self._close_active()
             self._next, self._worker, self._end_step, self._pos = nxt, (w, nw), end, pos
+            self._fp = None if fp is None or fp_len is None else (fp_len, fp)
             self._epoch, self._handed_out = epoch, handed
+            self._cap = nxt
         if nw == 1:
             self.engine.control.seek(self.rank, nxt)
 
-    def commit(self, state: Mapping[str, Any] | None = None, *, wait: bool | None = None) -> int | None:
+    def commit(self, state: Mapping[str, Any] | None = None, *, wait: bool = False) -> int | None:
         """Commit a position: this rank's payloads before it are released from storage.
 
         Call it right after saving ``state_dict()`` (or the ``StatefulDataLoader``'s state) durably: a restore may
         go back to any committed-or-later state, never before. With ``release="step"`` a commit also happens
-        whenever the rank's iterator starts its next mini-batch.
+        whenever the rank's iterator starts its next mini-batch, up to the last state taken or loaded at most.
 
         Args:
             state: A state from :meth:`state_dict`, or a ``StatefulDataLoader`` state holding one per worker;
                 default: this dataset's current position.
-            wait: Wait for the control plane to apply it and return the count. Default: on the embedded engine
-                (a function call); on the Ray engine the commit is sent without waiting, off the trainer's path
-                (safe: a commit that never arrives only keeps payloads longer; a restore commits again).
+            wait: Wait for the control plane to apply it and return the count. By default the commit is queued
+                for this process's background sender, off the trainer's thread (safe: a commit that never arrives
+                only keeps payloads longer; a restore commits again).
 
         Returns:
-            How many micro-batches were released by this call, or ``None`` when it was sent without waiting.
+            How many micro-batches were released by this call, or ``None`` when it was queued without waiting.
 
         Raises:
             StateError: ``state`` holds no state of this rank.
@@ -324,37 +345,32 @@ class TrajectoryDataset(IterableDataset):
         upto = min(nexts.values())
         if len(nexts) < nw:
             upto = max(0, upto - (nw - 1))
-        if wait is None:
-            wait = self.engine.kind == "embedded"
+        sender = self.engine.sender
         if not wait:
-            self.engine.control.commit_async(self.rank, upto)
+            sender.commit(self.rank, upto)
             return None
+        sender.flush()
         return int(self.engine.control.commit(self.rank, upto))
 
-    # ------------------------------------------------------------------ internals
-    def _handed(self, it: _ConsumerIterator, entry: Mapping[str, Any]) -> bool:
-        """Record ``entry`` as handed out by ``it``; ``False`` if ``it`` was closed meanwhile (not handed)."""
-        with self._lock:
-            if it.done:
-                return False
-            j, mb, micro = entry["j"], entry["minibatch"], entry["microbatch"]
-            nw = self._worker[1]
-            self._next = j + nw
-            last = entry["info"]["is_last"]
-            self._pos = (mb + 1, 0) if last else (mb, micro + 1)
-            self._handed_out += 1
-        self.engine.control.handed(self.rank, j, mb, micro, nw == 1)
-        return True
+    def flush(self) -> None:
+        """Send this process's queued hand-out records and commits to the control plane now, and wait for it.
 
+        They are sent on their own (off the trainer's thread) at the end of each mini-batch, after a commit and
+        every half second; call this before reading the control plane's view of this rank (``Pipeline.stats()``,
+        unit memory) in a test or a report.
+        """
+        self.engine.sender.flush()
+
+    # ------------------------------------------------------------------ internals
     def _ended(self, it: _ConsumerIterator, natural: bool) -> None:
         with self._lock:
             if self._active is not None and self._active() is it:
                 self._active = None
                 self._end_step = None
             commit = natural and self.engine.release == "step" and self._worker[1] == 1 and self._next is not None
-            upto = self._next
+            upto = self._next if self._cap is None or self._next is None else min(self._next, self._cap)
         if commit and upto is not None:
-            self.engine.control.commit(self.rank, upto)  # a finished pass is at a mini-batch boundary
+            self.engine.sender.commit(self.rank, upto)  # a finished pass is at a mini-batch boundary
 
     def __repr__(self) -> str:
         return (f"TrajectoryDataset(rank={self.rank}, fetch={self.fetch!r}, next={self._next}, "
@@ -364,25 +380,34 @@ class TrajectoryDataset(IterableDataset):
 class _ConsumerIterator(Iterator["MicroBatch"]):
     """One pass over a consumer's (worker's) micro-batches; records each one as it is handed out.
 
-    The producing generator (run on the prefetch thread in ``iter`` mode) holds neither this iterator nor the
-    dataset, so an abandoned iterator is collected and its ``__del__`` stops the thread and ends the lease.
+    It holds the (rank, worker) lease (:class:`~knitdata.handoff.ConsumerLease`): taking it fences an older
+    iterator of the rank, and the position starts after the last micro-batch that one handed out. ``__next__``
+    takes the next micro-batch (in ``iter`` mode from the prefetch queue) and records it in the lease; the
+    process's :class:`~knitdata.handoff.ControlSender` tells the control plane. The producing generator (run on
+    the prefetch thread in ``iter`` mode) holds neither this iterator nor the dataset, so an abandoned iterator is
+    collected and its ``__del__`` stops the thread and ends the lease.
     """
 
-    def __init__(self, ds: TrajectoryDataset, j: int, worker: int, num_workers: int) -> None:
+    def __init__(self, ds: TrajectoryDataset, worker: int, num_workers: int) -> None:
         self._ds = ds
         self._stop = threading.Event()
         self._done = False
-        self._token = uuid.uuid4().hex
         self._worker = worker
+        self._nw = num_workers
         self._inner: Iterator[tuple[dict[str, Any], Any]] | None = None
-        control = ds.engine.control
-        control.lease(ds.rank, worker, self._token, 0.0 if ds.engine.kind == "embedded" else 12.0)
-        self._control = control
         self._rank = ds.rank
+        self._control = ds.engine.control
+        self._lease, ans = ds.engine.sender.acquire(ds.rank, worker, uuid.uuid4().hex, wait_s=LEASE_TTL_S + 5.0)
+        if ds._next is None:  # after the last micro-batch handed out to the rank (by the iterator fenced, too)
+            base = int(ans["next"])
+            ds._next = base + ((worker - base) % num_workers)
+            ds._fp = None if ans.get("fp") is None else (base, str(ans["fp"]))
+        self._lease.send_each = ds.engine.release == "handout"
+        self._auto = ds.engine.release == "step" and num_workers == 1
         end_box = [ds._end_step]
         self._end_box = end_box
-        source = _produce(ds.engine, ds.rank, ds.fetch, ds.collate, ds.media_collator, ds.metrics, self._stop, j,
-                          num_workers, worker, self._token, ds.max_minibatches, end_box, ds.timeout)
+        source = _produce(ds.engine, ds.rank, ds.fetch, ds.collate, ds.media_collator, ds.metrics, self._stop,
+                          ds._next, num_workers, self._lease, ds.max_minibatches, end_box, ds.timeout)
         if ds.fetch == "iter":
             from knitdata.prefetch import Prefetcher
 
@@ -391,11 +416,12 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             self._inner = source
 
     def __next__(self) -> MicroBatch:
-        if self._done or self._inner is None:
+        inner = self._inner
+        if self._done or inner is None:
             raise StopIteration
         t0 = time.perf_counter()
         try:
-            entry, mb = next(self._inner)
+            entry, mb = next(inner)
         except StopIteration:
             self._finish()
             raise
@@ -404,14 +430,36 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
                 raise StopIteration from None
             self.close()
             raise
-        wait = time.perf_counter() - t0
+        t1 = time.perf_counter()
         ds = self._ds
+        info = entry["info"]
+        j, last = entry["j"], info["is_last"]
+        with ds._lock:
+            if self._done:  # closed by another thread while this item was prepared: not handed out
+                raise StopIteration
+            fenced = self._record(ds, entry, j, last)
+        if fenced is not None:
+            self.close()  # a newer iterator holds the rank: nothing more from this one
+            raise fenced
+        data_wait = getattr(inner, "last_wait_s", t1 - t0)
+        ds.metrics.record_wait(time.perf_counter() - t0, is_last=last, empty=not entry["items"], data_wait=data_wait)
+        return mb
+
+    def _record(self, ds: TrajectoryDataset, entry: Mapping[str, Any], j: int, last: bool) -> FencedError | None:
+        """Record ``entry`` as handed out (in the lease and the dataset's position); the error if fenced."""
+        try:
+            auto = 0 if not self._auto else j if ds._cap is None else min(j, ds._cap)
+            self._lease.hand_out(j, entry["minibatch"], entry["microbatch"], auto, last)
+        except FencedError as e:
+            return e
+        ds._next = j + self._nw
+        ds._pos = (entry["minibatch"] + 1, 0) if last else (entry["minibatch"], entry["microbatch"] + 1)
+        if entry.get("fp") is not None:
+            ds._fp = (j + 1, entry["fp"])
+        ds._handed_out += 1
         if ds._end_step is None and self._end_box[0] is not None:
             ds._end_step = self._end_box[0]
-        if not ds._handed(self, entry):
-            raise StopIteration  # closed by another thread while this item was prepared: not handed out
-        ds.metrics.record_wait(wait, is_last=entry["info"]["is_last"], empty=not entry["items"])
-        return mb
+        return None
 
     @property
     def done(self) -> bool:
@@ -419,8 +467,8 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         return self._done
 
     def _finish(self) -> None:
-        self.close()
         self._ds._ended(self, natural=True)
+        self.close()
 
     def close(self) -> None:
         """Stop producing; items prepared but not handed out are dropped (they were not handed out)."""
@@ -435,10 +483,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
                 close()
             except ValueError:  # a generator running on another thread: it sees the stop flag instead
                 pass
-        try:
-            self._control.unlease(self._rank, self._worker, self._token)
-        except Exception:  # noqa: BLE001 - the control plane is gone (shutdown): nothing to end
-            pass
+        self._lease.end()  # its last records, then the lease goes
         try:
             self._control.report_consumer(self._rank, self._ds.metrics.to_dict())
             flush = getattr(self._ds.engine, "flush_meter", None)
@@ -454,7 +499,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             pass
 
 
-def _wait_entries(control: Any, rank: int, j: int, stop: threading.Event, token: str, worker: int,
+def _wait_entries(control: Any, rank: int, j: int, stop: threading.Event, lease: ConsumerLease,
                   timeout: float | None) -> list[dict[str, Any]] | None:
     """Entries from ``j`` to the end of its mini-batch; ``None`` at the end of the stream (or when stopped)."""
     t0 = time.monotonic()
@@ -470,7 +515,11 @@ def _wait_entries(control: Any, rank: int, j: int, stop: threading.Event, token:
                     f"waiting for: {control.missing()}. Check that producers are alive and put every member of each "
                     "group (withdraw() a group whose member was refused), or raise the dataset's timeout")
             wait = min(wait, left)
-        ans = control.next_entries(rank, j, wait, token, worker)
+        try:
+            ans = control.next_entries(rank, j, wait, lease.token, lease.worker)
+        except FencedError as e:
+            lease.fence("a newer iterator", str(e))  # nothing prefetched is handed out any more
+            raise
         if "entries" in ans:
             return list(ans["entries"])
         if ans.get("end"):
@@ -488,7 +537,7 @@ def _bytes(items: Sequence[Sequence[Any]], local_units: frozenset[str]) -> tuple
 
 
 def _produce(engine: Engine, rank: int, fetch: str, collate: Callable[..., Any], media_collator: Callable[..., Any] | None,
-             metrics: ConsumerMetrics, stop: threading.Event, j: int, nw: int, worker: int, token: str,
+             metrics: ConsumerMetrics, stop: threading.Event, j: int, nw: int, lease: ConsumerLease,
              max_minibatches: int | None, end_box: list[int | None], timeout: float | None,
              ) -> Iterator[tuple[dict[str, Any], Any]]:
     """Fetch and collate micro-batches ``j, j + nw, ...`` of ``rank`` in plan order."""
@@ -501,7 +550,7 @@ def _produce(engine: Engine, rank: int, fetch: str, collate: Callable[..., Any],
     while True:
         if j not in cache:
             cache.clear()
-            entries = _wait_entries(control, rank, j, stop, token, worker, timeout)
+            entries = _wait_entries(control, rank, j, stop, lease, timeout)
             if entries is None:
                 return
             for e in entries:

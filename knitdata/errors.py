@@ -19,6 +19,7 @@ __all__ = [
     "StateError",
     "EngineError",
     "PipelineClosedError",
+    "FencedError",
     "DataTimeoutError",
     "IncompleteStreamError",
     "TrajectoryLostError",
@@ -95,6 +96,13 @@ class EngineError(KnitdataError, RuntimeError):
 
 class PipelineClosedError(EngineError):
     """The pipeline was closed (end of stream) or stopped after an admission error: no more puts."""
+
+
+class FencedError(EngineError):
+    """A newer iterator took this consumer's rank (and worker) over while this one was alive: this one stops.
+
+    Its micro-batches not yet handed out go to the newer holder; nothing is delivered twice.
+    """
 
 
 class DataTimeoutError(KnitdataError, TimeoutError):

@@ -46,12 +46,14 @@ class ConsumerMetrics:
         """Zero every counter and series."""
         with self._lock:
             self._wait: deque[float] = deque(maxlen=self.window)
+            self._data_wait: deque[float] = deque(maxlen=self.window)
             self._step_wait: deque[float] = deque(maxlen=self.window)
             self._fetch: deque[float] = deque(maxlen=self.window)
             self._cur_step = 0.0
             self.microbatches = 0
             self.empty_microbatches = 0
             self.wait_s_total = 0.0
+            self.data_wait_s_total = 0.0
             self.fetch_s_total = 0.0
             self.bytes_fetched = 0
             self.local_bytes = 0
@@ -59,17 +61,28 @@ class ConsumerMetrics:
             self.requests = 0
             self.trajectories = 0
 
-    def record_wait(self, seconds: float, *, is_last: bool, empty: bool = False) -> None:
-        """The trainer spent ``seconds`` inside ``next()`` for one micro-batch (``is_last``: end of a step)."""
-        with self._lock:
-            self._wait.append(seconds)
-            self.wait_s_total += seconds
-            self.microbatches += 1
-            self.empty_microbatches += int(empty)
-            self._cur_step += seconds
-            if is_last:
-                self._step_wait.append(self._cur_step)
-                self._cur_step = 0.0
+    def record_wait(self, seconds: float, *, is_last: bool, empty: bool = False, data_wait: float | None = None) -> None:
+        """The trainer spent ``seconds`` inside ``next()`` for one micro-batch (``is_last``: end of a step).
+
+        Called on the trainer's thread only (one per rank and process), without a lock: the hot path takes none.
+
+        Args:
+            seconds: Time inside ``next()``.
+            is_last: The micro-batch ends its mini-batch (a step).
+            empty: The micro-batch holds no trajectory.
+            data_wait: Of ``seconds``, the time blocked until the micro-batch was ready (default: all of it).
+        """
+        dw = seconds if data_wait is None else data_wait
+        self._wait.append(seconds)
+        self._data_wait.append(dw)
+        self.wait_s_total += seconds
+        self.data_wait_s_total += dw
+        self.microbatches += 1
+        self.empty_microbatches += int(empty)
+        self._cur_step += seconds
+        if is_last:
+            self._step_wait.append(self._cur_step)
+            self._cur_step = 0.0
 
     def record_fetch(self, seconds: float, *, nbytes: int, local_bytes: int, requests: int, trajectories: int) -> None:
         """One micro-batch (or share) fetch: latency, bytes, how many were local, storage requests."""
@@ -109,13 +122,15 @@ class ConsumerMetrics:
                 "empty_microbatches": self.empty_microbatches,
                 "trajectories": self.trajectories,
                 "wait_s_total": self.wait_s_total,
+                "data_wait_s_total": self.data_wait_s_total,
                 "fetch_s_total": self.fetch_s_total,
                 "bytes_fetched": self.bytes_fetched,
                 "local_bytes": self.local_bytes,
                 "remote_bytes": self.remote_bytes,
                 "requests": self.requests,
-                "wait_per_microbatch_s": summarize(self._wait),
-                "wait_per_step_s": summarize(self._step_wait),
+                "wait_per_microbatch_s": summarize(list(self._wait)),
+                "data_wait_per_microbatch_s": summarize(list(self._data_wait)),
+                "wait_per_step_s": summarize(list(self._step_wait)),
                 "fetch_latency_s": summarize(self._fetch),
             }
 

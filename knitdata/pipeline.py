@@ -342,7 +342,11 @@ class Pipeline:
         return int(self.stats_light()["version"])
 
     def stats_light(self) -> dict[str, Any]:
-        """The control plane's counters only (no unit or consumer round trips)."""
+        """The control plane's counters only (no unit or consumer round trips).
+
+        What this process's consumers queued for the control plane (hand-outs, commits, versions) is sent first.
+        """
+        self._engine.flush_reports()
         return dict(self._engine.control.stats())
 
     # ------------------------------------------------------------------ producer side
@@ -440,6 +444,7 @@ class Pipeline:
         except StoreFull as e:
             for i in rest:
                 plane.note_rejected(trajs[i].id, "store_full")
+            self._engine.flush_reports()  # this process's consumers' hand-outs and commits, for an exact answer
             holders = plane.holders(unit_id)
             more = f" (and {len(rest) - 1} more of this batch not yet stored)" if len(rest) > 1 else ""
             raise StoreFull(f"trajectory {trajs[k].id!r}{more} refused: storage unit {unit_id!r} is held by {holders}. "
@@ -556,14 +561,16 @@ class Pipeline:
         """The trainer reports its new policy version (after an optimizer step).
 
         Staleness of each trajectory handed out afterwards is measured against it; listeners added in this
-        process with :meth:`add_version_listener` are called (weight-sync timing hooks).
+        process with :meth:`add_version_listener` are called (weight-sync timing hooks). It is sent by this
+        process's background sender, after the hand-outs before it, off the trainer's thread. A version lower
+        than the last one is a rollback (a job restored from a checkpoint reports its version again): accepted.
 
         Raises:
-            ValidationError: A version lower than the last one reported, or not a non-negative int.
+            ValidationError: Not a non-negative int.
         """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValidationError(f"version must be a non-negative int, got {version!r}", field="version")
-        self._engine.control.report_version(version)
+        self._engine.sender.report_version(version)
         now = time.monotonic()
         with self._listeners_lock:
             listeners = list(self._version_listeners)

@@ -617,6 +617,8 @@ class Prefetcher(Iterator[T], Generic[T]):
             def transfer(item: Any, _d: torch.device = dev) -> tuple[Any, Any]:  # other accelerators: plain copy
                 return _move(item, _d, False), None
         self._state: Any = _snapshot(state_fn) if state_fn is not None else {}
+        #: Seconds the last ``__next__`` was blocked until its item was ready (or produced it itself).
+        self.last_wait_s = 0.0
         self._index = 0
         self._done = False
         self.inline_below_s = float(inline_below_s) if transfer is None else 0.0
@@ -638,6 +640,7 @@ class Prefetcher(Iterator[T], Generic[T]):
         t0 = time.perf_counter()
         entry: tuple | None = None
         steal = False
+        blocked = 0.0
         with cond:
             sh.in_next = True
             if self.inline_below_s > 0:
@@ -667,7 +670,9 @@ class Prefetcher(Iterator[T], Generic[T]):
                         self._done = True
                         raise StateError("the prefetch thread stopped (closed?); build a new Prefetcher")
                     sh.waiting = True
+                    tb = time.perf_counter()
                     cond.wait(_POLL_S)
+                    blocked += time.perf_counter() - tb
                     sh.waiting = False
             finally:
                 sh.waiting = False
@@ -678,10 +683,12 @@ class Prefetcher(Iterator[T], Generic[T]):
                     sh.left_at = time.perf_counter()
         if steal:
             last = True
+            tb = time.perf_counter()
             try:
                 entry, last = _make(sh, index)
                 self.stats.inline += not last
             finally:
+                blocked += time.perf_counter() - tb
                 with cond:
                     sh.producing = False
                     sh.index += 1
@@ -691,6 +698,7 @@ class Prefetcher(Iterator[T], Generic[T]):
                     sh.in_next = False
                     sh.left_at = time.perf_counter()
         assert entry is not None  # taken from the queue or made by _make above
+        self.last_wait_s = blocked
         kind, index, payload, snap, event = entry
         wait = time.perf_counter() - t0
         st = self.stats

@@ -328,6 +328,169 @@ def workers(engine: str, num_workers: int = 2, n_groups: int = 16, stop_after: i
     return {"before": before, "after": after}
 
 
+# --------------------------------------------------------------------------------------------- fencing
+@scenario
+def drain(engine: str, name: str, rank: int = 0, fetch: str = "iter") -> dict[str, Any]:
+    """Attach to the Ray pipeline ``name`` (from this process) and take every micro-batch of ``rank``."""
+    from knitdata import Pipeline
+
+    assert engine == "ray", "drain attaches by name (Ray engine)"
+    pipe = Pipeline.attach(name)
+    t0 = time.monotonic()
+    it = iter(pipe.dataset(rank, fetch=fetch))  # takes the rank over from a live older iterator
+    rows = _take(it, 1)
+    first_s = time.monotonic() - t0
+    rows += [_row(mb) for mb in it]
+    return {"rows": rows, "first_s": first_s}
+
+
+@scenario
+def fencing(engine: str, n_groups: int = 16, fetch: str = "iter") -> dict[str, Any]:
+    """A replaced-but-alive consumer is fenced: A takes one micro-batch of rank 0 and stalls; B (another process
+    on Ray, another dataset in this process on the embedded engine) takes rank 0 over and drains it; A's next
+    ``next()`` raises. Nothing is delivered twice or dropped."""
+    spec = spec_for(n_groups)
+    pipe = make_pipeline(engine, spec)
+    for t in workload(n_groups):
+        pipe.put(t)
+    pipe.close()
+    ref = None
+    if engine == "embedded":
+        ref_pipe = make_pipeline(engine, spec)
+        for t in workload(n_groups):
+            ref_pipe.put(t)
+        ref_pipe.close()
+        ref = [_row(mb) for mb in ref_pipe.dataset(0, fetch=fetch)]
+    a_it = iter(pipe.dataset(0, fetch=fetch))
+    a_taken = _take(a_it, 1)
+    time.sleep(0.5)  # A stalls (its threads stay alive)
+    t0 = time.monotonic()
+    if engine == "ray":
+        import subprocess
+
+        from knitdata import ray_address
+
+        cmd = [sys.executable, str(Path(__file__).resolve()), "drain", "--address", ray_address(), "--args",
+               json.dumps({"name": pipe.name, "fetch": fetch})]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        if p.returncode != 0 or not lines:
+            raise RuntimeError(f"B failed (rc {p.returncode}): {p.stderr[-3000:]}")
+        b = json.loads(lines[-1])
+    else:
+        b = {"rows": []}
+
+        def consume_b() -> None:
+            def take_all() -> None:
+                t1 = time.monotonic()
+                it = iter(pipe.dataset(0, fetch=fetch))
+                b["rows"].extend(_take(it, 1))
+                b["first_s"] = time.monotonic() - t1
+                b["rows"].extend(_row(mb) for mb in it)
+
+            b["error"] = _err(take_all)
+
+        th = threading.Thread(target=consume_b)
+        th.start()
+        th.join(120)
+    b_s = time.monotonic() - t0
+    a_after: list[Any] = []
+    a_error = _err(lambda: a_after.extend(_row(mb) for mb in a_it))
+    _shutdown(pipe)
+    return {"a_taken": a_taken, "a_after": a_after, "a_error": a_error, "b": b, "b_s": b_s, "ref": ref}
+
+
+# ---------------------------------------------------------------------------------------------- replays
+@scenario
+def replay(engine: str, n_groups: int = 16, save_after: int = 3, reorder: bool = True,
+           fetch: str = "iter") -> dict[str, Any]:
+    """A new job refilled with the puts of one train batch in another order than the run that saved the
+    state: refused with an error that names the rank; the same order resumes as before (control)."""
+    spec = spec_for(n_groups)
+    trajs = workload(n_groups)
+    pipe = make_pipeline(engine, spec)
+    for t in trajs:
+        pipe.put(t)
+    pipe.close()
+    ds = pipe.dataset(0, fetch=fetch)
+    it = iter(ds)
+    taken = _take(it, save_after)
+    state = json.loads(json.dumps(ds.state_dict()))
+    _close_iter(it)
+    ds.close()
+    _shutdown(pipe)
+    per_batch = len(trajs) // 2
+    refill = list(trajs)
+    if reorder:  # the first train batch's groups in reverse order (members stay in order)
+        gs = spec.group_size
+        first = [refill[i:i + gs] for i in range(0, per_batch, gs)]
+        refill[:per_batch] = [t for grp in reversed(first) for t in grp]
+    pipe2 = make_pipeline(engine, spec)
+    ds2 = pipe2.dataset(0, fetch=fetch)
+    ds2.load_state_dict(state)
+
+    def fill() -> None:
+        for t in refill:
+            pipe2.put(t)
+        pipe2.close()
+
+    rest: list[Any] = []
+    put_error = _err(fill)
+    error = _err(lambda: rest.extend(_row(mb) for mb in ds2))
+    _shutdown(pipe2)
+    return {"taken": taken, "rest": rest, "error": error, "put_error": put_error}
+
+
+# --------------------------------------------------------------------------------------------- rollback
+@scenario
+def rollback(engine: str, every: int = 3, crash_after: int = 8, fetch: str = "iter") -> dict[str, Any]:
+    """The documented loop with the default release: save (and commit) every ``every`` optimizer steps, crash
+    after ``crash_after`` steps, restore the last saved state in the running pipeline and finish, reporting
+    ``info.minibatch + 1`` as the version after each step."""
+    spec = spec_for(48, m=4, train_batches=3)
+    pipe = make_pipeline(engine, spec)
+    for t in workload(48):
+        pipe.put(t)
+    pipe.close()
+    ds = pipe.dataset(0, fetch=fetch)
+    taken: list[Any] = []
+    saved: dict[str, Any] | None = None
+    saved_at = 0
+    steps = 0
+    for mb in ds:
+        taken.append(_row(mb))
+        if mb.info.is_last:
+            steps += 1
+            pipe.report_version(mb.info.minibatch + 1)
+            if steps % every == 0:
+                saved = json.loads(json.dumps(ds.state_dict()))
+                ds.commit(saved)
+                saved_at = len(taken)
+            if steps == crash_after:
+                break
+    ds.close()  # the crash: the iterator is gone
+    assert saved is not None
+    ds2 = pipe.dataset(0, fetch=fetch)
+    ds2.load_state_dict(saved)
+    rest: list[Any] = []
+
+    def finish() -> None:
+        for mb in ds2:
+            rest.append(_row(mb))
+            if mb.info.is_last:
+                pipe.report_version(mb.info.minibatch + 1)
+
+    error = _err(finish)
+    ref_pipe = make_pipeline(engine, spec)
+    for t in workload(48):
+        ref_pipe.put(t)
+    ref_pipe.close()
+    ref = [_row(mb) for mb in ref_pipe.dataset(0, fetch=fetch)]
+    _shutdown(ref_pipe)
+    _shutdown(pipe)
+    return {"taken": taken, "saved_at": saved_at, "rest": rest, "error": error, "ref": ref}
+
+
 # ----------------------------------------------------------------------------------------------- main
 def run(name: str, **kwargs: Any) -> Any:
     """Run scenario ``name`` here (the embedded engine)."""

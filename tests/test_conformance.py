@@ -156,3 +156,50 @@ def test_ray_workers_split_in_plan_order_and_resume(fetch, request):
     res = run_on("ray", request, "workers", fetch=fetch)
     assert res["before"] == ref[: len(res["before"])]
     assert res["before"] + res["after"] == ref
+
+
+# ------------------------------------------------------------------------------------------------ fencing
+def _ids(rows: list[Any]) -> list[str]:
+    return [i for ids, _pos in rows for i in ids]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_replaced_but_alive_consumer_is_fenced(engine, request):
+    """Issue 23.2: A takes one micro-batch of rank 0 and stalls; B takes rank 0 over; A's next call raises an
+    error naming the rank and the newer holder; every micro-batch is delivered exactly once."""
+    res = run_on(engine, request, "fencing")
+    assert res["b"].get("error", ["no error"])[0] == "no error", res["b"]
+    a_ids, b_ids = _ids(res["a_taken"] + res["a_after"]), _ids(res["b"]["rows"])
+    assert res["a_after"] == [], "the fenced consumer got more micro-batches"
+    assert res["a_error"][0] == "FencedError", res["a_error"]
+    assert "rank 0" in res["a_error"][3] and "newer" in res["a_error"][3], res["a_error"]
+    both = a_ids + b_ids
+    assert len(both) == len(set(both)), "delivered twice"
+    assert len(both) == 32, "dropped"
+    if res["ref"] is not None:
+        assert res["a_taken"] + res["b"]["rows"] == res["ref"]
+    assert res["b"]["first_s"] < 5, "the newer holder waited for the lease"
+
+
+# ------------------------------------------------------------------------------------------------ replays
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_reordered_refill_is_refused(engine, request):
+    """Issue 23.3: a new job refilled in another order than the run that saved the state: an error naming the
+    rank and the mismatch, never a silent duplicate or skip."""
+    res = run_on(engine, request, "replay", reorder=True)
+    assert res["error"][0] == "StateError", res
+    assert "rank 0" in res["error"][3] and "order" in res["error"][3], res["error"]
+    ok = run_on(engine, request, "replay", reorder=False)
+    assert ok["error"][0] == "no error", ok["error"]
+    ids = _ids(ok["taken"] + ok["rest"])
+    assert len(ids) == len(set(ids)) == 32
+
+
+# ----------------------------------------------------------------------------------------------- rollback
+@pytest.mark.parametrize("engine", ENGINES)
+def test_rollback_to_the_last_saved_state_with_the_defaults(engine, request):
+    """Issues 23.4 and 23.5: save and commit every 3 steps with the default release, crash after step 8,
+    restore the step-6 state: the stream continues exactly there, and report_version accepts the rollback."""
+    res = run_on(engine, request, "rollback")
+    assert res["error"][0] == "no error", res["error"]
+    assert res["taken"][: res["saved_at"]] + res["rest"] == res["ref"]

@@ -7,6 +7,7 @@ import os
 import random
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from knitdata.admission import BatchSpec
 from knitdata.collate import MicroBatch, TokenCollator
-from knitdata.errors import ConfigError, EngineError, StateError
+from knitdata.errors import ConfigError, EngineError, FencedError, StateError
 from knitdata.pipeline import Pipeline
 from knitdata.placement import ConsumerLayout
 
@@ -243,9 +244,10 @@ def test_exactly_once_across_stop_and_resume_all_ranks(seed, num_consumers, num_
         ds.close()
     second = _fed(w.spec, w.trajs, layout=layout, token_budget=budget)
     for r in range(num_consumers):
-        _, ld = loader(second, r)
+        ds, ld = loader(second, r)
         ld.load_state_dict(states[r])
         delivered.extend(i for mb in ld for i in mb.info.trajectory_ids)
+        ds.commit(ld.state_dict())  # the documented loop: commit the state saved at the end
     assert sorted(delivered) == sorted(t.id for t in w.trajs)
     assert second.stats()["held_trajectories"] == 0
 
@@ -287,14 +289,23 @@ def test_break_and_continue_in_same_pipeline_loses_nothing(workload):
     assert not any(t.name == "knitdata-prefetch" for t in threading.enumerate())
 
 
-def test_one_live_iterator_per_rank(workload):
+@pytest.mark.parametrize("fetch", ["sample", "iter"])
+def test_a_newer_iterator_of_a_rank_fences_the_older_one(workload, fetch):
+    """One live iterator per rank: a newer one takes the rank over at once (the older one lets go within its
+    heartbeat); the older one's next call raises FencedError naming the rank; nothing twice, nothing lost."""
     pipe = _fed(workload.spec, workload.trajs, num_consumers=1)
-    a = iter(pipe.dataset(0, fetch="sample"))
-    next(a)
-    with pytest.raises(EngineError, match="already being iterated"):
-        iter(pipe.dataset(0, fetch="sample"))
-    a.close()
-    assert len(list(pipe.dataset(0, fetch="eager"))) > 0
+    ref = [micro_key(mb) for mb in _fed(workload.spec, workload.trajs, num_consumers=1).dataset(0, fetch=fetch)]
+    a = iter(pipe.dataset(0, fetch=fetch))
+    got = [micro_key(next(a))]
+    t0 = time.monotonic()
+    b = iter(pipe.dataset(0, fetch="eager"))
+    assert time.monotonic() - t0 < 2.0
+    with pytest.raises(FencedError, match="rank 0 .*newer"):
+        next(a)
+    with pytest.raises(StopIteration):  # fenced for good
+        next(a)
+    got += [micro_key(mb) for mb in b]
+    assert got == ref
 
 
 def test_iter_prefetch_crosses_minibatch_boundaries():

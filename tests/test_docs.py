@@ -180,8 +180,8 @@ def test_withdraw_on_refused_member_lets_the_train_batch_complete() -> None:
     assert pipe.stats()["rejected"] >= 1
 
 
-def test_same_process_resume_needs_the_old_iterator_closed() -> None:
-    """Checkpoint and resume, case 1: a second live iterator of a rank is refused until ``ds.close()``."""
+def test_same_process_resume_fences_the_old_iterator() -> None:
+    """Checkpoint and resume, case 1: a second live iterator of a rank takes it over; the old one is fenced."""
     spec = knitdata.BatchSpec({"math": 2, "code": 2}, num_minibatches=2, group_size=2)
     pipe = knitdata.Pipeline(spec, num_consumers=1, token_budget=8)   # one trajectory per micro-batch
     try:
@@ -195,11 +195,12 @@ def test_same_process_resume_needs_the_old_iterator_closed() -> None:
     first = [next(it).info.trajectory_ids for _ in range(3)]  # type: ignore[union-attr]
     state = ds.state_dict()
     ds2 = pipe.dataset(0, fetch="iter", timeout=30)
-    with pytest.raises(knitdata.EngineError, match="already being iterated"):
-        next(iter(ds2))
-    ds.close()
     ds2.load_state_dict(state)
-    rest = [mb.info.trajectory_ids for mb in ds2]  # type: ignore[union-attr]
+    it2 = iter(ds2)  # takes rank 0 over: the old iterator lets go
+    with pytest.raises(knitdata.FencedError, match="rank 0"):
+        next(it)
+    ds.close()
+    rest = [mb.info.trajectory_ids for mb in it2]  # type: ignore[union-attr]
     ids = [i for ids in first + rest for i in ids]
     assert sorted(ids) == sorted(f"g{g}-{k}" for g in range(4) for k in range(2)) and len(ids) == 8
     del it

@@ -49,7 +49,7 @@ __all__ = ["Journal", "JOURNALED_OPS", "SNAPSHOT_SUFFIX", "RecoveryPlan", "recov
 #: The control-plane methods whose calls are journaled (every call that can change its state).
 JOURNALED_OPS: frozenset[str] = frozenset({
     "admit_many", "admit_batches", "reserve", "reserve_many", "unreserve", "offer", "offer_many", "set_in_flight", "withdraw", "report_version",
-    "close", "handed", "commit", "seek",
+    "close", "handed", "handed_many", "commit", "seek", "verify",
 })
 #: The snapshot of a journal at ``path`` is ``path + SNAPSHOT_SUFFIX``.
 SNAPSHOT_SUFFIX = ".snapshot"

@@ -33,11 +33,13 @@ committed-or-later position receives exactly the entries after it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 import time
 import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
@@ -47,6 +49,7 @@ from knitdata.errors import (
     CodecError,
     ConfigError,
     EngineError,
+    FencedError,
     FieldTypeError,
     IncompleteStreamError,
     KnitdataError,
@@ -60,7 +63,7 @@ from knitdata.placement import ConsumerLayout, make_placement
 from knitdata.planner import MiniBatchPlan, Planner
 from knitdata.record import TrajectoryMeta
 
-__all__ = ["ControlPlane", "RELEASE_MODES", "PLANE_DEFAULTS"]
+__all__ = ["ControlPlane", "RELEASE_MODES", "PLANE_DEFAULTS", "LEASE_TTL_S", "fenced_message", "entry_fingerprint"]
 
 #: When payloads leave storage (module docstring).
 RELEASE_MODES: tuple[str, ...] = ("step", "commit", "handout")
@@ -81,12 +84,46 @@ PLANE_DEFAULTS: dict[str, Any] = {
 DELIVERED_MEMORY = 1 << 16
 #: How many withdrawn group ids the plane remembers, to refuse late members.
 WITHDRAWN_MEMORY = 1 << 16
-#: Seconds after which an iterator lease that was not renewed may be taken over (a consumer process died).
-LEASE_TTL_S = 10.0
+#: Seconds after its last renewal after which an iterator's lease counts as expired: a newer iterator of the same
+#: rank (and worker) then takes it over without the old one's consent (a consumer process died or froze). A live
+#: consumer renews its lease every :data:`~knitdata.handoff.HEARTBEAT_S` from a background thread and gives it up
+#: at once when a newer iterator asks for it; it hands nothing out past its own, shorter, local deadline.
+LEASE_TTL_S = 3.0
+#: Prefix fingerprints of a rank's micro-batches kept below its committed position (states of DataLoader workers
+#: may lie up to ``num_workers - 1`` micro-batches below it).
+FP_KEEP = 64
+#: The fingerprint of an empty prefix.
+FP_EMPTY = "0" * 16
 #: How many released trajectory ids a snapshot keeps, to send their releases again after a recovery.
 RECENT_RELEASES = 8192
-#: The version of :meth:`ControlPlane.snapshot`'s format.
-SNAPSHOT_FORMAT = 1
+#: The version of :meth:`ControlPlane.snapshot`'s format (2 adds the replay fingerprints; 1 is still read).
+SNAPSHOT_FORMAT = 2
+
+
+@dataclass
+class _Lease:
+    """The live iterator of one (rank, worker): its token, epoch, who holds it, when it last renewed, and who asked
+    for it (a newer iterator waits for it to let go)."""
+
+    token: str
+    epoch: int
+    holder: str
+    renewed: float
+    fence_by: str | None = None
+
+
+def fenced_message(rank: int, worker: int, by: str) -> str:
+    """The message of :class:`~knitdata.errors.FencedError` for ``(rank, worker)`` taken over by ``by``."""
+    return (f"rank {rank} (worker {worker}) was taken over by a newer iterator ({by}) while this one was alive: this "
+            "iterator stops here, and the micro-batches it had not handed out go to the newer one (each rank has one "
+            "consumer; if this process was replaced, let it exit)")
+
+
+def entry_fingerprint(prev: str, minibatch: int, microbatch: int, metas: Iterable[TrajectoryMeta]) -> str:
+    """The fingerprint of a rank's prefix ending in one micro-batch: a 64-bit BLAKE2b digest chained over ``prev``
+    (the prefix before it), its position and each trajectory's id, source and group (hex)."""
+    text = "\x1e".join([prev, f"{minibatch}.{microbatch}", *(f"{m.id}\x1f{m.source}\x1f{m.group}" for m in metas)])
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
 def _journaled(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -186,7 +223,12 @@ class ControlPlane:
         self.planned = [0] * n  # entries appended per rank
         self.committed = [0] * n  # entries below are released
         self.position = [0] * n  # next entry of the rank's iterator (handed out below)
-        self.leases: dict[tuple[int, int], tuple[str, float]] = {}
+        self.leases: dict[tuple[int, int], _Lease] = {}
+        self.lease_epochs: dict[tuple[int, int], int] = {}
+        # replay fingerprints: the chained digest of each rank's micro-batches (ids, sources, groups, positions)
+        self.chain: list[str | None] = [FP_EMPTY] * n  # digest of the rank's planned prefix (None: unknown)
+        self.fps: list[dict[int, str | None]] = [{0: FP_EMPTY} for _ in range(n)]  # prefix length -> digest
+        self.verify_at: list[tuple[int, str, str] | None] = [None] * n  # pending check (length, digest, state)
         self.closed = False
         self.close_report: dict[str, Any] | None = None
         self.error: KnitdataError | None = None
@@ -197,7 +239,7 @@ class ControlPlane:
         self.transfer = TransferMeter()
         self.counts = {"puts": 0, "rejected": 0, "withdrawn": 0, "admitted_minibatches": 0,
                        "admitted_trajectories": 0, "planned_local_bytes": 0, "planned_remote_bytes": 0,
-                       "released": 0, "dropped_at_close": 0}
+                       "released": 0, "dropped_at_close": 0, "version_rollbacks": 0}
         self.rejected_by_cause: dict[str, int] = {}
         # releases sent lately ([unit, ids], oldest first; RECENT_RELEASES ids at most): a snapshot keeps them,
         # and a recovery from it sends them again, in case the coordinator died before they reached the units
@@ -313,6 +355,8 @@ class ControlPlane:
                 "staleness": list(self.staleness), "counts": dict(self.counts),
                 "rejected_by_cause": dict(self.rejected_by_cause),
                 "recent_releases": [[u, list(ids)] for u, ids in self.recent_releases],
+                "chains": list(self.chain), "fps": [[[k, v] for k, v in fps.items()] for fps in self.fps],
+                "verify_at": [None if v is None else list(v) for v in self.verify_at],
             }
 
     def load_snapshot(self, state: Mapping[str, Any]) -> None:
@@ -348,6 +392,7 @@ class ControlPlane:
             self.counts = d["counts"]
             self.rejected_by_cause = d["rejected_by_cause"]
             self.recent_releases = deque((u, ids) for u, ids in d["recent_releases"])
+            self.chain, self.fps, self.verify_at = d["chains"], d["fps"], d["verify_at"]
             self._recent_ids = sum(len(ids) for _u, ids in self.recent_releases)
             self.cond.notify_all()
 
@@ -668,13 +713,19 @@ class ControlPlane:
 
     @_journaled
     def report_version(self, version: int) -> None:
-        """The trainer's new policy version (staleness of what is handed out afterwards is measured against it)."""
+        """The trainer's new policy version (staleness of what is handed out afterwards is measured against it).
+
+        A version lower than the last one is a rollback (a job restored from a checkpoint): accepted and counted
+        (``version_rollbacks`` in :meth:`stats`).
+
+        Raises:
+            ValidationError: Not a non-negative int.
+        """
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise ValidationError(f"version must be a non-negative int, got {version!r}", field="version")
         with self.cond:
             if version < self.version:
-                raise ValidationError(f"version {version} is older than the last reported {self.version}",
-                                      field="version")
+                self.counts["version_rollbacks"] += 1  # a job restored from a checkpoint reports its version again
             self.version = version
             self.version_times.append(time.monotonic())
 
@@ -707,38 +758,107 @@ class ControlPlane:
             return dict(self.close_report)
 
     # ------------------------------------------------------------------------------------ consumer side
-    def lease(self, rank: int, worker: int, token: str, wait_s: float = 0.0) -> None:
-        """Register ``token`` as the one live iterator of ``(rank, worker)``.
+    def lease(self, rank: int, worker: int, token: str, wait_s: float = 0.0, holder: str = "") -> dict[str, Any]:
+        """Make ``token`` the one live iterator of ``(rank, worker)``, fencing an older one.
 
-        A lease not renewed (by :meth:`next_entries`) for :data:`LEASE_TTL_S` is taken over. ``wait_s``: how
-        long to wait for a live lease of another iterator to end or expire.
+        A live older holder is asked to give the lease up: it stops handing out, sends its last hand-out records
+        and lets go (within its heartbeat), or its lease expires :data:`LEASE_TTL_S` after its last renewal (its
+        renewals are refused once asked). Its later calls raise :class:`~knitdata.errors.FencedError`.
+
+        Args:
+            rank: The consumer.
+            worker: The DataLoader worker (0 without workers).
+            token: The new iterator's token.
+            wait_s: How long to wait for the older holder to let go or expire.
+            holder: Who asks (for messages), e.g. ``"host:pid"``.
+
+        Returns:
+            ``{"epoch": lease epoch, "ttl_s": LEASE_TTL_S, "next": where the rank's new iterator starts (after
+            the last micro-batch handed out), "fp": the fingerprint of the micro-batches before it (or None)}``.
 
         Raises:
-            EngineError: Another live iterator holds it.
+            EngineError: The older holder neither let go nor expired within ``wait_s``.
         """
         self._check_rank(rank)
+        key = (rank, worker)
         deadline = time.monotonic() + wait_s
         with self.cond:
             while True:
-                cur = self.leases.get((rank, worker))
+                cur = self.leases.get(key)
                 now = time.monotonic()
-                if cur is None or cur[0] == token or now - cur[1] > LEASE_TTL_S:
-                    self.leases[(rank, worker)] = (token, now)
-                    return
+                if cur is None or cur.token == token or now - cur.renewed > LEASE_TTL_S:
+                    if cur is None or cur.token != token:
+                        epoch = self.lease_epochs.get(key, 0) + 1
+                        self.lease_epochs[key] = epoch
+                        self.leases[key] = _Lease(token, epoch, holder or token[:8], now)
+                    else:
+                        cur.renewed = now
+                    lease = self.leases[key]
+                    p = self._start(rank)
+                    return {"epoch": lease.epoch, "ttl_s": LEASE_TTL_S, "next": p, "fp": self._fp(rank, p)}
+                if cur.fence_by is None:
+                    cur.fence_by = f"{holder or token[:8]} (lease epoch {self.lease_epochs.get(key, 0) + 1})"
+                    self.cond.notify_all()
                 if now >= deadline:
                     raise EngineError(
-                        f"rank {rank} (worker {worker}) is already being iterated by another live iterator; each rank "
-                        "has one consumer: finish or close() the other dataset/iterator first (a dataset's new iter() "
-                        "closes its own previous one)")
-                self.cond.wait(min(1.0, deadline - now))
+                        f"rank {rank} (worker {worker}) is held by a live iterator ({cur.holder}, lease epoch "
+                        f"{cur.epoch}) that did not give it up within {wait_s:.0f} s; each rank has one consumer: "
+                        "finish or close() the other dataset/iterator first")
+                self.cond.wait(min(0.05, deadline - now))
 
     def unlease(self, rank: int, worker: int, token: str) -> None:
-        """End the lease of ``token`` (its iterator finished or was closed)."""
+        """End the lease of ``token`` (its iterator finished, was closed, or let a newer one take over)."""
         with self.cond:
             cur = self.leases.get((rank, worker))
-            if cur is not None and cur[0] == token:
+            if cur is not None and cur.token == token:
                 del self.leases[(rank, worker)]
                 self.cond.notify_all()
+
+    def report(self, leases: Sequence[Sequence[Any]], commits: Sequence[Sequence[int]] = (),
+               version: int | None = None) -> dict[str, Any]:
+        """One consumer process's news, sent off the trainer's thread: hand-outs, lease renewals, commits, version.
+
+        Args:
+            leases: ``[rank, worker, token, records, release]`` per live iterator of the process: ``records`` are
+                ``[j, minibatch, microbatch, auto_upto]`` of the micro-batches it handed out since its last report
+                (applied as :meth:`handed_many` while ``token`` holds the lease, ignored otherwise), then the lease
+                is renewed, or ended when ``release`` is true.
+            commits: ``[rank, upto]`` pairs (as :meth:`commit`).
+            version: The trainer's new policy version (as :meth:`report_version`), applied last.
+
+        Returns:
+            ``{"fenced": [[rank, worker, token, newer holder], ...]}``: the iterators that must stop (a newer one
+            asked for their lease: they let go with ``release``; or it was taken over).
+        """
+        fenced: list[list[Any]] = []
+        with self.cond:
+            now = time.monotonic()
+            for rank, worker, token, records, release in leases:
+                self._check_rank(rank)
+                key = (rank, worker)
+                cur = self.leases.get(key)
+                if cur is None and not release:  # the plane restarted (leases are not journaled): held again
+                    epoch = self.lease_epochs.get(key, 0) + 1
+                    self.lease_epochs[key] = epoch
+                    cur = self.leases[key] = _Lease(str(token), epoch, str(token)[:8], now)
+                if cur is None or cur.token != token:
+                    by = "a newer iterator" if cur is None else f"{cur.holder} (lease epoch {cur.epoch})"
+                    fenced.append([rank, worker, token, by])
+                    continue
+                if records:
+                    self.handed_many(rank, records)
+                if release:
+                    del self.leases[key]
+                    self.cond.notify_all()
+                elif cur.fence_by is not None:
+                    fenced.append([rank, worker, token, cur.fence_by])
+                else:
+                    cur.renewed = now
+            for rank, upto in commits:
+                self.commit(rank, upto)
+            if version is not None:
+                self.report_version(version)
+        return {"fenced": fenced}
 
     def next_entries(self, rank: int, j: int, timeout_s: float, token: str | None = None,
                      worker: int = 0) -> dict[str, Any]:
@@ -749,16 +869,25 @@ class ControlPlane:
 
         Raises:
             StateError: Entry ``j`` was committed and released. IncompleteStreamError: The stream ended with
-                trajectories that were never admitted. The admission error that stopped the pipeline.
+                trajectories that were never admitted. FencedError: ``token`` no longer holds the lease of
+                ``(rank, worker)``. The admission error that stopped the pipeline.
         """
         self._check_rank(rank)
         deadline = time.monotonic() + timeout_s
+        key = (rank, worker)
         with self.cond:
             while True:
                 if token is not None:
-                    cur = self.leases.get((rank, worker))
-                    if cur is not None and cur[0] == token:
-                        self.leases[(rank, worker)] = (token, time.monotonic())
+                    cur = self.leases.get(key)
+                    if cur is None:  # the plane restarted (leases are not journaled): held again
+                        epoch = self.lease_epochs.get(key, 0) + 1
+                        self.lease_epochs[key] = epoch
+                        cur = self.leases[key] = _Lease(token, epoch, token[:8], time.monotonic())
+                    if cur.token != token or cur.fence_by is not None:
+                        by = (cur.fence_by if cur.token == token and cur.fence_by is not None
+                              else f"{cur.holder} (lease epoch {cur.epoch})")
+                        raise FencedError(fenced_message(rank, worker, by))
+                    cur.renewed = time.monotonic()
                 if self.error is not None:
                     raise self.error
                 if j < self.planned[rank]:
@@ -786,19 +915,39 @@ class ControlPlane:
 
     @_journaled
     def handed(self, rank: int, j: int, minibatch: int, microbatch: int, auto_commit: bool = True) -> None:
-        """Entry ``j`` of ``rank`` was handed out to the trainer (staleness; release per ``release``)."""
+        """Entry ``j`` of ``rank`` was handed out to the trainer (staleness; release per ``release``: with
+        ``"step"`` and ``auto_commit`` the entries before a mini-batch's first micro-batch are released)."""
         self._check_rank(rank)
         with self.cond:
-            e = self.queues[rank].get(j)
-            if e is not None:
-                v = self.version
-                self.staleness.extend([v - g for g in e["info"]["gen_versions"]])
-            if self.release_mode == "handout":
-                self._drop_entry(rank, j)
-            elif self.release_mode == "step" and auto_commit and microbatch == 0:
-                self._commit(rank, j)
-            if j + 1 > self.position[rank]:
-                self.position[rank] = j + 1
+            self._handed(rank, j, microbatch, j if auto_commit else 0)
+
+    @_journaled
+    def handed_many(self, rank: int, records: Sequence[Sequence[Any]]) -> None:
+        """:meth:`handed` for ``[j, minibatch, microbatch, auto_upto, version]`` records of ``rank``, in order.
+
+        ``auto_upto``: with ``release="step"``, when ``j`` starts a mini-batch, release the rank's entries below
+        ``min(j, auto_upto)`` (the consumer's last saved position caps it; ``0``: release nothing). ``version``: the
+        trainer's policy version when it took the micro-batch, as its process last reported it (``-1`` or absent:
+        the version last reported here); staleness is measured against it.
+        """
+        self._check_rank(rank)
+        with self.cond:
+            for rec in records:
+                j, microbatch, auto_upto = int(rec[0]), int(rec[2]), int(rec[3])
+                v = int(rec[4]) if len(rec) > 4 else -1
+                self._handed(rank, j, microbatch, min(j, auto_upto), v)
+
+    def _handed(self, rank: int, j: int, microbatch: int, auto_upto: int, version: int = -1) -> None:
+        e = self.queues[rank].get(j)
+        if e is not None:
+            v = version if version >= 0 else self.version
+            self.staleness.extend([v - g for g in e["info"]["gen_versions"]])
+        if self.release_mode == "handout":
+            self._drop_entry(rank, j)
+        elif self.release_mode == "step" and auto_upto > 0 and microbatch == 0:
+            self._commit(rank, auto_upto)
+        if j + 1 > self.position[rank]:
+            self.position[rank] = j + 1
 
     @_journaled
     def commit(self, rank: int, upto: int) -> int:
@@ -819,6 +968,38 @@ class ControlPlane:
             self._commit(rank, int(j))
             self.position[rank] = int(j)
 
+    @_journaled
+    def verify(self, rank: int, length: int, fp: str, where: str = "") -> None:
+        """Check that ``rank``'s first ``length`` micro-batches have the fingerprint ``fp`` (of a saved state).
+
+        Checked now when they are planned, else as soon as they are (a new job refilled after its consumers
+        loaded their states). A mismatch (the refill put other trajectories, sources or groups, or in another
+        order) raises :class:`~knitdata.errors.StateError` now, or stops the pipeline with it when found later,
+        so that nothing is delivered twice or skipped silently.
+
+        Args:
+            rank: The consumer.
+            length: How many of its micro-batches the fingerprint covers.
+            fp: The fingerprint, as in the state (:meth:`start_point`, the entries' ``fp``).
+            where: The state's position, for the message.
+
+        Raises:
+            StateError: The fingerprint differs, or it is older than what this plane keeps.
+        """
+        self._check_rank(rank)
+        length = int(length)
+        with self.cond:
+            if length > self.planned[rank]:
+                self.verify_at[rank] = (length, str(fp), str(where))
+                return
+            have = self._fp(rank, length)
+            if have is None:
+                if self.chain[rank] is None or length < self.committed[rank] - FP_KEEP:
+                    return  # unknown here (an old snapshot, or far below the committed position): not checkable
+                raise StateError(f"rank {rank}: no fingerprint of its first {length} micro-batches")
+            if have != fp:
+                raise StateError(self._mismatch_message(rank, length, where))
+
     def start_position(self, rank: int) -> int:
         """Where a new dataset of ``rank`` starts: after the last micro-batch handed out to the rank.
 
@@ -827,7 +1008,38 @@ class ControlPlane:
         """
         self._check_rank(rank)
         with self.cond:
-            return max(self.position[rank], self.committed[rank])
+            return self._start(rank)
+
+    def start_point(self, rank: int) -> dict[str, Any]:
+        """``{"next": start_position(rank), "fp": fingerprint of the micro-batches before it (None: unknown)}``."""
+        self._check_rank(rank)
+        with self.cond:
+            p = self._start(rank)
+            return {"next": p, "fp": self._fp(rank, p)}
+
+    def _start(self, rank: int) -> int:
+        return max(self.position[rank], self.committed[rank])
+
+    def _fp(self, rank: int, length: int) -> str | None:
+        """The fingerprint of ``rank``'s first ``length`` micro-batches, if known here."""
+        fp = self.fps[rank].get(length)
+        if fp is None and length > self.planned[rank]:
+            v = self.verify_at[rank]
+            if v is not None and v[0] == length:
+                return v[1]
+        return fp
+
+    def _mismatch_message(self, rank: int, length: int, where: str) -> str:
+        e = self.queues[rank].get(length - 1)
+        last = ""
+        if e is not None:
+            ids = [x[0] for x in e["items"]]
+            last = (f"; this pipeline planned mini-batch {e['minibatch']} micro-batch {e['microbatch']} there with "
+                    f"trajectories {ids[:8]}" + (" ..." if len(ids) > 8 else ""))
+        return (f"rank {rank}: the saved state ({where or f'after {length} micro-batches'}) was taken in a run whose "
+                f"first {length} micro-batches of rank {rank} differ from this pipeline's (other trajectory ids, "
+                f"sources or groups, or another order of puts){last}. A new job must be refilled with the same puts "
+                "in the same order as the run that saved the states; otherwise start it without loading them")
 
     def report_consumer(self, rank: int, stats: Mapping[str, Any]) -> None:
         """A consumer's metrics summary (:meth:`knitdata.metrics.ConsumerMetrics.to_dict`), for :meth:`stats`."""
@@ -963,6 +1175,7 @@ class ControlPlane:
             self._release_metas([self.live[tid] for tid, _u, _n in e["items"] if tid in self.live], delivered=True)
         while self.committed[rank] < self.planned[rank] and self.committed[rank] not in self.queues[rank]:
             self.committed[rank] += 1
+        self._prune_fps(rank)
 
     def _commit(self, rank: int, upto: int) -> int:
         top = min(upto, self.planned[rank])
@@ -974,9 +1187,30 @@ class ControlPlane:
         # positions past what is planned yet (a restore before the refill): released as they are planned
         if upto > self.committed[rank]:
             self.committed[rank] = upto
+        self._prune_fps(rank)
         if n:
             self.cond.notify_all()
         return n
+
+    def _prune_fps(self, rank: int) -> None:
+        """Forget the prefix fingerprints of ``rank`` far below its committed position (no state lies there)."""
+        fps = self.fps[rank]
+        floor = min(self.committed[rank], self.planned[rank]) - FP_KEEP
+        if fps and next(iter(fps)) < floor:  # lengths are inserted in increasing order
+            for k in [k for k in fps if k < floor]:
+                del fps[k]
+
+    def _check_verifications(self) -> None:
+        """Run the pending fingerprint checks whose micro-batches are planned now; a mismatch stops the pipeline."""
+        for rank, v in enumerate(self.verify_at):
+            if v is None or v[0] > self.planned[rank]:
+                continue
+            self.verify_at[rank] = None
+            have = self._fp(rank, v[0])
+            if have is not None and have != v[1]:
+                err = StateError(self._mismatch_message(rank, v[0], v[2]))
+                self._fail(err)
+                raise err
 
     def _poll(self) -> None:
         try:
@@ -995,9 +1229,13 @@ class ControlPlane:
                 self.pending.pop(m.id, None)
                 self.placement.forget_group(m.group)
             for rank, row in enumerate(plan.microbatches):
+                fps, chain = self.fps[rank], self.chain[rank]
                 for pmb in row:
                     j = self.planned[rank]
                     self.planned[rank] = j + 1
+                    if chain is not None:
+                        chain = entry_fingerprint(chain, pmb.minibatch, pmb.microbatch, pmb.trajectories)
+                        fps[j + 1] = chain
                     if j < self.committed[rank]:  # the rank restored past it: release at once
                         self._release_metas([self.live[m.id] for m in pmb.trajectories if m.id in self.live],
                                             delivered=True)
@@ -1005,11 +1243,14 @@ class ControlPlane:
                     self.queues[rank][j] = {
                         "j": j, "minibatch": pmb.minibatch, "microbatch": pmb.microbatch,
                         "info": pmb.to_info().to_dict(),
-                        "items": [[m.id, m.location, m.nbytes] for m in pmb.trajectories],
+                        "items": [[m.id, m.location, m.nbytes] for m in pmb.trajectories], "fp": chain,
                     }
+                self.chain[rank] = chain
+                self._prune_fps(rank)
             planned.append((mb, plan))
         if admitted:
             self.cond.notify_all()
+            self._check_verifications()
         if self._on_plan is not None:  # after every plan is queued: a failing hook loses no mini-batch
             for mb, plan in planned:
                 self._on_plan(mb, plan)

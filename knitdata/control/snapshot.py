@@ -17,14 +17,16 @@ from knitdata.collate import MicroBatchInfo
 from knitdata.errors import KnitdataError, StateError
 from knitdata.record import TrajectoryMeta
 
-__all__ = ["decode_snapshot", "SNAPSHOT_KEYS", "ERROR_TYPES"]
+__all__ = ["decode_snapshot", "SNAPSHOT_KEYS", "SNAPSHOT_KEYS_V1", "ERROR_TYPES"]
 
-#: The keys of a snapshot (format 1).
-SNAPSHOT_KEYS: frozenset[str] = frozenset({
+#: The keys of a snapshot of format 1.
+SNAPSHOT_KEYS_V1: frozenset[str] = frozenset({
     "format", "config", "unit_nodes", "policy", "placement", "seq", "putting", "schema", "withdrawn", "delivered", "live",
     "put_tokens", "pending", "loss", "queues", "planned", "committed", "position", "closed", "close_report", "error", "version",
     "staleness", "counts", "rejected_by_cause", "recent_releases",
 })
+#: The keys of a snapshot (format 2: format 1 and the replay fingerprints).
+SNAPSHOT_KEYS: frozenset[str] = SNAPSHOT_KEYS_V1 | {"chains", "fps", "verify_at"}
 #: The error classes a stopped plane's error may be restored as (their constructor takes the message alone).
 ERROR_TYPES: dict[str, type[KnitdataError]] = {
     c.__name__: c for c in (errors.KnitdataError, errors.QuotaInfeasibleError, errors.ValidationError,
@@ -99,10 +101,19 @@ def _fields(x: Any, where: str) -> dict[str, Any] | None:
     return {"scalars": list(sc), "tensors": dict(te)}
 
 
-def _entry(x: Any, where: str, rank: int, units: Mapping[str, str]) -> dict[str, Any]:
+def _digest(x: Any, where: str) -> str | None:
+    if x is None:
+        return None
+    if not isinstance(x, str) or len(x) != 16 or any(c not in "0123456789abcdef" for c in x):
+        raise _bad(where, "a fingerprint (16 hex digits) or null", x)
+    return x
+
+
+def _entry(x: Any, where: str, rank: int, units: Mapping[str, str], fmt: int) -> dict[str, Any]:
     e = _dict(x, where)
-    if set(e) != {"j", "minibatch", "microbatch", "info", "items"}:
-        raise _bad(where, "a micro-batch entry {j, minibatch, microbatch, info, items}", x)
+    keys = {"j", "minibatch", "microbatch", "info", "items"} | ({"fp"} if fmt >= 2 else set())
+    if set(e) != keys:
+        raise _bad(where, f"a micro-batch entry {{{', '.join(sorted(keys))}}}", x)
     j = _int(e["j"], f"{where}.j")
     mb = _int(e["minibatch"], f"{where}.minibatch")
     mi = _int(e["microbatch"], f"{where}.microbatch")
@@ -121,7 +132,8 @@ def _entry(x: Any, where: str, rank: int, units: Mapping[str, str]) -> dict[str,
         if not _is_unit(it[1], units):
             raise _bad(f"{w}[1]", f"a storage unit of {sorted(units)}", it[1])
         items.append([_str(it[0], f"{w}[0]"), it[1], _int(it[2], f"{w}[2]")])
-    return {"j": j, "minibatch": mb, "microbatch": mi, "info": info, "items": items}
+    return {"j": j, "minibatch": mb, "microbatch": mi, "info": info, "items": items,
+            "fp": _digest(e.get("fp"), f"{where}.fp")}
 
 
 def _close_report(x: Any, where: str) -> dict[str, Any] | None:
@@ -168,11 +180,13 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
         StateError: Anything malformed, or a snapshot of another configuration or set of units.
     """
     s = _dict(state, "the snapshot")
-    if set(s) != SNAPSHOT_KEYS:
-        raise StateError(f"control-plane snapshot: keys {sorted(s)} are not those of format 1 (missing "
-                         f"{sorted(SNAPSHOT_KEYS - set(s))}, unexpected {sorted(set(s) - SNAPSHOT_KEYS)})")
-    if s["format"] != 1 or isinstance(s["format"], bool):
-        raise _bad("format", "1", s["format"])
+    fmt = s.get("format")
+    if fmt not in (1, 2) or isinstance(fmt, bool):
+        raise _bad("format", "1 or 2", fmt)
+    keys = SNAPSHOT_KEYS if fmt == 2 else SNAPSHOT_KEYS_V1
+    if set(s) != keys:
+        raise StateError(f"control-plane snapshot: keys {sorted(s)} are not those of format {fmt} (missing "
+                         f"{sorted(keys - set(s))}, unexpected {sorted(set(s) - keys)})")
     if not _json_equal(s["config"], dict(config)):
         raise StateError("control-plane snapshot: it was taken of a pipeline with another configuration (batch "
                          "spec, layout or options); load it into a plane built with the same ones")
@@ -212,7 +226,7 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
     out["position"] = _ints(s["position"], "position", n)
     queues = []
     for r, q in enumerate(_list(s["queues"], "queues")):
-        entries = [_entry(e, f"queues[{r}][{k}]", r, units) for k, e in enumerate(_list(q, f"queues[{r}]"))]
+        entries = [_entry(e, f"queues[{r}][{k}]", r, units, fmt) for k, e in enumerate(_list(q, f"queues[{r}]"))]
         js = [e["j"] for e in entries]
         if js != sorted(set(js)) or any(not out["committed"][r] <= j < out["planned"][r] for j in js):
             raise _bad(f"queues[{r}]", f"entries in increasing order within committed..planned "
@@ -236,6 +250,8 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
     out["version"] = _int(s["version"], "version")
     out["staleness"] = _ints(s["staleness"], "staleness", lo=-(1 << 62))
     c = _dict(s["counts"], "counts")
+    if fmt == 1:  # counters added since
+        c = {"version_rollbacks": 0, **c}
     if set(c) != set(counts):
         raise _bad("counts", f"counters {sorted(counts)}", sorted(c))
     out["counts"] = {k: _int(v, f"counts.{k}", lo=-(1 << 62)) for k, v in c.items()}
@@ -249,4 +265,39 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
             raise _bad(w, f"[unit of {sorted(units)}, [trajectory ids]]", x)
         rel.append((x[0], list(x[1])))
     out["recent_releases"] = rel
+    if fmt == 1:  # no fingerprints: states of this run cannot be checked against a refill
+        out["chains"] = [None] * n
+        out["fps"] = [{} for _ in range(n)]
+        out["verify_at"] = [None] * n
+        return out
+    out["chains"] = [_digest(x, f"chains[{r}]") for r, x in enumerate(_list(s["chains"], "chains"))]
+    fps_all = _list(s["fps"], "fps")
+    if len(out["chains"]) != n or len(fps_all) != n:
+        raise _bad("chains/fps", f"one per rank ({n})", [len(out["chains"]), len(fps_all)])
+    fps = []
+    for r, pairs in enumerate(fps_all):
+        d: dict[int, str | None] = {}
+        for k, pair in enumerate(_list(pairs, f"fps[{r}]")):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise _bad(f"fps[{r}][{k}]", "[length, fingerprint]", pair)
+            length = _int(pair[0], f"fps[{r}][{k}][0]")
+            if d and length <= max(d):
+                raise _bad(f"fps[{r}]", "increasing lengths", pairs)
+            d[length] = _digest(pair[1], f"fps[{r}][{k}][1]")
+        fps.append(d)
+    out["fps"] = fps
+    verify: list[tuple[int, str, str] | None] = []
+    for r, v in enumerate(_list(s["verify_at"], "verify_at")):
+        if v is None:
+            verify.append(None)
+            continue
+        if not isinstance(v, list) or len(v) != 3:
+            raise _bad(f"verify_at[{r}]", "[length, fingerprint, where] or null", v)
+        fp = _digest(v[1], f"verify_at[{r}][1]")
+        if fp is None:
+            raise _bad(f"verify_at[{r}][1]", "a fingerprint", v[1])
+        verify.append((_int(v[0], f"verify_at[{r}][0]"), fp, _str(v[2], f"verify_at[{r}][2]")))
+    if len(verify) != n:
+        raise _bad("verify_at", f"one per rank ({n})", len(verify))
+    out["verify_at"] = verify
     return out

@@ -6,6 +6,7 @@ import abc
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from knitdata.handoff import HEARTBEAT_S, ControlSender
 from knitdata.metrics import ConsumerMetrics
 from knitdata.placement import ConsumerLayout
 from knitdata.record import Trajectory
@@ -21,8 +22,9 @@ class Engine(abc.ABC):
     """One pipeline's storage units and the handle on its control plane.
 
     ``control`` has the methods of :class:`knitdata.control.ControlPlane` with the same arguments and results
-    (JSON-like), called directly (embedded) or forwarded to the coordinator actor (Ray). ``handed`` and
-    ``report_consumer`` may return before they take effect.
+    (JSON-like), called directly (embedded) or forwarded to the coordinator actor (Ray). ``report_consumer``
+    may return before it takes effect. Consumers' hand-outs, commits and lease renewals go through
+    :attr:`sender`, off the trainer's thread.
 
     Attributes:
         kind: ``"embedded"`` or ``"ray"``.
@@ -35,11 +37,21 @@ class Engine(abc.ABC):
     kind: str = ""
     name: str | None = None
     supports_worker_processes: bool = False
+    #: Seconds between the lease renewals of this process's consumers (how fast an older iterator lets go).
+    heartbeat_s: float = HEARTBEAT_S
 
     def __init__(self, layout: ConsumerLayout, config: Mapping[str, Any]) -> None:
         self.layout = layout
         self.config = dict(config)
         self._metrics = [ConsumerMetrics(r) for r in range(layout.num_consumers)]
+        self._sender: ControlSender | None = None
+
+    @property
+    def sender(self) -> ControlSender:
+        """This process's :class:`~knitdata.handoff.ControlSender` of the pipeline (made on first use)."""
+        if self._sender is None:
+            self._sender = ControlSender(self.control, heartbeat_s=self.heartbeat_s)
+        return self._sender
 
     @property
     @abc.abstractmethod
@@ -50,6 +62,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def units(self) -> Mapping[str, StorageUnit]:
         """The storage units by id."""
+
+    def flush_reports(self) -> None:
+        """Send what this process's consumers queued for the control plane (hand-outs, commits, version) now."""
+        if self._sender is not None:
+            self._sender.flush()
 
     @property
     def num_consumers(self) -> int:

@@ -202,9 +202,25 @@ class CoordinatorActor:
         return report
 
     @ray.method(concurrency_group="wait")
-    def lease(self, rank: int, worker: int, token: str, wait_s: float = 0.0) -> None:
+    def lease(self, rank: int, worker: int, token: str, wait_s: float = 0.0, holder: str = "") -> dict[str, Any]:
         """See :meth:`ControlPlane.lease`."""
-        self._plane.lease(rank, worker, token, wait_s)
+        return self._plane.lease(rank, worker, token, wait_s, holder)
+
+    def report(self, leases: list[Any], commits: list[Any] | None = None, version: int | None = None) -> dict[str, Any]:
+        """See :meth:`ControlPlane.report`."""
+        return self._plane.report(leases, commits or [], version)
+
+    def handed_many(self, rank: int, records: list[Any]) -> None:
+        """See :meth:`ControlPlane.handed_many`."""
+        self._plane.handed_many(rank, records)
+
+    def verify(self, rank: int, length: int, fp: str, where: str = "") -> None:
+        """See :meth:`ControlPlane.verify`."""
+        self._plane.verify(rank, length, fp, where)
+
+    def start_point(self, rank: int) -> dict[str, Any]:
+        """See :meth:`ControlPlane.start_point`."""
+        return self._plane.start_point(rank)
 
     def unlease(self, rank: int, worker: int, token: str) -> None:
         """See :meth:`ControlPlane.unlease`."""
@@ -305,7 +321,7 @@ class RayControl:
     ASYNC = frozenset({"handed", "report_consumer", "note_rejected", "report_transfer", "commit_async"})
     METHODS = frozenset({"admit_many", "admit_batches", "placement_view", "reserve", "reserve_many", "offer_many", "unreserve", "offer", "set_in_flight", "withdraw", "report_version", "close",
                          "lease", "unlease", "next_entries", "commit", "seek", "start_position", "holders",
-                         "missing", "stats"}) | ASYNC
+                         "missing", "stats", "report", "handed_many", "verify", "start_point"}) | ASYNC
 
     def __init__(self, actor: Any, name: str, timeout_s: float) -> None:
         self._actor = actor
@@ -351,8 +367,8 @@ class RayControl:
         if method == "next_entries":
             return lambda rank, j, timeout_s, *a: self.call(method, rank, j, timeout_s, *a, wait_s=timeout_s)
         if method == "lease":
-            return lambda rank, worker, token, wait_s=0.0: self.call(method, rank, worker, token, wait_s,
-                                                                     wait_s=wait_s)
+            return lambda rank, worker, token, wait_s=0.0, holder="": self.call(method, rank, worker, token, wait_s,
+                                                                                holder, wait_s=wait_s)
         return lambda *a: self.call(method, *a)
 
 

@@ -1,0 +1,314 @@
+"""What a consumer process tells the control plane, sent off the trainer's thread; and the lease that fences it.
+
+The trainer's thread pays for a queue pop and nothing else: each micro-batch it takes is recorded in its
+iterator's :class:`ConsumerLease` (a list append under an uncontended lock), and a :class:`ControlSender` (one
+background thread per engine handle and process) sends the records of every iterator of the process, the commits
+and the lease renewals in one control call (:meth:`knitdata.control.ControlPlane.report`): at the end of each
+mini-batch, after a commit, every :data:`HEARTBEAT_S` and when an iterator ends. On the Ray engine that call is
+one actor call instead of one per micro-batch; on the embedded engine it keeps the trainer off the control
+plane's lock, which producers hold while admission plans.
+
+Fencing: each (rank, worker) iterator holds a lease. A newer iterator of the same rank asks the control plane for
+it; the older one learns it at its next report (or fetch), stops handing out, sends its last records and lets go,
+so the newer one starts right after the last micro-batch the older one handed out. An iterator hands nothing out
+past its local deadline (its last renewal plus most of :data:`~knitdata.control.plane.LEASE_TTL_S`) without
+renewing first, and the control plane refuses its renewals once a newer iterator asked: so a frozen process
+(whose threads do not run) cannot hand out after the newer one started either.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from knitdata.control.plane import fenced_message
+from knitdata.errors import EngineError, FencedError, KnitdataError
+
+__all__ = ["ConsumerLease", "ControlSender", "HEARTBEAT_S", "holder_name"]
+
+#: Seconds between the lease renewals of a consumer process (its reports).
+HEARTBEAT_S = 0.5
+#: Part of the lease's time to live an iterator may hand out for after its last renewal, before renewing itself.
+_LOCAL_SHARE = 0.7
+#: Records an iterator collects before they are sent even within a mini-batch.
+_MAX_PENDING = 16
+#: Seconds the sender waits after being woken, so that a step's commit and version go in one call.
+_LINGER_S = 0.002
+
+
+def holder_name() -> str:
+    """``host:pid`` of this process (how a lease names its holder in messages)."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+class ConsumerLease:
+    """The lease of one (rank, worker) iterator: the gate of every hand-out, and its records until they are sent.
+
+    Build it with :meth:`ControlSender.acquire`.
+
+    Attributes:
+        rank: The consumer.
+        worker: The DataLoader worker.
+        token: The iterator's token.
+        epoch: The lease's epoch (grows with each new holder of the rank and worker).
+        fenced: Who took the lease over (``None`` while held).
+    """
+
+    def __init__(self, sender: ControlSender, rank: int, worker: int, token: str, epoch: int, ttl_s: float,
+                 sent_at: float) -> None:
+        self.rank = rank
+        self.worker = worker
+        self.token = token
+        self.epoch = epoch
+        self.fenced: str | None = None
+        #: Send each record at once (``release="handout"``: a hand-out frees storage), not per mini-batch.
+        self.send_each = False
+        self._fence_message: str | None = None
+        self._sender = sender
+        self._ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._records: list[list[int]] = []
+        self._deadline = sent_at + _LOCAL_SHARE * ttl_s
+        self._released = False
+        self._ended = False
+
+    def hand_out(self, j: int, minibatch: int, microbatch: int, auto_commit: int, is_last: bool) -> None:
+        """Record micro-batch ``j`` as handed out to the trainer (the trainer's thread; no control call).
+
+        Args:
+            j: The rank's micro-batch.
+            minibatch: Its mini-batch.
+            microbatch: Its index in the mini-batch.
+            auto_commit: With ``release="step"``: release the rank's micro-batches below this position when ``j``
+                starts a mini-batch (``0``: nothing).
+            is_last: ``j`` ends its mini-batch (the records are sent now).
+
+        Raises:
+            FencedError: A newer iterator holds the rank: nothing is handed out.
+        """
+        if self.fenced is not None or time.monotonic() > self._deadline or self._sender.last_error is not None:
+            self._renew_now()
+        with self._lock:
+            if self.fenced is not None:
+                raise FencedError(self._message())
+            self._records.append([j, minibatch, microbatch, int(auto_commit), self._sender.local_version])
+            due = is_last or self.send_each or len(self._records) >= _MAX_PENDING
+        if due:
+            self._sender.wake()
+
+    def _renew_now(self) -> None:
+        """Past the local deadline (the sender did not renew in time), fenced, or the sender's last report failed:
+        report synchronously (its error reaches the trainer), or raise."""
+        if self.fenced is None:
+            try:
+                self._sender.flush()
+            except KnitdataError:
+                raise
+            except Exception as e:  # noqa: BLE001 - named for the trainer
+                raise EngineError(f"rank {self.rank} could not report its hand-outs to the control plane: "
+                                  f"{type(e).__name__}: {e}") from e
+        if self.fenced is not None:
+            raise FencedError(self._message())
+
+    def _message(self) -> str:
+        return self._fence_message or fenced_message(self.rank, self.worker, str(self.fenced))
+
+    def fence(self, by: str, message: str | None = None) -> None:
+        """A newer iterator took (or asked for) the rank: stop handing out; the sender lets the lease go.
+
+        Args:
+            by: The newer holder.
+            message: The error's message, when the control plane already wrote it.
+        """
+        with self._lock:
+            if self.fenced is None:
+                self.fenced = by
+                self._fence_message = message
+        self._sender.wake()
+
+    def give_back(self, records: list[list[int]]) -> None:
+        """Records a failed report took: they are sent again first (called by the sender)."""
+        with self._lock:
+            self._records[:0] = records
+
+    def take(self) -> tuple[list[list[int]], bool]:
+        """The records to send and whether to let the lease go (called by the sender)."""
+        with self._lock:
+            recs, self._records = self._records, []
+            release = self._ended or self.fenced is not None
+            return recs, release
+
+    def renewed(self, sent_at: float) -> None:
+        """The control plane renewed the lease in a report sent at ``sent_at`` (monotonic)."""
+        with self._lock:
+            if self.fenced is None:
+                self._deadline = sent_at + _LOCAL_SHARE * self._ttl_s
+
+    def end(self) -> None:
+        """The iterator ended or was closed: send what it handed out, then let the lease go (waits for it).
+
+        If the control plane cannot be reached (it is gone), the lease is dropped here.
+        """
+        with self._lock:
+            self._ended = True
+        try:
+            self._sender.flush()
+        except Exception:  # noqa: BLE001 - the control plane is gone (shutdown): nothing to tell
+            self._sender.forget(self)
+
+    @property
+    def pending(self) -> int:
+        """Records not yet sent."""
+        with self._lock:
+            return len(self._records)
+
+
+class ControlSender:
+    """One background thread per engine handle and process that sends consumers' news to the control plane.
+
+    Args:
+        control: The control plane, or its forwarder (:meth:`~knitdata.control.ControlPlane.report`,
+            :meth:`~knitdata.control.ControlPlane.lease`, :meth:`~knitdata.control.ControlPlane.unlease`).
+        heartbeat_s: Seconds between reports while an iterator is live.
+        on_error: Called with an exception a report raised (it is retried at the next heartbeat).
+    """
+
+    def __init__(self, control: Any, *, heartbeat_s: float = HEARTBEAT_S,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
+        self._control = control
+        self.heartbeat_s = float(heartbeat_s)
+        self._on_error = on_error
+        self._leases: dict[str, ConsumerLease] = {}
+        self._commits: dict[int, int] = {}
+        self._version: int | None = None
+        #: The last version this process reported (``-1``: none): hand-outs carry it, so that their staleness is
+        #: measured against the version the trainer had, whenever their record arrives.
+        self.local_version = -1
+        self._lock = threading.Lock()  # the tables above
+        self._send_lock = threading.Lock()  # one report at a time, in order
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reports = 0
+        self.last_error: BaseException | None = None
+
+    # ------------------------------------------------------------------ leases
+    def acquire(self, rank: int, worker: int, token: str, *, wait_s: float) -> tuple[ConsumerLease, dict[str, Any]]:
+        """Take the lease of ``(rank, worker)`` for ``token`` (fencing an older holder); returns it and the plane's
+        answer (``next``, ``fp``: where the rank's new iterator starts)."""
+        t0 = time.monotonic()
+        ans = self._control.lease(rank, worker, token, wait_s, holder_name())
+        lease = ConsumerLease(self, rank, worker, token, int(ans["epoch"]), float(ans["ttl_s"]), t0)
+        with self._lock:
+            self._leases[token] = lease
+        self._ensure_thread()
+        return lease, ans
+
+    def forget(self, lease: ConsumerLease) -> None:
+        """Stop reporting for ``lease`` (its control plane is gone)."""
+        with self._lock:
+            self._leases.pop(lease.token, None)
+
+    # ------------------------------------------------------------------ commits
+    def commit(self, rank: int, upto: int) -> None:
+        """Queue a commit of ``rank`` up to ``upto`` (coalesced with others of the rank; sent soon)."""
+        with self._lock:
+            self._commits[rank] = max(upto, self._commits.get(rank, 0))
+        self._ensure_thread()
+        self._wake.set()
+
+    def report_version(self, version: int) -> None:
+        """Queue the trainer's new policy version (sent after the hand-outs queued before it)."""
+        with self._lock:
+            self._version = int(version)
+            self.local_version = int(version)
+        self._ensure_thread()
+        self._wake.set()
+
+    # ------------------------------------------------------------------ sending
+    def wake(self) -> None:
+        """Send soon (records are due)."""
+        self._wake.set()
+
+    def flush(self) -> None:
+        """Send everything queued now, on the calling thread, and wait for the answer.
+
+        Raises:
+            Exception: What the control call raised (the records stay queued and are sent again).
+        """
+        self._send()
+        self.last_error = None
+
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="knitdata-sender", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        idle = 0
+        while True:
+            if self._wake.wait(self.heartbeat_s):
+                time.sleep(_LINGER_S)  # what follows a step (commit, version) goes in the same call
+            self._wake.clear()
+            try:
+                self._send()
+                self.last_error = None
+            except Exception as e:  # noqa: BLE001 - kept and retried; the caller sees it on flush()
+                self.last_error = e
+                if self._on_error is not None:
+                    self._on_error(e)
+            with self._lock:
+                busy = bool(self._leases or self._commits or self._version is not None)
+                idle = 0 if busy else idle + 1
+                if idle >= 4:  # nothing to do for a few heartbeats: the thread ends (started again on demand)
+                    self._thread = None
+                    return
+
+    def _send(self) -> None:
+        with self._send_lock:
+            with self._lock:
+                leases = list(self._leases.values())
+                commits = sorted(self._commits.items())
+                self._commits.clear()
+                version, self._version = self._version, None
+            batch = []
+            taken = []
+            for lease in leases:
+                recs, release = lease.take()
+                batch.append([lease.rank, lease.worker, lease.token, recs, release])
+                taken.append((lease, recs, release))
+            if not batch and not commits and version is None:
+                return
+            sent_at = time.monotonic()
+            try:
+                ans = self._control.report(batch, [list(c) for c in commits], version)
+            except BaseException:
+                for lease, recs, _release in taken:  # send them again next time, in order
+                    lease.give_back(recs)
+                with self._lock:
+                    for rank, upto in commits:
+                        self._commits[rank] = max(upto, self._commits.get(rank, 0))
+                    if self._version is None:
+                        self._version = version
+                raise
+            self.reports += 1
+            fenced = {str(f[2]): str(f[3]) for f in ans.get("fenced", [])}
+            done = []
+            for lease, _recs, release in taken:
+                by = fenced.get(lease.token)
+                if release:
+                    done.append(lease.token)
+                    if by is not None and lease.fenced is None:
+                        lease.fence(by)
+                elif by is not None:
+                    lease.fence(by)  # it lets go at the next report (right away: fence() wakes the thread)
+                else:
+                    lease.renewed(sent_at)
+            if done:
+                with self._lock:
+                    for token in done:
+                        self._leases.pop(token, None)
