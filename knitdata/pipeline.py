@@ -91,7 +91,7 @@ class Pipeline:
         num_consumers: Number of ranks when ``layout`` is not given.
         engine: ``"embedded"`` or ``"ray"``.
         capacity_bytes: Capacity of each storage unit (one per node).
-        token_budget: Most tokens (prompt + response) per micro-batch.
+        token_budget: Most tokens (prompt + response) per micro-batch; a longer trajectory is refused at put.
         placement: ``"consumer_aware"`` or ``"index_mod"`` (baseline).
         allow_split_groups: Let one group's members go to different consumers.
         balance_tolerance: See :class:`~knitdata.planner.Planner`.
@@ -363,7 +363,8 @@ class Pipeline:
 
         Raises:
             FieldTypeError / ValidationError / MediaError: A bad trajectory (the message names it and the
-                field or media item); nothing else is affected.
+                field or media item), or one longer than ``token_budget`` (field ``num_tokens``); nothing else
+                is affected.
             StoreFull: No room within ``timeout``; the message names the ranks holding the store.
             PipelineClosedError: After :meth:`close`.
             QuotaInfeasibleError: Admission found the quotas impossible (also raised to consumers).
@@ -520,6 +521,13 @@ class Pipeline:
             raise FieldTypeError(f"put() takes a knitdata.Trajectory, got {type(traj).__name__}", field="traj")
         try:
             traj.validate()
+            budget = int(self._engine.config["token_budget"])
+            if traj.num_tokens > budget:
+                raise ValidationError(
+                    f"{traj.num_tokens} tokens (prompt {traj.prompt_ids.numel()} + response "
+                    f"{traj.response_ids.numel()}) exceed the pipeline's token_budget of {budget} per micro-batch: "
+                    "truncate it, or create the pipeline with a larger token_budget",
+                    trajectory_id=traj.id, field="num_tokens")
             if self.check_media and traj.media:
                 from knitdata.media import check_media_item
 
