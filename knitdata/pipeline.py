@@ -19,7 +19,7 @@ micro-batches hold the store (or, with ``spill_dir``, overflow goes to tar shard
 Example:
     >>> from knitdata.admission import BatchSpec
     >>> pipe = Pipeline(BatchSpec({"math": 8, "code": 8}, num_minibatches=2), num_consumers=2)
-    >>> ds = pipe.dataset(0, fetch="iter")  # doctest: +SKIP
+    >>> ds = pipe.dataset(0, fetch="iter")  # iterate it in rank 0 (a thread or a torchrun process)
 """
 
 from __future__ import annotations
