@@ -1,6 +1,6 @@
 """A minimal GRPO-style training loop on Hugging Face Accelerate, fed by knitdata on every rank.
 
-Run on 2 CPU processes (no GPU needed; see NOTES.md for why not ``--cpu``)::
+Run on 2 CPU processes (no GPU needed; ``--multi_gpu``, because ``--cpu --num_processes 2`` starts one)::
 
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
         --dynamo_backend no --main_process_port 29511 examples/grpo_accelerate.py --out /tmp/grpo.json

@@ -20,7 +20,7 @@ What it shows:
 * every rank's loader (:func:`knitdata.integrations.accelerate.prepare_loader`) hands out micro-batches whose
   ``media`` is the :class:`~knitdata.multimodal.MultimodalBatch` of the rank's share of the mini-batch:
   each unique image processed once by the model's processor (``adapter.media_collator()``), its
-  ``image_grid_thw`` in the media table;
+  ``image_grid_thw`` in the media table; ``adapter.collate(mb)`` turns each micro-batch into the model's inputs;
 * :class:`~knitdata.encoder.SharedEncoding` (``fold``, through ``adapter.shared_encoding()``) encodes each
   unique image once per optimizer step with ``model.visual`` and hands each micro-batch its rows;
   ``adapter.collate`` expands each placeholder to the image's merged-patch count and ``adapter.forward``
@@ -125,36 +125,18 @@ def rollout_stream(spec: BatchSpec, train_batches: int, seed: int = 0):
                     yield from rollout_group(seed, b, s, i, spec.group_size, b * spec.num_minibatches)
 
 
-class KeepTrajectories:
-    """The default token collate, also keeping each micro-batch's trajectories for the adapter's collate
-    (which expands every image placeholder to the image's merged-patch count): :meth:`pop` them by info."""
-
-    def __init__(self) -> None:
-        from knitdata.collate import TokenCollator
-
-        self.inner = TokenCollator()
-        self.kept: dict[tuple[int, int], list[Trajectory]] = {}
-        self._lock = threading.Lock()
-
-    def __call__(self, trajs: Any, info: Any = None) -> Any:
-        with self._lock:
-            self.kept[(info.minibatch, info.microbatch)] = list(trajs)
-        return self.inner(trajs, info)
-
-    def pop(self, info: Any) -> list[Trajectory]:
-        with self._lock:
-            return self.kept.pop((info.minibatch, info.microbatch))
-
-
-def policy_loss(adapter: Any, out: Any, inputs: dict[str, torch.Tensor], trajs: list[Trajectory],
+def policy_loss(out: Any, inputs: dict[str, torch.Tensor], advantage: torch.Tensor,
                 clip: float = 0.2) -> tuple[torch.Tensor, int]:
-    """Clipped policy-gradient loss summed over response tokens (behavior policy: uniform sampling)."""
+    """Clipped policy-gradient loss summed over response tokens (behavior policy: uniform sampling).
+
+    ``advantage``: one per row (``mb.scalars["advantage"]``, in the micro-batch's row order).
+    """
     logits = out.logits[:, :-1].float()
     target = inputs["labels"][:, 1:]
     mask = target != -100
     logp = torch.log_softmax(logits, -1).gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     old = -float(np.log(VOCAB))
-    adv = torch.tensor([t.scalars["advantage"] for t in trajs], device=logits.device).unsqueeze(1)
+    adv = advantage.to(logits.device, torch.float32).unsqueeze(1)
     ratio = torch.exp(logp - old)
     per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
     return (per_token * mask).sum(), int(mask.sum())
@@ -179,13 +161,14 @@ def open_pipeline(args: argparse.Namespace, world: int) -> tuple[Any, threading.
     return pipe, thread
 
 
-def duplicated_grads(model: Any, adapter: Any, steps: list[tuple[Any, dict, list, float]]) -> dict[str, torch.Tensor]:
+def duplicated_grads(model: Any, adapter: Any, steps: list[tuple[Any, dict, torch.Tensor, float, int]]
+                     ) -> dict[str, torch.Tensor]:
     """The same micro-batches through the model's own forward, every trajectory with its own image copy."""
     saved = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    for media, inputs, trajs, scale, i in steps:
+    for media, inputs, advantage, scale, i in steps:
         out = adapter.forward_native(inputs, media, i)
-        loss_sum, _ = policy_loss(adapter, out, inputs, trajs)
+        loss_sum, _ = policy_loss(out, inputs, advantage)
         (loss_sum * scale).backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     for n, p in model.named_parameters():
@@ -227,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     shared = adapter.shared_encoding(args.mode)
 
     pipe, producer = open_pipeline(args, world)
-    keep = KeepTrajectories()
-    loader = prepare_loader(accelerator, pipe, fetch="eager", collate=keep, media_collator=adapter.media_collator())
+    loader = prepare_loader(accelerator, pipe, fetch="eager", media_collator=adapter.media_collator())
     losses: list[float] = []
     rewards: list[float] = []
     unique = occurrences = 0
@@ -244,21 +226,21 @@ def main(argv: list[str] | None = None) -> int:
             sm = shared.minibatch(media).__enter__()
             unique += media.num_unique
             occurrences += media.num_occurrences
-        trajs = keep.pop(info)
         with loader.accumulate(model, mb):
-            inputs = {k: v.to(accelerator.device) for k, v in adapter.collate(trajs, media, info.microbatch).items()}
-            if trajs:
-                out = adapter.forward(inputs, sm.rows(info.microbatch))
-                loss_sum, _ = policy_loss(adapter, out, inputs, trajs)
-                rewards += [t.scalars["reward"] for t in trajs]
-            else:  # an empty slot still runs a (DDP) forward, so that the ranks' gradient all-reduces line up
-                ids = torch.tensor([[1, 3]], device=accelerator.device)
-                dummy = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-                loss_sum = adapter.forward(dummy, None).loss * 0.0
+            # the model's inputs from the dataset's micro-batch: each image placeholder expanded to the image's
+            # merged-patch count, labels on the responses; an empty slot gets a one-row dummy (a DDP forward
+            # still runs on it, so that the ranks' gradient all-reduces line up)
+            inputs = {k: v.to(accelerator.device) for k, v in adapter.collate(mb).items()}
+            out = adapter.forward(inputs, sm.rows(info.microbatch))
+            if mb.is_empty:
+                loss_sum = out.loss * 0.0
+            else:
+                loss_sum, _ = policy_loss(out, inputs, mb.scalars["advantage"])
+                rewards += mb.scalars["reward"].tolist()
             scale = loader.loss_scale(mb)
             sm.backward(loss_sum * scale)  # the last micro-batch also runs the encoder's (folded) backward
-            if args.check_grads and info.minibatch == 0 and trajs:
-                record.append((media, inputs, trajs, scale, info.microbatch))
+            if args.check_grads and info.minibatch == 0 and not mb.is_empty:
+                record.append((media, inputs, mb.scalars["advantage"], scale, info.microbatch))
             if info.is_last and args.check_grads and info.minibatch == 0 and world == 1:
                 ref = duplicated_grads(accelerator.unwrap_model(model), adapter, record)
                 got = {n: p.grad for n, p in accelerator.unwrap_model(model).named_parameters() if p.grad is not None}
@@ -270,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         step_loss += float(loss_sum.detach()) * scale
         if os.environ.get("GRPO_VLM_VERBOSE"):
             print(f"[rank {rank}] mini-batch {info.minibatch} micro-batch {info.microbatch}/{info.num_microbatches} "
-                  f"trajectories={len(trajs)} last={info.is_last}", file=sys.stderr, flush=True)
+                  f"trajectories={mb.num_sequences} last={info.is_last}", file=sys.stderr, flush=True)
         if info.is_last:
             sm.__exit__(None, None, None)
             sm = None

@@ -2,7 +2,9 @@
 
 One process, embedded engine (the default): a rollout producer thread puts trajectories, ``--consumers N``
 consumer threads each iterate their own :class:`~knitdata.dataset.TrajectoryDataset` through torchdata's
-``StatefulDataLoader`` and train a model replica; every trajectory reaches exactly one consumer::
+``StatefulDataLoader`` and train a model replica; every trajectory reaches exactly one consumer. Threads cannot
+use DDP: :class:`~knitdata.replicas.ThreadGradientSync` starts the replicas equal and averages their gradients
+at every optimizer step, so they stay bitwise equal (``replicas equal: True`` in the output)::
 
     python examples/plain_torch.py --consumers 2
 
@@ -12,8 +14,9 @@ Several processes (one per data-parallel rank, DDP over gloo on CPU)::
     torchrun --nproc-per-node 2 examples/plain_torch.py --engine embedded # stand-in: see open_rank_source
 
 The loop: a REINFORCE-style loss summed over loss tokens and scaled by ``world / info.global_loss_tokens``,
-``model.no_sync()`` on micro-batches before ``info.is_last``, one optimizer step per mini-batch, the new policy
-version reported back to the pipeline. ``--state-out DIR`` writes each rank's loader state as JSON
+``model.no_sync()`` on micro-batches before ``info.is_last`` (DDP) or ``sync.all_reduce(model, rank)`` at
+``info.is_last`` (threads), one optimizer step per mini-batch, the new policy version reported back to the
+pipeline. ``--state-out DIR`` writes each rank's loader state as JSON
 (``StatefulDataLoader.state_dict()``), ``--out PATH`` a JSON of what every consumer received.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -36,6 +40,7 @@ import torch
 
 from knitdata import Trajectory
 from knitdata.admission import BatchSpec
+from knitdata.replicas import ThreadGradientSync
 
 __all__ = [
     "make_spec",
@@ -246,10 +251,22 @@ def _loss_sum(model: torch.nn.Module, mb: Any) -> torch.Tensor:
     return (-adv * logp * mb.loss_mask[:, 1:]).sum()
 
 
+def param_digest(model: torch.nn.Module) -> str:
+    """SHA-256 of the model's parameters (bitwise: equal digests, equal replicas)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def train_consumer(
-    pipe: Any, rank: int, world: int, model: torch.nn.Module, args: argparse.Namespace, report: bool = True
+    pipe: Any, rank: int, world: int, model: torch.nn.Module, args: argparse.Namespace, report: bool = True,
+    sync: ThreadGradientSync | None = None,
 ) -> dict[str, Any]:
-    """The training loop of one consumer; returns what it received."""
+    """The training loop of one consumer; returns what it received.
+
+    ``sync``: the gradient all-reduce of consumer threads (one replica each, no DDP); ``None`` under DDP.
+    """
     from torchdata.stateful_dataloader import StatefulDataLoader
 
     from knitdata.collate import TokenCollator
@@ -263,20 +280,24 @@ def train_consumer(
 
     ds = pipe.dataset(rank, fetch=args.fetch, collate=collate)
     loader = StatefulDataLoader(ds, batch_size=None, num_workers=0)  # the dataset makes micro-batches itself
+    if sync is not None:
+        sync.broadcast(model, rank)  # every replica starts from rank 0's parameters
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     received: list[dict[str, Any]] = []
     steps = 0
     t0 = time.perf_counter()
     for mb in loader:
         info = mb.info
-        sync = contextlib.nullcontext() if info.is_last or not hasattr(model, "no_sync") else model.no_sync()
-        with sync:
+        ddp_sync = contextlib.nullcontext() if info.is_last or not hasattr(model, "no_sync") else model.no_sync()
+        with ddp_sync:
             loss = _loss_sum(model, mb) * (world / max(1, info.global_loss_tokens))
             loss.backward()
         received.append({"minibatch": info.minibatch, "microbatch": info.microbatch, "is_last": info.is_last,
                          "ids": list(info.trajectory_ids), "tensor_bytes": mb.nbytes,
                          "payload_bytes": payload.pop((info.minibatch, info.microbatch))})
         if info.is_last:
+            if sync is not None:
+                sync.all_reduce(model, rank)  # the replicas' average gradient (what DDP gives ranks)
             opt.step()
             opt.zero_grad()
             steps += 1
@@ -290,7 +311,8 @@ def train_consumer(
     if close is not None:
         close()
     return {"rank": rank, "world": world, "pid": os.getpid(), "received": received, "steps": steps,
-            "payload_bytes": sum(r["payload_bytes"] for r in received), "wall_s": time.perf_counter() - t0}
+            "payload_bytes": sum(r["payload_bytes"] for r in received), "wall_s": time.perf_counter() - t0,
+            "param_digest": param_digest(model)}
 
 
 def _print_table(rows: list[dict[str, Any]], engine: str) -> None:
@@ -303,6 +325,7 @@ def _print_table(rows: list[dict[str, Any]], engine: str) -> None:
               f"{d['wall_s']:>6.2f}")
     all_ids = [i for d in rows for r in d["received"] for i in r["ids"]]
     print(f"trajectories delivered: {len(all_ids)}, distinct: {len(set(all_ids))}")
+    print(f"replicas equal: {len({d['param_digest'] for d in rows}) == 1}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -326,7 +349,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 on recent torch (NOTES.md)
+    warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11's StatefulDataLoader on recent torch
     if args.role == "producer":
         return run_producer(args)
     errors: list[BaseException] = []
@@ -349,13 +372,15 @@ def main(argv: list[str] | None = None) -> int:
         pipe, th = open_local_pipeline(args, args.consumers, errors)
         rows = [None] * args.consumers
         failures: list[BaseException] = []
+        sync = ThreadGradientSync(args.consumers)  # threads cannot use DDP: this averages their gradients
 
         def consume(r: int) -> None:
             try:
-                torch.manual_seed(args.seed)  # every replica starts equal (no gradient sync between threads)
-                rows[r] = train_consumer(pipe, r, args.consumers, TinyLM(), args, report=(r == 0))
+                torch.manual_seed(args.seed + r)  # different initial weights: sync.broadcast makes them equal
+                rows[r] = train_consumer(pipe, r, args.consumers, TinyLM(), args, report=(r == 0), sync=sync)
             except BaseException as e:
                 failures.append(e)
+                sync.abort(f"consumer thread {r} failed: {e!r}")  # the other threads stop instead of waiting
                 pipe.close()
 
         threads = [threading.Thread(target=consume, args=(r,), name=f"consumer-{r}") for r in range(args.consumers)]

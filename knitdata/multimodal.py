@@ -12,10 +12,12 @@ per key, and returns a :class:`MultimodalBatch`:
 
 :class:`~knitdata.encoder.SharedEncoding` encodes each table once and hands every micro-batch its rows.
 
-Example:
+Example (``micro_batch_1`` holds a trajectory of a new group, then one of ``micro_batch_0``'s group):
+    >>> from knitdata import MultimodalCollator, patchify
     >>> collate = MultimodalCollator({"image": patchify(14, size=(224, 224))}, key="provenance")
     >>> mm = collate([micro_batch_0, micro_batch_1])       # lists of Trajectory
     >>> mm.tables["image"].num_items, mm.for_microbatch(1)["image"].index
+    (2, tensor([1, 0]))
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ micro-batches hold the store (or, with ``spill_dir``, overflow goes to tar shard
 Example:
     >>> from knitdata.admission import BatchSpec
     >>> pipe = Pipeline(BatchSpec({"math": 8, "code": 8}, num_minibatches=2), num_consumers=2)
-    >>> ds = pipe.dataset(0, fetch="iter")  # doctest: +SKIP
+    >>> ds = pipe.dataset(0, fetch="iter")  # iterate it in rank 0 (a thread or a torchrun process)
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class Pipeline:
         num_consumers: Number of ranks when ``layout`` is not given.
         engine: ``"embedded"`` or ``"ray"``.
         capacity_bytes: Capacity of each storage unit (one per node).
-        token_budget: Most tokens (prompt + response) per micro-batch.
+        token_budget: Most tokens (prompt + response) per micro-batch; a longer trajectory is refused at put.
         placement: ``"consumer_aware"`` or ``"index_mod"`` (baseline).
         allow_split_groups: Let one group's members go to different consumers.
         balance_tolerance: See :class:`~knitdata.planner.Planner`.
@@ -367,7 +367,8 @@ class Pipeline:
 
         Raises:
             FieldTypeError / ValidationError / MediaError: A bad trajectory (the message names it and the
-                field or media item); nothing else is affected.
+                field or media item), or one longer than ``token_budget`` (field ``num_tokens``); nothing else
+                is affected.
             StoreFull: No room within ``timeout``; the message names the ranks holding the store.
             PipelineClosedError: After :meth:`close`.
             QuotaInfeasibleError: Admission found the quotas impossible (also raised to consumers).
@@ -525,6 +526,13 @@ class Pipeline:
             raise FieldTypeError(f"put() takes a knitdata.Trajectory, got {type(traj).__name__}", field="traj")
         try:
             traj.validate()
+            budget = int(self._engine.config["token_budget"])
+            if traj.num_tokens > budget:
+                raise ValidationError(
+                    f"{traj.num_tokens} tokens (prompt {traj.prompt_ids.numel()} + response "
+                    f"{traj.response_ids.numel()}) exceed the pipeline's token_budget of {budget} per micro-batch: "
+                    "truncate it, or create the pipeline with a larger token_budget",
+                    trajectory_id=traj.id, field="num_tokens")
             if self.check_media and traj.media:
                 from knitdata.media import check_media_item
 

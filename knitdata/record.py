@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from knitdata.errors import FieldTypeError, ValidationError
@@ -146,6 +147,33 @@ def _check_1d_int(tid: str, name: str, t: Any, *, allow_empty: bool) -> None:
         raise ValidationError("must not be empty", trajectory_id=tid, field=name)
 
 
+def _scalar_value(v: Any) -> float:
+    """A scalar field's value as a Python float: an ``int``, a ``float``, a real numpy scalar (``numpy.float32``,
+    ``numpy.int64``...) or a 0-d real tensor or array (``torch.tensor(0.5)``, ``numpy.array(0.5)``).
+
+    Raises:
+        TypeError: Anything else (``bool`` and booleans included, complex numbers, strings, tensors of more
+            than one element); the message says what it got. ``OverflowError``: an int beyond the float range.
+    """
+    if type(v) is float or type(v) is int:
+        return float(v)
+    if isinstance(v, torch.Tensor):
+        if v.dim() != 0:
+            raise TypeError(f"expected a float or a 0-d tensor, got a tensor of shape {tuple(v.shape)}")
+        if v.dtype == torch.bool or v.dtype.is_complex:
+            raise TypeError(f"expected a float or a 0-d real tensor, got a 0-d tensor of dtype {v.dtype}")
+        return float(v.item())
+    if isinstance(v, (np.generic, np.ndarray)):  # a numpy scalar (numpy.float32, numpy.int64...) or array
+        if v.shape != ():
+            raise TypeError(f"expected a float or a 0-d array, got an array of shape {tuple(v.shape)}")
+        if v.dtype.kind not in ("f", "i", "u"):
+            raise TypeError(f"expected a float, got a numpy {type(v).__name__} of dtype {v.dtype}")
+        return float(v.item())
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"expected a float, got {type(v).__name__}")
+    return float(v)  # an int or float subclass
+
+
 @dataclass
 class Trajectory:
     """One finished rollout.
@@ -162,7 +190,8 @@ class Trajectory:
         gen_version: Policy version that generated it; under partial rollout the oldest among its tokens.
         loss_mask: 1-D mask over the response tokens (bool, integer or float); all ones when ``None``.
         token_versions: Optional 1-D integer tensor of per-response-token policy versions.
-        scalars: Named finite float fields (reward, advantage, ...). An ``int`` is accepted and stored as
+        scalars: Named finite float fields (reward, advantage, ...). An ``int``, a real numpy scalar
+            (``numpy.float32``, ``numpy.int64``) or a 0-d real tensor or array is accepted and stored as a Python
             ``float`` (``{"reward": 1}`` holds ``1.0``); ``bool`` is refused.
         tensors: Extra named tensors (e.g. old log-probs).
         media: Images and audio clips.
@@ -187,7 +216,7 @@ class Trajectory:
     def validate(self) -> None:
         """Check every field; raise an error naming the trajectory and the field on the first problem.
 
-        Also converts ``int`` scalars to ``float`` (see ``scalars``).
+        Also converts ``int``, numpy and 0-d tensor scalars to ``float`` (see ``scalars``).
         """
         if not isinstance(self.id, str) or not self.id:
             raise ValidationError(f"id must be a non-empty string, got {self.id!r}", field="id")
@@ -242,17 +271,17 @@ class Trajectory:
             fname = f"scalars.{k}"
             if not isinstance(k, str) or not k:
                 raise ValidationError("scalar names must be non-empty strings", trajectory_id=tid, field=fname)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise FieldTypeError(f"expected a float, got {type(v).__name__}", trajectory_id=tid, field=fname)
             try:
-                finite = math.isfinite(float(v))
+                finite = math.isfinite(_scalar_value(v))
             except OverflowError:  # an int beyond the float range
                 finite = False
+            except TypeError as e:
+                raise FieldTypeError(str(e), trajectory_id=tid, field=fname) from None
             if not finite:
                 raise ValidationError(f"must be finite, got {v!r:.40}", trajectory_id=tid, field=fname)
         if any(type(v) is not float for v in self.scalars.values()):
-            # documented: scalars are floats; an int (or a float subclass such as numpy.float64) becomes a float
-            self.scalars = {k: float(v) for k, v in self.scalars.items()}
+            # documented: scalars are floats; an int, a numpy scalar or a 0-d tensor becomes a float
+            self.scalars = {k: _scalar_value(v) for k, v in self.scalars.items()}
         if not isinstance(self.tensors, Mapping):
             raise FieldTypeError("must be a mapping of name to tensor", trajectory_id=tid, field="tensors")
         for k, v in self.tensors.items():

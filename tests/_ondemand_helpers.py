@@ -63,8 +63,12 @@ class Workload:
 
 
 def make_workload(rng: random.Random, *, num_sources: int, group_size: int, num_minibatches: int,
-                  groups_per_minibatch_per_source: int, train_batches: int, max_response: int = 12) -> Workload:
-    """Quotas ``q_s = groups * group_size * M`` per source; trajectories shuffled (whole train batches)."""
+                  groups_per_minibatch_per_source: int, train_batches: int, max_response: int = 2) -> Workload:
+    """Quotas ``q_s = groups * group_size * M`` per source; trajectories shuffled (whole train batches).
+
+    Trajectories have 2-6 tokens by default (prompt 1-4, response 1-``max_response``): they fit every token budget
+    the tests use (a pipeline refuses a trajectory longer than its ``token_budget`` at put).
+    """
     sources = [f"s{i}" for i in range(num_sources)]
     q = groups_per_minibatch_per_source * group_size * num_minibatches
     spec = BatchSpec({s: q for s in sources}, num_minibatches=num_minibatches, group_size=group_size)

@@ -444,7 +444,7 @@ def workers_resume(num_workers: int = 2, n_groups: int = 16, stop_after: int = 5
     from knitdata import Pipeline
 
     name = f"wr-{os.getpid()}"
-    pipe = Pipeline(_spec(2 * n_groups), num_consumers=1, engine="ray", token_budget=64, capacity_bytes=64 << 20,
+    pipe = Pipeline(_spec(2 * n_groups), num_consumers=1, engine="ray", token_budget=80, capacity_bytes=64 << 20,  # 48-80 tokens each
                     engine_options={"nodes": _nodes()[:1], "name": name})
     trajs = workload(n_groups, extra=1000)
     for t in trajs:
@@ -486,7 +486,7 @@ def workers_resume(num_workers: int = 2, n_groups: int = 16, stop_after: int = 5
     final = stats["committed"][0]
     pipe.shutdown()
     # release="handout", in this process (no workers): payloads leave storage as micro-batches are handed out
-    pipe = Pipeline(_spec(8), num_consumers=1, engine="ray", token_budget=64, release="handout",
+    pipe = Pipeline(_spec(8), num_consumers=1, engine="ray", token_budget=80, release="handout",
                     engine_options={"nodes": _nodes()[:1], "name": f"ho-{os.getpid()}"})
     for t in workload(4, extra=1000):
         pipe.put(t)

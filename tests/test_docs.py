@@ -1,4 +1,5 @@
-"""The documentation site: it builds without warnings and its API reference covers ``knitdata.__all__``."""
+"""The documentation site: it builds without warnings, its API reference covers ``knitdata.__all__``, and every code
+example of README.md, docs/**/*.md and the package's docstrings runs (``tests/_docs_harness.py`` says how)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from pathlib import Path
 import pytest
 
 import knitdata
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _docs_harness as harness  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -62,13 +66,71 @@ def test_reference_pages_are_in_the_nav() -> None:
 
 def test_docs_and_docstrings_cite_nothing_outside_the_repository() -> None:
     hits = []
-    for page in DOCS.rglob("*.md"):
+    pages = [*DOCS.rglob("*.md"), ROOT / "README.md", *(ROOT / "examples").rglob("*.md"),
+             *(ROOT / "examples").rglob("*.py")]
+    for page in pages:
         for m in OUTSIDE.finditer(page.read_text(encoding="utf-8")):
             hits.append(f"{page.relative_to(ROOT)}: {m.group(0)}")
     for path in sorted((ROOT / "knitdata").rglob("*.py")):
         for m in OUTSIDE.finditer(path.read_text(encoding="utf-8")):
             hits.append(f"{path.relative_to(ROOT)}: {m.group(0)}")
     assert not hits, hits
+
+
+# ---------------------------------------------------------------------------------------------- code examples
+def _module_names() -> list[str]:
+    """Every module of the package, from the file tree (nothing imported at collection)."""
+    pkg = ROOT / "knitdata"
+    names = []
+    for path in sorted(pkg.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__main__":
+            continue
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+@pytest.mark.parametrize("page", [p.relative_to(ROOT).as_posix() for p in harness.markdown_files()])
+def test_markdown_code_blocks_run(page: str, tmp_path: Path) -> None:
+    """Every ```python block of README.md and docs/ runs (placeholders from the harness's setups), in order; a block
+    that cannot run here is marked ``<!-- docs-test: skip REASON -->``."""
+    skipped = harness.run_markdown(ROOT / page, tmp_path)
+    for line in skipped:
+        print("skipped", line)
+
+
+@pytest.mark.parametrize("module", _module_names())
+def test_docstring_examples_run(module: str, tmp_path: Path) -> None:
+    """Every doctest, ```python fence and ``Example::`` block in the docstrings of ``module`` runs."""
+    try:
+        mod = importlib.import_module(module)
+    except knitdata.OptionalDependencyError as e:  # pragma: no cover - every extra is installed by make install-dev
+        pytest.skip(str(e))
+    for block in harness.docstring_blocks(mod):
+        harness.run_docstring_block(block, tmp_path)
+
+
+def test_the_harness_finds_the_examples_it_must_run() -> None:
+    """No example escapes the harness: doctests are not skipped, an ``Example`` heading has code the harness runs,
+    a marker sits right before a ```python fence, and the examples known to exist are found."""
+    skips = [f"{p.relative_to(ROOT)}" for p in (ROOT / "knitdata").rglob("*.py") if "doctest: +SKIP" in p.read_text()]
+    assert not skips, f"doctests skipped in {skips}: make them run (placeholders: tests/_docs_harness.py)"
+    assert harness.example_headers_without_code() == []
+    for path in harness.markdown_files():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for i, line in enumerate(lines):
+            if "docs-test" in line:
+                assert harness.MARKER.match(line.strip()), f"{path.name}:{i + 1}: malformed marker {line!r}"
+                nxt = next(ln for ln in lines[i + 1:] if ln.strip())
+                assert nxt.strip() == "```python", f"{path.name}:{i + 1}: a marker must come right before ```python"
+    assert len(harness.markdown_blocks(ROOT / "README.md")) >= 2
+    import knitdata.encoder
+    import knitdata.integrations.transformers as hf
+
+    assert len([b for b in harness.docstring_blocks(knitdata.encoder) if b.mode == "run"]) == 2  # DDP and FSDP2
+    codes = [b.code for b in harness.docstring_blocks(hf)]
+    assert len(codes) == 2 and "adapter_for(model)" in codes[0] and "pad_sequence" in codes[1]
+    assert all(s in harness.SETUPS for s in ("default", "consumer", "resume", "multimodal", "qwen"))
 
 
 def _inventory_names(path: Path) -> set[str]:

@@ -232,45 +232,164 @@ def test_ddp_two_gloo_ranks_qwen2_5_vl(tmp_path):
 
 
 def test_llava_recipe_in_the_module_docstring():
-    """The documented LLaVA-style recipe (CLIP tower + projector, the forward's mm_encoder_outputs hook)."""
-    from torch import nn
-    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
+    """The module docstring's LLaVA-style recipe, run as written (a tiny CLIP + Llama LLaVA from
+    ``tests/_docs_harness.py``), gives the gradients of the model's own forward with every image copy."""
+    from _docs_harness import docstring_blocks, tiny_llava
 
-    from knitdata.encoder import SharedEncoding
-    from knitdata.multimodal import MediaOccurrences, MediaTable, MultimodalBatch
+    import knitdata.integrations.transformers as hf
 
-    torch.manual_seed(0)
-    vc = CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                          image_size=16, patch_size=4, projection_dim=16)
-    cfg = LlavaConfig(vision_config=vc, image_token_id=120,
-                      text_config=dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128, pad_token_id=0))
-    model = LlavaForConditionalGeneration(cfg).double()
-    C, H, W, R = 3, 16, 16, 16  # 4x4 patches, CLS dropped ("default" select strategy)
-
-    def call(encoder, table):
-        pix = table.values.reshape(-1, C, H, W).to(model.dtype)
-        return torch.cat(list(model.model.get_image_features(pixel_values=pix).pooler_output), 0)
-
-    encoder = nn.ModuleDict({"tower": model.model.vision_tower, "proj": model.model.multi_modal_projector})
-    imgs = torch.randn(2, C * H * W, dtype=torch.float64)
-    table = MediaTable("image", imgs, torch.tensor([0, 1, 2]), ("a", "b"))
-    occ = [{"image": MediaOccurrences(torch.tensor([0, 1, 0]), torch.tensor([0, 1, 2]), torch.tensor([0, 0, 0]))},
-           {"image": MediaOccurrences(torch.tensor([1]), torch.tensor([0]), torch.tensor([0]))}]
-    batch = MultimodalBatch({"image": table}, occ)
-    mbs = [torch.tensor([[1, 5] + [120] * R + [7, 8, 9]] * n) for n in (3, 1)]
-    for i, ids in enumerate(mbs):
-        pix = imgs[occ[i]["image"].index].reshape(-1, C, H, W)
-        model(input_ids=ids, pixel_values=pix, labels=ids).loss.backward()
-    ref = grads(model)
-    model.zero_grad(set_to_none=True)
-    shared = SharedEncoding(encoder, call=call, out_lengths=lambda n: n * R)
-    with shared.minibatch(batch) as sm:
-        for i, ids in enumerate(mbs):
-            rows = BaseModelOutputWithPooling(pooler_output=(sm.rows(i),))
-            sm.backward(model(input_ids=ids, labels=ids, mm_encoder_outputs={"image": rows}).loss)
+    recipe = next(b.code for b in docstring_blocks(hf) if "LlavaProcessor" in b.code)
+    ns = dict(vars(hf))
+    ns.update(tiny_llava())
+    model, processor, mbs = ns["model"], ns["image_processor"], ns["micro_batches"]
+    exec(compile(recipe, "llava recipe", "exec"), ns)
     got = grads(model)
+    model.zero_grad(set_to_none=True)
+    R = ns["R"]
+    for trajs in mbs:  # the reference: every trajectory with its own copy of its image, the model's own forward
+        seqs = [torch.cat([t.prompt_ids.repeat_interleave(1 + (R - 1) * (t.prompt_ids == 31)), t.response_ids])
+                for t in trajs]
+        ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(x) for x in seqs], batch_first=True)
+        pix = torch.cat([processor(images=[t.media[0].tensor], return_tensors="pt")["pixel_values"] for t in trajs])
+        model(input_ids=ids, attention_mask=mask, pixel_values=pix.to(model.dtype),
+              labels=ids.masked_fill(mask == 0, -100)).loss.backward()
+    ref = grads(model)
     assert set(got) == set(ref)
     scale = max(float(v.abs().max()) for v in ref.values())  # k_proj.bias has a true gradient of 0: global scale
     assert max(float((got[n] - ref[n]).abs().max()) for n in ref) < 1e-10 * scale
+    assert max(float(v.abs().max()) for n, v in got.items() if "vision_tower" in n) > 0
+
+
+# ------------------------------------------------------------------------- collate from the dataset, loss scaling
+def _put_all(trajs, *, num_consumers, token_budget, group_size):
+    from knitdata import BatchSpec, Pipeline
+
+    spec = BatchSpec({"s": len(trajs)}, num_minibatches=1, group_size=group_size)
+    pipe = Pipeline(spec, num_consumers=num_consumers, token_budget=token_budget)
+    for t in sorted(trajs, key=lambda t: t.group):
+        pipe.put(t)
+    pipe.close()
+    return pipe
+
+
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_collate_takes_the_datasets_micro_batches(models, family, mode):
+    """``adapter.collate(mb)`` on what ``pipe.dataset(...)`` yields (padded or packed, any pad id, loss masks)
+    equals the collate of the micro-batch's trajectories with its media batch."""
+    from knitdata import TokenCollator
+
+    ad = _adapter(models, family)
+    trajs = make_layout(family, 11, groups=3, group_size=2, k=1)[0]
+    by_id = {t.id: t for t in trajs}
+    pipe = _put_all(trajs, num_consumers=2, token_budget=max(t.num_tokens for t in trajs) + 4, group_size=2)
+    seen = 0
+    for rank in range(2):
+        for mb in pipe.dataset(rank, media_collator=ad.media_collator(),
+                               collate=TokenCollator(pad_id=7, mode=mode, pad_to_multiple_of=3)):
+            ts = [by_id[i] for i in mb.info.trajectory_ids]
+            got = ad.collate(mb)
+            if not ts:
+                assert got["input_ids"].shape == (1, 2)  # the dummy row of an empty micro-batch
+                continue
+            want = ad.collate(ts, mb.media, mb.info.microbatch)
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+            seen += len(ts)
+    assert seen == len(trajs)
+
+
+def test_collate_errors_say_what_to_do(models):
+    from knitdata import TokenCollator
+
+    ad = _adapter(models, "qwen2_audio")
+    trajs = make_layout("qwen2_audio", 2, groups=1, group_size=2, k=1)[0]
+    pipe = _put_all(trajs, num_consumers=1, token_budget=64, group_size=2)
+    mb = next(iter(pipe.dataset(0)))  # no media collator
+    with pytest.raises(ConfigError, match="media_collator=adapter.media_collator"):
+        ad.collate(mb)
+    with pytest.raises(ConfigError, match="give the mini-batch's MultimodalBatch"):
+        ad.collate(trajs)
+    bare = TokenCollator()(trajs)
+    bare.prompt_lengths = None
+    with pytest.raises(ConfigError, match="TokenCollator"):
+        ad.collate(bare, ad.media_collator()([trajs]), 0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scale_mean_loss_gives_the_minibatch_token_mean_across_ranks(models, family):
+    """Two ranks (one with an empty micro-batch), several micro-batches each: the sum over micro-batches of
+    ``scale_mean_loss(out.loss, ...)``, averaged over the ranks as DDP does, has the gradient of the model's mean
+    loss over the whole mini-batch in one forward."""
+    from knitdata.integrations.transformers import scale_mean_loss
+
+    ad = _adapter(models, family)
+    trajs = make_layout(family, 4, groups=3, group_size=1, k=1)[0]  # 3 single-trajectory groups over 2 ranks
+    by_id = {t.id: t for t in trajs}
+    budget = max(t.num_tokens for t in trajs)  # one trajectory per micro-batch
+    pipe = _put_all(trajs, num_consumers=2, token_budget=budget, group_size=1)
+    per_rank, empties = [], 0
+    for rank in range(2):
+        ad.model.zero_grad(set_to_none=True)
+        shared = ad.shared_encoding("fold")
+        for mb in pipe.dataset(rank, media_collator=ad.media_collator()):
+            i = mb.info.microbatch
+            if i == 0:
+                sm = shared.minibatch(mb.media).__enter__()
+            inputs = ad.collate(mb)
+            out = ad.forward(inputs, sm.rows(i))
+            loss = scale_mean_loss(out.loss, inputs, mb, world_size=2)
+            if mb.is_empty:
+                empties += 1
+                assert float(loss.detach()) == 0.0 and loss.requires_grad
+            sm.backward(loss)
+            if mb.info.is_last:
+                sm.__exit__(None, None, None)
+        per_rank.append(grads(ad.model))
+    assert empties == 1
+    # a rank with no media has no encoder gradient here (one process: no dummy encode), DDP would reduce zeros
+    names = set(per_rank[0]) | set(per_rank[1])
+    got = {n: (per_rank[0].get(n, 0.0) + per_rank[1].get(n, 0.0)) / 2 for n in names}
+    ad.model.zero_grad(set_to_none=True)
+    batch = ad.media_collator()([trajs])
+    ad.forward_native(ad.collate(trajs, batch, 0), batch, 0).loss.backward()  # HF's mean over all label tokens
+    ref = grads(ad.model)
+    ad.model.zero_grad(set_to_none=True)
+    assert set(by_id) == {t.id for t in trajs}
+    assert max_rel_diff(got, ref) < TOL[family]
+
+
+def test_scale_mean_loss_edge_cases():
+    from knitdata.collate import MicroBatchInfo
+    from knitdata.errors import ValidationError
+    from knitdata.integrations.transformers import scale_mean_loss
+
+    info = MicroBatchInfo(consumer=0, train_batch=0, minibatch=0, minibatch_in_batch=0, microbatch=0,
+                          num_microbatches=1, is_last=True, global_tokens=20, global_trajectories=2,
+                          global_loss_tokens=8, trajectory_ids=("a",), gen_versions=(0,))
+    labels = torch.tensor([[-100, -100, 5, 6, -100], [-100, 3, 4, 5, 6]])
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    x = torch.tensor(2.0, requires_grad=True)
+    out = scale_mean_loss(x, {"labels": labels, "attention_mask": mask}, info, world_size=4)
+    assert float(out.detach()) == pytest.approx(2.0 * 6 * 4 / 8)  # 6 label tokens after the shift
+    nan = torch.tensor(float("nan"), requires_grad=True)  # every label masked: the model's mean is NaN
+    zero = scale_mean_loss(nan, {"labels": torch.full((1, 3), -100)}, info, world_size=1)
+    zero.backward()
+    assert float(zero) == 0.0 and float(nan.grad) == 0.0
+    with pytest.raises(ValidationError, match="no MicroBatchInfo"):
+        scale_mean_loss(x, {"labels": labels}, None, world_size=1)
+    with pytest.raises(ConfigError, match="world_size"):
+        scale_mean_loss(x, {"labels": labels}, info, world_size=0)
+    import dataclasses
+
+    with pytest.raises(ValidationError, match="global_loss_tokens=0"):
+        scale_mean_loss(x, {"labels": labels}, dataclasses.replace(info, global_loss_tokens=0), world_size=1)
+
+
+def test_adapter_for_takes_the_processor_by_keyword(models):
+    """The documented call: ``adapter_for(model, processor=...)`` (no ``image_processor`` keyword)."""
+    ad = adapter_for(models["qwen2_5_vl"], processor=tiny_image_processor())
+    assert ad.family == "qwen2_5_vl" and ad.processor.size["longest_edge"] == 1024
+    import inspect
+
+    assert list(inspect.signature(adapter_for).parameters) == ["model", "processor"]

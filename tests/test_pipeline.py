@@ -535,3 +535,27 @@ def test_the_signature_shows_every_default():
     assert params["put_timeout"].default == 60.0 and params["token_budget"].default == 8192
     assert inspect.signature(Pipeline.dataset).parameters["timeout"].default == 1800.0
     assert knitdata.PipelineClosedError is PipelineClosedError
+
+
+def test_a_trajectory_longer_than_the_token_budget_is_refused_at_put():
+    """203 tokens with a budget of 64: refused in the producer, naming the trajectory, the field and the budget;
+    nothing of the put (or of a put_many holding it) is stored, and the rest of the stream is unaffected."""
+    spec = BatchSpec({"a": 4}, num_minibatches=1, group_size=2)
+    pipe = Pipeline(spec, num_consumers=1, token_budget=64)
+    long = make_traj(9, "a", "g9", response_len=200, prompt_len=3)
+    assert long.num_tokens == 203
+    with pytest.raises(ValidationError, match=r"203 tokens \(prompt 3 \+ response 200\) exceed the pipeline's "
+                                              r"token_budget of 64") as ei:
+        pipe.put(long)
+    assert ei.value.trajectory_id == "t9" and ei.value.field == "num_tokens"
+    assert "'t9'" in str(ei.value) and "num_tokens" in str(ei.value)
+    fits = [make_traj(i, "a", f"g{i // 2}", response_len=60, prompt_len=4) for i in range(4)]  # exactly 64 tokens
+    with pytest.raises(ValidationError, match="token_budget of 64"):
+        pipe.put_many([fits[0], long])
+    st = pipe.stats()
+    assert st["held_trajectories"] == 0 and st["rejected_by_cause"] == {"num_tokens": 2}
+    for t in fits:
+        pipe.put(t)
+    pipe.close()
+    got = [mb.info.trajectory_ids for mb in pipe.dataset(0, timeout=30)]
+    assert sorted(i for ids in got for i in ids) == ["t0", "t1", "t2", "t3"] and all(len(ids) == 1 for ids in got)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,6 +163,44 @@ def test_int_scalars_are_stored_as_float() -> None:
     assert json.loads(json.dumps(t.scalars)) == {"reward": 1.0, "advantage": -2.5}
     with pytest.raises(FieldTypeError, match="scalars.flag"):
         make(scalars={"flag": True})
+
+
+@pytest.mark.parametrize(
+    "value",
+    [np.float32(0.25), np.float64(0.25), np.float16(0.25), np.int64(3), np.uint8(3), np.array(0.25, dtype=np.float32),
+     torch.tensor(0.25), torch.tensor(0.25, dtype=torch.bfloat16), torch.tensor(3), torch.tensor(0.25, requires_grad=True)],
+    ids=lambda v: f"{type(v).__name__}-{getattr(v, 'dtype', '')}",
+)
+def test_numpy_and_0d_tensor_scalars_are_stored_as_float(value) -> None:
+    """A reward computed with numpy (``numpy.float32``) or torch (a 0-d tensor) is accepted as a float."""
+    from knitdata.codec import decode_trajectory, encode_trajectory
+
+    t = make(scalars={"reward": value, "advantage": 1})
+    want = float(value.item())
+    assert t.scalars == {"reward": want, "advantage": 1.0}
+    assert all(type(v) is float for v in t.scalars.values())
+    assert json.loads(json.dumps(t.scalars)) == t.scalars
+    assert decode_trajectory(encode_trajectory(t)).equals(t)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [(np.bool_(True), "expected a float, got a numpy bool"), (np.complex64(1), "numpy complex64"),
+     (np.array([0.5, 0.5]), "got an array of shape \\(2,\\)"), (torch.tensor([0.5]), "got a tensor of shape \\(1,\\)"),
+     (torch.tensor(True), "dtype torch.bool"), (np.str_("1"), "numpy str_"), ("1", "got str")],
+    ids=lambda v: repr(v)[:30],
+)
+def test_non_real_scalars_are_refused_naming_the_field(value, message) -> None:
+    with pytest.raises(FieldTypeError, match=message) as e:
+        make(scalars={"reward": value})
+    assert e.value.trajectory_id == "t1" and e.value.field == "scalars.reward"
+
+
+@pytest.mark.parametrize("value", [np.float32(np.nan), np.float64(np.inf), torch.tensor(float("nan"))], ids=repr)
+def test_non_finite_numpy_and_tensor_scalars_are_refused(value) -> None:
+    with pytest.raises(ValidationError, match="must be finite") as e:
+        make(scalars={"reward": value})
+    assert e.value.field == "scalars.reward"
 
 
 def test_meta_packs_its_counts_for_planning() -> None:

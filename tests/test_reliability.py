@@ -335,7 +335,7 @@ def test_consumer_dies_mid_step_restores_from_saved_state_without_loss(fetch):
 
 def test_restart_without_saved_state_resumes_from_committed_position():
     """A consumer that lost its state file entirely: a fresh dataset continues from the pipeline's record."""
-    pipe = Pipeline(spec_for(6, num_minibatches=3), num_consumers=1, token_budget=8)
+    pipe = Pipeline(spec_for(6, num_minibatches=3), num_consumers=1, token_budget=9)  # one trajectory (5-9 tokens) each
     for i in range(6):
         pipe.put(traj(i))
     pipe.close()

@@ -33,15 +33,23 @@ The loader holds nothing beyond the micro-batch being handed out, so its state (
 after the last micro-batch handed out) is exactly what the training loop has consumed. Save at an
 optimizer-step boundary (after ``info.is_last``) so model, optimizer and loader agree.
 
-Example:
-    >>> accelerator = Accelerator()                                   # doctest: +SKIP
-    >>> model, opt = accelerator.prepare(model, opt)                  # doctest: +SKIP
-    >>> loader = prepare_loader(accelerator, pipeline, fetch="iter")  # doctest: +SKIP
-    >>> for mb in loader:                                             # doctest: +SKIP
-    ...     with loader.accumulate(model, mb):
-    ...         loss = (per_token_loss(model, mb) * mb.loss_mask).sum() * loader.loss_scale(mb)
-    ...         accelerator.backward(loss)
-    ...         opt.step(); opt.zero_grad()          # skipped by Accelerate unless mb.info.is_last
+Example (``model``, ``opt``, ``per_token_loss`` and the pipeline ``pipeline`` are yours; on a Ray-engine pipeline
+every rank attaches with ``Pipeline.attach(name, address=...)``):
+
+```python
+from accelerate import Accelerator
+from knitdata.integrations.accelerate import prepare_loader
+
+accelerator = Accelerator()                        # keep gradient_accumulation_steps=1: the plan decides
+model, opt = accelerator.prepare(model, opt)       # the loader does not go through prepare()
+loader = prepare_loader(accelerator, pipeline, fetch="iter")
+for mb in loader:
+    with loader.accumulate(model, mb):             # no_sync and sync_gradients=False until mb.info.is_last
+        loss = (per_token_loss(model, mb) * mb.loss_mask).sum() * loader.loss_scale(mb)
+        accelerator.backward(loss)
+        opt.step(); opt.zero_grad()                # skipped by Accelerate unless mb.info.is_last
+accelerator.save_state("ckpt")                     # also ckpt/knitdata_loader_rank{r}.json, committed
+```
 """
 
 from __future__ import annotations
@@ -425,7 +433,10 @@ def prepare_loader(
         accelerator: The :class:`accelerate.Accelerator`.
         source: A :class:`~knitdata.pipeline.Pipeline` (or anything with ``dataset(rank, **kw)`` and
             ``num_consumers``, e.g. a Ray-engine client), or a factory ``source(rank, world) -> dataset``.
-        device_placement, non_blocking, register_hooks, name: See :class:`AcceleratedLoader`.
+        device_placement: See :class:`AcceleratedLoader`.
+        non_blocking: See :class:`AcceleratedLoader`.
+        register_hooks: See :class:`AcceleratedLoader`.
+        name: See :class:`AcceleratedLoader`.
         **dataset_kwargs: Passed to ``source.dataset`` (``fetch``, ``prefetch_depth``, ``collate``...). With
             ``fetch="iter"`` on a CUDA accelerator, ``device`` defaults to ``accelerator.device`` (copies on
             the prefetch thread's side stream).

@@ -35,50 +35,119 @@ exactness condition of :class:`~knitdata.encoder.SharedEncoding`. Tested in floa
 configs against the duplicated native path: Qwen2.5-VL's RMSNorm computes in float32 even in a float64
 model, so the gradients agree to about 1e-6 relative (``GRAD_RTOL``), not to float64 rounding.
 
-Example (one optimizer step of K micro-batches)::
+**Loss.** The model's ``out.loss`` is the *mean* over the micro-batch's label tokens, but an optimizer step
+wants the mean over the whole mini-batch (every micro-batch of every rank). :func:`scale_mean_loss` turns the
+one into this micro-batch's share of the other (``loss * n * world / info.global_loss_tokens``, with ``n`` the
+tokens the model's mean counted); summed over the micro-batches and averaged by DDP over the ranks, that is the
+token mean of the mini-batch. For a loss you sum yourself, scale by ``world / info.global_loss_tokens`` instead.
 
-    adapter = adapter_for(model, image_processor=Qwen2VLImageProcessor.from_pretrained(path))
-    collate = adapter.media_collator()                       # one MultimodalCollator per consumer
-    shared = adapter.shared_encoding(mode="fold")
-    mm = collate(micro_batches)                              # unique images processed once
-    with shared.minibatch(mm) as sm:                         # encoded once
-        for i, mb in enumerate(micro_batches):
-            inputs = adapter.collate(mb, mm, i)
-            out = adapter.forward(inputs, sm.rows(i))        # the model's own forward, M-RoPE and loss
-            sm.backward(out.loss * scale[i])
-    optimizer.step()
+Example: one process, a tiny random-init Qwen2.5-VL built from a config (nothing downloaded; for a real model,
+``Qwen2_5_VLForConditionalGeneration.from_pretrained(path)`` and
+``adapter_for(model, processor=AutoImageProcessor.from_pretrained(path))``), GRPO groups whose responses share
+their prompt's image, two micro-batches per optimizer step:
+
+```python
+import numpy as np
+import torch
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+from knitdata import BatchSpec, Pipeline, Trajectory, image_item
+from knitdata.integrations.transformers import adapter_for, scale_mean_loss
+
+IMAGE, VSTART, VEND = 120, 122, 123                # the config's image, vision-start and vision-end tokens
+config = Qwen2_5_VLConfig(
+    vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2, window_size=16, in_channels=3),
+    text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                     rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+    image_token_id=IMAGE, video_token_id=121, vision_start_token_id=VSTART, vision_end_token_id=VEND)
+model = Qwen2_5_VLForConditionalGeneration(config)  # random weights
+adapter = adapter_for(model)                        # its image processor built from the config
+
+# rollout: 2 groups of 4 responses, each group's prompt with one image placeholder per image
+spec = BatchSpec({"vqa": 8}, num_minibatches=2, group_size=4)
+pipe = Pipeline(spec, num_consumers=1, token_budget=24)   # 2 trajectories (11 tokens each) per micro-batch
+rng = np.random.default_rng(0)
+for g in range(2):
+    image = image_item(rng.integers(0, 256, (3, 32, 32), dtype=np.uint8))
+    for r in range(4):
+        pipe.put(Trajectory(id=f"g{g}-r{r}", source="vqa", group=f"g{g}", media=[image],
+                            prompt_ids=torch.tensor([1, VSTART, IMAGE, VEND, 7, 8]),
+                            response_ids=torch.randint(3, 100, (5,))))
+pipe.close()
+
+# training: unique images processed once per mini-batch (media collator) and encoded once (shared encoding)
+world = 1                                           # data-parallel ranks (torch.distributed's world size)
+shared = adapter.shared_encoding()                  # mode="fold"
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+for mb in pipe.dataset(0, media_collator=adapter.media_collator()):
+    i = mb.info.microbatch
+    if i == 0:                                      # first micro-batch of the step: encode the unique images
+        sm = shared.minibatch(mb.media).__enter__()
+    inputs = adapter.collate(mb)                    # placeholders expanded, labels on the responses
+    out = adapter.forward(inputs, sm.rows(i))       # the model's own forward, M-RoPE and loss
+    sm.backward(scale_mean_loss(out.loss, inputs, mb, world_size=world))
+    if mb.info.is_last:                             # the last backward also ran the encoder's
+        sm.__exit__(None, None, None)
+        opt.step(); opt.zero_grad()
+```
+
+Under DDP (one process per rank, ranks attached to a Ray-engine pipeline), wrap the model in
+``DistributedDataParallel`` before building the adapter, run each micro-batch's forward and backward inside
+``grad_sync(model, enabled=mb.info.is_last)`` (:func:`knitdata.encoder.grad_sync`), and pass the world size.
+An empty micro-batch (``mb.is_empty``, a padding step) still gets a one-row dummy input from
+:meth:`HFMultimodalAdapter.collate`, whose loss :func:`scale_mean_loss` scales to zero, so that the ranks'
+all-reduces line up.
 
 Recipe for LLaVA-style models (a CLIP/SigLIP tower plus a projector, ``LlavaForConditionalGeneration``): every
 image gives a fixed number ``R`` of rows (patches, minus the CLS token with the ``"default"`` feature select
-strategy), and the model's forward takes precomputed rows through the same ``mm_encoder_outputs`` hook::
+strategy), and the model's forward takes precomputed rows through the same ``mm_encoder_outputs`` hook
+(``model``, its ``image_processor``, and ``micro_batches``, lists of trajectories whose prompts hold one
+``image_token_id`` per image, are yours):
 
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-    C, H, W = 3, 336, 336                              # the image processor's output size
-    def preprocess(pixels):                            # one row per image: [1, C*H*W]
-        return image_processor(images=[pixels], return_tensors="pt")["pixel_values"].reshape(1, -1)
-    def call(encoder, table):                          # encoder: the tower and projector
-        pix = table.values.reshape(-1, C, H, W).to(model.dtype)
-        return torch.cat(list(model.model.get_image_features(pixel_values=pix).pooler_output), 0)
-    encoder = nn.ModuleDict({"tower": model.model.vision_tower, "proj": model.model.multi_modal_projector})
-    shared = SharedEncoding(encoder, call=call, out_lengths=lambda n: n * R)
-    collate = MultimodalCollator({"image": preprocess}, key="provenance")
-    # text: expand each <image> token to R tokens (what LlavaProcessor does), then per micro-batch
-    out = model(input_ids=ids, attention_mask=mask, labels=labels,
-                mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=(sm.rows(i),))})
+```python
+from torch.nn.utils.rnn import pad_sequence
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+vc = model.config.vision_config
+C, H, W = 3, vc.image_size, vc.image_size          # the image processor's output size
+R = (vc.image_size // vc.patch_size) ** 2          # rows per image
+def preprocess(pixels):                            # one row per image: [1, C*H*W]
+    return image_processor(images=[pixels], return_tensors="pt")["pixel_values"].reshape(1, -1)
+def call(encoder, table):                          # encoder: the tower and projector
+    pix = table.values.reshape(-1, C, H, W).to(model.dtype)
+    return torch.cat(list(model.model.get_image_features(pixel_values=pix).pooler_output), 0)
+encoder = nn.ModuleDict({"tower": model.model.vision_tower, "proj": model.model.multi_modal_projector})
+shared = SharedEncoding(encoder, call=call, out_lengths=lambda n: n * R)
+collate = MultimodalCollator({"image": preprocess}, key="provenance")
+with shared.minibatch(collate(micro_batches)) as sm:
+    for i, trajs in enumerate(micro_batches):
+        # each image token expanded to R tokens (what LlavaProcessor does), then the response
+        image = [t.prompt_ids == model.config.image_token_id for t in trajs]
+        seqs = [torch.cat([t.prompt_ids.repeat_interleave(1 + (R - 1) * m), t.response_ids])
+                for t, m in zip(trajs, image)]
+        ids = pad_sequence(seqs, batch_first=True)
+        mask = pad_sequence([torch.ones_like(x) for x in seqs], batch_first=True)
+        out = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100),
+                    mm_encoder_outputs={"image": BaseModelOutputWithPooling(pooler_output=(sm.rows(i),))})
+        sm.backward(out.loss)
+```
 
 Importing this module without ``transformers`` raises :class:`~knitdata.errors.OptionalDependencyError`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 from torch import nn
 
+from knitdata.collate import MicroBatch, MicroBatchInfo
 from knitdata.encoder import SharedEncoding
-from knitdata.errors import ConfigError, MediaError, OptionalDependencyError
+from knitdata.errors import ConfigError, MediaError, OptionalDependencyError, ValidationError
 from knitdata.multimodal import MediaTable, MultimodalBatch, MultimodalCollator
 from knitdata.record import Trajectory
 
@@ -97,6 +166,7 @@ __all__ = [
     "adapter_for",
     "qwen2_5_vl",
     "qwen2_audio",
+    "scale_mean_loss",
 ]
 
 #: Supported ``model.config.model_type`` values.
@@ -203,17 +273,30 @@ class HFMultimodalAdapter:
         )
 
     def collate(
-        self, trajectories: Sequence[Trajectory], batch: MultimodalBatch, i: int, *, pad_to_multiple_of: int = 1
+        self,
+        micro_batch: MicroBatch | Sequence[Trajectory],
+        batch: MultimodalBatch | None = None,
+        i: int | None = None,
+        *,
+        pad_to_multiple_of: int = 1,
     ) -> dict[str, torch.Tensor]:
         """Text inputs of micro-batch ``i``: placeholders expanded per item, right-padded.
 
-        Every trajectory's ``prompt_ids`` must hold one ``placeholder_id`` per media item of this kind, in
-        media order; each becomes as many placeholders as the item has encoder rows.
+        Takes what the dataset yields: a :class:`~knitdata.collate.MicroBatch` of a dataset built with
+        ``media_collator=adapter.media_collator()`` (``batch`` is then its ``media``, ``i`` its
+        ``info.microbatch``; padded or packed token layout, any ``pad_id``). Or the micro-batch's
+        trajectories, with ``batch`` and ``i``. Every prompt must hold one ``placeholder_id`` per media item of
+        this kind, in media order; each becomes as many placeholders as the item has encoder rows.
+
+        An empty micro-batch (a padding step of a rank, ``mb.is_empty``) gives a one-row dummy of two padding
+        tokens (one label), so the rank still runs a forward and backward; :func:`scale_mean_loss` scales its
+        loss to zero.
 
         Args:
-            trajectories: Micro-batch ``i``'s trajectories, in the order given to the media collator.
-            batch: The mini-batch's :class:`~knitdata.multimodal.MultimodalBatch`.
-            i: The micro-batch.
+            micro_batch: The dataset's micro-batch, or micro-batch ``i``'s trajectories in the order given to
+                the media collator.
+            batch: The mini-batch's :class:`~knitdata.multimodal.MultimodalBatch` (default: ``micro_batch.media``).
+            i: The micro-batch (default: ``micro_batch.info.microbatch``).
             pad_to_multiple_of: Pad the sequence length up to a multiple of this.
 
         Returns:
@@ -223,7 +306,31 @@ class HFMultimodalAdapter:
 
         Raises:
             MediaError: A prompt's placeholder count differs from its media items of this kind.
+            ConfigError: A micro-batch without media (``media_collator`` not given to the dataset), without
+                prompt and response lengths (a custom ``collate``), or trajectories without ``batch`` and ``i``.
         """
+        sequences: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+        if isinstance(micro_batch, MicroBatch):
+            sequences = list(_sequences(micro_batch))
+            if batch is None:
+                batch = micro_batch.media
+            if i is None and micro_batch.info is not None:
+                i = micro_batch.info.microbatch
+            if sequences and not isinstance(batch, MultimodalBatch):
+                raise ConfigError(
+                    "the micro-batch carries no MultimodalBatch in .media: build the dataset with "
+                    "media_collator=adapter.media_collator()"
+                )
+        else:
+            sequences = [
+                (t.id, t.prompt_ids.to(torch.long).cpu(), t.response_ids.to(torch.long).cpu(),
+                 None if t.loss_mask is None else t.loss_mask.cpu())
+                for t in micro_batch
+            ]
+        if not sequences:
+            return self._dummy_inputs()
+        if batch is None or i is None:
+            raise ConfigError("collate(trajectories, batch, i): give the mini-batch's MultimodalBatch and the micro-batch")
         occ = batch.for_microbatch(i).get(self.kind)
         table = batch.tables.get(self.kind)
         counts: dict[int, list[int]] = {}
@@ -232,8 +339,7 @@ class HFMultimodalAdapter:
             for j, r in zip(occ.trajectory.tolist(), rows.tolist()):
                 counts.setdefault(j, []).append(int(r))
         seqs, labs = [], []
-        for j, t in enumerate(trajectories):
-            prompt = t.prompt_ids.to(torch.long).cpu()
+        for j, (tid, prompt, resp, loss_mask) in enumerate(sequences):
             where = (prompt == self.placeholder_id).nonzero().flatten().tolist()
             want = counts.get(j, [])
             if len(where) != len(want):
@@ -241,7 +347,7 @@ class HFMultimodalAdapter:
                     f"the prompt holds {len(where)} placeholder token(s) {self.placeholder_id} but the trajectory "
                     f"carries {len(want)} {self.kind} item(s): put one placeholder per item (it is expanded to the "
                     "item's encoder rows here)",
-                    trajectory_id=t.id,
+                    trajectory_id=tid,
                 )
             parts, start = [], 0
             for pos, n in zip(where, want):
@@ -249,13 +355,12 @@ class HFMultimodalAdapter:
                 start = pos + 1
             parts.append(prompt[start:])
             p = torch.cat(parts)
-            resp = t.response_ids.to(torch.long).cpu()
             lab = resp.clone()
-            if t.loss_mask is not None:
-                lab[t.loss_mask.cpu() == 0] = -100
+            if loss_mask is not None:
+                lab[loss_mask == 0] = -100
             seqs.append(torch.cat([p, resp]))
             labs.append(torch.cat([torch.full_like(p, -100), lab]))
-        width = max((s.numel() for s in seqs), default=0)
+        width = max(s.numel() for s in seqs)
         width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
         b = len(seqs)
         input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)
@@ -267,6 +372,13 @@ class HFMultimodalAdapter:
             mask[j, : s.numel()] = 1
         out = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
         out.update(self._extra_inputs(input_ids, mask, table, occ))
+        return out
+
+    def _dummy_inputs(self) -> dict[str, torch.Tensor]:
+        """Two padding tokens, the second one labelled (a finite loss, scaled to zero by scale_mean_loss)."""
+        ids = torch.full((1, 2), self.pad_id, dtype=torch.long)
+        out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([[-100, self.pad_id]])}
+        out.update(self._extra_inputs(ids, out["attention_mask"], None, None))
         return out
 
     def _extra_inputs(self, input_ids, mask, table, occ) -> dict[str, torch.Tensor]:
@@ -488,6 +600,97 @@ class Qwen2AudioAdapter(HFMultimodalAdapter):
             embeds = embeds.masked_scatter(mask, rows.to(embeds.dtype))
         fwd = {k: v for k, v in inputs.items() if k != "input_ids"}
         return self.model(inputs_embeds=embeds, **fwd, **kwargs)
+
+
+def _sequences(mb: MicroBatch) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(id, prompt, response, response loss mask)`` of every sequence of a collated micro-batch, in row order."""
+    n = mb.num_sequences
+    if n == 0:
+        return []
+    if mb.prompt_lengths is None or mb.response_lengths is None:
+        raise ConfigError(
+            "the micro-batch carries no prompt_lengths/response_lengths: collate it with knitdata's TokenCollator "
+            "(the dataset's default collate)"
+        )
+    ids = mb.info.trajectory_ids if mb.info is not None and len(mb.info.trajectory_ids) == n else None
+    plens = mb.prompt_lengths.tolist()
+    rlens = mb.response_lengths.tolist()
+    tokens = mb.input_ids.cpu()
+    weights = mb.loss_mask.cpu()
+    out = []
+    for j in range(n):
+        p, r = int(plens[j]), int(rlens[j])
+        if mb.cu_seqlens is not None:  # packed: one row, sequence j at cu_seqlens[j]
+            start = int(mb.cu_seqlens[j])
+            seq, w = tokens[0, start : start + p + r], weights[0, start : start + p + r]
+        else:
+            seq, w = tokens[j, : p + r], weights[j, : p + r]
+        out.append((ids[j] if ids is not None else f"row {j}", seq[:p].to(torch.long), seq[p:].to(torch.long), w[p:]))
+    return out
+
+
+def scale_mean_loss(
+    loss: torch.Tensor,
+    inputs: Mapping[str, torch.Tensor],
+    micro_batch: MicroBatch | MicroBatchInfo,
+    *,
+    world_size: int,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """The model's mean loss of one micro-batch, scaled to its share of the mini-batch's token mean.
+
+    A ``transformers`` model returns ``out.loss`` averaged over the micro-batch's label tokens (those of
+    ``labels[:, 1:]`` other than ``ignore_index``, after the causal shift). This multiplies it by
+    ``n * world_size / info.global_loss_tokens``, ``n`` being that count: summed over the micro-batches of an
+    optimizer step and averaged over the ranks (DDP, :class:`~knitdata.replicas.ThreadGradientSync`), the
+    gradient is the one of the mean over every loss token of the mini-batch, whatever the split into ranks and
+    micro-batches. A micro-batch that counts no token (an empty padding step: :meth:`HFMultimodalAdapter.collate`
+    gives it a dummy input; or every response token masked, where the model's mean is NaN) gives a zero loss
+    with zero gradients, still connected to the graph so that DDP's hooks fire.
+
+    The model's labels do not count a sequence's first token (nothing predicts it), while
+    ``global_loss_tokens`` counts every loss-mask token: keep prompts non-empty. A fractional ``loss_mask``
+    counts as 0 or 1 in the model's loss.
+
+    Args:
+        loss: ``out.loss`` of the model's forward on ``inputs``.
+        inputs: The forward's inputs (:meth:`HFMultimodalAdapter.collate`): its ``labels`` and
+            ``attention_mask`` give ``n``.
+        micro_batch: The dataset's micro-batch, or its :class:`~knitdata.collate.MicroBatchInfo`.
+        world_size: Data-parallel ranks whose gradients are averaged (``torch.distributed``'s world size, or the
+            number of consumer threads).
+        ignore_index: The label of tokens outside the loss.
+
+    Returns:
+        A scalar tensor: backward it (or pass it to ``SharedMiniBatch.backward``).
+
+    Raises:
+        ValidationError: No micro-batch info, or a micro-batch with tokens in a mini-batch without loss tokens.
+        ConfigError: ``world_size`` is not a positive int.
+    """
+    info = micro_batch.info if isinstance(micro_batch, MicroBatch) else micro_batch
+    if not isinstance(info, MicroBatchInfo):
+        raise ValidationError(
+            "the micro-batch carries no MicroBatchInfo: pass a micro-batch of a knitdata dataset (or its .info)",
+            field="info",
+        )
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive int, got {world_size!r}")
+    labels = inputs["labels"]
+    counted = labels[..., 1:] != ignore_index
+    mask = inputs.get("attention_mask")
+    if mask is not None:
+        counted = counted & (mask[..., 1:] != 0)
+    n = 0 if info.is_empty else int(counted.sum())
+    if n == 0:
+        return loss.nan_to_num(0.0) * 0.0
+    if info.global_loss_tokens <= 0:
+        raise ValidationError(
+            f"micro-batch {info.microbatch} of mini-batch {info.minibatch} has {n} label tokens but the mini-batch "
+            "counts no loss tokens (global_loss_tokens=0)",
+            field="global_loss_tokens",
+        )
+    return loss * (n * world_size / info.global_loss_tokens)
 
 
 def _audio_out_lengths(lengths: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,8 @@ class EmbeddedStorageUnit(StorageUnit):
 
     Example:
         >>> unit = EmbeddedStorageUnit("node0", capacity_bytes=1 << 20)
-        >>> unit.put(traj, timeout=0)  # doctest: +SKIP
+        >>> unit.put(traj, timeout=0) == traj.nbytes  # traj: a Trajectory; put returns the bytes stored
+        True
     """
 
     def __init__(self, unit_id: str, capacity_bytes: int, *, node: str | None = None, spill: Any = None) -> None:
