@@ -555,7 +555,8 @@ def _accel_delivery(tr: dict) -> str:
     if bad:
         return f"**Not exactly once:** {', '.join(bad)}."
     if tr.get("exactly_once_all_runs") is True:
-        return "Every run, interleaved and alone, delivered each trajectory exactly once."
+        return ("Every run, interleaved and alone, delivered each trajectory exactly once."
+                if tr.get("interleaved_run", True) else "Every run (each alone) delivered each trajectory exactly once.")
     return ""
 
 

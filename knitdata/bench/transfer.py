@@ -4,8 +4,9 @@ One fixed multimodal RL workload (the seed's Figures 8 and 11a-c): groups of ``n
 tokens that share one ``3x448x448`` uint8 image per group, 4 consumer processes, micro-batches of 4
 trajectories, 4 micro-batches per step, one torch thread per process, warm-up steps excluded, start-up
 excluded. ``--workload omni`` gives each group a short video (frames as image items; 4 frames at 224 px by
-default on this 2-core machine, 16 at 448 px with ``--omni-frames 16 --omni-px 448``) and a 30 s 16 kHz audio
-clip stored as FLAC bytes and decoded with soundfile; the model gets an audio encoder. It is delivered by
+default on this 2-core machine; the seed's 16 at 448 px with ``--omni-seed-size``, which also defaults to 1 + 4
+steps and each mode alone) and a 30 s 16 kHz audio clip stored as FLAC bytes and decoded with soundfile; the model
+gets an audio encoder. It is delivered by
 
 * ``transferqueue`` -- the real ``transferqueue`` package as verl drives it (controller + SimpleStorage units as
   Ray actors, started once per run on loopback only; one partition per consumer rank; the trainer calls
@@ -24,18 +25,19 @@ processes (step ``s`` of every source, then step ``s + 1``), so the drifting loa
 them alike. Since prefetching sources work ahead while the others' steps run, each process mode then runs
 alone in the same processes as a control (``controls``); ``iter_embedded`` runs afterwards in the driver.
 
-Every consumer trains a tiny vision-language model (a patch-MLP vision encoder, an audio encoder for omni, and
-an MLP backbone) on each micro-batch (``--compute cpu``), or waits exactly what that training costs alone on this
-machine (``--compute accel``, the default: each consumer's compute is a sleep of its cost calibrated before the
-run, per micro-batch and encoding, so the host CPU is free during compute as on a GPU node, while fetch, decode,
-collate and every data call stay real; see :data:`COMPUTE_MEASURES`), with the media encoded per copy (``dup``: what verl and slime do) or once
-per mini-batch with :class:`~knitdata.encoder.SharedEncoding` (``shared``; on transferqueue too, so the 2x2
-table ``end_to_end`` separates transfer and encoding effects). Exposed latency: per step, the wall time of every
-data call of the trainer -- ``next()`` for every system, plus knitdata's ``state_dict()`` and ``commit()`` after
-the optimizer step -- median over the measured steps, broken down by call: ``next()`` waiting for data
-(``wait_ms``), ``next()``'s own work (``own_ms``), ``state_dict()`` and ``commit()``. The GPU projection (``gpu_projection``, labelled
-``projected`` with its assumptions) replaces this CPU's compute time with the FLOPs of a 7B-class model at a
-stated rate and keeps the transfer times measured here; ``--gpu`` measures knitdata's modes on CUDA instead.
+Every consumer trains a tiny vision-language model (a patch-MLP vision encoder, an audio encoder for omni, and an
+MLP backbone) on each micro-batch (``--compute cpu``), or waits exactly what that training costs alone on this
+machine (``--compute accel``, the default: each consumer's compute is a sleep of its cost calibrated before the run,
+per micro-batch and encoding, so the host CPU is free during compute as on a GPU node, while fetch, decode, collate
+and every data call stay real; see :data:`COMPUTE_MEASURES`), with the media encoded per copy (``dup``: what verl
+and slime do) or once per mini-batch with :class:`~knitdata.encoder.SharedEncoding` (``shared``; on transferqueue
+too, so the 2x2 table ``end_to_end`` separates transfer and encoding effects). Exposed latency: per step, the wall
+time of every data call of the trainer -- ``next()`` for every system, plus knitdata's ``state_dict()`` and
+``commit()`` after the optimizer step -- median over the measured steps, broken down by call: ``next()`` waiting for
+data (``wait_ms``), ``next()``'s own work (``own_ms``), ``state_dict()`` and ``commit()``. The GPU projection
+(``gpu_projection``, labelled ``projected`` with its assumptions) replaces this CPU's compute time with the FLOPs of
+a 7B-class model at a stated rate and keeps the transfer times measured here; ``--gpu`` measures knitdata's modes on
+CUDA instead.
 """
 
 from __future__ import annotations
@@ -854,8 +856,9 @@ def calibrate_compute(w: TransferWorkload, cfg: VLMConfig, encodings: Sequence[s
 
     Returns:
         Per encoding ``{"microbatch_s": [median per micro-batch index], "optimizer_step_s", "step_s" (their
-        sum), "classes": [work class per index], "samples": {...}}``, plus ``reps``, ``warmup``, ``torch_threads``, ``shape`` and the load average
-        before and after (``loadavg_before``/``loadavg_after``).
+        sum), "classes": [work class per index], "samples": {...}}``, plus ``reps``, ``warmup``,
+        ``torch_threads``, ``shape``, ``model`` and the load average before and after (``loadavg_before`` /
+        ``loadavg_after``).
 
     Raises:
         ConfigError: Unknown encoding, or ``reps < 1``.
@@ -2784,7 +2787,7 @@ def format_table(result: Mapping[str, Any]) -> str:
         lines += ["", "controls (each mode alone):"] + _run_rows(result["control_runs"])
     for key, title in (("end_to_end", "interleaved"), ("end_to_end_alone", "alone")):
         e = result.get(key)
-        if not e:
+        if not e or not any(e.get(c) for c in ("tq_dup", "tq_shared", "iter_dup", "iter_shared")):
             continue
         lines += ["", f"2x2 step time ({title}): transfer x encoding"]
         lines.append(f"{'':<22}{'dup':>22}{'shared':>22}")
