@@ -559,3 +559,29 @@ def test_gpu_benchmark_loop_reports_every_fetch_mode(monkeypatch):
     assert res["exactly_once_all_runs"] is True
     assert "CUDA" in tb.format_table(res)
     json.dumps(tb._clean(res), allow_nan=False)
+
+
+@pytest.mark.timeout(180)
+def test_consumer_processes_exit_when_the_driver_dies():
+    """A benchmark killed mid-run (a time-out) leaves no consumer process behind."""
+    import signal
+    import time
+
+    code = ("import time\nfrom knitdata.bench import transfer as tb\npool = tb._WorkerPool(1)\n"
+            "print(pool.procs[0].pid, flush=True)\ntime.sleep(600)\n")
+    driver = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child = int(driver.stdout.readline())
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    deadline = time.monotonic() + 150
+    alive = True
+    while alive and time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{child}/stat") as fh:
+                alive = fh.read().split()[2] != "Z"
+        except FileNotFoundError:
+            alive = False
+        time.sleep(0.5)
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, "the consumer process outlived its driver"

@@ -1632,14 +1632,21 @@ def _run_worker_job(rank: int, job: Mapping[str, Any], barrier: Any, res_q: Any,
     return {"records": {n: [dataclasses.asdict(r) for r in v] for n, v in recs.items()}, "extra": extra}
 
 
-def _worker_main(rank: int, cmd_q: Any, res_q: Any, barrier: Any, barrier_timeout: float) -> None:
-    """Entry of one consumer process: runs jobs until it receives ``None``."""
+def _worker_main(rank: int, cmd_q: Any, res_q: Any, barrier: Any, barrier_timeout: float,
+                 driver_pid: int | None = None) -> None:
+    """Entry of one consumer process: runs jobs until it receives ``None`` (or its driver process is gone)."""
     import traceback
 
     _pin_threads()
+    parent = os.getppid() if driver_pid is None else driver_pid
     _preimport()
     while True:
-        job = cmd_q.get()
+        try:
+            job = cmd_q.get(timeout=2.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the driver died (killed, timed out): no orphan stays behind
+                return
+            continue
         if job is None:
             return
         try:
@@ -1681,7 +1688,8 @@ class _WorkerPool:
         os.environ["TQ_NUM_THREADS"] = "1"
         try:
             self.procs = [
-                ctx.Process(target=_worker_main, args=(r, self.cmd[r], self.res, self.barrier, barrier_timeout),
+                ctx.Process(target=_worker_main,
+                            args=(r, self.cmd[r], self.res, self.barrier, barrier_timeout, os.getpid()),
                             name=f"knitdata-bench-consumer-{r}", daemon=False)
                 for r in range(n)
             ]
