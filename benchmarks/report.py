@@ -202,9 +202,58 @@ MiB = float(1 << 20)
 # ----------------------------------------------------------------------------------------------- README.md
 
 
-@block("headline", "admission_skewed.json", "transfer.json", "encode.json")
+def _x(v: Any, spec: str = ".1f") -> str:
+    """A ratio as ``N.Nx`` (``-`` when missing)."""
+    return f(v, spec, suffix="x")
+
+
+def _headline_transfer(tr: Any, seed: Any) -> list[str]:
+    """The transfer lines of the README headline: the accel mode (compute as a calibrated wait), each system
+    alone; the omni workload at the seed's size when committed."""
+    if not isinstance(tr, dict) or not isinstance(tr.get("accel"), dict):
+        return ["- Transfer, the data path (`knitdata bench transfer --compute accel`: each consumer's compute is a "
+                "wait of its calibrated CPU cost, so the host CPU is free as on a GPU node): "
+                + missing("transfer_accel.json") + " The CPU-compute figures, which on this 2-core machine mostly "
+                "measure CPU contention, are in benchmarks/README.md."]
+    acc = tr["accel"]
+    it = g(acc, "alone", "iter") or {}
+    best, sync = g(acc, "alone", "transferqueue_best") or {}, g(acc, "alone", "transferqueue") or {}
+    r = acc.get("ratios") or {}
+    e2e = acc.get("end_to_end_alone") or {}
+    out = [
+        f"- Transfer, the data path (image workload; each consumer's compute is a wait of its calibrated CPU cost, so "
+        f"the host CPU is free as on a GPU node; each system alone): knitdata `iter` exposes {f(it.get('exposed_ms'))} "
+        f"ms per step in all its data calls (`next()` waiting for data {f(it.get('wait_ms'))} ms, its own work "
+        f"{f(it.get('own_ms'))} ms, `state_dict()` {f(it.get('state_dict_ms'), '.3f')} ms, `commit()` "
+        f"{f(it.get('commit_ms'), '.3f')} ms) against {f(best.get('exposed_ms'))} ms for transferqueue at its best "
+        f"(transferqueue / iter {_x(r.get('exposed_transferqueue_best_over_iter'))}) and {f(sync.get('exposed_ms'))} "
+        f"ms driven synchronously ({_x(r.get('exposed_transferqueue_over_iter'), '.0f')}). Step time iter / "
+        f"transferqueue at its best: {f(g(e2e, 'iter_dup', 'step_s'), '.3f')} / {f(g(e2e, 'tq_dup', 'step_s'), '.3f')} s "
+        f"(duplicated encoding), {f(g(e2e, 'iter_shared', 'step_s'), '.3f')} / {f(g(e2e, 'tq_shared', 'step_s'), '.3f')} "
+        "s (shared encoding)."
+    ]
+    if isinstance(seed, dict) and isinstance(seed.get("accel"), dict):
+        rs = g(seed, "accel", "ratios") or {}
+        es = g(seed, "accel", "end_to_end_alone") or {}
+        w = seed.get("workload") or {}
+        out.append(
+            f"- Transfer plus training, omni workload at the seed's size ({w.get('video_frames', '-')} frames at "
+            f"{w.get('frame_px', '-')} px and {f(w.get('audio_seconds'), '.0f')} s of audio per prompt; same method): "
+            f"knitdata `iter` with shared encoding takes {f(g(es, 'iter_shared', 'step_s'), '.3f')} s per step against "
+            f"{f(g(es, 'tq_sync_dup', 'step_s'), '.3f')} s for transferqueue driven synchronously with duplicated "
+            f"encoding ({_x(rs.get('end_to_end_transferqueue_dup_over_iter_shared'), '.2f')}; the seed claims up to "
+            f"5.8x) and {f(g(es, 'tq_dup', 'step_s'), '.3f')} s for transferqueue at its best with duplicated encoding "
+            f"({_x(rs.get('end_to_end_transferqueue_best_dup_over_iter_shared'), '.2f')})."
+        )
+    return out
+
+
+
+
+@block("headline", "admission_skewed.json", "encode.json",
+       optional=("transfer_accel.json", "transfer_omni_seed_accel.json"))
 def render_headline(d: dict) -> str:
-    """Three headline figures for README.md, each pointing at its table."""
+    """The headline figures for README.md (the transfer ones from the accel mode), each pointing at its table."""
     out = []
     adm = d.get("admission_skewed.json")
     if adm:
@@ -216,39 +265,7 @@ def render_headline(d: dict) -> str:
             f"({f(g(cp, 'arch_staleness_positive_mean'), '.3f')} vs {f(g(tb, 'arch_staleness_positive_mean'), '.2f')} "
             f"optimizer steps), with {g(cp, 'quota_violations', default='-')} quota violations."
         )
-    tr = d.get("transfer.json")
-    if tr:
-        it = g(tr, "modes", "iter")
-        best = g(tr, "modes", "transferqueue_best")
-        c_it, c_best, c_tq = (g(tr, "controls", m) for m in ("iter", "transferqueue_best", "transferqueue"))
-        e2e = g(tr, "end_to_end_alone") or g(tr, "end_to_end") or {}
-        if best and c_it and c_best:
-            ratio = _ms(c_best) / _ms(c_it) if _num(_ms(c_best)) and _num(_ms(c_it)) else None
-            ratio_sync = _ms(c_tq) / _ms(c_it) if c_tq and _num(_ms(c_tq)) and _num(_ms(c_it)) else None
-            out.append(
-                f"- Transfer (CPU, tiny VLM, each system run alone): knitdata `iter` exposes {f(_ms(c_it))} ms per step in "
-                f"data calls (`next()`, `state_dict()`, `commit()`) against {f(_ms(c_best))} ms for transferqueue at its "
-                f"best (its own prefetching; {f(ratio, '.1f')}x) and {f(_ms(c_tq))} ms driven synchronously "
-                f"({f(ratio_sync, '.0f')}x). Interleaved with the other sources, transferqueue's prefetch thread works "
-                f"ahead during their steps and exposes {f(_ms(best))} ms against `iter`'s {f(_ms(it))} ms. Step times "
-                f"(transferqueue / knitdata): {f(g(e2e, 'tq_dup', 'step_s'), '.3f')} / {f(g(e2e, 'iter_dup', 'step_s'), '.3f')} s "
-                f"duplicated encoding, {f(g(e2e, 'tq_shared', 'step_s'), '.3f')} / {f(g(e2e, 'iter_shared', 'step_s'), '.3f')} s "
-                "shared encoding."
-            )
-        elif best:
-            out.append(
-                f"- Transfer (CPU, tiny model): knitdata `iter` exposes {f(_ms(it))} ms of data wait per step against "
-                f"{f(_ms(best))} ms for transferqueue with its own prefetching "
-                f"({f(g(tr, 'latency_ratio_transferqueue_best_vs_iter'), '.1f')}x) and {f(_ms(g(tr, 'modes', 'transferqueue')))} ms "
-                f"driven synchronously ({f(g(tr, 'latency_ratio_transferqueue_vs_iter'), '.0f')}x)."
-            )
-        else:
-            out.append(
-                f"- Transfer (CPU, tiny model): knitdata `iter` exposes {f(_ms(it))} ms of data wait per step against "
-                f"{f(_ms(g(tr, 'modes', 'transferqueue')))} ms for transferqueue driven synchronously, one call per "
-                f"micro-batch without prefetch ({f(g(tr, 'latency_ratio_transferqueue_vs_iter'), '.0f')}x); step times "
-                f"differ far less (transfer alone {f(g(tr, 'speedup_transfer'))}x)."
-            )
+    out += _headline_transfer(d.get("transfer_accel.json"), d.get("transfer_omni_seed_accel.json"))
     enc = d.get("encode.json")
     if enc:
         rows = [r for r in enc.get("results", []) if r.get("mode") == "fold" and r.get("group_size") == 8]
@@ -264,10 +281,11 @@ def render_headline(d: dict) -> str:
 # ----------------------------------------------------------------------------------------------- machine
 
 
-@block("machine", "transfer.json", optional=("loader.json",))
+@block("machine", optional=("transfer_accel.json", "transfer.json", "loader.json"))
 def render_machine(d: dict) -> str:
-    """The software and CPU count recorded by the transfer (or loader) result."""
-    m = g(d, "transfer.json", "machine") or g(d, "loader.json", "machine") or {}
+    """The software and CPU count recorded by the transfer (accel, else CPU) or loader result."""
+    name, m = next(((n, g(d, n, "machine")) for n in ("transfer_accel.json", "transfer.json", "loader.json")
+                    if g(d, n, "machine")), ("transfer.json", {}))
     parts = []
     if _num(m.get("cpus")) is not None:
         parts.append(f"{int(m['cpus'])} CPUs")
@@ -277,7 +295,7 @@ def render_machine(d: dict) -> str:
         if m.get(k):
             parts.append(f"{k} {m[k]}")
     parts.append("CUDA" if m.get("cuda") else "no GPU")
-    return "As recorded in `results/transfer.json`: " + ", ".join(parts) + "."
+    return f"As recorded in `results/{name}`: " + ", ".join(parts) + "."
 
 
 # ----------------------------------------------------------------------------------------------- transfer
@@ -304,6 +322,7 @@ def _engine_label(e: dict) -> str:
 
 def _transfer_modes_table(tr: dict) -> str:
     rows = []
+    split = any(isinstance(e.get("breakdown_ms"), dict) for _, e in _mode_rows(tr))
     for name, e in _mode_rows(tr):
         label = f"**{f(_ms(e))}**" if name == g(tr, "iter_reference_mode", default="iter") and e.get("encoding") == "dup" else f(_ms(e))
         variant = e.get("variant") or e.get("best_of") or ""
@@ -312,6 +331,8 @@ def _transfer_modes_table(tr: dict) -> str:
             str(e.get("encoding", "-")),
             _engine_label(e),
             label,
+            *([f(g(e, "breakdown_ms", k), ".3f" if k in ("state_dict_ms", "commit_ms") else ".2f")
+               for k in ("wait_ms", "own_ms", "state_dict_ms", "commit_ms")] if split else []),
             f(e.get("exposed_latency_max_s"), ".2f", 1000.0),
             f(e.get("step_s"), ".3f"),
             f(e.get("compute_s"), ".3f"),
@@ -323,9 +344,10 @@ def _transfer_modes_table(tr: dict) -> str:
             {True: "yes", False: "no"}.get(e.get("interleaved"), "-"),
         ])
     return table(
-        ["mode", "encoding", "engine", "exposed ms/step", "max ms", "step s", "compute s", "moved MiB/step",
-         "to trainer MiB/step", "delivered", "lost", "dup", "interleaved"],
-        rows, "lllrrrrrrrrrl",
+        ["mode", "encoding", "engine", "exposed ms/step",
+         *(["wait ms", "own ms", "state_dict ms", "commit ms"] if split else []), "max ms", "step s", "compute s",
+         "moved MiB/step", "to trainer MiB/step", "delivered", "lost", "dup", "interleaved"],
+        rows, "lllr" + ("rrrr" if split else "") + "rrrrrrrrl",
     )
 
 
@@ -425,10 +447,157 @@ def _workload_text(tr: dict) -> str:
     return f"Workload (from the JSON): {desc}." if desc else ""
 
 
+def _measures_text(tr: dict) -> str:
+    m = tr.get("compute_measures")
+    return f"Compute `{tr.get('compute')}`; what this run measures (from the JSON): {m}." if isinstance(m, str) and m else ""
+
+
 def render_transfer_result(tr: dict) -> str:
     """Run line, modes table, delivery, latency ratios, the 2x2 table and the alone controls where present."""
-    return _join(run_text(tr), _workload_text(tr), _transfer_modes_table(tr), _transfer_delivery(tr) + " " + _transfer_ratios(tr),
-                 _transfer_2x2(tr), _transfer_controls(tr))
+    return _join(run_text(tr), _measures_text(tr), _workload_text(tr), _transfer_modes_table(tr),
+                 _transfer_delivery(tr) + " " + _transfer_ratios(tr), _transfer_2x2(tr), _transfer_controls(tr))
+
+
+# The accel mode (``--compute accel``): the summary under the JSON's ``accel`` key.
+_ACCEL_MODES = ("transferqueue", "transferqueue_best", "sample", "eager", "iter", "iter_embedded")
+
+
+def _accel_table(section: Any) -> str:
+    if not isinstance(section, dict) or not section:
+        return ""
+    rows = []
+    for m in _ACCEL_MODES:
+        e = section.get(m)
+        if not isinstance(e, dict):
+            continue
+        for enc, x in (("dup", e), ("shared", e.get("shared"))):
+            if not isinstance(x, dict):
+                continue
+            name = f"{m} ({x['variant']})" if x.get("variant") else m
+            ex = f(x.get("exposed_ms"), ".3f")
+            rows.append([f"**{name}**" if m == "iter" else name, enc, f"**{ex}**" if m == "iter" else ex,
+                         f(x.get("wait_ms"), ".3f"), f(x.get("own_ms"), ".3f"), f(x.get("state_dict_ms"), ".3f"),
+                         f(x.get("commit_ms"), ".3f"), f(x.get("step_s"), ".3f"), f(x.get("compute_s"), ".3f"),
+                         {True: "yes", False: "**no**"}.get(x.get("exactly_once"), "-")])
+    return table(["mode", "encoding", "exposed ms/step", "next: waiting ms", "next: own ms", "state_dict ms",
+                  "commit ms", "step s", "compute s", "exactly once"], rows, "llrrrrrrrl")
+
+
+def _accel_calibration(tr: dict) -> str:
+    cal = g(tr, "accel", "calibration")
+    if not isinstance(cal, dict):
+        return ""
+    parts = []
+    for enc in ("dup", "shared"):
+        c = cal.get(enc)
+        if isinstance(c, dict) and isinstance(c.get("microbatch_s"), list):
+            mbs = " + ".join(f(x, ".1f", 1000.0) for x in c["microbatch_s"])
+            parts.append(f"`{enc}` {mbs} ms per micro-batch and {f(c.get('optimizer_step_s'), '.1f', 1000.0)} ms for "
+                         f"the optimizer step ({f(c.get('step_s'), '.3f')} s per step)")
+    if not parts:
+        return ""
+    la = cal.get("loadavg_before")
+    return (f"Calibrated compute (model `{cal.get('model', '-')}` alone in the driver, {cal.get('torch_threads', '-')} "
+            f"torch thread, median of {cal.get('reps', '-')} steps" + (f", load average {_loads3(la)} before" if _loads3(la) else "")
+            + "): " + "; ".join(parts) + ".")
+
+
+def _accel_2x2(tr: dict) -> str:
+    e = g(tr, "accel", "end_to_end_alone")
+    if not isinstance(e, dict):
+        return ""
+
+    def cell(k: str) -> str:
+        c = e.get(k)
+        if not isinstance(c, dict):
+            return "-"
+        return f"{f(c.get('step_s'), '.3f')} s ({f(c.get('exposed_ms'), '.2f')} ms exposed)"
+
+    rows = [["transferqueue synchronous", cell("tq_sync_dup"), "-"],
+            ["transferqueue at its best", cell("tq_dup"), cell("tq_shared")],
+            ["knitdata iter (Ray engine)", cell("iter_dup"), cell("iter_shared")]]
+    return "Step time, transfer x encoding (`accel.end_to_end_alone`, each system alone):\n\n" + table(
+        ["system", "dup", "shared"], rows, "lrr")
+
+
+def _accel_ratios(tr: dict) -> str:
+    r = g(tr, "accel", "ratios")
+    if not isinstance(r, dict):
+        return ""
+    meaning = g(tr, "accel", "ratio_meaning") or {}
+    rows = [[f"`{k}`", str(meaning.get(k, "")), _x(v, ".2f")] for k, v in r.items()]
+    return "Ratios (`accel.ratios`, from the runs alone):\n\n" + table(["ratio", "of", "value"], rows, "llr")
+
+
+def _accel_acceptance(tr: dict) -> str:
+    a = g(tr, "accel", "acceptance")
+    if not isinstance(a, dict):
+        return ""
+    items = []
+    for k, v in a.items():
+        if not isinstance(v, dict) or not v.get("applies"):
+            continue
+        verdict = {True: "met", False: "**not met**"}.get(v.get("met"), "not measured")
+        items.append(f"`{k}` ({f(v.get('value'), '.3f')} {v.get('op', '')} {f(v.get('threshold'), 'g')}): {verdict}")
+    if not items:
+        return ""
+    return (f"Acceptance targets judged on this workload (`{g(tr, 'accel', 'workload_kind', default='-')}`): "
+            + "; ".join(items) + ".")
+
+
+def _accel_delivery(tr: dict) -> str:
+    bad = []
+    for sec in ("alone", "interleaved"):
+        for m, e in (g(tr, "accel", sec) or {}).items():
+            for enc, x in (("dup", e), ("shared", (e or {}).get("shared"))):
+                if isinstance(x, dict) and x.get("exactly_once") is False:
+                    bad.append(f"{m}/{enc} ({sec})")
+    if bad:
+        return f"**Not exactly once:** {', '.join(bad)}."
+    if tr.get("exactly_once_all_runs") is True:
+        return ("Every run, interleaved and alone, delivered each trajectory exactly once."
+                if tr.get("interleaved_run", True) else "Every run (each alone) delivered each trajectory exactly once.")
+    return ""
+
+
+def render_transfer_accel_result(tr: dict) -> str:
+    """The accel mode of the transfer benchmark: what it measures, the calibration, each system alone and
+    interleaved broken down by call, the 2x2 step times, the ratios and the acceptance verdicts."""
+    if not isinstance(tr.get("accel"), dict):
+        return _join(run_text(tr), "_This result has no `accel` section (run with `--compute accel`)._")
+    acc = tr["accel"]
+    parts = [run_text(tr), _measures_text(tr), _workload_text(tr), _accel_calibration(tr)]
+    alone = _accel_table(acc.get("alone"))
+    if alone:
+        parts.append("Each system alone (`accel.alone`; exposed = every data call per step, broken down by call; "
+                     "medians over steps):\n\n" + alone)
+    inter = _accel_table(acc.get("interleaved"))
+    if inter:
+        parts.append("Interleaved step by step in the same consumer processes (`accel.interleaved`; a prefetching "
+                     "source works ahead during the other sources' steps):\n\n" + inter)
+    parts += [_accel_delivery(tr), _accel_2x2(tr), _accel_ratios(tr), _accel_acceptance(tr)]
+    return _join(*parts)
+
+
+@block("transfer-accel", optional=("transfer_accel.json",))
+def render_transfer_accel(d: dict) -> str:
+    """The image workload, accel mode."""
+    tr = d.get("transfer_accel.json")
+    return render_transfer_accel_result(tr) if tr else missing("transfer_accel.json")
+
+
+@block("transfer-accel-omni", optional=("transfer_omni_accel.json",))
+def render_transfer_accel_omni(d: dict) -> str:
+    """The omni workload (CPU-sized default), accel mode."""
+    tr = d.get("transfer_omni_accel.json")
+    return render_transfer_accel_result(tr) if tr else missing("transfer_omni_accel.json")
+
+
+@block("transfer-accel-omni-seed", optional=("transfer_omni_seed_accel.json",))
+def render_transfer_accel_omni_seed(d: dict) -> str:
+    """The omni workload at the seed's size, accel mode."""
+    tr = d.get("transfer_omni_seed_accel.json")
+    return render_transfer_accel_result(tr) if tr else missing("transfer_omni_seed_accel.json")
 
 
 def render_transfer_speedups_result(tr: dict) -> str:

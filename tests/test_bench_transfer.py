@@ -1,8 +1,9 @@
 """Tests of the transfer benchmark (knitdata/bench/transfer.py): its pieces, an in-process run, and the smoke run.
 
-The smoke run (`knitdata bench transfer --smoke`, every mode, transferqueue included when installed) runs in a
-subprocess under the 240 s hard time-out of issue 8; it checks the JSON keys and that every run delivered each
-trajectory exactly once. Timings are reported, never asserted.
+The smoke run (`knitdata bench transfer --smoke`, every mode, transferqueue included when installed, with the
+default `--compute accel`) runs in a subprocess under the 240 s hard time-out of issue 8; it checks the JSON keys
+and that every run delivered each trajectory exactly once. The CPU-compute mode runs in-process on the embedded
+engine. Timings are reported, never asserted (except that a calibrated wait lasts at least its calibration).
 """
 
 from __future__ import annotations
@@ -117,9 +118,11 @@ def test_duplicated_and_shared_encoding_give_the_same_gradients():
         torch.testing.assert_close(grads["shared"][n], g, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_embedded_run_in_process_is_exactly_once_and_reports_the_keys():
+@pytest.mark.parametrize("compute", tb.COMPUTE_MODES)
+def test_embedded_run_in_process_is_exactly_once_and_reports_the_keys(compute):
     res = tb.run_transfer_benchmark(SMALL, ["iter_embedded"], shared_modes=["iter_embedded"], cfg=SMALL_VLM,
-                                    timeout_s=60, progress=False, log=lambda s: None)
+                                    timeout_s=60, progress=False, log=lambda s: None, compute=compute,
+                                    calibration_reps=1)
     m = res["modes"]["iter_embedded"]
     assert m["exactly_once"] and m["shared"]["exactly_once"]
     assert m["delivered"] == SMALL.total_steps * SMALL.trajectories_per_step
@@ -131,11 +134,32 @@ def test_embedded_run_in_process_is_exactly_once_and_reports_the_keys():
     json.dumps(tb._clean(res), allow_nan=False)
     text = tb.format_table(res)
     assert "iter_embedded" in text and "exactly-once in every run: True" in text
+    # the summary under the compute mode's key: iter_embedded always runs alone, broken down by call
+    assert res["compute"] == compute and res["compute_measures"] == tb.COMPUTE_MEASURES[compute]
+    summ = res[compute]
+    b = summ["breakdown"]["iter_embedded"]
+    assert b["next_ms"] == pytest.approx(b["wait_ms"] + b["own_ms"], rel=0.2, abs=0.05)
+    assert b["state_dict_ms"] > 0 and b["commit_ms"] > 0 and b["wait_ms"] >= 0 and b["own_ms"] >= 0
+    assert summ["alone"]["iter_embedded"]["step_s"] == m["step_s"]
+    assert summ["alone"]["iter_embedded"]["shared"]["exposed_ms"] == pytest.approx(m["shared"]["exposed_ms"])
+    assert summ["wait_sources"] and set(summ["wait_sources"]) <= {"data_wait_s_total", "wait_s_total"}
+    assert summ["loadavg"]["start"] and summ["loadavg"]["end"]
+    if compute == "accel":
+        cal = res["calibration"]
+        for enc in tb.ENCODINGS:
+            assert len(cal[enc]["microbatch_s"]) == SMALL.microbatches_per_step and cal[enc]["step_s"] > 0
+            assert summ["calibration"][enc]["step_s"] == cal[enc]["step_s"]
+        # the consumers waited the calibrated compute (a sleep: at least that long, per step)
+        assert m["compute_s"] >= 0.9 * cal["dup"]["step_s"]
+        assert "calibrated compute" in text
+    else:
+        assert "calibration" not in res
 
 
 @pytest.mark.timeout(300)
 def test_smoke_run_every_mode(tmp_path):
-    """`knitdata bench transfer --smoke` (hard time-out 240 s): JSON keys, exactly-once in every mode."""
+    """`knitdata bench transfer --smoke` (accel compute, 2 consumer processes; hard time-out 240 s): JSON keys,
+    the summary of the accel mode, exactly-once in every mode."""
     if importlib.util.find_spec("ray") is None:
         pytest.skip("ray is not installed (the process modes and transferqueue need it)")
     out = tmp_path / "transfer.json"
@@ -179,6 +203,31 @@ def test_smoke_run_every_mode(tmp_path):
     for r in res["control_runs"]:
         assert (r["lost"], r["duplicated"], r["unexpected"]) == (0, 0, 0), r["mode"]
         assert r["delivered"] == r["expected"] == total, r["mode"]
+    # --compute accel (the default): calibrated compute, alone runs, the breakdown by call and the ratios
+    assert res["compute"] == "accel" and "GPU node" in res["compute_measures"]
+    acc = res["accel"]
+    for enc in tb.ENCODINGS:
+        assert res["calibration"][enc]["step_s"] > 0 and acc["calibration"][enc]["microbatch_s"]
+    alone = ["iter", "iter_embedded"] + (["transferqueue", "transferqueue_best"] if have_tq else [])
+    for m in alone:
+        assert acc["alone"][m]["exposed_ms"] >= 0 and acc["alone"][m]["step_s"] > 0, m
+        b = acc["breakdown"][m]
+        assert all(b[k] >= 0 for k in ("wait_ms", "own_ms", "state_dict_ms", "commit_ms")), m
+    assert acc["breakdown"]["iter"]["state_dict_ms"] > 0 and acc["breakdown"]["iter"]["commit_ms"] > 0
+    for m in ("sample", "eager", "iter"):
+        assert acc["interleaved"][m]["step_s"] > 0, m
+    assert acc["end_to_end_alone"]["iter_dup"]["step_s"] > 0
+    assert acc["end_to_end_interleaved"]["iter_shared"]["step_s"] > 0
+    if have_tq:
+        assert acc["alone"]["transferqueue"]["wait_ms"] > 0 and acc["alone"]["transferqueue"]["own_ms"] >= 0
+        assert acc["end_to_end_alone"]["tq_dup"]["step_s"] > 0 and acc["end_to_end_alone"]["tq_sync_dup"]["step_s"] > 0
+        for k in ("exposed_transferqueue_best_over_iter", "exposed_transferqueue_over_iter",
+                  "step_iter_over_transferqueue_best_dup", "exposed_iter_embedded_over_iter"):
+            assert acc["ratios"][k] > 0, k
+        assert acc["acceptance"]["exposed_transferqueue_over_iter_ge_100"]["applies"] is True
+    assert acc["loadavg"]["start"] and acc["loadavg"]["end"]
+    # the consumers waited at least the calibrated compute per step
+    assert res["controls"]["iter"]["compute_s"] >= 0.9 * res["calibration"]["dup"]["step_s"]
     proj = res["speedup_end_to_end_projected_gpu"]
     assert proj["rate_tflops"] > 0 and "model" in proj
     assert res["gpu_projection"]["projected"] is True and res["gpu_projection"]["assumptions"]["not_measured"]
@@ -292,8 +341,163 @@ def test_exposed_latency_counts_the_state_calls_after_the_step():
 
     tr = tb._Trainer(SMALL, SMALL_VLM, "dup")
     items = iter(_items(SMALL, SMALL_VLM, "dup", [t for g in tb.make_step_groups(SMALL, 0)[:2] for t in g]))
-    rec = tb._run_step(0, tr, lambda: (next(items), 0.0), lambda: time.sleep(0.02))
-    assert rec.commit_s >= 0.02 and rec.exposed_s >= rec.commit_s and rec.microbatches == 2
+    src = tb._Source("x", tr, lambda: (next(items), 0.003, 0.001), lambda: time.sleep(0.02) or {"s": 1},
+                     lambda st: time.sleep(0.01) if st == {"s": 1} else None)
+    rec = tb._run_step(0, src)
+    assert rec.state_dict_s >= 0.02 and rec.commit_call_s >= 0.01
+    assert rec.commit_s == pytest.approx(rec.state_dict_s + rec.commit_call_s, abs=1e-4)
+    assert rec.exposed_s == pytest.approx(0.006 + rec.commit_s, abs=1e-4) and rec.microbatches == 2
+    assert rec.data_wait_s == pytest.approx(0.002)  # reported by the source per next()
+
+
+def test_data_wait_comes_from_the_probe_when_next_does_not_report_it():
+    """knitdata's sources report waiting through the dataset's metrics, read around the step (outside the timed
+    calls); the summary splits next() into wait and own work."""
+    tr = tb._Trainer(SMALL, SMALL_VLM, "dup")
+    items = iter(_items(SMALL, SMALL_VLM, "dup", [t for g in tb.make_step_groups(SMALL, 0)[:2] for t in g]))
+    total = iter([1.0, 1.004])  # cumulative seconds before and after the step
+    src = tb._Source("x", tr, lambda: (next(items), 0.005, None), wait_probe=lambda: next(total))
+    rec = tb._run_step(1, src)
+    assert rec.data_wait_s == pytest.approx(0.004) and sum(rec.waits) == pytest.approx(0.01)
+    w = dataclasses.replace(SMALL, warmup_steps=1, steps=1)
+    s = tb.summarize_mode([[_rec(0, ["a"]), rec]], w)
+    b = s["breakdown_ms"]
+    assert b["wait_ms"] == pytest.approx(4.0) and b["own_ms"] == pytest.approx(6.0) and b["next_ms"] == pytest.approx(10.0)
+    assert s["data_wait_known"] is True
+
+
+class _Metrics:
+    def __init__(self, d):
+        self.d = d
+
+    def to_dict(self):
+        return dict(self.d)
+
+
+class _DS:
+    def __init__(self, d):
+        self.metrics = _Metrics(d)
+
+
+def test_wait_probe_prefers_data_wait_and_falls_back_to_wait_total():
+    assert tb._data_wait_probe(_DS({"wait_s_total": 2.0, "data_wait_s_total": 0.5}))() == 0.5
+    assert tb._metrics_wait_key({"wait_s_total": 2.0, "data_wait_s_total": 0.5}) == "data_wait_s_total"
+    assert tb._data_wait_probe(_DS({"wait_s_total": 2.0}))() == 2.0  # a library without data_wait_s_total
+    assert tb._metrics_wait_key({"wait_s_total": 2.0}) == "wait_s_total"
+    assert tb._data_wait_probe(_DS({}))() == 0.0 and tb._metrics_wait_key({}) == "unavailable"
+
+
+def test_accel_trainer_waits_the_calibrated_compute():
+    import time
+
+    cal = {"dup": {"microbatch_s": [0.02, 0.01], "optimizer_step_s": 0.015, "step_s": 0.045}}
+    tr = tb._make_trainer(SMALL, SMALL_VLM, "dup", "accel", cal)
+    items = _items(SMALL, SMALL_VLM, "dup", [t for g in tb.make_step_groups(SMALL, 0)[:2] for t in g])
+    for item, want in zip(items, (0.02, 0.01)):
+        t0 = time.perf_counter()
+        tr.microbatch(item)
+        assert want <= time.perf_counter() - t0 < want + 0.05
+    t0 = time.perf_counter()
+    tr.optimizer_step()
+    assert time.perf_counter() - t0 >= 0.015
+    with pytest.raises(ConfigError, match="shared"):
+        tb._make_trainer(SMALL, SMALL_VLM, "shared", "accel", cal)
+    with pytest.raises(ConfigError, match="calibration"):
+        tb._make_trainer(SMALL, SMALL_VLM, "dup", "accel", None)
+    with pytest.raises(ConfigError, match="compute"):
+        tb._make_trainer(SMALL, SMALL_VLM, "dup", "gpu", cal)
+    with pytest.raises(ConfigError, match="compute"):
+        tb.run_transfer_benchmark(SMALL, ["iter_embedded"], compute="gpu", progress=False)
+
+
+def test_calibration_times_each_microbatch_of_each_encoding():
+    cal = tb.calibrate_compute(SMALL, SMALL_VLM, reps=2, warmup=0)
+    k = SMALL.microbatches_per_step
+    for enc in tb.ENCODINGS:
+        c = cal[enc]
+        assert len(c["microbatch_s"]) == k and all(x > 0 for x in c["microbatch_s"])
+        assert all(len(v) == 2 for v in c["samples"]["microbatch_s"])
+        assert c["step_s"] == pytest.approx(sum(c["microbatch_s"]) + c["optimizer_step_s"])
+    # dup micro-batches all do the same work: one pooled median; shared: the first (encode) and the last differ
+    assert len(set(cal["dup"]["microbatch_s"])) == 1 and cal["dup"]["classes"] == ["microbatch"] * k
+    assert cal["shared"]["classes"] == ["first", "last"]
+    assert tb._work_classes("shared", 4) == ["first", "middle", "middle", "last"]
+    assert tb._work_classes("shared", 1) == ["only"]
+    assert cal["torch_threads"] == 1 and cal["shape"]["trajectories"] == SMALL.microbatch_size
+    assert cal["shape"]["tokens"] == SMALL.tokens and cal["model"] == SMALL_VLM.name
+    assert torch.get_num_threads() >= 1
+    with pytest.raises(ConfigError):
+        tb.calibrate_compute(SMALL, SMALL_VLM, ["triple"])
+    with pytest.raises(ConfigError):
+        tb.calibrate_compute(SMALL, SMALL_VLM, reps=0)
+
+
+def _entry(ex, step, **kw):
+    return {"exposed_latency_s": ex / 1e3, "exposed_latency_max_s": ex / 1e3, "step_s": step, "compute_s": step / 2,
+            "breakdown_ms": {"next_ms": ex / 2, "wait_ms": ex / 4, "own_ms": ex / 4, "state_dict_ms": ex / 4,
+                             "commit_ms": ex / 4}, "exactly_once": True, "wait_source": "wait_s_total", **kw}
+
+
+def test_compute_summary_ratios_and_acceptance():
+    ctl = {"transferqueue": _entry(300.0, 2.0),
+           "transferqueue_best": {**_entry(1.0, 1.0, chosen_variant="async"), "shared": _entry(0.5, 0.5)},
+           "iter": {**_entry(0.1, 0.9), "shared": _entry(0.2, 0.25)}}
+    modes = {"iter": {**_entry(5.0, 1.1), "shared": _entry(4.0, 0.3)}, "iter_embedded": _entry(0.05, 0.8)}
+    res = {"compute": "accel", "workload": {"workload": "image"}, "modes": modes, "controls": ctl,
+           "machine": {"loadavg_at_start": [1, 1, 1], "loadavg_at_end": [2, 2, 2]},
+           "calibration": {"reps": 3, "dup": {"microbatch_s": [0.1], "optimizer_step_s": 0.01, "step_s": 0.11,
+                                              "samples": {}}}}
+    s = tb.compute_summary(res)
+    assert s["alone"]["iter"]["exposed_ms"] == pytest.approx(0.1) and s["alone"]["iter_embedded"]["step_s"] == 0.8
+    assert s["interleaved"]["iter"]["exposed_ms"] == pytest.approx(5.0) and "iter_embedded" not in s["interleaved"]
+    assert s["breakdown"]["transferqueue"]["wait_ms"] == pytest.approx(75.0)
+    assert s["breakdown"]["iter"]["shared"]["commit_ms"] == pytest.approx(0.05)
+    assert s["alone"]["transferqueue_best"]["variant"] == "async"
+    e = s["end_to_end_alone"]
+    assert (e["tq_dup"]["step_s"], e["tq_shared"]["step_s"], e["iter_dup"]["step_s"], e["iter_shared"]["step_s"],
+            e["tq_sync_dup"]["step_s"]) == (1.0, 0.5, 0.9, 0.25, 2.0)
+    r = s["ratios"]
+    assert r["exposed_transferqueue_best_over_iter"] == pytest.approx(10.0)
+    assert r["exposed_transferqueue_over_iter"] == pytest.approx(3000.0)
+    assert r["step_iter_over_transferqueue_best_dup"] == pytest.approx(0.9)
+    assert r["step_iter_over_transferqueue_best_shared"] == pytest.approx(0.5)
+    assert r["end_to_end_transferqueue_dup_over_iter_shared"] == pytest.approx(8.0)
+    assert r["end_to_end_transferqueue_best_dup_over_iter_shared"] == pytest.approx(4.0)
+    assert r["exposed_iter_embedded_over_iter"] == pytest.approx(0.5)
+    assert s["ratios_interleaved"]["exposed_transferqueue_best_over_iter"] is None  # no interleaved tq run
+    a = s["acceptance"]
+    assert a["iter_exposed_ms_le_0.15"]["met"] is True and a["iter_exposed_ms_le_0.15"]["applies"] is True
+    assert a["exposed_transferqueue_best_over_iter_ge_5"]["met"] is True
+    assert a["step_iter_over_transferqueue_best_shared_le_1"]["met"] is True
+    assert a["end_to_end_transferqueue_dup_over_iter_shared_ge_5.8"]["applies"] is False  # judged at omni seed size
+    assert s["calibration"]["dup"]["step_s"] == 0.11 and "samples" not in s["calibration"]["dup"]
+    assert s["loadavg"] == {"start": [1, 1, 1], "end": [2, 2, 2], "calibration": [None, None]}
+    seed = tb.compute_summary({**res, "workload": tb.omni_workload(16, 448).to_dict()})
+    assert seed["workload_kind"] == "omni_seed"
+    assert seed["acceptance"]["end_to_end_transferqueue_dup_over_iter_shared_ge_5.8"]["applies"] is True
+    assert seed["acceptance"]["end_to_end_transferqueue_dup_over_iter_shared_ge_5.8"]["met"] is True
+    assert seed["acceptance"]["end_to_end_transferqueue_best_dup_over_iter_shared_ge_1.5"]["met"] is True
+    assert tb.compute_summary({**res, "workload": tb.omni_workload().to_dict()})["workload_kind"] == "omni"
+    json.dumps(tb._clean(s), allow_nan=False)
+
+
+def test_cli_seed_size_and_compute_flags():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    tb.add_arguments(parser)
+    a = parser.parse_args([])
+    assert a.compute == "accel" and a.interleave is None and not a.omni_seed_size
+    a = parser.parse_args(["--omni-seed-size", "--compute", "cpu", "--no-interleave"])
+    assert a.omni_seed_size and a.compute == "cpu" and a.interleave is False
+    w, cfg = tb._workload_of(argparse.Namespace(workload="omni", omni_seed_size=True, omni_frames=None, omni_px=None,
+                                                smoke=False), 4, 1)
+    assert (w.workload, w.video_frames, w.frame_px, w.audio_seconds, w.audio_rate) == ("omni", 16, 448, 30.0, 16000)
+    assert (w.steps, w.warmup_steps) == (4, 1) and cfg is tb.OMNI_VLM
+    assert tb._workload_kind(w.to_dict()) == "omni_seed"
+    # one run's payloads sized against Ray's object store: all pipelines interleaved, one alone
+    assert tb._object_store_bytes(SMALL, True, 4) == 4 << 30
+    assert tb._object_store_bytes(w, False, 4) >= w.total_steps * w.trajectories_per_step * w.media_bytes
 
 
 def test_transferqueue_best_picks_the_lower_exposed_variant_per_encoding_and_the_2x2():
@@ -355,3 +559,29 @@ def test_gpu_benchmark_loop_reports_every_fetch_mode(monkeypatch):
     assert res["exactly_once_all_runs"] is True
     assert "CUDA" in tb.format_table(res)
     json.dumps(tb._clean(res), allow_nan=False)
+
+
+@pytest.mark.timeout(180)
+def test_consumer_processes_exit_when_the_driver_dies():
+    """A benchmark killed mid-run (a time-out) leaves no consumer process behind."""
+    import signal
+    import time
+
+    code = ("import time\nfrom knitdata.bench import transfer as tb\npool = tb._WorkerPool(1)\n"
+            "print(pool.procs[0].pid, flush=True)\ntime.sleep(600)\n")
+    driver = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    child = int(driver.stdout.readline())
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    deadline = time.monotonic() + 150
+    alive = True
+    while alive and time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{child}/stat") as fh:
+                alive = fh.read().split()[2] != "Z"
+        except FileNotFoundError:
+            alive = False
+        time.sleep(0.5)
+    if alive:
+        os.kill(child, signal.SIGKILL)
+    assert not alive, "the consumer process outlived its driver"

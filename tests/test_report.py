@@ -144,8 +144,10 @@ def test_transfer_renders_the_new_keys_when_present():
     assert "20.00x interleaved" in text and "100.0x" in text
     assert "load average 1.00 / 2.00 / 3.00 at start" in text
     assert "command `python benchmarks/transfer.py --no-progress`" in text
-    head = report.render_headline({"transfer.json": tr, "admission_skewed.json": None, "encode.json": None})
-    assert "transfer" in head.lower() and "20.0x" in head
+    # a CPU-compute result does not make the README headline: that comes from the accel mode
+    head = report.render_headline({"transfer.json": tr, "admission_skewed.json": None, "encode.json": None,
+                                   "transfer_accel.json": None, "transfer_omni_seed_accel.json": None})
+    assert "No committed result yet (`benchmarks/results/transfer_accel.json`)" in head and "20.0x" not in head
 
 
 def test_transfer_without_the_new_keys_renders_the_current_table_only():
@@ -225,16 +227,92 @@ def test_admission_and_learning_render_synthetic_results():
     assert "25% below colocated's" in text and "median over seeds 1.10" in text
 
 
-def test_headline_compares_transfer_runs_alone_when_controls_exist():
-    tr = {
-        "modes": {"transferqueue": _mode(200.0, 0.9), "transferqueue_best": _mode(0.5, 0.7, variant="async"),
-                  "iter": _mode(12.0, 0.8)},
-        "controls": {"iter": {"exposed_ms": 10.0}, "transferqueue_best": {"exposed_ms": 30.0},
-                     "transferqueue": {"exposed_ms": 250.0}},
-        "end_to_end_alone": {"tq_dup": {"step_s": 0.81}, "iter_dup": {"step_s": 0.72}, "tq_shared": {"step_s": 0.58},
-                             "iter_shared": {"step_s": 0.6}},
-    }
-    head = report.render_headline({"transfer.json": tr, "admission_skewed.json": None, "encode.json": None})
-    assert "each system run alone" in head
-    assert "10.00 ms" in head and "30.00 ms" in head and "; 3.0x)" in head and "(25x)" in head
-    assert "0.810 / 0.720 s duplicated encoding" in head and "exposes 0.50 ms against `iter`'s 12.00 ms" in head
+def _acc(ex, step, **kw):
+    return {"exposed_ms": ex, "step_s": step, "compute_s": step * 0.9, "wait_ms": ex / 2, "own_ms": ex / 4,
+            "state_dict_ms": ex / 8, "commit_ms": ex / 8, "next_ms": ex * 0.75, "exactly_once": True, **kw}
+
+
+def _accel_result(kind="image", **over):
+    alone = {"transferqueue": _acc(250.0, 0.9), "transferqueue_best": {**_acc(3.0, 0.5, variant="async"),
+                                                                       "shared": _acc(2.5, 0.4)},
+             "iter": {**_acc(0.12, 0.45), "shared": _acc(0.1, 0.3)}, "iter_embedded": _acc(0.05, 0.44)}
+    e2e = {"tq_dup": {"step_s": 0.5, "exposed_ms": 3.0}, "tq_shared": {"step_s": 0.4, "exposed_ms": 2.5},
+           "iter_dup": {"step_s": 0.45, "exposed_ms": 0.12}, "iter_shared": {"step_s": 0.3, "exposed_ms": 0.1},
+           "tq_sync_dup": {"step_s": 0.9, "exposed_ms": 250.0}}
+    ratios = {"exposed_transferqueue_best_over_iter": 25.0, "exposed_transferqueue_over_iter": 2083.3,
+              "end_to_end_transferqueue_dup_over_iter_shared": 3.0,
+              "end_to_end_transferqueue_best_dup_over_iter_shared": 1.667}
+    acc = {"iter_exposed_ms_le_0.15": {"value": 0.12, "op": "<=", "threshold": 0.15, "met": True, "applies": kind == "image"},
+           "end_to_end_transferqueue_dup_over_iter_shared_ge_5.8": {
+               "value": 3.0, "op": ">=", "threshold": 5.8, "met": False, "applies": kind == "omni_seed"}}
+    tr = {"command": "python benchmarks/transfer.py --no-progress", "compute": "accel",
+          "compute_measures": "the data path, with the host CPU free during compute",
+          "machine": {"cpus": 2, "loadavg_at_start": [0.5, 0.6, 0.7], "loadavg_at_end": [1.0, 1.1, 1.2]},
+          "workload": {"workload": "omni" if kind != "image" else "image", "video_frames": 16, "frame_px": 448,
+                       "audio_seconds": 30.0},
+          "exactly_once_all_runs": True,
+          "accel": {"workload_kind": kind, "alone": alone, "interleaved": {"iter": _acc(7.0, 0.46)},
+                    "end_to_end_alone": e2e, "ratios": ratios, "acceptance": acc,
+                    "ratio_meaning": {"exposed_transferqueue_best_over_iter": "tq best / iter"},
+                    "calibration": {"model": "tiny (CPU)", "torch_threads": 1, "reps": 3, "loadavg_before": [0.4, 0.5, 0.6],
+                                    "dup": {"microbatch_s": [0.06, 0.06], "optimizer_step_s": 0.002, "step_s": 0.122}}}}
+    tr.update(over)
+    return tr
+
+
+def test_transfer_accel_renders_the_summary_by_call():
+    text = report.render_transfer_accel_result(_accel_result())
+    assert "Compute `accel`; what this run measures (from the JSON): the data path" in text
+    assert "| **iter** | dup | **0.120** | 0.060 | 0.030 | 0.015 | 0.015 | 0.450 | 0.405 | yes |" in text
+    assert "| transferqueue_best (async) | dup | 3.000 |" in text and "| transferqueue_best | shared | 2.500 | 1.250 |" in text
+    assert "| transferqueue synchronous | 0.900 s (250.00 ms exposed) | - |" in text
+    assert "| knitdata iter (Ray engine) | 0.450 s (0.12 ms exposed) | 0.300 s (0.10 ms exposed) |" in text
+    assert "| `exposed_transferqueue_best_over_iter` | tq best / iter | 25.00x |" in text
+    assert "`dup` 60.0 + 60.0 ms per micro-batch and 2.0 ms for the optimizer step" in text
+    assert "`iter_exposed_ms_le_0.15` (0.120 <= 0.15): met" in text and "5.8" not in text.split("Acceptance")[1]
+    assert "Every run, interleaved and alone, delivered each trajectory exactly once." in text
+    assert "load average 0.50 / 0.60 / 0.70 at start, 1.00 / 1.10 / 1.20 at end" in text
+    bad = _accel_result()
+    bad["accel"]["alone"]["iter"]["exactly_once"] = False
+    assert "**Not exactly once:** iter/dup (alone)." in report.render_transfer_accel_result(bad)
+    assert "no `accel` section" in report.render_transfer_accel_result({"modes": {}})
+
+
+def test_headline_transfer_comes_from_the_accel_result():
+    none = {"admission_skewed.json": None, "encode.json": None}
+    head = report.render_headline({**none, "transfer_accel.json": _accel_result(), "transfer_omni_seed_accel.json": None})
+    assert "knitdata `iter` exposes 0.12 ms per step in all its data calls" in head
+    assert "(`next()` waiting for data 0.06 ms, its own work 0.03 ms, `state_dict()` 0.015 ms, `commit()` 0.015 ms)" in head
+    assert "3.00 ms for transferqueue at its best (transferqueue / iter 25.0x)" in head
+    assert "250.00 ms driven synchronously (2083x)" in head
+    assert "0.450 / 0.500 s (duplicated encoding), 0.300 / 0.400 s (shared encoding)" in head
+    assert "seed's size" not in head
+    seed = _accel_result("omni_seed")
+    head = report.render_headline({**none, "transfer_accel.json": _accel_result(), "transfer_omni_seed_accel.json": seed})
+    assert "omni workload at the seed's size (16 frames at 448 px and 30 s of audio per prompt" in head
+    assert "takes 0.300 s per step against 0.900 s for transferqueue driven synchronously" in head
+    assert "(3.00x; the seed claims up to 5.8x) and 0.500 s for transferqueue at its best" in head and "(1.67x)" in head
+    missing = report.render_headline({**none, "transfer_accel.json": None, "transfer_omni_seed_accel.json": seed})
+    assert "No committed result yet (`benchmarks/results/transfer_accel.json`)" in missing
+
+
+def test_accel_blocks_note_a_missing_result_and_the_machine_prefers_accel():
+    for name, fname in (("transfer-accel", "transfer_accel.json"), ("transfer-accel-omni", "transfer_omni_accel.json"),
+                        ("transfer-accel-omni-seed", "transfer_omni_seed_accel.json")):
+        b = report.BLOCKS[name]
+        assert b.optional == (fname,)
+        assert f"No committed result yet (`benchmarks/results/{fname}`)" in b.render({fname: None})
+        assert "| **iter** | dup |" in b.render({fname: _accel_result()})
+    m = report.render_machine({"transfer_accel.json": {"machine": {"cpus": 2}}, "transfer.json": {"machine": {"cpus": 4}},
+                               "loader.json": None})
+    assert m.startswith("As recorded in `results/transfer_accel.json`: 2 CPUs")
+    m = report.render_machine({"transfer_accel.json": None, "transfer.json": {"machine": {"cpus": 4}}, "loader.json": None})
+    assert m.startswith("As recorded in `results/transfer.json`: 4 CPUs")
+
+
+def test_transfer_cpu_table_adds_the_breakdown_when_the_result_has_it():
+    e = _mode(5.0, 0.8, breakdown_ms={"wait_ms": 1.0, "own_ms": 2.0, "state_dict_ms": 0.5, "commit_ms": 1.5})
+    text = report.render_transfer_result({"compute": "cpu", "compute_measures": "contention", "modes": {"iter": e}})
+    assert "| mode | encoding | engine | exposed ms/step | wait ms | own ms | state_dict ms | commit ms | max ms |" in text
+    assert "| iter | dup | - | **5.00** | 1.00 | 2.00 | 0.500 | 1.500 |" in text
+    assert "Compute `cpu`; what this run measures (from the JSON): contention." in text

@@ -4,8 +4,9 @@ One fixed multimodal RL workload (the seed's Figures 8 and 11a-c): groups of ``n
 tokens that share one ``3x448x448`` uint8 image per group, 4 consumer processes, micro-batches of 4
 trajectories, 4 micro-batches per step, one torch thread per process, warm-up steps excluded, start-up
 excluded. ``--workload omni`` gives each group a short video (frames as image items; 4 frames at 224 px by
-default on this 2-core machine, 16 at 448 px with ``--omni-frames 16 --omni-px 448``) and a 30 s 16 kHz audio
-clip stored as FLAC bytes and decoded with soundfile; the model gets an audio encoder. It is delivered by
+default on this 2-core machine; the seed's 16 at 448 px with ``--omni-seed-size``, which also defaults to 1 + 4
+steps and each mode alone) and a 30 s 16 kHz audio clip stored as FLAC bytes and decoded with soundfile; the model
+gets an audio encoder. It is delivered by
 
 * ``transferqueue`` -- the real ``transferqueue`` package as verl drives it (controller + SimpleStorage units as
   Ray actors, started once per run on loopback only; one partition per consumer rank; the trainer calls
@@ -24,14 +25,19 @@ processes (step ``s`` of every source, then step ``s + 1``), so the drifting loa
 them alike. Since prefetching sources work ahead while the others' steps run, each process mode then runs
 alone in the same processes as a control (``controls``); ``iter_embedded`` runs afterwards in the driver.
 
-Every consumer trains a tiny vision-language model (a patch-MLP vision encoder, an audio encoder for omni, and
-an MLP backbone) on each micro-batch, with the media encoded per copy (``dup``: what verl and slime do) or once
-per mini-batch with :class:`~knitdata.encoder.SharedEncoding` (``shared``; on transferqueue too, so the 2x2
-table ``end_to_end`` separates transfer and encoding effects). Exposed latency: per step, the wall time of every
-data call of the trainer -- ``next()`` for every system, plus knitdata's ``state_dict()`` and ``commit()`` after
-the optimizer step -- median over the measured steps. The GPU projection (``gpu_projection``, labelled
-``projected`` with its assumptions) replaces this CPU's compute time with the FLOPs of a 7B-class model at a
-stated rate and keeps the transfer times measured here; ``--gpu`` measures knitdata's modes on CUDA instead.
+Every consumer trains a tiny vision-language model (a patch-MLP vision encoder, an audio encoder for omni, and an
+MLP backbone) on each micro-batch (``--compute cpu``), or waits exactly what that training costs alone on this
+machine (``--compute accel``, the default: each consumer's compute is a sleep of its cost calibrated before the run,
+per micro-batch and encoding, so the host CPU is free during compute as on a GPU node, while fetch, decode, collate
+and every data call stay real; see :data:`COMPUTE_MEASURES`), with the media encoded per copy (``dup``: what verl
+and slime do) or once per mini-batch with :class:`~knitdata.encoder.SharedEncoding` (``shared``; on transferqueue
+too, so the 2x2 table ``end_to_end`` separates transfer and encoding effects). Exposed latency: per step, the wall
+time of every data call of the trainer -- ``next()`` for every system, plus knitdata's ``state_dict()`` and
+``commit()`` after the optimizer step -- median over the measured steps, broken down by call: ``next()`` waiting for
+data (``wait_ms``), ``next()``'s own work (``own_ms``), ``state_dict()`` and ``commit()``. The GPU projection
+(``gpu_projection``, labelled ``projected`` with its assumptions) replaces this CPU's compute time with the FLOPs of
+a 7B-class model at a stated rate and keeps the transfer times measured here; ``--gpu`` measures knitdata's modes on
+CUDA instead.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ from knitdata.record import MediaItem, Trajectory
 
 __all__ = [
     "MODES",
+    "COMPUTE_MODES",
+    "COMPUTE_MEASURES",
     "TQ_BEST_VARIANTS",
     "WORKLOADS",
     "ENCODINGS",
@@ -83,6 +91,10 @@ __all__ = [
     "make_step_groups",
     "count_step_flops",
     "ConsumerStepRecord",
+    "ACCEPTANCE",
+    "RATIO_MEANING",
+    "calibrate_compute",
+    "compute_summary",
     "summarize_mode",
     "run_transfer_benchmark",
     "format_table",
@@ -101,6 +113,26 @@ WORKLOADS: tuple[str, ...] = ("image", "omni")
 ENCODINGS: tuple[str, ...] = ("dup", "shared")
 #: The seed's headline end-to-end speedup (transfer plus training over the baseline).
 SEED_SPEEDUP = 5.8
+#: How each consumer's training compute runs: ``accel`` (a sleep of its calibrated cost) or ``cpu`` (real, on the
+#: CPU).
+COMPUTE_MODES: tuple[str, ...] = ("accel", "cpu")
+#: What a run measures in each compute mode (stated in the JSON as ``compute_measures``).
+COMPUTE_MEASURES: dict[str, str] = {
+    "accel": (
+        "the data path, with the host CPU free during compute as on a GPU node: each consumer's training compute "
+        "is replaced by a sleep of exactly what that compute costs alone on this machine (calibrated before the "
+        "run with one torch thread, per micro-batch and encoding), while fetch, decode, collate and every data "
+        "call of the trainer stay real; exposed latency is what the data system costs the trainer's thread when "
+        "it does not compete with compute for the CPU, and step time is that compute plus what is not hidden"),
+    "cpu": (
+        "the data path and the training compute together on this machine's CPU: each consumer trains the tiny "
+        "model with one torch thread beside the data path's own threads, Ray actors and transferqueue's servers, "
+        "so with 4 consumer processes on 2 cores it mostly measures CPU contention (prefetching moves work onto "
+        "the cores the compute needs; the same model's compute per step varies between modes of one run)"),
+}
+#: The seed's omni setting (``--omni-seed-size``): video frames and their side in px (the audio clip is 30 s at
+#: 16 kHz by default).
+SEED_OMNI_FRAMES, SEED_OMNI_PX = 16, 448
 #: Default effective GPU rate for the projection (bf16, dense, per GPU).
 DEFAULT_GPU_TFLOPS = 400.0
 
@@ -645,6 +677,10 @@ class ConsumerStepRecord:
         waits: Seconds inside ``next()`` per micro-batch.
         commit_s: Seconds of the step's other data calls after the optimizer step (knitdata: ``state_dict()``
             and ``commit()``); included in ``exposed_s``.
+        data_wait_s: Seconds of the step's ``next()`` calls spent blocked waiting for a micro-batch to be ready
+            (``None`` when the source does not say); the rest of ``next()`` is the data system's own work.
+        state_dict_s: Seconds inside ``state_dict()`` after the optimizer step (part of ``commit_s``).
+        commit_call_s: Seconds inside ``commit()`` after the optimizer step (part of ``commit_s``).
     """
 
     step: int
@@ -657,6 +693,9 @@ class ConsumerStepRecord:
     ids: list[str]
     waits: list[float]
     commit_s: float = 0.0
+    data_wait_s: float | None = None
+    state_dict_s: float = 0.0
+    commit_call_s: float = 0.0
 
 
 def _tq_patience() -> None:
@@ -743,27 +782,189 @@ class _Trainer:
             torch.cuda.synchronize(self.device)
 
 
-def _run_step(
-    step: int,
-    trainer: _Trainer,
-    next_item: Callable[[], tuple[_Item, float]],
-    after_optimizer_step: Callable[[], Any] | None = None,
-) -> ConsumerStepRecord:
-    """One optimizer step of one consumer: micro-batches until ``is_last``, then the optimizer step.
+class _AccelTrainer:
+    """``--compute accel``: each micro-batch's compute and the optimizer step are a sleep of their calibrated cost
+    (see :func:`calibrate_compute`); the host CPU is free meanwhile, as on a GPU node."""
 
-    ``next_item()`` returns the item and the seconds spent getting it (exposed latency);
-    ``after_optimizer_step`` (the trainer's other data calls: saving and committing the loader state) is
-    exposed latency too.
+    def __init__(self, encoding: str, calibration: Mapping[str, Any]):
+        if encoding not in calibration:
+            raise ConfigError(f"no compute calibration for encoding {encoding!r} (have {sorted(calibration)})")
+        c = calibration[encoding]
+        self.encoding = encoding
+        self.microbatch_s = [float(x) for x in c["microbatch_s"]]
+        self.optimizer_step_s = float(c["optimizer_step_s"])
+        if not self.microbatch_s:
+            raise ConfigError(f"compute calibration of encoding {encoding!r} has no micro-batch")
+
+    def microbatch(self, item: _Item) -> None:
+        """Wait what this micro-batch's encode, forward and backward cost alone (an empty one costs nothing)."""
+        if item.input_ids.numel() == 0:
+            return
+        time.sleep(self.microbatch_s[min(item.index, len(self.microbatch_s) - 1)])
+
+    def optimizer_step(self) -> None:
+        """Wait what the optimizer step costs alone."""
+        time.sleep(self.optimizer_step_s)
+
+
+def _make_trainer(w: TransferWorkload, cfg: VLMConfig, encoding: str, compute: str = "cpu",
+                  calibration: Mapping[str, Any] | None = None, device: str = "cpu") -> Any:
+    """The consumer's trainer: the tiny VLM (``cpu``) or its calibrated wait (``accel``)."""
+    if compute == "cpu":
+        return _Trainer(w, cfg, encoding, device)
+    if compute == "accel":
+        if calibration is None:
+            raise ConfigError("compute 'accel' needs a calibration (calibrate_compute)")
+        return _AccelTrainer(encoding, calibration)
+    raise ConfigError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
+
+
+def _calibration_items(w: TransferWorkload, cfg: VLMConfig, encoding: str) -> list[_Item]:
+    """One consumer's micro-batches of step 0 (rank 0's share), collated as knitdata's dataset collates them."""
+    groups = w.per_consumer_step // w.group_size
+    trajs = [t for g in range(groups) for t in make_group(w, 0, g)]
+    kw = _dataset_kwargs(w, cfg, encoding)
+    k, b = w.microbatches_per_step, w.microbatch_size
+    mbs = [trajs[i * b:(i + 1) * b] for i in range(k)]
+    media = kw["media_collator"](mbs) if "media_collator" in kw else None
+    items = []
+    for i, mb in enumerate(mbs):
+        m = kw["collate"](mb)
+        inputs = {kd: m.tensors[f"{kd}_inputs"] for kd in w.media_kinds} if encoding == "dup" else None
+        items.append(_Item(tuple(t.id for t in mb), m.input_ids, inputs, media, i, k, i == k - 1, 0))
+    return items
+
+
+def calibrate_compute(w: TransferWorkload, cfg: VLMConfig, encodings: Sequence[str] = ENCODINGS, *,
+                      reps: int = 3, warmup: int = 1) -> dict[str, Any]:
+    """Time one consumer's training compute alone in this process (one torch thread), for ``--compute accel``.
+
+    Runs the tiny VLM of :class:`_Trainer` on one consumer's micro-batches of step 0 (collated as knitdata's
+    dataset collates them; the collation is not timed): ``warmup`` untimed steps, then ``reps`` timed ones.
+    Every micro-batch of the workload has the same shape (``microbatch_size`` trajectories of ``tokens`` tokens
+    and their media), but with ``shared`` encoding micro-batch 0 also encodes the step's unique media and the
+    last one runs the encoder's backward, so the cost is kept per micro-batch index: the median over the timed
+    steps of every micro-batch doing the same work (``classes``: with ``dup`` all of them; with ``shared`` the
+    first, the middle ones, the last).
+
+    Args:
+        w: The workload.
+        cfg: The model the consumers would train.
+        encodings: Encodings to calibrate (subset of :data:`ENCODINGS`).
+        reps: Timed steps per encoding (medians are kept).
+        warmup: Untimed steps first.
+
+    Returns:
+        Per encoding ``{"microbatch_s": [median per micro-batch index], "optimizer_step_s", "step_s" (their
+        sum), "classes": [work class per index], "samples": {...}}``, plus ``reps``, ``warmup``,
+        ``torch_threads``, ``shape``, ``model`` and the load average before and after (``loadavg_before`` /
+        ``loadavg_after``).
+
+    Raises:
+        ConfigError: Unknown encoding, or ``reps < 1``.
     """
+    bad = [e for e in encodings if e not in ENCODINGS]
+    if bad or not encodings:
+        raise ConfigError(f"encodings must be a non-empty subset of {ENCODINGS}, got {list(encodings)}")
+    if reps < 1 or warmup < 0:
+        raise ConfigError(f"calibration needs reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"reps": reps, "warmup": warmup, "torch_threads": 1,
+                           "shape": {"microbatches": w.microbatches_per_step, "trajectories": w.microbatch_size,
+                                     "tokens": w.tokens, "media_kinds": list(w.media_kinds),
+                                     "image_items": w.image_items, "item_shape": list(w.item_shape),
+                                     "audio_rows": w.audio_rows},
+                           "model": cfg.name}
+    try:
+        out["loadavg_before"] = list(os.getloadavg())
+    except OSError:
+        pass
+    try:
+        for enc in encodings:
+            items = _calibration_items(w, cfg, enc)
+            tr = _Trainer(w, cfg, enc)
+            per: list[list[float]] = [[] for _ in items]
+            opt: list[float] = []
+            for r in range(warmup + reps):
+                times = []
+                for item in items:
+                    t0 = time.perf_counter()
+                    tr.microbatch(item)
+                    times.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                tr.optimizer_step()
+                o = time.perf_counter() - t0
+                if r >= warmup:
+                    for i, x in enumerate(times):
+                        per[i].append(x)
+                    opt.append(o)
+            classes = _work_classes(enc, len(items))
+            pooled = {c: [x for i, v in enumerate(per) if classes[i] == c for x in v] for c in set(classes)}
+            mb = [float(statistics.median(pooled[c])) for c in classes]
+            o_s = float(statistics.median(opt))
+            out[enc] = {"microbatch_s": mb, "optimizer_step_s": o_s, "step_s": sum(mb) + o_s, "classes": classes,
+                        "samples": {"microbatch_s": per, "optimizer_step_s": opt}}
+    finally:
+        torch.set_num_threads(threads)
+    try:
+        out["loadavg_after"] = list(os.getloadavg())
+    except OSError:
+        pass
+    return out
+
+
+def _work_classes(encoding: str, k: int) -> list[str]:
+    """Which micro-batches of a step do the same compute: all of them with ``dup``; with ``shared`` the first
+    (it also encodes the unique media), the middle ones, the last (it also runs the encoder's backward)."""
+    if encoding == "dup":
+        return ["microbatch"] * k
+    if k == 1:
+        return ["only"]
+    return ["first"] + ["middle"] * (k - 2) + ["last"]
+
+
+@dataclass
+class _Source:
+    """One delivery source as the training loop drives it.
+
+    ``next_item()`` returns the micro-batch, the seconds inside the system's ``next()`` and, when the source
+    knows it, the part of them spent blocked waiting for the micro-batch to be ready (``None`` otherwise:
+    ``wait_probe`` then gives the cumulative waiting seconds, read before and after each step).
+    ``state_call()`` / ``commit_call(state)`` are the trainer's data calls after the optimizer step.
+    """
+
+    name: str
+    trainer: Any
+    next_item: Callable[[], tuple[_Item, float, float | None]]
+    state_call: Callable[[], Any] | None = None
+    commit_call: Callable[[Any], Any] | None = None
+    wait_probe: Callable[[], float] | None = None
+
+
+def _run_step(step: int, src: _Source) -> ConsumerStepRecord:
+    """One optimizer step of one consumer: micro-batches until ``is_last``, then the optimizer step, then the
+    data calls after it (``state_dict()`` and ``commit()``), each timed on the trainer's thread.
+
+    Exposed latency: the seconds inside ``next()`` plus those of the calls after the optimizer step.
+    """
+    w0 = src.wait_probe() if src.wait_probe is not None else None
+    trainer = src.trainer
     t0 = time.perf_counter()
     exposed = compute = 0.0
     ids: list[str] = []
     waits: list[float] = []
     nbytes = moved = n = 0
+    reported = 0.0
+    all_reported = True
     while True:
-        item, waited = next_item()
-        exposed += waited
-        waits.append(waited)
+        item, next_s, wait_s = src.next_item()
+        exposed += next_s
+        waits.append(next_s)
+        if wait_s is None:
+            all_reported = False
+        else:
+            reported += wait_s
         t1 = time.perf_counter()
         trainer.microbatch(item)
         compute += time.perf_counter() - t1
@@ -777,40 +978,45 @@ def _run_step(
     trainer.optimizer_step()
     t2 = time.perf_counter()
     compute += t2 - t1
-    if after_optimizer_step is not None:
-        after_optimizer_step()
+    state = src.state_call() if src.state_call is not None else None
     t3 = time.perf_counter()
-    exposed += t3 - t2
-    return ConsumerStepRecord(step, exposed, compute, t3 - t0, n, nbytes, moved, ids, waits, t3 - t2)
+    if src.commit_call is not None:
+        src.commit_call(state)
+    t4 = time.perf_counter()
+    exposed += t4 - t2
+    data_wait: float | None = None
+    if all_reported:
+        data_wait = reported
+    elif w0 is not None and src.wait_probe is not None:
+        data_wait = max(0.0, src.wait_probe() - w0)
+    return ConsumerStepRecord(step, exposed, compute, t4 - t0, n, nbytes, moved, ids, waits, t4 - t2,
+                              data_wait_s=data_wait, state_dict_s=t3 - t2, commit_call_s=t4 - t3)
 
 
 def _consume(
     w: TransferWorkload,
-    trainer: _Trainer,
-    next_item: Callable[[], tuple[_Item, float]],
+    src: _Source,
     barrier_wait: Callable[[], object],
     on_step: Callable[[int], None] | None = None,
-    after_optimizer_step: Callable[[], Any] | None = None,
 ) -> list[ConsumerStepRecord]:
     """The training loop of one consumer over one source; consumers start each step together."""
-    return _consume_interleaved(w, [("only", trainer, next_item, after_optimizer_step)], barrier_wait,
-                                on_step)["only"]
+    return _consume_interleaved(w, [dataclasses.replace(src, name="only")], barrier_wait, on_step)["only"]
 
 
 def _consume_interleaved(
     w: TransferWorkload,
-    sources: Sequence[tuple[str, _Trainer, Callable[[], tuple[_Item, float]], Callable[[], Any] | None]],
+    sources: Sequence[_Source],
     barrier_wait: Callable[[], object],
     on_step: Callable[[int], None] | None = None,
 ) -> dict[str, list[ConsumerStepRecord]]:
     """Steps of every source in turn (step 0 of each, then step 1 of each, ...): a side-by-side comparison on
     a machine whose load drifts. All consumers start each step together (a barrier, like an all-reduce)."""
-    out: dict[str, list[ConsumerStepRecord]] = {name: [] for name, *_ in sources}
+    out: dict[str, list[ConsumerStepRecord]] = {src.name: [] for src in sources}
     k = 0
     for step in range(w.total_steps):
-        for name, trainer, next_item, after in sources:
+        for src in sources:
             barrier_wait()
-            out[name].append(_run_step(step, trainer, next_item, after))
+            out[src.name].append(_run_step(step, src))
             if on_step is not None:
                 on_step(k)
             k += 1
@@ -852,10 +1058,12 @@ def _dataset_kwargs(w: TransferWorkload, cfg: VLMConfig, encoding: str) -> dict[
     return {"collate": TokenCollator(), "media_collator": MultimodalCollator(_preprocess(w, cfg))}
 
 
-def _knitdata_next(it: Iterator[Any], kinds: Sequence[str] = ("image",)) -> Callable[[], tuple[_Item, float]]:
-    """Adapt a TrajectoryDataset iterator: time ``next()`` only, then read the micro-batch."""
+def _knitdata_next(it: Iterator[Any], kinds: Sequence[str] = ("image",)
+                   ) -> Callable[[], tuple[_Item, float, float | None]]:
+    """Adapt a TrajectoryDataset iterator: time ``next()`` only, then read the micro-batch (the waiting part of
+    ``next()`` comes from the dataset's metrics: :func:`_data_wait_probe`)."""
 
-    def nxt() -> tuple[_Item, float]:
+    def nxt() -> tuple[_Item, float, float | None]:
         t0 = time.perf_counter()
         mb = next(it)
         waited = time.perf_counter() - t0
@@ -866,18 +1074,50 @@ def _knitdata_next(it: Iterator[Any], kinds: Sequence[str] = ("image",)) -> Call
         inputs = {k: mb.tensors[f"{k}_inputs"] for k in kinds if f"{k}_inputs" in mb.tensors} or None
         item = _Item(tuple(info.trajectory_ids), mb.input_ids, inputs, mb.media,
                      info.microbatch, info.num_microbatches, info.is_last, nbytes)
-        return item, waited
+        return item, waited, None
 
     return nxt
 
 
-def _save_and_commit(ds: Any) -> Callable[[], Any]:
-    """The trainer's per-step data calls after the optimizer step: save the loader state, then commit it."""
+#: Where a run's "waiting for data" (``wait_ms``) comes from: the code stored per run as ``wait_source``.
+_WAIT_SOURCES: dict[str, str] = {
+    "data_wait_s_total": "knitdata's ConsumerMetrics data_wait_s_total: seconds next() spent blocked until the "
+                         "micro-batch was ready",
+    "wait_s_total": "knitdata's ConsumerMetrics wait_s_total (fallback for a library without data_wait_s_total): "
+                    "the time inside the dataset's inner iterator -- the prefetch queue pop in iter, the fetch, "
+                    "decode and collate in sample and eager",
+    "unavailable": "not reported: counted as 0 (all of next() counted as own work)",
+    "transferqueue": "all of next(): get_meta, get_data and the rows' processing run on the trainer's thread",
+    "tq_async": "the time blocked on the prefetch thread's queue",
+    "tq_loader": "the time inside the streaming loader's next()",
+}
 
-    def after() -> None:
-        ds.commit(ds.state_dict())
 
-    return after
+def _metrics_wait_key(d: Mapping[str, Any]) -> str:
+    for k in ("data_wait_s_total", "wait_s_total"):
+        if isinstance(d.get(k), (int, float)):
+            return k
+    return "unavailable"
+
+
+def _data_wait_probe(ds: Any) -> Callable[[], float]:
+    """Cumulative seconds the dataset's ``next()`` spent waiting for data (its ConsumerMetrics), read outside the
+    timed calls; ``data_wait_s_total`` when the library reports it, else ``wait_s_total`` (see
+    :data:`_WAIT_SOURCES`)."""
+
+    def probe() -> float:
+        d = ds.metrics.to_dict()
+        k = _metrics_wait_key(d)
+        return float(d[k]) if k in d else 0.0
+
+    return probe
+
+
+def _knitdata_source(name: str, trainer: Any, ds: Any, it: Iterator[Any], kinds: Sequence[str]) -> _Source:
+    """A knitdata TrajectoryDataset as the trainer drives it: ``next()`` per micro-batch, then after each
+    optimizer step ``state = ds.state_dict()`` and ``ds.commit(state)`` (both exposed)."""
+    return _Source(name, trainer, _knitdata_next(it, kinds), ds.state_dict, ds.commit,
+                   _data_wait_probe(ds) if getattr(ds, "metrics", None) is not None else None)
 
 
 def _batch_spec(w: TransferWorkload) -> Any:
@@ -1123,6 +1363,7 @@ class _TQSource:
         self.decode = _TQDecode(w, cfg)
         self.poll_timeout_s = poll_timeout_s
         self.i = 0
+        self.last_wait = 0.0
         torch.set_num_threads(1)
 
     def get(self) -> Any:
@@ -1141,9 +1382,12 @@ class _TQSource:
         return self.client.get_data(meta)
 
     def fetch(self) -> _Item:
+        """The next micro-batch, fetched and processed on the trainer's thread (``last_wait``: all of it)."""
+        t0 = time.perf_counter()
         k = self.w.microbatches_per_step
         item = self.decode.dup(self.get(), self.i % k, k)
         self.i += 1
+        self.last_wait = time.perf_counter() - t0
         return item
 
     def close(self) -> None:
@@ -1166,6 +1410,7 @@ class _TQAsyncSource:
         self.poll_timeout_s = poll_timeout_s
         self.q: queue.Queue = queue.Queue(maxsize=ahead if encoding == "dup" else 1)
         self.buf: list[_Item] = []
+        self.last_wait = 0.0
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name=f"tq-prefetch-{task}-{rank}", daemon=True)
         self.thread.start()
@@ -1225,8 +1470,12 @@ class _TQAsyncSource:
             client.close()
 
     def fetch(self) -> _Item:
+        """The next micro-batch; ``last_wait`` is the time blocked on the queue for it."""
+        self.last_wait = 0.0
         if not self.buf:
+            t0 = time.perf_counter()
             x = self.q.get(timeout=self.poll_timeout_s * 2)
+            self.last_wait = time.perf_counter() - t0
             if isinstance(x, BaseException):
                 raise x
             self.buf = [x] if isinstance(x, _Item) else list(x)
@@ -1280,10 +1529,15 @@ class _TQLoaderSource:
         self.it: Any = iter(self.loader)
         self.buf: list[_Item] = []
         self.i = 0
+        self.last_wait = 0.0
 
     def fetch(self) -> _Item:
+        """The next micro-batch; ``last_wait`` is the time inside the loader's ``next()`` for it."""
+        self.last_wait = 0.0
         if not self.buf:
+            t0 = time.perf_counter()
             self.buf = list(next(self.it))
+            self.last_wait = time.perf_counter() - t0
         item = self.buf.pop(0)
         k = self.w.microbatches_per_step
         if item.media is None:  # dup: the workers see one micro-batch at a time; number it here
@@ -1314,7 +1568,7 @@ def _run_worker_job(rank: int, job: Mapping[str, Any], barrier: Any, res_q: Any,
     """Run every source of ``job`` interleaved step by step; one trainer per encoding."""
     w = _workload_from_dict(job["workload"])
     cfg = VLMConfig(**job["model"])
-    trainers: dict[str, _Trainer] = {}
+    trainers: dict[str, Any] = {}
 
     def wait() -> None:
         barrier.wait(barrier_timeout)
@@ -1325,12 +1579,12 @@ def _run_worker_job(rank: int, job: Mapping[str, Any], barrier: Any, res_q: Any,
 
     extra: dict[str, dict[str, Any]] = {}
     closers: list[Callable[[], Any]] = []
-    sources: list[tuple[str, _Trainer, Callable[[], tuple[_Item, float]], Callable[[], Any] | None]] = []
+    sources: list[_Source] = []
     try:
         for spec in job["sources"]:
             enc = spec["encoding"]
             if enc not in trainers:
-                trainers[enc] = _Trainer(w, cfg, enc)
+                trainers[enc] = _make_trainer(w, cfg, enc, job.get("compute", "cpu"), job.get("calibration"))
             name = spec["name"]
             extra[name] = {}
             if spec["kind"] in ("transferqueue", "tq_async", "tq_loader"):
@@ -1344,20 +1598,21 @@ def _run_worker_job(rank: int, job: Mapping[str, Any], barrier: Any, res_q: Any,
                                           prefetch_factor=spec.get("prefetch_factor", 2))
                 closers.append(src.close)
 
-                def nxt(src: Any = src) -> tuple[_Item, float]:
+                def nxt(src: Any = src) -> tuple[_Item, float, float | None]:
                     t0 = time.perf_counter()
                     item = src.fetch()
-                    return item, time.perf_counter() - t0
+                    return item, time.perf_counter() - t0, src.last_wait
 
                 # transferqueue's controller records consumption at get_meta: no per-step state call is needed
-                sources.append((name, trainers[enc], nxt, None))
+                sources.append(_Source(name, trainers[enc], nxt))
+                extra[name]["wait_source"] = spec["kind"]
             elif spec["kind"] == "knitdata":
                 ds = _attach_dataset(spec, rank, w, cfg)
                 it = iter(ds)
                 closers.append(getattr(it, "close", lambda: None))
                 # every step: save the loader state and commit it (releases the step's payloads); both are
                 # data calls of the trainer, counted as exposed latency
-                sources.append((name, trainers[enc], _knitdata_next(it, w.media_kinds), _save_and_commit(ds)))
+                sources.append(_knitdata_source(name, trainers[enc], ds, it, w.media_kinds))
                 if getattr(ds, "metrics", None) is not None:
                     extra[name]["_metrics_of"] = ds.metrics
             else:  # pragma: no cover - programming error
@@ -1373,17 +1628,25 @@ def _run_worker_job(rank: int, job: Mapping[str, Any], barrier: Any, res_q: Any,
         m = d.pop("_metrics_of", None)
         if m is not None:
             d["metrics"] = m.to_dict()
+            d["wait_source"] = _metrics_wait_key(d["metrics"])
     return {"records": {n: [dataclasses.asdict(r) for r in v] for n, v in recs.items()}, "extra": extra}
 
 
-def _worker_main(rank: int, cmd_q: Any, res_q: Any, barrier: Any, barrier_timeout: float) -> None:
-    """Entry of one consumer process: runs jobs until it receives ``None``."""
+def _worker_main(rank: int, cmd_q: Any, res_q: Any, barrier: Any, barrier_timeout: float,
+                 driver_pid: int | None = None) -> None:
+    """Entry of one consumer process: runs jobs until it receives ``None`` (or its driver process is gone)."""
     import traceback
 
     _pin_threads()
+    parent = os.getppid() if driver_pid is None else driver_pid
     _preimport()
     while True:
-        job = cmd_q.get()
+        try:
+            job = cmd_q.get(timeout=2.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the driver died (killed, timed out): no orphan stays behind
+                return
+            continue
         if job is None:
             return
         try:
@@ -1425,7 +1688,8 @@ class _WorkerPool:
         os.environ["TQ_NUM_THREADS"] = "1"
         try:
             self.procs = [
-                ctx.Process(target=_worker_main, args=(r, self.cmd[r], self.res, self.barrier, barrier_timeout),
+                ctx.Process(target=_worker_main,
+                            args=(r, self.cmd[r], self.res, self.barrier, barrier_timeout, os.getpid()),
                             name=f"knitdata-bench-consumer-{r}", daemon=False)
                 for r in range(n)
             ]
@@ -1501,10 +1765,11 @@ def _fill_pipeline(pipe: Any, w: TransferWorkload) -> set[str]:
 
 
 def _run_embedded(w: TransferWorkload, cfg: VLMConfig, fetch: str, encoding: str, timeout_s: float,
-                  progress: Any = None, device: str = "cpu"
+                  progress: Any = None, device: str = "cpu", compute: str = "cpu",
+                  calibration: Mapping[str, Any] | None = None
                   ) -> tuple[list[list[ConsumerStepRecord]], list[dict], set[str], dict]:
     """``fetch`` on the embedded engine: one process, consumers are threads (one torch thread each), training on
-    ``device``."""
+    ``device`` (``compute="accel"``: waiting the calibrated compute instead)."""
     from knitdata.pipeline import Pipeline
 
     pipe = Pipeline(_batch_spec(w), engine="embedded", **_pipeline_kwargs(w))
@@ -1513,7 +1778,7 @@ def _run_embedded(w: TransferWorkload, cfg: VLMConfig, fetch: str, encoding: str
     fill_s = time.perf_counter() - t0
     n = w.num_consumers
     barrier = threading.Barrier(n)
-    trainers = [_Trainer(w, cfg, encoding, device) for _ in range(n)]
+    trainers = [_make_trainer(w, cfg, encoding, compute, calibration, device) for _ in range(n)]
     out: list[Any] = [None] * n
     errs: list[BaseException | None] = [None] * n
 
@@ -1521,9 +1786,9 @@ def _run_embedded(w: TransferWorkload, cfg: VLMConfig, fetch: str, encoding: str
         ds = pipe.dataset(rank, fetch=fetch, **_dataset_kwargs(w, cfg, encoding))
         it = iter(ds)
         try:
-            out[rank] = _consume(w, trainers[rank], _knitdata_next(it, w.media_kinds), lambda: barrier.wait(timeout_s),
-                                 (lambda s: progress.update(1)) if (rank == 0 and progress is not None) else None,
-                                 _save_and_commit(ds))
+            out[rank] = _consume(w, _knitdata_source("only", trainers[rank], ds, it, w.media_kinds),
+                                 lambda: barrier.wait(timeout_s),
+                                 (lambda s: progress.update(1)) if (rank == 0 and progress is not None) else None)
         except BaseException as e:
             errs[rank] = e
             barrier.abort()
@@ -1540,7 +1805,9 @@ def _run_embedded(w: TransferWorkload, cfg: VLMConfig, fetch: str, encoding: str
     for e in errs:
         if e is not None and not isinstance(e, threading.BrokenBarrierError):
             raise e
-    extras = [{"metrics": pipe.metrics(r).to_dict()} for r in range(n)]
+    extras: list[dict[str, Any]] = [{"metrics": pipe.metrics(r).to_dict()} for r in range(n)]
+    for x in extras:
+        x["wait_source"] = _metrics_wait_key(x["metrics"])
     return out, extras, expected, {"fill_s": fill_s}
 
 
@@ -1579,7 +1846,8 @@ def _parallel_put(put: Callable[[Trajectory], Any], trajs: Sequence[Trajectory],
 class _RayCluster:
     """One local Ray per benchmark run, on loopback (address='local'): transferqueue's actors, then knitdata's."""
 
-    def __init__(self) -> None:
+    def __init__(self, object_store_bytes: int = 4 << 30) -> None:
+        self.object_store_bytes = int(object_store_bytes)
         self.address: str | None = None
         self.node: str | None = None
         self.startup_s = 0.0
@@ -1602,7 +1870,7 @@ class _RayCluster:
             try:
                 ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
                          logging_level="ERROR",  # type: ignore[arg-type]  # ray annotates int; takes names too
-                         _node_ip_address=ray_unit.LOOPBACK, object_store_memory=4 << 30,
+                         _node_ip_address=ray_unit.LOOPBACK, object_store_memory=self.object_store_bytes,
                          runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                                                    "TQ_NUM_THREADS": "1"}})
                 break
@@ -1683,13 +1951,29 @@ def summarize_mode(records: Sequence[Sequence[ConsumerStepRecord]], w: TransferW
 
     Exposed latency per step is the mean over consumers (``exposed_latency_max_s``: the slowest one); the
     step time is the slowest consumer's (the optimizer step of data-parallel training waits for it).
+    ``breakdown_ms`` splits the exposed latency by call, each part the median over steps of its mean over
+    consumers (so the parts need not add up to the median total): ``next_ms`` (every ``next()`` of the step),
+    of it ``wait_ms`` (blocked until the micro-batch was ready) and ``own_ms`` (the rest: the data system's own
+    work on the trainer's thread), then ``state_dict_ms`` and ``commit_ms`` after the optimizer step.
     """
     measured = range(w.warmup_steps, w.total_steps)
-    ex_mean = [statistics.fmean(r[s].exposed_s for r in records) for s in measured]
+
+    def per_step(fn: Callable[[ConsumerStepRecord], float]) -> list[float]:
+        return [statistics.fmean(fn(r[s]) for r in records) for s in measured]
+
+    def wait_of(rec: ConsumerStepRecord) -> float:
+        return min(sum(rec.waits), rec.data_wait_s) if rec.data_wait_s is not None else 0.0
+
+    ex_mean = per_step(lambda rec: rec.exposed_s)
     ex_max = [max(r[s].exposed_s for r in records) for s in measured]
     step = [max(r[s].step_s for r in records) for s in measured]
-    comp = [statistics.fmean(r[s].compute_s for r in records) for s in measured]
-    commit = [statistics.fmean(r[s].commit_s for r in records) for s in measured]
+    comp = per_step(lambda rec: rec.compute_s)
+    commit = per_step(lambda rec: rec.commit_s)
+    nxt = per_step(lambda rec: sum(rec.waits))
+    wait = per_step(wait_of)
+    own = per_step(lambda rec: sum(rec.waits) - wait_of(rec))
+    state = per_step(lambda rec: rec.state_dict_s)
+    commit_call = per_step(lambda rec: rec.commit_call_s)
     to_trainer = [sum(r[s].bytes for r in records) for s in measured]
     moved = [sum(r[s].moved for r in records) for s in measured]
     counts: dict[str, int] = {}
@@ -1704,6 +1988,9 @@ def summarize_mode(records: Sequence[Sequence[ConsumerStepRecord]], w: TransferW
         "step_s": _median(step),
         "compute_s": _median(comp),
         "exposed_commit_s": _median(commit),
+        "breakdown_ms": {"next_ms": _median(nxt) * 1e3, "wait_ms": _median(wait) * 1e3, "own_ms": _median(own) * 1e3,
+                         "state_dict_ms": _median(state) * 1e3, "commit_ms": _median(commit_call) * 1e3},
+        "data_wait_known": all(r[s].data_wait_s is not None for s in measured for r in records),
         "bytes_to_trainer_per_step": _median(to_trainer),
         "bytes_moved_per_step": _median(moved) if any(moved) else None,
         "delivered": sum(counts.values()),
@@ -1713,7 +2000,8 @@ def summarize_mode(records: Sequence[Sequence[ConsumerStepRecord]], w: TransferW
         "unexpected": len(set(counts) - expected),
         "exactly_once": set(counts) == expected and all(c == 1 for c in counts.values()),
         "microbatches_per_step": sorted({rec.microbatches for r in records for rec in r}),
-        "per_step": {"exposed_s": ex_mean, "step_s": step, "compute_s": comp},
+        "per_step": {"exposed_s": ex_mean, "step_s": step, "compute_s": comp, "next_s": nxt, "wait_s": wait,
+                     "state_dict_s": state, "commit_s": commit_call},
         "exposed_by_microbatch_s": [
             _median([r[s].waits[i] for s in measured for r in records if i < len(r[s].waits)])
             for i in range(max(len(r[s].waits) for s in measured for r in records))
@@ -1817,8 +2105,17 @@ def run_transfer_benchmark(
     timeout_s: float = 900.0,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    compute: str = "accel",
+    calibration_reps: int = 3,
+    interleave: bool = True,
 ) -> dict[str, Any]:
     """Run every requested mode side by side on one workload and return the JSON-serializable result.
+
+    With ``compute="accel"`` the consumers' compute is first calibrated alone in this process
+    (:func:`calibrate_compute`, before any server or consumer process starts), then every consumer waits that
+    long instead of computing; ``compute="cpu"`` trains the tiny model on the CPU (:data:`COMPUTE_MEASURES` says
+    what each measures). The result holds, beside the per-run tables, a summary under the key named by
+    ``compute`` (:func:`compute_summary`).
 
     Args:
         w: The workload (default: the fixed image one).
@@ -1836,15 +2133,21 @@ def run_transfer_benchmark(
         timeout_s: Limit per run (consumers that do not finish raise :class:`~knitdata.errors.EngineError`).
         progress: Show tqdm bars.
         log: Where to print notes (default: stderr).
+        compute: ``"accel"`` (compute as a calibrated wait) or ``"cpu"`` (compute on the CPU).
+        calibration_reps: Timed steps per encoding of the calibration (``accel``).
+        interleave: Run the process modes interleaved step by step before running each alone; ``False``: each
+            alone only (what fits in memory at the seed's omni size).
 
     Raises:
-        ConfigError: Unknown modes or variants.
+        ConfigError: Unknown modes, variants or compute mode.
         LoopbackError: transferqueue or Ray listens on a non-loopback address.
         EngineError: Consumers failed or timed out.
     """
     from tqdm import tqdm
 
     w = w or TransferWorkload()
+    if compute not in COMPUTE_MODES:
+        raise ConfigError(f"compute must be one of {COMPUTE_MODES}, got {compute!r}")
     if "ray" not in sys.modules:
         # Keeps Ray (and transferqueue's servers) on 127.0.0.1 on this kind of machine.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -1864,15 +2167,30 @@ def run_transfer_benchmark(
     bad = [m for m in controls if m not in process_modes]
     if bad:
         raise ConfigError(f"controls must be process modes {process_modes}, got {bad}")
+    if not interleave:  # every process mode runs alone, with every encoding it runs with
+        controls = [m for m in process_modes if m in modes]
+        control_encodings = ENCODINGS
     say = log or (lambda s: print(s, file=sys.stderr, flush=True))
     t_start = time.perf_counter()
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
+    machine = _machine()  # the load average before anything of the benchmark runs
+    runs: list[tuple[str, str]] = [(m, "dup") for m in modes] + [(m, "shared") for m in modes if m in shared_modes]
+    calibration: dict[str, Any] | None = None
+    if compute == "accel":
+        # Alone, before any server, consumer process or FLOP count starts: what the compute costs on this machine.
+        encs = [e for e in ENCODINGS if any(r[1] == e for r in runs)]
+        say(f"calibrating the compute ({', '.join(encs)}; {calibration_reps} timed steps each, one torch thread)")
+        calibration = calibrate_compute(w, cfg, encs, reps=calibration_reps)
+        say("calibrated compute per step: " + ", ".join(f"{e} {calibration[e]['step_s']:.3f} s" for e in encs))
     result: dict[str, Any] = {
         "benchmark": "transfer",
+        "compute": compute,
+        "compute_measures": COMPUTE_MEASURES[compute],
+        "interleaved_run": interleave,
         "workload": w.to_dict(),
         "model": cfg.to_dict(),
-        "machine": _machine(),
+        "machine": machine,
         "modes": {},
         "controls": {},
         "runs": [],
@@ -1892,7 +2210,8 @@ def run_transfer_benchmark(
                       "collate_fn",
         },
     }
-    runs: list[tuple[str, str]] = [(m, "dup") for m in modes] + [(m, "shared") for m in modes if m in shared_modes]
+    if calibration is not None:
+        result["calibration"] = calibration
     import importlib.util
 
     if importlib.util.find_spec("ray") is None:
@@ -1912,6 +2231,8 @@ def run_transfer_benchmark(
         if s["bytes_moved_per_step"] is None:
             s["bytes_moved_per_step"] = _bytes_moved_from_metrics(extras, w)
         s.update(mode=mode, encoding=encoding, engine=engine, **extra)
+        srcs = sorted({str(e.get("wait_source")) for e in extras if e.get("wait_source")})
+        s["wait_source"] = ",".join(srcs) if srcs else "unavailable"
         if variant is not None:
             s["variant"] = variant
         result["control_runs" if control else "runs"].append(s)
@@ -1932,7 +2253,8 @@ def run_transfer_benchmark(
         t_mark = now
 
     result["timeline_s"] = []
-    cluster = _RayCluster()
+    cluster = _RayCluster(_object_store_bytes(w, interleave, sum(1 for m, _ in runs if m in ("sample", "eager", "iter"))))
+    result["ray_object_store_bytes"] = cluster.object_store_bytes
     # FLOPs are counted (meta device) while servers start, never while a run is measured.
     from concurrent.futures import ThreadPoolExecutor
 
@@ -1956,7 +2278,7 @@ def run_transfer_benchmark(
     def run_sources(sources: list[dict[str, Any]], label: str, control: bool) -> None:
         assert pool is not None
         before_measuring()
-        job = {"sources": sources, **_job_base(w, cfg, "dup")}
+        job = {"sources": sources, **_job_base(w, cfg, "dup"), "compute": compute, "calibration": calibration}
         say(f"{label}: " + ", ".join(x["name"] for x in sources))
         with tqdm(total=w.total_steps * len(sources), desc=label[:22], disable=not progress, leave=False,
                   file=sys.stderr) as pb:
@@ -2014,9 +2336,10 @@ def run_transfer_benchmark(
                     mark("transferqueue put")
                     result["transferqueue"]["put_s"] = server.put_s
                     result["startup_s"]["transferqueue"] = server.startup_s + server.put_s
-                    for mode, enc in tq_runs:
-                        sources += tq_sources(mode, enc, "")
-            ray_runs = [r for r in runs if r[0] in ("sample", "eager", "iter")]
+                    if interleave:
+                        for mode, enc in tq_runs:
+                            sources += tq_sources(mode, enc, "")
+            ray_runs = [r for r in runs if r[0] in ("sample", "eager", "iter")] if interleave else []
             if ray_runs:
                 result["process_modes_via"] = {"ray_engine": _PROCESS_MODES_ENGINE}
                 cluster.start()
@@ -2030,18 +2353,26 @@ def run_transfer_benchmark(
                 run_sources(sources, "interleaved", control=False)
                 mark("run process modes (interleaved)")
             cluster.finish_runs()  # frees the object store before the controls
-            # Controls: each process mode alone (same consumer processes, nothing interleaved).
+            # Controls: each process mode alone (same consumer processes, nothing interleaved); transferqueue's
+            # first, then its servers stop (their memory back) before knitdata's pipelines fill.
             ctl = [r for r in runs if r[0] in controls and r[1] in control_encodings]
+            ctl.sort(key=lambda r: r[0] not in ("transferqueue", "transferqueue_best"))
             if ctl:
-                result["controls_note"] = ("each mode alone in the same consumer processes after the interleaved "
-                                           "run (a fresh knitdata pipeline; transferqueue re-read under new task "
-                                           "names)")
+                result["controls_note"] = (
+                    ("each mode alone in the same consumer processes after the interleaved run" if interleave else
+                     "each mode alone in the same consumer processes (no interleaved run)")
+                    + " (a fresh knitdata pipeline; transferqueue re-read under new task names)")
             for mode, enc in ctl:
                 if mode in ("transferqueue", "transferqueue_best"):
                     srcs = tq_sources(mode, enc, "ctl_")
                 else:
+                    if server is not None:
+                        server.close()
+                        server = None
+                        mark("transferqueue stop")
                     job, expected, prep_s = cluster.prepare_engine(w)
                     srcs = [{**job, "name": f"{mode}/{enc}", "fetch": mode, "encoding": enc, "prepare_s": prep_s}]
+                    expected_of[mode] = expected
                 for src in srcs:  # the variants of transferqueue_best also run one at a time
                     run_sources([src], f"alone {src['name']}", control=True)
                     mark(f"control {src['name']}")
@@ -2060,7 +2391,8 @@ def run_transfer_benchmark(
         for mode, enc in [r for r in runs if r[0] == "iter_embedded"]:
             before_measuring()
             with bar(f"{mode}/{enc}") as pb:
-                e_recs, e_extras, expected, info = _run_embedded(w, cfg, "iter", enc, timeout_s, pb)
+                e_recs, e_extras, expected, info = _run_embedded(w, cfg, "iter", enc, timeout_s, pb, compute=compute,
+                                                                 calibration=calibration)
             record(mode, enc, e_recs, e_extras, expected, "embedded (consumer threads)", **info)
             mark(f"run {mode}/{enc}")
     finally:
@@ -2077,8 +2409,21 @@ def run_transfer_benchmark(
         result["machine"]["loadavg_at_end"] = list(os.getloadavg())
     except OSError:
         pass
+    result[compute] = compute_summary(result)
     result["total_s"] = time.perf_counter() - t_start
     return result
+
+
+def _object_store_bytes(w: TransferWorkload, interleave: bool, knitdata_runs: int) -> int:
+    """Ray's object store for the run: 4 GiB, or what the knitdata pipelines held at once need (all of them when
+    interleaved, one when each runs alone) plus a quarter, at most half of this machine's memory."""
+    held = (knitdata_runs if interleave else 1) * w.total_steps * w.trajectories_per_step * w.trajectory_bytes
+    want = max(4 << 30, int(held * 1.25))
+    try:
+        phys = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not Linux
+        return want
+    return int(min(want, max(4 << 30, phys // 2)))
 
 
 def _pick_tq_best(modes: dict[str, Any]) -> None:
@@ -2138,7 +2483,8 @@ def _add_speedups(result: dict[str, Any], flops: Mapping[str, Any], gpu_tflops: 
     m = result["modes"]
     tq = m.get("transferqueue")
     tqb = m.get("transferqueue_best")
-    it_name = "iter" if "iter" in m else ("iter_embedded" if "iter_embedded" in m else None)
+    it_name = ("iter" if "iter" in m or "iter" in result.get("controls", {}) else
+               ("iter_embedded" if "iter_embedded" in m else None))
     it = m.get(it_name) if it_name else None
     it_sh = (it or {}).get("shared")
     g = lambda d, k: None if d is None else d.get(k)  # noqa: E731
@@ -2173,6 +2519,204 @@ def _add_speedups(result: dict[str, Any], flops: Mapping[str, Any], gpu_tflops: 
     result["exactly_once_all_runs"] = all(r["exactly_once"] for r in result["runs"] + result.get("control_runs", []))
 
 
+# ---------------------------------------------------------------------------------------------- summary by call
+#: The project's acceptance targets for the data path (``compute_summary(...)["acceptance"]``): name -> (ratio or
+#: figure key, comparison, threshold, the workload it is judged on: ``image``, or ``omni_seed`` -- the omni workload
+#: at the seed's size).
+ACCEPTANCE: dict[str, tuple[str, str, float, str]] = {
+    "iter_exposed_ms_le_0.15": ("iter_exposed_ms", "<=", 0.15, "image"),
+    "exposed_transferqueue_best_over_iter_ge_5": ("exposed_transferqueue_best_over_iter", ">=", 5.0, "image"),
+    "exposed_transferqueue_over_iter_ge_100": ("exposed_transferqueue_over_iter", ">=", 100.0, "image"),
+    "step_iter_over_transferqueue_best_dup_le_1": ("step_iter_over_transferqueue_best_dup", "<=", 1.0, "image"),
+    "step_iter_over_transferqueue_best_shared_le_1": ("step_iter_over_transferqueue_best_shared", "<=", 1.0,
+                                                      "image"),
+    "exposed_iter_embedded_over_iter_le_1": ("exposed_iter_embedded_over_iter", "<=", 1.0, "image"),
+    "end_to_end_transferqueue_dup_over_iter_shared_ge_5.8": ("end_to_end_transferqueue_dup_over_iter_shared", ">=",
+                                                             SEED_SPEEDUP, "omni_seed"),
+    "end_to_end_transferqueue_best_dup_over_iter_shared_ge_1.5": (
+        "end_to_end_transferqueue_best_dup_over_iter_shared", ">=", 1.5, "omni_seed"),
+}
+
+#: What each ratio of ``compute_summary(...)["ratios"]`` divides (dup encoding unless the name says shared).
+RATIO_MEANING: dict[str, str] = {
+    "exposed_transferqueue_best_over_iter": "exposed ms per step, transferqueue_best / knitdata iter (Ray), dup",
+    "exposed_transferqueue_best_over_iter_shared": "the same with shared encoding",
+    "exposed_transferqueue_over_iter": "exposed ms per step, transferqueue synchronous / knitdata iter (Ray), dup",
+    "step_iter_over_transferqueue_best_dup": "step time, knitdata iter / transferqueue_best, both dup",
+    "step_iter_over_transferqueue_best_shared": "step time, knitdata iter / transferqueue_best, both shared",
+    "end_to_end_transferqueue_dup_over_iter_shared": "step time, transferqueue synchronous + dup / iter + shared "
+                                                     "(transfer plus training)",
+    "end_to_end_transferqueue_best_dup_over_iter_shared": "step time, transferqueue_best + dup / iter + shared",
+    "end_to_end_transferqueue_best_shared_over_iter_shared": "step time, transferqueue_best + shared / iter + shared",
+    "exposed_iter_embedded_over_iter": "exposed ms per step, iter on the embedded engine / iter on the Ray engine, "
+                                       "dup",
+}
+
+
+def _summary_entry(d: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """One run's figures for the summary: exposed ms, step s, compute s, the breakdown by call."""
+    if not d or "step_s" not in d:
+        return None
+    e: dict[str, Any] = {"exposed_ms": d["exposed_latency_s"] * 1e3, "exposed_max_ms": d["exposed_latency_max_s"] * 1e3,
+                         "step_s": d["step_s"], "compute_s": d["compute_s"]}
+    e.update(d.get("breakdown_ms") or {})
+    e.update(exactly_once=d.get("exactly_once"), wait_source=d.get("wait_source"))
+    if d.get("chosen_variant") or d.get("variant"):
+        e["variant"] = d.get("chosen_variant") or d.get("variant")
+    return e
+
+
+def _summary_section(modes: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for m in MODES:
+        e = _summary_entry(modes.get(m))
+        if e is None:
+            continue
+        sh = _summary_entry((modes.get(m) or {}).get("shared"))
+        if sh is not None:
+            e["shared"] = sh
+        out[m] = e
+    return out
+
+
+_BREAKDOWN_KEYS = ("wait_ms", "own_ms", "state_dict_ms", "commit_ms", "next_ms", "exposed_ms")
+
+
+def _breakdown(section: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for m, e in section.items():
+        b = {k: e.get(k) for k in _BREAKDOWN_KEYS}
+        if isinstance(e.get("shared"), dict):
+            b["shared"] = {k: e["shared"].get(k) for k in _BREAKDOWN_KEYS}
+        out[m] = b
+    return out
+
+
+def _end_to_end(section: Mapping[str, Any]) -> dict[str, Any]:
+    """The 2x2 step times (transferqueue_best / iter x dup / shared), plus transferqueue synchronous + dup."""
+    def cell(m: str, enc: str) -> dict[str, Any] | None:
+        e = section.get(m)
+        if enc == "shared":
+            e = (e or {}).get("shared")
+        if not e:
+            return None
+        c = {"step_s": e["step_s"], "exposed_ms": e["exposed_ms"], "compute_s": e["compute_s"], "source": m}
+        if e.get("variant"):
+            c["variant"] = e["variant"]
+        return c
+
+    return {"tq_dup": cell("transferqueue_best", "dup"), "tq_shared": cell("transferqueue_best", "shared"),
+            "iter_dup": cell("iter", "dup"), "iter_shared": cell("iter", "shared"),
+            "tq_sync_dup": cell("transferqueue", "dup"),
+            "note": "tq_* = transferqueue_best (its better variant per encoding), iter_* = knitdata iter on the Ray "
+                    "engine, tq_sync_dup = transferqueue driven synchronously with dup encoding"}
+
+
+def _ratios(section: Mapping[str, Any]) -> dict[str, float | None]:
+    def get(m: str, key: str, enc: str = "dup") -> float | None:
+        e = section.get(m)
+        if enc == "shared":
+            e = (e or {}).get("shared")
+        v = (e or {}).get(key)
+        return float(v) if isinstance(v, (int, float)) else None
+
+    ex, st = "exposed_ms", "step_s"
+    return {
+        "exposed_transferqueue_best_over_iter": _ratio(get("transferqueue_best", ex), get("iter", ex)),
+        "exposed_transferqueue_best_over_iter_shared": _ratio(get("transferqueue_best", ex, "shared"),
+                                                              get("iter", ex, "shared")),
+        "exposed_transferqueue_over_iter": _ratio(get("transferqueue", ex), get("iter", ex)),
+        "step_iter_over_transferqueue_best_dup": _ratio(get("iter", st), get("transferqueue_best", st)),
+        "step_iter_over_transferqueue_best_shared": _ratio(get("iter", st, "shared"),
+                                                           get("transferqueue_best", st, "shared")),
+        "end_to_end_transferqueue_dup_over_iter_shared": _ratio(get("transferqueue", st), get("iter", st, "shared")),
+        "end_to_end_transferqueue_best_dup_over_iter_shared": _ratio(get("transferqueue_best", st),
+                                                                     get("iter", st, "shared")),
+        "end_to_end_transferqueue_best_shared_over_iter_shared": _ratio(get("transferqueue_best", st, "shared"),
+                                                                        get("iter", st, "shared")),
+        "exposed_iter_embedded_over_iter": _ratio(get("iter_embedded", ex), get("iter", ex)),
+    }
+
+
+def _workload_kind(w: Mapping[str, Any]) -> str:
+    if w.get("workload") != "omni":
+        return "image"
+    seed = (w.get("video_frames") == SEED_OMNI_FRAMES and w.get("frame_px") == SEED_OMNI_PX
+            and float(w.get("audio_seconds", 0)) >= 30.0)
+    return "omni_seed" if seed else "omni"
+
+
+def compute_summary(result: Mapping[str, Any]) -> dict[str, Any]:
+    """The summary of a run stored under ``result[result["compute"]]`` (``accel`` or ``cpu``).
+
+    ``alone`` (each mode run alone: the controls, and ``iter_embedded``) and ``interleaved`` map each mode of
+    :data:`MODES` to ``exposed_ms``, ``step_s``, ``compute_s``, the breakdown of the exposed time by call
+    (``next_ms`` = ``wait_ms`` + ``own_ms``, then ``state_dict_ms`` and ``commit_ms``) and the same for
+    ``shared`` encoding; ``breakdown`` repeats the by-call figures of ``alone`` (``breakdown_interleaved``: of
+    ``interleaved``); ``end_to_end_alone`` / ``end_to_end_interleaved`` hold the 2x2 step times; ``ratios``
+    (from the alone runs; ``ratios_interleaved``) and ``acceptance`` the targets of :data:`ACCEPTANCE`. Every
+    figure is a median over the measured steps of the per-step mean over consumers (step time: the slowest
+    consumer).
+    """
+    compute = str(result.get("compute", "cpu"))
+    modes = dict(result.get("modes") or {})
+    controls = dict(result.get("controls") or {})
+    alone_src = {**controls}
+    if "iter_embedded" in modes:
+        alone_src["iter_embedded"] = modes["iter_embedded"]  # always alone: it runs after the process modes
+    alone = _summary_section(alone_src)
+    inter = _summary_section({k: v for k, v in modes.items() if k != "iter_embedded"})
+    ratios = _ratios(alone)
+    kind = _workload_kind(result.get("workload") or {})
+    acc: dict[str, Any] = {}
+    it = alone.get("iter") or {}
+    for name, (key, op, thr, applies) in ACCEPTANCE.items():
+        v = it.get("exposed_ms") if key == "iter_exposed_ms" else ratios.get(key)
+        met = None if v is None else (v <= thr if op == "<=" else v >= thr)
+        acc[name] = {"value": v, "op": op, "threshold": thr, "met": met, "judged_on": applies,
+                     "applies": applies == kind}
+    m = result.get("machine") or {}
+    out: dict[str, Any] = {
+        "measures": COMPUTE_MEASURES.get(compute, ""),
+        "workload_kind": kind,
+        "medians": "each figure: median over the measured steps of the per-step mean over consumers (step_s: the "
+                   "slowest consumer); the parts of the breakdown are medians of their own, so they need not add "
+                   "up to exposed_ms",
+        "breakdown_calls": {
+            "wait_ms": "next() blocked until the micro-batch was ready (knitdata: its ConsumerMetrics; "
+                       "transferqueue: see wait_source per mode)",
+            "own_ms": "the rest of next(): the data system's own work on the trainer's thread",
+            "state_dict_ms": "state_dict() after the optimizer step (knitdata; transferqueue has none)",
+            "commit_ms": "commit() after the optimizer step (knitdata; transferqueue has none)",
+            "next_ms": "every next() of the step (wait_ms + own_ms)",
+        },
+        "wait_sources": {k: v for k, v in _WAIT_SOURCES.items()
+                         if any(k in str(e.get("wait_source", "")).split(",") for sec in (alone, inter)
+                                for x in sec.values() for e in (x, x.get("shared") or {}))},
+        "alone": alone,
+        "interleaved": inter,
+        "breakdown": _breakdown(alone),
+        "breakdown_interleaved": _breakdown(inter),
+        "end_to_end_alone": _end_to_end(alone),
+        "end_to_end_interleaved": _end_to_end(inter),
+        "ratios": ratios,
+        "ratios_interleaved": _ratios(inter),
+        "ratio_meaning": RATIO_MEANING,
+        "acceptance": acc,
+        "loadavg": {"start": m.get("loadavg_at_start"), "end": m.get("loadavg_at_end")},
+    }
+    cal = result.get("calibration")
+    if compute == "accel" and isinstance(cal, Mapping):
+        out["calibration"] = {k: v for k, v in cal.items() if k not in ENCODINGS}
+        for enc in ENCODINGS:
+            if isinstance(cal.get(enc), Mapping):
+                c = cal[enc]
+                out["calibration"][enc] = {"microbatch_s": c["microbatch_s"], "optimizer_step_s": c["optimizer_step_s"],
+                                           "step_s": c["step_s"]}
+        out["loadavg"]["calibration"] = [cal.get("loadavg_before"), cal.get("loadavg_after")]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- report
 def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
@@ -2193,14 +2737,18 @@ def _run_label(r: Mapping[str, Any]) -> str:
 
 def _run_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = [
-        f"{'mode':<19}{'encoding':<9}{'engine':<13}{'exposed ms':>11}{'commit ms':>10}{'max ms':>9}{'step s':>8}"
+        f"{'mode':<19}{'encoding':<9}{'engine':<13}{'exposed ms':>11}{'wait ms':>9}{'own ms':>8}{'state ms':>9}"
+        f"{'commit ms':>10}{'max ms':>9}{'step s':>8}"
         f"{'compute s':>10}{'moved MiB':>10}{'trainer MiB':>12}{'delivered':>10}{'lost':>5}{'dup':>5}",
     ]
     mib = 1 << 20
     for r in runs:
+        b = r.get("breakdown_ms") or {}
         lines.append(
             f"{_run_label(r):<19}{r['encoding']:<9}{_short_engine(r):<13}"
-            f"{_fmt(r['exposed_latency_s'] * 1e3, '.2f'):>11}{_fmt(r.get('exposed_commit_s', 0.0) * 1e3, '.2f'):>10}"
+            f"{_fmt(r['exposed_latency_s'] * 1e3, '.2f'):>11}{_fmt(b.get('wait_ms'), '.2f'):>9}"
+            f"{_fmt(b.get('own_ms'), '.2f'):>8}{_fmt(b.get('state_dict_ms'), '.3f'):>9}"
+            f"{_fmt(b.get('commit_ms'), '.3f'):>10}"
             f"{_fmt(r['exposed_latency_max_s'] * 1e3, '.2f'):>9}"
             f"{_fmt(r['step_s'], '.3f'):>8}{_fmt(r['compute_s'], '.3f'):>10}"
             f"{_fmt(None if r['bytes_moved_per_step'] is None else r['bytes_moved_per_step'] / mib, '.1f'):>10}"
@@ -2220,23 +2768,34 @@ def _describe_media(w: Mapping[str, Any]) -> str:
 def format_table(result: Mapping[str, Any]) -> str:
     """The printed table and summary."""
     w = result["workload"]
-    where = ("knitdata modes on the embedded engine, training on CUDA" if result.get("gpu") else
-             "Process modes ran interleaved step by step in the same consumer processes, then each control alone; "
-             "iter_embedded (threads of one process) ran after them")
+    if result.get("gpu"):
+        where = "knitdata modes on the embedded engine, training on CUDA"
+    else:
+        where = (("Process modes ran interleaved step by step in the same consumer processes, then each control "
+                  "alone" if result.get("interleaved_run", True) else "Each process mode ran alone in the same "
+                  "consumer processes") + "; iter_embedded (threads of one process) ran after them. Compute: "
+                 f"{result.get('compute', 'cpu')} -- measures {COMPUTE_MEASURES.get(result.get('compute', 'cpu'), '')}")
     lines = [
         f"transfer benchmark ({w.get('workload', 'image')}): {w['groups_per_step']} groups x n={w['group_size']} "
         f"trajectories of {w['tokens']} tokens, {_describe_media(w)}; {w['num_consumers']} consumers x "
         f"{w['microbatches_per_step']} micro-batches of {w['microbatch_size']}; {w['warmup_steps']} warm-up + "
         f"{w['steps']} measured steps; medians per step. {where}. Exposed = every data call of the trainer per "
-        "step (next(); knitdata also state_dict() + commit(), the 'commit ms' column).",
+        "step: next() (waiting for data + own work), then knitdata's state_dict() and commit().",
         "",
     ]
+    cal = result.get("calibration")
+    if isinstance(cal, Mapping):
+        lines += ["calibrated compute (alone, one torch thread, median of "
+                  f"{cal.get('reps')} steps): " + "; ".join(
+                      f"{e}: " + " + ".join(f"{x * 1e3:.1f}" for x in cal[e]["microbatch_s"])
+                      + f" ms per micro-batch, {cal[e]['optimizer_step_s'] * 1e3:.1f} ms optimizer step"
+                      for e in ENCODINGS if isinstance(cal.get(e), Mapping)), ""]
     lines += _run_rows(result["runs"])
     if result.get("control_runs"):
         lines += ["", "controls (each mode alone):"] + _run_rows(result["control_runs"])
     for key, title in (("end_to_end", "interleaved"), ("end_to_end_alone", "alone")):
         e = result.get(key)
-        if not e:
+        if not e or not any(e.get(c) for c in ("tq_dup", "tq_shared", "iter_dup", "iter_shared")):
             continue
         lines += ["", f"2x2 step time ({title}): transfer x encoding"]
         lines.append(f"{'':<22}{'dup':>22}{'shared':>22}")
@@ -2268,6 +2827,17 @@ def format_table(result: Mapping[str, Any]) -> str:
             f"{_fmt(result.get('speedup_end_to_end_cpu'), '.2f')}x (sync), "
             f"{_fmt(result.get('speedup_end_to_end_cpu_vs_best'), '.2f')}x (best)",
         ]
+    summ = result.get(str(result.get("compute"))) if not result.get("gpu") else None
+    if isinstance(summ, Mapping):
+        lines += ["", f"ratios ({result.get('compute')} compute, each system alone):"]
+        for k, v in summ.get("ratios", {}).items():
+            lines.append(f"  {k}: {_fmt(v, '.2f')}")
+        applies = [(k, a) for k, a in summ.get("acceptance", {}).items() if a.get("applies")]
+        if applies:
+            lines.append(f"acceptance targets judged on this workload ({summ.get('workload_kind')}):")
+            for k, a in applies:
+                lines.append(f"  {k}: {_fmt(a.get('value'), '.3f')} {a['op']} {a['threshold']:g}: "
+                             f"{ {True: 'met', False: 'not met'}.get(a.get('met'), '-') }")
     p = result.get("speedup_end_to_end_projected_gpu") or {}
     pm = p.get("model", {})
     if pm.get("speedup") is not None:
@@ -2309,7 +2879,7 @@ def plot_result(result: Mapping[str, Any], path: str) -> None:
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(max(12, 0.75 * len(runs)), 9))
     w = result.get("workload", {})
     fig.suptitle(f"transfer benchmark, {w.get('workload', 'image')} workload: {_describe_media(w)}"
-                 + (" (CUDA)" if result.get("gpu") else ""), fontsize=10)
+                 + (" (CUDA)" if result.get("gpu") else f" ({result.get('compute', 'cpu')} compute)"), fontsize=10)
     a1.bar(labels, ex, color="tab:red")
     a1.set_yscale("log")
     a1.set_ylabel("exposed latency per step (ms, log)")
@@ -2455,6 +3025,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="omni: video frames (default 4; smoke 2; the seed's setting is 16)")
     parser.add_argument("--omni-px", type=int, default=None,
                         help="omni: frame side in px (default 224; smoke 112; the seed's setting is 448)")
+    parser.add_argument("--omni-seed-size", action="store_true",
+                        help=f"the omni workload at the seed's size: {SEED_OMNI_FRAMES} frames at {SEED_OMNI_PX} px and "
+                             "30 s of 16 kHz audio per group (implies --workload omni; default 1 + 4 steps and "
+                             "each mode alone, --no-interleave, so that one run's payloads fit in memory)")
+    parser.add_argument("--compute", choices=COMPUTE_MODES, default="accel",
+                        help="accel (default): each consumer's compute is a wait of its cost calibrated alone before "
+                             "the run, so the host CPU is free as on a GPU node and the data path is what is "
+                             "measured; cpu: the tiny model trains on the CPU beside the data path (on 2 cores this "
+                             "mostly measures CPU contention)")
+    parser.add_argument("--calibration-reps", type=int, default=None,
+                        help="accel: timed steps per encoding when calibrating the compute (default 3; smoke 1)")
+    parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the process modes interleaved step by step before each alone (default: yes; "
+                             "--omni-seed-size: no)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps (default 10; smoke 1)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; smoke 1)")
     parser.add_argument("--smoke", action="store_true", help="a short run of every mode (CI; 2 consumers; < 240 s on 2 cores)")
@@ -2480,10 +3064,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _workload_of(args: argparse.Namespace, steps: int, warmup: int) -> tuple[TransferWorkload, VLMConfig]:
-    if args.workload == "omni":
+    seed = getattr(args, "omni_seed_size", False)
+    if args.workload == "omni" or seed:
         cfg = OMNI_SMOKE_VLM if args.smoke else OMNI_VLM
-        frames = args.omni_frames if args.omni_frames is not None else (2 if args.smoke else 4)
-        px = args.omni_px if args.omni_px is not None else (112 if args.smoke else 224)
+        frames = args.omni_frames if args.omni_frames is not None else (
+            SEED_OMNI_FRAMES if seed else (2 if args.smoke else 4))
+        px = args.omni_px if args.omni_px is not None else (SEED_OMNI_PX if seed else (112 if args.smoke else 224))
         return omni_workload(frames, px, cfg=cfg, steps=steps, warmup_steps=warmup), cfg
     if args.smoke:  # 2 consumer processes (ranks) instead of 4: half the processes to start, still several ranks
         return TransferWorkload(steps=steps, warmup_steps=warmup, num_consumers=2), SMOKE_VLM
@@ -2502,11 +3088,21 @@ def run(args: argparse.Namespace) -> int:
         preset = gpu_config(args.workload, args.steps, args.warmup)
         result = run_gpu_benchmark(preset, timeout_s=args.timeout or 600.0, progress=not args.no_progress)
     else:
-        steps = args.steps if args.steps is not None else (1 if args.smoke else 10)
-        warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
+        seed = bool(getattr(args, "omni_seed_size", False))
+        if seed and args.workload != "omni":
+            args.workload = "omni"
+        compute = getattr(args, "compute", "accel")
+        steps = args.steps if args.steps is not None else (1 if args.smoke else (4 if seed else 10))
+        warmup = args.warmup if args.warmup is not None else (1 if args.smoke or seed else 3)
         shared = args.shared_modes if args.shared_modes is not None else ["transferqueue_best", "iter",
                                                                           "iter_embedded"]
-        controls = args.controls if args.controls is not None else (["iter"] if args.smoke else None)
+        # smoke: the alone runs the ratios need (transferqueue sync and at its best, knitdata iter), dup only
+        smoke_controls = ["transferqueue", "transferqueue_best", "iter"] if compute == "accel" else ["iter"]
+        controls = args.controls if args.controls is not None else (smoke_controls if args.smoke else None)
+        interleave = getattr(args, "interleave", None)
+        interleave = (not seed) if interleave is None else bool(interleave)
+        reps = getattr(args, "calibration_reps", None)
+        reps = reps if reps is not None else (1 if args.smoke else 3)
         w, cfg = _workload_of(args, steps, warmup)
         timeout = args.timeout if args.timeout is not None else (150.0 if args.smoke else 900.0)
         workers = args.loader_workers if args.loader_workers is not None else (0 if args.smoke else 1)
@@ -2514,7 +3110,8 @@ def run(args: argparse.Namespace) -> int:
                                         control_encodings=("dup",) if args.smoke else ENCODINGS,
                                         tq_best_variants=args.tq_best_variants, loader_workers=workers,
                                         cfg=cfg, gpu_tflops=args.gpu_tflops, tq_units=args.tq_units,
-                                        timeout_s=timeout, progress=not args.no_progress)
+                                        timeout_s=timeout, progress=not args.no_progress, compute=compute,
+                                        calibration_reps=reps, interleave=interleave)
     prog = os.path.basename(sys.argv[0]) if sys.argv else ""
     result["command"] = (f"knitdata {' '.join(sys.argv[1:])}" if prog in ("__main__.py", "knitdata")
                          else f"python {' '.join(sys.argv)}")
