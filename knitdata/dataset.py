@@ -42,7 +42,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from knitdata.collate import MicroBatchInfo
 from knitdata.control.plane import LEASE_TTL_S
 from knitdata.engines.base import Engine
-from knitdata.errors import ConfigError, DataTimeoutError, EngineError, FencedError, StateError
+from knitdata.errors import ConfigError, DataTimeoutError, EngineError, FencedError, KnitdataError, StateError
 from knitdata.handoff import ConsumerLease
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -147,7 +147,7 @@ class TrajectoryDataset(IterableDataset):
         self._init_local()
 
     def _init_local(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # an iterator closed under it brings the position up to date
         self._next: int | None = None  # next j of this (worker's) iteration; None: the rank's committed position
         self._worker = (0, 1)
         self._pos: tuple[int, int] | None = None  # (minibatch, microbatch) after the last handed out
@@ -166,7 +166,7 @@ class TrajectoryDataset(IterableDataset):
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # an iterator closed under it brings the position up to date
         self._active = None
 
     @property
@@ -254,6 +254,9 @@ class TrajectoryDataset(IterableDataset):
         the automatic release at the start of each mini-batch never goes past the last state taken (or loaded):
         a job can always roll back to the last state it saved.
         """
+        it = self._active() if self._active is not None else None
+        if it is not None:
+            it.sync()
         with self._lock:
             w, nw = self._worker
             if self._next is None:
@@ -267,6 +270,8 @@ class TrajectoryDataset(IterableDataset):
                 fp = None if ans.get("fp") is None else (base, str(ans["fp"]))
             mb, micro = self._pos if self._pos is not None else (None, None)
             self._cap = nxt
+            if it is not None:
+                it.set_cap(nxt)
             return {
                 "format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name, "rank": self.rank,
                 "num_consumers": self.engine.num_consumers, "worker": w, "num_workers": nw, "next": nxt,
@@ -403,7 +408,10 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             ds._next = base + ((worker - base) % num_workers)
             ds._fp = None if ans.get("fp") is None else (base, str(ans["fp"]))
         self._lease.send_each = ds.engine.release == "handout"
-        self._auto = ds.engine.release == "step" and num_workers == 1
+        self._lease.auto_step = ds.engine.release == "step" and num_workers == 1
+        self._lease.cap = ds._cap
+        self._synced = 0
+        self._metrics = ds.metrics
         end_box = [ds._end_step]
         self._end_box = end_box
         source = _produce(ds.engine, ds.rank, ds.fetch, ds.collate, ds.media_collator, ds.metrics, self._stop,
@@ -430,36 +438,39 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
                 raise StopIteration from None
             self.close()
             raise
+        if self._done:  # closed by another thread while this item was prepared: not handed out
+            raise StopIteration
         t1 = time.perf_counter()
-        ds = self._ds
-        info = entry["info"]
-        j, last = entry["j"], info["is_last"]
-        with ds._lock:
-            if self._done:  # closed by another thread while this item was prepared: not handed out
-                raise StopIteration
-            fenced = self._record(ds, entry, j, last)
-        if fenced is not None:
-            self.close()  # a newer iterator holds the rank: nothing more from this one
-            raise fenced
-        data_wait = getattr(inner, "last_wait_s", t1 - t0)
-        ds.metrics.record_wait(time.perf_counter() - t0, is_last=last, empty=not entry["items"], data_wait=data_wait)
+        try:
+            self._lease.take_out(entry, t1)
+        except KnitdataError:
+            self.close()  # a newer iterator holds the rank (or the control plane is gone): nothing more
+            raise
+        self._metrics.record_wait(t1 - t0, is_last=entry["info"]["is_last"], empty=not entry["items"],
+                                  data_wait=getattr(inner, "last_wait_s", t1 - t0))
         return mb
 
-    def _record(self, ds: TrajectoryDataset, entry: Mapping[str, Any], j: int, last: bool) -> FencedError | None:
-        """Record ``entry`` as handed out (in the lease and the dataset's position); the error if fenced."""
-        try:
-            auto = 0 if not self._auto else j if ds._cap is None else min(j, ds._cap)
-            self._lease.hand_out(j, entry["minibatch"], entry["microbatch"], auto, last)
-        except FencedError as e:
-            return e
-        ds._next = j + self._nw
-        ds._pos = (entry["minibatch"] + 1, 0) if last else (entry["minibatch"], entry["microbatch"] + 1)
-        if entry.get("fp") is not None:
-            ds._fp = (j + 1, entry["fp"])
-        ds._handed_out += 1
-        if ds._end_step is None and self._end_box[0] is not None:
-            ds._end_step = self._end_box[0]
-        return None
+    def set_cap(self, cap: int) -> None:
+        """A state was taken at ``cap``: hand-outs from now on release (``release="step"``) up to it at most."""
+        self._lease.seal(cap, set_cap=True)
+
+    def sync(self) -> None:
+        """Bring the dataset's position up to the last micro-batch this iterator handed out."""
+        ds = self._ds
+        with ds._lock:
+            last = self._lease.seal()
+            taken = self._lease.taken
+            if last is None or taken == self._synced:
+                return
+            ds._handed_out += taken - self._synced
+            self._synced = taken
+            j = last["j"]
+            ds._next = j + self._nw
+            ds._pos = (last["minibatch"] + 1, 0) if last["info"]["is_last"] else (last["minibatch"], last["microbatch"] + 1)
+            if last.get("fp") is not None:
+                ds._fp = (j + 1, last["fp"])
+            if ds._end_step is None and self._end_box[0] is not None:
+                ds._end_step = self._end_box[0]
 
     @property
     def done(self) -> bool:
@@ -467,6 +478,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         return self._done
 
     def _finish(self) -> None:
+        self.sync()
         self._ds._ended(self, natural=True)
         self.close()
 
@@ -483,6 +495,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
                 close()
             except ValueError:  # a generator running on another thread: it sees the stop flag instead
                 pass
+        self.sync()
         self._lease.end()  # its last records, then the lease goes
         try:
             self._control.report_consumer(self._rank, self._ds.metrics.to_dict())

@@ -34,8 +34,6 @@ __all__ = ["ConsumerLease", "ControlSender", "HEARTBEAT_S", "holder_name"]
 HEARTBEAT_S = 0.5
 #: Part of the lease's time to live an iterator may hand out for after its last renewal, before renewing itself.
 _LOCAL_SHARE = 0.7
-#: Records an iterator collects before they are sent even within a mini-batch.
-_MAX_PENDING = 16
 #: Seconds the sender waits after being woken, so that a step's commit and version go in one call.
 _LINGER_S = 0.002
 
@@ -46,9 +44,12 @@ def holder_name() -> str:
 
 
 class ConsumerLease:
-    """The lease of one (rank, worker) iterator: the gate of every hand-out, and its records until they are sent.
+    """The lease of one (rank, worker) iterator: the gate of every hand-out, and its hand-outs until they are sent.
 
-    Build it with :meth:`ControlSender.acquire`.
+    Build it with :meth:`ControlSender.acquire`. The trainer's thread calls :meth:`take_out` once per micro-batch:
+    a check and a list append under an uncontended lock. Everything else (the records the control plane needs,
+    the position) is derived from the entries taken out, later and elsewhere: when the sender sends, or when the
+    dataset's position is read.
 
     Attributes:
         rank: The consumer.
@@ -56,6 +57,12 @@ class ConsumerLease:
         token: The iterator's token.
         epoch: The lease's epoch (grows with each new holder of the rank and worker).
         fenced: Who took the lease over (``None`` while held).
+        send_each: Send each hand-out at once (``release="handout"``: a hand-out frees storage), not per mini-batch.
+        auto_step: ``release="step"`` with one iterator per rank: a mini-batch's first hand-out releases what is
+            before it, up to :attr:`cap` at most.
+        cap: The position of the last state taken or loaded (``None``: none).
+        taken: Entries taken out since the lease began.
+        last: The last entry taken out (``None``: none yet).
     """
 
     def __init__(self, sender: ControlSender, rank: int, worker: int, token: str, epoch: int, ttl_s: float,
@@ -65,40 +72,67 @@ class ConsumerLease:
         self.token = token
         self.epoch = epoch
         self.fenced: str | None = None
-        #: Send each record at once (``release="handout"``: a hand-out frees storage), not per mini-batch.
         self.send_each = False
+        self.auto_step = False
+        self.cap: int | None = None
+        self.taken = 0
+        self.last: dict[str, Any] | None = None
         self._fence_message: str | None = None
         self._sender = sender
         self._ttl_s = ttl_s
         self._lock = threading.Lock()
+        self._out: list[dict[str, Any]] = []  # entries taken out, not yet turned into records
         self._records: list[list[int]] = []
-        self._deadline = sent_at + _LOCAL_SHARE * ttl_s
-        self._released = False
+        self._deadline = time.perf_counter() + _LOCAL_SHARE * ttl_s - (time.monotonic() - sent_at)
         self._ended = False
 
-    def hand_out(self, j: int, minibatch: int, microbatch: int, auto_commit: int, is_last: bool) -> None:
-        """Record micro-batch ``j`` as handed out to the trainer (the trainer's thread; no control call).
+    def take_out(self, entry: dict[str, Any], now: float) -> None:
+        """Hand micro-batch ``entry`` out to the trainer (its thread; no control call).
 
         Args:
-            j: The rank's micro-batch.
-            minibatch: Its mini-batch.
-            microbatch: Its index in the mini-batch.
-            auto_commit: With ``release="step"``: release the rank's micro-batches below this position when ``j``
-                starts a mini-batch (``0``: nothing).
-            is_last: ``j`` ends its mini-batch (the records are sent now).
+            entry: The plan entry (``j``, ``minibatch``, ``microbatch``, ``info``, ``fp``).
+            now: ``time.perf_counter()`` of the caller.
 
         Raises:
             FencedError: A newer iterator holds the rank: nothing is handed out.
+            EngineError: This process could not report to the control plane (its last report failed again).
         """
-        if self.fenced is not None or time.monotonic() > self._deadline or self._sender.last_error is not None:
+        if now > self._deadline or self.fenced is not None or self._sender.last_error is not None:
             self._renew_now()
         with self._lock:
             if self.fenced is not None:
                 raise FencedError(self._message())
-            self._records.append([j, minibatch, microbatch, int(auto_commit), self._sender.local_version])
-            due = is_last or self.send_each or len(self._records) >= _MAX_PENDING
-        if due:
+            self._out.append(entry)
+            self.taken += 1
+        if self.send_each or entry["info"]["is_last"]:
             self._sender.wake()
+
+    def _seal(self) -> None:
+        """Turn the entries taken out into records, with the cap and version of now (the lock is held)."""
+        if not self._out:
+            return
+        version = self._sender.local_version
+        cap, auto = self.cap, self.auto_step
+        recs = self._records
+        for e in self._out:
+            j = e["j"]
+            recs.append([j, e["minibatch"], e["microbatch"], 0 if not auto else j if cap is None else min(j, cap),
+                         version])
+        self.last = self._out[-1]
+        self._out.clear()
+
+    def seal(self, cap: int | None = None, *, set_cap: bool = False) -> dict[str, Any] | None:
+        """Turn the hand-outs so far into records (before the cap or the version changes); returns the last entry.
+
+        Args:
+            cap: The new cap (with ``set_cap``).
+            set_cap: Set :attr:`cap` after sealing.
+        """
+        with self._lock:
+            self._seal()
+            if set_cap:
+                self.cap = cap
+            return self.last
 
     def _renew_now(self) -> None:
         """Past the local deadline (the sender did not renew in time), fenced, or the sender's last report failed:
@@ -138,12 +172,13 @@ class ConsumerLease:
     def take(self) -> tuple[list[list[int]], bool]:
         """The records to send and whether to let the lease go (called by the sender)."""
         with self._lock:
+            self._seal()
             recs, self._records = self._records, []
             release = self._ended or self.fenced is not None
             return recs, release
 
     def renewed(self, sent_at: float) -> None:
-        """The control plane renewed the lease in a report sent at ``sent_at`` (monotonic)."""
+        """The control plane renewed the lease in a report sent at ``sent_at`` (``time.perf_counter()``)."""
         with self._lock:
             if self.fenced is None:
                 self._deadline = sent_at + _LOCAL_SHARE * self._ttl_s
@@ -162,9 +197,9 @@ class ConsumerLease:
 
     @property
     def pending(self) -> int:
-        """Records not yet sent."""
+        """Hand-outs not yet sent."""
         with self._lock:
-            return len(self._records)
+            return len(self._records) + len(self._out)
 
 
 class ControlSender:
@@ -190,7 +225,8 @@ class ControlSender:
         self.local_version = -1
         self._lock = threading.Lock()  # the tables above
         self._send_lock = threading.Lock()  # one report at a time, in order
-        self._wake = threading.Event()
+        self._wake = threading.Lock()  # held while nothing is due: wake() releases it, the thread takes it
+        self._wake.acquire()
         self._thread: threading.Thread | None = None
         self.reports = 0
         self.last_error: BaseException | None = None
@@ -199,7 +235,7 @@ class ControlSender:
     def acquire(self, rank: int, worker: int, token: str, *, wait_s: float) -> tuple[ConsumerLease, dict[str, Any]]:
         """Take the lease of ``(rank, worker)`` for ``token`` (fencing an older holder); returns it and the plane's
         answer (``next``, ``fp``: where the rank's new iterator starts)."""
-        t0 = time.monotonic()
+        t0 = time.monotonic()  # the lease's local deadline counts from the request
         ans = self._control.lease(rank, worker, token, wait_s, holder_name())
         lease = ConsumerLease(self, rank, worker, token, int(ans["epoch"]), float(ans["ttl_s"]), t0)
         with self._lock:
@@ -217,21 +253,26 @@ class ControlSender:
         """Queue a commit of ``rank`` up to ``upto`` (coalesced with others of the rank; sent soon)."""
         with self._lock:
             self._commits[rank] = max(upto, self._commits.get(rank, 0))
-        self._ensure_thread()
-        self._wake.set()
+        self._ensure_thread()  # sent with the next mini-batch's records, or at the next heartbeat
 
     def report_version(self, version: int) -> None:
         """Queue the trainer's new policy version (sent after the hand-outs queued before it)."""
         with self._lock:
+            leases = list(self._leases.values())
+        for lease in leases:  # hand-outs so far were under the previous version
+            lease.seal()
+        with self._lock:
             self._version = int(version)
             self.local_version = int(version)
         self._ensure_thread()
-        self._wake.set()
 
     # ------------------------------------------------------------------ sending
     def wake(self) -> None:
-        """Send soon (records are due)."""
-        self._wake.set()
+        """Send soon (records are due). Cheap: releases a lock the thread waits on."""
+        try:
+            self._wake.release()
+        except RuntimeError:  # already signalled
+            pass
 
     def flush(self) -> None:
         """Send everything queued now, on the calling thread, and wait for the answer.
@@ -251,9 +292,8 @@ class ControlSender:
     def _run(self) -> None:
         idle = 0
         while True:
-            if self._wake.wait(self.heartbeat_s):
-                time.sleep(_LINGER_S)  # what follows a step (commit, version) goes in the same call
-            self._wake.clear()
+            if self._wake.acquire(timeout=self.heartbeat_s):
+                time.sleep(_LINGER_S)  # hand-outs close together go in one call
             try:
                 self._send()
                 self.last_error = None
@@ -283,7 +323,7 @@ class ControlSender:
                 taken.append((lease, recs, release))
             if not batch and not commits and version is None:
                 return
-            sent_at = time.monotonic()
+            sent_at = time.perf_counter()
             try:
                 ans = self._control.report(batch, [list(c) for c in commits], version)
             except BaseException:

@@ -50,10 +50,11 @@ class ConsumerMetrics:
             self._step_wait: deque[float] = deque(maxlen=self.window)
             self._fetch: deque[float] = deque(maxlen=self.window)
             self._cur_step = 0.0
-            self.microbatches = 0
-            self.empty_microbatches = 0
-            self.wait_s_total = 0.0
-            self.data_wait_s_total = 0.0
+            self._pending: deque[tuple[float, float, bool, bool]] = deque()  # waits not folded in yet
+            self._microbatches = 0
+            self._empty = 0
+            self._wait_total = 0.0
+            self._data_wait_total = 0.0
             self.fetch_s_total = 0.0
             self.bytes_fetched = 0
             self.local_bytes = 0
@@ -64,7 +65,7 @@ class ConsumerMetrics:
     def record_wait(self, seconds: float, *, is_last: bool, empty: bool = False, data_wait: float | None = None) -> None:
         """The trainer spent ``seconds`` inside ``next()`` for one micro-batch (``is_last``: end of a step).
 
-        Called on the trainer's thread only (one per rank and process), without a lock: the hot path takes none.
+        Called on the trainer's thread (one per rank and process): one append, no lock; readers fold it in.
 
         Args:
             seconds: Time inside ``next()``.
@@ -72,17 +73,51 @@ class ConsumerMetrics:
             empty: The micro-batch holds no trajectory.
             data_wait: Of ``seconds``, the time blocked until the micro-batch was ready (default: all of it).
         """
-        dw = seconds if data_wait is None else data_wait
-        self._wait.append(seconds)
-        self._data_wait.append(dw)
-        self.wait_s_total += seconds
-        self.data_wait_s_total += dw
-        self.microbatches += 1
-        self.empty_microbatches += int(empty)
-        self._cur_step += seconds
-        if is_last:
-            self._step_wait.append(self._cur_step)
-            self._cur_step = 0.0
+        pending = self._pending
+        pending.append((seconds, seconds if data_wait is None else data_wait, is_last, empty))
+        if len(pending) > 1024:  # folded by readers; this bounds it when nobody reads
+            self._fold()
+
+    def _fold(self) -> None:
+        """Fold the waits recorded since the last fold into the series and totals (any thread)."""
+        with self._lock:
+            pending = self._pending
+            while pending:
+                seconds, dw, is_last, empty = pending.popleft()
+                self._wait.append(seconds)
+                self._data_wait.append(dw)
+                self._wait_total += seconds
+                self._data_wait_total += dw
+                self._microbatches += 1
+                self._empty += int(empty)
+                self._cur_step += seconds
+                if is_last:
+                    self._step_wait.append(self._cur_step)
+                    self._cur_step = 0.0
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches handed out."""
+        self._fold()
+        return self._microbatches
+
+    @property
+    def empty_microbatches(self) -> int:
+        """Empty micro-batches handed out (a rank with nothing in a mini-batch, kept in step)."""
+        self._fold()
+        return self._empty
+
+    @property
+    def wait_s_total(self) -> float:
+        """Seconds the trainer spent inside ``next()``."""
+        self._fold()
+        return self._wait_total
+
+    @property
+    def data_wait_s_total(self) -> float:
+        """Of :attr:`wait_s_total`, the seconds ``next()`` was blocked until the micro-batch was ready."""
+        self._fold()
+        return self._data_wait_total
 
     def record_fetch(self, seconds: float, *, nbytes: int, local_bytes: int, requests: int, trajectories: int) -> None:
         """One micro-batch (or share) fetch: latency, bytes, how many were local, storage requests."""
@@ -98,12 +133,14 @@ class ConsumerMetrics:
     @property
     def wait_per_microbatch_s(self) -> list[float]:
         """Exposed latency of the last micro-batches (seconds in ``next()``)."""
+        self._fold()
         with self._lock:
             return list(self._wait)
 
     @property
     def wait_per_step_s(self) -> list[float]:
         """Exposed latency per optimizer step (sum over the step's micro-batches)."""
+        self._fold()
         with self._lock:
             return list(self._step_wait)
 
@@ -115,14 +152,15 @@ class ConsumerMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable summary."""
+        self._fold()
         with self._lock:
             return {
                 "rank": self.rank,
-                "microbatches": self.microbatches,
-                "empty_microbatches": self.empty_microbatches,
+                "microbatches": self._microbatches,
+                "empty_microbatches": self._empty,
                 "trajectories": self.trajectories,
-                "wait_s_total": self.wait_s_total,
-                "data_wait_s_total": self.data_wait_s_total,
+                "wait_s_total": self._wait_total,
+                "data_wait_s_total": self._data_wait_total,
                 "fetch_s_total": self.fetch_s_total,
                 "bytes_fetched": self.bytes_fetched,
                 "local_bytes": self.local_bytes,

@@ -427,6 +427,8 @@ class _Shared:
         self.pin = pin
         self.stats = stats
         self.cond = threading.Condition(threading.RLock())
+        self.room = threading.Lock()  # a binary semaphore: released by the consumer after a pop (room to produce)
+        self.room.acquire()
         self.items: collections.deque = collections.deque()  # entries produced and not yet handed out, in order
         self.index = 0  # index of the next entry to produce
         self.stop = False  # close(): the thread exits, nothing more is produced
@@ -508,10 +510,17 @@ def _produce(sh: _Shared) -> None:
             sh.producing = True
             index = sh.index
         entry, last = _make(sh, index)
-        with cond:
+        cond.acquire()
+        try:
             while not sh.stop and len(sh.items) >= sh.depth:
+                # wait for room on a lock the consumer releases after a pop (a C-level signal: the consumer's
+                # pop does not pay a Condition.notify_all)
                 sh.parked = "room"
-                cond.wait(_POLL_S)
+                cond.release()
+                try:
+                    sh.room.acquire(timeout=_POLL_S)
+                finally:
+                    cond.acquire()
                 sh.parked = None
             sh.producing = False
             if sh.stop:
@@ -528,6 +537,8 @@ def _produce(sh: _Shared) -> None:
                 while sh.taken <= index and not sh.stop:
                     cond.wait(_POLL_S)
                 sh.parked = None
+        finally:
+            cond.release()
         del entry
         if last:
             return
@@ -538,6 +549,15 @@ def _shutdown(sh: _Shared) -> None:
         sh.stop = True
         sh.items.clear()
         sh.cond.notify_all()
+    _signal(sh.room)
+
+
+def _signal(lock: threading.Lock) -> None:
+    """Release a lock used as a binary semaphore (already released: the signal is pending)."""
+    try:
+        lock.release()
+    except RuntimeError:
+        pass
 
 
 # ---------------------------------------------------------------------------------------------- prefetcher
@@ -638,7 +658,24 @@ class Prefetcher(Iterator[T], Generic[T]):
         sh = self._shared
         cond = sh.cond
         t0 = time.perf_counter()
-        entry: tuple | None = None
+        if not sh.inline and sh.items and t0 - sh.left_at >= self.inline_below_s:
+            # the fast path: the thread prepared the item while the consumer computed (nothing to decide: a long
+            # absence keeps the threaded mode)
+            with cond:
+                entry = sh.items.popleft() if sh.items else None
+                if entry is not None:
+                    sh.taken = entry[1] + 1
+                    room = sh.parked == "room"
+                    if sh.parked == "handoff":  # rare: it queued this one for a consumer that was waiting
+                        cond.notify_all()
+                    if self.inline_below_s > 0:
+                        self._away.append(t0 - sh.left_at)
+                    sh.left_at = t0
+            if entry is not None:
+                if room:  # the thread prepares the next one
+                    _signal(sh.room)
+                return self._hand_out(entry, t0, 0.0)
+        entry = None
         steal = False
         blocked = 0.0
         with cond:
@@ -657,7 +694,7 @@ class Prefetcher(Iterator[T], Generic[T]):
                         entry = sh.items.popleft()
                         sh.taken = entry[1] + 1
                         if sh.parked == "room":
-                            cond.notify_all()
+                            _signal(sh.room)
                         break
                     if sh.stop:
                         self._done = True
@@ -698,9 +735,12 @@ class Prefetcher(Iterator[T], Generic[T]):
                     sh.in_next = False
                     sh.left_at = time.perf_counter()
         assert entry is not None  # taken from the queue or made by _make above
+        return self._hand_out(entry, t0, time.perf_counter() - t0, blocked)
+
+    def _hand_out(self, entry: tuple, t0: float, wait: float, blocked: float = 0.0) -> T:
+        """The tail of ``__next__``: end, error or item (made visible to the current CUDA stream), counted."""
         self.last_wait_s = blocked
         kind, index, payload, snap, event = entry
-        wait = time.perf_counter() - t0
         st = self.stats
         if kind == "end":
             self._finish()
