@@ -201,7 +201,7 @@ def _stub_probe(monkeypatch: pytest.MonkeyPatch, answer: str) -> tuple[Any, list
 
     sent: list[bool] = []
 
-    def probe(address: str, *, with_token: bool = False, timeout_s: float = 2.0) -> str:
+    def probe(address: str, *, with_token: bool = False, timeout_s: float = 5.0) -> str:
         sent.append(with_token)
         return answer
 

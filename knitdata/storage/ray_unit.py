@@ -269,9 +269,10 @@ def _token_header() -> tuple[tuple[str, str], ...]:
     return tuple(loader.get_token_for_http_header().items())
 
 
-def probe_gcs(address: str, *, with_token: bool = False, timeout_s: float = 2.0) -> str:
+def probe_gcs(address: str, *, with_token: bool = False, timeout_s: float = 5.0) -> str:
     """Ask the GCS at ``address`` for the cluster id (one gRPC call): ``"ok"``, ``"unauthenticated"`` (the cluster
-    wants a token and got none or a wrong one), ``"unreachable"`` or ``"unknown"`` (this Ray cannot probe)."""
+    wants a token and got none or a wrong one), ``"unreachable"`` (nothing accepts the connection), or
+    ``"unknown"`` (no answer within ``timeout_s``, another error, or this Ray cannot probe)."""
     try:
         import grpc
         from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
@@ -293,7 +294,7 @@ def probe_gcs(address: str, *, with_token: bool = False, timeout_s: float = 2.0)
         code = e.code() if callable(getattr(e, "code", None)) else None
         if code == grpc.StatusCode.UNAUTHENTICATED:
             return "unauthenticated"
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        if code == grpc.StatusCode.UNAVAILABLE:
             return "unreachable"
         return "unknown"
     finally:
@@ -334,15 +335,15 @@ def prepare_auth(address: str, *, wait_s: float = 5.0) -> None:
     Anything else that cannot work raises at once instead of Ray's 20 s of retries.
 
     Raises:
-        EngineError: Nothing answers at ``address`` within ``wait_s`` seconds, or the cluster wants a token
+        EngineError: Nothing accepts a connection at ``address`` for ``wait_s`` seconds, or the cluster wants a token
             this process cannot present (the message says what to set).
     """
     api = _auth_api()
     if _split_address(address) is None:
         return  # not host:port (a Ray Client address): Ray's own checks apply
     deadline = time.monotonic() + wait_s
-    while True:
-        answer = probe_gcs(address, with_token=_token_mode(), timeout_s=max(0.5, min(2.0, deadline - time.monotonic())))
+    while True:  # a GCS too slow to answer within 5 s is "unknown": Ray's own connection then waits longer
+        answer = probe_gcs(address, with_token=_token_mode())
         if answer != "unreachable" or time.monotonic() >= deadline:
             break
         time.sleep(0.25)
@@ -465,7 +466,7 @@ class _HostWatch:
         return (f"the host of knitdata pipeline {names} is gone: the Ray cluster at {self.address} {what}, so this "
                 f"process cannot reach the pipeline any more.{why} What to do: "
                 "keep the creating process alive until every consumer has finished; or start Ray on its own "
-                "(`ray start --head --node-ip-address=127.0.0.1 --include-dashboard=false`) and create the pipeline "
+                "(`ray start --head`, see 'Who owns the actors' in the Ray engine guide) and create the pipeline "
                 "there with engine_options={'address': ..., 'detached': True}; or restart the job from its last "
                 "checkpoint (with a spill_dir, a new pipeline resumes the dead one with engine_options={'resume': "
                 "True})")
@@ -485,9 +486,10 @@ def watch_host(name: str, *, creator_hosts: bool) -> None:
     """Report pipeline ``name``'s host gone (:func:`check_host`, :func:`ray_get`) once the GCS of the cluster this
     process is attached to refuses connections for :data:`HOST_GONE_S` seconds (the pipeline's creator started
     that Ray: ``creator_hosts``) or :data:`CLUSTER_GONE_S` (a cluster of its own). No-op in the process that
-    started the cluster (it is the host). Starts one daemon thread per process (one TCP connect per second)."""
+    started the cluster (it is the host) and in Ray's own worker processes (tasks, actors: they end with their
+    node). Starts one daemon thread per process (one TCP connect per second)."""
     global _WATCH
-    if hosts_cluster():
+    if hosts_cluster() or ray._private.worker.global_worker.mode != ray._private.worker.SCRIPT_MODE:
         return
     with _WATCH_LOCK:
         if _WATCH is None:
