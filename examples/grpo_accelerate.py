@@ -169,10 +169,9 @@ class Source:
 def ray_environment() -> None:
     """Environment every process of the Ray engine needs (set before Ray is imported).
 
-    Ray 2.60 turns token authentication on for a local cluster started by ``ray.init()``; processes that
-    attach to it by address must use the token too (``~/.ray/auth_token``), or they are refused.
+    Nothing for authentication: Ray 2.60 turns token authentication on for a local cluster started by
+    ``ray.init()``, and ``Pipeline.attach`` then uses this user's token for it (docs/engines/ray.md).
     """
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray then binds its node to 127.0.0.1 only
 

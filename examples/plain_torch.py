@@ -110,8 +110,8 @@ def open_local_pipeline(args: argparse.Namespace, consumers: int, errors: list) 
 
 
 def ray_environment() -> None:
-    """Ray 2.60 local clusters use token auth; every attaching process must too (set before importing Ray)."""
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    """Environment of every process of the Ray engine (set before importing Ray). Nothing for authentication:
+    ``Pipeline.attach`` uses this user's Ray token for a Ray of this user on this machine (docs/engines/ray.md)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray then binds its node to 127.0.0.1 only
 

@@ -53,7 +53,7 @@ def _free_port() -> int:
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1",
-                "MASTER_ADDR": "127.0.0.1", "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "token",
+                "MASTER_ADDR": "127.0.0.1", "TOKENIZERS_PARALLELISM": "false",
                 "RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return env

@@ -905,9 +905,7 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
     if max_consumer_restarts is not None and max_consumer_restarts < 0:
         raise ConfigError(f"max_consumer_restarts must be >= 0 or None, got {max_consumer_restarts}")
     if "ray" not in sys.modules:
-        # Ray's default for a new local cluster, explicit before workers are spawned (they inherit it), and
-        # every Ray address on loopback
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        # every Ray address on loopback (authentication: attaching processes find this user's token themselves)
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     from knitdata.pipeline import Pipeline

@@ -1824,8 +1824,6 @@ def _attach_dataset(job: Mapping[str, Any], rank: int, w: TransferWorkload, cfg:
 
     Attaches to the driver's Ray cluster (loopback only) and to the pipeline's coordinator by name.
     """
-    for k, v in job.get("ray_env", {}).items():  # the driver's auth mode (token file stays where Ray keeps it)
-        os.environ.setdefault(k, v)
     from knitdata.storage import ray_unit
 
     ray_unit.connect(job["ray_address"], loopback_only=True)
@@ -1906,9 +1904,7 @@ class _RayCluster:
             _parallel_put(pipe.put, trajs)  # a step's puts overlap (start-up, not measured)
             ids.update(t.id for t in trajs)
         pipe.close()
-        ray_env = {k: os.environ[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH") if k in os.environ}
-        job = {"kind": "knitdata", "engine": "ray_engine", "ray_address": self.address, "pipeline": name,
-               "ray_env": ray_env}
+        job = {"kind": "knitdata", "engine": "ray_engine", "ray_address": self.address, "pipeline": name}
         return job, ids, time.perf_counter() - t0
 
     def engine_bytes_fetched(self, name: str) -> int | None:
@@ -2151,9 +2147,6 @@ def run_transfer_benchmark(
     if "ray" not in sys.modules:
         # Keeps Ray (and transferqueue's servers) on 127.0.0.1 on this kind of machine.
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    # Ray's default for a new local cluster, made explicit before the consumer processes are spawned: a
-    # process that imported Ray caches its auth mode, and the consumers must agree with the driver's cluster.
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
     _tq_patience()
     bad = [m for m in modes if m not in MODES]
     if bad:

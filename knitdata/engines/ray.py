@@ -13,6 +13,12 @@ Pieces (all on one Ray cluster):
 Binding: :func:`~knitdata.storage.ray_unit.connect` with ``address=None`` starts a local Ray bound to
 ``127.0.0.1`` with the dashboard off (or uses the Ray this process is already attached to); with an address
 it attaches there and, with ``loopback_only=True`` (the default), refuses a cluster with a non-loopback node.
+Before attaching to an address it applies this user's Ray token for a Ray of this user on this machine (Ray's
+token authentication) or fails within seconds naming what to set (:func:`~knitdata.storage.ray_unit.prepare_auth`).
+
+Host watch: every attached process watches the cluster's GCS port (:func:`~knitdata.storage.ray_unit.watch_host`);
+when the Ray the creator started is gone, calls of the pipeline raise :class:`~knitdata.errors.EngineError`
+("the host of knitdata pipeline ... is gone") within seconds instead of hanging until Ray ends the process.
 """
 
 from __future__ import annotations
@@ -43,9 +49,14 @@ from knitdata.storage.ray_unit import (
     RayStorageUnit,
     SpillRecovery,
     alive_nodes,
+    check_host,
     connect,
     current_address,
+    host_gone_error,
+    hosts_cluster,
+    ray_get,
     read_records,
+    watch_host,
 )
 
 __all__ = ["CoordinatorActor", "RayControl", "RayEngine", "coordinator_name", "ray_address", "resolve_nodes"]
@@ -278,7 +289,8 @@ class CoordinatorActor:
         return {"name": self._setup["name"], "config": self._plane.config, "nodes": self._setup["nodes"],
                 "spill_dir": self._setup.get("spill_dir"), "capacity_bytes": self._setup["capacity_bytes"],
                 "journal": self._setup.get("journal"), "restarted": self.restarted,
-                "replayed": self._plane.replayed, "pid": os.getpid()}
+                "replayed": self._plane.replayed, "pid": os.getpid(),
+                "creator_hosts": bool(self._setup.get("creator_hosts"))}
 
     def unit_handles(self) -> dict[str, Any]:
         """``{unit id: [actor handle, description]}`` (handles stay valid after a unit dies: calls then fail)."""
@@ -340,9 +352,10 @@ class RayControl:
                 time.sleep(0.2)
 
     def _call_once(self, method: str, args: Sequence[Any], timeout: float) -> Any:
+        check_host()
         fut = getattr(self._actor, method).remote(*args)
         try:
-            return ray.get(fut, timeout=timeout)
+            return ray_get(fut, timeout=timeout)
         except ray.exceptions.RayTaskError as e:
             cause = getattr(e, "cause", None)
             if not isinstance(cause, KnitdataError):
@@ -353,7 +366,14 @@ class RayControl:
         except ray.exceptions.ActorUnavailableError:
             raise
         except ray.exceptions.RayActorError as e:
-            raise EngineError(f"the coordinator of pipeline {self._name!r} is gone: {e}") from e
+            gone = host_gone_error()
+            if gone is not None:
+                raise gone from e
+            raise EngineError(
+                f"the coordinator of pipeline {self._name!r} is gone: the process that created the pipeline owns it "
+                "and has most likely exited (or the coordinator died without a journal). Keep the creator alive until "
+                "every consumer has finished, or create the pipeline with engine_options={'detached': True} (and "
+                f"'journal_dir' so that Ray restarts a crashed coordinator). Ray said: {e}") from e
         except ray.exceptions.GetTimeoutError as e:
             raise EngineError(f"the coordinator of pipeline {self._name!r} did not answer {method}() within "
                               f"{timeout:.0f} s") from e
@@ -386,6 +406,8 @@ class RayEngine(Engine):
     def __init__(self, name: str, *, address: str | None = None, loopback_only: bool = True,
                  timeout_s: float = 60.0) -> None:
         connect(address, loopback_only=loopback_only)
+        watch_host(name, creator_hosts=False)  # from here on a dead cluster raises instead of hanging
+        check_host()
         try:
             actor = ray.get_actor(coordinator_name(name), namespace=NAMESPACE)
         except ValueError as e:
@@ -402,6 +424,7 @@ class RayEngine(Engine):
         info = self._control.call("info")
         super().__init__(ConsumerLayout.from_dict(info["config"]["layout"]), info["config"])
         self.info = info
+        watch_host(name, creator_hosts=bool(info.get("creator_hosts")))
         self.meter = TransferMeter()
         handles = self._control.call("unit_handles")
         placement = str(info["config"].get("placement", ""))
@@ -454,7 +477,7 @@ class RayEngine(Engine):
         setup: dict[str, Any] = {"name": name, "config": dict(config), "capacity_bytes": int(capacity_bytes),
                  "nodes": resolve_nodes(layout, nodes), "spill_bytes": spill_bytes,
                  "spill_dir": os.fspath(spill_dir) if spill_dir is not None else None, "journal": journal,
-                 "journal_compact_every": int(journal_compact_every)}
+                 "journal_compact_every": int(journal_compact_every), "creator_hosts": hosts_cluster()}
         try:
             ray.get_actor(coordinator_name(name), namespace=NAMESPACE)
             raise EngineError(f"a knitdata pipeline named {name!r} already runs on this cluster; pick another name "
