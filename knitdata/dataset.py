@@ -336,7 +336,10 @@ class TrajectoryDataset(IterableDataset):
         Raises:
             StateError: ``state`` holds no state of this rank.
         """
-        states = find_states(state if state is not None else self.state_dict())
+        if state is None:
+            state = self.state_dict()
+        # a state of this dataset as is (the common case), else every state nested in it (a loader's)
+        states = [state] if type(state) is dict and state.get("format") == STATE_FORMAT else find_states(state)
         mine = [s for s in states if s.get("rank") == self.rank]
         if not mine:
             raise StateError(f"commit() needs a state of rank {self.rank} from state_dict(), got {state!r:.200}")
@@ -452,14 +455,13 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
 
     def set_cap(self, cap: int) -> None:
         """A state was taken at ``cap``: hand-outs from now on release (``release="step"``) up to it at most."""
-        self._lease.seal(cap, set_cap=True)
+        self._lease.set_cap(cap)
 
     def sync(self) -> None:
         """Bring the dataset's position up to the last micro-batch this iterator handed out."""
         ds = self._ds
         with ds._lock:
-            last = self._lease.seal()
-            taken = self._lease.taken
+            last, taken = self._lease.position()
             if last is None or taken == self._synced:
                 return
             ds._handed_out += taken - self._synced

@@ -22,6 +22,8 @@ import os
 import socket
 import threading
 import time
+import uuid
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -60,7 +62,7 @@ class ConsumerLease:
         send_each: Send each hand-out at once (``release="handout"``: a hand-out frees storage), not per mini-batch.
         auto_step: ``release="step"`` with one iterator per rank: a mini-batch's first hand-out releases what is
             before it, up to :attr:`cap` at most.
-        cap: The position of the last state taken or loaded (``None``: none).
+        cap: The position of the last state taken or loaded, as of the last records made (``None``: none).
         taken: Entries taken out since the lease began.
         last: The last entry taken out (``None``: none yet).
     """
@@ -75,13 +77,14 @@ class ConsumerLease:
         self.send_each = False
         self.auto_step = False
         self.cap: int | None = None
+        self._version = sender.local_version
         self.taken = 0
         self.last: dict[str, Any] | None = None
         self._fence_message: str | None = None
         self._sender = sender
         self._ttl_s = ttl_s
         self._lock = threading.Lock()
-        self._out: list[dict[str, Any]] = []  # entries taken out, not yet turned into records
+        self._out: list[Any] = []  # entries taken out (and cap/version changes), not yet turned into records
         self._records: list[list[int]] = []
         self._deadline = time.perf_counter() + _LOCAL_SHARE * ttl_s - (time.monotonic() - sent_at)
         self._ended = False
@@ -103,36 +106,46 @@ class ConsumerLease:
             if self.fenced is not None:
                 raise FencedError(self._message())
             self._out.append(entry)
+            self.last = entry
             self.taken += 1
         if self.send_each or entry["info"]["is_last"]:
             self._sender.wake()
 
     def _seal(self) -> None:
-        """Turn the entries taken out into records, with the cap and version of now (the lock is held)."""
+        """Turn what was taken out into records, in order (the lock is held): a hand-out's auto-commit bound and
+        version are those in force when it happened (cap and version changes are queued between hand-outs)."""
         if not self._out:
             return
-        version = self._sender.local_version
+        version = self._version
         cap, auto = self.cap, self.auto_step
         recs = self._records
         for e in self._out:
+            if type(e) is tuple:  # a change queued by set_cap() or the sender's report_version()
+                if e[0] == "cap":
+                    cap = e[1]
+                else:
+                    version = e[1]
+                continue
             j = e["j"]
             recs.append([j, e["minibatch"], e["microbatch"], 0 if not auto else j if cap is None else min(j, cap),
                          version])
-        self.last = self._out[-1]
+        self.cap, self._version = cap, version
         self._out.clear()
 
-    def seal(self, cap: int | None = None, *, set_cap: bool = False) -> dict[str, Any] | None:
-        """Turn the hand-outs so far into records (before the cap or the version changes); returns the last entry.
-
-        Args:
-            cap: The new cap (with ``set_cap``).
-            set_cap: Set :attr:`cap` after sealing.
-        """
+    def position(self) -> tuple[dict[str, Any] | None, int]:
+        """``(last entry taken out, how many)``."""
         with self._lock:
-            self._seal()
-            if set_cap:
-                self.cap = cap
-            return self.last
+            return self.last, self.taken
+
+    def set_cap(self, cap: int) -> None:
+        """A state was taken at ``cap``: later hand-outs auto-commit (``release="step"``) up to it at most."""
+        with self._lock:
+            self._out.append(("cap", cap))
+
+    def set_version(self, version: int) -> None:
+        """The process reported ``version``: later hand-outs were taken under it."""
+        with self._lock:
+            self._out.append(("version", version))
 
     def _renew_now(self) -> None:
         """Past the local deadline (the sender did not renew in time), fenced, or the sender's last report failed:
@@ -202,6 +215,37 @@ class ConsumerLease:
             return len(self._records) + len(self._out)
 
 
+class ProducerPresence:
+    """A producer's presence in a pipeline, reported by the process's :class:`ControlSender` with its heartbeat.
+
+    Every thread that puts through one :class:`~knitdata.pipeline.Pipeline` handle is noted (weakly); the producer
+    is alive while one of them is. A process that dies stops reporting; the control plane counts it gone after
+    :data:`~knitdata.control.plane.PRODUCER_TTL_S`.
+
+    Attributes:
+        producer_id: Unique per handle.
+        holder: ``host:pid``.
+    """
+
+    def __init__(self) -> None:
+        self.producer_id = uuid.uuid4().hex
+        self.holder = holder_name()
+        self._threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+        self._last: threading.Thread | None = None
+
+    def note(self) -> None:
+        """The calling thread puts (cheap when it is the same thread as last time)."""
+        t = threading.current_thread()
+        if t is not self._last:
+            self._last = t
+            self._threads.add(t)
+
+    @property
+    def alive(self) -> bool:
+        """Whether a thread that put is still running."""
+        return any(t.is_alive() for t in list(self._threads))
+
+
 class ControlSender:
     """One background thread per engine handle and process that sends consumers' news to the control plane.
 
@@ -220,6 +264,8 @@ class ControlSender:
         self._leases: dict[str, ConsumerLease] = {}
         self._commits: dict[int, int] = {}
         self._version: int | None = None
+        self._producers: weakref.WeakValueDictionary[str, ProducerPresence] = weakref.WeakValueDictionary()
+        self._gone: list[list[Any]] = []  # producers whose handle was dropped: reported not alive once
         #: The last version this process reported (``-1``: none): hand-outs carry it, so that their staleness is
         #: measured against the version the trainer had, whenever their record arrives.
         self.local_version = -1
@@ -255,15 +301,26 @@ class ControlSender:
             self._commits[rank] = max(upto, self._commits.get(rank, 0))
         self._ensure_thread()  # sent with the next mini-batch's records, or at the next heartbeat
 
+    def add_producer(self, presence: ProducerPresence) -> None:
+        """Report ``presence`` with every heartbeat while it lives (held weakly)."""
+        with self._lock:
+            self._producers[presence.producer_id] = presence
+        weakref.finalize(presence, self._dropped, presence.producer_id, presence.holder)
+        self._ensure_thread()
+        self.wake()
+
+    def _dropped(self, producer_id: str, holder: str) -> None:
+        with self._lock:
+            self._gone.append([producer_id, holder, False])
+
     def report_version(self, version: int) -> None:
         """Queue the trainer's new policy version (sent after the hand-outs queued before it)."""
         with self._lock:
             leases = list(self._leases.values())
-        for lease in leases:  # hand-outs so far were under the previous version
-            lease.seal()
-        with self._lock:
             self._version = int(version)
             self.local_version = int(version)
+        for lease in leases:  # hand-outs so far were under the previous version
+            lease.set_version(int(version))
         self._ensure_thread()
 
     # ------------------------------------------------------------------ sending
@@ -302,7 +359,8 @@ class ControlSender:
                 if self._on_error is not None:
                     self._on_error(e)
             with self._lock:
-                busy = bool(self._leases or self._commits or self._version is not None)
+                busy = bool(self._leases or self._commits or self._version is not None or self._producers
+                            or self._gone)
                 idle = 0 if busy else idle + 1
                 if idle >= 4:  # nothing to do for a few heartbeats: the thread ends (started again on demand)
                     self._thread = None
@@ -315,17 +373,20 @@ class ControlSender:
                 commits = sorted(self._commits.items())
                 self._commits.clear()
                 version, self._version = self._version, None
+                producers = [[p.producer_id, p.holder, p.alive] for p in list(self._producers.values())]
+                producers += self._gone
+                self._gone = []
             batch = []
             taken = []
             for lease in leases:
                 recs, release = lease.take()
                 batch.append([lease.rank, lease.worker, lease.token, recs, release])
                 taken.append((lease, recs, release))
-            if not batch and not commits and version is None:
+            if not batch and not commits and version is None and not producers:
                 return
             sent_at = time.perf_counter()
             try:
-                ans = self._control.report(batch, [list(c) for c in commits], version)
+                ans = self._control.report(batch, [list(c) for c in commits], version, producers)
             except BaseException:
                 for lease, recs, _release in taken:  # send them again next time, in order
                     lease.give_back(recs)

@@ -45,6 +45,7 @@ from knitdata.errors import (
     StoreFull,
     ValidationError,
 )
+from knitdata.handoff import ProducerPresence
 from knitdata.metrics import ConsumerMetrics
 from knitdata.placement import ConsumerLayout, Placement, make_placement
 from knitdata.planner import MiniBatchPlan
@@ -106,6 +107,11 @@ class Pipeline:
             consumer that crashes mid-step and restores its last step-boundary state receives that step again.
             ``"commit"``: explicit commits only. ``"handout"``: release as soon as a micro-batch is handed out (the
             least memory; a restore then needs a new pipeline fed the same puts).
+        producer_timeout_s: Seconds consumers keep waiting for data once every producer stopped without
+            :meth:`close`: its threads that put ended, or its process died (no report for
+            :data:`~knitdata.control.plane.PRODUCER_TTL_S`). Then they raise
+            :class:`~knitdata.errors.IncompleteStreamError` naming the producers and what admission waits for.
+            ``None``: wait (up to the dataset's ``timeout``). A handle counts as a producer from its first put.
         check_media: Decode every encoded media item once at :meth:`put` (in the producer) and refuse bad ones.
         on_plan: Called as ``on_plan(admitted, plan)`` for each planned mini-batch (embedded engine; keep it cheap).
         engine_options: Ray: ``name`` (default ``"knitdata"``; other processes attach with it), ``address``
@@ -140,6 +146,7 @@ class Pipeline:
         spill_dir: str | os.PathLike[str] | None = None,
         spill_bytes: int = 16 << 30,
         release: str = "step",
+        producer_timeout_s: float | None = 15.0,
         check_media: bool = True,
         on_plan: Callable[[AdmittedMiniBatch, MiniBatchPlan], None] | None = None,
         engine_options: Mapping[str, Any] | None = None,
@@ -154,6 +161,11 @@ class Pipeline:
             raise ConfigError(
                 f"layout must be a knitdata.placement.ConsumerLayout (e.g. ConsumerLayout(['node0', 'node0'])), "
                 f"got {type(layout).__name__}")
+        if producer_timeout_s is not None and (isinstance(producer_timeout_s, bool)
+                                               or not isinstance(producer_timeout_s, (int, float))
+                                               or producer_timeout_s < 0):
+            raise ConfigError(f"producer_timeout_s must be a non-negative number of seconds or None, got "
+                              f"{producer_timeout_s!r}")
         if isinstance(balance_tolerance, bool) or not isinstance(balance_tolerance, (int, float)) or balance_tolerance < 0:
             raise ConfigError(f"balance_tolerance must be a non-negative number, got {balance_tolerance!r}")
         if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget <= 0:
@@ -185,7 +197,8 @@ class Pipeline:
         config = {**PLANE_DEFAULTS, "spec": spec.to_dict(), "layout": layout.to_dict(), "admission": admission_name,
                   "admission_options": dict(admission_options or {}), "token_budget": token_budget,
                   "placement": placement_name, "allow_split_groups": bool(allow_split_groups),
-                  "balance_tolerance": float(balance_tolerance), "release": release}
+                  "balance_tolerance": float(balance_tolerance), "release": release,
+                  "producer_timeout_s": None if producer_timeout_s is None else float(producer_timeout_s)}
         opts = dict(engine_options or {})
         opts.pop("cross_process", None)  # every Ray pipeline serves other processes now
         eng: Engine
@@ -230,6 +243,7 @@ class Pipeline:
         self._route_lock = threading.Lock()
         self._replica: Placement | None = None  # this process's replica of the placement (one-round-trip puts)
         self._next_seq = 0
+        self._presence: ProducerPresence | None = None  # made at the first put: this handle is a producer
 
     @classmethod
     def attach(
@@ -409,6 +423,11 @@ class Pipeline:
     def _put_batch(self, trajs: Sequence[Trajectory], timeout: float | None | Literal["put_timeout"]) -> list[TrajectoryMeta]:
         """The put path of :meth:`put` and :meth:`put_many`: checks, placement replica, one round trip per unit."""
         plane = self._engine.control
+        presence = self._presence
+        if presence is None:
+            presence = self._presence = ProducerPresence()
+            self._engine.sender.add_producer(presence)
+        presence.note()
         checked = [self._checked(t) for t in trajs]
         timeout = self.put_timeout if timeout == PUT_TIMEOUT else timeout
         token = uuid.uuid4().hex

@@ -674,6 +674,13 @@ class Prefetcher(Iterator[T], Generic[T]):
             if entry is not None:
                 if room:  # the thread prepares the next one
                     _signal(sh.room)
+                if entry[0] == "item" and entry[3] is None and entry[4] is None:  # no state, no device copy
+                    self._index += 1
+                    self.last_wait_s = 0.0
+                    st = self.stats
+                    st.items += 1
+                    st.recent_wait_s.append(0.0)
+                    return entry[2]  # type: ignore[no-any-return]
                 return self._hand_out(entry, t0, 0.0)
         entry = None
         steal = False

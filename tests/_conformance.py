@@ -491,6 +491,51 @@ def rollback(engine: str, every: int = 3, crash_after: int = 8, fetch: str = "it
     return {"taken": taken, "saved_at": saved_at, "rest": rest, "error": error, "ref": ref}
 
 
+# ------------------------------------------------------------------------------------- producers gone
+@scenario
+def put_and_die(engine: str, name: str, n_groups: int = 3) -> dict[str, Any]:
+    """Attach to the Ray pipeline ``name``, put the first ``n_groups`` groups, and die without close()."""
+    from knitdata import Pipeline
+
+    assert engine == "ray", "put_and_die attaches by name (Ray engine)"
+    pipe = Pipeline.attach(name)
+    for t in workload(n_groups):
+        pipe.put(t)
+    os._exit(0)
+
+
+@scenario
+def producer_dies(engine: str, n_groups: int = 3) -> dict[str, Any]:
+    """A producer that stops without close() (its thread ends; on Ray, its process exits) while admission still
+    waits: consumers get IncompleteStreamError within the producer timeout, not the dataset's 1,800 s."""
+    spec = spec_for(8)
+    pipe = make_pipeline(engine, spec, producer_timeout_s=1.0)
+    t0 = time.monotonic()
+    if engine == "ray":
+        import subprocess
+
+        from knitdata import ray_address
+
+        cmd = [sys.executable, str(Path(__file__).resolve()), "put_and_die", "--address", ray_address(), "--args",
+               json.dumps({"name": pipe.name, "n_groups": n_groups})]
+        subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    else:
+        def put_and_fail() -> None:
+            for t in workload(n_groups):
+                pipe.put(t)
+            raise RuntimeError("the producer dies without close()")
+
+        th = threading.Thread(target=lambda: _err(put_and_fail))
+        th.start()
+        th.join()
+    died = time.monotonic()
+    out = {"error": _err(lambda: [None for _ in pipe.dataset(0, timeout=300)])}
+    out["after_s"] = time.monotonic() - died
+    out["total_s"] = time.monotonic() - t0
+    _shutdown(pipe)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- main
 def run(name: str, **kwargs: Any) -> Any:
     """Run scenario ``name`` here (the embedded engine)."""

@@ -18,6 +18,7 @@ SLOWEST_FIRST = (
     "test_ray_engine.py",
     "test_bench_transfer.py",
     "test_examples.py",
+    "test_ray_attach.py",
     "test_reliability.py",
     "test_bench_soak.py",
     "test_typecheck.py",

@@ -203,3 +203,14 @@ def test_rollback_to_the_last_saved_state_with_the_defaults(engine, request):
     res = run_on(engine, request, "rollback")
     assert res["error"][0] == "no error", res["error"]
     assert res["taken"][: res["saved_at"]] + res["rest"] == res["ref"]
+
+
+# ------------------------------------------------------------------------------------------ producers gone
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_producer_that_dies_without_close_does_not_stall_consumers(engine, request):
+    """Issue 23.9: the consumer gets IncompleteStreamError naming the producer within its producer timeout
+    (its threads ended; on Ray its process exited: PRODUCER_TTL_S without a report), not after 1,800 s."""
+    res = run_on(engine, request, "producer_dies")
+    assert res["error"][0] == "IncompleteStreamError", res["error"]
+    assert "stopped without close()" in res["error"][3] and "math" in res["error"][3], res["error"]
+    assert res["after_s"] < (40 if engine == "ray" else 10), res

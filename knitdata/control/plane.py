@@ -77,6 +77,7 @@ PLANE_DEFAULTS: dict[str, Any] = {
     "allow_split_groups": False,
     "balance_tolerance": 0.1,
     "release": "step",
+    "producer_timeout_s": 15.0,
 }
 
 #: How many delivered-and-released trajectory ids the plane remembers, to refuse a producer's retry of a put
@@ -89,6 +90,8 @@ WITHDRAWN_MEMORY = 1 << 16
 #: consumer renews its lease every :data:`~knitdata.handoff.HEARTBEAT_S` from a background thread and gives it up
 #: at once when a newer iterator asks for it; it hands nothing out past its own, shorter, local deadline.
 LEASE_TTL_S = 3.0
+#: Seconds without a report after which a producer process counts as gone (it died without close()).
+PRODUCER_TTL_S = 10.0
 #: Prefix fingerprints of a rank's micro-batches kept below its committed position (states of DataLoader workers
 #: may lie up to ``num_workers - 1`` micro-batches below it).
 FP_KEEP = 64
@@ -223,6 +226,9 @@ class ControlPlane:
         self.planned = [0] * n  # entries appended per rank
         self.committed = [0] * n  # entries below are released
         self.position = [0] * n  # next entry of the rank's iterator (handed out below)
+        # producers that put here: id -> [holder, last report, any of its putting threads alive, when they ended]
+        self.producers: dict[str, list[Any]] = {}
+        self.producer_timeout_s = cfg.get("producer_timeout_s")
         self.leases: dict[tuple[int, int], _Lease] = {}
         self.lease_epochs: dict[tuple[int, int], int] = {}
         # replay fingerprints: the chained digest of each rank's micro-batches (ids, sources, groups, positions)
@@ -815,7 +821,7 @@ class ControlPlane:
                 self.cond.notify_all()
 
     def report(self, leases: Sequence[Sequence[Any]], commits: Sequence[Sequence[int]] = (),
-               version: int | None = None) -> dict[str, Any]:
+               version: int | None = None, producers: Sequence[Sequence[Any]] = ()) -> dict[str, Any]:
         """One consumer process's news, sent off the trainer's thread: hand-outs, lease renewals, commits, version.
 
         Args:
@@ -825,6 +831,8 @@ class ControlPlane:
                 is renewed, or ended when ``release`` is true.
             commits: ``[rank, upto]`` pairs (as :meth:`commit`).
             version: The trainer's new policy version (as :meth:`report_version`), applied last.
+            producers: ``[producer id, holder, alive]`` of the producers in the process: ``alive`` is false once
+                every thread that put through it ended (see ``producer_timeout_s``).
 
         Returns:
             ``{"fenced": [[rank, worker, token, newer holder], ...]}``: the iterators that must stop (a newer one
@@ -833,6 +841,10 @@ class ControlPlane:
         fenced: list[list[Any]] = []
         with self.cond:
             now = time.monotonic()
+            for pid, holder, alive in producers:
+                prev = self.producers.get(str(pid))
+                ended = None if alive else (prev[3] if prev is not None and prev[3] is not None else now)
+                self.producers[str(pid)] = [str(holder), now, bool(alive), ended]
             for rank, worker, token, records, release in leases:
                 self._check_rank(rank)
                 key = (rank, worker)
@@ -908,6 +920,9 @@ class ControlPlane:
                     if rep.get("dropped_trajectories"):
                         raise IncompleteStreamError(self._incomplete_message(rep))
                     return {"end": True}
+                gone = self._producers_gone()
+                if gone is not None:
+                    raise IncompleteStreamError(gone)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return {"wait": True}
@@ -1028,6 +1043,29 @@ class ControlPlane:
             if v is not None and v[0] == length:
                 return v[1]
         return fp
+
+    def _producers_gone(self) -> str | None:
+        """The message when every producer stopped without close() for ``producer_timeout_s`` (else ``None``)."""
+        timeout = self.producer_timeout_s
+        if timeout is None or not self.producers:
+            return None
+        now = time.monotonic()
+        gone = []  # (holder, since when it counts as gone, why)
+        for holder, seen, alive, ended in self.producers.values():
+            if now - seen > PRODUCER_TTL_S:
+                gone.append((holder, seen + PRODUCER_TTL_S, f"no report for {now - seen:.0f} s: its process died?"))
+            elif not alive:
+                gone.append((holder, ended, "the threads that put through it ended"))
+            else:
+                return None
+        last = max(t for _h, t, _w in gone)
+        if now - last < timeout:
+            return None
+        who = "; ".join(f"{h}: {why}" for h, _t, why in gone[:8]) + (f"; and {len(gone) - 8} more" if len(gone) > 8 else "")
+        return (f"every producer of this pipeline stopped without close() ({who}) {now - last:.0f} s ago, and admission "
+                f"is still waiting for: {self._missing_text()}. Call close() when production ends (in a finally: "
+                "block, so that a failing producer closes too), or withdraw() the groups it will not finish; "
+                "Pipeline(producer_timeout_s=None) waits instead (up to the dataset's timeout)")
 
     def _mismatch_message(self, rank: int, length: int, where: str) -> str:
         e = self.queues[rank].get(length - 1)

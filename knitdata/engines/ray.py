@@ -217,9 +217,10 @@ class CoordinatorActor:
         """See :meth:`ControlPlane.lease`."""
         return self._plane.lease(rank, worker, token, wait_s, holder)
 
-    def report(self, leases: list[Any], commits: list[Any] | None = None, version: int | None = None) -> dict[str, Any]:
+    def report(self, leases: list[Any], commits: list[Any] | None = None, version: int | None = None,
+               producers: list[Any] | None = None) -> dict[str, Any]:
         """See :meth:`ControlPlane.report`."""
-        return self._plane.report(leases, commits or [], version)
+        return self._plane.report(leases, commits or [], version, producers or [])
 
     def handed_many(self, rank: int, records: list[Any]) -> None:
         """See :meth:`ControlPlane.handed_many`."""
