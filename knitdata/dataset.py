@@ -449,8 +449,8 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         except KnitdataError:
             self.close()  # a newer iterator holds the rank (or the control plane is gone): nothing more
             raise
-        self._metrics.record_wait(t1 - t0, is_last=entry["info"]["is_last"], empty=not entry["items"],
-                                  data_wait=getattr(inner, "last_wait_s", t1 - t0))
+        self._metrics.note_wait(t1 - t0, getattr(inner, "last_wait_s", t1 - t0), entry["info"]["is_last"],
+                                not entry["items"])
         return mb
 
     def set_cap(self, cap: int) -> None:

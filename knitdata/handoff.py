@@ -2,11 +2,14 @@
 
 The trainer's thread pays for a queue pop and nothing else: each micro-batch it takes is recorded in its
 iterator's :class:`ConsumerLease` (a list append under an uncontended lock), and a :class:`ControlSender` (one
-background thread per engine handle and process) sends the records of every iterator of the process, the commits
-and the lease renewals in one control call (:meth:`knitdata.control.ControlPlane.report`): at the end of each
-mini-batch, after a commit, every :data:`HEARTBEAT_S` and when an iterator ends. On the Ray engine that call is
-one actor call instead of one per micro-batch; on the embedded engine it keeps the trainer off the control
-plane's lock, which producers hold while admission plans.
+background thread per engine handle and process) sends the records of every iterator of the process, the commits,
+the versions, the producers' presence and the lease renewals in one control call
+(:meth:`knitdata.control.ControlPlane.report`). It sends when something frees storage (a commit; the first
+hand-out of a mini-batch with ``release="step"``; every hand-out with ``"handout"``), lingering 3 ms so that a
+step's commit, its version and the next mini-batch's first hand-out go together; otherwise every
+:data:`HEARTBEAT_S`, and when an iterator ends. On the Ray engine that is one or two actor calls per step instead
+of one per micro-batch; on the embedded engine it keeps the trainer off the control plane's lock, which producers
+hold while admission plans.
 
 Fencing: each (rank, worker) iterator holds a lease. A newer iterator of the same rank asks the control plane for
 it; the older one learns it at its next report (or fetch), stops handing out, sends its last records and lets go,
@@ -36,8 +39,9 @@ __all__ = ["ConsumerLease", "ControlSender", "HEARTBEAT_S", "holder_name"]
 HEARTBEAT_S = 0.5
 #: Part of the lease's time to live an iterator may hand out for after its last renewal, before renewing itself.
 _LOCAL_SHARE = 0.7
-#: Seconds the sender waits after being woken, so that a step's commit and version go in one call.
-_LINGER_S = 0.002
+#: Seconds the sender waits after being woken, so that a step's commit, its version and the next mini-batch's first
+#: hand-out go in one call.
+_LINGER_S = 0.003
 
 
 def holder_name() -> str:
@@ -108,8 +112,8 @@ class ConsumerLease:
             self._out.append(entry)
             self.last = entry
             self.taken += 1
-        if self.send_each or entry["info"]["is_last"]:
-            self._sender.wake()
+        if self.send_each or (self.auto_step and entry["microbatch"] == 0):
+            self._sender.wake()  # this hand-out frees storage: send soon (the rest rides along, or the heartbeat)
 
     def _seal(self) -> None:
         """Turn what was taken out into records, in order (the lock is held): a hand-out's auto-commit bound and
@@ -299,7 +303,8 @@ class ControlSender:
         """Queue a commit of ``rank`` up to ``upto`` (coalesced with others of the rank; sent soon)."""
         with self._lock:
             self._commits[rank] = max(upto, self._commits.get(rank, 0))
-        self._ensure_thread()  # sent with the next mini-batch's records, or at the next heartbeat
+        self._ensure_thread()
+        self.wake()  # frees storage: soon (the version and the next mini-batch's first hand-out ride along)
 
     def add_producer(self, presence: ProducerPresence) -> None:
         """Report ``presence`` with every heartbeat while it lives (held weakly)."""

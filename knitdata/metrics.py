@@ -73,8 +73,12 @@ class ConsumerMetrics:
             empty: The micro-batch holds no trajectory.
             data_wait: Of ``seconds``, the time blocked until the micro-batch was ready (default: all of it).
         """
+        self.note_wait(seconds, seconds if data_wait is None else data_wait, is_last, empty)
+
+    def note_wait(self, seconds: float, data_wait: float, is_last: bool, empty: bool) -> None:
+        """:meth:`record_wait` with positional arguments (the dataset's hot path): one append, folded by readers."""
         pending = self._pending
-        pending.append((seconds, seconds if data_wait is None else data_wait, is_last, empty))
+        pending.append((seconds, data_wait, is_last, empty))
         if len(pending) > 1024:  # folded by readers; this bounds it when nobody reads
             self._fold()
 

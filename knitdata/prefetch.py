@@ -512,15 +512,17 @@ def _produce(sh: _Shared) -> None:
         entry, last = _make(sh, index)
         cond.acquire()
         try:
-            while not sh.stop and len(sh.items) >= sh.depth:
-                # wait for room on a lock the consumer releases after a pop (a C-level signal: the consumer's
-                # pop does not pay a Condition.notify_all)
+            if not sh.stop and len(sh.items) >= sh.depth:
+                # wait for room on a lock the consumer releases after a pop (a C-level signal: the consumer's pop
+                # takes no lock). ``parked`` is set before the check below: a pop either comes first (and the check
+                # sees the room) or sees ``parked`` and signals.
                 sh.parked = "room"
-                cond.release()
-                try:
-                    sh.room.acquire(timeout=_POLL_S)
-                finally:
-                    cond.acquire()
+                while not sh.stop and len(sh.items) >= sh.depth:
+                    cond.release()
+                    try:
+                        sh.room.acquire(timeout=_POLL_S)
+                    finally:
+                        cond.acquire()
                 sh.parked = None
             sh.producing = False
             if sh.stop:
@@ -661,19 +663,24 @@ class Prefetcher(Iterator[T], Generic[T]):
         if not sh.inline and sh.items and t0 - sh.left_at >= self.inline_below_s:
             # the fast path: the thread prepared the item while the consumer computed (nothing to decide: a long
             # absence keeps the threaded mode)
-            with cond:
-                entry = sh.items.popleft() if sh.items else None
-                if entry is not None:
-                    sh.taken = entry[1] + 1
-                    room = sh.parked == "room"
-                    if sh.parked == "handoff":  # rare: it queued this one for a consumer that was waiting
-                        cond.notify_all()
-                    if self.inline_below_s > 0:
-                        self._away.append(t0 - sh.left_at)
-                    sh.left_at = t0
+            # without the lock: the deque's popleft is atomic, the thread sets ``parked`` before it checks for room
+            # (so a pop either makes the room it sees, or finds it parked and signals), and only the consumer
+            # writes ``taken`` and ``left_at``
+            try:
+                entry = sh.items.popleft()
+            except IndexError:
+                entry = None
             if entry is not None:
-                if room:  # the thread prepares the next one
+                sh.taken = entry[1] + 1
+                parked = sh.parked
+                if parked == "room":  # the thread prepares the next one
                     _signal(sh.room)
+                elif parked == "handoff":  # rare: it queued this one for a consumer that was waiting
+                    with cond:
+                        cond.notify_all()
+                if self.inline_below_s > 0:
+                    self._away.append(t0 - sh.left_at)
+                sh.left_at = t0
                 if entry[0] == "item" and entry[3] is None and entry[4] is None:  # no state, no device copy
                     self._index += 1
                     self.last_wait_s = 0.0
