@@ -258,12 +258,16 @@ class ControlSender:
             :meth:`~knitdata.control.ControlPlane.lease`, :meth:`~knitdata.control.ControlPlane.unlease`).
         heartbeat_s: Seconds between reports while an iterator is live.
         on_error: Called with an exception a report raised (it is retried at the next heartbeat).
+        inline: The control plane is in this process (:meth:`~knitdata.control.ControlPlane.try_report`): a
+            report that is due is applied on the calling thread when the plane's lock is free right now (no thread
+            switch; never waits for the lock), else by the thread.
     """
 
     def __init__(self, control: Any, *, heartbeat_s: float = HEARTBEAT_S,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
+                 on_error: Callable[[BaseException], None] | None = None, inline: bool = False) -> None:
         self._control = control
         self.heartbeat_s = float(heartbeat_s)
+        self.inline = bool(inline)
         self._on_error = on_error
         self._leases: dict[str, ConsumerLease] = {}
         self._commits: dict[int, int] = {}
@@ -330,7 +334,10 @@ class ControlSender:
 
     # ------------------------------------------------------------------ sending
     def wake(self) -> None:
-        """Send soon (records are due). Cheap: releases a lock the thread waits on."""
+        """Send soon (records are due). Cheap: releases a lock the thread waits on (``inline``: sends now when the
+        control plane's lock is free)."""
+        if self.inline and self._send(nowait=True):
+            return
         try:
             self._wake.release()
         except RuntimeError:  # already signalled
@@ -371,50 +378,69 @@ class ControlSender:
                     self._thread = None
                     return
 
-    def _send(self) -> None:
-        with self._send_lock:
+    def _send(self, nowait: bool = False) -> bool:
+        """Send what is queued (``nowait``: only if nothing has to wait for a lock); whether it was sent."""
+        if not self._send_lock.acquire(blocking=not nowait):
+            return False
+        try:
+            return self._send_locked(nowait)
+        finally:
+            self._send_lock.release()
+
+    def _send_locked(self, nowait: bool) -> bool:
+        with self._lock:
+            leases = list(self._leases.values())
+            commits = sorted(self._commits.items())
+            self._commits.clear()
+            version, self._version = self._version, None
+            producers = [[p.producer_id, p.holder, p.alive] for p in list(self._producers.values())]
+            producers += self._gone
+            self._gone = []
+        batch = []
+        taken = []
+        for lease in leases:
+            recs, release = lease.take()
+            batch.append([lease.rank, lease.worker, lease.token, recs, release])
+            taken.append((lease, recs, release))
+        if not batch and not commits and version is None and not producers:
+            return True
+        sent_at = time.perf_counter()
+        try:
+            report = self._control.try_report if nowait else self._control.report
+            ans = report(batch, [list(c) for c in commits], version, producers)
+        except BaseException:
+            self._restore(taken, commits, version, producers)
+            raise
+        if ans is None:  # the plane's lock is busy (try_report): the thread sends it
+            self._restore(taken, commits, version, producers)
+            return False
+        self.reports += 1
+        fenced = {str(f[2]): str(f[3]) for f in ans.get("fenced", [])}
+        done = []
+        for lease, _recs, release in taken:
+            by = fenced.get(lease.token)
+            if release:
+                done.append(lease.token)
+                if by is not None and lease.fenced is None:
+                    lease.fence(by)
+            elif by is not None:
+                lease.fence(by)  # it lets go at the next report (right away: fence() wakes the thread)
+            else:
+                lease.renewed(sent_at)
+        if done:
             with self._lock:
-                leases = list(self._leases.values())
-                commits = sorted(self._commits.items())
-                self._commits.clear()
-                version, self._version = self._version, None
-                producers = [[p.producer_id, p.holder, p.alive] for p in list(self._producers.values())]
-                producers += self._gone
-                self._gone = []
-            batch = []
-            taken = []
-            for lease in leases:
-                recs, release = lease.take()
-                batch.append([lease.rank, lease.worker, lease.token, recs, release])
-                taken.append((lease, recs, release))
-            if not batch and not commits and version is None and not producers:
-                return
-            sent_at = time.perf_counter()
-            try:
-                ans = self._control.report(batch, [list(c) for c in commits], version, producers)
-            except BaseException:
-                for lease, recs, _release in taken:  # send them again next time, in order
-                    lease.give_back(recs)
-                with self._lock:
-                    for rank, upto in commits:
-                        self._commits[rank] = max(upto, self._commits.get(rank, 0))
-                    if self._version is None:
-                        self._version = version
-                raise
-            self.reports += 1
-            fenced = {str(f[2]): str(f[3]) for f in ans.get("fenced", [])}
-            done = []
-            for lease, _recs, release in taken:
-                by = fenced.get(lease.token)
-                if release:
-                    done.append(lease.token)
-                    if by is not None and lease.fenced is None:
-                        lease.fence(by)
-                elif by is not None:
-                    lease.fence(by)  # it lets go at the next report (right away: fence() wakes the thread)
-                else:
-                    lease.renewed(sent_at)
-            if done:
-                with self._lock:
-                    for token in done:
-                        self._leases.pop(token, None)
+                for token in done:
+                    self._leases.pop(token, None)
+        return True
+
+    def _restore(self, taken: list[tuple[ConsumerLease, list[list[int]], bool]], commits: list[tuple[int, int]],
+                 version: int | None, producers: list[list[Any]]) -> None:
+        """Put back what an unsent report took: sent again next time, in order."""
+        for lease, recs, _release in taken:
+            lease.give_back(recs)
+        with self._lock:
+            for rank, upto in commits:
+                self._commits[rank] = max(upto, self._commits.get(rank, 0))
+            if self._version is None:
+                self._version = version
+            self._gone[:0] = [p for p in producers if not p[2] and p[0] not in self._producers]
