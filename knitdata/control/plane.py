@@ -122,10 +122,13 @@ def fenced_message(rank: int, worker: int, by: str) -> str:
             "consumer; if this process was replaced, let it exit)")
 
 
-def entry_fingerprint(prev: str, minibatch: int, microbatch: int, metas: Iterable[TrajectoryMeta]) -> str:
-    """The fingerprint of a rank's prefix ending in one micro-batch: a 64-bit BLAKE2b digest chained over ``prev``
-    (the prefix before it), its position and each trajectory's id, source and group (hex)."""
-    text = "\x1e".join([prev, f"{minibatch}.{microbatch}", *(f"{m.id}\x1f{m.source}\x1f{m.group}" for m in metas)])
+def entry_fingerprint(prev: str, info: Mapping[str, Any]) -> str:
+    """The fingerprint of a rank's prefix ending in one micro-batch: a 64-bit BLAKE2b digest (hex) chained over
+    ``prev`` (the prefix before it) and the micro-batch's :class:`~knitdata.collate.MicroBatchInfo` dict: its
+    position, its mini-batch's token, trajectory and loss-token counts, and its trajectory ids in order (one
+    C-level join per micro-batch: about 7 ms for 64,000 trajectories on 8,000 ranks)."""
+    text = (f"{prev}\x1e{info['minibatch']}.{info['microbatch']}.{info['num_microbatches']}\x1e{info['global_tokens']}."
+            f"{info['global_trajectories']}.{info['global_loss_tokens']}\x1e" + "\x1f".join(info["trajectory_ids"]))
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
@@ -231,7 +234,7 @@ class ControlPlane:
         self.producer_timeout_s = cfg.get("producer_timeout_s")
         self.leases: dict[tuple[int, int], _Lease] = {}
         self.lease_epochs: dict[tuple[int, int], int] = {}
-        # replay fingerprints: the chained digest of each rank's micro-batches (ids, sources, groups, positions)
+        # replay fingerprints: the chained digest of each rank's micro-batches (entry_fingerprint)
         self.chain: list[str | None] = [FP_EMPTY] * n  # digest of the rank's planned prefix (None: unknown)
         self.fps: list[dict[int, str | None]] = [{0: FP_EMPTY} for _ in range(n)]  # prefix length -> digest
         self.verify_at: list[tuple[int, str, str] | None] = [None] * n  # pending check (length, digest, state)
@@ -1282,16 +1285,16 @@ class ControlPlane:
                 for pmb in row:
                     j = self.planned[rank]
                     self.planned[rank] = j + 1
+                    info = pmb.to_info().to_dict()
                     if chain is not None:
-                        chain = entry_fingerprint(chain, pmb.minibatch, pmb.microbatch, pmb.trajectories)
+                        chain = entry_fingerprint(chain, info)
                         fps[j + 1] = chain
                     if j < self.committed[rank]:  # the rank restored past it: release at once
                         self._release_metas([self.live[m.id] for m in pmb.trajectories if m.id in self.live],
                                             delivered=True)
                         continue
                     self.queues[rank][j] = {
-                        "j": j, "minibatch": pmb.minibatch, "microbatch": pmb.microbatch,
-                        "info": pmb.to_info().to_dict(),
+                        "j": j, "minibatch": pmb.minibatch, "microbatch": pmb.microbatch, "info": info,
                         "items": [[m.id, m.location, m.nbytes] for m in pmb.trajectories], "fp": chain,
                     }
                 self.chain[rank] = chain
