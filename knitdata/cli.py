@@ -16,7 +16,7 @@ __all__ = ["main", "build_parser", "BENCHMARKS"]
 #: Benchmark name -> (module, one-line help).
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "admission": ("knitdata.bench.admission", "architectural staleness and quota violations per admission policy"),
-    "transfer": ("knitdata.bench.transfer", "exposed transfer latency and step time: transferqueue, sample, eager, iter"),
+    "transfer": ("knitdata.bench.transfer", "exposed transfer latency and step time: transferqueue, sample, eager, iter (--compute accel|cpu)"),
     "encode": ("knitdata.bench.encode", "duplicated vs deduplicated multimodal encoding"),
     "loader": ("knitdata.bench.loader", "loader overhead vs a plain torch DataLoader, and memcpy bandwidth"),
     "placement": ("knitdata.bench.placement", "cross-node bytes: consumer-aware placement vs index-mod-units (Ray)"),

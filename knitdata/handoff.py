@@ -318,6 +318,11 @@ class ControlSender:
         self._ensure_thread()
         self.wake()
 
+    def remove_producer(self, presence: ProducerPresence) -> None:
+        """Stop reporting ``presence`` (its pipeline was closed)."""
+        with self._lock:
+            self._producers.pop(presence.producer_id, None)
+
     def _dropped(self, producer_id: str, holder: str) -> None:
         with self._lock:
             self._gone.append([producer_id, holder, False])

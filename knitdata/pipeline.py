@@ -618,6 +618,8 @@ class Pipeline:
             :class:`~knitdata.errors.IncompleteStreamError` once they have every admitted mini-batch.
         """
         report = dict(self._engine.control.close())
+        if self._presence is not None:  # a closed pipeline needs no producer presence
+            self._engine.sender.remove_producer(self._presence)
         if self._engine.kind == "embedded":
             self._engine.close_units()
         if report.get("dropped_trajectories") and not self._closed_here:
