@@ -94,7 +94,9 @@ class TrajectoryDataset(IterableDataset):
         fetch: ``"sample"``, ``"eager"`` or ``"iter"``.
         collate: ``collate(trajectories, info) -> MicroBatch``; default :class:`~knitdata.collate.TokenCollator`.
         media_collator: ``media_collator(list_of_micro_batches) -> MultimodalBatch``, or ``None``.
-        prefetch_depth: Micro-batches prepared ahead in ``iter`` mode.
+        prefetch_depth: Micro-batches prepared ahead in ``iter`` mode. With a ``media_collator`` at least a
+            mini-batch's micro-batches plus one: the next share (payloads and media table) is prepared while the
+            current mini-batch computes, so two shares are in memory at most.
         device: Device the prefetcher copies micro-batches to (``iter`` mode).
         pin_memory: Pin on the prefetch thread (default: when CUDA is used).
         max_minibatches: Each iteration stops after this many mini-batches (``None``: until drained).
@@ -363,9 +365,9 @@ class TrajectoryDataset(IterableDataset):
     def flush(self) -> None:
         """Send this process's queued hand-out records and commits to the control plane now, and wait for it.
 
-        They are sent on their own (off the trainer's thread) at the end of each mini-batch, after a commit and
-        every half second; call this before reading the control plane's view of this rank (``Pipeline.stats()``,
-        unit memory) in a test or a report.
+        They are sent on their own, off the trainer's thread: soon after a commit or a hand-out that frees storage,
+        else with the heartbeat (:data:`~knitdata.handoff.HEARTBEAT_S`). ``Pipeline.stats()`` sends them first;
+        call this before reading the control plane's view of this rank some other way (unit memory, a test).
         """
         self.engine.sender.flush()
 
@@ -417,12 +419,17 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         self._metrics = ds.metrics
         end_box = [ds._end_step]
         self._end_box = end_box
+        grow: list[Any] = [None]  # the prefetcher's set_depth (weakly: the generator must not hold the iterator)
         source = _produce(ds.engine, ds.rank, ds.fetch, ds.collate, ds.media_collator, ds.metrics, self._stop,
-                          ds._next, num_workers, self._lease, ds.max_minibatches, end_box, ds.timeout)
+                          ds._next, num_workers, self._lease, ds.max_minibatches, end_box, ds.timeout,
+                          grow, ds.prefetch_depth)
         if ds.fetch == "iter":
             from knitdata.prefetch import Prefetcher
 
-            self._inner = Prefetcher(source, depth=ds.prefetch_depth, device=ds.device, pin_memory=ds.pin_memory)
+            pf = Prefetcher(source, depth=ds.prefetch_depth, device=ds.device, pin_memory=ds.pin_memory)
+            if ds.media_collator is not None:  # the prefetch thread reads a whole share ahead (below)
+                grow[0] = weakref.WeakMethod(pf.set_depth)
+            self._inner = pf
         else:
             self._inner = source
 
@@ -554,11 +561,18 @@ def _bytes(items: Sequence[Sequence[Any]], local_units: frozenset[str]) -> tuple
 def _produce(engine: Engine, rank: int, fetch: str, collate: Callable[..., Any], media_collator: Callable[..., Any] | None,
              metrics: ConsumerMetrics, stop: threading.Event, j: int, nw: int, lease: ConsumerLease,
              max_minibatches: int | None, end_box: list[int | None], timeout: float | None,
+             grow: list[Any] | None = None, depth: int = 2,
              ) -> Iterator[tuple[dict[str, Any], Any]]:
-    """Fetch and collate micro-batches ``j, j + nw, ...`` of ``rank`` in plan order."""
+    """Fetch and collate micro-batches ``j, j + nw, ...`` of ``rank`` in plan order.
+
+    With a media collator (``iter``), ``grow[0]`` (a weak reference to the prefetcher's ``set_depth``) lets the
+    prefetch thread work a whole share ahead: the next mini-batch's share (its payloads and media table, the
+    costly part) is prepared while the current mini-batch computes, as far ahead as a share has micro-batches.
+    """
     control = engine.control
     local_units = engine.local_units(rank)
     whole_share = fetch == "eager" or media_collator is not None
+    shared_depth = [depth]
     cache: dict[int, dict[str, Any]] = {}
     share: dict[str, Any] = {}  # whole-share modes: trajectories of this worker's share of the current mini-batch
     media: Any = None
@@ -594,6 +608,10 @@ def _produce(engine: Engine, rank: int, fetch: str, collate: Callable[..., Any],
                     groups: list[list[Any]] = [[] for _ in range(int(e["microbatch"]))]
                     groups += [[share[it[0]] for it in x["items"]] for x in rows]
                     media = media_collator(groups)
+                    set_depth = grow[0]() if grow is not None and grow[0] is not None else None
+                    if set_depth is not None and int(info.num_microbatches) + 1 > shared_depth[0]:
+                        shared_depth[0] = int(info.num_microbatches) + 1  # the next share, not the one after
+                        set_depth(shared_depth[0])
             batch = [share.pop(it[0]) for it in items]
         else:
             batch = engine.read(items, mode=fetch, step=step) if items else []

@@ -11,6 +11,9 @@ step's commit, its version and the next mini-batch's first hand-out go together;
 of one per micro-batch; on the embedded engine it keeps the trainer off the control plane's lock, which producers
 hold while admission plans.
 
+Producers: each :class:`~knitdata.pipeline.Pipeline` handle that puts reports its :class:`ProducerPresence` with
+the heartbeat, so that consumers stop waiting once every producer stopped without ``close()``.
+
 Fencing: each (rank, worker) iterator holds a lease. A newer iterator of the same rank asks the control plane for
 it; the older one learns it at its next report (or fetch), stops handing out, sends its last records and lets go,
 so the newer one starts right after the last micro-batch the older one handed out. An iterator hands nothing out
@@ -33,7 +36,7 @@ from typing import Any
 from knitdata.control.plane import fenced_message
 from knitdata.errors import EngineError, FencedError, KnitdataError
 
-__all__ = ["ConsumerLease", "ControlSender", "HEARTBEAT_S", "holder_name"]
+__all__ = ["ConsumerLease", "ControlSender", "ProducerPresence", "HEARTBEAT_S", "holder_name"]
 
 #: Seconds between the lease renewals of a consumer process (its reports).
 HEARTBEAT_S = 0.5
@@ -258,16 +261,12 @@ class ControlSender:
             :meth:`~knitdata.control.ControlPlane.lease`, :meth:`~knitdata.control.ControlPlane.unlease`).
         heartbeat_s: Seconds between reports while an iterator is live.
         on_error: Called with an exception a report raised (it is retried at the next heartbeat).
-        inline: The control plane is in this process (:meth:`~knitdata.control.ControlPlane.try_report`): a
-            report that is due is applied on the calling thread when the plane's lock is free right now (no thread
-            switch; never waits for the lock), else by the thread.
     """
 
     def __init__(self, control: Any, *, heartbeat_s: float = HEARTBEAT_S,
-                 on_error: Callable[[BaseException], None] | None = None, inline: bool = False) -> None:
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         self._control = control
         self.heartbeat_s = float(heartbeat_s)
-        self.inline = bool(inline)
         self._on_error = on_error
         self._leases: dict[str, ConsumerLease] = {}
         self._commits: dict[int, int] = {}
@@ -339,10 +338,7 @@ class ControlSender:
 
     # ------------------------------------------------------------------ sending
     def wake(self) -> None:
-        """Send soon (records are due). Cheap: releases a lock the thread waits on (``inline``: sends now when the
-        control plane's lock is free)."""
-        if self.inline and self._send(nowait=True):
-            return
+        """Send soon (records are due). Cheap: releases a lock the thread waits on."""
         try:
             self._wake.release()
         except RuntimeError:  # already signalled
@@ -383,16 +379,12 @@ class ControlSender:
                     self._thread = None
                     return
 
-    def _send(self, nowait: bool = False) -> bool:
-        """Send what is queued (``nowait``: only if nothing has to wait for a lock); whether it was sent."""
-        if not self._send_lock.acquire(blocking=not nowait):
-            return False
-        try:
-            return self._send_locked(nowait)
-        finally:
-            self._send_lock.release()
+    def _send(self) -> None:
+        """Send what is queued, in one control call (one at a time, in order)."""
+        with self._send_lock:
+            self._send_locked()
 
-    def _send_locked(self, nowait: bool) -> bool:
+    def _send_locked(self) -> None:
         with self._lock:
             leases = list(self._leases.values())
             commits = sorted(self._commits.items())
@@ -408,17 +400,13 @@ class ControlSender:
             batch.append([lease.rank, lease.worker, lease.token, recs, release])
             taken.append((lease, recs, release))
         if not batch and not commits and version is None and not producers:
-            return True
+            return
         sent_at = time.perf_counter()
         try:
-            report = self._control.try_report if nowait else self._control.report
-            ans = report(batch, [list(c) for c in commits], version, producers)
+            ans = self._control.report(batch, [list(c) for c in commits], version, producers)
         except BaseException:
             self._restore(taken, commits, version, producers)
             raise
-        if ans is None:  # the plane's lock is busy (try_report): the thread sends it
-            self._restore(taken, commits, version, producers)
-            return False
         self.reports += 1
         fenced = {str(f[2]): str(f[3]) for f in ans.get("fenced", [])}
         done = []
@@ -436,7 +424,6 @@ class ControlSender:
             with self._lock:
                 for token in done:
                     self._leases.pop(token, None)
-        return True
 
     def _restore(self, taken: list[tuple[ConsumerLease, list[list[int]], bool]], commits: list[tuple[int, int]],
                  version: int | None, producers: list[list[Any]]) -> None:

@@ -668,7 +668,8 @@ class Pipeline:
             collate: Turns trajectories into a micro-batch; default :class:`~knitdata.collate.TokenCollator`.
             media_collator: E.g. :class:`~knitdata.multimodal.MultimodalCollator`; builds the media table of
                 the consumer's share of each mini-batch.
-            prefetch_depth: Micro-batches prepared ahead in ``iter`` mode.
+            prefetch_depth: Micro-batches prepared ahead in ``iter`` mode (with a ``media_collator``, at least a
+                mini-batch's plus one: the next share is prepared while the current mini-batch computes).
             device: Copy micro-batches to this device on the prefetch thread (``iter`` mode).
             pin_memory: Pin micro-batches (default: when CUDA is used).
             max_minibatches: Stop each iteration after this many mini-batches.

@@ -784,6 +784,19 @@ class Prefetcher(Iterator[T], Generic[T]):
             self._state = snap
         return payload
 
+    def set_depth(self, depth: int) -> None:
+        """Queue up to ``depth`` items ahead from now on (the thread checks at its next item; any thread).
+
+        Raises:
+            ConfigError: ``depth < 1``.
+        """
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"depth must be an int >= 1, got {depth!r}")
+        sh = self._shared
+        with sh.cond:
+            self.depth = sh.depth = depth
+        _signal(sh.room)
+
     def state_dict(self) -> dict[str, Any]:
         """The source state (``state_fn()``) as of the item last handed out; before any item, as of construction.
 

@@ -192,6 +192,23 @@ def test_media_collator_built_once_per_share(workload, fetch):
         assert all(o is objs[0] for o in objs)  # one object for the whole share
 
 
+def test_iter_prepares_the_next_share_while_the_current_mini_batch_computes(workload):
+    """With a media collator the prefetch thread works a whole share ahead (not just prefetch_depth micro-batches):
+    once the trainer holds mini-batch 0's first micro-batch, mini-batch 1's share is built too, and no further."""
+    pipe = _fed(workload.spec, workload.trajs, num_consumers=1, token_budget=6)
+    media = _RecordingMedia()
+    it = iter(pipe.dataset(0, fetch="iter", media_collator=media, prefetch_depth=1))
+    first = next(it)
+    assert first.info.num_microbatches >= 3  # more micro-batches than the depth: the default would not reach it
+    deadline = time.monotonic() + 5
+    while len(media.calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert len(media.calls) == 2  # the current share and the next one; not the one after
+    rest = [first] + list(it)
+    assert len(media.calls) == len({mb.info.minibatch for mb in rest})
+
+
 def test_real_multimodal_collator_smoke():
     mm = pytest.importorskip("knitdata.multimodal")
     from knitdata.record import MediaItem, Trajectory

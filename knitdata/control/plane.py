@@ -875,17 +875,6 @@ class ControlPlane:
                 self.report_version(version)
         return {"fenced": fenced}
 
-    def try_report(self, leases: Sequence[Sequence[Any]], commits: Sequence[Sequence[int]] = (),
-                   version: int | None = None, producers: Sequence[Sequence[Any]] = ()) -> dict[str, Any] | None:
-        """:meth:`report` if the plane's lock is free right now, else ``None`` and nothing applied (in-process
-        callers that must not wait, e.g. a trainer's thread while a producer's admission plans)."""
-        if not self.cond.acquire(blocking=False):
-            return None
-        try:
-            return self.report(leases, commits, version, producers)
-        finally:
-            self.cond.release()
-
     def next_entries(self, rank: int, j: int, timeout_s: float, token: str | None = None,
                      worker: int = 0) -> dict[str, Any]:
         """Entries ``j..`` up to the end of ``j``'s mini-batch, waiting up to ``timeout_s``.

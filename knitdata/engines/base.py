@@ -39,8 +39,6 @@ class Engine(abc.ABC):
     supports_worker_processes: bool = False
     #: Seconds between the lease renewals of this process's consumers (how fast an older iterator lets go).
     heartbeat_s: float = HEARTBEAT_S
-    #: The control plane is in this process: due reports are applied on the caller's thread when its lock is free.
-    inline_reports: bool = False
 
     def __init__(self, layout: ConsumerLayout, config: Mapping[str, Any]) -> None:
         self.layout = layout
@@ -52,7 +50,7 @@ class Engine(abc.ABC):
     def sender(self) -> ControlSender:
         """This process's :class:`~knitdata.handoff.ControlSender` of the pipeline (made on first use)."""
         if self._sender is None:
-            self._sender = ControlSender(self.control, heartbeat_s=self.heartbeat_s, inline=self.inline_reports)
+            self._sender = ControlSender(self.control, heartbeat_s=self.heartbeat_s)
         return self._sender
 
     @property

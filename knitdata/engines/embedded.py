@@ -33,7 +33,6 @@ class EmbeddedEngine(Engine):
 
     kind = "embedded"
     heartbeat_s = 0.1  # in-process reports are cheap: an older iterator lets go within 0.1 s
-    inline_reports = True  # a due report is a function call: no thread switch when the plane's lock is free
 
     def __init__(
         self,
