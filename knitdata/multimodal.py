@@ -316,6 +316,7 @@ class MultimodalCollator:
                 (trailing shapes or dtypes differ), or (provenance keys) a group's members disagree.
         """
         by_raw: dict[str, ProcessedMedia] = {}  # raw item digest -> processed (each distinct item processed once)
+        processed_key: dict[str, str] = {}  # raw item digest -> digest of its processed input (hashed once)
         key_to_row: dict[str, dict[Any, int]] = {}
         rows: dict[str, list[ProcessedMedia]] = {}
         prov_digest: dict[Any, str] = {}
@@ -346,8 +347,9 @@ class MultimodalCollator:
                         if cached is None:
                             cached = self.processor.process(item, trajectory_id=traj.id, index=n)
                             by_raw[item.digest] = cached
+                            processed_key[item.digest] = processed_digest(cached)  # hashed once per raw item
                         pm = cached
-                        k = processed_digest(pm)
+                        k = processed_key[item.digest]
                         kind_rows = key_to_row.setdefault(item.kind, {})
                     if k not in kind_rows:
                         lst = rows.setdefault(item.kind, [])
