@@ -24,24 +24,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from knitdata.errors import (
-    CodecError,
-    ConfigError,
-    DataTimeoutError,
-    EngineError,
-    FencedError,
-    FieldTypeError,
-    IncompleteStreamError,
-    KnitdataError,
-    MediaError,
-    OptionalDependencyError,
-    PipelineClosedError,
-    QuotaInfeasibleError,
-    StateError,
-    StoreFull,
-    TrajectoryLostError,
-    ValidationError,
-)
+from knitdata import errors
+from knitdata.errors import *  # noqa: F403  (the error hierarchy: every name of knitdata.errors.__all__)
 from knitdata.record import MediaItem, Trajectory, TrajectoryMeta
 
 __version__ = "0.1.0"
@@ -85,29 +69,7 @@ _LAZY: dict[str, str] = {
     "SpillStore": "knitdata.spill",
 }
 
-__all__ = [
-    "__version__",
-    "Trajectory",
-    "TrajectoryMeta",
-    "MediaItem",
-    "KnitdataError",
-    "ValidationError",
-    "FieldTypeError",
-    "CodecError",
-    "ConfigError",
-    "QuotaInfeasibleError",
-    "StoreFull",
-    "StateError",
-    "EngineError",
-    "PipelineClosedError",
-    "FencedError",
-    "DataTimeoutError",
-    "IncompleteStreamError",
-    "TrajectoryLostError",
-    "MediaError",
-    "OptionalDependencyError",
-    *_LAZY,
-]
+__all__ = ["__version__", "Trajectory", "TrajectoryMeta", "MediaItem", *errors.__all__, *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

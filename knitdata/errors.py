@@ -32,7 +32,21 @@ class KnitdataError(Exception):
     """Root of every error knitdata raises on purpose."""
 
 
-class ValidationError(KnitdataError, ValueError):
+class _LocatedError(KnitdataError):
+    """An error about one trajectory and field: the message starts with both where they are known."""
+
+    def __init__(self, message: str, *, trajectory_id: str | None = None, field: str | None = None):
+        prefix = ""
+        if trajectory_id is not None:
+            prefix += f"trajectory {trajectory_id!r}: "
+        if field is not None:
+            prefix += f"field {field!r}: "
+        super().__init__(prefix + message)
+        self.trajectory_id = trajectory_id
+        self.field = field
+
+
+class ValidationError(_LocatedError, ValueError):
     """A trajectory (or another input) holds a bad value.
 
     Attributes:
@@ -40,34 +54,14 @@ class ValidationError(KnitdataError, ValueError):
         field: The name of the offending field, or ``None``.
     """
 
-    def __init__(self, message: str, *, trajectory_id: str | None = None, field: str | None = None):
-        prefix = ""
-        if trajectory_id is not None:
-            prefix += f"trajectory {trajectory_id!r}: "
-        if field is not None:
-            prefix += f"field {field!r}: "
-        super().__init__(prefix + message)
-        self.trajectory_id = trajectory_id
-        self.field = field
 
-
-class FieldTypeError(KnitdataError, TypeError):
+class FieldTypeError(_LocatedError, TypeError):
     """A field of a trajectory has the wrong Python type or tensor dtype.
 
     Attributes:
         trajectory_id: The id of the offending trajectory, or ``None`` when not known.
         field: The name of the offending field, or ``None``.
     """
-
-    def __init__(self, message: str, *, trajectory_id: str | None = None, field: str | None = None):
-        prefix = ""
-        if trajectory_id is not None:
-            prefix += f"trajectory {trajectory_id!r}: "
-        if field is not None:
-            prefix += f"field {field!r}: "
-        super().__init__(prefix + message)
-        self.trajectory_id = trajectory_id
-        self.field = field
 
 
 class CodecError(KnitdataError, ValueError):
