@@ -1,8 +1,8 @@
-"""The control plane's one-round-trip put (``admit_many``) against its two-phase put (``reserve`` + ``offer``).
+"""The control plane's one-round-trip put (``admit_many``) and its control surface.
 
 The pipeline stores a payload on the unit its replica of the placement picks, then the unit asks the plane to
-admit it. These tests pin down that this path decides exactly what the two-phase path decides (admissions,
-placements, plans), that a batch is refused whole, and that a retried call is answered as the first one.
+admit it. These tests pin down that this path is deterministic, that a batch is refused whole, and that a
+retried call is answered as the first one; and that the surface (plane, coordinator, client, journal) is one.
 """
 
 from __future__ import annotations
@@ -74,31 +74,11 @@ class Producer:
         return out
 
 
-def _two_phase(plane: ControlPlane, trajs: list[Trajectory]) -> None:
-    for t in trajs:
-        r = plane.reserve(_meta(t))
-        plane.offer(t.id, r["seq"], 8)
-
-
 def _decisions(p: ControlPlane) -> dict[str, Any]:
     return {"planned": list(p.planned), "seq": p.seq,
             "entries": [[(q[j]["minibatch"], q[j]["microbatch"], q[j]["items"]) for j in sorted(q)] for q in p.queues],
             "live": {k: (m.location, m.seq) for k, m in p.live.items()}, "pending": sorted(p.pending),
             "placement": p.placement.snapshot_state(), "counts": dict(p.counts)}
-
-
-@settings(max_examples=30, deadline=None)
-@given(sizes=st.lists(st.integers(0, 40), min_size=2, max_size=32),
-       placement=st.sampled_from(["consumer_aware", "index_mod"]))
-def test_single_puts_admit_place_and_plan_exactly_as_the_two_phase_put(sizes, placement):
-    trajs = [_traj(i, extra=s) for i, s in enumerate(sizes)]
-    a, b = _plane(placement=placement), _plane(placement=placement)
-    _two_phase(a, trajs)
-    prod = Producer(b, placement)
-    for t in trajs:
-        assert not prod.put_many([t])["errors"]
-    assert _decisions(b) == _decisions(a)
-    assert prod.calls == len(trajs)
 
 
 @settings(max_examples=30, deadline=None)

@@ -1,4 +1,4 @@
-"""Checking a control-plane snapshot before it is loaded (:meth:`knitdata.control.ControlPlane.load_snapshot`).
+"""Checking a control-plane snapshot before it is loaded (:meth:`knitdata.control.ControlPlane.load_state_dict`).
 
 A snapshot is JSON that the plane wrote itself, but it is read back from disk: :func:`decode_snapshot` checks
 its whole structure (types, ranges, units, ranks, the configuration it belongs to) and converts it, so that a
@@ -166,7 +166,7 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
     """Check a snapshot against the plane that loads it and convert its parts.
 
     Args:
-        state: The snapshot (:meth:`~knitdata.control.ControlPlane.snapshot`).
+        state: The snapshot (:meth:`~knitdata.control.ControlPlane.state_dict`).
         config: The loading plane's configuration (the snapshot's must be the same).
         unit_nodes: The loading plane's units (the snapshot's must be the same).
         num_consumers: Ranks of the loading plane's layout.
