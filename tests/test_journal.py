@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 import zlib
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -488,3 +490,50 @@ def test_a_compaction_that_cannot_write_warns_and_the_journal_keeps_growing(tmp_
     assert b.state_dict() == a.state_dict()
     with pytest.raises(ConfigError, match="no journal"):
         b.compact()
+
+
+# ---------------------------------------------------------------------------------------------- compatibility
+FIXTURE = Path(__file__).parent / "data" / "control_state_946d369"
+
+
+def test_a_journal_and_snapshot_written_by_knitdata_946d369_recover_to_its_state(tmp_path):
+    """tests/data/control_state_946d369 was written by knitdata at 946d369 (before the plane was split and the
+    two-phase put removed): puts, a withdrawal, hand-outs, commits, a compaction (the snapshot), then more calls
+    in segment 1; ``state.json`` is that plane's final ``snapshot()``. This version recovers the very same state,
+    and writes it in the same format."""
+    for f in FIXTURE.iterdir():
+        if f.name != "state.json":
+            shutil.copy(f, tmp_path / f.name)
+    want = json.loads((FIXTURE / "state.json").read_text())
+    plane = ControlPlane(_config(), UNITS, lambda u, ids, w: None)
+    assert plane.recover(str(tmp_path / "run.journal")) == len(list(Journal.read(tmp_path / "run.journal"))) > 0
+    assert json.loads(json.dumps(plane.state_dict())) == want
+    assert ControlPlane.from_state_dict(want, lambda u, ids, w: None).state_dict() == plane.state_dict()
+
+
+@pytest.mark.parametrize("op", ["reserve", "reserve_many", "offer", "offer_many", "unreserve"])
+def test_a_journal_holding_a_call_of_the_removed_two_phase_put_is_a_clear_codec_error(tmp_path, op):
+    path = tmp_path / "run.journal"
+    path.write_bytes(_frame({"op": "report_version", "args": [1]}) + _frame({"op": op, "args": [{"id": "t0"}]}))
+    with pytest.raises(CodecError, match=f"record 2 is a call of {op}\\(\\), the two-phase put, which this version"):
+        ControlPlane(_cfg(), UNITS, lambda u, ids, w: None).recover(str(path))
+
+
+def test_a_snapshot_with_puts_in_progress_of_the_two_phase_put_is_refused_by_name():
+    state = json.loads((FIXTURE / "state.json").read_text())
+    assert state["putting"] == []  # what every engine wrote (none used the two-phase put)
+    meta = {**_meta(99), "seq": 99, "location": None}
+    del meta["fields"]
+    state["putting"] = [["t99", "node0", meta, None]]
+    with pytest.raises(StateError, match=r"puts in progress of the two-phase put \(\['t99'\]\)"):
+        ControlPlane.from_state_dict(state, lambda u, ids, w: None)
+
+
+def test_a_record_whose_operation_is_not_a_method_name_is_a_codec_error(tmp_path):
+    path = tmp_path / "j"
+    path.write_bytes(_frame({"op": "", "args": []}) + _frame({"op": "report_version", "args": [1]}))
+    with pytest.raises(CodecError, match="line 1: operation '' is not a method name"):
+        list(Journal.read(path))
+    path.write_bytes(_frame({"op": "stats", "args": []}))  # a control call, but not a journaled one
+    with pytest.raises(CodecError, match="unknown operation 'stats'"):
+        ControlPlane(_cfg(), UNITS, lambda u, ids, w: None).recover(str(path))

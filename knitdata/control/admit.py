@@ -18,8 +18,8 @@ from typing import Any
 
 from knitdata.admission import AdmittedMiniBatch
 from knitdata.control.positions import check_verifications
-from knitdata.control.state import WITHDRAWN_MEMORY, PlaneState, entry_fingerprint
-from knitdata.control.surface import control_call, control_part
+from knitdata.control.state import WITHDRAWN_MEMORY, entry_fingerprint
+from knitdata.control.surface import Part, control_call, control_part
 from knitdata.errors import ConfigError, FieldTypeError, KnitdataError, QuotaInfeasibleError, ValidationError
 from knitdata.planner import MiniBatchPlan
 from knitdata.record import TrajectoryMeta
@@ -58,15 +58,8 @@ def check_schema(tid: str, fields: Mapping[str, Any] | None, schema: Mapping[str
 
 
 @control_part("admission")
-class Admission:
-    """The producer side of one plane: puts, admission and planning, withdrawals, in-flight counts, close.
-
-    Args:
-        s: The plane's shared state.
-    """
-
-    def __init__(self, s: PlaneState) -> None:
-        self.s = s
+class Admission(Part):
+    """The producer side of one plane: puts, admission and planning, withdrawals, in-flight counts, close."""
 
     @control_call(journaled=True)
     def admit_many(self, unit: str, items: Sequence[Sequence[Any]]) -> dict[str, Any]:

@@ -15,14 +15,14 @@ from typing import Any
 from knitdata.control.positions import Positions
 from knitdata.control.reporting import incomplete_message, producers_gone
 from knitdata.control.state import LEASE_TTL_S, Lease, PlaneState, fenced_message
-from knitdata.control.surface import control_call, control_part
+from knitdata.control.surface import Part, control_call, control_part
 from knitdata.errors import EngineError, FencedError, IncompleteStreamError, StateError
 
 __all__ = ["Leases"]
 
 
 @control_part("leasing")
-class Leases:
+class Leases(Part):
     """The consumer side of one plane: leases, the entries a rank's iterator takes, and consumer reports.
 
     Args:
@@ -31,7 +31,7 @@ class Leases:
     """
 
     def __init__(self, s: PlaneState, positions: Positions) -> None:
-        self.s = s
+        super().__init__(s)
         self.positions = positions
 
     @control_call(waits="wait_s")

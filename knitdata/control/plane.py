@@ -24,7 +24,7 @@ same table. The shared state's attributes read through the plane (``plane.planne
 
 Example:
     >>> from knitdata import BatchSpec, ConsumerLayout
-    >>> plane = ControlPlane({"spec": BatchSpec({"a": 2}, group_size=1).to_dict(),
+    >>> plane = ControlPlane({"spec": BatchSpec({"a": 2}, num_minibatches=1, group_size=1).to_dict(),
     ...                       "layout": ConsumerLayout.uniform(1, 1).to_dict()}, {"node0": "node0"},
     ...                       lambda unit, ids, wait: None)
     >>> plane.report_version(3)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from knitdata.control.state import FP_KEEP, PlaneState
-from knitdata.control.surface import control_call, control_part
+from knitdata.control.surface import Part, control_call, control_part
 from knitdata.errors import StateError, ValidationError
 
 __all__ = ["Positions", "check_verifications", "mismatch_message"]
@@ -55,15 +55,8 @@ def check_verifications(s: PlaneState) -> None:
 
 
 @control_part("positions")
-class Positions:
-    """Where each rank's consumer stands: hand-outs, commits, restores and their checks, the trainer's version.
-
-    Args:
-        s: The plane's shared state.
-    """
-
-    def __init__(self, s: PlaneState) -> None:
-        self.s = s
+class Positions(Part):
+    """Where each rank's consumer stands: hand-outs, commits, restores and their checks, the trainer's version."""
 
     @control_call(journaled=True, fire_and_forget=True)
     def handed(self, rank: int, j: int, minibatch: int, microbatch: int, auto_commit: bool = True) -> None:

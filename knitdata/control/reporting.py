@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from knitdata.control.state import PRODUCER_TTL_S, PlaneState
-from knitdata.control.surface import control_call, control_part
+from knitdata.control.surface import Part, control_call, control_part
 from knitdata.metrics import summarize
 
 __all__ = ["Reporting", "missing_text", "producers_gone", "incomplete_message"]
@@ -70,15 +70,8 @@ def incomplete_message(rep: Mapping[str, Any]) -> str:
 
 
 @control_part("reporting")
-class Reporting:
-    """Counters and diagnostics of one plane, and the metrics its consumers and processes send.
-
-    Args:
-        s: The plane's shared state.
-    """
-
-    def __init__(self, s: PlaneState) -> None:
-        self.s = s
+class Reporting(Part):
+    """Counters and diagnostics of one plane, and the metrics its consumers and processes send."""
 
     @control_call(fire_and_forget=True)
     def report_consumer(self, rank: int, stats: Mapping[str, Any]) -> None:

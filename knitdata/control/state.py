@@ -114,16 +114,10 @@ class PlaneState:
         ConfigError: Inconsistent options.
     """
 
-    def __init__(
-        self,
-        config: Mapping[str, Any],
-        unit_nodes: Mapping[str, str],
-        releaser: Callable[[str, list[str], bool], Any],
-        *,
-        policy: AdmissionPolicy | None = None,
-        on_plan: Callable[[AdmittedMiniBatch, MiniBatchPlan], None] | None = None,
-        journal: Journal | None = None,
-    ) -> None:
+    def __init__(self, config: Mapping[str, Any], unit_nodes: Mapping[str, str],
+                 releaser: Callable[[str, list[str], bool], Any], *, policy: AdmissionPolicy | None = None,
+                 on_plan: Callable[[AdmittedMiniBatch, MiniBatchPlan], None] | None = None,
+                 journal: Journal | None = None) -> None:
         cfg = {**PLANE_DEFAULTS, **dict(config)}
         self.config = cfg
         self.spec = BatchSpec.from_dict(cfg["spec"])

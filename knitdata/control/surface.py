@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from knitdata.control.state import PlaneState
 from knitdata.errors import ConfigError, KnitdataError
 
-__all__ = ["ControlCall", "CONTROL_CALLS", "control_call", "control_part", "surface_of"]
+__all__ = ["ControlCall", "CONTROL_CALLS", "Part", "control_call", "control_part"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C", bound=type)
@@ -151,6 +151,12 @@ def control_part(part: str) -> Callable[[C], C]:
     return register
 
 
-def surface_of(parts: Mapping[str, type]) -> dict[str, ControlCall]:
-    """The calls of :data:`CONTROL_CALLS` that the given part classes (by plane attribute) define, in order."""
-    return {n: c for n, c in CONTROL_CALLS.items() if c.part in parts and n in vars(parts[c.part])}
+class Part:
+    """A part of the control plane: one concern, working on the plane's shared state.
+
+    Args:
+        s: The plane's shared state (:class:`~knitdata.control.state.PlaneState`).
+    """
+
+    def __init__(self, s: PlaneState) -> None:
+        self.s = s
