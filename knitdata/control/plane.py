@@ -111,6 +111,8 @@ class ControlPlane:
         self.leasing = Leases(s, self.positions)
         self.reporting = Reporting(s)
         self.durability = Durability(s, lambda op, args: getattr(self, op)(*args), JOURNALED_OPS)
+        for name, call in SURFACE.items():  # bound once: a call costs what calling its part costs
+            setattr(self, name, getattr(getattr(self, call.part), name))
 
     def __getattr__(self, name: str) -> Any:
         """The shared state's attributes (``plane.planned``, ``plane.placement``, ...), read through the plane."""
