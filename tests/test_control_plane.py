@@ -1,8 +1,8 @@
-"""The control plane's one-round-trip put (``admit_many``) against its two-phase put (``reserve`` + ``offer``).
+"""The control plane's one-round-trip put (``admit_many``) and its control surface.
 
 The pipeline stores a payload on the unit its replica of the placement picks, then the unit asks the plane to
-admit it. These tests pin down that this path decides exactly what the two-phase path decides (admissions,
-placements, plans), that a batch is refused whole, and that a retried call is answered as the first one.
+admit it. These tests pin down that this path is deterministic, that a batch is refused whole, and that a
+retried call is answered as the first one; and that the surface (plane, coordinator, client, journal) is one.
 """
 
 from __future__ import annotations
@@ -74,31 +74,11 @@ class Producer:
         return out
 
 
-def _two_phase(plane: ControlPlane, trajs: list[Trajectory]) -> None:
-    for t in trajs:
-        r = plane.reserve(_meta(t))
-        plane.offer(t.id, r["seq"], 8)
-
-
 def _decisions(p: ControlPlane) -> dict[str, Any]:
     return {"planned": list(p.planned), "seq": p.seq,
             "entries": [[(q[j]["minibatch"], q[j]["microbatch"], q[j]["items"]) for j in sorted(q)] for q in p.queues],
             "live": {k: (m.location, m.seq) for k, m in p.live.items()}, "pending": sorted(p.pending),
             "placement": p.placement.snapshot_state(), "counts": dict(p.counts)}
-
-
-@settings(max_examples=30, deadline=None)
-@given(sizes=st.lists(st.integers(0, 40), min_size=2, max_size=32),
-       placement=st.sampled_from(["consumer_aware", "index_mod"]))
-def test_single_puts_admit_place_and_plan_exactly_as_the_two_phase_put(sizes, placement):
-    trajs = [_traj(i, extra=s) for i, s in enumerate(sizes)]
-    a, b = _plane(placement=placement), _plane(placement=placement)
-    _two_phase(a, trajs)
-    prod = Producer(b, placement)
-    for t in trajs:
-        assert not prod.put_many([t])["errors"]
-    assert _decisions(b) == _decisions(a)
-    assert prod.calls == len(trajs)
 
 
 @settings(max_examples=30, deadline=None)
@@ -233,3 +213,104 @@ def test_producer_retry_of_a_delivered_and_released_group_is_not_delivered_twice
     again = [tid for mb in it for tid in mb.info.trajectory_ids]
     assert again == [], f"delivered a second time: {again}"
     assert refused == ["t0", "t1"]  # the retry learns that its first puts had landed
+
+
+# ---------------------------------------------------------------------------------------------- the control surface
+def test_every_control_call_is_a_plane_method_with_its_parts_signature_and_docs():
+    import inspect
+
+    from knitdata.control import FIRE_AND_FORGET, JOURNALED_OPS, SURFACE
+
+    plane = _plane()
+    assert JOURNALED_OPS <= set(SURFACE) and FIRE_AND_FORGET <= set(SURFACE)
+    assert {"admit_many", "close", "commit", "handed", "seek", "verify", "withdraw"} <= JOURNALED_OPS
+    assert not {"reserve", "reserve_many", "offer", "offer_many", "unreserve"} & set(SURFACE)
+    for name, call in SURFACE.items():
+        impl = getattr(getattr(plane, call.part), name)
+        assert inspect.signature(getattr(plane, name)) == inspect.signature(impl), name
+        assert getattr(ControlPlane, name).__doc__ == inspect.getdoc(impl) and call.doc, name
+    # the plane's own methods are not control calls, and the shared state reads through it
+    assert not {"recover", "compact", "state_dict", "load_state_dict"} & set(SURFACE)
+    assert plane.planned is plane.state.planned and plane.release_mode == "step"
+
+
+def test_journaled_calls_are_recorded_once_at_the_outermost_call(tmp_path):
+    path = tmp_path / "j"
+    plane = ControlPlane(_config(), UNITS, lambda u, ids, wait: None, journal=Journal(path, fsync_every_s=0))
+    batches = [[[_meta(_traj(2 * k + i)), 8, f"b{k}-{i}"] for i in range(2)] for k in range(4)]
+    plane.admit_batches("node0", batches)  # calls admit_many inside: recorded as one admit_batches
+    e = next(r for r in range(3) if plane.planned[r])
+    got = plane.next_entries(e, 0, 0.0)["entries"]
+    recs = [[x["j"], x["minibatch"], x["microbatch"], 0] for x in got]
+    plane.report([[e, 0, "tok", recs, False]], [[e, 1]], 4)  # not journaled itself: what it applies is
+    plane.stats()  # not journaled
+    assert [op for op, _a in Journal.read(path)] == ["admit_batches", "handed_many", "commit", "report_version"]
+    fresh = ControlPlane(_config(), UNITS, lambda u, ids, wait: None)
+    fresh.recover(str(path))
+    assert fresh.state_dict() == plane.state_dict()
+
+
+def test_a_control_call_is_declared_in_one_place_and_only_once():
+    from knitdata.control.surface import CONTROL_CALLS, Part, control_call, control_part
+    from knitdata.errors import ConfigError
+
+    @control_part("extra")
+    class Extra(Part):
+        @control_call(journaled=True, fire_and_forget=True)
+        def poke_for_test(self, n: int) -> None:
+            """A test call."""
+
+        @control_call(waits="patience")
+        def wait_for_test(self, patience: float = 2.5) -> None:
+            """Another."""
+
+    try:
+        poke, wait = CONTROL_CALLS["poke_for_test"], CONTROL_CALLS["wait_for_test"]
+        assert (poke.part, poke.journaled, poke.fire_and_forget, poke.waits) == ("extra", True, True, None)
+        assert (wait.wait_index, wait.wait_of(()), wait.wait_of((7,))) == (0, 2.5, 7.0)
+        assert Extra.__name__ == "Extra"
+        with pytest.raises(ConfigError, match="'poke_for_test' is declared twice"):
+            control_part("other")(type("Again", (Part,), {"poke_for_test": control_call()(lambda self: None)}))
+        with pytest.raises(ConfigError, match="waits='nope' names no parameter"):
+            control_part("other")(type("Bad", (Part,), {"bad_for_test": control_call(waits="nope")(lambda self: None)}))
+    finally:
+        for n in ("poke_for_test", "wait_for_test", "bad_for_test"):
+            CONTROL_CALLS.pop(n, None)
+
+
+def test_the_ray_coordinator_and_client_derive_their_methods_from_the_surface():
+    pytest.importorskip("ray")
+    from knitdata.control import FIRE_AND_FORGET, SURFACE
+    from knitdata.engines.ray_control import CoordinatorBase, RayControl, coordinator_class
+
+    cls = coordinator_class()
+    for name, call in SURFACE.items():
+        assert callable(getattr(cls, name)), name
+        group = getattr(getattr(cls, name), "__ray_concurrency_group__", None)
+        assert group == ("wait" if call.waits else None), name
+    # the coordinator's own methods stay real methods (admission metering, close closes the units, plumbing)
+    for own in ("admit_many", "admit_batches", "close", "info", "unit_handles", "recover", "kill_unit", "shutdown",
+                "admit_cpu"):
+        assert getattr(cls, own) is getattr(CoordinatorBase, own)
+    assert RayControl.METHODS == frozenset(SURFACE) and RayControl.ASYNC == FIRE_AND_FORGET
+
+    sent: list = []
+
+    class Actor:  # what a Ray actor handle looks like to the client: method.remote(*args)
+        def __getattr__(self, name):
+            return type("M", (), {"remote": staticmethod(lambda *a: sent.append((name, a)) or "ref")})()
+
+    class Client(RayControl):
+        def call(self, method, *args, wait_s=0.0):
+            sent.append((method, args, wait_s))
+            return "answer"
+
+    c = Client(Actor(), "p", 1.0)
+    assert c.lease(0, 1, "tok", wait_s=5.0) == "answer"
+    assert c.next_entries(1, 7, 2.0) == "answer"
+    assert c.stats() == "answer"
+    assert c.handed(0, 1, 0, 0) is None  # fire and forget: sent, not awaited
+    assert sent == [("lease", (0, 1, "tok", 5.0, ""), 5.0), ("next_entries", (1, 7, 2.0), 2.0), ("stats", (), 0.0),
+                    ("handed", (0, 1, 0, 0))]
+    with pytest.raises(AttributeError):
+        c.reserve  # noqa: B018 - the two-phase put is gone

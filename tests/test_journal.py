@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import shutil
 import zlib
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knitdata.admission import BatchSpec
-from knitdata.control import ControlPlane, fields_of
-from knitdata.control.journal import JOURNALED_OPS, SNAPSHOT_SUFFIX, Journal, read_snapshot, write_snapshot
+from knitdata.control import JOURNALED_OPS, ControlPlane, fields_of
+from knitdata.control.journal import SNAPSHOT_SUFFIX, Journal, read_snapshot, write_snapshot
 from knitdata.errors import CodecError, ConfigError, KnitdataError, QuotaInfeasibleError, StateError
 from knitdata.placement import ConsumerLayout
 from knitdata.record import Trajectory
@@ -29,12 +31,15 @@ def _traj(i: int) -> Trajectory:
                       prompt_ids=torch.arange(4), response_ids=torch.arange(8 + i % 3), scalars={"r": 1.0})
 
 
+def _put(plane: ControlPlane, t: Trajectory) -> dict:
+    """One trajectory's one-round-trip put (stored on a unit, then admitted there)."""
+    meta = {**t.meta().to_dict(), "fields": fields_of(t.scalars, {})}
+    return plane.admit_many("node" + str(int(t.id[1:]) // 2 % 2), [[meta, 8, f"token-{t.id}"]])
+
+
 def _drive(plane: ControlPlane, n: int) -> None:
     for i in range(n):
-        t = _traj(i)
-        meta = {**t.meta().to_dict(), "fields": fields_of(t.scalars, {})}
-        r = plane.reserve(meta)
-        plane.offer(t.id, r["seq"], 8)
+        _put(plane, _traj(i))
     plane.withdraw("gx")
     for rank in range(plane.layout.num_consumers):
         got = plane.next_entries(rank, 0, 0.0)
@@ -63,21 +68,19 @@ def test_replay_rebuilds_the_same_state_and_the_same_future(tmp_path):
     # both continue identically: the next puts are placed and planned the same way
     for p in (a, b):
         for i in range(16, 24):
-            t = _traj(i)
-            r = p.reserve({**t.meta().to_dict(), "fields": fields_of(t.scalars, {})})
-            p.offer(t.id, r["seq"], 8)
+            _put(p, _traj(i))
     assert _state(b) == _state(a)
 
 
-def test_a_retried_offer_after_a_restart_is_accepted_once(tmp_path):
+def test_a_retried_put_after_a_restart_is_accepted_once(tmp_path):
     path = tmp_path / "run.journal"
     a = ControlPlane(_config(), {"node0": "node0", "node1": "node1"}, lambda u, ids, wait: None, journal=Journal(path))
     t = _traj(0)
-    r = a.reserve({**t.meta().to_dict(), "fields": fields_of(t.scalars, {})})
-    first = a.offer(t.id, r["seq"], 8)
+    first = _put(a, t)
     b = ControlPlane(_config(), {"node0": "node0", "node1": "node1"}, lambda u, ids, wait: None)
     b.recover(str(path))
-    assert b.offer(t.id, r["seq"], 8) == first  # the caller never saw the answer and retries
+    again = _put(b, t)  # the caller never saw the answer and retries
+    assert again["accepted"] == first["accepted"] and not again["errors"]
     assert len(b.pending) == 1
 
 
@@ -151,31 +154,10 @@ class _Driver:
             return ("error", type(e).__name__, str(e))
 
     def _step(self, plane: ControlPlane, kind: str, x: int) -> object:
-        if kind == "put":  # reserve + offer
+        if kind == "put":  # one trajectory's one-round-trip put
             i = self.next_id
             self.next_id += 1
-            r = plane.reserve(_meta(i))
-            return r, plane.offer(f"t{i}", r["seq"], 4 + x % 5)
-        if kind == "reserve":  # a put left in progress (offered or unreserved later, or retried)
-            i = self.next_id
-            self.next_id += 1
-            return plane.reserve(_meta(i))
-        if kind == "retry":  # a retried reserve of a put in progress: the old copy is released
-            if not plane.putting:
-                return None
-            tid = sorted(plane.putting)[x % len(plane.putting)]
-            return plane.reserve(_meta(int(tid[1:])))
-        if kind in ("offer", "unreserve"):
-            if not plane.putting:
-                return None
-            tid = sorted(plane.putting)[x % len(plane.putting)]
-            seq = plane.putting[tid][1].seq
-            return plane.offer(tid, seq, 3) if kind == "offer" else plane.unreserve(tid, seq, "store")
-        if kind == "many":
-            ids = list(range(self.next_id, self.next_id + 1 + x % 4))
-            self.next_id += len(ids)
-            rs = plane.reserve_many([_meta(i) for i in ids])
-            return rs, plane.offer_many([[f"t{i}", r["seq"], 5] for i, r in zip(ids, rs)])
+            return plane.admit_many(sorted(UNITS)[x % 2], [[_meta(i), 4 + x % 5, f"token-{i}"]])
         if kind == "admit":  # the one-round-trip put: stored on a unit first, then admitted in one call
             ids = list(range(self.next_id, self.next_id + 1 + x % 3))
             self.next_id += len(ids)
@@ -193,7 +175,13 @@ class _Driver:
         if kind == "bad_put":  # other fields than the schema: refused
             i = self.next_id
             self.next_id += 1
-            return plane.reserve(_meta(i, fields={"scalars": ["q"], "tensors": {}}))
+            return plane.admit_many(sorted(UNITS)[x % 2], [[_meta(i, fields={"scalars": ["q"], "tensors": {}}), 3,
+                                                            f"token-{i}"]])
+        if kind == "report":  # a consumer process's report: hand-outs, a commit and a version, journaled one by one
+            rank = x % plane.layout.num_consumers
+            got = plane.next_entries(rank, plane.start_position(rank), 0.0)
+            recs = [[e["j"], e["minibatch"], e["microbatch"], e["j"]] for e in got.get("entries", [])[:2]]
+            return plane.report([[rank, 0, f"tok{rank}", recs, False]], [[rank, plane.position[rank]]], plane.version)
         if kind == "withdraw":
             return plane.withdraw(f"g{x % (self.next_id // 2 + 1)}")
         if kind == "version":
@@ -217,8 +205,8 @@ class _Driver:
         raise AssertionError(kind)
 
 
-STEP_KINDS = (["put"] * 5 + ["admit"] * 3 + ["admit_batches", "admit_retry"] + ["reserve", "retry", "offer", "unreserve", "many", "bad_put", "withdraw", "version"]
-              + ["hand"] * 3 + ["commit", "seek", "in_flight"])
+STEP_KINDS = (["put"] * 5 + ["admit"] * 3 + ["admit_batches", "admit_retry", "bad_put", "withdraw", "version"]
+              + ["hand"] * 3 + ["report", "commit", "seek", "in_flight"])
 
 
 def _releases(log: list, *, wait: bool = False) -> list[str]:
@@ -247,20 +235,20 @@ def test_recovering_a_compacted_journal_equals_a_full_replay(tmp_path_factory, a
     for kind, x in steps + ([("close", 0)] if close else []):
         if kind == "compact":
             a.compact()
-            since, snapshot_at = 0, a.snapshot()
+            since, snapshot_at = 0, a.state_dict()
             continue
         if kind == "compact_crash":  # steps (1) and (2) of a compaction, then a crash before the rotation
             with a.cond:
-                write_snapshot(ja.path + SNAPSHOT_SUFFIX, a.snapshot(), run=ja.run, segment=ja.segment,
+                write_snapshot(ja.path + SNAPSHOT_SUFFIX, a.state_dict(), run=ja.run, segment=ja.segment,
                                records=ja.records)
-            snapshot_at = a.snapshot()
+            snapshot_at = a.state_dict()
             continue
         n0 = ja.records
         assert da.step(a, kind, x) == db.step(b, kind, x)
         since += ja.records - n0
     ja.close()
     jb.close()
-    assert a.snapshot() == b.snapshot()
+    assert a.state_dict() == b.state_dict()
     # the journal holds only the records after the last completed compaction
     assert len(list(Journal.read(ja.path))) == since
     logs: dict[str, list] = {"a": [], "b": []}
@@ -268,7 +256,7 @@ def test_recovering_a_compacted_journal_equals_a_full_replay(tmp_path_factory, a
     rb = ControlPlane(cfg, UNITS, lambda u, ids, w: logs["b"].append((u, list(ids), w)))
     ra.recover(ja.path)
     rb.recover(jb.path)
-    assert ra.snapshot() == rb.snapshot() == a.snapshot()
+    assert ra.state_dict() == rb.state_dict() == a.state_dict()
     if snapshot_at is not None:
         assert ra.replayed <= rb.replayed
     # releases sent before the snapshot are sent again (fewer than RECENT_RELEASES here): the same as a full replay
@@ -276,7 +264,7 @@ def test_recovering_a_compacted_journal_equals_a_full_replay(tmp_path_factory, a
     # and both continue identically
     for kind, x in after:
         assert da.step(ra, kind, x) == db.step(rb, kind, x)
-    assert ra.snapshot() == rb.snapshot()
+    assert ra.state_dict() == rb.state_dict()
 
 
 def test_automatic_compaction_keeps_the_journal_short_and_recovers(tmp_path):
@@ -286,11 +274,11 @@ def test_automatic_compaction_keeps_the_journal_short_and_recovers(tmp_path):
     drv = _Driver()
     for k in range(95):
         drv.step(a, ["put", "put", "hand", "version"][k % 4], k)
-    assert j.segment >= 9 and len(list(Journal.read(path))) == j.records < 10
+    assert j.segment >= 8 and len(list(Journal.read(path))) == j.records < 10
     assert Journal.read_header(path) == (j.run, j.segment)
     b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
     assert b.recover(str(path)) == j.records
-    assert b.snapshot() == a.snapshot()
+    assert b.state_dict() == a.state_dict()
     # a restarted coordinator opens the journal again: it goes on counting from the segment's records
     j.close()
     j2 = Journal(path, compact_every=10)
@@ -305,14 +293,15 @@ def test_a_snapshot_left_by_a_deleted_journal_is_ignored(tmp_path):
     for k in range(6):
         drv.step(a, "put", k)
     a.compact()
-    a._journal.close()
+    a.journal.close()
     path.unlink()  # the finished run's journal is removed; its snapshot stays
     b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None, journal=Journal(path, compact_every=0))
     d2 = _Driver()
     d2.step(b, "put", 1)
+    d2.step(b, "put", 2)
     c = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
     assert c.recover(str(path)) == 2
-    assert c.snapshot() == b.snapshot() != a.snapshot()
+    assert c.state_dict() == b.state_dict() != a.state_dict()
 
 
 @pytest.mark.parametrize("damage", ["garble", "truncate", "delete", "other_run", "crafted"])
@@ -334,9 +323,9 @@ def test_a_damaged_or_missing_snapshot_the_journal_needs_is_a_clear_codec_error(
     elif damage == "delete":
         snap.unlink()
     elif damage == "other_run":
-        write_snapshot(snap, a.snapshot(), run="someone-else", segment=0, records=0)
+        write_snapshot(snap, a.state_dict(), run="someone-else", segment=0, records=0)
     else:  # a valid checksum around a state that is not a plane's
-        write_snapshot(snap, {**a.snapshot(), "planned": [1]}, run=j.run, segment=0, records=0)
+        write_snapshot(snap, {**a.state_dict(), "planned": [1]}, run=j.run, segment=0, records=0)
     b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
     with pytest.raises(CodecError, match="snapshot"):
         b.recover(str(path))
@@ -373,22 +362,22 @@ def test_an_old_journal_without_a_header_is_segment_zero_and_compacts(tmp_path):
 
 
 @pytest.mark.parametrize("admission", ADMISSIONS)
-def test_from_snapshot_rebuilds_the_plane_for_every_policy(admission):
+def test_from_state_dict_rebuilds_the_plane_for_every_policy(admission):
     a = ControlPlane(_cfg(admission), UNITS, lambda u, ids, w: None)
     drv = _Driver()
     for k in range(40):
         drv.step(a, STEP_KINDS[k * 7 % len(STEP_KINDS)], k)
-    snap = json.loads(json.dumps(a.snapshot()))  # what a file gives back
-    b = ControlPlane.from_snapshot(snap, lambda u, ids, w: None)
-    assert b.snapshot() == a.snapshot()
+    snap = json.loads(json.dumps(a.state_dict()))  # what a file gives back
+    b = ControlPlane.from_state_dict(snap, lambda u, ids, w: None)
+    assert b.state_dict() == a.state_dict()
     d2 = _Driver()
     d2.next_id = drv.next_id
     for k in range(10):
         assert drv.step(a, "put", k) == d2.step(b, "put", k)
-    assert b.snapshot() == a.snapshot()
+    assert b.state_dict() == a.state_dict()
     with pytest.raises(StateError, match="configuration"):
         ControlPlane(_cfg("fifo" if admission != "fifo" else "train_batch"), UNITS,
-                     lambda u, ids, w: None).load_snapshot(snap)
+                     lambda u, ids, w: None).load_state_dict(snap)
 
 
 def _paths(obj, prefix=()):
@@ -414,7 +403,6 @@ def _sample_snapshot(close: bool) -> dict:
     drv = _Driver()
     for k in range(30):
         drv.step(a, STEP_KINDS[k * 5 % len(STEP_KINDS)], k)
-    drv.step(a, "reserve", 0)
     if close:
         drv.step(a, "put", 0)
         a.close()
@@ -428,7 +416,7 @@ def _sample_snapshot(close: bool) -> dict:
                 break
             drv.step(a, "put", k)
         assert a.error is not None
-    return json.loads(json.dumps(a.snapshot()))
+    return json.loads(json.dumps(a.state_dict()))
 
 
 _SAMPLES = [_sample_snapshot(False), _sample_snapshot(True)]
@@ -465,7 +453,7 @@ def test_crafted_snapshots_with_valid_checksums_give_only_knitdata_errors(tmp_pa
     drv.next_id = 1000
     for k, kind in enumerate(STEP_KINDS):
         drv.step(plane, kind, k)  # only KnitdataErrors, which the driver catches
-    json.dumps(plane.snapshot(), allow_nan=False)
+    json.dumps(plane.state_dict(), allow_nan=False)
 
 
 @pytest.mark.parametrize("bad", [b"NaN", b"Infinity", b"-Infinity", b"[" * 100_000])
@@ -492,13 +480,60 @@ def test_a_compaction_that_cannot_write_warns_and_the_journal_keeps_growing(tmp_
     a = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None, journal=j)
     drv = _Driver()
     with pytest.warns(RuntimeWarning, match="compaction failed"):
-        for k in range(3):
+        for k in range(6):
             drv.step(a, "put", k)
     assert j.segment == 0 and j.records == 6  # one failed attempt; the next is compact_every records later
     with pytest.raises(OSError):
         a.compact()
     b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
     assert b.recover(str(path)) == 6  # segment 0 needs no snapshot: a full replay
-    assert b.snapshot() == a.snapshot()
+    assert b.state_dict() == a.state_dict()
     with pytest.raises(ConfigError, match="no journal"):
         b.compact()
+
+
+# ---------------------------------------------------------------------------------------------- compatibility
+FIXTURE = Path(__file__).parent / "data" / "control_state_946d369"
+
+
+def test_a_journal_and_snapshot_written_by_knitdata_946d369_recover_to_its_state(tmp_path):
+    """tests/data/control_state_946d369 was written by knitdata at 946d369 (before the plane was split and the
+    two-phase put removed): puts, a withdrawal, hand-outs, commits, a compaction (the snapshot), then more calls
+    in segment 1; ``state.json`` is that plane's final ``snapshot()``. This version recovers the very same state,
+    and writes it in the same format."""
+    for f in FIXTURE.iterdir():
+        if f.name != "state.json":
+            shutil.copy(f, tmp_path / f.name)
+    want = json.loads((FIXTURE / "state.json").read_text())
+    plane = ControlPlane(_config(), UNITS, lambda u, ids, w: None)
+    assert plane.recover(str(tmp_path / "run.journal")) == len(list(Journal.read(tmp_path / "run.journal"))) > 0
+    assert json.loads(json.dumps(plane.state_dict())) == want
+    assert ControlPlane.from_state_dict(want, lambda u, ids, w: None).state_dict() == plane.state_dict()
+
+
+@pytest.mark.parametrize("op", ["reserve", "reserve_many", "offer", "offer_many", "unreserve"])
+def test_a_journal_holding_a_call_of_the_removed_two_phase_put_is_a_clear_codec_error(tmp_path, op):
+    path = tmp_path / "run.journal"
+    path.write_bytes(_frame({"op": "report_version", "args": [1]}) + _frame({"op": op, "args": [{"id": "t0"}]}))
+    with pytest.raises(CodecError, match=f"record 2 is a call of {op}\\(\\), the two-phase put, which this version"):
+        ControlPlane(_cfg(), UNITS, lambda u, ids, w: None).recover(str(path))
+
+
+def test_a_snapshot_with_puts_in_progress_of_the_two_phase_put_is_refused_by_name():
+    state = json.loads((FIXTURE / "state.json").read_text())
+    assert state["putting"] == []  # what every engine wrote (none used the two-phase put)
+    meta = {**_meta(99), "seq": 99, "location": None}
+    del meta["fields"]
+    state["putting"] = [["t99", "node0", meta, None]]
+    with pytest.raises(StateError, match=r"puts in progress of the two-phase put \(\['t99'\]\)"):
+        ControlPlane.from_state_dict(state, lambda u, ids, w: None)
+
+
+def test_a_record_whose_operation_is_not_a_method_name_is_a_codec_error(tmp_path):
+    path = tmp_path / "j"
+    path.write_bytes(_frame({"op": "", "args": []}) + _frame({"op": "report_version", "args": [1]}))
+    with pytest.raises(CodecError, match="line 1: operation '' is not a method name"):
+        list(Journal.read(path))
+    path.write_bytes(_frame({"op": "stats", "args": []}))  # a control call, but not a journaled one
+    with pytest.raises(CodecError, match="unknown operation 'stats'"):
+        ControlPlane(_cfg(), UNITS, lambda u, ids, w: None).recover(str(path))

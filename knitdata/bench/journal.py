@@ -118,7 +118,7 @@ def run_settings(directory: str, n: int, settings: list[int], group_size: int, r
             progress.update(1000)
     for r in runs:
         r["journal"].close()
-        r.update(want=r["plane"].snapshot(), restarts=[], opens=[], recovers=[], replayed=0, equal=True)
+        r.update(want=r["plane"].state_dict(), restarts=[], opens=[], recovers=[], replayed=0, equal=True)
     for _ in range(max(1, repeats)):
         for r in runs:
             t = clock()
@@ -131,7 +131,7 @@ def run_settings(directory: str, n: int, settings: list[int], group_size: int, r
             r["opens"].append(t1 - t)
             r["recovers"].append(t2 - t1)
             r["restarts"].append(t2 - t)
-            r["equal"] = r["equal"] and fresh.snapshot() == r["want"]
+            r["equal"] = r["equal"] and fresh.state_dict() == r["want"]
     out = {}
     for r in runs:
         path, times = r["path"], r["times"]

@@ -1,4 +1,4 @@
-"""Checking a control-plane snapshot before it is loaded (:meth:`knitdata.control.ControlPlane.load_snapshot`).
+"""Checking a control-plane snapshot before it is loaded (:meth:`knitdata.control.ControlPlane.load_state_dict`).
 
 A snapshot is JSON that the plane wrote itself, but it is read back from disk: :func:`decode_snapshot` checks
 its whole structure (types, ranges, units, ranks, the configuration it belongs to) and converts it, so that a
@@ -161,12 +161,98 @@ def _json_equal(a: Any, b: Any) -> bool:
         return False
 
 
+def _putting(x: Any, units: Mapping[str, str]) -> list[tuple[str, str, TrajectoryMeta, dict[str, Any] | None]]:
+    """Puts in progress of the removed two-phase put (checked; a plane refuses a state holding any)."""
+    putting = []
+    for k, p in enumerate(_list(x, "putting")):
+        w = f"putting[{k}]"
+        if not isinstance(p, list) or len(p) != 4:
+            raise _bad(w, "[trajectory id, unit, metadata, fields]", p)
+        tid = _str(p[0], f"{w}[0]")
+        if not _is_unit(p[1], units):
+            raise _bad(f"{w}[1]", f"a storage unit of {sorted(units)}", p[1])
+        m = _meta(p[2], f"{w}[2]", units, located=False)
+        if m.id != tid:
+            raise _bad(f"{w}[2].id", repr(tid), m.id)
+        putting.append((tid, p[1], m, _fields(p[3], f"{w}[3]")))
+    return putting
+
+
+def _queues(x: Any, units: Mapping[str, str], fmt: int, committed: list[int],
+            planned: list[int]) -> list[list[dict[str, Any]]]:
+    queues = []
+    for r, q in enumerate(_list(x, "queues")):
+        entries = [_entry(e, f"queues[{r}][{k}]", r, units, fmt) for k, e in enumerate(_list(q, f"queues[{r}]"))]
+        js = [e["j"] for e in entries]
+        if js != sorted(set(js)) or any(not committed[r] <= j < planned[r] for j in js):
+            raise _bad(f"queues[{r}]", f"entries in increasing order within committed..planned "
+                       f"({committed[r]}..{planned[r]})", js)
+        queues.append(entries)
+    if len(queues) != len(planned):
+        raise _bad("queues", f"a list of {len(planned)} queues (one per rank)", len(queues))
+    return queues
+
+
+def _error(err: Any) -> KnitdataError | None:
+    if err is None:
+        return None
+    e = _dict(err, "error")
+    if set(e) != {"type", "message"} or not isinstance(e["type"], str) or e["type"] not in ERROR_TYPES \
+            or not isinstance(e["message"], str):
+        raise _bad("error", f"{{'type': one of {sorted(ERROR_TYPES)}, 'message': str}}", err)
+    return ERROR_TYPES[e["type"]](e["message"])
+
+
+def _releases(x: Any, units: Mapping[str, str]) -> list[tuple[str, list[str]]]:
+    rel = []
+    for k, r in enumerate(_list(x, "recent_releases")):
+        w = f"recent_releases[{k}]"
+        if not isinstance(r, list) or len(r) != 2 or not _is_unit(r[0], units) or not isinstance(r[1], list) \
+                or not all(isinstance(i, str) for i in r[1]):
+            raise _bad(w, f"[unit of {sorted(units)}, [trajectory ids]]", r)
+        rel.append((r[0], list(r[1])))
+    return rel
+
+
+def _fingerprints(s: Mapping[str, Any], n: int) -> dict[str, Any]:
+    """The replay fingerprints of a format-2 snapshot: ``chains``, ``fps`` and ``verify_at``, one per rank."""
+    chains = [_digest(x, f"chains[{r}]") for r, x in enumerate(_list(s["chains"], "chains"))]
+    fps_all = _list(s["fps"], "fps")
+    if len(chains) != n or len(fps_all) != n:
+        raise _bad("chains/fps", f"one per rank ({n})", [len(chains), len(fps_all)])
+    fps = []
+    for r, pairs in enumerate(fps_all):
+        d: dict[int, str | None] = {}
+        for k, pair in enumerate(_list(pairs, f"fps[{r}]")):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise _bad(f"fps[{r}][{k}]", "[length, fingerprint]", pair)
+            length = _int(pair[0], f"fps[{r}][{k}][0]")
+            if d and length <= max(d):
+                raise _bad(f"fps[{r}]", "increasing lengths", pairs)
+            d[length] = _digest(pair[1], f"fps[{r}][{k}][1]")
+        fps.append(d)
+    verify: list[tuple[int, str, str] | None] = []
+    for r, v in enumerate(_list(s["verify_at"], "verify_at")):
+        if v is None:
+            verify.append(None)
+            continue
+        if not isinstance(v, list) or len(v) != 3:
+            raise _bad(f"verify_at[{r}]", "[length, fingerprint, where] or null", v)
+        fp = _digest(v[1], f"verify_at[{r}][1]")
+        if fp is None:
+            raise _bad(f"verify_at[{r}][1]", "a fingerprint", v[1])
+        verify.append((_int(v[0], f"verify_at[{r}][0]"), fp, _str(v[2], f"verify_at[{r}][2]")))
+    if len(verify) != n:
+        raise _bad("verify_at", f"one per rank ({n})", len(verify))
+    return {"chains": chains, "fps": fps, "verify_at": verify}
+
+
 def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mapping[str, str], num_consumers: int,
                     counts: Mapping[str, int]) -> dict[str, Any]:
     """Check a snapshot against the plane that loads it and convert its parts.
 
     Args:
-        state: The snapshot (:meth:`~knitdata.control.ControlPlane.snapshot`).
+        state: The snapshot (:meth:`~knitdata.control.ControlPlane.state_dict`).
         config: The loading plane's configuration (the snapshot's must be the same).
         unit_nodes: The loading plane's units (the snapshot's must be the same).
         num_consumers: Ranks of the loading plane's layout.
@@ -197,19 +283,7 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
     n = num_consumers
     out: dict[str, Any] = {"policy": _dict(s["policy"], "policy"), "placement": _dict(s["placement"], "placement")}
     out["seq"] = _int(s["seq"], "seq")
-    putting = []
-    for k, p in enumerate(_list(s["putting"], "putting")):
-        w = f"putting[{k}]"
-        if not isinstance(p, list) or len(p) != 4:
-            raise _bad(w, "[trajectory id, unit, metadata, fields]", p)
-        tid = _str(p[0], f"{w}[0]")
-        if not _is_unit(p[1], units):
-            raise _bad(f"{w}[1]", f"a storage unit of {sorted(units)}", p[1])
-        m = _meta(p[2], f"{w}[2]", units, located=False)
-        if m.id != tid:
-            raise _bad(f"{w}[2].id", repr(tid), m.id)
-        putting.append((tid, p[1], m, _fields(p[3], f"{w}[3]")))
-    out["putting"] = putting
+    out["putting"] = _putting(s["putting"], units)
     out["schema"] = _fields(s["schema"], "schema")
     out["withdrawn"] = [_str(g, f"withdrawn[{k}]") for k, g in enumerate(_list(s["withdrawn"], "withdrawn"))]
     out["delivered"] = [_str(t, f"delivered[{k}]") for k, t in enumerate(_list(s["delivered"], "delivered"))]
@@ -224,29 +298,12 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
     out["planned"] = _ints(s["planned"], "planned", n)
     out["committed"] = _ints(s["committed"], "committed", n)
     out["position"] = _ints(s["position"], "position", n)
-    queues = []
-    for r, q in enumerate(_list(s["queues"], "queues")):
-        entries = [_entry(e, f"queues[{r}][{k}]", r, units, fmt) for k, e in enumerate(_list(q, f"queues[{r}]"))]
-        js = [e["j"] for e in entries]
-        if js != sorted(set(js)) or any(not out["committed"][r] <= j < out["planned"][r] for j in js):
-            raise _bad(f"queues[{r}]", f"entries in increasing order within committed..planned "
-                       f"({out['committed'][r]}..{out['planned'][r]})", js)
-        queues.append(entries)
-    if len(queues) != n:
-        raise _bad("queues", f"a list of {n} queues (one per rank)", len(queues))
-    out["queues"] = queues
+    out["queues"] = _queues(s["queues"], units, fmt, out["committed"], out["planned"])
     if not isinstance(s["closed"], bool):
         raise _bad("closed", "a bool", s["closed"])
     out["closed"] = s["closed"]
     out["close_report"] = _close_report(s["close_report"], "close_report")
-    err = s["error"]
-    if err is None:
-        out["error"] = None
-    else:
-        e = _dict(err, "error")
-        if set(e) != {"type", "message"} or not isinstance(e["type"], str) or e["type"] not in ERROR_TYPES or not isinstance(e["message"], str):
-            raise _bad("error", f"{{'type': one of {sorted(ERROR_TYPES)}, 'message': str}}", err)
-        out["error"] = ERROR_TYPES[e["type"]](e["message"])
+    out["error"] = _error(s["error"])
     out["version"] = _int(s["version"], "version")
     out["staleness"] = _ints(s["staleness"], "staleness", lo=-(1 << 62))
     c = _dict(s["counts"], "counts")
@@ -257,47 +314,11 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
     out["counts"] = {k: _int(v, f"counts.{k}", lo=-(1 << 62)) for k, v in c.items()}
     out["rejected_by_cause"] = {k: _int(v, f"rejected_by_cause.{k}")
                                 for k, v in _dict(s["rejected_by_cause"], "rejected_by_cause").items()}
-    rel = []
-    for k, x in enumerate(_list(s["recent_releases"], "recent_releases")):
-        w = f"recent_releases[{k}]"
-        if not isinstance(x, list) or len(x) != 2 or not _is_unit(x[0], units) or not isinstance(x[1], list) \
-                or not all(isinstance(i, str) for i in x[1]):
-            raise _bad(w, f"[unit of {sorted(units)}, [trajectory ids]]", x)
-        rel.append((x[0], list(x[1])))
-    out["recent_releases"] = rel
+    out["recent_releases"] = _releases(s["recent_releases"], units)
     if fmt == 1:  # no fingerprints: states of this run cannot be checked against a refill
         out["chains"] = [None] * n
         out["fps"] = [{} for _ in range(n)]
         out["verify_at"] = [None] * n
         return out
-    out["chains"] = [_digest(x, f"chains[{r}]") for r, x in enumerate(_list(s["chains"], "chains"))]
-    fps_all = _list(s["fps"], "fps")
-    if len(out["chains"]) != n or len(fps_all) != n:
-        raise _bad("chains/fps", f"one per rank ({n})", [len(out["chains"]), len(fps_all)])
-    fps = []
-    for r, pairs in enumerate(fps_all):
-        d: dict[int, str | None] = {}
-        for k, pair in enumerate(_list(pairs, f"fps[{r}]")):
-            if not isinstance(pair, list) or len(pair) != 2:
-                raise _bad(f"fps[{r}][{k}]", "[length, fingerprint]", pair)
-            length = _int(pair[0], f"fps[{r}][{k}][0]")
-            if d and length <= max(d):
-                raise _bad(f"fps[{r}]", "increasing lengths", pairs)
-            d[length] = _digest(pair[1], f"fps[{r}][{k}][1]")
-        fps.append(d)
-    out["fps"] = fps
-    verify: list[tuple[int, str, str] | None] = []
-    for r, v in enumerate(_list(s["verify_at"], "verify_at")):
-        if v is None:
-            verify.append(None)
-            continue
-        if not isinstance(v, list) or len(v) != 3:
-            raise _bad(f"verify_at[{r}]", "[length, fingerprint, where] or null", v)
-        fp = _digest(v[1], f"verify_at[{r}][1]")
-        if fp is None:
-            raise _bad(f"verify_at[{r}][1]", "a fingerprint", v[1])
-        verify.append((_int(v[0], f"verify_at[{r}][0]"), fp, _str(v[2], f"verify_at[{r}][2]")))
-    if len(verify) != n:
-        raise _bad("verify_at", f"one per rank ({n})", len(verify))
-    out["verify_at"] = verify
+    out.update(_fingerprints(s, n))
     return out

@@ -24,12 +24,10 @@ when the Ray the creator started is gone, calls of the pipeline raise :class:`~k
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from knitdata.errors import ConfigError, EngineError, KnitdataError, OptionalDependencyError
+from knitdata.errors import ConfigError, EngineError, OptionalDependencyError
 
 try:
     import ray
@@ -37,9 +35,8 @@ except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in t
     raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.engines.ray)") from _e
 
 from knitdata.codec import decode_trajectory
-from knitdata.control import ControlPlane
-from knitdata.control.journal import Journal
 from knitdata.engines.base import Engine
+from knitdata.engines.ray_control import CoordinatorActor, RayControl
 from knitdata.metrics import TransferMeter
 from knitdata.placement import ConsumerLayout
 from knitdata.record import Trajectory
@@ -47,19 +44,16 @@ from knitdata.storage.base import StorageUnit
 from knitdata.storage.ray_unit import (
     NAMESPACE,
     RayStorageUnit,
-    SpillRecovery,
     alive_nodes,
     check_host,
     connect,
     current_address,
-    host_gone_error,
     hosts_cluster,
-    ray_get,
     read_records,
     watch_host,
 )
 
-__all__ = ["CoordinatorActor", "RayControl", "RayEngine", "coordinator_name", "ray_address", "resolve_nodes"]
+__all__ = ["RayEngine", "coordinator_name", "ray_address", "resolve_nodes"]
 
 
 def ray_address() -> str:
@@ -101,296 +95,6 @@ def resolve_nodes(layout: ConsumerLayout, nodes: Mapping[str, str] | Sequence[st
     if missing or unknown:
         raise ConfigError(f"nodes: layout nodes without a Ray node {missing}, Ray node ids not alive {unknown}")
     return {n: mapping[n] for n in layout.nodes}
-
-
-# ray's stubs omit the actor options max_concurrency and concurrency_groups
-@ray.remote(num_cpus=0, max_concurrency=16, concurrency_groups={"wait": 256})  # type: ignore[call-overload]
-class CoordinatorActor:
-    """Hosts the pipeline's :class:`~knitdata.control.ControlPlane` and owns its storage-unit actors.
-
-    Every method takes and returns JSON-like values (metadata only). Consumers waiting for their next
-    micro-batches or a lease run in their own concurrency group, so they never hold up producers and commits.
-    """
-
-    def __init__(self, setup: dict[str, Any], unit_handles: dict[str, Any]) -> None:
-        self._setup = dict(setup)
-        # the units belong to the pipeline's creator, so they outlive a restart of this actor
-        self._units = {u: RayStorageUnit.from_handle(actor, desc) for u, (actor, desc) in unit_handles.items()}
-        units = self._units
-        path = setup.get("journal")
-        journal = Journal(path, compact_every=int(setup.get("journal_compact_every", 10_000))) if path else None
-        self._plane = ControlPlane(setup["config"], {u: unit.node for u, unit in units.items()},
-                                   lambda u, ids, wait: units[u].release(ids) if wait else units[u].release_async(ids),
-                                   journal=journal)
-        self.restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        me = ray.get_runtime_context().current_actor
-        calls = [unit.actor.set_control.remote(me) for unit in units.values()]
-        try:  # the units call admit_many on this actor (the one-round-trip put); a dead unit is skipped
-            ray.get(calls, timeout=30)
-        except Exception:  # noqa: BLE001 - a dead unit: its puts fail anyway
-            pass
-        if path and os.path.exists(path):
-            self._plane.recover(path)  # a restart: the state as of the last journaled call
-        self._recovery = SpillRecovery(setup["spill_dir"]) if setup.get("spill_dir") else None
-        self._admit_lock = threading.Lock()
-        self._admit_cpu = {"cpu_s": 0.0, "calls": 0, "trajectories": 0}  # this actor's CPU inside the plane's admits
-
-    # the control plane, one method each (Ray needs them declared) -------------------------------------
-    def reserve(self, meta: dict[str, Any]) -> dict[str, Any]:
-        """See :meth:`ControlPlane.reserve`."""
-        return self._plane.reserve(meta)
-
-    def admit_many(self, unit: str, items: list[Any]) -> dict[str, Any]:
-        """See :meth:`ControlPlane.admit_many` (called by the storage units)."""
-        c0 = time.thread_time()
-        try:
-            return self._plane.admit_many(unit, items)
-        finally:
-            self._count_admit(time.thread_time() - c0, len(items))
-
-    def admit_batches(self, unit: str, batches: list[Any]) -> list[dict[str, Any]]:
-        """See :meth:`ControlPlane.admit_batches` (called by the storage units)."""
-        c0 = time.thread_time()
-        try:
-            return self._plane.admit_batches(unit, batches)
-        finally:
-            self._count_admit(time.thread_time() - c0, sum(map(len, batches)))
-
-    def _count_admit(self, cpu_s: float, trajectories: int) -> None:
-        with self._admit_lock:
-            self._admit_cpu["cpu_s"] += cpu_s
-            self._admit_cpu["calls"] += 1
-            self._admit_cpu["trajectories"] += trajectories
-
-    def admit_cpu(self) -> dict[str, Any]:
-        """``{"cpu_s", "calls", "trajectories"}`` since this actor started: CPU seconds its threads spent inside the
-        plane's admission calls from the units, how many calls, and the trajectories they carried (the rest of
-        the actor's CPU is Ray's handling of calls, the consumers' calls and idle work)."""
-        with self._admit_lock:
-            return dict(self._admit_cpu)
-
-    def placement_view(self) -> dict[str, Any]:
-        """See :meth:`ControlPlane.placement_view`."""
-        return self._plane.placement_view()
-
-    def reserve_many(self, metas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """See :meth:`ControlPlane.reserve_many`."""
-        return self._plane.reserve_many(metas)
-
-    def offer_many(self, items: list[list[Any]]) -> dict[str, Any]:
-        """See :meth:`ControlPlane.offer_many`."""
-        return self._plane.offer_many(items)
-
-    def unreserve(self, traj_id: str, seq: int, cause: str = "store") -> None:
-        """See :meth:`ControlPlane.unreserve`."""
-        self._plane.unreserve(traj_id, seq, cause)
-
-    def offer(self, traj_id: str, seq: int, loss_tokens: int) -> dict[str, Any]:
-        """See :meth:`ControlPlane.offer`."""
-        return self._plane.offer(traj_id, seq, loss_tokens)
-
-    def note_rejected(self, traj_id: str | None, cause: str) -> None:
-        """See :meth:`ControlPlane.note_rejected`."""
-        self._plane.note_rejected(traj_id, cause)
-
-    def set_in_flight(self, counts: dict[str, int]) -> None:
-        """See :meth:`ControlPlane.set_in_flight`."""
-        self._plane.set_in_flight(counts)
-
-    def withdraw(self, group: str) -> list[dict[str, Any]]:
-        """See :meth:`ControlPlane.withdraw`."""
-        return self._plane.withdraw(group)
-
-    def report_version(self, version: int) -> None:
-        """See :meth:`ControlPlane.report_version`."""
-        self._plane.report_version(version)
-
-    def close(self) -> dict[str, Any]:
-        """See :meth:`ControlPlane.close`; also closes the units."""
-        report = self._plane.close()
-        for u in self._units.values():
-            u.close()
-        return report
-
-    @ray.method(concurrency_group="wait")
-    def lease(self, rank: int, worker: int, token: str, wait_s: float = 0.0, holder: str = "") -> dict[str, Any]:
-        """See :meth:`ControlPlane.lease`."""
-        return self._plane.lease(rank, worker, token, wait_s, holder)
-
-    def report(self, leases: list[Any], commits: list[Any] | None = None, version: int | None = None,
-               producers: list[Any] | None = None) -> dict[str, Any]:
-        """See :meth:`ControlPlane.report`."""
-        return self._plane.report(leases, commits or [], version, producers or [])
-
-    def handed_many(self, rank: int, records: list[Any]) -> None:
-        """See :meth:`ControlPlane.handed_many`."""
-        self._plane.handed_many(rank, records)
-
-    def verify(self, rank: int, length: int, fp: str, where: str = "") -> None:
-        """See :meth:`ControlPlane.verify`."""
-        self._plane.verify(rank, length, fp, where)
-
-    def start_point(self, rank: int) -> dict[str, Any]:
-        """See :meth:`ControlPlane.start_point`."""
-        return self._plane.start_point(rank)
-
-    def unlease(self, rank: int, worker: int, token: str) -> None:
-        """See :meth:`ControlPlane.unlease`."""
-        self._plane.unlease(rank, worker, token)
-
-    @ray.method(concurrency_group="wait")
-    def next_entries(self, rank: int, j: int, timeout_s: float, token: str | None = None,
-                     worker: int = 0) -> dict[str, Any]:
-        """See :meth:`ControlPlane.next_entries`."""
-        return self._plane.next_entries(rank, j, timeout_s, token, worker)
-
-    def handed(self, rank: int, j: int, minibatch: int, microbatch: int, auto_commit: bool = True) -> None:
-        """See :meth:`ControlPlane.handed`."""
-        self._plane.handed(rank, j, minibatch, microbatch, auto_commit)
-
-    def commit(self, rank: int, upto: int) -> int:
-        """See :meth:`ControlPlane.commit`."""
-        return self._plane.commit(rank, upto)
-
-    def commit_async(self, rank: int, upto: int) -> None:
-        """See :meth:`ControlPlane.commit`."""
-        self._plane.commit(rank, upto)
-
-    def seek(self, rank: int, j: int) -> None:
-        """See :meth:`ControlPlane.seek`."""
-        self._plane.seek(rank, j)
-
-    def start_position(self, rank: int) -> int:
-        """See :meth:`ControlPlane.start_position`."""
-        return self._plane.start_position(rank)
-
-    def report_consumer(self, rank: int, stats: dict[str, Any]) -> None:
-        """See :meth:`ControlPlane.report_consumer`."""
-        self._plane.report_consumer(rank, stats)
-
-    def report_transfer(self, meter: dict[str, Any]) -> None:
-        """See :meth:`ControlPlane.report_transfer`."""
-        self._plane.report_transfer(meter)
-
-    def holders(self, unit: str) -> str:
-        """See :meth:`ControlPlane.holders`."""
-        return self._plane.holders(unit)
-
-    def missing(self) -> str:
-        """See :meth:`ControlPlane.missing`."""
-        return self._plane.missing()
-
-    def stats(self) -> dict[str, Any]:
-        """See :meth:`ControlPlane.stats`."""
-        return self._plane.stats()
-
-    # engine plumbing ---------------------------------------------------------------------------------
-    def info(self) -> dict[str, Any]:
-        """Name, config, units' nodes, spill directory, journal, and whether this actor was restarted."""
-        return {"name": self._setup["name"], "config": self._plane.config, "nodes": self._setup["nodes"],
-                "spill_dir": self._setup.get("spill_dir"), "capacity_bytes": self._setup["capacity_bytes"],
-                "journal": self._setup.get("journal"), "restarted": self.restarted,
-                "replayed": self._plane.replayed, "pid": os.getpid(),
-                "creator_hosts": bool(self._setup.get("creator_hosts"))}
-
-    def unit_handles(self) -> dict[str, Any]:
-        """``{unit id: [actor handle, description]}`` (handles stay valid after a unit dies: calls then fail)."""
-        return {u: [unit.actor, unit.handle_info()] for u, unit in self._units.items()}
-
-    def recover(self, unit_id: str, ids: list[str]) -> dict[str, bytes]:
-        """Records of a dead unit's payloads from its spill shards (those found)."""
-        if self._recovery is None:
-            return {}
-        return self._recovery.records(unit_id, ids)
-
-    def kill_unit(self, unit_id: str) -> None:
-        """Kill a unit's actor (failure drills and tests)."""
-        self._units[unit_id].kill()
-
-    def shutdown(self) -> None:
-        """Close and kill the units."""
-        self.close()
-        for u in self._units.values():
-            try:
-                u.kill()
-            except Exception:  # noqa: BLE001 - already dead
-                pass
-        if self._recovery is not None:
-            self._recovery.close()
-
-
-class RayControl:
-    """Forwards :class:`~knitdata.control.ControlPlane` calls to the coordinator actor.
-
-    The coordinator's own exception reaches the caller as it was raised there (a ``KnitdataError``).
-    ``handed``, ``report_consumer`` and ``note_rejected`` return at once (fire and forget).
-
-    Args:
-        actor: The coordinator actor handle.
-        name: The pipeline's name (for messages).
-        timeout_s: Bound on each call beyond the time the call itself may wait.
-    """
-
-    ASYNC = frozenset({"handed", "report_consumer", "note_rejected", "report_transfer", "commit_async"})
-    METHODS = frozenset({"admit_many", "admit_batches", "placement_view", "reserve", "reserve_many", "offer_many", "unreserve", "offer", "set_in_flight", "withdraw", "report_version", "close",
-                         "lease", "unlease", "next_entries", "commit", "seek", "start_position", "holders",
-                         "missing", "stats", "report", "handed_many", "verify", "start_point"}) | ASYNC
-
-    def __init__(self, actor: Any, name: str, timeout_s: float) -> None:
-        self._actor = actor
-        self._name = name
-        self._timeout_s = timeout_s
-
-    def call(self, method: str, *args: Any, wait_s: float = 0.0) -> Any:
-        """Call ``method`` on the coordinator and return its result (``wait_s``: time the call may block)."""
-        deadline = time.monotonic() + self._timeout_s + wait_s
-        while True:
-            try:
-                return self._call_once(method, args, max(0.1, deadline - time.monotonic()))
-            except ray.exceptions.ActorUnavailableError:  # restarting (journaled): retry within the bound
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.2)
-
-    def _call_once(self, method: str, args: Sequence[Any], timeout: float) -> Any:
-        check_host()
-        fut = getattr(self._actor, method).remote(*args)
-        try:
-            return ray_get(fut, timeout=timeout)
-        except ray.exceptions.RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            if not isinstance(cause, KnitdataError):
-                cause = e.as_instanceof_cause()
-            if isinstance(cause, KnitdataError):
-                raise cause from None
-            raise
-        except ray.exceptions.ActorUnavailableError:
-            raise
-        except ray.exceptions.RayActorError as e:
-            gone = host_gone_error()
-            if gone is not None:
-                raise gone from e
-            raise EngineError(
-                f"the coordinator of pipeline {self._name!r} is gone: the process that created the pipeline owns it "
-                "and has most likely exited (or the coordinator died without a journal). Keep the creator alive until "
-                "every consumer has finished, or create the pipeline with engine_options={'detached': True} (and "
-                f"'journal_dir' so that Ray restarts a crashed coordinator). Ray said: {e}") from e
-        except ray.exceptions.GetTimeoutError as e:
-            raise EngineError(f"the coordinator of pipeline {self._name!r} did not answer {method}() within "
-                              f"{timeout:.0f} s") from e
-
-    def __getattr__(self, method: str) -> Any:
-        if method not in RayControl.METHODS:
-            raise AttributeError(method)
-        if method in RayControl.ASYNC:
-            actor_method = getattr(self._actor, method)
-            return lambda *a: actor_method.remote(*a) and None
-        if method == "next_entries":
-            return lambda rank, j, timeout_s, *a: self.call(method, rank, j, timeout_s, *a, wait_s=timeout_s)
-        if method == "lease":
-            return lambda rank, worker, token, wait_s=0.0, holder="": self.call(method, rank, worker, token, wait_s,
-                                                                                holder, wait_s=wait_s)
-        return lambda *a: self.call(method, *a)
 
 
 class RayEngine(Engine):

@@ -1,0 +1,330 @@
+"""Put and admission: the checks of a put, admission, planning of what is admitted, withdrawals, end of stream.
+
+The path of one trajectory (:meth:`Admission.admit_many`, one call per put): the producer keeps a replica of the
+placement (:meth:`Admission.placement_view`) and stores the payload on the unit it picks; the unit then asks the
+plane to admit it. The plane runs the checks that need its state (source, unique id, withdrawn group, field
+schema; one bad trajectory refuses its whole batch, whose payloads the unit drops), accounts the unit in its
+placement, hands the metadata to admission and plans every mini-batch admitted at once. A call retried after a
+coordinator restart is recognized by its put tokens. With one producer the replica picks exactly the units
+:meth:`Placement.place` would; concurrent producers may pick a unit a little off balance, which is accounted
+where it is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from knitdata.admission import AdmittedMiniBatch
+from knitdata.control.positions import check_verifications
+from knitdata.control.state import WITHDRAWN_MEMORY, entry_fingerprint
+from knitdata.control.surface import Part, control_call, control_part
+from knitdata.errors import ConfigError, FieldTypeError, KnitdataError, QuotaInfeasibleError, ValidationError
+from knitdata.planner import MiniBatchPlan
+from knitdata.record import TrajectoryMeta
+
+__all__ = ["Admission", "check_schema", "rejection_cause"]
+
+
+def rejection_cause(e: KnitdataError) -> str:
+    """The cause a refused put is counted under: its error's field (first part) or class name."""
+    return str(getattr(e, "field", None) or type(e).__name__).split(".")[0]
+
+
+def check_schema(tid: str, fields: Mapping[str, Any] | None, schema: Mapping[str, Any] | None) -> None:
+    """Refuse trajectory ``tid`` whose ``fields`` (:func:`~knitdata.control.state.fields_of`) differ from
+    ``schema`` (the pipeline's first trajectory's; ``None``: not fixed yet).
+
+    Raises:
+        ValidationError: Other scalar or tensor names. FieldTypeError: Another dtype.
+    """
+    if schema is None or fields is None:
+        return
+    want_s, want_t = set(schema["scalars"]), dict(schema["tensors"])
+    have_s, have_t = set(fields["scalars"]), dict(fields["tensors"])
+    for kind, have, want in (("scalars", have_s, want_s), ("tensors", set(have_t), set(want_t))):
+        if have != want:
+            missing, extra = sorted(want - have), sorted(have - want)
+            raise ValidationError(
+                f"carries {kind} {sorted(have)} but this pipeline's trajectories carry {sorted(want)} (missing "
+                f"{missing}, unexpected {extra}); every trajectory needs the same fields so that any micro-batch "
+                "collates", trajectory_id=tid, field=f"{kind}.{(missing or extra)[0]}")
+    for name, dt in have_t.items():
+        if want_t[name] != dt:
+            raise FieldTypeError(
+                f"has dtype {dt} but the pipeline's first trajectory fixed {want_t[name]} for this field; cast it "
+                "before put (a micro-batch holds one dtype per field)", trajectory_id=tid, field=f"tensors.{name}")
+
+
+@control_part("admission")
+class Admission(Part):
+    """The producer side of one plane: puts, admission and planning, withdrawals, in-flight counts, close."""
+
+    @control_call(journaled=True)
+    def admit_many(self, unit: str, items: Sequence[Sequence[Any]]) -> dict[str, Any]:
+        """The one-round-trip put: payloads already stored on ``unit`` are checked, placed there and admitted.
+
+        The producer chose ``unit`` with a replica of the placement (:meth:`placement_view`), stored the
+        payloads, and the unit (on Ray, the storage-unit actor itself) makes this one call. Every check runs
+        first for the whole batch: one bad trajectory refuses the batch (the unit drops every payload of it). A
+        call retried after a coordinator restart is recognized by its put tokens and answers as the first time.
+
+        Args:
+            unit: The storage unit holding the payloads.
+            items: ``[metadata, loss_tokens, token]`` per trajectory, in arrival order: metadata is
+                :meth:`TrajectoryMeta.to_dict` plus ``fields`` (:func:`~knitdata.control.fields_of`), ``token``
+                a string unique to this put.
+
+        Returns:
+            ``{"accepted": [metadata dict or None per item], "errors": [[traj_id, error class name, message,
+            field], ...], "placement": placement view, "seq": next arrival index}``. Refused items (``None``) are
+            not held by the plane: the unit drops their payloads.
+
+        Raises:
+            ConfigError: An unknown unit.
+            QuotaInfeasibleError: Admission found the quotas impossible (the pipeline stops).
+        """
+        s = self.s
+        if unit not in s.unit_nodes:
+            raise ConfigError(f"unknown storage unit {unit!r}; the units are {list(s.unit_nodes)[:8]}")
+        accepted: list[dict[str, Any] | None] = [None] * len(items)
+        errors: list[list[Any]] = []
+        with s.cond:
+            fresh = self._check_batch(items, accepted, errors)
+            if errors:  # refused with the batch: the good ones too (retried ones stay accepted)
+                if fresh:
+                    s.count_rejected("batch", len(fresh))
+                return {"accepted": accepted, "errors": errors, **self.placement_view()}
+            raised = self._admit_checked(unit, items, fresh, accepted, errors)
+            ans = {"accepted": accepted, "errors": errors, **self.placement_view()}
+            if raised is not None and not isinstance(raised, KnitdataError):
+                ans["exception"] = raised  # in-process only (an on_plan hook): re-raised by the pipeline
+            return ans
+
+    def _check_batch(self, items: Sequence[Sequence[Any]], accepted: list[dict[str, Any] | None],
+                     errors: list[list[Any]]) -> list[int]:
+        """Every check of a batch, no state changed; fills ``accepted`` for retried items and ``errors``; returns
+        the indices of the new items."""
+        s = self.s
+        fresh: list[int] = []
+        seen: set[str] = set()
+        schema = s.schema
+        for k, (meta, _loss, token) in enumerate(items):
+            tid = str(meta["id"])
+            try:
+                done = s.live.get(tid)
+                if done is not None and s.put_tokens.get(tid) == token:
+                    accepted[k] = done.to_dict()  # a retried call (the coordinator restarted before answering)
+                    continue
+                s.check_open()
+                self._check_put(meta, tid, seen, schema)
+            except KnitdataError as e:
+                errors.append([tid, type(e).__name__, str(e), getattr(e, "field", None)])
+                s.count_rejected(rejection_cause(e))
+                continue
+            seen.add(tid)
+            if schema is None and meta.get("fields") is not None:
+                schema = meta["fields"]
+            fresh.append(k)
+        return fresh
+
+    def _admit_checked(self, unit: str, items: Sequence[Sequence[Any]], fresh: list[int],
+                       accepted: list[dict[str, Any] | None], errors: list[list[Any]]) -> BaseException | None:
+        """Place, admit and plan the checked items ``fresh`` of a batch; returns what stopped admission, if any."""
+        s = self.s
+        raised: BaseException | None = None
+        for k in fresh:
+            meta, loss, token = items[k]
+            if raised is not None:  # admission stopped (or a hook failed) after an earlier item: not admitted
+                errors.append([str(meta["id"]), type(raised).__name__, str(raised), None])
+                continue
+            m = TrajectoryMeta.from_dict({**{x: v for x, v in meta.items() if x != "fields"}, "seq": s.seq,
+                                          "location": unit})
+            try:
+                s.placement.place_at(m, unit)
+                try:
+                    s.policy.offer([m])
+                except BaseException:
+                    s.placement.unplace(m, unit)
+                    raise
+            except KnitdataError as e:
+                s.count_rejected(rejection_cause(e))
+                errors.append([m.id, type(e).__name__, str(e), getattr(e, "field", None)])
+                continue
+            except BaseException as e:  # not admitted, nor anything after it; the producer gets the error
+                raised = e
+                s.count_rejected(type(e).__name__)
+                errors.append([m.id, type(e).__name__, str(e), None])
+                continue
+            s.seq += 1
+            fields = meta.get("fields")
+            if s.schema is None and fields is not None:
+                s.schema = {"scalars": list(fields["scalars"]), "tensors": dict(fields["tensors"])}
+            s.live[m.id] = m
+            s.put_tokens[m.id] = str(token)
+            s.loss[m.id] = int(loss)
+            s.pending[m.id] = m
+            s.counts["puts"] += 1
+            accepted[k] = m.to_dict()
+            try:
+                self.poll()
+            except BaseException as e:  # this item is admitted; the producer gets the error
+                raised = e
+                errors.insert(0, [m.id, type(e).__name__, str(e), None])
+        return raised
+
+    def _check_put(self, meta: Mapping[str, Any], tid: str, batch: set[str], schema: Mapping[str, Any] | None) -> None:
+        """The checks of a put that need the plane's state (``batch``: ids earlier in the same call)."""
+        s = self.s
+        if meta["source"] not in s.spec.quotas:
+            raise ValidationError(f"unknown source {meta['source']!r}; the batch spec has {list(s.spec.sources)}",
+                                  trajectory_id=tid, field="source")
+        if tid in s.live or tid in batch:
+            raise ValidationError("was already put and is still held; ids must be unique", trajectory_id=tid,
+                                  field="id")
+        if tid in s.delivered:
+            raise ValidationError("was already put, delivered and released (a retry of a put that was accepted?); "
+                                  "ids must be unique", trajectory_id=tid, field="id")
+        if meta["group"] in s.withdrawn:
+            raise ValidationError(f"its group {meta['group']!r} was withdrawn (aborted or filtered); a late member is "
+                                  "not accepted", trajectory_id=tid, field="group")
+        check_schema(tid, meta.get("fields"), schema)
+
+    @control_call(journaled=True)
+    def admit_batches(self, unit: str, batches: Sequence[Sequence[Sequence[Any]]]) -> list[dict[str, Any]]:
+        """:meth:`admit_many` for several independent batches stored on ``unit`` (concurrent puts a unit sends
+        together), in order, under one lock; each batch is refused or admitted on its own.
+
+        Raises:
+            ConfigError: An unknown unit. QuotaInfeasibleError: As :meth:`admit_many`.
+        """
+        with self.s.cond:
+            return [self.admit_many(unit, b) for b in batches]
+
+    @control_call()
+    def placement_view(self) -> dict[str, Any]:
+        """``{"placement": view, "seq": next arrival index}`` for a producer's placement replica (see
+        :meth:`admit_many`)."""
+        with self.s.cond:
+            return {"placement": self.s.placement.view(), "seq": self.s.seq}
+
+    @control_call(fire_and_forget=True)
+    def note_rejected(self, traj_id: str | None, cause: str) -> None:
+        """A put refused before it reached the plane (validation in the producer): counted by ``cause``."""
+        with self.s.cond:
+            self.s.count_rejected(cause)
+
+    @control_call(journaled=True)
+    def set_in_flight(self, counts: Mapping[str, int]) -> None:
+        """See :meth:`knitdata.admission.AdmissionPolicy.set_in_flight`.
+
+        Raises:
+            QuotaInfeasibleError: A source can no longer deliver its quota (the pipeline stops).
+        """
+        s = self.s
+        with s.cond:
+            s.check_open()
+            try:
+                s.policy.set_in_flight(dict(counts))
+            except QuotaInfeasibleError as e:
+                s.fail(e)
+                raise
+            self.poll()
+
+    @control_call(journaled=True)
+    def withdraw(self, group: str) -> list[dict[str, Any]]:
+        """Drop a group waiting for admission; late members are refused. Returns the dropped members."""
+        s = self.s
+        with s.cond:
+            metas = s.policy.withdraw(group)
+            s.withdrawn[group] = None
+            while len(s.withdrawn) > WITHDRAWN_MEMORY:
+                s.withdrawn.popitem(last=False)
+            for m in metas:
+                s.pending.pop(m.id, None)
+            s.release_metas(metas)
+            s.counts["withdrawn"] += len(metas)
+            s.placement.forget_group(group)
+            if not s.closed and s.error is None:
+                self.poll()
+            return [m.to_dict() for m in metas]
+
+    @control_call(journaled=True)
+    def close(self) -> dict[str, Any]:
+        """End of stream. Idempotent.
+
+        Returns:
+            What was dropped: ``{"dropped_trajectories", "dropped_groups", "by_source", "in_progress"}``
+            (trajectories that were stored but never admitted: an incomplete train batch or group). Consumers
+            finish the admitted mini-batches, then raise :class:`~knitdata.errors.IncompleteStreamError` if
+            anything was dropped.
+        """
+        s = self.s
+        with s.cond:
+            if s.close_report is None:
+                dropped = list(s.pending.values())
+                by_source: dict[str, int] = {}
+                groups: dict[str, int] = {}
+                for m in dropped:
+                    by_source[m.source] = by_source.get(m.source, 0) + 1
+                    groups[m.group] = groups.get(m.group, 0) + 1
+                s.close_report = {
+                    "dropped_trajectories": len(dropped), "dropped_groups": sorted(groups),
+                    "by_source": by_source, "in_progress": [],
+                    "group_members": groups, "group_size": s.spec.group_size,
+                }
+                s.counts["dropped_at_close"] = len(dropped)
+            s.closed = True
+            s.cond.notify_all()
+            return dict(s.close_report)
+
+    # ------------------------------------------------------------------------------------ planning
+    def poll(self) -> None:
+        """Plan every mini-batch admission releases now and queue its micro-batches per rank (as *entries*)."""
+        s = self.s
+        try:
+            admitted = s.policy.poll(time.monotonic())
+        except KnitdataError as e:
+            s.fail(e)
+            raise
+        planned: list[tuple[AdmittedMiniBatch, MiniBatchPlan]] = []
+        for mb in admitted:
+            plan = s.planner.plan(mb, s.loss)
+            s.counts["admitted_minibatches"] += 1
+            s.counts["admitted_trajectories"] += len(mb.trajectories)
+            s.counts["planned_local_bytes"] += plan.local_bytes
+            s.counts["planned_remote_bytes"] += plan.remote_bytes
+            for m in mb.trajectories:
+                s.pending.pop(m.id, None)
+                s.placement.forget_group(m.group)
+            for rank, row in enumerate(plan.microbatches):
+                self._queue(rank, row)
+            planned.append((mb, plan))
+        if admitted:
+            s.cond.notify_all()
+            check_verifications(s)
+        if s.on_plan is not None:  # after every plan is queued: a failing hook loses no mini-batch
+            for mb, plan in planned:
+                s.on_plan(mb, plan)
+
+    def _queue(self, rank: int, row: Sequence[Any]) -> None:
+        """Append the planned micro-batches ``row`` to ``rank``'s entries (released at once below its commit)."""
+        s = self.s
+        fps, chain = s.fps[rank], s.chain[rank]
+        for pmb in row:
+            j = s.planned[rank]
+            s.planned[rank] = j + 1
+            info = pmb.to_info().to_dict()
+            if chain is not None:
+                chain = entry_fingerprint(chain, info)
+                fps[j + 1] = chain
+            if j < s.committed[rank]:  # the rank restored past it: release at once
+                s.release_metas([s.live[m.id] for m in pmb.trajectories if m.id in s.live], delivered=True)
+                continue
+            s.queues[rank][j] = {
+                "j": j, "minibatch": pmb.minibatch, "microbatch": pmb.microbatch, "info": info,
+                "items": [[m.id, m.location, m.nbytes] for m in pmb.trajectories], "fp": chain,
+            }
+        s.chain[rank] = chain
+        s.prune_fps(rank)

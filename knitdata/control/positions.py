@@ -1,0 +1,187 @@
+"""Consumer positions and release: hand-outs, commits, restores (seek), replay fingerprints, the policy version.
+
+Plans are queued per rank as *entries*: the ``j``-th micro-batch of a rank over the whole run (``j`` counts
+across mini-batches). A consumer positioned past an entry (:meth:`Positions.seek`) only releases it, so a
+pipeline fed the same puts plans the same entries whenever consumers restore, and on either engine.
+
+Release (``release``): ``"step"`` commits a rank's entries before a mini-batch when the rank's single
+iterator hands out that mini-batch's first micro-batch; ``"commit"`` releases only on explicit
+:meth:`Positions.commit`; ``"handout"`` releases each entry as it is handed out. A rank restored from a
+committed-or-later position receives exactly the entries after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from knitdata.control.state import FP_KEEP, PlaneState
+from knitdata.control.surface import Part, control_call, control_part
+from knitdata.errors import StateError, ValidationError
+
+__all__ = ["Positions", "check_verifications", "mismatch_message"]
+
+
+def mismatch_message(s: PlaneState, rank: int, length: int, where: str) -> str:
+    """The message when a saved state's fingerprint of ``rank``'s first ``length`` micro-batches differs."""
+    e = s.queues[rank].get(length - 1)
+    last = ""
+    if e is not None:
+        ids = [x[0] for x in e["items"]]
+        last = (f"; this pipeline planned mini-batch {e['minibatch']} micro-batch {e['microbatch']} there with "
+                f"trajectories {ids[:8]}" + (" ..." if len(ids) > 8 else ""))
+    return (f"rank {rank}: the saved state ({where or f'after {length} micro-batches'}) was taken in a run whose "
+            f"first {length} micro-batches of rank {rank} differ from this pipeline's (other trajectory ids, "
+            f"sources or groups, or another order of puts){last}. A new job must be refilled with the same puts "
+            "in the same order as the run that saved the states; otherwise start it without loading them")
+
+
+def check_verifications(s: PlaneState) -> None:
+    """Run the pending fingerprint checks whose micro-batches are planned now; a mismatch stops the pipeline.
+
+    Raises:
+        StateError: A mismatch (the pipeline stops with it).
+    """
+    for rank, v in enumerate(s.verify_at):
+        if v is None or v[0] > s.planned[rank]:
+            continue
+        s.verify_at[rank] = None
+        have = s.fp(rank, v[0])
+        if have is not None and have != v[1]:
+            err = StateError(mismatch_message(s, rank, v[0], v[2]))
+            s.fail(err)
+            raise err
+
+
+@control_part("positions")
+class Positions(Part):
+    """Where each rank's consumer stands: hand-outs, commits, restores and their checks, the trainer's version."""
+
+    @control_call(journaled=True, fire_and_forget=True)
+    def handed(self, rank: int, j: int, minibatch: int, microbatch: int, auto_commit: bool = True) -> None:
+        """Entry ``j`` of ``rank`` was handed out to the trainer (staleness; release per ``release``: with
+        ``"step"`` and ``auto_commit`` the entries before a mini-batch's first micro-batch are released)."""
+        self.s.check_rank(rank)
+        with self.s.cond:
+            self._handed(rank, j, microbatch, j if auto_commit else 0)
+
+    @control_call(journaled=True)
+    def handed_many(self, rank: int, records: Sequence[Sequence[Any]]) -> None:
+        """:meth:`handed` for ``[j, minibatch, microbatch, auto_upto, version]`` records of ``rank``, in order.
+
+        ``auto_upto``: with ``release="step"``, when ``j`` starts a mini-batch, release the rank's entries below
+        ``min(j, auto_upto)`` (the consumer's last saved position caps it; ``0``: release nothing). ``version``: the
+        trainer's policy version when it took the micro-batch, as its process last reported it (``-1`` or absent:
+        the version last reported here); staleness is measured against it.
+        """
+        self.s.check_rank(rank)
+        with self.s.cond:
+            for rec in records:
+                j, microbatch, auto_upto = int(rec[0]), int(rec[2]), int(rec[3])
+                v = int(rec[4]) if len(rec) > 4 else -1
+                self._handed(rank, j, microbatch, min(j, auto_upto), v)
+
+    def _handed(self, rank: int, j: int, microbatch: int, auto_upto: int, version: int = -1) -> None:
+        s = self.s
+        e = s.queues[rank].get(j)
+        if e is not None:
+            v = version if version >= 0 else s.version
+            s.staleness.extend([v - g for g in e["info"]["gen_versions"]])
+        if s.release_mode == "handout":
+            s.drop_entry(rank, j)
+        elif s.release_mode == "step" and auto_upto > 0 and microbatch == 0:
+            s.commit_upto(rank, auto_upto)
+        if j + 1 > s.position[rank]:
+            s.position[rank] = j + 1
+
+    @control_call(journaled=True)
+    def commit(self, rank: int, upto: int) -> int:
+        """Release ``rank``'s entries below ``upto``; returns how many micro-batches were released."""
+        self.s.check_rank(rank)
+        with self.s.cond:
+            return self.s.commit_upto(rank, int(upto))
+
+    @control_call(fire_and_forget=True)
+    def commit_async(self, rank: int, upto: int) -> None:
+        """:meth:`commit` without a result (engines forward it without waiting)."""
+        self.commit(rank, upto)
+
+    @control_call(journaled=True)
+    def seek(self, rank: int, j: int) -> None:
+        """``rank`` restored at entry ``j``: everything below is committed (released now or when planned)."""
+        self.s.check_rank(rank)
+        with self.s.cond:
+            self.s.commit_upto(rank, int(j))
+            self.s.position[rank] = int(j)
+
+    @control_call(journaled=True)
+    def verify(self, rank: int, length: int, fp: str, where: str = "") -> None:
+        """Check that ``rank``'s first ``length`` micro-batches have the fingerprint ``fp`` (of a saved state).
+
+        Checked now when they are planned, else as soon as they are (a new job refilled after its consumers
+        loaded their states). A mismatch (the refill put other trajectories, sources or groups, or in another
+        order) raises :class:`~knitdata.errors.StateError` now, or stops the pipeline with it when found later,
+        so that nothing is delivered twice or skipped silently.
+
+        Args:
+            rank: The consumer.
+            length: How many of its micro-batches the fingerprint covers.
+            fp: The fingerprint, as in the state (:meth:`start_point`, the entries' ``fp``).
+            where: The state's position, for the message.
+
+        Raises:
+            StateError: The fingerprint differs, or it is older than what this plane keeps.
+        """
+        s = self.s
+        s.check_rank(rank)
+        length = int(length)
+        with s.cond:
+            if length > s.planned[rank]:
+                s.verify_at[rank] = (length, str(fp), str(where))
+                return
+            have = s.fp(rank, length)
+            if have is None:
+                if s.chain[rank] is None or length < s.committed[rank] - FP_KEEP:
+                    return  # unknown here (an old snapshot, or far below the committed position): not checkable
+                raise StateError(f"rank {rank}: no fingerprint of its first {length} micro-batches")
+            if have != fp:
+                raise StateError(mismatch_message(s, rank, length, where))
+
+    @control_call()
+    def start_position(self, rank: int) -> int:
+        """Where a new dataset of ``rank`` starts: after the last micro-batch handed out to the rank.
+
+        A consumer that crashed restores its saved state instead (:meth:`seek`), which may go back to the
+        rank's committed position.
+        """
+        self.s.check_rank(rank)
+        with self.s.cond:
+            return self.s.start(rank)
+
+    @control_call()
+    def start_point(self, rank: int) -> dict[str, Any]:
+        """``{"next": start_position(rank), "fp": fingerprint of the micro-batches before it (None: unknown)}``."""
+        self.s.check_rank(rank)
+        with self.s.cond:
+            p = self.s.start(rank)
+            return {"next": p, "fp": self.s.fp(rank, p)}
+
+    @control_call(journaled=True)
+    def report_version(self, version: int) -> None:
+        """The trainer's new policy version (staleness of what is handed out afterwards is measured against it).
+
+        A version lower than the last one is a rollback (a job restored from a checkpoint): accepted and counted
+        (``version_rollbacks`` in :meth:`~knitdata.control.ControlPlane.stats`).
+
+        Raises:
+            ValidationError: Not a non-negative int.
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValidationError(f"version must be a non-negative int, got {version!r}", field="version")
+        s = self.s
+        with s.cond:
+            if version < s.version:
+                s.counts["version_rollbacks"] += 1  # a job restored from a checkpoint reports its version again
+            s.version = version
+            s.version_times.append(time.monotonic())

@@ -1,0 +1,162 @@
+"""The control surface: every call an engine forwards to the control plane, declared once where it is defined.
+
+A part of the plane marks each of its public calls with :func:`control_call` and the part itself with
+:func:`control_part`; that records a :class:`ControlCall` in :data:`CONTROL_CALLS`. Everything else is derived
+from this one table:
+
+* :class:`~knitdata.control.ControlPlane` exposes each call (a method forwarding to the part that defines it);
+* the Ray engine's coordinator actor gets one forwarding method per call, and its client
+  (:class:`~knitdata.engines.ray_control.RayControl`) its remote method list, its fire-and-forget set and the
+  argument that bounds a waiting call;
+* the journal's operations (:data:`~knitdata.control.plane.JOURNALED_OPS`) are the calls marked ``journaled``:
+  such a call is recorded in the plane's journal once it was applied (see :func:`control_call`).
+
+Adding a control call is writing one decorated method in the part it belongs to.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from knitdata.control.state import PlaneState
+from knitdata.errors import ConfigError, KnitdataError
+
+__all__ = ["ControlCall", "CONTROL_CALLS", "Part", "control_call", "control_part"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C", bound=type)
+
+
+@dataclass(frozen=True)
+class ControlCall:
+    """One call of the control surface.
+
+    Attributes:
+        name: The method name (the same on the plane, the coordinator actor and the Ray client).
+        part: The attribute of :class:`~knitdata.control.ControlPlane` holding the part that defines it.
+        journaled: Whether the call changes the plane's state and is recorded in its journal.
+        fire_and_forget: Whether a remote caller sends it without waiting for a result.
+        waits: The parameter bounding how long the call may block (``None``: it answers at once); a remote
+            caller adds it to its own deadline, and the coordinator runs it in its ``"wait"`` concurrency group.
+        wait_index: The position of ``waits`` among the arguments (after ``self``).
+        wait_default: Its default when a caller leaves it out.
+        signature: The method's signature without ``self``.
+        doc: The method's docstring.
+    """
+
+    name: str
+    part: str
+    journaled: bool
+    fire_and_forget: bool
+    waits: str | None
+    wait_index: int
+    wait_default: float
+    signature: inspect.Signature
+    doc: str
+
+    def wait_of(self, args: tuple[Any, ...]) -> float:
+        """How long the call with positional ``args`` may block (``0`` for a call that does not wait)."""
+        if self.waits is None:
+            return 0.0
+        return float(args[self.wait_index]) if len(args) > self.wait_index else self.wait_default
+
+
+#: Every control call by name, in the order the parts declare them (filled by :func:`control_part`).
+CONTROL_CALLS: dict[str, ControlCall] = {}
+
+
+def _journaled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Record the outermost call of a state-changing method in the plane's journal once it was applied.
+
+    A call that raised a :class:`~knitdata.errors.KnitdataError` is recorded too: replaying it reproduces its
+    effects, and its error again. Journaled calls take positional arguments only (they are replayed from them).
+    """
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any) -> Any:
+        s: PlaneState = self.s
+        if s.journal is None:  # the common in-process case: no bookkeeping around the call
+            return fn(self, *args)
+        with s.cond:
+            outer = s.depth == 0 and s.journal is not None and not s.replaying and s.log is not None
+            s.depth += 1
+            try:
+                out = fn(self, *args)
+            except KnitdataError:
+                if outer:
+                    s.log(name, args)  # type: ignore[misc]
+                raise
+            finally:
+                s.depth -= 1
+            if outer:
+                s.log(name, args)  # type: ignore[misc]
+            return out
+
+    return wrapper
+
+
+def control_call(*, journaled: bool = False, fire_and_forget: bool = False,
+                 waits: str | None = None) -> Callable[[F], F]:
+    """Mark a method of a part as a call of the control surface (the part is registered by :func:`control_part`).
+
+    Args:
+        journaled: The call changes the plane's state: record it in the journal (outermost calls only).
+        fire_and_forget: Remote callers do not wait for its result.
+        waits: The name of the parameter bounding how long the call may block.
+    """
+
+    def mark(fn: F) -> F:
+        out = _journaled(fn.__name__, fn) if journaled else fn
+        out.__control_call__ = {"journaled": journaled, "fire_and_forget": fire_and_forget,  # type: ignore[attr-defined]
+                                "waits": waits}
+        return out  # type: ignore[return-value]
+
+    return mark
+
+
+def control_part(part: str) -> Callable[[C], C]:
+    """Register the calls a part class marked with :func:`control_call`, under the plane attribute ``part``.
+
+    Raises:
+        ConfigError: A call name registered twice, or ``waits`` naming no parameter.
+    """
+
+    def register(cls: C) -> C:
+        for name, fn in vars(cls).items():
+            opts = getattr(fn, "__control_call__", None)
+            if opts is None:
+                continue
+            if name in CONTROL_CALLS:
+                raise ConfigError(f"control call {name!r} is declared twice ({CONTROL_CALLS[name].part} and {part})")
+            sig = inspect.signature(inspect.unwrap(fn))
+            params = list(sig.parameters.values())[1:]
+            index, default = -1, 0.0
+            if opts["waits"] is not None:
+                names = [p.name for p in params]
+                if opts["waits"] not in names:
+                    raise ConfigError(f"control call {name!r}: waits={opts['waits']!r} names no parameter of it")
+                index = names.index(opts["waits"])
+                d = params[index].default
+                default = 0.0 if d is inspect.Parameter.empty else float(d)
+            CONTROL_CALLS[name] = ControlCall(
+                name=name, part=part, journaled=opts["journaled"], fire_and_forget=opts["fire_and_forget"],
+                waits=opts["waits"], wait_index=index, wait_default=default,
+                signature=sig.replace(parameters=params), doc=inspect.getdoc(fn) or "")
+        return cls
+
+    return register
+
+
+class Part:
+    """A part of the control plane: one concern, working on the plane's shared state.
+
+    Args:
+        s: The plane's shared state (:class:`~knitdata.control.state.PlaneState`).
+    """
+
+    def __init__(self, s: PlaneState) -> None:
+        self.s = s
