@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _shards_helpers import flac_bytes, jpg_bytes, make_traj, trajectories  # noqa: E402
+from _shards_helpers import flac_bytes, golden_trajectories, jpg_bytes, make_traj, trajectories  # noqa: E402
 
 from knitdata.errors import CodecError, ConfigError, FieldTypeError, StateError, ValidationError  # noqa: E402
 from knitdata.record import MediaItem, Trajectory  # noqa: E402
@@ -46,6 +46,25 @@ def _same(a: list[Trajectory], b: list[Trajectory]) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- format
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "shard-v1-000000.tar")
+
+
+def test_shards_written_by_the_single_module_version_still_load() -> None:
+    """tests/data/shard-v1-000000.tar was written by ``shards.py`` before it became a package: it still loads,
+    and today's writer produces the same bytes (the on-disk format did not move)."""
+    got = list(read_shards(GOLDEN))
+    want = golden_trajectories()
+    assert _same(got, want)
+    assert [t.tensors["logp"].dtype for t in got] == [torch.bfloat16] * 3
+    assert list(ShardDataset(GOLDEN)) and all(a.equals(b) for a, b in zip(ShardDataset(GOLDEN), want))
+
+
+def test_todays_writer_writes_the_same_bytes_as_version_1(tmp_path) -> None:
+    paths = write_shards(golden_trajectories(), str(tmp_path / "g-%06d.tar"), mtime=0.0)
+    with open(paths[0], "rb") as a, open(GOLDEN, "rb") as b:
+        assert a.read() == b.read()
+
 
 
 def test_roundtrip_and_standard_tools(tmp_path):
