@@ -351,7 +351,7 @@ class ControlPlane:
             err = None if self.error is None else {"type": type(self.error).__name__, "message": str(self.error)}
             return {
                 "format": SNAPSHOT_FORMAT, "config": config, "unit_nodes": dict(self.unit_nodes),
-                "policy": self.policy.state_dict(), "placement": self.placement.snapshot_state(),
+                "policy": self.policy.state_dict(), "placement": self.placement.state_dict(),
                 "seq": self.seq,
                 "putting": [[tid, u, m.to_dict(), f] for tid, (u, m, f) in self.putting.items()],
                 "schema": self.schema, "withdrawn": list(self.withdrawn), "delivered": list(self.delivered),
@@ -381,7 +381,7 @@ class ControlPlane:
             d = decode_snapshot(state, config=self.config, unit_nodes=self.unit_nodes,
                                 num_consumers=self.layout.num_consumers, counts=self.counts)
             placement = make_placement(self.config["placement"], list(self.unit_nodes))
-            placement.load_snapshot_state(d["placement"])
+            placement.load_state_dict(d["placement"])
             self.policy.load_state_dict(d["policy"])  # checked whole before it changes anything
             self.placement = placement
             self.seq = d["seq"]
@@ -1130,7 +1130,7 @@ class ControlPlane:
                 "staleness": summarize(self.staleness),
                 "version_interval_s": summarize(b - a for a, b in zip(times, times[1:])),
                 "close_report": self.close_report, "consumers": list(self.consumer_stats),
-                "placement": self.placement.state_dict(), "transfer": self.transfer.to_dict(),
+                "placement": self.placement.summary(), "transfer": self.transfer.to_dict(),
             }
 
     # ------------------------------------------------------------------------------------ internals
