@@ -65,8 +65,9 @@ class VersionClock:
             StateError: A state that is not three ints (``sync_every`` at least 1).
         """
         keys = ("version", "rollout_version", "sync_every")
-        values = [state.get(k) for k in keys] if isinstance(state, Mapping) else []
-        if len(values) != 3 or any(type(v) is not int for v in values) or values[2] < 1:
+        raw = [state.get(k) for k in keys] if isinstance(state, Mapping) else []
+        values = [v for v in raw if type(v) is int]
+        if len(values) != 3 or values[2] < 1:
             raise StateError(f"not a VersionClock state {{version, rollout_version, sync_every}}: {state!r:.200}")
         self.version, self.rollout_version, self.sync_every = values
 
@@ -156,8 +157,9 @@ class StalenessTracker:
         Raises:
             StateError: A state of another shape.
         """
-        parts = [state.get(k) for k in ("raw", "arch", "version_mean")] if isinstance(state, Mapping) else []
-        if (len(parts) != 3 or not all(isinstance(p, list) for p in parts) or len(parts[0]) != len(parts[1])
+        raw = [state.get(k) for k in ("raw", "arch", "version_mean")] if isinstance(state, Mapping) else []
+        parts: list[list[Any]] = [p for p in raw if isinstance(p, list)]
+        if (len(parts) != 3 or len(parts[0]) != len(parts[1])
                 or any(type(v) is not int for v in (*parts[0], *parts[1]))
                 or any(type(v) not in (int, float) for v in parts[2])):
             raise StateError(f"not a StalenessTracker state {{raw, arch, version_mean}}: {str(state)[:200]}")
