@@ -79,6 +79,7 @@ def run_test_save_load_state(
     epochs: int = 1,
     end_of_epoch: str | None = None,
     only: Callable[[Any], Any] | None = None,
+    reads_back: bool = True,
 ) -> list[list[Any]]:
     """Check that a stateful iterable resumes exactly from states taken at ``midpoints``.
 
@@ -91,8 +92,10 @@ def run_test_save_load_state(
         end_of_epoch: With ``epochs=2``, what a state taken after the first epoch's last item gives on a fresh
             instance: ``"empty"`` (torchdata.nodes without restart: one empty pass, then the next epoch) or
             ``"next"`` (the next epoch at once); ``None`` skips the check.
-        only: Picks the part of the state that must be JSON (a ``StatefulDataLoader``'s own state is not
-            all JSON; the datasets' states inside it are).
+        only: Picks the part of the state that must be JSON (for a wrapper whose own state is not all JSON;
+            the knitdata states inside it must be).
+        reads_back: Check that ``state_dict()`` right after ``load_state_dict(state)`` gives ``state`` back
+            (off for ``StatefulDataLoader``, which applies a loaded state when iteration starts).
 
     Returns:
         The uninterrupted run, one list of keys per epoch (non-empty: a check over nothing proves nothing).
@@ -118,6 +121,8 @@ def run_test_save_load_state(
         _close(it, x)
         y = make()
         y.load_state_dict(state)
+        if reads_back:
+            assert json_state(y, only=only) == state, f"midpoint {m}: a loaded state does not read back the same"
         tail = [key(v) for v in y]
         assert head + tail == ref[0], f"midpoint {m}: resumed {len(tail)} items, the reference has {len(ref[0]) - m}"
         if epochs > 1:

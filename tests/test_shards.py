@@ -532,7 +532,7 @@ def test_dataset_state_harness_in_stateful_dataloader(ten, workers):
     def loader():
         return StatefulDataLoader(ShardDataset(paths), batch_size=None, num_workers=workers, collate_fn=lambda t: t.id)
 
-    ref = run_test_save_load_state(loader, [0, 3, 7, 10], epochs=2)
+    ref = run_test_save_load_state(loader, [0, 3, 7, 10], epochs=2, reads_back=False)
     assert sorted(ref[0]) == ids and ref[1] == ref[0]
 
 
