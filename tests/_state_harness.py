@@ -65,10 +65,12 @@ def _take(it: Iterator[Any], n: int, key: Callable[[Any], Any]) -> list[Any]:
 
 
 def _close(*things: Any) -> None:
+    """Close iterators and instances (a wrapper's dataset too: its prefetch thread ends with it)."""
     for t in things:
-        close = getattr(t, "close", None)
-        if close is not None:
-            close()
+        for obj in (t, getattr(t, "dataset", None)):
+            close = getattr(obj, "close", None)
+            if close is not None:
+                close()
 
 
 def run_test_save_load_state(

@@ -37,7 +37,9 @@ def test_trajectory_dataset_state_harness(seed, fetch, rank, use_loader, data):
         ds = pipe.dataset(rank, fetch=fetch)
         return stateful_loader(ds) if use_loader else ds
 
-    n = len(list(make()))
+    probe = make()
+    n = len(list(probe))
+    getattr(probe, "dataset", probe).close()
     mids = data.draw(st.lists(st.integers(0, n), min_size=1, max_size=3, unique=True))
     ref = run_test_save_load_state(make, mids, key=lambda mb: (micro_key(mb), mb.input_ids.tolist()),
                                    reads_back=not use_loader)
