@@ -11,11 +11,11 @@ from knitdata.admission.spec import BatchSpec
 from knitdata.errors import ConfigError
 
 __all__ = [
-    "TrainBatchAdmission",
+    "POLICIES",
+    "ConstraintPreservingAdmission",
     "FifoAdmission",
     "LinearTargetAdmission",
-    "ConstraintPreservingAdmission",
-    "POLICIES",
+    "TrainBatchAdmission",
     "make_policy",
 ]
 

@@ -35,12 +35,14 @@ __all__ = [
     "split_shares",
 ]
 
-_GROUP = operator.attrgetter("group")
-_TOKENS = operator.attrgetter("num_tokens")
-_NBYTES = operator.attrgetter("nbytes")
-_SEQ = operator.attrgetter("seq")
-_SEQ_ID = operator.attrgetter("seq", "id")
-_ID = operator.attrgetter("id")
+#: Field readers of :class:`~knitdata.record.TrajectoryMeta` (C-level, for ``map``), shared with the planner.
+GET_GROUP = operator.attrgetter("group")
+GET_TOKENS = operator.attrgetter("num_tokens")
+GET_NBYTES = operator.attrgetter("nbytes")
+GET_SEQ = operator.attrgetter("seq")
+GET_SEQ_ID = operator.attrgetter("seq", "id")
+GET_ID = operator.attrgetter("id")
+GET_LOCATION = operator.attrgetter("location")
 _PACKED = operator.attrgetter("packed")
 
 
@@ -62,8 +64,8 @@ def group_starts(metas: Sequence[TrajectoryMeta], group_sizes: Sequence[int]) ->
     if len(sizes) == 1:
         firsts, lasts = [metas[0].group], [metas[-1].group]
     else:
-        firsts = list(map(_GROUP, operator.itemgetter(*starts.tolist())(metas)))
-        lasts = list(map(_GROUP, operator.itemgetter(*(ends - 1).tolist())(metas)))
+        firsts = list(map(GET_GROUP, operator.itemgetter(*starts.tolist())(metas)))
+        lasts = list(map(GET_GROUP, operator.itemgetter(*(ends - 1).tolist())(metas)))
     if firsts != lasts or len(set(firsts)) != len(firsts):
         bad = next((a for a, b in zip(firsts, lasts) if a != b), None)
         if bad is None:
@@ -166,7 +168,7 @@ def packed_columns(metas: Sequence[TrajectoryMeta]) -> tuple[Any, Any, Any, Any]
     try:
         packed = b"".join(map(_PACKED, metas))
     except (TypeError, AttributeError):  # a count that does not fit int64, or not a TrajectoryMeta
-        return int_column(metas, _TOKENS), int_column(metas, _NBYTES), int_column(metas, _SEQ), None
+        return int_column(metas, GET_TOKENS), int_column(metas, GET_NBYTES), int_column(metas, GET_SEQ), None
     if len(packed) != PACKED_META.size * len(metas):  # pragma: no cover - PACKED_META and the bytes disagree
         raise AssertionError("packed metadata of the wrong size")
     columns = np.frombuffer(packed, dtype="<i8").reshape(len(metas), 4).T.copy()
@@ -186,7 +188,7 @@ def duplicate_id(metas: Sequence[TrajectoryMeta], id_hash: Any) -> str | None:
         h = np.sort(id_hash)
         if not (h[1:] == h[:-1]).any():  # distinct hashes: distinct ids
             return None
-    ids = list(map(_ID, metas))
+    ids = list(map(GET_ID, metas))
     if len(set(ids)) == len(ids):
         return None
     counts = Counter(ids)
@@ -220,7 +222,7 @@ def unit_order(weights: Any, first_seqs: Any, lay: Sequence[TrajectoryMeta], sta
         if not (ks[1:] == ks[:-1]).any():
             return perm
     first = starts.tolist()
-    first_ids = map(_ID, map(lay.__getitem__, first))
+    first_ids = map(GET_ID, map(lay.__getitem__, first))
     keyed = sorted(zip((-weights).tolist(), first_seqs.tolist(), first_ids, range(n_units)))
     return np.array([k[3] for k in keyed], dtype=np.int64)
 
@@ -258,7 +260,7 @@ def unit_shares(lay: tuple[TrajectoryMeta, ...], seqs: Any, starts: Any, sizes: 
     a_list, b_list = a.tolist(), b.tolist()
     for rank, i, k in zip(r[run[counts > 1]].tolist(), run[counts > 1].tolist(), counts[counts > 1].tolist()):
         merged = chain.from_iterable(lay[a_list[u] : b_list[u]] for u in range(i, i + k))
-        shares[rank] = tuple(sorted(merged, key=_SEQ_ID) if rank in interleaved else merged)
+        shares[rank] = tuple(sorted(merged, key=GET_SEQ_ID) if rank in interleaved else merged)
     return shares
 
 
@@ -290,5 +292,5 @@ def split_shares(lay: Sequence[TrajectoryMeta], seqs: Any, traj_rank: Any, n: in
         shares = list(map(flat.__getitem__, map(slice, bounds, bounds[1:])))
     if ties.size:  # equal seqs on one rank: by id
         for r in set(traj_rank[perm[ties]].tolist()):
-            shares[r] = tuple(sorted(shares[r], key=_SEQ_ID))
+            shares[r] = tuple(sorted(shares[r], key=GET_SEQ_ID))
     return shares

@@ -18,6 +18,13 @@ import numpy as np
 from knitdata.errors import ConfigError, ValidationError
 from knitdata.placement import ConsumerLayout
 from knitdata.planner.columns import (
+    GET_GROUP,
+    GET_ID,
+    GET_LOCATION,
+    GET_NBYTES,
+    GET_SEQ,
+    GET_SEQ_ID,
+    GET_TOKENS,
     MAX_EXACT_COUNT,
     LayoutIndex,
     duplicate_id,
@@ -41,13 +48,6 @@ from knitdata.record import TrajectoryMeta
 
 __all__ = ["Planner"]
 
-_GROUP = operator.attrgetter("group")
-_TOKENS = operator.attrgetter("num_tokens")
-_NBYTES = operator.attrgetter("nbytes")
-_SEQ = operator.attrgetter("seq")
-_SEQ_ID = operator.attrgetter("seq", "id")
-_ID = operator.attrgetter("id")
-_LOCATION = operator.attrgetter("location")
 
 
 class Planner:
@@ -155,7 +155,7 @@ class Planner:
         elif group_sizes:
             starts = group_starts(metas, group_sizes)
         else:
-            groups = np.fromiter(map(_GROUP, metas), dtype=object, count=total_n)
+            groups = np.fromiter(map(GET_GROUP, metas), dtype=object, count=total_n)
             starts = np.concatenate(([0], np.flatnonzero(groups[1:] != groups[:-1]) + 1))
             if len(set(groups[starts].tolist())) != len(starts):  # a group in more than one run
                 lay, run_starts = regroup(metas)
@@ -165,7 +165,7 @@ class Planner:
         tokens, nbytes, seqs, _hash = columns if columns is not None and lay is metas else packed_columns(lay)
         if tokens is None or nbytes is None or seqs is None:  # not int64-safe integers: exact Python arithmetic
             return self._assign_small(metas, group_sizes)
-        locs = np.fromiter(map(_LOCATION, lay), dtype=object, count=total_n)
+        locs = np.fromiter(map(GET_LOCATION, lay), dtype=object, count=total_n)
         # per unit: weight (tokens, at least 1) and the node of its first trajectory
         weights = np.maximum(np.add.reduceat(tokens, starts), 1)
         node_pos = index.node_pos
@@ -279,7 +279,7 @@ class Planner:
             lay = metas
             starts = group_starts(metas, group_sizes).tolist()
         else:
-            groups = list(map(_GROUP, metas))
+            groups = list(map(GET_GROUP, metas))
             starts = [0, *compress(range(1, total_n), map(operator.ne, groups, groups[1:]))] if total_n else []
             if len(starts) == len(set(groups)):  # every group is one contiguous run (as admission emits them)
                 lay = metas
@@ -287,10 +287,10 @@ class Planner:
                 lay, starts = regroup(metas)
         stops = [*starts[1:], total_n]
         n_units = len(starts)
-        tokens = list(map(_TOKENS, lay))
-        nbytes = list(map(_NBYTES, lay))
-        seqs = list(map(_SEQ, lay))
-        locs = list(map(_LOCATION, lay))
+        tokens = list(map(GET_TOKENS, lay))
+        nbytes = list(map(GET_NBYTES, lay))
+        seqs = list(map(GET_SEQ, lay))
+        locs = list(map(GET_LOCATION, lay))
         if self.unit_nodes is None:
             loc_node: list[str | None] = locs
         else:
@@ -298,7 +298,7 @@ class Planner:
             loc_node = [None if loc is None else get(loc) for loc in locs]
         if self.allow_split_groups:
             weights = [t if t > 1 else 1 for t in tokens]
-            keyed = sorted(zip(map(operator.neg, weights), seqs, map(_ID, lay), range(n_units)))
+            keyed = sorted(zip(map(operator.neg, weights), seqs, map(GET_ID, lay), range(n_units)))
         else:
             weights = [max(1, sum(tokens[a:b])) for a, b in zip(starts, stops)]
             keyed = sorted(
@@ -364,7 +364,7 @@ class Planner:
         for i, r in enumerate(unit_rank):
             units_of[r].append(i)
         presorted = all(map(operator.lt, seqs, seqs[1:]))  # laid out in (seq, id) order already
-        key = _SEQ if presorted or len(set(seqs)) == total_n else _SEQ_ID
+        key = GET_SEQ if presorted or len(set(seqs)) == total_n else GET_SEQ_ID
         shares: list[Sequence[TrajectoryMeta]] = []
         for us in units_of:
             if not us:
@@ -384,7 +384,7 @@ class Planner:
         is the ``(-tokens, seq, id)`` order (``reverse=True`` keeps equal keys in their original order).
         """
         budget = self.token_budget
-        tok = list(map(_TOKENS, share))
+        tok = list(map(GET_TOKENS, share))
         order = sorted(range(len(share)), key=tok.__getitem__, reverse=True)
         bins: list[list[int]] = []
         sizes: list[int] = []
@@ -470,7 +470,7 @@ class Planner:
                 if len(ffd[2]) > 1:
                     ffds[rank] = ffd
                     k = max(k, len(ffd[2]))
-        global_loss = sum(map(int, map(loss_tokens.get, map(_ID, metas), repeat(0)))) if loss_tokens else 0
+        global_loss = sum(map(int, map(loss_tokens.get, map(GET_ID, metas), repeat(0)))) if loss_tokens else 0
         common = {
             "train_batch": admitted.train_batch,
             "minibatch": admitted.step,
