@@ -37,6 +37,7 @@ from knitdata.planner.columns import (
     unit_order,
     unit_shares,
 )
+from knitdata.planner.microbatches import cut, first_fit
 from knitdata.planner.records import (
     AdmittedLike,
     MiniBatchPlan,
@@ -377,60 +378,6 @@ class Planner:
         return shares, loads, local, remote, sum(tokens), min(tokens, default=0)
 
     # ------------------------------------------------------------------ micro-batches
-    def _first_fit(self, share: Sequence[TrajectoryMeta]) -> tuple[list[int], list[int], list[list[int]]]:
-        """First-fit decreasing of one share (in ``(seq, id)`` order): ``(tokens, order, bins of positions)``.
-
-        Works on positions in the share: a stable sort by decreasing tokens of a share in ``(seq, id)`` order
-        is the ``(-tokens, seq, id)`` order (``reverse=True`` keeps equal keys in their original order).
-        """
-        budget = self.token_budget
-        tok = list(map(GET_TOKENS, share))
-        order = sorted(range(len(share)), key=tok.__getitem__, reverse=True)
-        bins: list[list[int]] = []
-        sizes: list[int] = []
-        # bins before `lo` cannot take even the smallest trajectory: first fit never looks at them again
-        least = tok[order[-1]] if order else 0
-        lo = 0
-        for j in order:
-            t = tok[j]
-            room = budget - t
-            for b in range(lo, len(sizes)):
-                if sizes[b] <= room:
-                    bins[b].append(j)
-                    sizes[b] += t
-                    if b == lo:
-                        while lo < len(sizes) and budget - sizes[lo] < least:
-                            lo += 1
-                    break
-            else:
-                bins.append([j])
-                sizes.append(t)
-                while lo < len(sizes) and budget - sizes[lo] < least:
-                    lo += 1
-        return tok, order, bins
-
-    def _cut(
-        self, share: Sequence[TrajectoryMeta], k: int, ffd: tuple[list[int], list[int], list[list[int]]]
-    ) -> list[Sequence[TrajectoryMeta]]:
-        """Micro-batches of one share: its first-fit bins, or LPT into ``k`` bins when that fits the budget."""
-        tok, order, bins = ffd
-        if len(bins) < k and len(share) > len(bins):
-            kk = min(k, len(share))
-            lpt: list[list[int]] = [[] for _ in range(kk)]
-            heap = [(0, b) for b in range(kk)]  # (size, bin): least size, then lowest bin, as a linear min
-            for j in order:
-                size, bi = heap[0]
-                lpt[bi].append(j)
-                heapq.heapreplace(heap, (size + tok[j], bi))
-            if max(size for size, _b in heap) <= max(self.token_budget, max(tok)):
-                bins = [b for b in lpt if b]
-        if len(bins) == 1:
-            return [share] + [() for _ in range(k - 1)]
-        for b in bins:
-            b.sort()  # positions: back to (seq, id) order
-        bins.sort()  # by first position: micro-batches in (seq, id) order of their first trajectory
-        return [[share[j] for j in b] for b in bins] + [() for _ in range(k - len(bins))]
-
     def plan(self, admitted: AdmittedLike, loss_tokens: Mapping[str, int] | None = None) -> MiniBatchPlan:
         """Plan one admitted mini-batch.
 
@@ -466,7 +413,7 @@ class Planner:
         ffds: dict[int, tuple[list[int], list[int], list[list[int]]]] = {}
         for rank in compress(range(len(loads)), map(operator.lt, repeat(budget), loads)):
             if len(shares[rank]) > 1:
-                ffd = self._first_fit(shares[rank])
+                ffd = first_fit(shares[rank], self.token_budget)
                 if len(ffd[2]) > 1:
                     ffds[rank] = ffd
                     k = max(k, len(ffd[2]))
@@ -492,8 +439,8 @@ class Planner:
                 elif len(share) == 1:
                     rows.append((make(rank, 0, share), *(make(rank, i, ()) for i in range(1, k))))
                 else:
-                    ffd = ffds.get(rank) or self._first_fit(share)
-                    rows.append(tuple(make(rank, i, b) for i, b in enumerate(self._cut(share, k, ffd))))
+                    ffd = ffds.get(rank) or first_fit(share, self.token_budget)
+                    rows.append(tuple(make(rank, i, b) for i, b in enumerate(cut(share, k, ffd, self.token_budget))))
         return MiniBatchPlan(
             train_batch=admitted.train_batch,
             minibatch=admitted.step,
