@@ -44,6 +44,11 @@ __all__ = [
     "decode_trajectory",
     "iter_records",
     "record_length",
+    "DTYPES",
+    "MAX_DIMS",
+    "MAX_ELEMENTS",
+    "is_count",
+    "check_shape",
 ]
 
 MAGIC = b"KNTD"
@@ -54,7 +59,8 @@ _PREFIX = struct.Struct("<4sHHIIQ")  # magic, version, flags, header_len, reserv
 _CRC = struct.Struct("<I")
 _ALIGN = 64
 
-_DTYPES: dict[str, torch.dtype] = {
+#: The tensor dtypes knitdata stores (wire records, shards, spill), by name.
+DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
     "uint8": torch.uint8,
     "int8": torch.int8,
@@ -69,10 +75,12 @@ _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float64": torch.float64,
 }
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in _DTYPES.items()}
-_MAX_DIMS = 64  # torch's limit on dimensions
-_MAX_ELEMENTS = 2**62  # stays clear of int64 overflow in stride and size computations
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in DTYPES.items()}
+#: torch's limit on tensor dimensions.
+MAX_DIMS = 64
+#: Most elements a decoded tensor may hold (stays clear of int64 overflow in stride and size computations).
+MAX_ELEMENTS = 2**62
 _BYTES = "bytes"  # pseudo dtype for raw byte strings
 
 
@@ -223,8 +231,30 @@ def decode_tensors(
     return header.get("meta"), _materialize(mv, checked, data_start)
 
 
-def _is_count(x: Any) -> TypeGuard[int]:
-    return type(x) is int and x >= 0  # JSON ints only: no bool, no float
+def is_count(x: Any) -> TypeGuard[int]:
+    """Return whether ``x`` is a non-negative JSON int (no bool, no float)."""
+    return type(x) is int and x >= 0
+
+
+def check_shape(shape: Any, where: str) -> list[int]:
+    """Check a decoded shape (a list of counts, at most :data:`MAX_DIMS`, addressable) before any allocation.
+
+    Args:
+        shape: The shape as read from a header.
+        where: Location for the error message (buffer, member, trajectory).
+
+    Returns:
+        The shape, as a list of ints.
+
+    Raises:
+        CodecError: If the shape is not a list of non-negative ints, has too many dimensions, or describes
+            more elements than a tensor can address.
+    """
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(is_count(s) for s in shape):
+        raise CodecError(f"{where}: bad shape {shape!r:.200}")
+    if math.prod(s for s in shape if s) > MAX_ELEMENTS:  # an empty tensor's other dims stay addressable
+        raise CodecError(f"{where}: shape {shape!r:.200} is beyond what a tensor can address")
+    return shape
 
 
 def _check_spec(name: str, spec: Any, data_bytes: int) -> tuple[str, str, list[int], int, int]:
@@ -232,21 +262,18 @@ def _check_spec(name: str, spec: Any, data_bytes: int) -> tuple[str, str, list[i
     if not isinstance(spec, dict):
         raise CodecError(f"buffer {name!r}: bad description {spec!r:.200}")
     dtype_name, shape, offset, nbytes = spec.get("dtype"), spec.get("shape"), spec.get("offset"), spec.get("nbytes")
-    if not isinstance(dtype_name, str) or (dtype_name != _BYTES and dtype_name not in _DTYPES):
+    if not isinstance(dtype_name, str) or (dtype_name != _BYTES and dtype_name not in DTYPES):
         raise CodecError(f"buffer {name!r}: unsupported dtype {dtype_name!r:.200}")
-    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_count(s) for s in shape):
-        raise CodecError(f"buffer {name!r}: bad shape {shape!r:.200}")
+    shape = check_shape(shape, f"buffer {name!r}")
     if dtype_name == _BYTES and len(shape) != 1:
         raise CodecError(f"buffer {name!r}: a bytes buffer has a 1-D shape, got {shape!r:.200}")
-    if not (_is_count(offset) and _is_count(nbytes)):
+    if not (is_count(offset) and is_count(nbytes)):
         raise CodecError(f"buffer {name!r}: bad offset/nbytes {offset!r:.100}/{nbytes!r:.100}")
     if offset % _ALIGN:
         raise CodecError(f"buffer {name!r}: offset {offset} is not {_ALIGN}-byte aligned")
     itemsize = 1 if dtype_name == _BYTES else _ITEMSIZE[dtype_name]
     if math.prod(shape) * itemsize != nbytes:
         raise CodecError(f"buffer {name!r}: shape {shape} and dtype {dtype_name} do not match {nbytes} bytes")
-    if math.prod(s for s in shape if s) > _MAX_ELEMENTS:  # an empty tensor's other dims stay addressable
-        raise CodecError(f"buffer {name!r}: shape {shape} is beyond what a tensor can address")
     if offset + nbytes > data_bytes:
         raise CodecError(
             f"buffer {name!r}: [{offset}, {offset + nbytes}) exceeds the record's data section of {data_bytes} bytes"
@@ -263,9 +290,9 @@ def _materialize(
         if dtype_name == _BYTES:
             values[name] = bytes(mv[start : start + nbytes])
         elif nbytes == 0:
-            values[name] = torch.empty(shape, dtype=_DTYPES[dtype_name])
+            values[name] = torch.empty(shape, dtype=DTYPES[dtype_name])
         else:
-            values[name] = torch.frombuffer(mv, dtype=_DTYPES[dtype_name], count=math.prod(shape), offset=start).view(shape)
+            values[name] = torch.frombuffer(mv, dtype=DTYPES[dtype_name], count=math.prod(shape), offset=start).view(shape)
     return values
 
 
@@ -379,7 +406,7 @@ def _check_trajectory_meta(meta: Any, values: Mapping[str, Any]) -> tuple[list[d
     for k in _TRAJ_FIELDS:
         if not isinstance(meta.get(k), str):
             raise CodecError(f"{where}: field {k!r} must be a string, got {meta.get(k)!r:.80}")
-    if not _is_count(meta.get("gen_version")):
+    if not is_count(meta.get("gen_version")):
         raise CodecError(f"{where}: field 'gen_version' must be a non-negative int, got {meta.get('gen_version')!r:.80}")
     scalars = meta.get("scalars")
     if not isinstance(scalars, dict) or not all(

@@ -5,7 +5,8 @@ either right-padded (``mode="pad"``, ``[B, T]``) or packed into one row with ``c
 (``mode="pack"``, ``[1, N]``, the layout of variable-length attention kernels). Every token tensor is aligned
 with ``input_ids`` (prompt followed by response); ``loss_mask`` is ``float32`` and zero over prompts and
 padding. :class:`MicroBatchInfo` is the planner's metadata for the micro-batch (indices, ``is_last``, global
-counts for loss scaling, policy versions), JSON-serializable.
+counts for loss scaling, policy versions), JSON-serializable; it is defined where it is produced,
+:mod:`knitdata.planner.records`, and re-exported here.
 
 :class:`MicroBatch` has ``pin_memory()`` and ``to(device, non_blocking=...)``, so
 ``torch.utils.data``'s pin-memory thread and ``accelerate.utils.send_to_device`` handle it as a unit.
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from knitdata.errors import ConfigError, FieldTypeError, ValidationError
+from knitdata.planner.records import MicroBatchInfo
 from knitdata.record import Trajectory
 
 __all__ = ["MicroBatchInfo", "MicroBatch", "TokenCollator", "COLLATE_MODES"]
@@ -30,98 +32,6 @@ COLLATE_MODES: tuple[str, ...] = ("pad", "pack")
 
 #: Fill value of ``tensors["token_versions"]`` outside responses (prompt and padding).
 NO_VERSION: int = -1
-
-
-@dataclass(frozen=True)
-class MicroBatchInfo:
-    """Planner metadata of one micro-batch. Immutable and JSON-serializable.
-
-    Attributes:
-        consumer: Rank of the consumer that receives it.
-        train_batch: Train batch index ``b`` (0-based).
-        minibatch: Global mini-batch step (``b * M + k``).
-        minibatch_in_batch: Index ``k`` of the mini-batch within its train batch.
-        microbatch: Index ``i`` of this micro-batch within this consumer's share of the mini-batch.
-        num_microbatches: Micro-batches of the mini-batch per consumer (the same on every consumer).
-        is_last: ``i == num_microbatches - 1``: sync gradients / step the optimizer after it.
-        global_tokens: Tokens of the whole mini-batch over all consumers (loss scaling).
-        global_trajectories: Trajectories of the whole mini-batch over all consumers.
-        global_loss_tokens: Loss-mask tokens of the whole mini-batch (0 if unknown).
-        trajectory_ids: Ids of the trajectories in this micro-batch, in row order.
-        gen_versions: Their ``gen_version``, in the same order.
-    """
-
-    consumer: int
-    train_batch: int
-    minibatch: int
-    minibatch_in_batch: int
-    microbatch: int
-    num_microbatches: int
-    is_last: bool
-    global_tokens: int
-    global_trajectories: int
-    global_loss_tokens: int = 0
-    trajectory_ids: tuple[str, ...] = ()
-    gen_versions: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "trajectory_ids", tuple(self.trajectory_ids))
-        object.__setattr__(self, "gen_versions", tuple(self.gen_versions))
-        if self.num_microbatches < 1:
-            raise ValidationError(f"must be >= 1, got {self.num_microbatches}", field="num_microbatches")
-        if not 0 <= self.microbatch < self.num_microbatches:
-            raise ValidationError(
-                f"must be in [0, {self.num_microbatches}), got {self.microbatch}", field="microbatch"
-            )
-        if bool(self.is_last) != (self.microbatch == self.num_microbatches - 1):
-            raise ValidationError(
-                f"is_last={self.is_last} contradicts microbatch={self.microbatch} of {self.num_microbatches}",
-                field="is_last",
-            )
-        if len(self.trajectory_ids) != len(self.gen_versions):
-            raise ValidationError(
-                f"{len(self.trajectory_ids)} trajectory ids but {len(self.gen_versions)} gen_versions",
-                field="gen_versions",
-            )
-
-    @property
-    def is_empty(self) -> bool:
-        """True when the micro-batch holds no trajectory (a padding step so every rank steps alike)."""
-        return not self.trajectory_ids
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return a JSON-serializable dict (inverse: :meth:`from_dict`)."""
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["trajectory_ids"] = list(self.trajectory_ids)
-        d["gen_versions"] = list(self.gen_versions)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> MicroBatchInfo:
-        """Build from :meth:`to_dict` output.
-
-        Raises:
-            ValidationError: A key is missing or a value has the wrong type.
-        """
-        try:
-            return cls(
-                consumer=int(d["consumer"]),
-                train_batch=int(d["train_batch"]),
-                minibatch=int(d["minibatch"]),
-                minibatch_in_batch=int(d["minibatch_in_batch"]),
-                microbatch=int(d["microbatch"]),
-                num_microbatches=int(d["num_microbatches"]),
-                is_last=bool(d["is_last"]),
-                global_tokens=int(d["global_tokens"]),
-                global_trajectories=int(d["global_trajectories"]),
-                global_loss_tokens=int(d.get("global_loss_tokens", 0)),
-                trajectory_ids=tuple(str(x) for x in d.get("trajectory_ids", ())),
-                gen_versions=tuple(int(x) for x in d.get("gen_versions", ())),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, ValidationError):
-                raise
-            raise ValidationError(f"bad micro-batch info {dict(d)!r}: {e!r}", field="info") from e
 
 
 def _map_tensors(obj: Any, fn: Any) -> Any:

@@ -151,16 +151,16 @@ class Placement(abc.ABC):
     def forget_group(self, group: str) -> None:  # noqa: B027 - optional hook
         """Tell the placement that no more members of ``group`` will arrive."""
 
+    def summary(self) -> dict[str, Any]:
+        """A short JSON-serializable summary for reports (not a state: see :meth:`state_dict`)."""
+        return {}
+
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serializable state (for diagnostics; placement is rebuilt with the pipeline)."""
+        """The complete JSON-serializable state, from which :meth:`load_state_dict` continues identically."""
         return {}
 
-    def snapshot_state(self) -> dict[str, Any]:
-        """The complete JSON-serializable state, from which :meth:`load_snapshot_state` continues identically."""
-        return {}
-
-    def load_snapshot_state(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`snapshot_state` (a stateless placement accepts ``{}`` only).
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (a stateless placement accepts ``{}`` only).
 
         Raises:
             StateError: A state of another shape.
@@ -254,16 +254,16 @@ class ConsumerAwarePlacement(Placement):
         """Drop the group's entry (all its members arrived)."""
         self._groups.pop(group, None)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Bytes placed per unit."""
+    def summary(self) -> dict[str, Any]:
+        """Bytes placed per unit and the number of groups remembered."""
         return {"load": dict(self._load), "groups": len(self._groups)}
 
-    def snapshot_state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """Bytes placed per unit and the group table ``[[group, unit], ...]``, oldest first."""
         return {"load": dict(self._load), "groups": [[g, u] for g, u in self._groups.items()]}
 
-    def load_snapshot_state(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`snapshot_state`.
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`.
 
         Raises:
             StateError: A malformed state, or one of another set of units.

@@ -12,10 +12,10 @@ Pure metadata: nothing here imports torch payload code, storage or engines.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from knitdata.errors import ValidationError
+from knitdata.errors import StateError, ValidationError
 
 __all__ = [
     "VersionClock",
@@ -58,11 +58,18 @@ class VersionClock:
         """JSON-serializable state."""
         return {"version": self.version, "rollout_version": self.rollout_version, "sync_every": self.sync_every}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.version = int(state["version"])
-        self.rollout_version = int(state["rollout_version"])
-        self.sync_every = int(state["sync_every"])
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            StateError: A state that is not three ints (``sync_every`` at least 1).
+        """
+        keys = ("version", "rollout_version", "sync_every")
+        raw = [state.get(k) for k in keys] if isinstance(state, Mapping) else []
+        values = [v for v in raw if type(v) is int]
+        if len(values) != 3 or values[2] < 1:
+            raise StateError(f"not a VersionClock state {{version, rollout_version, sync_every}}: {state!r:.200}")
+        self.version, self.rollout_version, self.sync_every = values
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -139,6 +146,25 @@ class StalenessTracker:
             (t.gen_version for t in mb.trajectories),
             (t.version_mean for t in mb.trajectories),
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serializable state: the recorded staleness values, in order."""
+        return {"raw": list(self.raw), "arch": list(self.arch), "version_mean": list(self.version_mean_staleness)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (later records append to the loaded ones).
+
+        Raises:
+            StateError: A state of another shape.
+        """
+        raw = [state.get(k) for k in ("raw", "arch", "version_mean")] if isinstance(state, Mapping) else []
+        parts: list[list[Any]] = [p for p in raw if isinstance(p, list)]
+        if (len(parts) != 3 or len(parts[0]) != len(parts[1])
+                or any(type(v) is not int for v in (*parts[0], *parts[1]))
+                or any(type(v) not in (int, float) for v in parts[2])):
+            raise StateError(f"not a StalenessTracker state {{raw, arch, version_mean}}: {str(state)[:200]}")
+        self.raw, self.arch = list(parts[0]), list(parts[1])
+        self.version_mean_staleness = [float(v) for v in parts[2]]
 
     def summary(self) -> dict[str, Any]:
         """``{"arch": {mean, positive_mean, p50, p95, share_negative, count}, "raw": {...}, "version_mean": {...}}``."""

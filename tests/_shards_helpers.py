@@ -158,3 +158,36 @@ def trajectories(draw: st.DrawFn) -> Trajectory:
         tensors=tensors,
         media=media,
     )
+
+
+def golden_trajectories() -> list[Trajectory]:
+    """The trajectories of ``tests/data/shard-v1-000000.tar`` (written by the single-module ``shards.py`` of
+    version 1 of the format): deterministic values for every dtype shards hold, encoded and decoded media."""
+    out = []
+    for i in range(3):
+        n = 4 + i
+        resp = torch.arange(n, dtype=torch.int64) + 100 * i
+        out.append(
+            Trajectory(
+                id=f"g{i}",
+                source="golden",
+                group=f"grp{i // 2}",
+                prompt_ids=torch.arange(3, dtype=torch.int32),
+                response_ids=resp,
+                gen_version=i,
+                loss_mask=(torch.arange(n) % 2).to(torch.uint8),
+                token_versions=torch.full((n,), i, dtype=torch.int64),
+                scalars={"reward": 0.5 * i, "turns": i},
+                tensors={
+                    "logp": (torch.arange(n, dtype=torch.float32) / 8).to(torch.bfloat16),
+                    "values.v2/x": torch.arange(2 * n, dtype=torch.float16).view(2, n),
+                    "flags": torch.arange(n) % 3 == 0,
+                    "f64": torch.linspace(0, 1, n, dtype=torch.float64),
+                },
+                media=[
+                    MediaItem("image", data=b"\x89PNG\r\n\x1a\n" + bytes(range(i, i + 24))),
+                    MediaItem("audio", tensor=torch.arange(6, dtype=torch.float32).view(2, 3) + i, sample_rate=16000),
+                ],
+            )
+        )
+    return out

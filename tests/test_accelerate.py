@@ -15,6 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _accelerate_helpers import SPEC, TinyLM, ddp_worker, make_trajs, token_loss_sum  # noqa: E402
+from _state_harness import run_test_save_load_state  # noqa: E402
 
 from knitdata.errors import ConfigError, StateError, ValidationError  # noqa: E402
 from knitdata.integrations.accelerate import AcceleratedLoader, prepare_loader, rank_and_world, state_path  # noqa: E402
@@ -260,3 +261,18 @@ def test_save_state_commits_after_writing(acc, tmp_path):
     AcceleratedLoader(ds2, acc, register_hooks=False, commit_on_save=False).save_state(tmp_path / "b")
     assert ds2.commits == []
     assert AcceleratedLoader(_Plain(), acc, register_hooks=False).commit() is None  # nothing to commit
+
+
+@pytest.mark.parametrize("fetch", ["eager", "iter"])
+def test_loader_state_harness(acc, fetch):
+    """The shared save/load check (tests/_state_harness.py): the Accelerate loader's state (the dataset's
+    position, epoch, last info) taken after any micro-batch resumes a fresh loader on a fresh pipeline."""
+    n = len(list(prepare_loader(acc, _filled_pipeline(), fetch=fetch, register_hooks=False)))
+
+    def make():
+        loader = prepare_loader(acc, _filled_pipeline(), fetch=fetch, register_hooks=False)
+        loader.set_epoch(2)
+        return loader
+
+    ref = run_test_save_load_state(make, range(n + 1), key=lambda mb: (*_ids([mb])[0], mb.input_ids.tolist()))
+    assert len(ref[0]) == n > 2

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +25,9 @@ from knitdata.admission import (
 )
 from knitdata.errors import ConfigError, QuotaInfeasibleError, StateError, ValidationError
 from knitdata.record import TrajectoryMeta
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _state_harness import run_test_save_load_steps  # noqa: E402
 
 
 def group(gid: str, source: str, g: int, version: int = 0) -> list[TrajectoryMeta]:
@@ -481,3 +486,24 @@ def test_loading_a_crafted_state_raises_only_state_error_and_changes_nothing(whe
         except (ValidationError, QuotaInfeasibleError):
             pass
     json.dumps(p.state_dict())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario(with_bounds=True), st.data())
+def test_policies_state_harness(case, data) -> None:
+    """The shared save/load check (tests/_state_harness.py): every policy resumed between any two arrivals
+    (partial groups, in-flight counts and continuous mode included) admits what the uninterrupted one does."""
+    spec, arrivals, _T = case
+    name = data.draw(st.sampled_from(sorted(POLICIES)))
+    continuous = data.draw(st.booleans())
+
+    def arrive(i: int, grp: list[TrajectoryMeta]):
+        def run(p):
+            p.offer(grp)
+            return [(mb.train_batch, mb.index, tuple(t.id for t in mb.trajectories)) for mb in p.poll(now=float(i))]
+        return run
+
+    steps = [arrive(i, g) for i, g in enumerate(arrivals)]
+    mids = data.draw(st.lists(st.integers(0, len(steps)), min_size=1, max_size=3, unique=True))
+    ref = run_test_save_load_steps(lambda: make_policy(name, spec, continuous=continuous), steps, mids)
+    assert any(ref)  # mini-batches were admitted (the harness compares them)

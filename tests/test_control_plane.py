@@ -78,7 +78,7 @@ def _decisions(p: ControlPlane) -> dict[str, Any]:
     return {"planned": list(p.planned), "seq": p.seq,
             "entries": [[(q[j]["minibatch"], q[j]["microbatch"], q[j]["items"]) for j in sorted(q)] for q in p.queues],
             "live": {k: (m.location, m.seq) for k, m in p.live.items()}, "pending": sorted(p.pending),
-            "placement": p.placement.snapshot_state(), "counts": dict(p.counts)}
+            "placement": p.placement.state_dict(), "counts": dict(p.counts)}
 
 
 @settings(max_examples=30, deadline=None)
@@ -165,8 +165,8 @@ def test_a_truncated_view_still_names_the_least_loaded_unit():
         m = TrajectoryMeta.from_dict({**_traj(i, extra=i % 5).meta().to_dict(), "seq": i})
         replica.follow(plane_side.view(limit=3))
         unit = replica.place(m)
-        assert unit == min(units, key=lambda u: (plane_side.snapshot_state()["load"][u], units.index(u))) \
-            or m.group in dict(plane_side.snapshot_state()["groups"])
+        assert unit == min(units, key=lambda u: (plane_side.state_dict()["load"][u], units.index(u))) \
+            or m.group in dict(plane_side.state_dict()["groups"])
         plane_side.place_at(m, unit)
 
 

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+import sys
 
-from knitdata.errors import ConfigError
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from knitdata.errors import ConfigError, StateError
 from knitdata.placement import ConsumerAwarePlacement, ConsumerLayout, IndexModPlacement, make_placement
 from knitdata.record import TrajectoryMeta
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _state_harness import run_test_save_load_steps  # noqa: E402
 
 
 def _meta(i: int, group: str, nbytes: int = 100) -> TrajectoryMeta:
@@ -57,7 +65,7 @@ def test_consumer_aware_ignores_releases_and_unplace_rebalances():
     p.unplace(_meta(3, "g3", 10), "b")  # a failed put is undone
     assert p.state_dict()["load"] == {"a": 1000, "b": 20}
     p.forget_group("g1")
-    assert p.state_dict()["groups"] == 3
+    assert p.summary()["groups"] == 3 and len(p.state_dict()["groups"]) == 3
 
 
 def test_unknown_placement():
@@ -71,3 +79,58 @@ def test_unknown_placement():
 def test_node_names_cannot_escape_the_spill_directory(name):
     with pytest.raises(ConfigError, match="node name"):
         ConsumerLayout([name])
+
+
+# ------------------------------------------------------------------------------------------- save/load
+
+_OPS = st.lists(st.tuples(st.sampled_from(["place", "place_at", "unplace", "forget", "release"]),
+                          st.integers(0, 5), st.integers(1, 500)), min_size=1, max_size=30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(["consumer_aware", "index_mod"]), ops=_OPS, max_groups=st.sampled_from([2, 65536]),
+       data=st.data())
+def test_placement_state_harness(name, ops, max_groups, data):
+    """The shared save/load check (tests/_state_harness.py): a placement resumed between any two calls
+    places every later put where the uninterrupted one does (loads, the bounded group table)."""
+    units = ["a", "b", "c"]
+
+    def make():
+        if name == "consumer_aware":
+            return ConsumerAwarePlacement(units, max_groups=max_groups)
+        return make_placement(name, units)
+
+    def step(i: int, op: str, g: int, nbytes: int):
+        meta = _meta(i, f"g{g}", nbytes)
+
+        def run(p):
+            if op == "place":
+                return p.place(meta)
+            if op == "place_at":
+                p.place_at(meta, units[g % 3])
+                return p.view()
+            if op == "unplace":
+                p.unplace(meta, units[g % 3])
+                return p.view()
+            if op == "forget":
+                p.forget_group(meta.group)
+                return None
+            p.released(units[g % 3], nbytes)
+            return p.view()
+        return run
+
+    steps = [step(i, *op) for i, op in enumerate(ops)] + [step(len(ops) + j, "place", j, 50) for j in range(6)]
+    mids = data.draw(st.lists(st.integers(0, len(steps)), min_size=1, max_size=4, unique=True))
+    run_test_save_load_steps(make, steps, mids)
+
+
+def test_placement_state_is_checked():
+    p = ConsumerAwarePlacement(["a", "b"])
+    p.place(_meta(0, "g"))
+    with pytest.raises(StateError):
+        ConsumerAwarePlacement(["a", "c"]).load_state_dict(p.state_dict())
+    with pytest.raises(StateError):
+        IndexModPlacement(["a"]).load_state_dict({"load": {}})
+    q = ConsumerAwarePlacement(["a", "b"])
+    q.load_state_dict(p.state_dict())
+    assert q.state_dict() == p.state_dict() and q.summary() == p.summary() == {"load": {"a": 100, "b": 0}, "groups": 1}

@@ -328,11 +328,11 @@ def test_whole_unit_shares_match_the_reference(monkeypatch, order) -> None:
     """Groups whose members are in arrival order (as admission emits them) are cut into shares unit by unit,
     without the general sort of all trajectories, also when a rank's groups interleave in arrival (that rank's
     share alone is sorted); shuffled members take the general sort. Every way the plan is the reference's."""
-    import knitdata.planner as planner_module
+    import knitdata.planner.core as planner_module
 
     calls = []
-    general = planner_module._shares
-    monkeypatch.setattr(planner_module, "_shares", lambda *a: calls.append(1) or general(*a))
+    general = planner_module.split_shares
+    monkeypatch.setattr(planner_module, "split_shares", lambda *a: calls.append(1) or general(*a))
     rng = random.Random(3)
     layout = ConsumerLayout.uniform(4, 2)
     metas = []
@@ -407,7 +407,7 @@ def test_wrong_group_sizes_are_refused_naming_the_group() -> None:
 def test_a_duplicate_id_is_refused_and_equal_hashes_alone_are_not(monkeypatch, vectorize_from) -> None:
     """The duplicate-id check settles distinct ids by their hashes and compares the ids themselves otherwise:
     a real duplicate is named, and a hash collision between different ids is no error."""
-    import knitdata.planner as planner_module
+    import knitdata.planner.core as planner_module
 
     layout = ConsumerLayout.uniform(2, 2)
     metas = _metas(random.Random(2), 12, 3, list(layout.nodes))
@@ -417,12 +417,12 @@ def test_a_duplicate_id_is_refused_and_equal_hashes_alone_are_not(monkeypatch, v
     with pytest.raises(ValidationError, match="'t4'") as info:
         planner.plan(_Admitted(0, 0, 0, tuple(dup)))
     assert info.value.field == "id" and info.value.trajectory_id == "t4"
-    real = planner_module._packed_columns
+    real = planner_module.packed_columns
 
     def colliding(ms):
         tokens, nbytes, seqs, hashes = real(ms)
         return tokens, nbytes, seqs, None if hashes is None else hashes * 0  # every id hashes alike
 
-    monkeypatch.setattr(planner_module, "_packed_columns", colliding)
+    monkeypatch.setattr(planner_module, "packed_columns", colliding)
     expected = _ReferencePlanner(layout, 40).plan_rows(metas)[0]
     assert [[list(mb.trajectory_ids) for mb in row] for row in planner.plan(_Admitted(0, 0, 0, tuple(metas))).microbatches] == expected

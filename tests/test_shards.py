@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _shards_helpers import flac_bytes, jpg_bytes, make_traj, trajectories  # noqa: E402
+from _shards_helpers import flac_bytes, golden_trajectories, jpg_bytes, make_traj, trajectories  # noqa: E402
+from _state_harness import run_test_save_load_state  # noqa: E402
 
 from knitdata.errors import CodecError, ConfigError, FieldTypeError, StateError, ValidationError  # noqa: E402
 from knitdata.record import MediaItem, Trajectory  # noqa: E402
@@ -46,6 +47,25 @@ def _same(a: list[Trajectory], b: list[Trajectory]) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- format
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "shard-v1-000000.tar")
+
+
+def test_shards_written_by_the_single_module_version_still_load() -> None:
+    """tests/data/shard-v1-000000.tar was written by ``shards.py`` before it became a package: it still loads,
+    and today's writer produces the same bytes (the on-disk format did not move)."""
+    got = list(read_shards(GOLDEN))
+    want = golden_trajectories()
+    assert _same(got, want)
+    assert [t.tensors["logp"].dtype for t in got] == [torch.bfloat16] * 3
+    assert list(ShardDataset(GOLDEN)) and all(a.equals(b) for a, b in zip(ShardDataset(GOLDEN), want))
+
+
+def test_todays_writer_writes_the_same_bytes_as_version_1(tmp_path) -> None:
+    paths = write_shards(golden_trajectories(), str(tmp_path / "g-%06d.tar"), mtime=0.0)
+    with open(paths[0], "rb") as a, open(GOLDEN, "rb") as b:
+        assert a.read() == b.read()
+
 
 
 def test_roundtrip_and_standard_tools(tmp_path):
@@ -487,6 +507,33 @@ def test_dataset_end_of_epoch_state_yields_nothing_more(ten, fresh):
         ds.load_state_dict({**end, "yielded": 3})
     with pytest.raises(StateError, match="epoch_end"):
         ds.load_state_dict({**end, "epoch_end": "yes"})
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(layout=st.sampled_from([(1, 0, "drop"), (3, 2, "pad"), (2, 1, "drop"), (3, 0, "drop")]), data=st.data())
+def test_dataset_state_harness(ten, layout, data):
+    """The shared save/load check (tests/_state_harness.py): midpoints of both epochs, initial and end states."""
+    _ids, paths = ten
+    world_size, rank, uneven = layout
+    n = len(ShardDataset(paths, rank=rank, world_size=world_size, uneven=uneven))
+    mids = data.draw(st.lists(st.integers(0, n), min_size=1, max_size=3, unique=True))
+    ref = run_test_save_load_state(lambda: ShardDataset(paths, rank=rank, world_size=world_size, uneven=uneven),
+                                   mids, key=lambda t: (t.id, t.response_ids.tolist()), epochs=2,
+                                   end_of_epoch="empty")
+    assert len(ref[0]) == n and ref[0] == ref[1]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataset_state_harness_in_stateful_dataloader(ten, workers):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    ids, paths = ten
+
+    def loader():
+        return StatefulDataLoader(ShardDataset(paths), batch_size=None, num_workers=workers, collate_fn=lambda t: t.id)
+
+    ref = run_test_save_load_state(loader, [0, 3, 7, 10], epochs=2, reads_back=False)
+    assert sorted(ref[0]) == ids and ref[1] == ref[0]
 
 
 def test_dataset_resume_with_stateful_dataloader_workers(ten):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -11,9 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knitdata.admission import AdmittedMiniBatch
-from knitdata.errors import ValidationError
+from knitdata.errors import StateError, ValidationError
 from knitdata.record import TrajectoryMeta
 from knitdata.staleness import StalenessTracker, VersionClock, percentile, staleness_reduction, summarize
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _state_harness import run_test_save_load_steps  # noqa: E402
 
 
 def test_version_clock_sync_per_step_and_per_batch() -> None:
@@ -76,3 +81,45 @@ def test_summary_empty_and_reduction() -> None:
     assert staleness_reduction(1.0, 10.0) == pytest.approx(0.9)
     assert staleness_reduction(-1.0, 10.0) == pytest.approx(1.1)
     assert staleness_reduction(1.0, 0.0) is None and staleness_reduction(1.0, -2.0) is None
+
+
+# ------------------------------------------------------------------------------------------- save/load
+
+
+@settings(max_examples=30, deadline=None)
+@given(sync_every=st.integers(1, 5), ops=st.lists(st.sampled_from(["step", "sync"]), min_size=1, max_size=20),
+       data=st.data())
+def test_version_clock_state_harness(sync_every, ops, data) -> None:
+    """The shared save/load check (tests/_state_harness.py): a clock resumed between any two calls."""
+    def call(op: str):
+        def run(c: VersionClock):
+            synced = c.step() if op == "step" else c.sync()
+            return synced, c.version, c.rollout_version
+        return run
+
+    mids = data.draw(st.lists(st.integers(0, len(ops)), min_size=1, max_size=4, unique=True))
+    ref = run_test_save_load_steps(lambda: VersionClock(version=3, sync_every=sync_every), [call(o) for o in ops], mids)
+    assert ref[-1][1] == 3 + ops.count("step")
+
+
+@settings(max_examples=30, deadline=None)
+@given(batches=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 9), st.lists(st.integers(0, 9), max_size=5)),
+                        min_size=1, max_size=8), data=st.data())
+def test_staleness_tracker_state_harness(batches, data) -> None:
+    def record(index: int, version: int, gens: list[int]):
+        def run(t: StalenessTracker):
+            t.record(index, version, gens, [g + 0.5 for g in gens])
+            return t.summary()
+        return run
+
+    mids = data.draw(st.lists(st.integers(0, len(batches)), min_size=1, max_size=4, unique=True))
+    run_test_save_load_steps(StalenessTracker, [record(*b) for b in batches], mids)
+
+
+@pytest.mark.parametrize("bad", [None, {}, {"version": 1, "rollout_version": 1, "sync_every": 0},
+                                 {"version": "1", "rollout_version": 1, "sync_every": 1}])
+def test_version_clock_refuses_bad_states(bad) -> None:
+    with pytest.raises(StateError):
+        VersionClock().load_state_dict(bad)
+    with pytest.raises(StateError):
+        StalenessTracker().load_state_dict(bad)

@@ -148,7 +148,7 @@ class Durability:
             err = None if s.error is None else {"type": type(s.error).__name__, "message": str(s.error)}
             return {
                 "format": SNAPSHOT_FORMAT, "config": config, "unit_nodes": dict(s.unit_nodes),
-                "policy": s.policy.state_dict(), "placement": s.placement.snapshot_state(),
+                "policy": s.policy.state_dict(), "placement": s.placement.state_dict(),
                 "seq": s.seq, "putting": [],
                 "schema": s.schema, "withdrawn": list(s.withdrawn), "delivered": list(s.delivered),
                 "live": [m.to_dict() for m in s.live.values()], "put_tokens": dict(s.put_tokens),
@@ -183,7 +183,7 @@ class Durability:
                                  f"({[p[0] for p in d['putting'][:8]]}), which this version of knitdata removed; "
                                  "this state cannot be continued here")
             placement = make_placement(s.config["placement"], list(s.unit_nodes))
-            placement.load_snapshot_state(d["placement"])
+            placement.load_state_dict(d["placement"])
             s.policy.load_state_dict(d["policy"])  # checked whole before it changes anything
             s.placement = placement
             s.seq = d["seq"]

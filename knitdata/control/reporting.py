@@ -127,5 +127,5 @@ class Reporting(Part):
                 "staleness": summarize(s.staleness),
                 "version_interval_s": summarize(b - a for a, b in zip(times, times[1:])),
                 "close_report": s.close_report, "consumers": list(s.consumer_stats),
-                "placement": s.placement.state_dict(), "transfer": s.transfer.to_dict(),
+                "placement": s.placement.summary(), "transfer": s.transfer.to_dict(),
             }

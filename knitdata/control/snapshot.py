@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from knitdata import errors
-from knitdata.collate import MicroBatchInfo
 from knitdata.errors import KnitdataError, StateError
+from knitdata.planner import MicroBatchInfo
 from knitdata.record import TrajectoryMeta
 
 __all__ = ["decode_snapshot", "SNAPSHOT_KEYS", "SNAPSHOT_KEYS_V1", "ERROR_TYPES"]

@@ -1,0 +1,397 @@
+"""The base of the admission policies: ready groups per source, quotas, in-flight counts, state."""
+
+from __future__ import annotations
+
+import abc
+import heapq
+import operator
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from knitdata.admission.spec import AdmittedMiniBatch, BatchSpec
+from knitdata.errors import ConfigError, KnitdataError, QuotaInfeasibleError, StateError, ValidationError
+from knitdata.record import TrajectoryMeta
+
+__all__ = ["ReadyGroup", "AdmissionPolicy"]
+
+
+def _count(x: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
+    """An int of a loaded state in ``lo..hi`` (:class:`~knitdata.errors.StateError` otherwise)."""
+    if isinstance(x, bool) or not isinstance(x, int) or x < lo or (hi is not None and x > hi):
+        raise StateError(f"{what} must be an int in {lo}..{'' if hi is None else hi}, got {str(x)[:50]}")
+    return x
+
+
+@dataclass(slots=True)
+class ReadyGroup:
+    """A whole group that finished and waits for admission (``seq``: arrival order of its first member)."""
+
+    seq: int
+    group: str
+    source: str
+    metas: tuple[TrajectoryMeta, ...]
+    version: int = field(default=0)
+
+
+class AdmissionPolicy(abc.ABC):
+    """Base class of the admission policies: holds ready groups and emits mini-batches in order.
+
+    Args:
+        spec: The batch specification.
+        continuous: ``True`` for a continuous (oversampled) prompt stream: surplus ready trajectories
+            carry over to the next train batch and a source that is short of its quota makes admission
+            wait instead of raising (rollout can always deliver more). With ``False`` (default),
+            :class:`~knitdata.errors.QuotaInfeasibleError` is raised as soon as a source's ready plus
+            in-flight trajectories (see :meth:`set_in_flight`) cannot cover its remaining quota. Surplus
+            ready groups carry over in both modes.
+
+    Protocol: call :meth:`offer` with finished trajectories (a group becomes admissible once all its
+    ``group_size`` members arrived), optionally :meth:`set_in_flight`, :meth:`withdraw` dropped groups,
+    and :meth:`poll` to receive every mini-batch that can be admitted now, in order.
+    """
+
+    name: str = ""
+    preserves_quotas: bool = True
+
+    def __init__(self, spec: BatchSpec, *, continuous: bool = False) -> None:
+        if not isinstance(spec, BatchSpec):
+            raise ConfigError(f"{type(self).__name__} needs a BatchSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.continuous = bool(continuous)
+        g = spec.group_size
+        self._g = g
+        self._M = spec.num_minibatches
+        self._mm = spec.minibatch_size // g
+        self._Q = {s: q // g for s, q in spec.quotas.items()}
+        self._bounds = {s: spec.group_bounds(s) for s in spec.sources}
+        self._pending: dict[str, list[TrajectoryMeta]] = {}
+        self._pending_members: dict[str, int] = dict.fromkeys(spec.sources, 0)
+        self._ready: dict[str, deque[ReadyGroup]] = {s: deque() for s in spec.sources}
+        self._ready_n: dict[str, int] = dict.fromkeys(spec.sources, 0)
+        self._ready_groups: dict[str, ReadyGroup] = {}
+        self._pending_ids: dict[str, set[str]] = {}
+        self._admitted: dict[str, int] = dict.fromkeys(spec.sources, 0)
+        self._in_flight: dict[str, int] | None = None
+        self._b = 0
+        self._k = 0
+        self._seq = 0
+
+    # -- properties ------------------------------------------------------------------------------------
+    @property
+    def train_batch(self) -> int:
+        """Index of the train batch being admitted now."""
+        return self._b
+
+    @property
+    def minibatch_index(self) -> int:
+        """Index ``k`` of the next mini-batch within the current train batch."""
+        return self._k
+
+    @property
+    def step(self) -> int:
+        """Global index of the next mini-batch."""
+        return self._b * self._M + self._k
+
+    def ready_counts(self) -> dict[str, int]:
+        """Ready (complete, not admitted) trajectories per source."""
+        return {s: n * self._g for s, n in self._ready_n.items()}
+
+    def admitted_counts(self) -> dict[str, int]:
+        """Trajectories per source admitted so far in the current train batch."""
+        return {s: n * self._g for s, n in self._admitted.items()}
+
+    def remaining_quota(self) -> dict[str, int]:
+        """Trajectories per source still to admit in the current train batch."""
+        return {s: (self._Q[s] - self._admitted[s]) * self._g for s in self._Q}
+
+    # -- input ----------------------------------------------------------------------------------------
+    def offer(self, metas: Iterable[TrajectoryMeta]) -> None:
+        """Hand over finished trajectories' metadata.
+
+        Raises:
+            ValidationError: An unknown source, a trajectory id offered twice within its group, a member
+                of a group that is already complete and waiting, or a group whose members name different
+                sources. (Ids are not tracked across groups: that would cost a hash lookup per trajectory
+                on a set of size ``B / M``; the producer keeps ids unique, the policy keeps groups unique.)
+        """
+        g = self._g
+        for t in metas:
+            if not isinstance(t, TrajectoryMeta):
+                raise ValidationError(f"offer() takes TrajectoryMeta objects, got {type(t).__name__}", field="meta")
+            if t.source not in self._Q:
+                raise ValidationError(
+                    f"unknown source {t.source!r}; the batch spec knows {list(self._Q)}",
+                    trajectory_id=t.id,
+                    field="source",
+                )
+            if t.group in self._ready_groups:
+                raise ValidationError(
+                    f"group {t.group!r} is already complete with {g} members", trajectory_id=t.id, field="group"
+                )
+            members = self._pending.get(t.group)
+            if members is None:
+                members = self._pending[t.group] = []
+                ids = self._pending_ids[t.group] = set()
+            elif members[0].source != t.source:
+                raise ValidationError(
+                    f"group {t.group!r} mixes sources {members[0].source!r} and {t.source!r}",
+                    trajectory_id=t.id,
+                    field="source",
+                )
+            else:
+                ids = self._pending_ids[t.group]
+                if t.id in ids:
+                    raise ValidationError(
+                        f"offered twice (group {t.group!r} is waiting for its other members)", trajectory_id=t.id
+                    )
+            members.append(t)
+            ids.add(t.id)
+            self._pending_members[t.source] += 1
+            if len(members) == g:
+                del self._pending[t.group]
+                del self._pending_ids[t.group]
+                self._pending_members[t.source] -= g
+                grp = ReadyGroup(self._seq, t.group, t.source, tuple(members), min(x.gen_version for x in members))
+                self._seq += 1
+                self._ready[t.source].append(grp)
+                self._ready_n[t.source] += 1
+                self._ready_groups[t.group] = grp
+
+    def set_in_flight(self, counts: Mapping[str, int]) -> None:
+        """Tell how many trajectories per source are in flight or still to dispatch for this train batch.
+
+        Counts refer to the current train batch and are cleared when it completes (until set again, the
+        rest of each quota is assumed to be coming). Sources not named count as 0.
+
+        Raises:
+            QuotaInfeasibleError: (quota-preserving policies, non-continuous mode) a source can no longer
+                deliver its remaining quota.
+        """
+        if not isinstance(counts, Mapping):
+            raise ValidationError(f"set_in_flight takes a mapping {{source: count}}, got {type(counts).__name__}",
+                                  field="counts")
+        c: dict[str, int] = dict.fromkeys(self._Q, 0)
+        for s, n in counts.items():
+            if s not in c:
+                raise ValidationError(f"set_in_flight: unknown source {s!r}; known {list(self._Q)}", field="source")
+            try:
+                n = operator.index(n)  # ints, numpy ints; not floats, strings or None
+            except TypeError:
+                raise ValidationError(f"set_in_flight: count for {s!r} must be an int, got {n!r}", field="source") from None
+            if int(n) < 0:
+                raise ValidationError(f"set_in_flight: count for {s!r} is negative ({n})", field="source")
+            c[s] = int(n)
+        self._in_flight = c
+        self._check_supply()
+
+    def withdraw(self, group: str) -> list[TrajectoryMeta]:
+        """Drop a group (rollout aborted it or a filter rejected it).
+
+        Returns:
+            The members that were waiting (pending or ready); ``[]`` if the group is unknown or already
+            admitted. Does not raise on supply: the next :meth:`poll` or :meth:`set_in_flight` does.
+        """
+        members = self._pending.pop(group, None)
+        if members is not None:
+            del self._pending_ids[group]
+            self._pending_members[members[0].source] -= len(members)
+            return list(members)
+        grp = self._ready_groups.pop(group, None)
+        if grp is None:
+            return []
+        self._ready_n[grp.source] -= 1
+        out: list[TrajectoryMeta] = list(grp.metas)
+        grp.metas = ()  # lazily skipped when it reaches the deque head
+        return out
+
+    # -- output ---------------------------------------------------------------------------------------
+    def poll(self, now: float | None = None) -> list[AdmittedMiniBatch]:
+        """Admit every mini-batch that can be admitted now, in order.
+
+        Args:
+            now: A timestamp recorded as ``admitted_at``.
+
+        Raises:
+            QuotaInfeasibleError: see :meth:`set_in_flight`.
+        """
+        out: list[AdmittedMiniBatch] = []
+        while True:
+            self._check_supply()
+            counts = self._choose()
+            if counts is None:
+                break
+            out.append(self._emit(counts, now))
+        return out
+
+    @abc.abstractmethod
+    def _choose(self) -> dict[str, int] | list[ReadyGroup] | None:
+        """Composition of the next mini-batch in groups per source (or the groups), or ``None`` to wait."""
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _head(self, s: str) -> ReadyGroup | None:
+        dq = self._ready[s]
+        while dq and not dq[0].metas:
+            dq.popleft()
+        return dq[0] if dq else None
+
+    def _pop(self, s: str) -> ReadyGroup:
+        grp = self._head(s)
+        assert grp is not None, "ready counter out of sync"
+        self._ready[s].popleft()
+        self._ready_n[s] -= 1
+        del self._ready_groups[grp.group]
+        return grp
+
+    def _remaining(self) -> dict[str, int]:
+        return {s: self._Q[s] - self._admitted[s] for s in self._Q}
+
+    def _check_supply(self) -> None:
+        if self.continuous or not self.preserves_quotas or self._in_flight is None:
+            return
+        for s, Q in self._Q.items():
+            need = Q - self._admitted[s]
+            if need <= 0:
+                continue
+            coming = (self._pending_members[s] + self._in_flight.get(s, 0)) // self._g
+            if self._ready_n[s] + coming < need:
+                raise QuotaInfeasibleError(
+                    f"source {s!r} cannot meet its quota in train batch {self._b}: it still needs "
+                    f"{need * self._g} trajectories but has {self._ready_n[s] * self._g} ready, "
+                    f"{self._pending_members[s]} in incomplete groups and {self._in_flight.get(s, 0)} in flight; "
+                    f"dispatch more prompts of {s!r} (oversample) or lower its quota"
+                )
+
+    def _compose(self, lo: Mapping[str, int], hi: Mapping[str, int]) -> list[ReadyGroup]:
+        """Take ``lo_s`` groups of every source, then fill by preference up to ``hi_s``.
+
+        Preference: oldest ``gen_version`` at the head of the source's queue, then the source furthest
+        behind its linear target ``(k+1) q_s / M``, then arrival order.
+        """
+        taken: list[ReadyGroup] = []
+        x = dict.fromkeys(self._Q, 0)
+        for s, n in lo.items():
+            for _ in range(n):
+                taken.append(self._pop(s))
+            x[s] = n
+        left = self._mm - len(taken)
+        k1, M = self._k + 1, self._M
+        heap: list[tuple[int, float, int, str]] = []
+
+        def push(s: str) -> None:
+            if x[s] < hi[s]:
+                h = self._head(s)
+                if h is not None:
+                    behind = k1 * self._Q[s] / M - (self._admitted[s] + x[s])
+                    heapq.heappush(heap, (h.version, -behind, h.seq, s))
+
+        for s in self._Q:
+            push(s)
+        while left > 0:
+            _, _, _, s = heapq.heappop(heap)
+            taken.append(self._pop(s))
+            x[s] += 1
+            left -= 1
+            push(s)
+        return taken
+
+    def _emit(self, choice: dict[str, int] | list[ReadyGroup], now: float | None) -> AdmittedMiniBatch:
+        if isinstance(choice, dict):
+            groups = self._compose(choice, choice)
+        else:
+            groups = choice
+        trajs: list[TrajectoryMeta] = []
+        for grp in groups:
+            self._admitted[grp.source] += 1
+            trajs.extend(grp.metas)
+        mb = AdmittedMiniBatch(self._b, self._k, self._b * self._M + self._k, tuple(trajs), now,
+                               tuple(len(grp.metas) for grp in groups))
+        self._k += 1
+        if self._k == self._M:
+            self._k = 0
+            self._b += 1
+            self._admitted = dict.fromkeys(self._Q, 0)
+            self._in_flight = None
+        return mb
+
+    # -- state ----------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Return a JSON-serializable snapshot (pending and ready metadata included)."""
+        ready: list[list[Any]] = []
+        for s in self._Q:
+            for grp in self._ready[s]:
+                if grp.metas:
+                    ready.append([grp.seq, grp.group, [t.to_dict() for t in grp.metas]])
+        ready.sort(key=lambda r: int(r[0]))
+        return {
+            "policy": self.name,
+            "spec": self.spec.to_dict(),
+            "continuous": self.continuous,
+            "train_batch": self._b,
+            "index": self._k,
+            "seq": self._seq,
+            "admitted": dict(self._admitted),
+            "in_flight": None if self._in_flight is None else dict(self._in_flight),
+            "pending": [[grp, [t.to_dict() for t in ms]] for grp, ms in self._pending.items()],
+            "ready": ready,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a snapshot from :meth:`state_dict`.
+
+        Raises:
+            StateError: The snapshot belongs to another policy or another batch spec, or is malformed (any
+                malformed state raises it; nothing changes then).
+        """
+        try:
+            if state["policy"] != self.name:
+                raise StateError(f"state is for policy {state['policy']!r}, not {self.name!r}")
+            if BatchSpec.from_dict(state["spec"]) != self.spec:
+                raise StateError(f"state has batch spec {state['spec']}, this policy has {self.spec.to_dict()}")
+            fresh = type(self).__new__(type(self))
+            AdmissionPolicy.__init__(fresh, self.spec, continuous=bool(state["continuous"]))
+            for _grp, ms in state["pending"]:
+                if not isinstance(ms, list) or not 0 < len(ms) < self._g:
+                    raise StateError(f"a pending group holds 1 to {self._g - 1} members, got {str(ms)[:100]}")
+                fresh.offer(TrajectoryMeta.from_dict(d) for d in ms)
+            last = -1
+            for seq, _grp, ms in state["ready"]:
+                if isinstance(seq, bool) or not isinstance(seq, int) or seq <= last or not isinstance(ms, list) \
+                        or len(ms) != self._g:
+                    raise StateError(f"a ready group is [seq (increasing), group, {self._g} members], got "
+                                     f"{str([seq, _grp, ms])[:100]}")
+                last = fresh._seq = seq
+                fresh.offer(TrajectoryMeta.from_dict(d) for d in ms)
+            fresh._seq = _count(state["seq"], "seq", last + 1)
+            fresh._b = _count(state["train_batch"], "train_batch")
+            fresh._k = _count(state["index"], "index", 0, self._M - 1)
+            adm = state["admitted"]
+            if not isinstance(adm, Mapping) or set(adm) != set(self._Q):
+                raise StateError(f"admitted must name the sources {sorted(self._Q)}, got {str(adm)[:100]}")
+            fresh._admitted = {s: _count(adm[s], f"admitted.{s}") for s in self._Q}
+            inf = state["in_flight"]
+            if inf is not None and (not isinstance(inf, Mapping) or not set(inf) <= set(self._Q)):
+                raise StateError(f"in_flight must be null or counts of sources {sorted(self._Q)}, got {str(inf)[:100]}")
+            fresh._in_flight = None if inf is None else {s: _count(inf.get(s, 0), f"in_flight.{s}") for s in self._Q}
+        except StateError:
+            raise
+        except KnitdataError as e:
+            raise StateError(f"not a {self.name} admission state: {e}") from e
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
+            raise StateError(f"not a {self.name} admission state: {e!r}") from e
+        for attr in (
+            "continuous",
+            "_pending",
+            "_pending_members",
+            "_ready",
+            "_ready_n",
+            "_ready_groups",
+            "_pending_ids",
+            "_admitted",
+            "_in_flight",
+            "_b",
+            "_k",
+            "_seq",
+        ):
+            setattr(self, attr, getattr(fresh, attr))

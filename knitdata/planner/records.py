@@ -1,0 +1,280 @@
+"""What a plan is: :class:`MicroBatchInfo` (the trainer's record of a micro-batch), the plan's rows
+(:class:`PlannedMicroBatch`) and :class:`MiniBatchPlan`, and what the planner reads of an admitted mini-batch.
+
+:class:`MicroBatchInfo` is produced here, from a plan row (:meth:`PlannedMicroBatch.to_info`); the control
+plane stores it as JSON and the datasets hand it to the trainer with every micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Any, NamedTuple, Protocol
+
+from knitdata.errors import ValidationError
+from knitdata.record import TrajectoryMeta
+
+__all__ = [
+    "AdmittedLike",
+    "MicroBatchInfo",
+    "PlannedMicroBatch",
+    "MiniBatchPlan",
+    "single_microbatches",
+    "microbatch_factory",
+]
+
+
+class AdmittedLike(Protocol):
+    """What the planner reads of an admitted mini-batch (:class:`knitdata.admission.AdmittedMiniBatch`).
+
+    An optional ``group_sizes`` attribute (the sizes of the consecutive whole groups ``trajectories`` is made
+    of, as admission emits them) spares the planner a scan of every trajectory's group id; it is checked
+    against the groups of each group's first and last trajectory.
+    """
+
+    @property
+    def train_batch(self) -> int: ...
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def trajectories(self) -> tuple[TrajectoryMeta, ...]: ...
+
+
+@dataclass(frozen=True)
+class MicroBatchInfo:
+    """Planner metadata of one micro-batch. Immutable and JSON-serializable.
+
+    Attributes:
+        consumer: Rank of the consumer that receives it.
+        train_batch: Train batch index ``b`` (0-based).
+        minibatch: Global mini-batch step (``b * M + k``).
+        minibatch_in_batch: Index ``k`` of the mini-batch within its train batch.
+        microbatch: Index ``i`` of this micro-batch within this consumer's share of the mini-batch.
+        num_microbatches: Micro-batches of the mini-batch per consumer (the same on every consumer).
+        is_last: ``i == num_microbatches - 1``: sync gradients / step the optimizer after it.
+        global_tokens: Tokens of the whole mini-batch over all consumers (loss scaling).
+        global_trajectories: Trajectories of the whole mini-batch over all consumers.
+        global_loss_tokens: Loss-mask tokens of the whole mini-batch (0 if unknown).
+        trajectory_ids: Ids of the trajectories in this micro-batch, in row order.
+        gen_versions: Their ``gen_version``, in the same order.
+    """
+
+    consumer: int
+    train_batch: int
+    minibatch: int
+    minibatch_in_batch: int
+    microbatch: int
+    num_microbatches: int
+    is_last: bool
+    global_tokens: int
+    global_trajectories: int
+    global_loss_tokens: int = 0
+    trajectory_ids: tuple[str, ...] = ()
+    gen_versions: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "trajectory_ids", tuple(self.trajectory_ids))
+        object.__setattr__(self, "gen_versions", tuple(self.gen_versions))
+        if self.num_microbatches < 1:
+            raise ValidationError(f"must be >= 1, got {self.num_microbatches}", field="num_microbatches")
+        if not 0 <= self.microbatch < self.num_microbatches:
+            raise ValidationError(
+                f"must be in [0, {self.num_microbatches}), got {self.microbatch}", field="microbatch"
+            )
+        if bool(self.is_last) != (self.microbatch == self.num_microbatches - 1):
+            raise ValidationError(
+                f"is_last={self.is_last} contradicts microbatch={self.microbatch} of {self.num_microbatches}",
+                field="is_last",
+            )
+        if len(self.trajectory_ids) != len(self.gen_versions):
+            raise ValidationError(
+                f"{len(self.trajectory_ids)} trajectory ids but {len(self.gen_versions)} gen_versions",
+                field="gen_versions",
+            )
+
+    @property
+    def is_empty(self) -> bool:
+        """True when the micro-batch holds no trajectory (a padding step so every rank steps alike)."""
+        return not self.trajectory_ids
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a JSON-serializable dict (inverse: :meth:`from_dict`)."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["trajectory_ids"] = list(self.trajectory_ids)
+        d["gen_versions"] = list(self.gen_versions)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> MicroBatchInfo:
+        """Build from :meth:`to_dict` output.
+
+        Raises:
+            ValidationError: A key is missing or a value has the wrong type.
+        """
+        try:
+            return cls(
+                consumer=int(d["consumer"]),
+                train_batch=int(d["train_batch"]),
+                minibatch=int(d["minibatch"]),
+                minibatch_in_batch=int(d["minibatch_in_batch"]),
+                microbatch=int(d["microbatch"]),
+                num_microbatches=int(d["num_microbatches"]),
+                is_last=bool(d["is_last"]),
+                global_tokens=int(d["global_tokens"]),
+                global_trajectories=int(d["global_trajectories"]),
+                global_loss_tokens=int(d.get("global_loss_tokens", 0)),
+                trajectory_ids=tuple(str(x) for x in d.get("trajectory_ids", ())),
+                gen_versions=tuple(int(x) for x in d.get("gen_versions", ())),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, ValidationError):
+                raise
+            raise ValidationError(f"bad micro-batch info {dict(d)!r}: {e!r}", field="info") from e
+
+
+class PlannedMicroBatch(NamedTuple):
+    """One consumer's micro-batch in a plan (metadata only): an immutable record.
+
+    A :class:`~typing.NamedTuple` rather than a dataclass: a plan at cluster scale builds one per consumer
+    and micro-batch (8,000 ranks: 8,000 per mini-batch), and a tuple is the cheapest immutable record
+    Python builds in bulk. Read it by attribute; equality and hashing are those of its fields.
+
+    Attributes:
+        consumer: Rank.
+        train_batch: Train batch ``b``.
+        minibatch: Global mini-batch step.
+        minibatch_in_batch: ``k`` within the train batch.
+        microbatch: ``i`` within this consumer's share.
+        num_microbatches: ``K``, the same on every consumer.
+        global_tokens: Tokens of the whole mini-batch.
+        global_trajectories: Trajectories of the whole mini-batch.
+        global_loss_tokens: Loss tokens of the whole mini-batch (0 if unknown).
+        trajectories: Its trajectories, in row order (empty for a padding micro-batch).
+    """
+
+    consumer: int
+    train_batch: int
+    minibatch: int
+    minibatch_in_batch: int
+    microbatch: int
+    num_microbatches: int
+    global_tokens: int
+    global_trajectories: int
+    global_loss_tokens: int
+    trajectories: tuple[TrajectoryMeta, ...]
+
+    @property
+    def is_last(self) -> bool:
+        """Whether it is the consumer's last micro-batch of the mini-batch."""
+        return self.microbatch == self.num_microbatches - 1
+
+    @property
+    def trajectory_ids(self) -> tuple[str, ...]:
+        """Ids in row order."""
+        return tuple(m.id for m in self.trajectories)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of this micro-batch."""
+        return sum(m.num_tokens for m in self.trajectories)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of this micro-batch."""
+        return sum(m.nbytes for m in self.trajectories)
+
+    def to_info(self) -> MicroBatchInfo:
+        """The :class:`MicroBatchInfo` handed to the trainer with the micro-batch."""
+        return MicroBatchInfo(
+            consumer=self.consumer,
+            train_batch=self.train_batch,
+            minibatch=self.minibatch,
+            minibatch_in_batch=self.minibatch_in_batch,
+            microbatch=self.microbatch,
+            num_microbatches=self.num_microbatches,
+            is_last=self.is_last,
+            global_tokens=self.global_tokens,
+            global_trajectories=self.global_trajectories,
+            global_loss_tokens=self.global_loss_tokens,
+            trajectory_ids=self.trajectory_ids,
+            gen_versions=tuple(m.gen_version for m in self.trajectories),
+        )
+
+
+@dataclass(frozen=True)
+class MiniBatchPlan:
+    """The assignment of one admitted mini-batch.
+
+    Attributes:
+        train_batch: Train batch ``b``.
+        minibatch: Global mini-batch step.
+        minibatch_in_batch: ``k``.
+        num_microbatches: ``K`` per consumer.
+        microbatches: ``microbatches[rank]`` is that consumer's ``K`` micro-batches in order.
+        local_bytes: Payload bytes whose consumer is on the node that holds them.
+        remote_bytes: Payload bytes that cross nodes.
+    """
+
+    train_batch: int
+    minibatch: int
+    minibatch_in_batch: int
+    num_microbatches: int
+    microbatches: tuple[tuple[PlannedMicroBatch, ...], ...]
+    local_bytes: int
+    remote_bytes: int
+
+    @property
+    def num_consumers(self) -> int:
+        """Number of consumers."""
+        return len(self.microbatches)
+
+    def share(self, rank: int) -> tuple[TrajectoryMeta, ...]:
+        """All trajectories of ``rank`` in plan order."""
+        return tuple(m for mb in self.microbatches[rank] for m in mb.trajectories)
+
+    def share_tokens(self) -> list[int]:
+        """Tokens per consumer."""
+        return [sum(mb.num_tokens for mb in row) for row in self.microbatches]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serializable summary (ids per micro-batch)."""
+        return {
+            "train_batch": self.train_batch,
+            "minibatch": self.minibatch,
+            "minibatch_in_batch": self.minibatch_in_batch,
+            "num_microbatches": self.num_microbatches,
+            "ids": [[list(mb.trajectory_ids) for mb in row] for row in self.microbatches],
+            "local_bytes": self.local_bytes,
+            "remote_bytes": self.remote_bytes,
+        }
+
+
+def single_microbatches(common: dict[str, Any], shares: list[Sequence[TrajectoryMeta]]) -> list[PlannedMicroBatch]:
+    """Micro-batch 0 of every consumer (``shares[rank]``), sharing ``common`` fields, in bulk (one C-level
+    pass of ``tuple.__new__``)."""
+    c = common
+    fields = zip(range(len(shares)), repeat(c["train_batch"]), repeat(c["minibatch"]), repeat(c["minibatch_in_batch"]),
+                 repeat(0), repeat(c["num_microbatches"]), repeat(c["global_tokens"]),
+                 repeat(c["global_trajectories"]), repeat(c["global_loss_tokens"]), map(tuple, shares))
+    return list(map(tuple.__new__, repeat(PlannedMicroBatch), fields))
+
+
+def microbatch_factory(common: dict[str, Any]) -> Callable[[int, int, Sequence[TrajectoryMeta]], PlannedMicroBatch]:
+    """A constructor of :class:`PlannedMicroBatch` es sharing ``common`` fields (positional, no keyword parsing)."""
+    c = common
+    head = (c["train_batch"], c["minibatch"], c["minibatch_in_batch"])
+    tail = (c["num_microbatches"], c["global_tokens"], c["global_trajectories"], c["global_loss_tokens"])
+    new = tuple.__new__
+    cls = PlannedMicroBatch
+
+    def make(consumer: int, microbatch: int, trajectories: Sequence[TrajectoryMeta]) -> PlannedMicroBatch:
+        return new(cls, (consumer, *head, microbatch, *tail, tuple(trajectories)))
+
+    return make
