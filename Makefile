@@ -27,7 +27,7 @@ install: $(VENV)/.installed-base
 install-dev: $(VENV)/.installed-dev
 
 demo: $(VENV)/.installed-base
-	$(PY) -m knitdata demo
+	$(PY) -m benchmarks demo
 
 test: $(VENV)/.installed-dev
 	@$(PY) -m pytest -q -n 2 --dist loadfile --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc

@@ -25,7 +25,7 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from knitdata.bench.control import make_admitted, plan_quality  # noqa: E402
+from benchmarks.control import make_admitted, plan_quality  # noqa: E402
 from knitdata.placement import ConsumerLayout  # noqa: E402
 from knitdata.planner import Planner  # noqa: E402
 

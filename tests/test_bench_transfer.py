@@ -1,4 +1,4 @@
-"""Tests of the transfer benchmark (knitdata/bench/transfer.py): its pieces, an in-process run, and the smoke run.
+"""Tests of the transfer benchmark (benchmarks/transfer.py): its pieces, an in-process run, and the smoke run.
 
 The smoke run (`knitdata bench transfer --smoke`, every mode, transferqueue included when installed, with the
 default `--compute accel`) runs in a subprocess under the 240 s hard time-out of issue 8; it checks the JSON keys
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from knitdata.bench import transfer as tb
+from benchmarks import transfer as tb
 from knitdata.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -567,7 +567,7 @@ def test_consumer_processes_exit_when_the_driver_dies():
     import signal
     import time
 
-    code = ("import time\nfrom knitdata.bench import transfer as tb\npool = tb._WorkerPool(1)\n"
+    code = ("import time\nfrom benchmarks import transfer as tb\npool = tb._WorkerPool(1)\n"
             "print(pool.procs[0].pid, flush=True)\ntime.sleep(600)\n")
     driver = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     child = int(driver.stdout.readline())
