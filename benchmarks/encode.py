@@ -47,14 +47,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
+from benchmarks.common.models import TransformerBackbone, TransformerPatchEncoder
 from benchmarks.common.output import write_json
 
 __all__ = [
     "EncodeConfig",
-    "VisionEncoder",
-    "Backbone",
     "build_workload",
     "run_step",
     "count_flops",
@@ -115,49 +113,12 @@ class EncodeConfig:
                    dim=32, layers=1, text_tokens=8, repeats=2, warmup=0, rss=False)
 
 
-class VisionEncoder(nn.Module):
-    """Patch embedding and a few transformer layers over each image's patches (images independent).
-
-    Takes packed patches ``[U * P, C * p * p]`` with offsets (all images have ``P`` patches) and returns one
-    row per patch ``[U * P, enc_dim]``.
-    """
-
-    def __init__(self, patch_dim: int, dim: int, layers: int, out_dim: int):
-        super().__init__()
-        self.embed = nn.Linear(patch_dim, dim)
-        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, dropout=0.0, batch_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.proj = nn.Linear(dim, out_dim)
-
-    def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        u = offsets.numel() - 1
-        x = self.embed(values).reshape(u, -1, self.embed.out_features)
-        return self.proj(self.blocks(x)).reshape(-1, self.proj.out_features)
-
-
-class Backbone(nn.Module):
-    """A small transformer over ``[image rows, text tokens]`` per trajectory with a token loss."""
-
-    def __init__(self, dim: int, layers: int, vocab: int = 256):
-        super().__init__()
-        self.emb = nn.Embedding(vocab, dim)
-        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, dropout=0.0, batch_first=True)
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        b = ids.shape[0]
-        x = torch.cat([rows.reshape(b, -1, rows.shape[-1]), self.emb(ids)], 1)
-        logits = self.head(self.blocks(x)[:, -ids.shape[1] :])
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
-
-
 @dataclass
 class Workload:
     """Models and one mini-batch for group size ``n``."""
 
-    encoder: VisionEncoder
-    backbone: Backbone
+    encoder: TransformerPatchEncoder
+    backbone: TransformerBackbone
     batch: Any  # MultimodalBatch
     ids: list[torch.Tensor]  # per micro-batch [b, T]
     scales: list[float]
@@ -181,8 +142,8 @@ def build_workload(cfg: EncodeConfig, n: int) -> Workload:
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed + n)
     patch_dim = 3 * cfg.patch * cfg.patch
-    encoder = VisionEncoder(patch_dim, cfg.enc_dim, cfg.enc_layers, cfg.dim)
-    backbone = Backbone(cfg.dim, cfg.layers)
+    encoder = TransformerPatchEncoder(patch_dim, cfg.enc_dim, cfg.enc_layers, cfg.dim)
+    backbone = TransformerBackbone(cfg.dim, cfg.layers)
     trajs = []
     for g in range(cfg.trajectories // n):
         img = MediaItem(kind="image", tensor=torch.randint(0, 256, (3, cfg.image, cfg.image), dtype=torch.uint8))

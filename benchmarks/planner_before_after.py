@@ -97,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{'ranks':>6} {'trajectories':>12} {'before_ms':>10} {'after_ms':>9} {'speedup':>8} "
           f"{'before_min':>10} {'after_min':>9} {'identical':>9} {'max/mean tok':>12} {'cross-node':>10}")
-    for ranks, by_n in points.items():
+    for ranks_key, by_n in points.items():
         for n, p in by_n.items():
             b, f = p["before"], p["after"]
-            print(f"{ranks:>6} {n:>12} {b['plan_ms']:>10.1f} {f['plan_ms']:>9.1f} {p['speedup']:>7.2f}x "
+            print(f"{ranks_key:>6} {n:>12} {b['plan_ms']:>10.1f} {f['plan_ms']:>9.1f} {p['speedup']:>7.2f}x "
                   f"{b['plan_ms_min']:>10.1f} {f['plan_ms_min']:>9.1f} {str(p['identical_plans']):>9} "
                   f"{f['max_over_mean_tokens']:>12.3f} {f['cross_node_bytes_fraction']:>10.3f}")
     print(f"load average: start {' '.join(f'{x:.2f}' for x in load_start)}, "

@@ -1,5 +1,14 @@
-"""Toy models of the benchmarks: a tiny vision-language model (patch-MLP vision encoder, audio encoder, MLP
-backbone), its presets (CPU, smoke, omni, a 7B-class projection) and FLOP counting per step."""
+"""Toy models of the benchmarks, in one place.
+
+* The transfer benchmark's tiny vision-language model (:class:`TinyVLM`: a patch-MLP vision encoder, an audio
+  encoder, an MLP backbone), its presets (CPU, smoke, omni, a 7B-class projection) and FLOP counting per step;
+* the encode benchmark's transformer patch encoder and backbone (:class:`TransformerPatchEncoder`,
+  :class:`TransformerBackbone`);
+* the demo's per-patch MLP encoder and residual-MLP language model (:class:`MlpPatchEncoder`, :class:`MlpVLM`).
+
+The learning benchmark's policy (``SortPolicy``) stays with its task in :mod:`benchmarks.learning`; the vlm
+benchmark builds real ``transformers`` architectures from configs.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +25,7 @@ from knitdata.errors import ConfigError
 if TYPE_CHECKING:  # annotations only: the workload module imports this one
     from benchmarks.common.workload import TransferWorkload
 
-__all__ = ["DEFAULT_GPU_TFLOPS", "VLMConfig", "TINY_VLM", "SMOKE_VLM", "OMNI_VLM", "OMNI_SMOKE_VLM", "GPU_VLM", "VisionEncoder", "media_tokens", "TinyVLM", "preprocess", "count_step_flops"]
+__all__ = ["TransformerPatchEncoder", "TransformerBackbone", "MlpPatchEncoder", "MlpVLM", "DEFAULT_GPU_TFLOPS", "VLMConfig", "TINY_VLM", "SMOKE_VLM", "OMNI_VLM", "OMNI_SMOKE_VLM", "GPU_VLM", "VisionEncoder", "media_tokens", "TinyVLM", "preprocess", "count_step_flops"]
 
 
 #: Default effective GPU rate for the projection (bf16, dense, per GPU).
@@ -299,3 +308,73 @@ def count_step_flops(cfg: VLMConfig, w: TransferWorkload) -> dict[str, float]:
         "params": float(params),
         "prompt_tokens_counted": float(w.prompt_tokens),
     }
+
+
+# ------------------------------------------------------------------ the encode benchmark's models
+class TransformerPatchEncoder(nn.Module):
+    """Patch embedding and a few transformer layers over each image's patches (images independent).
+
+    Takes packed patches ``[U * P, C * p * p]`` with offsets (all images have ``P`` patches) and returns one
+    row per patch ``[U * P, enc_dim]``.
+    """
+
+    def __init__(self, patch_dim: int, dim: int, layers: int, out_dim: int):
+        super().__init__()
+        self.embed = nn.Linear(patch_dim, dim)
+        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, dropout=0.0, batch_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.proj = nn.Linear(dim, out_dim)
+
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        u = offsets.numel() - 1
+        x = self.embed(values).reshape(u, -1, self.embed.out_features)
+        return self.proj(self.blocks(x)).reshape(-1, self.proj.out_features)
+
+
+class TransformerBackbone(nn.Module):
+    """A small transformer over ``[image rows, text tokens]`` per trajectory with a token loss."""
+
+    def __init__(self, dim: int, layers: int, vocab: int = 256):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=4 * dim, dropout=0.0, batch_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        b = ids.shape[0]
+        x = torch.cat([rows.reshape(b, -1, rows.shape[-1]), self.emb(ids)], 1)
+        logits = self.head(self.blocks(x)[:, -ids.shape[1] :])
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+
+
+# ------------------------------------------------------------------ the demo's models
+class MlpPatchEncoder(nn.Module):
+    """A per-patch MLP: items are independent inside it, so shared encoding is exact."""
+
+    def __init__(self, patch_dim: int, dim: int):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(patch_dim, dim), nn.GELU(), nn.Linear(dim, dim))
+
+    def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """Encode packed patch rows ``[N, patch_dim]`` (``offsets`` unused: rows are independent)."""
+        return self.net(values)
+
+
+class MlpVLM(nn.Module):
+    """Token embedding plus the mean image feature of the sequence, residual MLP blocks, a vocabulary head."""
+
+    def __init__(self, vocab: int, dim: int, layers: int = 2, hidden: int = 512):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)) for _ in range(layers)
+        )
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, input_ids: torch.Tensor, image_feat: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, vocab]`` from token ids ``[B, T]`` and one image feature per sequence ``[B, dim]``."""
+        h = self.embed(input_ids) + image_feat[:, None, :]
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)

@@ -120,6 +120,14 @@ def _xproc_job(conn: Any) -> dict[str, Any] | None:
     return job if isinstance(job, dict) else None
 
 
+def _xproc_start(conn: Any) -> tuple[dict[str, Any], _EventLog, SoakConfig] | None:
+    """A worker's job (:func:`_xproc_job`), its event log and its soak configuration; ``None`` without a job."""
+    job = _xproc_job(conn)
+    if job is None:
+        return None
+    return job, _EventLog(job["events"]), SoakConfig(**job["config"])
+
+
 def _xproc_attach(job: dict[str, Any]) -> Any:
     from knitdata.pipeline import Pipeline
 
@@ -133,12 +141,11 @@ def _xproc_consumer(conn: Any) -> None:
     (write + rename), commits it, and logs each step's ids; at ``job["crash_after"]`` micro-batches it SIGKILLs
     itself at ``crash_point`` (the driver then spawns the next incarnation).
     """
-    job = _xproc_job(conn)
-    if job is None:
+    started = _xproc_start(conn)
+    if started is None:
         return
-    log = _EventLog(job["events"])
+    job, log, cfg = started
     try:
-        cfg = SoakConfig(**job["config"])
         rank = int(job["rank"])
         pipe = _xproc_attach(job)
         bad: list[str] = []
@@ -196,12 +203,11 @@ def _xproc_producer(conn: Any, go: Any, stop_at: Any, progress: Any, lock: Any) 
     starts batch ``b`` only while ``b < stop_at`` (set by the driver at the deadline to one past the last batch
     any producer started), so every batch started is completed by all producers and can be admitted.
     """
-    job = _xproc_job(conn)
-    if job is None:
+    started = _xproc_start(conn)
+    if started is None:
         return
-    log = _EventLog(job["events"])
+    job, log, cfg = started
     try:
-        cfg = SoakConfig(**job["config"])
         p, count = int(job["index"]), int(job["count"])
         pipe = _xproc_attach(job)
         log.write("ready", pid=os.getpid())
