@@ -1,6 +1,6 @@
 """Admission benchmark: architectural staleness and quota violations per admission policy.
 
-``knitdata bench admission [--scenario NAME] [--seed N] [--seeds N] [--sweep-m] [--scaling] [--json PATH]
+``python -m benchmarks admission [--scenario NAME] [--seed N] [--seeds N] [--sweep-m] [--scaling] [--json PATH]
 [--plot PATH]`` simulates the scenario (:mod:`benchmarks.sim`) once per seed with each of the four policies
 on identical durations, prints a table of medians over seeds, and writes JSON and a plot. ``--sweep-m``
 repeats ``skewed`` for M = 4, 8, 16; the admission-cost scaling measurement (microseconds per trajectory

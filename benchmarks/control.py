@@ -1,4 +1,4 @@
-"""``knitdata bench control``: control-plane throughput, put latency, commit cost; ``--scale``: planning at cluster scale.
+"""``python -m benchmarks control``: control-plane throughput, put latency, commit cost; ``--scale``: planning at cluster scale.
 
 ``--scale`` times :meth:`knitdata.planner.Planner.plan` alone (metadata only, no engine): one admitted
 mini-batch of ``--trajectories`` trajectories (GRPO groups of ``--group-size``, 256 to 16,384 tokens each,
@@ -45,7 +45,7 @@ __all__ = ["add_arguments", "reference_ms", "run", "run_scale", "run_engines", "
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``knitdata bench control``."""
+    """Options of ``python -m benchmarks control``."""
     parser.add_argument("--scale", action="store_true", help="plan mini-batches at cluster scale (metadata only)")
     parser.add_argument("--trajectories", type=int, nargs="+", default=[8_000, 64_000],
                         help="trajectories per mini-batch (--scale)")

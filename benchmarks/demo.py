@@ -1,4 +1,4 @@
-"""``knitdata demo``: the whole path on the embedded engine, end to end, in about half a minute.
+"""``python -m benchmarks demo`` (``make demo``): the whole path on the embedded engine, end to end, in about half a minute.
 
 Simulated rollout (C slots, three sources with skewed log-normal durations, partial-rollout-free,
 weights synced after every optimizer step, a one-step pipeline that dispatches train batch b+1 once
@@ -590,7 +590,7 @@ def format_report(rep: DemoReport) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Arguments of ``knitdata demo``."""
+    """Arguments of ``python -m benchmarks demo``."""
     p.add_argument("--train-batches", type=int, default=DemoConfig.train_batches, help="train batches to run")
     p.add_argument("--consumers", type=int, default=DemoConfig.consumers, help="consumer threads (ranks)")
     p.add_argument("--seed", type=int, default=0)
@@ -599,7 +599,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``knitdata demo``."""
+    """Run ``python -m benchmarks demo``."""
     torch.set_num_threads(1)
     plot = not args.no_plot
     if plot:

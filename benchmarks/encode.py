@@ -377,7 +377,7 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``knitdata bench encode``."""
+    """Arguments of ``python -m benchmarks encode``."""
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a plot (needs matplotlib)")
     parser.add_argument("--quick", action="store_true", help="tiny workload (seconds; for tests)")
@@ -390,7 +390,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``knitdata bench encode``; print the table, write JSON and the plot."""
+    """Run ``python -m benchmarks encode``; print the table, write JSON and the plot."""
     cfg = EncodeConfig.quick() if args.quick else EncodeConfig()
     if args.group_sizes:
         cfg.group_sizes = args.group_sizes

@@ -1,4 +1,4 @@
-"""``knitdata bench journal``: the control plane's journal with and without compaction, side by side.
+"""``python -m benchmarks journal``: the control plane's journal with and without compaction, side by side.
 
 One workload, run with each setting (``--compact-every``, ``0`` = never): a
 :class:`~knitdata.control.ControlPlane` with a :class:`~knitdata.control.journal.Journal` (metadata only, no
@@ -35,7 +35,7 @@ __all__ = ["add_arguments", "run", "run_settings", "plane_config"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``knitdata bench journal``."""
+    """Options of ``python -m benchmarks journal``."""
     parser.add_argument("--trajectories", type=int, default=100_000, help="puts in the workload")
     parser.add_argument("--compact-every", type=int, nargs="+", default=[0, 10_000],
                         help="journal records between compactions, one setting each (0: never)")
@@ -158,7 +158,7 @@ def run_settings(directory: str, n: int, settings: list[int], group_size: int, r
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``knitdata bench journal``; prints a table and writes ``--json``."""
+    """Run ``python -m benchmarks journal``; prints a table and writes ``--json``."""
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency of the benchmarks

@@ -1,6 +1,6 @@
 """Learning benchmark: a small RL task trained *through* knitdata, where admission's staleness shows in the reward.
 
-``knitdata bench learning [--full | --smoke] [--seeds N] [--json PATH] [--plot PATH]`` trains the same
+``python -m benchmarks learning [--full | --smoke] [--seeds N] [--json PATH] [--plot PATH]`` trains the same
 policy on the same task with four regimes and reports the held-out reward per optimizer step (the analog of
 the seed paper's Figure 9), its area under the curve (AUC), the final reward, the steps to reach 0.8 and
 the architectural staleness each regime actually had.

@@ -1,6 +1,6 @@
 """Loader benchmark: knitdata's embedded loader vs a plain DataLoader, memcpy, and exposed latency per fetch mode.
 
-``knitdata bench loader [--json PATH] [--plot PATH] [--quick]`` measures, all in one run:
+``python -m benchmarks loader [--json PATH] [--plot PATH] [--quick]`` measures, all in one run:
 
 1. ``overhead``: iterating every micro-batch of the embedded store (a fresh pipeline per repeat, puts not
    timed) against ``torch.utils.data.DataLoader(num_workers=0)`` over the same in-memory trajectories, with
@@ -367,7 +367,7 @@ def _fmt_load(load: Sequence[float] | None) -> str:
 
 
 def format_table(doc: dict[str, Any]) -> str:
-    """The table printed by ``knitdata bench loader``."""
+    """The table printed by ``python -m benchmarks loader``."""
     ov = doc["overhead"]
     lines = [
         f"loader overhead vs torch DataLoader (num_workers=0, same collate, {ov['trajectories']} trajectories, "

@@ -1,4 +1,4 @@
-"""``knitdata bench placement``: bytes moved across nodes, consumer-aware placement against ``index % units``.
+"""``python -m benchmarks placement``: bytes moved across nodes, consumer-aware placement against ``index % units``.
 
 One run, one workload, both placements side by side on the Ray engine: a local
 ``ray.cluster_utils.Cluster`` with ``--nodes`` nodes (every one on 127.0.0.1, its own object store,
@@ -38,7 +38,7 @@ PLACEMENTS = ("consumer_aware", "index_mod")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``knitdata bench placement``."""
+    """Options of ``python -m benchmarks placement``."""
     parser.add_argument("--nodes", type=int, default=3, help="Ray nodes (one consumer rank and one unit each)")
     parser.add_argument("--groups", type=int, default=48, help="GRPO groups in the workload")
     parser.add_argument("--group-size", type=int, default=2)
@@ -339,7 +339,7 @@ def plot(summary: dict[str, Any], path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Entry point of ``knitdata bench placement``."""
+    """Entry point of ``python -m benchmarks placement``."""
     import ray
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")

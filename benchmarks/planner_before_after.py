@@ -2,7 +2,7 @@
 
 Usage: ``python benchmarks/planner_before_after.py [--before REV] [--repeats N] [--json PATH]``. The planner
 of ``--before`` (default ``cd7c8a3``, the heap-based planner) is loaded from git into a private module (it
-never enters the package); both plan the same admitted mini-batches of ``knitdata bench control --scale``
+never enters the package); both plan the same admitted mini-batches of ``python -m benchmarks control --scale``
 (groups of 8; 1,000 nodes x 8 ranks and 10 nodes x 8 ranks), alternating call by call, so load swings hit
 both alike. Reported per point: median and best ``plan_ms`` of each, the ratio of medians, whether the
 two plans are identical (every micro-batch's fields, K, local and remote bytes), and their token balance

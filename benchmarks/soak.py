@@ -1,6 +1,6 @@
 """Soak benchmark: a fast producer against slow, crashing consumers; nothing may be lost or duplicated.
 
-``knitdata bench soak --seconds N [--json PATH] [--engine embedded|ray]`` runs a producer that puts
+``python -m benchmarks soak --seconds N [--json PATH] [--engine embedded|ray]`` runs a producer that puts
 trajectories ``--speed-ratio`` times faster than the consumers (threads) can train on them, for ``N``
 seconds, into a :class:`~knitdata.pipeline.Pipeline` with a small store capacity, so producers block on a
 full store most of the time. Every consumer checkpoints its dataset's JSON state after each finished step and
@@ -138,7 +138,7 @@ def plot_timeline(results: list[dict[str, Any]], path: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Command-line options of ``knitdata bench soak``."""
+    """Command-line options of ``python -m benchmarks soak``."""
     d = SoakConfig()
     parser.add_argument("--seconds", type=float, default=d.seconds, help="how long the producer runs")
     parser.add_argument("--engine", choices=("embedded", "ray", "all"), default="embedded",

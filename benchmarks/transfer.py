@@ -63,7 +63,7 @@ from benchmarks.common.consumer import calibrate_compute, tq_patience
 from benchmarks.common.engines import PROCESS_MODES_ENGINE, RayCluster, run_embedded
 from benchmarks.common.harness import WorkerPool, job_base
 from benchmarks.common.models import DEFAULT_GPU_TFLOPS, OMNI_SMOKE_VLM, OMNI_VLM, SMOKE_VLM, TINY_VLM, VLMConfig
-from benchmarks.common.output import strict_json
+from benchmarks.common.output import command_line, strict_json
 from benchmarks.common.summary import (
     add_speedups,
     bytes_moved_from_metrics,
@@ -543,7 +543,7 @@ def run_gpu_benchmark(preset: GpuPreset, *, timeout_s: float = 600.0, progress: 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``knitdata bench transfer``."""
+    """Arguments of ``python -m benchmarks transfer``."""
     parser.add_argument("--json", metavar="PATH", help="write the result as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a PNG plot")
     parser.add_argument("--workload", choices=WORKLOADS, default="image",
@@ -605,7 +605,7 @@ def _workload_of(args: argparse.Namespace, steps: int, warmup: int) -> tuple[Tra
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``knitdata bench transfer``; prints the table, writes JSON/plot. Returns 0, or 1 if a run was not
+    """Run ``python -m benchmarks transfer``; prints the table, writes JSON/plot. Returns 0, or 1 if a run was not
     exactly-once."""
     if getattr(args, "gpu", False):
         try:
@@ -640,9 +640,7 @@ def run(args: argparse.Namespace) -> int:
                                         cfg=cfg, gpu_tflops=args.gpu_tflops, tq_units=args.tq_units,
                                         timeout_s=timeout, progress=not args.no_progress, compute=compute,
                                         calibration_reps=reps, interleave=interleave)
-    prog = os.path.basename(sys.argv[0]) if sys.argv else ""
-    result["command"] = (f"knitdata {' '.join(sys.argv[1:])}" if prog in ("__main__.py", "knitdata")
-                         else f"python {' '.join(sys.argv)}")
+    result["command"] = command_line()
     result["smoke"] = bool(args.smoke)
     print(format_table(result))
     if args.json:

@@ -394,7 +394,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``knitdata bench vlm``."""
+    """Arguments of ``python -m benchmarks vlm``."""
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     preset = parser.add_mutually_exclusive_group()
     preset.add_argument("--smoke", action="store_true", help="tiny models, seconds, no memory subprocesses (tests)")
@@ -406,7 +406,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``knitdata bench vlm``; print the table and write JSON."""
+    """Run ``python -m benchmarks vlm``; print the table and write JSON."""
     cfg = VLMConfig.smoke() if args.smoke else VLMConfig.gpu() if args.gpu else VLMConfig()
     if args.families:
         cfg.families = args.families
