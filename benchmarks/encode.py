@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common.cli import child_env
 from benchmarks.common.models import TransformerBackbone, TransformerPatchEncoder
 from benchmarks.common.output import write_json
 
@@ -207,7 +208,7 @@ def measure_rss(cfg: EncodeConfig, n: int, mode: str, timeout_s: float = 300.0) 
     payload = json.dumps({"cfg": asdict(cfg), "n": n, "mode": mode})
     out = subprocess.run(
         [sys.executable, "-c", "import sys; from benchmarks.encode import _child; _child(sys.argv[1])", payload],
-        capture_output=True, text=True, timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=timeout_s, env=child_env(OMP_NUM_THREADS="1"),
     )
     if out.returncode != 0:
         raise RuntimeError(f"RSS child for n={n} mode={mode} failed: {out.stderr[-2000:]}")

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common.cli import child_env
 from benchmarks.common.output import write_json
 
 __all__ = ["VLMConfig", "Workload", "build_workload", "run_step", "run_bench", "add_arguments", "run"]
@@ -272,7 +273,7 @@ def _gpu_peak(w: Workload, mode: str) -> int:
 
 def _cpu_peak(cfg: VLMConfig, family: str, index: int, mode: str, timeout_s: float = 600.0) -> int:
     payload = json.dumps({"cfg": asdict(cfg), "family": family, "index": index, "mode": mode})
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = child_env(OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", f"from benchmarks.vlm import _child; _child({payload!r})"],
                          capture_output=True, text=True, timeout=timeout_s, env=env)
     if out.returncode != 0:

@@ -57,3 +57,15 @@ def test_script_entry_defaults_results_into_the_results_folder(tmp_path, monkeyp
     assert cli.script_main(Driver, "thing", str(tmp_path), ["--json", "x.json"]) == 3  # type: ignore[arg-type]
     assert seen["json"] == "x.json"
     assert cli.RESULTS.endswith(os.path.join("benchmarks", "results"))
+
+
+def test_child_env_lets_a_child_import_benchmarks_from_any_directory(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    env = cli.child_env(OMP_NUM_THREADS="1")
+    assert env["OMP_NUM_THREADS"] == "1"
+    out = subprocess.run([sys.executable, "-c", "import benchmarks.common.cli as c; print(c.RESULTS)"], env=env,
+                         cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == cli.RESULTS

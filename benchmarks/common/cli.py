@@ -17,7 +17,7 @@ from types import ModuleType
 
 from benchmarks import BENCHMARKS, DEMO
 
-__all__ = ["RESULTS", "build_parser", "main", "run_script", "script_main"]
+__all__ = ["RESULTS", "build_parser", "child_env", "main", "run_script", "script_main"]
 
 
 def _attach(p: argparse.ArgumentParser, module: str) -> None:
@@ -107,6 +107,18 @@ def script_main(module: ModuleType, name: str, results_dir: str, argv: Sequence[
 
 #: The default folder of result files: ``benchmarks/results`` of this checkout.
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "results")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child process that imports ``benchmarks``: this process's, with the checkout's root
+    first on ``PYTHONPATH`` (whatever the working directory), plus ``extra``.
+
+    Args:
+        **extra: Variables to set in the child.
+    """
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    paths = [root, *[x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x and x != root]]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **extra}
 
 
 def run_script(name: str, argv: Sequence[str] | None = None) -> int:
