@@ -50,7 +50,6 @@ if not __package__:  # ``python benchmarks/transfer.py``: import the ``benchmark
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -63,7 +62,7 @@ from benchmarks.common.consumer import calibrate_compute, tq_patience
 from benchmarks.common.engines import PROCESS_MODES_ENGINE, RayCluster, run_embedded
 from benchmarks.common.harness import WorkerPool, job_base
 from benchmarks.common.models import DEFAULT_GPU_TFLOPS, OMNI_SMOKE_VLM, OMNI_VLM, SMOKE_VLM, TINY_VLM, VLMConfig
-from benchmarks.common.output import command_line, strict_json
+from benchmarks.common.output import command_line, write_json
 from benchmarks.common.summary import (
     add_speedups,
     bytes_moved_from_metrics,
@@ -644,11 +643,7 @@ def run(args: argparse.Namespace) -> int:
     result["smoke"] = bool(args.smoke)
     print(format_table(result))
     if args.json:
-        d = os.path.dirname(os.path.abspath(args.json))
-        os.makedirs(d, exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(strict_json(result), f, indent=1, allow_nan=False)
-        print(f"wrote {args.json}")
+        write_json(args.json, result, indent=1, strict=True)
     if args.plot:
         plot_result(result, args.plot)
         print(f"wrote {args.plot}")

@@ -35,7 +35,8 @@ def find_benchmarks() -> ModuleType | None:
     """The ``benchmarks.common.cli`` module of the checkout this command runs from, or ``None``.
 
     ``benchmarks`` is looked up on ``sys.path`` (the working directory under ``python -m knitdata``), then beside
-    the ``knitdata`` package this module belongs to (an editable install of a checkout).
+    the ``knitdata`` package this module belongs to (an editable install of a checkout); found there, the
+    checkout's root is put first on ``sys.path`` and on ``PYTHONPATH`` (for the processes a benchmark starts).
     """
     found = _import_cli()
     if found is not None:
@@ -45,6 +46,8 @@ def find_benchmarks() -> ModuleType | None:
         return None
     sys.modules.pop("benchmarks", None)
     sys.path.insert(0, root)
+    # and in the processes a benchmark starts (subprocesses, Ray workers), which do not inherit sys.path
+    os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
     return _import_cli()
 
 

@@ -78,3 +78,14 @@ def test_without_a_checkout_bench_and_demo_exit_2_with_one_line(tmp_path) -> Non
         assert out.returncode == 2, out.stderr
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and f"python -m benchmarks {name}" in lines[0]
+
+
+def test_console_script_forwards_from_any_directory(tmp_path) -> None:
+    """The installed ``knitdata`` command of an editable checkout finds the checkout's ``benchmarks`` from anywhere."""
+    exe = os.path.join(os.path.dirname(sys.executable), "knitdata")
+    if not os.path.exists(exe):
+        pytest.skip("the knitdata console script is not installed beside this interpreter")
+    out = subprocess.run([exe, "bench", "journal", "--help"], capture_output=True, text=True, timeout=120,
+                         cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "knitdata bench journal" in out.stdout and "--json" in out.stdout
