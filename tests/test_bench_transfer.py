@@ -1,6 +1,6 @@
 """Tests of the transfer benchmark (benchmarks/transfer.py): its pieces, an in-process run, and the smoke run.
 
-The smoke run (`knitdata bench transfer --smoke`, every mode, transferqueue included when installed, with the
+The smoke run (`python -m benchmarks transfer --smoke`, every mode, transferqueue included when installed, with the
 default `--compute accel`) runs in a subprocess under the 240 s hard time-out of issue 8; it checks the JSON keys
 and that every run delivered each trajectory exactly once. The CPU-compute mode runs in-process on the embedded
 engine. Timings are reported, never asserted (except that a calibrated wait lasts at least its calibration).
@@ -159,17 +159,18 @@ def test_embedded_run_in_process_is_exactly_once_and_reports_the_keys(compute):
 
 @pytest.mark.timeout(300)
 def test_smoke_run_every_mode(tmp_path):
-    """`knitdata bench transfer --smoke` (accel compute, 2 consumer processes; hard time-out 240 s): JSON keys,
+    """`python -m benchmarks transfer --smoke` (accel compute, 2 consumer processes; hard time-out 240 s): JSON keys,
     the summary of the accel mode, exactly-once in every mode."""
     if importlib.util.find_spec("ray") is None:
         pytest.skip("ray is not installed (the process modes and transferqueue need it)")
     out = tmp_path / "transfer.json"
     plot = tmp_path / "transfer.png"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "knitdata", "bench", "transfer", "--smoke", "--no-progress", "--json", str(out),
+    cmd = [sys.executable, "-m", "benchmarks", "transfer", "--smoke", "--no-progress", "--json", str(out),
            "--plot", str(plot), "--shared-modes", "transferqueue_best", "iter", "iter_embedded"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert json.loads(out.read_text())["command"].startswith("python -m benchmarks transfer --smoke")
     res = json.loads(out.read_text())
     have_tq = importlib.util.find_spec("transfer_queue") is not None
     modes = list(workload.MODES) if have_tq else [m for m in workload.MODES if m != "transferqueue"]
