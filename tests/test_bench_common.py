@@ -69,3 +69,36 @@ def test_child_env_lets_a_child_import_benchmarks_from_any_directory(tmp_path) -
                          cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == cli.RESULTS
+
+
+def test_transfer_script_default_result_names(monkeypatch) -> None:
+    """``python benchmarks/transfer.py [flags]`` writes ``benchmarks/results/<stem>.json`` as before the move."""
+    from benchmarks import transfer
+
+    seen: dict[str, str] = {}
+    monkeypatch.setattr(transfer, "run", lambda args: seen.update(json=args.json) or 0)
+    cases = {
+        (): "transfer_accel",
+        ("--smoke",): "transfer_accel_smoke",
+        ("--workload", "omni"): "transfer_omni_accel",
+        ("--omni-seed-size",): "transfer_omni_seed_accel",
+        ("--compute", "cpu"): "transfer",
+        ("--compute", "cpu", "--workload", "omni"): "transfer_omni",
+        ("--gpu",): "transfer_gpu",
+    }
+    for flags, stem in cases.items():
+        assert transfer.main(list(flags)) == 0
+        assert seen["json"] == os.path.join(cli.RESULTS, f"{stem}.json")
+    assert transfer.main(["--json", "elsewhere.json"]) == 0 and seen["json"] == "elsewhere.json"
+
+
+def test_admission_script_runs_every_scenario_then_the_sweep(tmp_path, monkeypatch) -> None:
+    from benchmarks import admission
+
+    runs: list[tuple[str | None, bool, int, str]] = []
+    monkeypatch.setattr(admission, "run", lambda a: runs.append((None if a.sweep_m else a.scenario, a.sweep_m, a.seeds, a.json)) or 0)
+    assert admission.main(["--seeds", "2", "--out", str(tmp_path)]) == 0
+    names = [*admission.SCRIPT_SCENARIOS, "sweep_m"]
+    assert [os.path.basename(r[3]) for r in runs] == [f"admission_{n}.json" for n in names]
+    assert [r[0] for r in runs[:-1]] == list(admission.SCRIPT_SCENARIOS) and runs[-1][1] is True
+    assert all(r[2] == 2 for r in runs)
