@@ -30,7 +30,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BLOCKS", "FILES", "MARKER", "RESULTS", "SCENARIOS", "Block", "block", "load_text", "main", "render_all", "render_block", "render_text"]
+__all__ = [
+    "BLOCKS",
+    "FILES",
+    "MARKER",
+    "RESULTS",
+    "SCENARIOS",
+    "Block",
+    "block",
+    "load_text",
+    "main",
+    "render_all",
+    "render_block",
+    "render_text",
+]
 
 #: Markdown files holding generated blocks, relative to the repository root.
 FILES = ("README.md", "benchmarks/README.md")

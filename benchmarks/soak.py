@@ -65,7 +65,23 @@ from benchmarks.common.soak_core import (
 from benchmarks.common.soak_processes import run_soak_processes
 from knitdata.errors import ConfigError, EngineError, OptionalDependencyError
 
-__all__ = ["format_table", "plot_timeline", "add_arguments", "summarize_runs", "run", "SoakConfig", "Ledger", "RssSampler", "make_soak_traj", "consume_with_restarts", "check_soak_payload", "run_soak", "run_soak_processes", "CRASH_POINTS", "RSS_SLACK_BYTES"]
+__all__ = [
+    "format_table",
+    "plot_timeline",
+    "add_arguments",
+    "summarize_runs",
+    "run",
+    "SoakConfig",
+    "Ledger",
+    "RssSampler",
+    "make_soak_traj",
+    "consume_with_restarts",
+    "check_soak_payload",
+    "run_soak",
+    "run_soak_processes",
+    "CRASH_POINTS",
+    "RSS_SLACK_BYTES",
+]
 
 
 def _mib(n: int | None) -> str:

@@ -89,7 +89,18 @@ from benchmarks.common.workload import (
 )
 from knitdata.errors import ConfigError
 
-__all__ = ["run_transfer_benchmark", "GpuPreset", "GPU_PRESET_VLM", "gpu_config", "require_cuda", "run_gpu_benchmark", "add_arguments", "run", "stem_of", "main"]
+__all__ = [
+    "run_transfer_benchmark",
+    "GpuPreset",
+    "GPU_PRESET_VLM",
+    "gpu_config",
+    "require_cuda",
+    "run_gpu_benchmark",
+    "add_arguments",
+    "run",
+    "stem_of",
+    "main",
+]
 
 
 def run_transfer_benchmark(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import sys
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -63,8 +64,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m benchmarks", 
     Returns:
         The exit code: the command's, or 2 when no command is named.
     """
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv, prog, demo)
     args = parser.parse_args(argv)

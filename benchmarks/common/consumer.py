@@ -19,7 +19,23 @@ from benchmarks.common.workload import COMPUTE_MODES, ENCODINGS, TransferWorkloa
 from knitdata.errors import ConfigError
 from knitdata.record import Trajectory
 
-__all__ = ["StepItem", "ConsumerStepRecord", "tq_patience", "pin_threads", "make_trainer", "calibrate_compute", "StepSource", "consume", "consume_interleaved", "dataset_kwargs", "WAIT_SOURCES", "metrics_wait_key", "knitdata_source", "batch_spec", "pipeline_kwargs"]
+__all__ = [
+    "StepItem",
+    "ConsumerStepRecord",
+    "tq_patience",
+    "pin_threads",
+    "make_trainer",
+    "calibrate_compute",
+    "StepSource",
+    "consume",
+    "consume_interleaved",
+    "dataset_kwargs",
+    "WAIT_SOURCES",
+    "metrics_wait_key",
+    "knitdata_source",
+    "batch_spec",
+    "pipeline_kwargs",
+]
 
 
 @dataclass

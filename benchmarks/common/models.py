@@ -25,7 +25,24 @@ from knitdata.errors import ConfigError
 if TYPE_CHECKING:  # annotations only: the workload module imports this one
     from benchmarks.common.workload import TransferWorkload
 
-__all__ = ["TransformerPatchEncoder", "TransformerBackbone", "MlpPatchEncoder", "MlpVLM", "DEFAULT_GPU_TFLOPS", "VLMConfig", "TINY_VLM", "SMOKE_VLM", "OMNI_VLM", "OMNI_SMOKE_VLM", "GPU_VLM", "VisionEncoder", "media_tokens", "TinyVLM", "preprocess", "count_step_flops"]
+__all__ = [
+    "TransformerPatchEncoder",
+    "TransformerBackbone",
+    "MlpPatchEncoder",
+    "MlpVLM",
+    "DEFAULT_GPU_TFLOPS",
+    "VLMConfig",
+    "TINY_VLM",
+    "SMOKE_VLM",
+    "OMNI_VLM",
+    "OMNI_SMOKE_VLM",
+    "GPU_VLM",
+    "VisionEncoder",
+    "media_tokens",
+    "TinyVLM",
+    "preprocess",
+    "count_step_flops",
+]
 
 
 #: Default effective GPU rate for the projection (bf16, dense, per GPU).
@@ -81,22 +98,14 @@ class VLMConfig:
 #: What the consumers train on this CPU (one thread each).
 TINY_VLM = VLMConfig(name="tiny (CPU)", d_model=64, layers=1, heads=0, mlp_ratio=4, vocab=256, patch=28,
                      d_vision=96, vision_layers=2, vision_heads=0, vision_mlp_ratio=4)
-
-
 #: A smaller model for ``--smoke`` (the comparison must not rot; its numbers are not the result).
 SMOKE_VLM = VLMConfig(name="smoke (CPU)", d_model=32, layers=1, heads=0, mlp_ratio=2, vocab=128, patch=28,
                       d_vision=32, vision_layers=1, vision_heads=0, vision_mlp_ratio=2)
-
-
 #: The omni workload's model on this CPU: the tiny VLM with a 4-row patch merger (a frame of 224 px becomes 16
 #: tokens) and an audio encoder (50 ms rows, 4 rows per token: a 30 s clip becomes 150 tokens).
 OMNI_VLM = dataclasses.replace(TINY_VLM, name="tiny omni (CPU)", merge=4)
-
-
 #: The omni model of ``--smoke``.
 OMNI_SMOKE_VLM = dataclasses.replace(SMOKE_VLM, name="smoke omni (CPU)", merge=4)
-
-
 #: A 7B-class VLM (Qwen2.5-VL-7B-like widths; MLP ratio 8 stands in for its SwiGLU) for the GPU projection.
 GPU_VLM = VLMConfig(name="7B-class VLM (projection)", d_model=3584, layers=28, heads=28, mlp_ratio=8, vocab=152064,
                     patch=14, d_vision=1280, vision_layers=32, vision_heads=16, vision_mlp_ratio=4, merge=4)

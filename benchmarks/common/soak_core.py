@@ -21,22 +21,31 @@ from knitdata.admission import BatchSpec
 from knitdata.errors import ConfigError
 from knitdata.record import Trajectory
 
-__all__ = ["CRASH_POINTS", "RSS_SLACK_BYTES", "MAX_RESPONSE", "TIMELINE_POINTS", "SoakConfig", "make_soak_traj", "check_soak_payload", "CheckingCollate", "Ledger", "RssSampler", "consume_with_restarts", "judged", "pace", "run_soak"]
+__all__ = [
+    "CRASH_POINTS",
+    "RSS_SLACK_BYTES",
+    "MAX_RESPONSE",
+    "TIMELINE_POINTS",
+    "SoakConfig",
+    "make_soak_traj",
+    "check_soak_payload",
+    "CheckingCollate",
+    "Ledger",
+    "RssSampler",
+    "consume_with_restarts",
+    "judged",
+    "pace",
+    "run_soak",
+]
 
 
 #: Where a consumer crash is injected: after it saved the state of its finished step (``between_steps``),
 #: or after it received a micro-batch and before it finished that step (``mid_step``: the restore must then
 #: deliver that micro-batch again).
 CRASH_POINTS: tuple[str, ...] = ("between_steps", "mid_step")
-
-
 #: Slack of the resident-memory bound on top of the store capacity (issue "Reliability").
 RSS_SLACK_BYTES = 64 * 1024 * 1024
-
-
 MAX_RESPONSE = 24
-
-
 TIMELINE_POINTS = 300
 
 

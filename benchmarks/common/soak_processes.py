@@ -37,8 +37,6 @@ __all__ = ["XPROC_START_TIMEOUT_S", "XPROC_DRAIN_TIMEOUT_S", "run_soak_processes
 
 #: Seconds the driver waits for the worker processes to attach (spawn, import, connect to Ray, find the pipeline).
 XPROC_START_TIMEOUT_S = 240.0
-
-
 #: Seconds the consumers may take to drain after the producers stopped (then the run is aborted as an error).
 XPROC_DRAIN_TIMEOUT_S = 180.0
 

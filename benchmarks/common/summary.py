@@ -22,7 +22,20 @@ from benchmarks.common.workload import (
     TransferWorkload,
 )
 
-__all__ = ["summarize_mode", "bytes_moved_from_metrics", "machine_info", "count_flops", "pick_tq_best", "two_by_two", "add_speedups", "ACCEPTANCE", "RATIO_MEANING", "compute_summary", "format_table", "plot_result"]
+__all__ = [
+    "summarize_mode",
+    "bytes_moved_from_metrics",
+    "machine_info",
+    "count_flops",
+    "pick_tq_best",
+    "two_by_two",
+    "add_speedups",
+    "ACCEPTANCE",
+    "RATIO_MEANING",
+    "compute_summary",
+    "format_table",
+    "plot_result",
+]
 
 
 def _median(v: Sequence[float]) -> float:
@@ -282,8 +295,6 @@ ACCEPTANCE: dict[str, tuple[str, str, float, str]] = {
     "end_to_end_transferqueue_best_dup_over_iter_shared_ge_1.5": (
         "end_to_end_transferqueue_best_dup_over_iter_shared", ">=", 1.5, "omni_seed"),
 }
-
-
 #: What each ratio of ``compute_summary(...)["ratios"]`` divides (dup encoding unless the name says shared).
 RATIO_MEANING: dict[str, str] = {
     "exposed_transferqueue_best_over_iter": "exposed ms per step, transferqueue_best / knitdata iter (Ray), dup",

@@ -13,34 +13,38 @@ from benchmarks.common.models import OMNI_VLM, VLMConfig, media_tokens
 from knitdata.errors import ConfigError
 from knitdata.record import MediaItem, Trajectory
 
-__all__ = ["MODES", "TQ_BEST_VARIANTS", "WORKLOADS", "ENCODINGS", "SEED_SPEEDUP", "COMPUTE_MODES", "COMPUTE_MEASURES", "SEED_OMNI_FRAMES", "SEED_OMNI_PX", "TransferWorkload", "omni_workload", "group_id", "make_audio_flac", "make_group", "make_step_groups"]
+__all__ = [
+    "MODES",
+    "TQ_BEST_VARIANTS",
+    "WORKLOADS",
+    "ENCODINGS",
+    "SEED_SPEEDUP",
+    "COMPUTE_MODES",
+    "COMPUTE_MEASURES",
+    "SEED_OMNI_FRAMES",
+    "SEED_OMNI_PX",
+    "TransferWorkload",
+    "omni_workload",
+    "group_id",
+    "make_audio_flac",
+    "make_group",
+    "make_step_groups",
+]
 
 
 #: Delivery modes, in the order they run.
 MODES: tuple[str, ...] = ("transferqueue", "transferqueue_best", "sample", "eager", "iter", "iter_embedded")
-
-
 #: The ways ``transferqueue_best`` drives transferqueue; the better one (lower exposed latency) is reported.
 TQ_BEST_VARIANTS: tuple[str, ...] = ("async", "loader")
-
-
 #: Workloads: one image per group, or a short video (frames) and a 30 s audio clip per group (``omni``).
 WORKLOADS: tuple[str, ...] = ("image", "omni")
-
-
 #: Encodings: every copy of an image encoded (``dup``) or each unique image once per mini-batch (``shared``).
 ENCODINGS: tuple[str, ...] = ("dup", "shared")
-
-
 #: The seed's headline end-to-end speedup (transfer plus training over the baseline).
 SEED_SPEEDUP = 5.8
-
-
 #: How each consumer's training compute runs: ``accel`` (a sleep of its calibrated cost) or ``cpu`` (real, on the
 #: CPU).
 COMPUTE_MODES: tuple[str, ...] = ("accel", "cpu")
-
-
 #: What a run measures in each compute mode (stated in the JSON as ``compute_measures``).
 COMPUTE_MEASURES: dict[str, str] = {
     "accel": (
@@ -55,8 +59,6 @@ COMPUTE_MEASURES: dict[str, str] = {
         "so with 4 consumer processes on 2 cores it mostly measures CPU contention (prefetching moves work onto "
         "the cores the compute needs; the same model's compute per step varies between modes of one run)"),
 }
-
-
 #: The seed's omni setting (``--omni-seed-size``): video frames and their side in px (the audio clip is 30 s at
 #: 16 kHz by default).
 SEED_OMNI_FRAMES, SEED_OMNI_PX = 16, 448
