@@ -27,7 +27,7 @@ install: $(VENV)/.installed-base
 install-dev: $(VENV)/.installed-dev
 
 demo: $(VENV)/.installed-base
-	$(PY) -m knitdata demo
+	$(PY) -m benchmarks demo
 
 test: $(VENV)/.installed-dev
 	@$(PY) -m pytest -q -n 2 --dist loadfile --durations=15; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 0; fi; exit $$rc
@@ -36,9 +36,9 @@ test: $(VENV)/.installed-dev
 docs: $(VENV)/.installed-dev
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
-# mypy on the knitdata package (settings in setup.cfg); tests/test_typecheck.py runs it in `make test`.
+# mypy on the knitdata package and the benchmarks (settings in setup.cfg); tests/test_typecheck.py runs it in `make test`.
 typecheck: $(VENV)/.installed-dev
-	$(PY) -m mypy knitdata
+	$(PY) -m mypy knitdata benchmarks
 
 lint: $(VENV)/.installed-dev
 	$(PY) -m ruff check knitdata tests benchmarks examples

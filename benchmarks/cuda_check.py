@@ -225,7 +225,7 @@ def measure_prefetcher(batches: list[Any], steps: int, dev: torch.device, depth:
             row["pool"] = pool.stats()
         return row
 
-    out = {"matmuls_per_step": k, "pin_copy_s_median_batch": t_copy, "matmul_s": t_mm, "depth": depth}
+    out: dict[str, Any] = {"matmuls_per_step": k, "pin_copy_s_median_batch": t_copy, "matmul_s": t_mm, "depth": depth}
     for kind in ("no_prefetch", "prefetch", "prefetch_pool"):
         out[kind] = loop(kind)
     return out

@@ -1,7 +1,29 @@
-"""Benchmark script: ``python benchmarks/loader.py [options]`` (the same as ``knitdata bench loader``).
+"""Loader benchmark: knitdata's embedded loader vs a plain DataLoader, memcpy, and exposed latency per fetch mode.
 
-Writes ``benchmarks/results/loader.json`` and ``benchmarks/results/loader.png`` unless ``--json`` / ``--plot`` say otherwise;
-``--help`` lists the options.
+``python -m benchmarks loader [--json PATH] [--plot PATH] [--quick]`` measures, all in one run:
+
+1. ``overhead``: iterating every micro-batch of the embedded store (a fresh pipeline per repeat, puts not
+   timed) against ``torch.utils.data.DataLoader(num_workers=0)`` over the same in-memory trajectories, with
+   the same micro-batches (the plan's index lists as ``batch_sampler``) and the same collate
+   (:class:`~knitdata.collate.TokenCollator`); interleaved repeats (alternating order, GC off inside each
+   timed pass); the median of the per-repeat wall-time ratios. ``overhead_ratio_vs_torch`` is the
+   synchronous path (``fetch="eager"``, no background thread, like ``num_workers=0``);
+   ``overhead_ratio_vs_torch_iter`` is ``fetch="iter"``: its background thread only pays off when there is
+   compute to overlap (see 3); with none, as here, :class:`knitdata.prefetch.Prefetcher` lets the consumer
+   pull the micro-batches itself instead of paying a thread hand-off per micro-batch. CPU-time ratios are
+   reported beside (robust on a shared machine); so is the load average (at start and end).
+2. ``memcpy_GBps``: ``torch.Tensor.copy_`` of the same number of payload bytes, same run;
+   ``local_fetch_GBps``: payload bytes handed out as collated micro-batches per second by the embedded
+   loader in (1).
+3. ``modes``: exposed latency per training step for ``sample`` / ``eager`` / ``iter``. Each trajectory holds
+   one PNG image; the fetch of a micro-batch includes decoding its images with pillow
+   (:func:`knitdata.media.load_image`) and token collate. A step is ``K = 4`` micro-batches; compute per
+   micro-batch is a one-thread float32 matmul sized to about 1.5x the measured fetch time (not a sleep).
+   Exposed latency of a step = wall time inside ``next()`` over its micro-batches (no device here, so no
+   H2D wait); the median over steps after 3 warm-up steps is reported, with the step time. The modes run
+   side by side: several rounds, each running every mode (rotated order) on a fresh pipeline.
+
+Everything runs with one torch thread (``torch.set_num_threads(1)``).
 """
 
 from __future__ import annotations
@@ -9,11 +31,460 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+if not __package__:  # ``python benchmarks/loader.py``: import the ``benchmarks`` package of this checkout
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from knitdata.bench import loader, script_main  # noqa: E402
+import argparse
+import gc
+import io
+import platform
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+import torch
+
+from benchmarks.common.output import write_json
+from knitdata.admission import BatchSpec
+from knitdata.collate import MicroBatch, MicroBatchInfo, TokenCollator
+from knitdata.pipeline import Pipeline
+from knitdata.record import MediaItem, Trajectory
+
+__all__ = [
+    "add_arguments",
+    "run",
+    "make_token_trajectories",
+    "make_image_trajectories",
+    "make_payload_trajectories",
+    "DecodingCollator",
+    "measure_overhead",
+    "measure_memcpy",
+    "measure_local_fetch",
+    "measure_modes",
+    "format_table",
+    "MODES",
+]
+
+#: Fetch modes measured for exposed latency.
+MODES: tuple[str, ...] = ("sample", "eager", "iter")
+
+
+def make_token_trajectories(n: int, *, seed: int = 0, min_len: int = 64, max_len: int = 512) -> list[Trajectory]:
+    """``n`` text trajectories with random lengths, a loss mask, two scalars and per-token log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = int(torch.randint(16, 64, (1,), generator=g))
+        r = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        out.append(
+            Trajectory(
+                id=f"t{i}",
+                source="text",
+                group=f"g{i}",
+                prompt_ids=torch.randint(0, 32000, (p,), generator=g),
+                response_ids=torch.randint(0, 32000, (r,), generator=g),
+                loss_mask=torch.ones(r, dtype=torch.bool),
+                scalars={"reward": float(i % 5), "advantage": 0.5},
+                tensors={"old_logprobs": torch.randn(r, generator=g)},
+            )
+        )
+    return out
+
+
+def make_payload_trajectories(n: int, *, payload_bytes: int = 1 << 20, seed: int = 0) -> list[Trajectory]:
+    """``n`` short trajectories each carrying one ``float32`` tensor of ``payload_bytes`` (bandwidth tests)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        Trajectory(id=f"p{i}", source="text", group=f"g{i}", prompt_ids=torch.arange(8), response_ids=torch.arange(8),
+                   tensors={"features": torch.randn(payload_bytes // 4, generator=g)})
+        for i in range(n)
+    ]
+
+
+def _png(side: int, seed: int) -> bytes:
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    base = torch.linspace(0, 255, side).to(torch.uint8)
+    img = torch.stack([base.repeat(side, 1), base.repeat(side, 1).T, torch.randint(0, 256, (side, side), generator=g,
+                                                                                    dtype=torch.uint8)], dim=-1)
+    buf = io.BytesIO()
+    Image.fromarray(img.numpy(), "RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def make_image_trajectories(n: int, *, tokens: int = 256, side: int = 160, seed: int = 0) -> list[Trajectory]:
+    """``n`` trajectories of exactly ``tokens`` tokens, each with one distinct PNG image of ``side`` pixels."""
+    out = []
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        out.append(
+            Trajectory(
+                id=f"v{i}",
+                source="vision",
+                group=f"g{i}",
+                prompt_ids=torch.randint(0, 32000, (32,), generator=g),
+                response_ids=torch.randint(0, 32000, (tokens - 32,), generator=g),
+                scalars={"reward": 1.0},
+                media=[MediaItem("image", data=_png(side, seed * 100_003 + i))],
+            )
+        )
+    return out
+
+
+class DecodingCollator:
+    """Token collate plus image decode: ``media`` holds the decoded ``uint8 [N, C, H, W]`` pixels."""
+
+    def __init__(self) -> None:
+        self.tokens = TokenCollator()
+
+    def __call__(self, trajs: Sequence[Trajectory], info: MicroBatchInfo | None = None) -> MicroBatch:
+        from knitdata.media import load_image
+
+        mb = self.tokens(trajs, info)
+        imgs = [load_image(m.data, trajectory_id=t.id, item=j) for t in trajs for j, m in enumerate(t.media)]
+        mb.media = torch.stack(imgs) if imgs else None
+        return mb
+
+
+def _single_source_spec(n: int, minibatches: int, source: str) -> BatchSpec:
+    return BatchSpec({source: n}, num_minibatches=minibatches)
+
+
+def _fed_pipeline(trajs: Sequence[Trajectory], minibatches: int, token_budget: int, plans: list | None = None) -> Pipeline:
+    spec = _single_source_spec(len(trajs), minibatches, trajs[0].source)
+    cb = None if plans is None else (lambda a, p: plans.append(p))
+    pipe = Pipeline(spec, num_consumers=1, token_budget=token_budget, capacity_bytes=1 << 34, on_plan=cb)
+    for t in trajs:
+        pipe.put(t)
+    pipe.close()
+    return pipe
+
+
+class _ListDataset(torch.utils.data.Dataset):
+    def __init__(self, items: Sequence[Trajectory]) -> None:
+        self.items = list(items)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> Trajectory:
+        return self.items[i]
+
+
+def measure_overhead(trajs: Sequence[Trajectory], *, repeats: int = 5, minibatches: int = 4,
+                     token_budget: int = 4096, progress: bool = True) -> dict[str, Any]:
+    """Interleaved repeats: plain DataLoader vs knitdata (iter and eager) over the same micro-batches."""
+    plans: list = []
+    _fed_pipeline(trajs, minibatches, token_budget, plans)
+    index = {t.id: i for i, t in enumerate(trajs)}
+    batches = [[index[i] for i in mb.trajectory_ids] for p in plans for mb in p.microbatches[0]]
+    collate = TokenCollator()
+    nbytes = sum(t.nbytes for t in trajs)
+
+    def timed(loader: Any) -> tuple[float, float]:
+        gc.disable()  # as timeit does: a collection of earlier garbage must not land in one side's pass
+        try:
+            c0, t0 = time.process_time(), time.perf_counter()
+            n = sum(mb.num_sequences for mb in loader)
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+        finally:
+            gc.enable()
+        assert n == len(trajs)
+        return dt, dc
+
+    def torch_once() -> tuple[float, float]:
+        dl = torch.utils.data.DataLoader(_ListDataset(trajs), batch_sampler=batches, num_workers=0,
+                                         collate_fn=lambda items: collate(items))
+        return timed(dl)
+
+    def knit_once(fetch: str) -> tuple[float, float]:
+        pipe = _fed_pipeline(trajs, minibatches, token_budget)
+        return timed(pipe.dataset(0, fetch=fetch, collate=collate))
+
+    names = ("torch", "iter", "eager")
+    wall: dict[str, list[float]] = {k: [] for k in names}
+    cpu: dict[str, list[float]] = {k: [] for k in names}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=repeats, desc="loader overhead", unit="repeat", leave=False)
+    torch_once(), knit_once("iter"), knit_once("eager")  # warm-up
+    for r in range(repeats):
+        gc.collect()
+        order = list(names) if r % 2 == 0 else list(reversed(names))
+        for name in order:
+            w, c = torch_once() if name == "torch" else knit_once(name)
+            wall[name].append(w)
+            cpu[name].append(c)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    ratios = {m: [k / t for k, t in zip(wall[m], wall["torch"])] for m in ("iter", "eager")}
+    cpu_ratios = {m: [k / t for k, t in zip(cpu[m], cpu["torch"]) if t > 0] for m in ("iter", "eager")}
+    return {
+        "repeats": repeats,
+        "trajectories": len(trajs),
+        "microbatches": len(batches),
+        "payload_bytes": nbytes,
+        "seconds": wall,
+        "cpu_seconds": cpu,
+        "median_s": {k: statistics.median(v) for k, v in wall.items()},
+        "ratio_vs_torch": {m: statistics.median(v) for m, v in ratios.items()},
+        "cpu_ratio_vs_torch": {m: statistics.median(v) for m, v in cpu_ratios.items()},
+        "ratio_per_repeat": ratios,
+    }
+
+
+def measure_local_fetch(trajs: Sequence[Trajectory], *, repeats: int = 5, minibatches: int = 4,
+                        token_budget: int = 4096) -> float:
+    """GB/s of payload handed out by the embedded loader (``iter``) when each micro-batch is copied once.
+
+    The collate concatenates every payload tensor of the micro-batch into one contiguous buffer (one copy of
+    each byte), so the figure compares with :func:`measure_memcpy`.
+    """
+
+    def concat(batch: Sequence[Trajectory], info: Any = None) -> torch.Tensor:
+        parts = [x.reshape(-1).view(torch.uint8) for t in batch
+                 for x in (t.prompt_ids, t.response_ids, t.loss_mask, *t.tensors.values()) if x is not None]
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+    times = []
+    nbytes = 0
+    for _ in range(repeats):
+        pipe = _fed_pipeline(trajs, minibatches, token_budget)
+        t0 = time.perf_counter()
+        bufs = cast("Iterable[torch.Tensor]", pipe.dataset(0, fetch="iter", collate=concat))  # what `concat` returns
+        nbytes = sum(int(buf.numel()) for buf in bufs)
+        times.append(time.perf_counter() - t0)
+    assert nbytes == sum(t.nbytes for t in trajs)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def measure_memcpy(nbytes: int, repeats: int = 5) -> float:
+    """Median GB/s of a ``copy_`` of ``nbytes`` bytes (one thread)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def _matmul_size_for(seconds: float) -> int:
+    """Side ``n`` of an ``n x n`` float32 matmul taking about ``seconds`` on one thread here."""
+    n = 64
+    while True:
+        a = torch.randn(n, n)
+        a @ a
+        t0 = time.perf_counter()
+        for _ in range(3):
+            a @ a
+        dt = (time.perf_counter() - t0) / 3
+        if dt >= seconds or n >= 4096:
+            break
+        n = int(n * min(2.0, max(1.1, (seconds / max(dt, 1e-6)) ** (1 / 3))))
+    return n
+
+
+def measure_modes(trajs: Sequence[Trajectory], *, per_microbatch: int = 4, k: int = 4, warmup: int = 3,
+                  compute_factor: float = 1.5, prefetch_depth: int = 2, rounds: int = 1) -> dict[str, Any]:
+    """Exposed latency per step for each fetch mode (see the module doc); ``rounds`` interleaves the modes."""
+    tokens = trajs[0].num_tokens
+    per_step = per_microbatch * k
+    steps = len(trajs) // per_step
+    if steps <= warmup:
+        raise ValueError(f"need more than {warmup} steps; give at least {(warmup + 1) * per_step} trajectories")
+    trajs = list(trajs[: steps * per_step])
+    budget = per_microbatch * tokens
+    collate = DecodingCollator()
+    # calibrate: fetch (decode + collate) of one micro-batch, then the matmul
+    fetch_times = []
+    for i in range(5):
+        part = trajs[i * per_microbatch:(i + 1) * per_microbatch]
+        t0 = time.perf_counter()
+        collate(part)
+        fetch_times.append(time.perf_counter() - t0)
+    fetch_s = statistics.median(fetch_times)
+    n = _matmul_size_for(compute_factor * fetch_s)
+    a = torch.randn(n, n)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        a @ a
+    compute_s = (time.perf_counter() - t0) / 3
+    out: dict[str, Any] = {
+        "params": {"microbatches_per_step": k, "trajectories_per_microbatch": per_microbatch, "steps": steps,
+                   "warmup_steps": warmup, "tokens_per_trajectory": tokens, "matmul_n": n,
+                   "fetch_s_per_microbatch": fetch_s, "compute_s_per_microbatch": compute_s,
+                   "compute_over_fetch": compute_s / fetch_s, "prefetch_depth": prefetch_depth, "rounds": rounds},
+    }
+    pooled: dict[str, dict[str, list[float]]] = {m: {"exposed": [], "step": [], "fetch": []} for m in MODES}
+    requests: dict[str, int] = {}
+    for r in range(rounds):  # modes side by side: each round runs every mode, in rotated order
+        for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
+            pipe = _fed_pipeline(trajs, steps, budget)
+            ds = pipe.dataset(0, fetch=mode, collate=collate, prefetch_depth=prefetch_depth)
+            step_times: list[float] = []
+            t_step = time.perf_counter()
+            count = 0
+            for mb in ds:
+                assert mb.media is not None and mb.media.shape[0] == mb.num_sequences
+                (a @ a).sum()
+                count += 1
+                assert mb.info is not None  # the dataset's micro-batches carry their plan information
+                if mb.info.is_last:
+                    now = time.perf_counter()
+                    step_times.append(now - t_step)
+                    t_step = now
+            assert count == steps * k, (mode, count)
+            m = pipe.metrics(0)
+            pooled[mode]["exposed"] += m.wait_per_step_s[warmup:]
+            pooled[mode]["step"] += step_times[warmup:]
+            pooled[mode]["fetch"] += m.fetch_latency_s
+            requests[mode] = m.requests
+    for mode in MODES:
+        exposed = sorted(pooled[mode]["exposed"])
+        out[mode] = {
+            "exposed_latency_s": statistics.median(exposed),
+            "exposed_latency_p95_s": exposed[min(len(exposed) - 1, int(0.95 * len(exposed)))],
+            "step_time_s": statistics.median(pooled[mode]["step"]),
+            "fetch_latency_s": statistics.median(pooled[mode]["fetch"]),
+            "requests": requests[mode],
+            "steps_measured": len(exposed),
+        }
+    return out
+
+
+def _fmt_load(load: Sequence[float] | None) -> str:
+    return "n/a" if not load else "/".join(f"{x:.2f}" for x in load)
+
+
+def format_table(doc: dict[str, Any]) -> str:
+    """The table printed by ``python -m benchmarks loader``."""
+    ov = doc["overhead"]
+    lines = [
+        f"loader overhead vs torch DataLoader (num_workers=0, same collate, {ov['trajectories']} trajectories, "
+        f"{ov['microbatches']} micro-batches, {ov['repeats']} interleaved repeats):",
+        f"  {'loader':<22}{'median s':>10}{'ratio':>8}{'cpu ratio':>11}",
+        f"  {'torch DataLoader':<22}{ov['median_s']['torch']:>10.4f}{1.0:>8.3f}{1.0:>11.3f}",
+        f"  {'knitdata iter':<22}{ov['median_s']['iter']:>10.4f}{ov['ratio_vs_torch']['iter']:>8.3f}"
+        f"{ov['cpu_ratio_vs_torch']['iter']:>11.3f}",
+        f"  {'knitdata eager':<22}{ov['median_s']['eager']:>10.4f}{ov['ratio_vs_torch']['eager']:>8.3f}"
+        f"{ov['cpu_ratio_vs_torch']['eager']:>11.3f}",
+        "  (ratio: median over repeats of wall-time ratios; cpu ratio: the same with process CPU time)",
+        f"  load average at start {_fmt_load(doc.get('load_average_start'))}, at end {_fmt_load(doc.get('load_average'))} "
+        f"({doc['machine']['cpus']} CPUs)",
+        f"bandwidth over {doc['bandwidth_bytes'] / 2**20:.0f} MiB of 1 MiB payloads: memcpy {doc['memcpy_GBps']:.2f} GB/s; "
+        f"local fetch (iter, one copy per byte) {doc['local_fetch_GBps']:.2f} GB/s",
+    ]
+    p = doc["modes"]["params"]
+    lines.append(
+        f"exposed latency per step (K={p['microbatches_per_step']} micro-batches x {p['trajectories_per_microbatch']} "
+        f"PNG trajectories; fetch {p['fetch_s_per_microbatch'] * 1e3:.1f} ms, compute {p['compute_s_per_microbatch'] * 1e3:.1f} ms"
+        f" per micro-batch; median of {p['rounds']} x {p['steps'] - p['warmup_steps']} steps after {p['warmup_steps']} "
+        f"warm-up, modes interleaved):"
+    )
+    lines.append(f"  {'mode':<8}{'exposed ms':>12}{'p95 ms':>10}{'step ms':>10}{'vs eager':>10}")
+    eager = doc["modes"]["eager"]["exposed_latency_s"]
+    for m in MODES:
+        r = doc["modes"][m]
+        lines.append(f"  {m:<8}{r['exposed_latency_s'] * 1e3:>12.2f}{r['exposed_latency_p95_s'] * 1e3:>10.2f}"
+                     f"{r['step_time_s'] * 1e3:>10.1f}{r['exposed_latency_s'] / eager:>10.3f}")
+    return "\n".join(lines)
+
+
+def plot(doc: dict[str, Any], path: str) -> None:
+    """Bar charts: overhead ratios, and exposed latency and step time per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
+    ov = doc["overhead"]["median_s"]
+    a1.bar(["torch", "knitdata iter", "knitdata eager"], [ov["torch"], ov["iter"], ov["eager"]], color=["gray", "C0", "C1"])
+    a1.set_ylabel("seconds per pass (median)")
+    a1.set_title("loader overhead")
+    xs = range(len(MODES))
+    a2.bar([x - 0.2 for x in xs], [doc["modes"][m]["exposed_latency_s"] * 1e3 for m in MODES], 0.4, label="exposed")
+    a2.bar([x + 0.2 for x in xs], [doc["modes"][m]["step_time_s"] * 1e3 for m in MODES], 0.4, label="step")
+    a2.set_xticks(list(xs), list(MODES))
+    a2.set_ylabel("ms per step (median)")
+    a2.set_title("exposed latency per step")
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_all(*, quick: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Run every measurement and return the JSON document."""
+    torch.set_num_threads(1)
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
+    n_text = 512 if quick else 1024
+    n_img = (3 + 6) * 16 if quick else (3 + 12) * 16
+    text = make_token_trajectories(n_text)
+    overhead = measure_overhead(text, repeats=11 if quick else 31, progress=progress)
+    big = make_payload_trajectories(32 if quick else 96)
+    big_bytes = sum(t.nbytes for t in big)
+    memcpy = measure_memcpy(big_bytes)
+    local_fetch = measure_local_fetch(big, token_budget=64)
+    modes = measure_modes(make_image_trajectories(n_img), rounds=2 if quick else 3)
+    return {
+        "benchmark": "loader",
+        "quick": quick,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "torch_threads": torch.get_num_threads()},
+        # the synchronous path (eager: no background thread) against DataLoader(num_workers=0)
+        "overhead_ratio_vs_torch": overhead["ratio_vs_torch"]["eager"],
+        "overhead_ratio_vs_torch_iter": overhead["ratio_vs_torch"]["iter"],
+        "overhead_cpu_ratio_vs_torch": overhead["cpu_ratio_vs_torch"]["eager"],
+        "overhead_cpu_ratio_vs_torch_iter": overhead["cpu_ratio_vs_torch"]["iter"],
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "load_average_start": load_start,
+        "memcpy_GBps": memcpy,
+        "bandwidth_bytes": big_bytes,
+        "local_fetch_GBps": local_fetch,
+        "overhead": overhead,
+        "modes": modes,
+        "iter_exposed_over_eager": modes["iter"]["exposed_latency_s"] / modes["eager"]["exposed_latency_s"],
+        "targets": {"overhead_ratio_vs_torch_max": 1.10, "iter_exposed_over_eager_max": 0.20},
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add this benchmark's options."""
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
+    parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (about 10-20 s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; returns the exit code."""
+    doc = run_all(quick=args.quick)
+    print(format_table(doc))
+    ok_overhead = doc["overhead_ratio_vs_torch"] <= doc["targets"]["overhead_ratio_vs_torch_max"]
+    ok_iter = doc["iter_exposed_over_eager"] <= doc["targets"]["iter_exposed_over_eager_max"]
+    ok_iter_overhead = doc["overhead_ratio_vs_torch_iter"] <= doc["targets"]["overhead_ratio_vs_torch_max"]
+    print(f"targets: overhead (eager) <= 1.10: {'met' if ok_overhead else 'MISSED'} ({doc['overhead_ratio_vs_torch']:.3f}); "
+          f"overhead (iter) <= 1.10: {'met' if ok_iter_overhead else 'MISSED'} ({doc['overhead_ratio_vs_torch_iter']:.3f}); "
+          f"iter exposed <= 20% of eager: {'met' if ok_iter else 'MISSED'} ({doc['iter_exposed_over_eager']:.3f})")
+    if args.json:
+        write_json(args.json, doc, indent=1)
+    if args.plot:
+        plot(doc, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
 
 if __name__ == "__main__":
-    sys.exit(script_main(loader, "loader", RESULTS))
+    from benchmarks.common.cli import run_script
+
+    sys.exit(run_script("loader"))

@@ -2,7 +2,7 @@
 
 Usage: ``python benchmarks/planner_before_after.py [--before REV] [--repeats N] [--json PATH]``. The planner
 of ``--before`` (default ``cd7c8a3``, the heap-based planner) is loaded from git into a private module (it
-never enters the package); both plan the same admitted mini-batches of ``knitdata bench control --scale``
+never enters the package); both plan the same admitted mini-batches of ``python -m benchmarks control --scale``
 (groups of 8; 1,000 nodes x 8 ranks and 10 nodes x 8 ranks), alternating call by call, so load swings hit
 both alike. Reported per point: median and best ``plan_ms`` of each, the ratio of medians, whether the
 two plans are identical (every micro-batch's fields, K, local and remote bytes), and their token balance
@@ -25,7 +25,7 @@ from typing import Any
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from knitdata.bench.control import make_admitted, plan_quality  # noqa: E402
+from benchmarks.control import make_admitted, plan_quality  # noqa: E402
 from knitdata.placement import ConsumerLayout  # noqa: E402
 from knitdata.planner import Planner  # noqa: E402
 
@@ -97,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{'ranks':>6} {'trajectories':>12} {'before_ms':>10} {'after_ms':>9} {'speedup':>8} "
           f"{'before_min':>10} {'after_min':>9} {'identical':>9} {'max/mean tok':>12} {'cross-node':>10}")
-    for ranks, by_n in points.items():
+    for ranks_key, by_n in points.items():
         for n, p in by_n.items():
             b, f = p["before"], p["after"]
-            print(f"{ranks:>6} {n:>12} {b['plan_ms']:>10.1f} {f['plan_ms']:>9.1f} {p['speedup']:>7.2f}x "
+            print(f"{ranks_key:>6} {n:>12} {b['plan_ms']:>10.1f} {f['plan_ms']:>9.1f} {p['speedup']:>7.2f}x "
                   f"{b['plan_ms_min']:>10.1f} {f['plan_ms_min']:>9.1f} {str(p['identical_plans']):>9} "
                   f"{f['max_over_mean_tokens']:>12.3f} {f['cross_node_bytes_fraction']:>10.3f}")
     print(f"load average: start {' '.join(f'{x:.2f}' for x in load_start)}, "

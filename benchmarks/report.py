@@ -30,7 +30,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["BLOCKS", "FILES", "MARKER", "RESULTS", "SCENARIOS", "Block", "block", "load_text", "main", "render_all", "render_block", "render_text"]
+__all__ = [
+    "BLOCKS",
+    "FILES",
+    "MARKER",
+    "RESULTS",
+    "SCENARIOS",
+    "Block",
+    "block",
+    "load_text",
+    "main",
+    "render_all",
+    "render_block",
+    "render_text",
+]
 
 #: Markdown files holding generated blocks, relative to the repository root.
 FILES = ("README.md", "benchmarks/README.md")
@@ -104,6 +117,18 @@ def g(d: Any, *path: Any, default: Any = None) -> Any:
     return d
 
 
+def _dict(x: Any) -> dict[str, Any]:
+    """``x`` if it is a dict, else an empty one (a JSON value that may be missing or of another type)."""
+    return x if isinstance(x, dict) else {}
+
+
+def _choice(flag: Any, yes: str, no: str, missing: str) -> str:
+    """``yes`` / ``no`` for a JSON boolean, ``missing`` for anything else."""
+    if isinstance(flag, (bool, int, float)) and flag in (True, False):
+        return yes if flag else no
+    return missing
+
+
 def table(header: list[str], rows: list[list[str]], align: str | None = None) -> str:
     """A Markdown table; ``align`` is one character per column, ``l`` or ``r`` (default: first l, rest r)."""
     align = align or ("l" + "r" * (len(header) - 1))
@@ -123,7 +148,7 @@ def _loads3(v: Any) -> str | None:
 
 def load_text(d: dict) -> str:
     """The machine's load average as the result records it (1 / 5 / 15 min), at start and end; '' if absent."""
-    places = [d, d.get("machine") if isinstance(d.get("machine"), dict) else {}]
+    places = [d, _dict(d.get("machine"))]
     start = end = during = None
     for p in places:
         for k, v in p.items():
@@ -284,7 +309,7 @@ def render_headline(d: dict) -> str:
 @block("machine", optional=("transfer_accel.json", "transfer.json", "loader.json"))
 def render_machine(d: dict) -> str:
     """The software and CPU count recorded by the transfer (accel, else CPU) or loader result."""
-    name, m = next(((n, g(d, n, "machine")) for n in ("transfer_accel.json", "transfer.json", "loader.json")
+    name, m = next(((n, _dict(g(d, n, "machine"))) for n in ("transfer_accel.json", "transfer.json", "loader.json")
                     if g(d, n, "machine")), ("transfer.json", {}))
     parts = []
     if _num(m.get("cpus")) is not None:
@@ -341,7 +366,7 @@ def _transfer_modes_table(tr: dict) -> str:
             str(e.get("delivered", "-")),
             str(e.get("lost", "-")),
             str(e.get("duplicated", "-")),
-            {True: "yes", False: "no"}.get(e.get("interleaved"), "-"),
+            _choice(e.get("interleaved"), "yes", "no", "-"),
         ])
     return table(
         ["mode", "encoding", "engine", "exposed ms/step",
@@ -401,7 +426,7 @@ def _transfer_2x2_one(tr: dict, key: str) -> str:
     rows = [["transferqueue (best)", cell("tq_dup"), cell("tq_shared")],
             ["knitdata iter", cell("iter_dup"), cell("iter_shared")]]
     extra = []
-    eff = e2e.get("effects") if isinstance(e2e.get("effects"), dict) else e2e
+    eff = e2e["effects"] if isinstance(e2e.get("effects"), dict) else e2e
     for k, label in (("transfer_dup", "transfer effect with dup"), ("transfer_shared", "transfer effect with shared"),
                      ("encoding_tq", "encoding effect on transferqueue"), ("encoding_iter", "encoding effect on iter"),
                      ("both", "both (tq dup over iter shared)"), ("speedup_transfer", "transfer alone (dup)"),
@@ -433,14 +458,14 @@ def _transfer_controls(tr: dict) -> str:
         if isinstance(inter, dict) and c.get("encoding") == "shared":
             inter = inter.get("shared")
         rows.append([name, str(c.get("encoding", "-")), f(_ms(c)), f(_ms(inter) if isinstance(inter, dict) else None),
-                     f(c.get("step_s"), ".3f"), {True: "yes", False: "no"}.get(c.get("exactly_once"), "-")])
+                     f(c.get("step_s"), ".3f"), _choice(c.get("exactly_once"), "yes", "no", "-")])
     return "Each mode alone (`controls`, not interleaved) beside its interleaved figure:\n\n" + table(
         ["mode", "encoding", "alone exposed ms/step", "interleaved exposed ms/step", "alone step s", "exactly once"],
         rows, "llrrrl")
 
 
 def _workload_text(tr: dict) -> str:
-    w = tr.get("workload") if isinstance(tr.get("workload"), dict) else {}
+    w = _dict(tr.get("workload"))
     desc = ", ".join(f"{k} = {'x'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in w.items()
                      if (isinstance(v, (int, float, str)) and not isinstance(v, bool))
                      or (isinstance(v, list) and all(isinstance(x, int) for x in v)))
@@ -478,7 +503,7 @@ def _accel_table(section: Any) -> str:
             rows.append([f"**{name}**" if m == "iter" else name, enc, f"**{ex}**" if m == "iter" else ex,
                          f(x.get("wait_ms"), ".3f"), f(x.get("own_ms"), ".3f"), f(x.get("state_dict_ms"), ".3f"),
                          f(x.get("commit_ms"), ".3f"), f(x.get("step_s"), ".3f"), f(x.get("compute_s"), ".3f"),
-                         {True: "yes", False: "**no**"}.get(x.get("exactly_once"), "-")])
+                         _choice(x.get("exactly_once"), "yes", "**no**", "-")])
     return table(["mode", "encoding", "exposed ms/step", "next: waiting ms", "next: own ms", "state_dict ms",
                   "commit ms", "step s", "compute s", "exactly once"], rows, "llrrrrrrrl")
 
@@ -537,7 +562,7 @@ def _accel_acceptance(tr: dict) -> str:
     for k, v in a.items():
         if not isinstance(v, dict) or not v.get("applies"):
             continue
-        verdict = {True: "met", False: "**not met**"}.get(v.get("met"), "not measured")
+        verdict = _choice(v.get("met"), "met", "**not met**", "not measured")
         items.append(f"`{k}` ({f(v.get('value'), '.3f')} {v.get('op', '')} {f(v.get('threshold'), 'g')}): {verdict}")
     if not items:
         return ""
@@ -602,8 +627,8 @@ def render_transfer_accel_omni_seed(d: dict) -> str:
 
 def render_transfer_speedups_result(tr: dict) -> str:
     """Step-time ratios (measured on CPU) and the GPU projection with its stated assumptions."""
-    p = tr.get("speedup_end_to_end_projected_gpu") if isinstance(tr.get("speedup_end_to_end_projected_gpu"), dict) else {}
-    pm = p.get("model") if isinstance(p.get("model"), dict) else {}
+    p = _dict(tr.get("speedup_end_to_end_projected_gpu"))
+    pm = _dict(p.get("model"))
     rows = []
     for key, label, compared, pkey in (
         ("speedup_transfer", "transfer alone", "transferqueue vs iter, both `dup`", "speedup_transfer"),
@@ -617,8 +642,8 @@ def render_transfer_speedups_result(tr: dict) -> str:
     if rows:
         parts.append(table(["speedup", "compared", "CPU, measured", "GPU, projected"], rows, "llrr"))
     if pm:
-        cfg = pm.get("config") if isinstance(pm.get("config"), dict) else {}
-        tiny = p.get("tiny_model") if isinstance(p.get("tiny_model"), dict) else {}
+        cfg = _dict(pm.get("config"))
+        tiny = _dict(p.get("tiny_model"))
         parts.append(
             f"GPU projection (`speedup_end_to_end_projected_gpu`; a projection, not a measurement): compute = FLOPs "
             f"counted for one consumer's step of the model `{cfg.get('name', '-')}` ({f(pm.get('params'), '.1f', 1e-9)}B "
@@ -904,7 +929,7 @@ def render_placement(d: dict) -> str:
         rng = f"{min(tp):.1f}-{max(tp):.1f}" if tp else "-"
         rows.append([label, f(e.get("read_cross_bytes"), ".2f", 1e-6, " MB"), pct(e.get("read_cross_fraction")),
                      f(e.get("throughput_MBps_median"), ".1f", suffix=" MB/s"), rng,
-                     {True: "yes", False: "no"}.get(e.get("exactly_once"), "-")])
+                     _choice(e.get("exactly_once"), "yes", "no", "-")])
         a, b = _num(e.get("read_cross_bytes")), _num(e.get("planned_remote_bytes"))
         if a and b:
             agree.append(abs(a - b) / a)
@@ -1105,13 +1130,13 @@ def render_control_scale(d: dict) -> str:
             rows.append([str(ranks), str(n), f(e.get("plan_ms"), ".1f"), f(e.get("plan_ms_min"), ".1f"),
                          str(e.get("microbatches_per_rank", "-")), f(e.get("max_over_mean_tokens"), ".3f"),
                          f(e.get("cross_node_bytes_fraction"), ".3f")])
-    cfg = r.get("config") or {}
+    cfg = _dict(r.get("config"))
     goals = []
     big = str(int(cfg["nodes"]) * int(cfg["ranks_per_node"])) if cfg.get("nodes") and cfg.get("ranks_per_node") else None
     tr = cfg.get("trajectories") or []
     for n, goal in zip(tr, (10.0, 50.0)):
-        v = g(r, "scale", big, str(n), "plan_ms") if big else None
-        if _num(v) is not None:
+        v = _num(g(r, "scale", big, str(n), "plan_ms")) if big else None
+        if v is not None:
             goals.append(f"{n} trajectories at {big} ranks: {v:.1f} ms against a goal of {goal:.0f} ms "
                          f"({'met' if v <= goal else 'not met'})")
     parts = [run_text(r),

@@ -1,7 +1,31 @@
-"""Benchmark script: ``python benchmarks/vlm.py [options]`` (the same as ``knitdata bench vlm``).
+"""Shared encoding on real architectures: a model's own duplicated forward vs fold, leaf and recompute.
 
-Writes ``benchmarks/results/vlm.json`` unless ``--json`` says otherwise;
-``--help`` lists the options.
+Random-init ``transformers`` models built from configs (nothing downloaded): Qwen2.5-VL (images) and
+Qwen2-Audio (audio clips). One optimizer step's mini-batch holds ``groups`` prompts, each with one image or
+clip shared by the ``group_size`` responses of its group (GRPO), shuffled into ``microbatches``
+micro-batches of equal size. Per family and mode, measured side by side in one run (interleaved repetitions,
+medians):
+
+* ``native``: the model's own forward with every trajectory's copy of its media
+  (:meth:`~knitdata.integrations.transformers.HFMultimodalAdapter.forward_native`), forward and backward
+  of every micro-batch;
+* ``fold`` / ``leaf`` / ``recompute``: :class:`~knitdata.encoder.SharedEncoding` through the adapter (unique
+  items encoded once, rows placed at the placeholders, the model's own forward and loss);
+* ``step_s``: the step's time (CPU: process CPU time with one torch thread, robust on shared cores; GPU:
+  wall time between ``cuda.synchronize`` calls); ``speedup`` = native ``step_s`` / mode ``step_s``;
+* ``peak_mem_bytes``: what the step itself adds at its peak, beyond the model, its inputs and the
+  measurement. GPU: ``torch.cuda.max_memory_allocated`` during the step minus ``memory_allocated`` before
+  it. CPU: the growth of the peak resident set (``VmHWM``) of a fresh subprocess while it runs two steps of
+  that mode after building the model and batch. ``tracemalloc`` would be wrong for torch: it sees only
+  allocations through Python's allocator, not the C++ allocator holding tensors; torch keeps no peak
+  statistics of CPU tensor memory. The RSS growth also counts the gradient buffers (the same in every mode)
+  and allocator slack, so compare modes with each other, not with tensor sizes;
+* ``max_rel_grad_diff``: the largest per-parameter ``max |g - g_native| / max |g_native|`` after one step.
+
+Presets: the default CPU config (small models, one torch thread), ``--smoke`` (tiny, seconds, no memory
+subprocesses; used by the tests) and ``--gpu`` (one CUDA device: a Qwen2.5-VL-3B-shaped model in bfloat16
+at 448 and 896 px, groups of 8 sharing an image, 8 micro-batches of 2; sized to finish within 5 minutes on
+one H200).
 """
 
 from __future__ import annotations
@@ -9,11 +33,399 @@ from __future__ import annotations
 import os
 import sys
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+if not __package__:  # ``python benchmarks/vlm.py``: import the ``benchmarks`` package of this checkout
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from knitdata.bench import script_main, vlm  # noqa: E402
+import argparse
+import functools
+import json
+import random
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+import torch
+
+from benchmarks.common.cli import child_env
+from benchmarks.common.output import write_json
+
+__all__ = ["VLMConfig", "Workload", "build_workload", "run_step", "run_bench", "add_arguments", "run"]
+
+MODES: tuple[str, ...] = ("native", "fold", "leaf", "recompute")
+
+
+@dataclass
+class VLMConfig:
+    """Workload of the vlm benchmark.
+
+    Attributes:
+        families: Model families to measure (``qwen2_5_vl``, ``qwen2_audio``).
+        image_sizes: Square image sides in pixels (Qwen2.5-VL), one workload each.
+        text_tokens: Prompt plus response tokens per trajectory, per image size (or one for all).
+        audio_seconds: Clip length (Qwen2-Audio).
+        groups: Unique media items (prompts) per mini-batch.
+        group_size: Trajectories sharing one item (GRPO ``n``).
+        microbatches: Micro-batches per optimizer step.
+        vision: Qwen2.5-VL vision config overrides.
+        text: Language model config overrides (both families).
+        audio: Qwen2-Audio audio config overrides.
+        dtype: ``"float32"`` or ``"bfloat16"``.
+        device: ``"cpu"`` or ``"cuda"``.
+        warmup: Untimed steps per mode.
+        repeats: Timed steps per mode.
+        mem: Measure peak memory (CPU: one subprocess per family, size and mode).
+        seed: Seed of the parameters and the layout.
+    """
+
+    families: tuple[str, ...] = ("qwen2_5_vl", "qwen2_audio")
+    image_sizes: tuple[int, ...] = (224,)
+    text_tokens: tuple[int, ...] = (128,)
+    audio_seconds: float = 4.0
+    groups: int = 2
+    group_size: int = 8
+    microbatches: int = 8
+    vision: dict[str, Any] = field(
+        default_factory=lambda: dict(depth=4, hidden_size=128, intermediate_size=256, num_heads=4, out_hidden_size=128,
+                                     fullatt_block_indexes=[3])
+    )
+    text: dict[str, Any] = field(
+        default_factory=lambda: dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=1024)
+    )
+    audio: dict[str, Any] = field(
+        default_factory=lambda: dict(d_model=128, encoder_layers=4, encoder_attention_heads=4, encoder_ffn_dim=256,
+                                     num_mel_bins=80, max_source_positions=200)
+    )
+    dtype: str = "float32"
+    device: str = "cpu"
+    warmup: int = 1
+    repeats: int = 3
+    mem: bool = True
+    seed: int = 0
+
+    @classmethod
+    def smoke(cls) -> VLMConfig:
+        """A tiny workload that runs in seconds (for tests)."""
+        return cls(
+            image_sizes=(56,), text_tokens=(24,), audio_seconds=0.5, groups=2, group_size=2, microbatches=2,
+            vision=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                        fullatt_block_indexes=[0]),
+            text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=256),
+            audio=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, num_mel_bins=16,
+                       max_source_positions=25),
+            warmup=0, repeats=1, mem=False,
+        )
+
+    @classmethod
+    def gpu(cls) -> VLMConfig:
+        """Qwen2.5-VL-3B-shaped, bfloat16, one CUDA device; 448 px with 1,024 text tokens, 896 px with 512.
+
+        The 3B model ties its input and output embeddings; this one does not (4.07B parameters instead of
+        3.75B): the step is the same but for one more 151,936 x 2,048 gradient.
+        """
+        return cls(
+            families=("qwen2_5_vl",), image_sizes=(448, 896), text_tokens=(1024, 512), groups=2, group_size=8,
+            microbatches=8,
+            vision=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=2048,
+                        window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+            text=dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                      num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                      rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+            dtype="bfloat16", device="cuda", warmup=1, repeats=3, mem=True,
+        )
+
+
+@dataclass
+class Workload:
+    """One family and size: model, adapter, micro-batches and their unique media batch."""
+
+    family: str
+    size: str
+    model: Any
+    adapter: Any
+    micro_batches: list
+    batch: Any
+    inputs: list
+    scales: list[float]
+
+
+def _build_model(cfg: VLMConfig, family: str, text_tokens: int) -> Any:
+    import transformers
+
+    dtype = getattr(torch, cfg.dtype)
+    text = dict(cfg.text)
+    vocab = int(text.get("vocab_size", 1024))
+    special = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    text.setdefault("max_position_embeddings", max(4096, 4 * text_tokens))
+    make: Callable[[], transformers.PreTrainedModel]  # the family's model class on its config
+    if family == "qwen2_5_vl":
+        half = int(text["hidden_size"]) // int(text["num_attention_heads"]) // 2
+        text.setdefault("rope_scaling", {"type": "mrope", "mrope_section": [half // 4, half // 4, half - 2 * (half // 4)]})
+        vision = dict(patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=112, in_channels=3)
+        vision.update(cfg.vision)
+        conf = transformers.Qwen2_5_VLConfig(
+            vision_config=vision, text_config={**text, **special}, image_token_id=vocab - 4, video_token_id=vocab - 3,
+            vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1,
+        )
+        make = functools.partial(transformers.Qwen2_5_VLForConditionalGeneration, conf)
+    else:
+        aconf = transformers.Qwen2AudioConfig(
+            audio_config=dict(cfg.audio), text_config={"model_type": "qwen2", **text, **special},
+            audio_token_index=vocab - 4,
+        )
+        make = functools.partial(transformers.Qwen2AudioForConditionalGeneration, aconf)
+    torch.manual_seed(cfg.seed)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(cfg.device):  # initialize where it runs (a 3B model initializes in seconds on a GPU)
+            model = make()
+    finally:
+        torch.set_default_dtype(old)
+    return model.to(dtype).train()
+
+
+def build_workload(cfg: VLMConfig, family: str, index: int = 0) -> Workload:
+    """Build the model, the trajectories and the collated batch of one family and size."""
+    import numpy as np
+
+    from knitdata.integrations.transformers import adapter_for
+    from knitdata.media import audio_item, image_item
+    from knitdata.record import Trajectory
+
+    tokens = cfg.text_tokens[min(index, len(cfg.text_tokens) - 1)]
+    model = _build_model(cfg, family, tokens)
+    adapter = adapter_for(model)
+    rng = np.random.default_rng(cfg.seed + index)
+    vocab = int(cfg.text.get("vocab_size", 1024))
+    if family == "qwen2_5_vl":
+        px = cfg.image_sizes[index]
+        size = f"{px}px"
+        media = [image_item(torch.from_numpy(rng.integers(0, 256, (3, px, px), dtype=np.uint8))) for _ in range(cfg.groups)]
+    else:
+        size = f"{cfg.audio_seconds:g}s"
+        n = int(cfg.audio_seconds * 16000)
+        media = [audio_item(rng.standard_normal(n).astype(np.float32) * 0.1, sample_rate=16000) for _ in range(cfg.groups)]
+    trajs = []
+    half = max(1, tokens // 2)
+    for g, item in enumerate(media):
+        prompt = rng.integers(3, vocab - 8, size=half).tolist()
+        prompt[1] = adapter.placeholder_id
+        for m in range(cfg.group_size):
+            resp = rng.integers(3, vocab - 8, size=max(1, tokens - half)).tolist()
+            trajs.append(Trajectory(id=f"g{g}m{m}", source="bench", group=f"g{g}", prompt_ids=torch.tensor(prompt),
+                                    response_ids=torch.tensor(resp), media=[item]))
+    random.Random(cfg.seed).shuffle(trajs)
+    k = cfg.microbatches
+    mbs = [trajs[i::k] for i in range(k)]
+    batch = adapter.media_collator()(mbs).to(cfg.device)
+    inputs = [{key: v.to(cfg.device) for key, v in adapter.collate(mb, batch, i).items()} for i, mb in enumerate(mbs)]
+    return Workload(family, size, model, adapter, mbs, batch, inputs, [1.0 / k] * k)
+
+
+def run_step(w: Workload, mode: str) -> None:
+    """One optimizer step's forward and backward (no optimizer update): ``native`` or a SharedEncoding mode."""
+    w.model.zero_grad(set_to_none=True)
+    if mode == "native":
+        for i, inp in enumerate(w.inputs):
+            (w.adapter.forward_native(inp, w.batch, i).loss * w.scales[i]).backward()
+        return
+    shared = w.adapter.shared_encoding(mode, dummy=False)
+    with shared.minibatch(w.batch) as sm:
+        for i, inp in enumerate(w.inputs):
+            sm.backward(w.adapter.forward(inp, sm.rows(i)).loss * w.scales[i])
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _grads(model: Any) -> dict[str, torch.Tensor]:
+    """A copy of the gradients in their own dtype (a 3B model's bf16 gradients: 7.5 GiB on the device)."""
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _peak_rss_kb() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def _gpu_peak(w: Workload, mode: str) -> int:
+    _sync(w.model.device.type)
+    w.model.zero_grad(set_to_none=True)
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run_step(w, mode)
+    _sync("cuda")
+    return int(torch.cuda.max_memory_allocated() - before)
+
+
+def _cpu_peak(cfg: VLMConfig, family: str, index: int, mode: str, timeout_s: float = 600.0) -> int:
+    payload = json.dumps({"cfg": asdict(cfg), "family": family, "index": index, "mode": mode})
+    env = child_env(OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", f"from benchmarks.vlm import _child; _child({payload!r})"],
+                         capture_output=True, text=True, timeout=timeout_s, env=env)
+    if out.returncode != 0:
+        raise RuntimeError(f"memory child for {family} {mode} failed: {out.stderr[-2000:]}")
+    return int(json.loads(out.stdout.strip().splitlines()[-1])["peak_mem_bytes"])
+
+
+def _cfg_from(d: dict[str, Any]) -> VLMConfig:
+    tuples = ("families", "image_sizes", "text_tokens")
+    kwargs: dict[str, Any] = {k: tuple(v) if k in tuples else v for k, v in d.items()}
+    return VLMConfig(**kwargs)
+
+
+def _child(payload: str) -> None:
+    torch.set_num_threads(1)
+    d = json.loads(payload)
+    cfg = _cfg_from(d["cfg"])
+    w = build_workload(cfg, d["family"], d["index"])
+    before = _peak_rss_kb()
+    for _ in range(2):
+        run_step(w, d["mode"])
+    print(json.dumps({"peak_mem_bytes": (_peak_rss_kb() - before) * 1024}))
+
+
+def run_bench(cfg: VLMConfig, progress: bool = True) -> dict[str, Any]:
+    """Run the benchmark; return the JSON-serializable report (``results`` list, config, load average)."""
+    from tqdm import tqdm
+
+    cuda = cfg.device.startswith("cuda")
+    if not cuda:
+        torch.set_num_threads(1)
+    load_before = os.getloadavg()
+    work = [(f, i) for f in cfg.families for i in (range(len(cfg.image_sizes)) if f == "qwen2_5_vl" else [0])]
+    bar = tqdm(total=len(work) * len(MODES) * (cfg.warmup + cfg.repeats + 1), desc="bench vlm", disable=not progress,
+               leave=False)
+    results: list[dict[str, Any]] = []
+    for family, index in work:
+        w = build_workload(cfg, family, index)
+        diffs: dict[str, float] = {}
+        ref: dict[str, torch.Tensor] = {}
+        for mode in MODES:  # one step each for the gradient check (also a warmup); only native's grads are kept
+            run_step(w, mode)
+            if mode == "native":
+                ref = _grads(w.model)
+            else:
+                g = {n: p.grad for n, p in w.model.named_parameters() if p.grad is not None}
+                diffs[mode] = max(
+                    float((g[n].float() - ref[n].float()).abs().max()) / (float(ref[n].float().abs().max()) or 1.0)
+                    for n in ref
+                )
+            bar.update(1)
+        diffs["native"] = 0.0
+        del ref
+        w.model.zero_grad(set_to_none=True)
+        times: dict[str, list[float]] = {m: [] for m in MODES}
+        for rep in range(cfg.warmup + cfg.repeats):
+            for mode in MODES if rep % 2 == 0 else reversed(MODES):
+                _sync(cfg.device)
+                t0, c0 = time.perf_counter(), time.process_time()
+                run_step(w, mode)
+                _sync(cfg.device)
+                dt = time.perf_counter() - t0 if cuda else time.process_time() - c0
+                if rep >= cfg.warmup:
+                    times[mode].append(dt)
+                bar.update(1)
+        peaks: dict[str, int | None] = {m: None for m in MODES}
+        if cfg.mem:
+            for mode in MODES:
+                peaks[mode] = _gpu_peak(w, mode) if cuda else _cpu_peak(cfg, family, index, mode)
+        for mode in MODES:
+            diff = diffs[mode]
+            step = statistics.median(times[mode])
+            results.append({
+                "family": family,
+                "size": w.size,
+                "mode": mode,
+                "step_s": step,
+                "speedup": statistics.median(times["native"]) / step,
+                "peak_mem_bytes": peaks[mode],
+                "max_rel_grad_diff": diff,
+                "unique_items": w.batch.num_unique,
+                "occurrences": w.batch.num_occurrences,
+                "encoder_rows_per_item": float(w.adapter.out_rows(w.batch.tables[w.adapter.kind]).float().mean()),
+                "text_tokens": int(w.inputs[0]["attention_mask"].sum(-1).float().mean()),
+                "step_s_all": times[mode],
+            })
+        del w
+        if cuda:
+            torch.cuda.empty_cache()
+    bar.close()
+    return {
+        "benchmark": "vlm",
+        "config": asdict(cfg),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "clock": "wall" if cuda else "process cpu",
+        "loadavg_before": list(load_before),
+        "loadavg_after": list(os.getloadavg()),
+        "results": results,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The results as a text table."""
+    head = f"{'family':<12} {'size':>6} {'mode':<10} {'step s':>9} {'speedup':>8} {'peak mem':>10} {'grad diff':>10}"
+    lines = [head, "-" * len(head)]
+    for r in report["results"]:
+        mem = "-" if r["peak_mem_bytes"] is None else f"{r['peak_mem_bytes'] / 2**20:.1f}M"
+        lines.append(
+            f"{r['family']:<12} {r['size']:>6} {r['mode']:<10} {r['step_s']:>9.4f} {r['speedup']:>8.2f} {mem:>10} "
+            f"{r['max_rel_grad_diff']:>10.2e}"
+        )
+    la, lb = report["loadavg_before"], report["loadavg_after"]
+    lines.append(f"load average before {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}, after {lb[0]:.2f} {lb[1]:.2f} {lb[2]:.2f}; "
+                 f"clock: {report['clock']}; device: {report['device']}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``python -m benchmarks vlm``."""
+    parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    preset = parser.add_mutually_exclusive_group()
+    preset.add_argument("--smoke", action="store_true", help="tiny models, seconds, no memory subprocesses (tests)")
+    preset.add_argument("--gpu", action="store_true", help="Qwen2.5-VL-3B-shaped, bf16, 448 and 896 px on one GPU")
+    parser.add_argument("--families", type=lambda s: tuple(s.split(",")), default=None,
+                        help="comma-separated families (qwen2_5_vl,qwen2_audio)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per mode")
+    parser.add_argument("--no-mem", action="store_true", help="skip the peak-memory measurement")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``python -m benchmarks vlm``; print the table and write JSON."""
+    cfg = VLMConfig.smoke() if args.smoke else VLMConfig.gpu() if args.gpu else VLMConfig()
+    if args.families:
+        cfg.families = args.families
+    if args.repeats:
+        cfg.repeats = args.repeats
+    if args.no_mem:
+        cfg.mem = False
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        print("--gpu needs a CUDA device")
+        return 2
+    report = run_bench(cfg)
+    print(format_table(report))
+    if args.json:
+        write_json(args.json, report, indent=2)
+    return 0
+
 
 if __name__ == "__main__":
-    sys.exit(script_main(vlm, "vlm", RESULTS))
+    from benchmarks.common.cli import run_script
+
+    sys.exit(run_script("vlm"))

@@ -6,7 +6,7 @@ The layout follows the data's path, one module per stage:
 stage             module
 ================  ===========================================================================
 record            :mod:`knitdata.record` (``Trajectory``), :mod:`knitdata.codec` (wire/disk)
-admission         :mod:`knitdata.admission`, :mod:`knitdata.staleness`, :mod:`knitdata.sim`
+admission         :mod:`knitdata.admission`, :mod:`knitdata.staleness`
 placement         :mod:`knitdata.placement`, :mod:`knitdata.planner`
 storage           :mod:`knitdata.storage` (embedded, Ray), :mod:`knitdata.spill`, :mod:`knitdata.shards`
 consumer dataset  :mod:`knitdata.pipeline`, :mod:`knitdata.dataset`

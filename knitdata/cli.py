@@ -1,84 +1,67 @@
-"""The ``knitdata`` command: ``knitdata demo`` and ``knitdata bench <name>``.
+"""The ``knitdata`` command: ``knitdata demo`` and ``knitdata bench <name>``, from a checkout.
 
-Each sub-command lives in its own module exposing ``add_arguments(parser)`` and ``run(args) -> int``;
-the command imports it only when asked, so optional extras stay optional.
+The demo and the benchmarks are not part of the installed library: they live in the repository's top-level
+``benchmarks`` package (``python -m benchmarks <name>``). Run from a checkout (an editable install, or with the
+repository root as the working directory), this command forwards to it; elsewhere it exits with status 2 and a
+one-line message.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
+from types import ModuleType
 
-__all__ = ["main", "build_parser", "BENCHMARKS"]
+__all__ = ["main", "build_parser", "find_benchmarks"]
 
-#: Benchmark name -> (module, one-line help).
-BENCHMARKS: dict[str, tuple[str, str]] = {
-    "admission": ("knitdata.bench.admission", "architectural staleness and quota violations per admission policy"),
-    "transfer": ("knitdata.bench.transfer", "exposed transfer latency and step time: transferqueue, sample, eager, iter (--compute accel|cpu)"),
-    "encode": ("knitdata.bench.encode", "duplicated vs deduplicated multimodal encoding"),
-    "loader": ("knitdata.bench.loader", "loader overhead vs a plain torch DataLoader, and memcpy bandwidth"),
-    "placement": ("knitdata.bench.placement", "cross-node bytes: consumer-aware placement vs index-mod-units (Ray)"),
-    "soak": ("knitdata.bench.soak", "sustained load: throughput, memory high-water, lost/duplicated"),
-    "learning": ("knitdata.bench.learning", "held-out reward per step of a small RL task trained through knitdata, per admission"),
-    "vlm": ("knitdata.bench.vlm", "shared encoding on Qwen2.5-VL / Qwen2-Audio: model's own path vs fold/leaf/recompute"),
-    "control": ("knitdata.bench.control", "control-plane throughput, put latency, commit cost; --scale: planning at cluster scale"),
-    "journal": ("knitdata.bench.journal", "control-plane journal with and without compaction: bytes, restart time"),
-}
+_MISSING = ("the benchmarks and the demo are not part of the installed package: from a checkout of the repository, "
+            "run `python -m benchmarks {name}`")
 
 
-def _load(module: str):
+def _import_cli() -> ModuleType | None:
     try:
-        return importlib.import_module(module)
+        mod = importlib.import_module("benchmarks.common.cli")
     except ModuleNotFoundError as e:
-        if e.name and e.name.startswith("knitdata"):
+        if e.name and (e.name == "benchmarks" or e.name.startswith("benchmarks.")):
             return None
         raise
+    return mod if hasattr(sys.modules["benchmarks"], "BENCHMARKS") else None
 
 
-def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
-    """Build the argument parser.
+def find_benchmarks() -> ModuleType | None:
+    """The ``benchmarks.common.cli`` module of the checkout this command runs from, or ``None``.
 
-    Only the module of the sub-command named in ``argv`` is imported (a benchmark's dependencies load
-    only when it runs); the others are listed with their one-line help.
-
-    Args:
-        argv: The command line, used to pick which sub-command module to import.
+    ``benchmarks`` is looked up on ``sys.path`` (the working directory under ``python -m knitdata``), then beside
+    the ``knitdata`` package this module belongs to (an editable install of a checkout); found there, the
+    checkout's root is put first on ``sys.path`` and on ``PYTHONPATH`` (for the processes a benchmark starts).
     """
+    found = _import_cli()
+    if found is not None:
+        return found
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(root, "benchmarks", "__init__.py")):
+        return None
+    sys.modules.pop("benchmarks", None)
+    sys.path.insert(0, root)
+    # and in the processes a benchmark starts (subprocesses, Ray workers), which do not inherit sys.path
+    os.environ["PYTHONPATH"] = os.pathsep.join([root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    return _import_cli()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the top level: ``knitdata demo [...]`` and ``knitdata bench <name> [...]``."""
     parser = argparse.ArgumentParser(
         prog="knitdata",
         description="knitdata: move RL trajectories from rollout to training (admission, on-demand access, "
-        "multimodal encoding deduplication).",
+        "multimodal encoding deduplication). The demo and the benchmarks run from a checkout of the repository "
+        "(the same as `python -m benchmarks demo|<name>`).",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    argv = list(argv)
-    demo = sub.add_parser("demo", help="run the end-to-end demo on the embedded engine (no servers)")
-    if argv[:1] == ["demo"]:
-        demo_mod = _load("knitdata.demo")
-        if demo_mod is not None:
-            demo_mod.add_arguments(demo)
-            demo.set_defaults(_run=demo_mod.run)
-    bench = sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON and a plot)")
-    bsub = bench.add_subparsers(dest="bench", metavar="NAME")
-    for name, (module, help_) in BENCHMARKS.items():
-        p = bsub.add_parser(name, help=help_, description=help_)
-        if argv[:2] != ["bench", name]:
-            continue
-        mod = _load(module)
-        if mod is None or not hasattr(mod, "add_arguments"):
-            p.set_defaults(_run=lambda args, n=name: (print(f"benchmark {n!r} is not available in this build"), 2)[1])
-            continue
-        if mod.__doc__:
-            p.description = mod.__doc__.strip()
-            p.formatter_class = argparse.RawDescriptionHelpFormatter
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
-    def _bench_help(args: argparse.Namespace) -> int:
-        bench.print_help()
-        return 2
-
-    bench.set_defaults(_run=_bench_help)
+    sub.add_parser("demo", help="run the end-to-end demo on the embedded engine (no servers)", add_help=False)
+    sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON and a plot)", add_help=False)
     return parser
 
 
@@ -89,16 +72,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments (defaults to ``sys.argv[1:]``).
 
     Returns:
-        The process exit code.
+        The process exit code: the command's, or 2 (no command, or no ``benchmarks`` package to forward to).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv)
-    args = parser.parse_args(argv)
-    run = getattr(args, "_run", None)
-    if run is None:
-        parser.print_help()
+    if argv[:1] not in (["demo"], ["bench"]):
+        build_parser().parse_args(argv)  # --help exits here; an unknown command errors
+        build_parser().print_help()
         return 2
-    return int(run(args) or 0)
+    cli = find_benchmarks()
+    if cli is None:
+        name = "demo" if argv[0] == "demo" else (argv[1] if len(argv) > 1 and not argv[1].startswith("-") else "<name>")
+        print(_MISSING.format(name=name), file=sys.stderr)
+        return 2
+    if argv[0] == "demo":
+        return int(cli.main(argv, prog="knitdata"))
+    return int(cli.main(argv[1:], prog="knitdata bench", demo=False))
 
 
 if __name__ == "__main__":  # pragma: no cover

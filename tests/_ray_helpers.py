@@ -331,7 +331,7 @@ def _consumers(nodes: list[str]) -> list[Any]:
 @scenario
 def placement_nodes(n_groups: int = 48, extra: int = 25_000) -> dict[str, Any]:
     """Three nodes, one rank each (fetch iter / eager / sample), both placements on one workload."""
-    from knitdata.bench.placement import compare_placements, make_workload, summarize
+    from benchmarks.placement import compare_placements, make_workload, summarize
 
     trajs = make_workload(n_groups, 2, extra)
     runs = compare_placements(_nodes(), trajs, fetch=["iter", "eager", "sample"], token_budget=512)

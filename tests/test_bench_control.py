@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from knitdata.bench.control import make_admitted, plan_quality
+from benchmarks.control import make_admitted, plan_quality
 from knitdata.cli import main
 from knitdata.placement import ConsumerLayout
 from knitdata.planner import Planner

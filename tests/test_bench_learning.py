@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitdata.bench.learning import (
+from benchmarks.learning import (
     PRESETS,
     REGIMES,
     LearningConfig,

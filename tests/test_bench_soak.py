@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from knitdata.bench.soak import Ledger, SoakConfig, format_table, run_soak, run_soak_processes, summarize_runs
+from benchmarks.soak import Ledger, SoakConfig, format_table, run_soak, run_soak_processes, summarize_runs
 from knitdata.cli import main
 from knitdata.errors import ConfigError
 

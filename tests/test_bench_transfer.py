@@ -1,6 +1,6 @@
-"""Tests of the transfer benchmark (knitdata/bench/transfer.py): its pieces, an in-process run, and the smoke run.
+"""Tests of the transfer benchmark (benchmarks/transfer.py): its pieces, an in-process run, and the smoke run.
 
-The smoke run (`knitdata bench transfer --smoke`, every mode, transferqueue included when installed, with the
+The smoke run (`python -m benchmarks transfer --smoke`, every mode, transferqueue included when installed, with the
 default `--compute accel`) runs in a subprocess under the 240 s hard time-out of issue 8; it checks the JSON keys
 and that every run delivered each trajectory exactly once. The CPU-compute mode runs in-process on the embedded
 engine. Timings are reported, never asserted (except that a calibrated wait lasts at least its calibration).
@@ -19,19 +19,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from knitdata.bench import transfer as tb
+from benchmarks import transfer as tb
+from benchmarks.common import baselines, consumer, models, output, summary, workload
 from knitdata.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SMALL = tb.TransferWorkload(group_size=2, prompt_tokens=16, response_tokens=16, image_shape=(3, 56, 56),
+SMALL = workload.TransferWorkload(group_size=2, prompt_tokens=16, response_tokens=16, image_shape=(3, 56, 56),
                             num_consumers=2, microbatch_size=2, microbatches_per_step=2, warmup_steps=1, steps=1,
                             vocab=64)
-SMALL_VLM = dataclasses.replace(tb.SMOKE_VLM, d_model=8, d_vision=8, vocab=64)
+SMALL_VLM = dataclasses.replace(models.SMOKE_VLM, d_model=8, d_vision=8, vocab=64)
 
 
 def test_workload_defaults_match_issue_8():
-    w = tb.TransferWorkload()
+    w = workload.TransferWorkload()
     assert (w.group_size, w.tokens, w.image_shape, w.num_consumers) == (8, 2048, (3, 448, 448), 4)
     assert (w.microbatch_size, w.microbatches_per_step, w.warmup_steps, w.steps) == (4, 4, 3, 10)
     assert w.trajectories_per_step == 64 and w.groups_per_step == 8
@@ -41,49 +42,49 @@ def test_workload_defaults_match_issue_8():
 @pytest.mark.parametrize("kw", [{"steps": 0}, {"group_size": 3}, {"microbatch_size": 3}, {"warmup_steps": -1}])
 def test_workload_rejects_bad_configs(kw):
     with pytest.raises(ConfigError):
-        tb.TransferWorkload(**kw)
+        workload.TransferWorkload(**kw)
 
 
 def test_make_group_is_deterministic_and_shares_one_image():
-    g1 = tb.make_group(SMALL, 3, 1)
-    g2 = tb.make_group(SMALL, 3, 1)
+    g1 = workload.make_group(SMALL, 3, 1)
+    g2 = workload.make_group(SMALL, 3, 1)
     assert [t.id for t in g1] == [t.id for t in g2]
     assert all(a.equals(b) for a, b in zip(g1, g2))
     assert len({id(t.media[0].tensor) for t in g1}) == 1  # one image object per group
     assert len({t.media[0].digest for t in g1}) == 1
-    other = tb.make_group(SMALL, 3, 0)
+    other = workload.make_group(SMALL, 3, 0)
     assert other[0].media[0].digest != g1[0].media[0].digest
     assert all(t.num_tokens == SMALL.tokens for t in g1)
 
 
 def test_transferqueue_row_index_maps_to_trajectory_ids():
-    ids = [t.id for s in range(SMALL.total_steps) for g in tb.make_step_groups(SMALL, s) for t in g]
-    assert [tb._tq_id(SMALL, i) for i in range(len(ids))] == ids
+    ids = [t.id for s in range(SMALL.total_steps) for g in workload.make_step_groups(SMALL, s) for t in g]
+    assert [baselines._tq_id(SMALL, i) for i in range(len(ids))] == ids
 
 
 def test_loopback_check():
-    assert tb._is_loopback("127.0.0.1") and tb._is_loopback("::1")
-    assert not tb._is_loopback("192.0.2.2") and not tb._is_loopback("0.0.0.0")
+    assert baselines._is_loopback("127.0.0.1") and baselines._is_loopback("::1")
+    assert not baselines._is_loopback("192.0.2.2") and not baselines._is_loopback("0.0.0.0")
 
 
 def _rec(step, ids, exposed=0.01):
-    return tb.ConsumerStepRecord(step, exposed, 0.1, 0.2, 1, 10, 20, list(ids), [exposed])
+    return consumer.ConsumerStepRecord(step, exposed, 0.1, 0.2, 1, 10, 20, list(ids), [exposed])
 
 
 def test_summarize_counts_lost_duplicated_and_unexpected():
     w = dataclasses.replace(SMALL, warmup_steps=1, steps=1)
     recs = [[_rec(0, ["a", "b"]), _rec(1, ["c"], 0.03)], [_rec(0, ["b"]), _rec(1, ["x"], 0.05)]]
-    s = tb.summarize_mode(recs, w, expected_ids={"a", "b", "c", "d"})
+    s = summary.summarize_mode(recs, w, expected_ids={"a", "b", "c", "d"})
     assert (s["delivered"], s["lost"], s["duplicated"], s["unexpected"]) == (5, 1, 1, 1)
     assert s["exactly_once"] is False
     assert s["exposed_latency_s"] == pytest.approx(0.04)  # mean over consumers of the measured step
     assert s["exposed_latency_max_s"] == pytest.approx(0.05)
-    ok = tb.summarize_mode([[_rec(0, ["a"]), _rec(1, ["b"])]], w, expected_ids={"a", "b"})
+    ok = summary.summarize_mode([[_rec(0, ["a"]), _rec(1, ["b"])]], w, expected_ids={"a", "b"})
     assert ok["exactly_once"] and ok["lost"] == ok["duplicated"] == 0
 
 
 def test_flop_counts_separate_encoder_copies():
-    f = tb.count_step_flops(SMALL_VLM, SMALL)
+    f = models.count_step_flops(SMALL_VLM, SMALL)
     k, b = SMALL.microbatches_per_step, SMALL.microbatch_size
     unique = SMALL.per_consumer_step // SMALL.group_size
     assert f["unique_images_per_step"] == unique
@@ -92,7 +93,7 @@ def test_flop_counts_separate_encoder_copies():
 
 
 def _items(w, cfg, encoding, trajs):
-    kw = tb._dataset_kwargs(w, cfg, encoding)
+    kw = consumer.dataset_kwargs(w, cfg, encoding)
     k, b = w.microbatches_per_step, w.microbatch_size
     mbs = [trajs[i * b:(i + 1) * b] for i in range(k)]
     media = kw["media_collator"](mbs) if "media_collator" in kw else None
@@ -100,15 +101,15 @@ def _items(w, cfg, encoding, trajs):
     for i, mb in enumerate(mbs):
         m = kw["collate"](mb)
         inputs = {kd: m.tensors[f"{kd}_inputs"] for kd in w.media_kinds} if encoding == "dup" else None
-        out.append(tb._Item(tuple(t.id for t in mb), m.input_ids, inputs, media, i, k, i == k - 1, 0))
+        out.append(consumer.StepItem(tuple(t.id for t in mb), m.input_ids, inputs, media, i, k, i == k - 1, 0))
     return out
 
 
 def test_duplicated_and_shared_encoding_give_the_same_gradients():
-    trajs = [t for g in tb.make_step_groups(SMALL, 0)[:2] for t in g]
+    trajs = [t for g in workload.make_step_groups(SMALL, 0)[:2] for t in g]
     grads = {}
-    for enc in tb.ENCODINGS:
-        tr = tb._Trainer(SMALL, SMALL_VLM, enc)
+    for enc in workload.ENCODINGS:
+        tr = consumer._Trainer(SMALL, SMALL_VLM, enc)
         for item in _items(SMALL, SMALL_VLM, enc, trajs):
             tr.microbatch(item)
         grads[enc] = {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
@@ -118,7 +119,7 @@ def test_duplicated_and_shared_encoding_give_the_same_gradients():
         torch.testing.assert_close(grads["shared"][n], g, rtol=1e-4, atol=1e-6, msg=n)
 
 
-@pytest.mark.parametrize("compute", tb.COMPUTE_MODES)
+@pytest.mark.parametrize("compute", workload.COMPUTE_MODES)
 def test_embedded_run_in_process_is_exactly_once_and_reports_the_keys(compute):
     res = tb.run_transfer_benchmark(SMALL, ["iter_embedded"], shared_modes=["iter_embedded"], cfg=SMALL_VLM,
                                     timeout_s=60, progress=False, log=lambda s: None, compute=compute,
@@ -130,12 +131,12 @@ def test_embedded_run_in_process_is_exactly_once_and_reports_the_keys(compute):
     assert m["exposed_latency_s"] >= 0 and m["step_s"] > 0
     assert res["iter_reference_mode"] == "iter_embedded"
     assert res["speedup_encoding"] is not None and res["speedup_end_to_end_cpu"] is None
-    assert res["speedup_end_to_end_projected_gpu"]["rate_tflops"] == tb.DEFAULT_GPU_TFLOPS
-    json.dumps(tb._clean(res), allow_nan=False)
-    text = tb.format_table(res)
+    assert res["speedup_end_to_end_projected_gpu"]["rate_tflops"] == models.DEFAULT_GPU_TFLOPS
+    json.dumps(output.strict_json(res), allow_nan=False)
+    text = summary.format_table(res)
     assert "iter_embedded" in text and "exactly-once in every run: True" in text
     # the summary under the compute mode's key: iter_embedded always runs alone, broken down by call
-    assert res["compute"] == compute and res["compute_measures"] == tb.COMPUTE_MEASURES[compute]
+    assert res["compute"] == compute and res["compute_measures"] == workload.COMPUTE_MEASURES[compute]
     summ = res[compute]
     b = summ["breakdown"]["iter_embedded"]
     assert b["next_ms"] == pytest.approx(b["wait_ms"] + b["own_ms"], rel=0.2, abs=0.05)
@@ -146,7 +147,7 @@ def test_embedded_run_in_process_is_exactly_once_and_reports_the_keys(compute):
     assert summ["loadavg"]["start"] and summ["loadavg"]["end"]
     if compute == "accel":
         cal = res["calibration"]
-        for enc in tb.ENCODINGS:
+        for enc in workload.ENCODINGS:
             assert len(cal[enc]["microbatch_s"]) == SMALL.microbatches_per_step and cal[enc]["step_s"] > 0
             assert summ["calibration"][enc]["step_s"] == cal[enc]["step_s"]
         # the consumers waited the calibrated compute (a sleep: at least that long, per step)
@@ -158,20 +159,21 @@ def test_embedded_run_in_process_is_exactly_once_and_reports_the_keys(compute):
 
 @pytest.mark.timeout(300)
 def test_smoke_run_every_mode(tmp_path):
-    """`knitdata bench transfer --smoke` (accel compute, 2 consumer processes; hard time-out 240 s): JSON keys,
+    """`python -m benchmarks transfer --smoke` (accel compute, 2 consumer processes; hard time-out 240 s): JSON keys,
     the summary of the accel mode, exactly-once in every mode."""
     if importlib.util.find_spec("ray") is None:
         pytest.skip("ray is not installed (the process modes and transferqueue need it)")
     out = tmp_path / "transfer.json"
     plot = tmp_path / "transfer.png"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "knitdata", "bench", "transfer", "--smoke", "--no-progress", "--json", str(out),
+    cmd = [sys.executable, "-m", "benchmarks", "transfer", "--smoke", "--no-progress", "--json", str(out),
            "--plot", str(plot), "--shared-modes", "transferqueue_best", "iter", "iter_embedded"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert json.loads(out.read_text())["command"].startswith("python -m benchmarks transfer --smoke")
     res = json.loads(out.read_text())
     have_tq = importlib.util.find_spec("transfer_queue") is not None
-    modes = list(tb.MODES) if have_tq else [m for m in tb.MODES if m != "transferqueue"]
+    modes = list(workload.MODES) if have_tq else [m for m in workload.MODES if m != "transferqueue"]
     if not have_tq:
         assert any("transferqueue is not installed" in n for n in res["notes"])
     w = res["workload"]
@@ -190,8 +192,8 @@ def test_smoke_run_every_mode(tmp_path):
         assert res["latency_ratio_transferqueue_best_vs_iter"] > 0
         assert all(v.startswith("127.") for v in res["transferqueue"]["addresses"].values())
         best = res["modes"]["transferqueue_best"]
-        assert set(best["variants"]) == set(tb.TQ_BEST_VARIANTS)
-        assert best["chosen_variant"] in tb.TQ_BEST_VARIANTS and best["shared"]["chosen_variant"] in tb.TQ_BEST_VARIANTS
+        assert set(best["variants"]) == set(workload.TQ_BEST_VARIANTS)
+        assert best["chosen_variant"] in workload.TQ_BEST_VARIANTS and best["shared"]["chosen_variant"] in workload.TQ_BEST_VARIANTS
         assert best["exposed_latency_s"] == min(v["exposed_latency_s"] for v in best["variants"].values())
         for cell in ("tq_dup", "tq_shared", "iter_dup", "iter_shared"):
             assert res["end_to_end"][cell]["step_s"] > 0 and res["end_to_end"][cell]["exposed_ms"] >= 0, cell
@@ -206,7 +208,7 @@ def test_smoke_run_every_mode(tmp_path):
     # --compute accel (the default): calibrated compute, alone runs, the breakdown by call and the ratios
     assert res["compute"] == "accel" and "GPU node" in res["compute_measures"]
     acc = res["accel"]
-    for enc in tb.ENCODINGS:
+    for enc in workload.ENCODINGS:
         assert res["calibration"][enc]["step_s"] > 0 and acc["calibration"][enc]["microbatch_s"]
     alone = ["iter", "iter_embedded"] + (["transferqueue", "transferqueue_best"] if have_tq else [])
     for m in alone:
@@ -239,31 +241,31 @@ def test_smoke_run_every_mode(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- omni, 2x2, --gpu
-OMNI_VLM_SMALL = dataclasses.replace(tb.OMNI_SMOKE_VLM, d_model=8, d_vision=8, vocab=64)
-OMNI_SMALL = tb.omni_workload(2, 56, cfg=OMNI_VLM_SMALL, group_size=2, response_tokens=16, num_consumers=2,
+OMNI_VLM_SMALL = dataclasses.replace(models.OMNI_SMOKE_VLM, d_model=8, d_vision=8, vocab=64)
+OMNI_SMALL = workload.omni_workload(2, 56, cfg=OMNI_VLM_SMALL, group_size=2, response_tokens=16, num_consumers=2,
                               microbatch_size=2, microbatches_per_step=2, warmup_steps=1, steps=1, vocab=64,
                               audio_seconds=1.0)
 
 
 def test_omni_workload_defaults_fit_the_model():
-    w = tb.omni_workload()
+    w = workload.omni_workload()
     assert (w.workload, w.video_frames, w.frame_px, w.audio_seconds, w.audio_rate) == ("omni", 4, 224, 30.0, 16000)
     assert w.group_size == 8 and w.media_kinds == ("image", "audio") and w.image_items == 4
-    assert tb.media_tokens(tb.OMNI_VLM, w) + 64 <= w.prompt_tokens
-    seed = tb.omni_workload(16, 448)  # the seed's setting stays available
-    assert seed.item_shape == (3, 448, 448) and tb.media_tokens(tb.OMNI_VLM, seed) < seed.prompt_tokens
+    assert models.media_tokens(models.OMNI_VLM, w) + 64 <= w.prompt_tokens
+    seed = workload.omni_workload(16, 448)  # the seed's setting stays available
+    assert seed.item_shape == (3, 448, 448) and models.media_tokens(models.OMNI_VLM, seed) < seed.prompt_tokens
     with torch.device("meta"):
-        tb.TinyVLM(tb.OMNI_VLM, seed)
+        models.TinyVLM(models.OMNI_VLM, seed)
     with pytest.raises(ConfigError):
-        tb.TransferWorkload(workload="video")
+        workload.TransferWorkload(workload="video")
     with pytest.raises(ConfigError):
-        tb.omni_workload(audio_seconds=0.01)
+        workload.omni_workload(audio_seconds=0.01)
 
 
 def test_omni_group_shares_a_video_and_a_flac_clip():
     from knitdata.media import load_audio
 
-    g = tb.make_group(OMNI_SMALL, 0, 1)
+    g = workload.make_group(OMNI_SMALL, 0, 1)
     kinds = [m.kind for m in g[0].media]
     assert kinds == ["image"] * OMNI_SMALL.video_frames + ["audio"]
     assert all([m.digest for m in t.media] == [m.digest for m in g[0].media] for t in g)
@@ -275,10 +277,10 @@ def test_omni_group_shares_a_video_and_a_flac_clip():
 
 
 def test_omni_dup_and_shared_give_the_same_gradients():
-    trajs = [t for g in tb.make_step_groups(OMNI_SMALL, 0)[:2] for t in g]
+    trajs = [t for g in workload.make_step_groups(OMNI_SMALL, 0)[:2] for t in g]
     grads = {}
-    for enc in tb.ENCODINGS:
-        tr = tb._Trainer(OMNI_SMALL, OMNI_VLM_SMALL, enc)
+    for enc in workload.ENCODINGS:
+        tr = consumer._Trainer(OMNI_SMALL, OMNI_VLM_SMALL, enc)
         for item in _items(OMNI_SMALL, OMNI_VLM_SMALL, enc, trajs):
             tr.microbatch(item)
         grads[enc] = {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
@@ -296,7 +298,7 @@ def test_omni_embedded_run_is_exactly_once():
     assert m["delivered"] == OMNI_SMALL.total_steps * OMNI_SMALL.trajectories_per_step
     assert res["workload"]["workload"] == "omni" and res["end_to_end"]["iter_shared"]["step_s"] > 0
     assert m["exposed_commit_s"] > 0  # state_dict() + commit() per step are counted
-    assert "FLAC audio clip" in tb.format_table(res)
+    assert "FLAC audio clip" in summary.format_table(res)
 
 
 def _tq_rows(w, group):
@@ -321,29 +323,29 @@ def _tq_rows(w, group):
 def test_transferqueue_rows_decode_like_knitdata(w, cfg):
     """transferqueue's rows become the same encoder inputs and trajectory ids as knitdata's collators give."""
     pytest.importorskip("tensordict")
-    group = tb.make_group(w, 0, 1)
-    dec = tb._TQDecode(w, cfg)
+    group = workload.make_group(w, 0, 1)
+    dec = baselines._TQDecode(w, cfg)
     item = dec.dup(_tq_rows(w, group), 1, 2)
     assert item.ids == tuple(t.id for t in group) and item.index == 1 and item.is_last
-    ref = tb._DupCollator(w, cfg)(group)
+    ref = consumer._DupCollator(w, cfg)(group)
     for kind in w.media_kinds:
         torch.testing.assert_close(item.inputs[kind], ref.tensors[f"{kind}_inputs"])
-    items = dec.shared([_tq_rows(w, group), _tq_rows(w, tb.make_group(w, 0, 2))])
+    items = dec.shared([_tq_rows(w, group), _tq_rows(w, workload.make_group(w, 0, 2))])
     assert [i.index for i in items] == [0, 1] and items[1].is_last
     assert items[0].media.num_unique == 2 * len(group[0].media)  # each group's media once
     import pickle
 
-    assert isinstance(pickle.loads(pickle.dumps(dec)), tb._TQDecode)  # it travels to the loader's workers
+    assert isinstance(pickle.loads(pickle.dumps(dec)), baselines._TQDecode)  # it travels to the loader's workers
 
 
 def test_exposed_latency_counts_the_state_calls_after_the_step():
     import time
 
-    tr = tb._Trainer(SMALL, SMALL_VLM, "dup")
-    items = iter(_items(SMALL, SMALL_VLM, "dup", [t for g in tb.make_step_groups(SMALL, 0)[:2] for t in g]))
-    src = tb._Source("x", tr, lambda: (next(items), 0.003, 0.001), lambda: time.sleep(0.02) or {"s": 1},
+    tr = consumer._Trainer(SMALL, SMALL_VLM, "dup")
+    items = iter(_items(SMALL, SMALL_VLM, "dup", [t for g in workload.make_step_groups(SMALL, 0)[:2] for t in g]))
+    src = consumer.StepSource("x", tr, lambda: (next(items), 0.003, 0.001), lambda: time.sleep(0.02) or {"s": 1},
                      lambda st: time.sleep(0.01) if st == {"s": 1} else None)
-    rec = tb._run_step(0, src)
+    rec = consumer._run_step(0, src)
     assert rec.state_dict_s >= 0.02 and rec.commit_call_s >= 0.01
     assert rec.commit_s == pytest.approx(rec.state_dict_s + rec.commit_call_s, abs=1e-4)
     assert rec.exposed_s == pytest.approx(0.006 + rec.commit_s, abs=1e-4) and rec.microbatches == 2
@@ -353,14 +355,14 @@ def test_exposed_latency_counts_the_state_calls_after_the_step():
 def test_data_wait_comes_from_the_probe_when_next_does_not_report_it():
     """knitdata's sources report waiting through the dataset's metrics, read around the step (outside the timed
     calls); the summary splits next() into wait and own work."""
-    tr = tb._Trainer(SMALL, SMALL_VLM, "dup")
-    items = iter(_items(SMALL, SMALL_VLM, "dup", [t for g in tb.make_step_groups(SMALL, 0)[:2] for t in g]))
+    tr = consumer._Trainer(SMALL, SMALL_VLM, "dup")
+    items = iter(_items(SMALL, SMALL_VLM, "dup", [t for g in workload.make_step_groups(SMALL, 0)[:2] for t in g]))
     total = iter([1.0, 1.004])  # cumulative seconds before and after the step
-    src = tb._Source("x", tr, lambda: (next(items), 0.005, None), wait_probe=lambda: next(total))
-    rec = tb._run_step(1, src)
+    src = consumer.StepSource("x", tr, lambda: (next(items), 0.005, None), wait_probe=lambda: next(total))
+    rec = consumer._run_step(1, src)
     assert rec.data_wait_s == pytest.approx(0.004) and sum(rec.waits) == pytest.approx(0.01)
     w = dataclasses.replace(SMALL, warmup_steps=1, steps=1)
-    s = tb.summarize_mode([[_rec(0, ["a"]), rec]], w)
+    s = summary.summarize_mode([[_rec(0, ["a"]), rec]], w)
     b = s["breakdown_ms"]
     assert b["wait_ms"] == pytest.approx(4.0) and b["own_ms"] == pytest.approx(6.0) and b["next_ms"] == pytest.approx(10.0)
     assert s["data_wait_known"] is True
@@ -380,19 +382,19 @@ class _DS:
 
 
 def test_wait_probe_prefers_data_wait_and_falls_back_to_wait_total():
-    assert tb._data_wait_probe(_DS({"wait_s_total": 2.0, "data_wait_s_total": 0.5}))() == 0.5
-    assert tb._metrics_wait_key({"wait_s_total": 2.0, "data_wait_s_total": 0.5}) == "data_wait_s_total"
-    assert tb._data_wait_probe(_DS({"wait_s_total": 2.0}))() == 2.0  # a library without data_wait_s_total
-    assert tb._metrics_wait_key({"wait_s_total": 2.0}) == "wait_s_total"
-    assert tb._data_wait_probe(_DS({}))() == 0.0 and tb._metrics_wait_key({}) == "unavailable"
+    assert consumer._data_wait_probe(_DS({"wait_s_total": 2.0, "data_wait_s_total": 0.5}))() == 0.5
+    assert consumer.metrics_wait_key({"wait_s_total": 2.0, "data_wait_s_total": 0.5}) == "data_wait_s_total"
+    assert consumer._data_wait_probe(_DS({"wait_s_total": 2.0}))() == 2.0  # a library without data_wait_s_total
+    assert consumer.metrics_wait_key({"wait_s_total": 2.0}) == "wait_s_total"
+    assert consumer._data_wait_probe(_DS({}))() == 0.0 and consumer.metrics_wait_key({}) == "unavailable"
 
 
 def test_accel_trainer_waits_the_calibrated_compute():
     import time
 
     cal = {"dup": {"microbatch_s": [0.02, 0.01], "optimizer_step_s": 0.015, "step_s": 0.045}}
-    tr = tb._make_trainer(SMALL, SMALL_VLM, "dup", "accel", cal)
-    items = _items(SMALL, SMALL_VLM, "dup", [t for g in tb.make_step_groups(SMALL, 0)[:2] for t in g])
+    tr = consumer.make_trainer(SMALL, SMALL_VLM, "dup", "accel", cal)
+    items = _items(SMALL, SMALL_VLM, "dup", [t for g in workload.make_step_groups(SMALL, 0)[:2] for t in g])
     for item, want in zip(items, (0.02, 0.01)):
         t0 = time.perf_counter()
         tr.microbatch(item)
@@ -401,19 +403,19 @@ def test_accel_trainer_waits_the_calibrated_compute():
     tr.optimizer_step()
     assert time.perf_counter() - t0 >= 0.015
     with pytest.raises(ConfigError, match="shared"):
-        tb._make_trainer(SMALL, SMALL_VLM, "shared", "accel", cal)
+        consumer.make_trainer(SMALL, SMALL_VLM, "shared", "accel", cal)
     with pytest.raises(ConfigError, match="calibration"):
-        tb._make_trainer(SMALL, SMALL_VLM, "dup", "accel", None)
+        consumer.make_trainer(SMALL, SMALL_VLM, "dup", "accel", None)
     with pytest.raises(ConfigError, match="compute"):
-        tb._make_trainer(SMALL, SMALL_VLM, "dup", "gpu", cal)
+        consumer.make_trainer(SMALL, SMALL_VLM, "dup", "gpu", cal)
     with pytest.raises(ConfigError, match="compute"):
         tb.run_transfer_benchmark(SMALL, ["iter_embedded"], compute="gpu", progress=False)
 
 
 def test_calibration_times_each_microbatch_of_each_encoding():
-    cal = tb.calibrate_compute(SMALL, SMALL_VLM, reps=2, warmup=0)
+    cal = consumer.calibrate_compute(SMALL, SMALL_VLM, reps=2, warmup=0)
     k = SMALL.microbatches_per_step
-    for enc in tb.ENCODINGS:
+    for enc in workload.ENCODINGS:
         c = cal[enc]
         assert len(c["microbatch_s"]) == k and all(x > 0 for x in c["microbatch_s"])
         assert all(len(v) == 2 for v in c["samples"]["microbatch_s"])
@@ -421,15 +423,15 @@ def test_calibration_times_each_microbatch_of_each_encoding():
     # dup micro-batches all do the same work: one pooled median; shared: the first (encode) and the last differ
     assert len(set(cal["dup"]["microbatch_s"])) == 1 and cal["dup"]["classes"] == ["microbatch"] * k
     assert cal["shared"]["classes"] == ["first", "last"]
-    assert tb._work_classes("shared", 4) == ["first", "middle", "middle", "last"]
-    assert tb._work_classes("shared", 1) == ["only"]
+    assert consumer._work_classes("shared", 4) == ["first", "middle", "middle", "last"]
+    assert consumer._work_classes("shared", 1) == ["only"]
     assert cal["torch_threads"] == 1 and cal["shape"]["trajectories"] == SMALL.microbatch_size
     assert cal["shape"]["tokens"] == SMALL.tokens and cal["model"] == SMALL_VLM.name
     assert torch.get_num_threads() >= 1
     with pytest.raises(ConfigError):
-        tb.calibrate_compute(SMALL, SMALL_VLM, ["triple"])
+        consumer.calibrate_compute(SMALL, SMALL_VLM, ["triple"])
     with pytest.raises(ConfigError):
-        tb.calibrate_compute(SMALL, SMALL_VLM, reps=0)
+        consumer.calibrate_compute(SMALL, SMALL_VLM, reps=0)
 
 
 def _entry(ex, step, **kw):
@@ -447,7 +449,7 @@ def test_compute_summary_ratios_and_acceptance():
            "machine": {"loadavg_at_start": [1, 1, 1], "loadavg_at_end": [2, 2, 2]},
            "calibration": {"reps": 3, "dup": {"microbatch_s": [0.1], "optimizer_step_s": 0.01, "step_s": 0.11,
                                               "samples": {}}}}
-    s = tb.compute_summary(res)
+    s = summary.compute_summary(res)
     assert s["alone"]["iter"]["exposed_ms"] == pytest.approx(0.1) and s["alone"]["iter_embedded"]["step_s"] == 0.8
     assert s["interleaved"]["iter"]["exposed_ms"] == pytest.approx(5.0) and "iter_embedded" not in s["interleaved"]
     assert s["breakdown"]["transferqueue"]["wait_ms"] == pytest.approx(75.0)
@@ -472,13 +474,13 @@ def test_compute_summary_ratios_and_acceptance():
     assert a["end_to_end_transferqueue_dup_over_iter_shared_ge_5.8"]["applies"] is False  # judged at omni seed size
     assert s["calibration"]["dup"]["step_s"] == 0.11 and "samples" not in s["calibration"]["dup"]
     assert s["loadavg"] == {"start": [1, 1, 1], "end": [2, 2, 2], "calibration": [None, None]}
-    seed = tb.compute_summary({**res, "workload": tb.omni_workload(16, 448).to_dict()})
+    seed = summary.compute_summary({**res, "workload": workload.omni_workload(16, 448).to_dict()})
     assert seed["workload_kind"] == "omni_seed"
     assert seed["acceptance"]["end_to_end_transferqueue_dup_over_iter_shared_ge_5.8"]["applies"] is True
     assert seed["acceptance"]["end_to_end_transferqueue_dup_over_iter_shared_ge_5.8"]["met"] is True
     assert seed["acceptance"]["end_to_end_transferqueue_best_dup_over_iter_shared_ge_1.5"]["met"] is True
-    assert tb.compute_summary({**res, "workload": tb.omni_workload().to_dict()})["workload_kind"] == "omni"
-    json.dumps(tb._clean(s), allow_nan=False)
+    assert summary.compute_summary({**res, "workload": workload.omni_workload().to_dict()})["workload_kind"] == "omni"
+    json.dumps(output.strict_json(s), allow_nan=False)
 
 
 def test_cli_seed_size_and_compute_flags():
@@ -493,8 +495,8 @@ def test_cli_seed_size_and_compute_flags():
     w, cfg = tb._workload_of(argparse.Namespace(workload="omni", omni_seed_size=True, omni_frames=None, omni_px=None,
                                                 smoke=False), 4, 1)
     assert (w.workload, w.video_frames, w.frame_px, w.audio_seconds, w.audio_rate) == ("omni", 16, 448, 30.0, 16000)
-    assert (w.steps, w.warmup_steps) == (4, 1) and cfg is tb.OMNI_VLM
-    assert tb._workload_kind(w.to_dict()) == "omni_seed"
+    assert (w.steps, w.warmup_steps) == (4, 1) and cfg is models.OMNI_VLM
+    assert summary._workload_kind(w.to_dict()) == "omni_seed"
     # one run's payloads sized against Ray's object store: all pipelines interleaved, one alone
     assert tb._object_store_bytes(SMALL, True, 4) == 4 << 30
     assert tb._object_store_bytes(w, False, 4) >= w.total_steps * w.trajectories_per_step * w.media_bytes
@@ -507,11 +509,11 @@ def test_transferqueue_best_picks_the_lower_exposed_variant_per_encoding_and_the
     modes = {"transferqueue_best": {"variants": {"async": {**s(0.03, 1.0), "shared": s(0.05, 0.8)},
                                                  "loader": {**s(0.20, 1.2), "shared": s(0.01, 0.9)}}},
              "iter": {**s(0.002, 0.9), "shared": s(0.001, 0.6)}}
-    tb._pick_tq_best(modes)
+    summary.pick_tq_best(modes)
     best = modes["transferqueue_best"]
     assert best["chosen_variant"] == "async" and best["shared"]["chosen_variant"] == "loader"
     assert best["variants_exposed_ms"] == pytest.approx({"async": 30.0, "loader": 200.0})
-    e = tb._two_by_two(modes, "iter")
+    e = summary.two_by_two(modes, "iter")
     assert e["tq_dup"]["step_s"] == 1.0 and e["tq_shared"]["step_s"] == 0.9
     assert e["iter_dup"]["exposed_ms"] == pytest.approx(2.0) and e["iter_shared"]["step_s"] == 0.6
     assert e["effects"]["transfer_dup"] == pytest.approx(1.0 / 0.9)
@@ -519,16 +521,16 @@ def test_transferqueue_best_picks_the_lower_exposed_variant_per_encoding_and_the
     assert e["effects"]["both"] == pytest.approx(1.0 / 0.6)
 
 
-@pytest.mark.parametrize("workload", tb.WORKLOADS)
-def test_gpu_preset_config(workload):
-    p = tb.gpu_config(workload)
+@pytest.mark.parametrize("kind", workload.WORKLOADS)
+def test_gpu_preset_config(kind):
+    p = tb.gpu_config(kind)
     assert p.device == "cuda" and p.fetches == ("sample", "eager", "iter") and p.budget_s <= 300
-    assert set(p.encodings) == set(tb.ENCODINGS)
-    assert tb.media_tokens(p.model, p.workload) <= p.workload.prompt_tokens
-    if workload == "omni":
+    assert set(p.encodings) == set(workload.ENCODINGS)
+    assert models.media_tokens(p.model, p.workload) <= p.workload.prompt_tokens
+    if kind == "omni":
         assert (p.workload.video_frames, p.workload.frame_px) == (16, 448)
     with torch.device("meta"):
-        tb.TinyVLM(p.model, p.workload)  # the model builds at the preset's shapes
+        models.TinyVLM(p.model, p.workload)  # the model builds at the preset's shapes
     json.dumps(p.to_dict())
     with pytest.raises(ConfigError):
         tb.gpu_config("video")
@@ -557,8 +559,8 @@ def test_gpu_benchmark_loop_reports_every_fetch_mode(monkeypatch):
         assert d["exactly_once"] and d["shared"]["exactly_once"] and d["exposed_ms"] >= 0
     assert res["gpu"] is True and res["end_to_end"]["iter_shared"]["step_s"] > 0
     assert res["exactly_once_all_runs"] is True
-    assert "CUDA" in tb.format_table(res)
-    json.dumps(tb._clean(res), allow_nan=False)
+    assert "CUDA" in summary.format_table(res)
+    json.dumps(output.strict_json(res), allow_nan=False)
 
 
 @pytest.mark.timeout(180)
@@ -567,7 +569,7 @@ def test_consumer_processes_exit_when_the_driver_dies():
     import signal
     import time
 
-    code = ("import time\nfrom knitdata.bench import transfer as tb\npool = tb._WorkerPool(1)\n"
+    code = ("import time\nfrom benchmarks.common import harness\npool = harness.WorkerPool(1)\n"
             "print(pool.procs[0].pid, flush=True)\ntime.sleep(600)\n")
     driver = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     child = int(driver.stdout.readline())

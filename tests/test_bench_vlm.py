@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from knitdata.bench.vlm import MODES  # noqa: E402
+from benchmarks.vlm import MODES  # noqa: E402
 from knitdata.cli import main  # noqa: E402
 
 

@@ -190,8 +190,8 @@ def test_producer_retry_of_a_delivered_and_released_group_is_not_delivered_twice
     admission: the retry replaces the dead reservation). Exactly once means the retry is refused with an error
     naming the trajectory (as it is while the first copy is still held), and nothing is delivered twice.
     """
+    from benchmarks.soak import make_soak_traj
     from knitdata.admission import BatchSpec
-    from knitdata.bench.soak import make_soak_traj
     from knitdata.errors import KnitdataError
     from knitdata.pipeline import Pipeline
 

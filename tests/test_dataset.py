@@ -271,7 +271,7 @@ def test_exactly_once_across_stop_and_resume_all_ranks(seed, num_consumers, num_
 
 def test_loader_benchmark_functions_smoke():
     """The benchmark's library functions run and report the documented keys (no timing asserted)."""
-    from knitdata.bench import loader as bench
+    from benchmarks import loader as bench
 
     ov = bench.measure_overhead(bench.make_token_trajectories(24, max_len=80), repeats=2, progress=False)
     assert set(ov["ratio_vs_torch"]) == {"iter", "eager"} and ov["microbatches"] >= 1

@@ -1,4 +1,4 @@
-"""Tests of knitdata.demo: the end-to-end run on the embedded engine, and the CLI around it."""
+"""Tests of benchmarks.demo: the end-to-end run on the embedded engine, and the CLI around it."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
+from benchmarks.demo import DemoConfig, format_report, replay_staleness, run_demo
 from knitdata.admission import BatchSpec
 from knitdata.cli import main
-from knitdata.demo import DemoConfig, format_report, replay_staleness, run_demo
 from knitdata.record import TrajectoryMeta
 
 SMALL = DemoConfig(

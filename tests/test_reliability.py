@@ -44,7 +44,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import knitdata.pipeline as pipeline_mod
-from knitdata.bench.soak import Ledger, SoakConfig, consume_with_restarts, run_soak
+from benchmarks.soak import Ledger, SoakConfig, consume_with_restarts, run_soak
 from knitdata.errors import FieldTypeError, MediaError, StoreFull, ValidationError
 from knitdata.pipeline import Pipeline
 from knitdata.record import MediaItem

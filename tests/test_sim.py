@@ -1,4 +1,4 @@
-"""Tests of knitdata.sim: determinism, modeling rules, the real policies inside, benchmark plumbing."""
+"""Tests of benchmarks.sim: determinism, modeling rules, the real policies inside, benchmark plumbing."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from knitdata.bench import admission as bench
+from benchmarks import admission as bench
+from benchmarks.sim import POLICY_NAMES, SCENARIOS, Scenario, SourceParams, colocated_makespan, get_scenario, simulate
 from knitdata.errors import ConfigError
-from knitdata.sim import POLICY_NAMES, SCENARIOS, Scenario, SourceParams, colocated_makespan, get_scenario, simulate
 
 SMALL = Scenario(
     "small",

@@ -1,4 +1,4 @@
-"""Type checking: mypy on the knitdata package (settings in setup.cfg) passes, and the package ships ``py.typed``."""
+"""Type checking: mypy on the knitdata package and the benchmarks (settings in setup.cfg) passes, and the package ships ``py.typed``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,6 @@ def test_package_is_marked_typed() -> None:
 @pytest.mark.slow
 def test_mypy_clean() -> None:
     pytest.importorskip("mypy")
-    proc = subprocess.run([sys.executable, "-m", "mypy", "knitdata"], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "mypy", "knitdata", "benchmarks"], cwd=ROOT, capture_output=True, text=True,
                           timeout=280)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]

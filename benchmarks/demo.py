@@ -1,4 +1,4 @@
-"""``knitdata demo``: the whole path on the embedded engine, end to end, in about half a minute.
+"""``python -m benchmarks demo`` (``make demo``): the whole path on the embedded engine, end to end, in about half a minute.
 
 Simulated rollout (C slots, three sources with skewed log-normal durations, partial-rollout-free,
 weights synced after every optimizer step, a one-step pipeline that dispatches train batch b+1 once
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from benchmarks.common.models import MlpPatchEncoder, MlpVLM
 from knitdata.admission import AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.record import MediaItem, Trajectory, TrajectoryMeta
 from knitdata.staleness import staleness_reduction, summarize
@@ -43,8 +44,6 @@ from knitdata.staleness import staleness_reduction, summarize
 __all__ = [
     "DemoConfig",
     "DemoReport",
-    "PatchEncoder",
-    "TinyVLM",
     "run_demo",
     "replay_staleness",
     "format_report",
@@ -124,37 +123,6 @@ class DemoReport:
 
 
 # ----------------------------------------------------------------------------------------------- model
-class PatchEncoder(nn.Module):
-    """A per-patch MLP: items are independent inside it, so shared encoding is exact."""
-
-    def __init__(self, patch_dim: int, dim: int):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(patch_dim, dim), nn.GELU(), nn.Linear(dim, dim))
-
-    def forward(self, values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """Encode packed patch rows ``[N, patch_dim]`` (``offsets`` unused: rows are independent)."""
-        return self.net(values)
-
-
-class TinyVLM(nn.Module):
-    """Token embedding plus the mean image feature of the sequence, residual MLP blocks, a vocabulary head."""
-
-    def __init__(self, vocab: int, dim: int, layers: int = 2, hidden: int = 512):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)) for _ in range(layers)
-        )
-        self.head = nn.Linear(dim, vocab)
-
-    def forward(self, input_ids: torch.Tensor, image_feat: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, T, vocab]`` from token ids ``[B, T]`` and one image feature per sequence ``[B, dim]``."""
-        h = self.embed(input_ids) + image_feat[:, None, :]
-        for block in self.blocks:
-            h = h + block(h)
-        return self.head(h)
-
-
 def _sequence_features(rows: torch.Tensor | None, lengths: torch.Tensor, traj_index: torch.Tensor, batch: int, dim: int) -> torch.Tensor:
     """Mean patch feature per occurrence, summed per sequence of the micro-batch."""
     out = torch.zeros(batch, dim)
@@ -372,8 +340,8 @@ def run_demo(
         on_plan=on_plan,
     )
     total_steps = cfg.train_batches * spec.num_minibatches
-    base_encoder = PatchEncoder(3 * cfg.patch * cfg.patch, dim)
-    base_model = TinyVLM(vocab, dim)
+    base_encoder = MlpPatchEncoder(3 * cfg.patch * cfg.patch, dim)
+    base_model = MlpVLM(vocab, dim)
     reduce = _AllReduce(cfg.consumers)
     timeline: list[list[tuple[str, float, float]]] = [[] for _ in range(cfg.consumers)]
     delivered: list[list[str]] = [[] for _ in range(cfg.consumers)]
@@ -387,8 +355,8 @@ def run_demo(
 
     def consumer(rank: int) -> None:
         try:
-            encoder = PatchEncoder(3 * cfg.patch * cfg.patch, dim)
-            model = TinyVLM(vocab, dim)
+            encoder = MlpPatchEncoder(3 * cfg.patch * cfg.patch, dim)
+            model = MlpVLM(vocab, dim)
             encoder.load_state_dict(base_encoder.state_dict())
             model.load_state_dict(base_model.state_dict())
             both = nn.ModuleList([encoder, model])
@@ -622,7 +590,7 @@ def format_report(rep: DemoReport) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Arguments of ``knitdata demo``."""
+    """Arguments of ``python -m benchmarks demo``."""
     p.add_argument("--train-batches", type=int, default=DemoConfig.train_batches, help="train batches to run")
     p.add_argument("--consumers", type=int, default=DemoConfig.consumers, help="consumer threads (ranks)")
     p.add_argument("--seed", type=int, default=0)
@@ -631,7 +599,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``knitdata demo``."""
+    """Run ``python -m benchmarks demo``."""
     torch.set_num_threads(1)
     plot = not args.no_plot
     if plot:
