@@ -271,6 +271,30 @@ class MultimodalBatch:
 def _meta_sig(meta: Mapping[str, torch.Tensor]) -> str:
     return "{" + ", ".join(f"{k}: {str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for k, v in sorted(meta.items())) + "}"
 
+def _check_packable(kind: str, pm: ProcessedMedia, first: ProcessedMedia, first_where: tuple[str, int],
+                    trajectory_id: str, index: int) -> None:
+    """Refuse a processed item that cannot be packed with the first of its kind (metadata, dtype, row shape)."""
+    t0, i0 = first_where
+    ref_meta, pm_meta = first.meta or {}, pm.meta or {}
+    if sorted(ref_meta) != sorted(pm_meta) or any(
+        pm_meta[m].shape != ref_meta[m].shape or pm_meta[m].dtype != ref_meta[m].dtype for m in ref_meta
+    ):
+        raise MediaError(
+            f"processed {kind} carries metadata {_meta_sig(pm_meta)}, but item {i0} of trajectory {t0!r} carries "
+            f"{_meta_sig(ref_meta)}; items of one kind need the same metadata names, shapes and dtypes",
+            trajectory_id=trajectory_id,
+            item=index,
+        )
+    ref = first.tensor
+    if pm.tensor.dtype != ref.dtype or pm.tensor.shape[1:] != ref.shape[1:]:
+        raise MediaError(
+            f"processed {kind} has dtype {pm.tensor.dtype} and row shape {tuple(pm.tensor.shape[1:])}, but item "
+            f"{i0} of trajectory {t0!r} has {ref.dtype} and {tuple(ref.shape[1:])}; items of one kind are packed "
+            "along their first dimension: make preprocessing return [length, *same features]",
+            trajectory_id=trajectory_id,
+            item=index,
+        )
+
 
 class MultimodalCollator:
     """Build a :class:`MultimodalBatch` from one consumer's micro-batches of one mini-batch.
@@ -354,30 +378,7 @@ class MultimodalCollator:
                     if k not in kind_rows:
                         lst = rows.setdefault(item.kind, [])
                         if lst:
-                            ref = lst[0].tensor
-                            ref_meta, pm_meta = lst[0].meta or {}, pm.meta or {}
-                            if sorted(ref_meta) != sorted(pm_meta) or any(
-                                pm_meta[m].shape != ref_meta[m].shape or pm_meta[m].dtype != ref_meta[m].dtype
-                                for m in ref_meta
-                            ):
-                                t0, i0 = first_where[item.kind]
-                                raise MediaError(
-                                    f"processed {item.kind} carries metadata {_meta_sig(pm_meta)}, but item {i0} of "
-                                    f"trajectory {t0!r} carries {_meta_sig(ref_meta)}; items of one kind need the "
-                                    "same metadata names, shapes and dtypes",
-                                    trajectory_id=traj.id,
-                                    item=n,
-                                )
-                            if pm.tensor.dtype != ref.dtype or pm.tensor.shape[1:] != ref.shape[1:]:
-                                t0, i0 = first_where[item.kind]
-                                raise MediaError(
-                                    f"processed {item.kind} has dtype {pm.tensor.dtype} and row shape "
-                                    f"{tuple(pm.tensor.shape[1:])}, but item {i0} of trajectory {t0!r} has "
-                                    f"{ref.dtype} and {tuple(ref.shape[1:])}; items of one kind are packed along "
-                                    "their first dimension: make preprocessing return [length, *same features]",
-                                    trajectory_id=traj.id,
-                                    item=n,
-                                )
+                            _check_packable(item.kind, pm, lst[0], first_where[item.kind], traj.id, n)
                         else:
                             first_where[item.kind] = (traj.id, n)
                         kind_rows[k] = len(lst)

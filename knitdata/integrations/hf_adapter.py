@@ -215,16 +215,7 @@ class HFMultimodalAdapter:
                 lab[loss_mask == 0] = -100
             seqs.append(torch.cat([p, resp]))
             labs.append(torch.cat([torch.full_like(p, -100), lab]))
-        width = max(s.numel() for s in seqs)
-        width = -(-width // pad_to_multiple_of) * pad_to_multiple_of
-        b = len(seqs)
-        input_ids = torch.full((b, width), self.pad_id, dtype=torch.long)
-        labels = torch.full((b, width), -100, dtype=torch.long)
-        mask = torch.zeros((b, width), dtype=torch.long)
-        for j, (s, lab) in enumerate(zip(seqs, labs)):
-            input_ids[j, : s.numel()] = s
-            labels[j, : s.numel()] = lab
-            mask[j, : s.numel()] = 1
+        input_ids, mask, labels = _right_pad(seqs, labs, self.pad_id, pad_to_multiple_of)
         out = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
         out.update(self._extra_inputs(input_ids, mask, table, occ))
         return out
@@ -369,3 +360,19 @@ def scale_mean_loss(
             field="global_loss_tokens",
         )
     return loss * (n * world_size / info.global_loss_tokens)
+
+
+def _right_pad(seqs: Sequence[torch.Tensor], labs: Sequence[torch.Tensor], pad_id: int,
+               multiple: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad token rows and their labels to one width (a multiple of ``multiple``): ids, mask, labels."""
+    width = max(s.numel() for s in seqs)
+    width = -(-width // multiple) * multiple
+    b = len(seqs)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    labels = torch.full((b, width), -100, dtype=torch.long)
+    mask = torch.zeros((b, width), dtype=torch.long)
+    for j, (s, lab) in enumerate(zip(seqs, labs)):
+        input_ids[j, : s.numel()] = s
+        labels[j, : s.numel()] = lab
+        mask[j, : s.numel()] = 1
+    return input_ids, mask, labels
