@@ -34,13 +34,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.control import PLANE_DEFAULTS, RELEASE_MODES, fields_of
-from knitdata.engines.base import ENGINES, Engine
+from knitdata.engines.base import ENGINES, Engine, engine_class
 from knitdata.errors import (
     ConfigError,
     EngineError,
     FieldTypeError,
     KnitdataError,
-    OptionalDependencyError,
     PipelineClosedError,
     StoreFull,
     ValidationError,
@@ -155,6 +154,7 @@ class Pipeline:
             raise ConfigError(f"spec must be a knitdata.admission.BatchSpec, got {type(spec).__name__}")
         if engine not in ENGINES:
             raise ConfigError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+        cls_ = engine_class(engine)
         if release not in RELEASE_MODES:
             raise ConfigError(f"release must be one of {RELEASE_MODES}, got {release!r}")
         if layout is not None and not isinstance(layout, ConsumerLayout):
@@ -189,7 +189,7 @@ class Pipeline:
             admission_name = admission
         if isinstance(placement, Placement):
             placement_name = "consumer_aware" if placement.consumer_aware else "index_mod"
-            if engine != "embedded" or type(placement) is not type(make_placement(placement_name, placement.units)):
+            if not cls_.in_process or type(placement) is not type(make_placement(placement_name, placement.units)):
                 raise ConfigError("give the placement by name ('consumer_aware' or 'index_mod')")
         else:
             make_placement(placement, list(layout.nodes))
@@ -201,32 +201,8 @@ class Pipeline:
                   "producer_timeout_s": None if producer_timeout_s is None else float(producer_timeout_s)}
         opts = dict(engine_options or {})
         opts.pop("cross_process", None)  # every Ray pipeline serves other processes now
-        eng: Engine
-        if engine == "embedded":
-            if opts:
-                raise ConfigError(f"the embedded engine takes no engine options, got {sorted(opts)}")
-            from knitdata.engines.embedded import EmbeddedEngine
-
-            eng = EmbeddedEngine(layout, config, capacity_bytes, spill_dir=spill_dir, spill_bytes=spill_bytes,
-                                 policy=policy, on_plan=on_plan)
-        else:
-            if policy is not None:
-                raise ConfigError("the Ray engine takes the admission policy by name (it runs in the coordinator actor)")
-            if on_plan is not None:
-                raise ConfigError("on_plan runs in the pipeline's process: use the embedded engine, or read "
-                                  "Pipeline.stats() on the Ray engine")
-            known = {"name", "address", "nodes", "loopback_only", "detached", "timeout_s", "journal_dir",
-                     "journal_compact_every", "resume"}
-            if set(opts) - known:
-                raise ConfigError(f"unknown Ray engine options {sorted(set(opts) - known)}; known: {sorted(known)}")
-            try:
-                from knitdata.engines.ray import RayEngine
-            except ModuleNotFoundError as e:
-                if e.name and e.name.split(".")[0] == "ray":
-                    raise OptionalDependencyError("ray", "ray", "engine='ray'") from e
-                raise
-            eng = RayEngine.create(layout, config, capacity_bytes, spill_dir=spill_dir, spill_bytes=spill_bytes,
-                                   **opts)
+        eng = cls_.build(layout, config, capacity_bytes, spill_dir=spill_dir, spill_bytes=spill_bytes, policy=policy,
+                         on_plan=on_plan, options=opts)
         self._setup(eng, put_timeout=put_timeout, check_media=check_media, owner=True)
         self.capacity_bytes = capacity_bytes
 
@@ -270,14 +246,9 @@ class Pipeline:
         Raises:
             EngineError: No pipeline of that name on the cluster. OptionalDependencyError: No ``ray``.
         """
-        try:
-            from knitdata.engines.ray import RayEngine
-        except ModuleNotFoundError as e:
-            if e.name and e.name.split(".")[0] == "ray":
-                raise OptionalDependencyError("ray", "ray", "Pipeline.attach") from e
-            raise
+        engine = engine_class("ray", what="Pipeline.attach")
         self = cls.__new__(cls)
-        eng = RayEngine(name, address=address, loopback_only=loopback_only, timeout_s=timeout_s)
+        eng: Any = engine.attach(name, address=address, loopback_only=loopback_only, timeout_s=timeout_s)
         self._setup(eng, put_timeout=put_timeout, check_media=check_media, owner=False)
         self.capacity_bytes = int(eng.info["capacity_bytes"])
         return self
@@ -338,10 +309,9 @@ class Pipeline:
         Raises:
             EngineError: On the Ray engine (it lives in the coordinator actor).
         """
-        plane = self._engine.control
-        if self._engine.kind != "embedded":
+        if not self._engine.in_process:
             raise EngineError("the planner runs in the coordinator actor on the Ray engine; read stats()")
-        return plane.planner
+        return self._engine.control.planner
 
     @property
     def closed(self) -> bool:
@@ -620,8 +590,7 @@ class Pipeline:
         report = dict(self._engine.control.close())
         if self._presence is not None:  # a closed pipeline needs no producer presence
             self._engine.sender.remove_producer(self._presence)
-        if self._engine.kind == "embedded":
-            self._engine.close_units()
+        self._engine.on_close()
         if report.get("dropped_trajectories") and not self._closed_here:
             warnings.warn(
                 f"knitdata: pipeline closed with {report['dropped_trajectories']} trajectories never admitted "
@@ -641,7 +610,7 @@ class Pipeline:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._owner and self._engine.kind == "ray":
+        if self._owner and self._engine.shutdown_on_exit:
             self.shutdown()
         else:
             self.close()
@@ -737,9 +706,7 @@ class Pipeline:
 
     def flush_meter(self) -> None:
         """Ray engine: send this process's put/read byte counters to the coordinator (and zero them here)."""
-        flush = getattr(self._engine, "flush_meter", None)
-        if flush is not None:
-            flush()
+        self._engine.flush_meter()
 
     def __repr__(self) -> str:
         return (f"Pipeline(engine={self.engine!r}, name={self.name!r}, consumers={self.num_consumers}, "

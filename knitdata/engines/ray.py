@@ -40,6 +40,7 @@ from knitdata.codec import decode_trajectory
 from knitdata.control import ControlPlane
 from knitdata.control.journal import Journal
 from knitdata.engines.base import Engine
+from knitdata.fetch import FetchMode
 from knitdata.metrics import TransferMeter
 from knitdata.placement import ConsumerLayout
 from knitdata.record import Trajectory
@@ -402,6 +403,10 @@ class RayEngine(Engine):
 
     kind = "ray"
     supports_worker_processes = True
+    shutdown_on_exit = True
+    #: The ``engine_options`` :meth:`build` takes.
+    OPTIONS = frozenset({"name", "address", "nodes", "loopback_only", "detached", "timeout_s", "journal_dir",
+                         "journal_compact_every", "resume"})
     _owner: Any  # set by create(): the coordinator handle that keeps a non-detached coordinator alive
 
     def __init__(self, name: str, *, address: str | None = None, loopback_only: bool = True,
@@ -431,6 +436,27 @@ class RayEngine(Engine):
         placement = str(info["config"].get("placement", ""))
         self._units = {u: RayStorageUnit.from_handle(actor, desc, meter=self.meter, placement=placement)
                        for u, (actor, desc) in handles.items()}
+
+    @classmethod
+    def attach(cls, name: str, *, address: str | None = None, loopback_only: bool = True,
+               timeout_s: float = 60.0) -> RayEngine:
+        """A handle on the running pipeline ``name`` on the Ray cluster at ``address``."""
+        return cls(name, address=address, loopback_only=loopback_only, timeout_s=timeout_s)
+
+    @classmethod
+    def build(cls, layout: ConsumerLayout, config: Mapping[str, Any], capacity_bytes: int, *,
+              spill_dir: str | os.PathLike[str] | None, spill_bytes: int, policy: Any, on_plan: Any,
+              options: Mapping[str, Any]) -> RayEngine:
+        """A new pipeline's Ray engine (:meth:`create` with ``options``), the options checked before any Ray call."""
+        if policy is not None:
+            raise ConfigError("the Ray engine takes the admission policy by name (it runs in the coordinator actor)")
+        if on_plan is not None:
+            raise ConfigError("on_plan runs in the pipeline's process: use the embedded engine, or read "
+                              "Pipeline.stats() on the Ray engine")
+        if set(options) - cls.OPTIONS:
+            raise ConfigError(f"unknown Ray engine options {sorted(set(options) - cls.OPTIONS)}; known: "
+                              f"{sorted(cls.OPTIONS)}")
+        return cls.create(layout, config, capacity_bytes, spill_dir=spill_dir, spill_bytes=spill_bytes, **options)
 
     @classmethod
     def create(
@@ -515,22 +541,22 @@ class RayEngine(Engine):
         """The storage units by id (actor handles)."""
         return self._units
 
-    def read(self, items: Sequence[Sequence[Any]], *, mode: str, step: int) -> list[Trajectory]:
-        """Records from the units (zero-copy on the same node), spill recovery for a dead unit, decoded."""
-        recover = None
-        if self.info.get("spill_dir"):
-            def recover(unit: RayStorageUnit, ids: list[str]) -> Mapping[str, Any]:
-                return self._control.call("recover", unit.unit_id, ids)
+    def read(self, items: Sequence[Sequence[Any]], *, fetch: FetchMode, step: int) -> list[Trajectory]:
+        """Records from the units (zero-copy on the same node), spill recovery for a dead unit, decoded.
 
+        Each group of ``fetch.groups(items)`` is one request per unit; bytes are counted under ``fetch.name``.
+        """
+        recover = self._recover if self.info.get("spill_dir") else None
         placement = str(self.config.get("placement", ""))
-        if mode == "sample":
-            recs = [r for tid, u, _n in items
-                    for r in read_records([(tid, self._units[u])], meter=self.meter, mode=mode, placement=placement,
-                                          step=step, recover=recover)]
-        else:
-            recs = read_records([(tid, self._units[u]) for tid, u, _n in items], meter=self.meter, mode=mode,
-                                placement=placement, step=step, recover=recover)
+        units = self._units
+        recs: list[Any] = []
+        for group in fetch.groups(items):
+            recs += read_records([(tid, units[u]) for tid, u, _n in group], meter=self.meter, mode=fetch.name,
+                                 placement=placement, step=step, recover=recover)
         return [decode_trajectory(r, copy=False) for r in recs]
+
+    def _recover(self, unit: RayStorageUnit, ids: list[str]) -> Mapping[str, Any]:
+        return self._control.call("recover", unit.unit_id, ids)  # type: ignore[no-any-return]
 
     def flush_meter(self) -> None:
         """Send this process's put/read byte counters to the coordinator (and zero them here); waits for it."""
