@@ -197,7 +197,7 @@ def test_attached_processes_get_a_knitdata_error_when_the_creator_dies(creator: 
 # ------------------------------------------------------------------------- the decision, without a cluster
 def _stub_probe(monkeypatch: pytest.MonkeyPatch, answer: str) -> tuple[Any, list[bool]]:
     """``ray_unit`` with ``probe_gcs`` answering ``answer``; the list records whether each probe sent a token."""
-    from knitdata.storage import ray_unit
+    from knitdata.storage import ray_connect as ray_unit
 
     sent: list[bool] = []
 

@@ -413,7 +413,7 @@ def test_loader_states_are_json_and_crafted_states_are_refused(tmp_path):
 
 def test_ray_connect_defaults_are_loopback_only_and_dashboard_off(monkeypatch):
     ray = pytest.importorskip("ray")
-    from knitdata.storage import ray_unit
+    from knitdata.storage import ray_connect as ray_unit
 
     calls: list[dict] = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)

@@ -10,13 +10,13 @@ Pieces (all on one Ray cluster):
   ranks, DataLoader workers), attached by the pipeline's name: payload bytes go straight between them and the
   units, never through the coordinator.
 
-Binding: :func:`~knitdata.storage.ray_unit.connect` with ``address=None`` starts a local Ray bound to
+Binding: :func:`~knitdata.storage.ray_connect.connect` with ``address=None`` starts a local Ray bound to
 ``127.0.0.1`` with the dashboard off (or uses the Ray this process is already attached to); with an address
 it attaches there and, with ``loopback_only=True`` (the default), refuses a cluster with a non-loopback node.
 Before attaching to an address it applies this user's Ray token for a Ray of this user on this machine (Ray's
-token authentication) or fails within seconds naming what to set (:func:`~knitdata.storage.ray_unit.prepare_auth`).
+token authentication) or fails within seconds naming what to set (:func:`~knitdata.storage.ray_connect.prepare_auth`).
 
-Host watch: every attached process watches the cluster's GCS port (:func:`~knitdata.storage.ray_unit.watch_host`);
+Host watch: every attached process watches the cluster's GCS port (:func:`~knitdata.storage.ray_connect.watch_host`);
 when the Ray the creator started is gone, calls of the pipeline raise :class:`~knitdata.errors.EngineError`
 ("the host of knitdata pipeline ... is gone") within seconds instead of hanging until Ray ends the process.
 """
@@ -45,10 +45,8 @@ from knitdata.metrics import TransferMeter
 from knitdata.placement import ConsumerLayout
 from knitdata.record import Trajectory
 from knitdata.storage.base import StorageUnit
-from knitdata.storage.ray_unit import (
+from knitdata.storage.ray_connect import (
     NAMESPACE,
-    RayStorageUnit,
-    SpillRecovery,
     alive_nodes,
     check_host,
     connect,
@@ -56,9 +54,9 @@ from knitdata.storage.ray_unit import (
     host_gone_error,
     hosts_cluster,
     ray_get,
-    read_records,
     watch_host,
 )
+from knitdata.storage.ray_unit import RayStorageUnit, SpillRecovery, read_records
 
 __all__ = ["CoordinatorActor", "RayControl", "RayEngine", "coordinator_name", "ray_address", "resolve_nodes"]
 
