@@ -4,7 +4,7 @@ Pieces (all on one Ray cluster):
 
 * one **coordinator** actor (:class:`CoordinatorActor`) hosting :class:`knitdata.control.ControlPlane`, the
   very class the embedded engine calls directly; its methods take and return JSON-like values only;
-* one **storage unit** actor per training node (:class:`~knitdata.storage.ray_unit.StorageUnitActor`, hard node
+* one **storage unit** actor per training node (:class:`~knitdata.storage.ray_actor.StorageUnitActor`, hard node
   affinity), payloads as codec records in that node's object store (no pickle), read zero-copy on the node;
 * any number of processes holding a :class:`RayEngine` handle (the pipeline's creator, producers, torchrun
   ranks, DataLoader workers), attached by the pipeline's name: payload bytes go straight between them and the
