@@ -44,9 +44,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 from knitdata.consumer import ConsumerSession, MediaStage, PlanStage, ReadStage, produce
 from knitdata.engines.base import Engine
 from knitdata.errors import ConfigError, EngineError, KnitdataError, StateError
-from knitdata.fetch import FETCH_MODES, fetch_mode
+from knitdata.fetch import FETCH_MODES, FetchMode, fetch_mode
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from knitdata.collate import MicroBatch
     from knitdata.metrics import ConsumerMetrics
 
@@ -89,7 +91,8 @@ class TrajectoryDataset(IterableDataset):
     Args:
         engine: The pipeline's engine.
         rank: The consumer.
-        fetch: ``"sample"``, ``"eager"`` or ``"iter"`` (or another registered :class:`~knitdata.fetch.FetchMode`).
+        fetch: ``"sample"``, ``"eager"`` or ``"iter"``, the name of another registered
+            :class:`~knitdata.fetch.FetchMode`, or a :class:`~knitdata.fetch.FetchMode`.
         collate: ``collate(trajectories, info) -> MicroBatch``; default :class:`~knitdata.collate.TokenCollator`.
         media_collator: ``media_collator(list_of_micro_batches) -> MultimodalBatch``, or ``None``.
         prefetch_depth: Micro-batches prepared ahead in ``iter`` mode. With a ``media_collator`` at least a
@@ -109,11 +112,11 @@ class TrajectoryDataset(IterableDataset):
         engine: Engine,
         rank: int,
         *,
-        fetch: str = "iter",
+        fetch: str | FetchMode = "iter",
         collate: Callable[..., Any] | None = None,
         media_collator: Callable[..., Any] | None = None,
         prefetch_depth: int = 2,
-        device: Any = None,
+        device: str | torch.device | None = None,
         pin_memory: bool | None = None,
         max_minibatches: int | None = None,
         timeout: float | None = 1800.0,
