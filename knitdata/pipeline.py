@@ -48,6 +48,7 @@ from knitdata.handoff import ProducerPresence
 from knitdata.metrics import ConsumerMetrics
 from knitdata.placement import ConsumerLayout, Placement, make_placement
 from knitdata.planner import MiniBatchPlan
+from knitdata.producer import PutRouter
 from knitdata.record import Trajectory, TrajectoryMeta
 from knitdata.storage.base import StorageUnit
 
@@ -216,9 +217,7 @@ class Pipeline:
         self._closed_here = False
         self._version_listeners: list[Callable[[int, float], None]] = []
         self._listeners_lock = threading.Lock()
-        self._route_lock = threading.Lock()
-        self._replica: Placement | None = None  # this process's replica of the placement (one-round-trip puts)
-        self._next_seq = 0
+        self._router = PutRouter(engine)  # this process's replica of the placement (one-round-trip puts)
         self._presence: ProducerPresence | None = None  # made at the first put: this handle is a producer
 
     @classmethod
@@ -403,7 +402,7 @@ class Pipeline:
         token = uuid.uuid4().hex
         items = [[m, n, f"{token}:{i}"] for i, (m, n) in enumerate(checked)]
         by_unit: dict[str, list[int]] = {}
-        for i, unit_id in enumerate(self._route([m for m, _n in checked])):
+        for i, unit_id in enumerate(self._router.route([m for m, _n in checked])):
             by_unit.setdefault(unit_id, []).append(i)
         out: list[TrajectoryMeta | None] = [None] * len(trajs)
         for unit_id, idx in by_unit.items():
@@ -417,7 +416,7 @@ class Pipeline:
                     raise
                 n = res["stored"]
                 if res["admit"] is not None:
-                    self._take(res["admit"], rest[:n], out)
+                    self._router.take(res["admit"], rest[:n], out)
                 rest = rest[n:]
                 if rest:  # the unit is full: wait for room with a blocking put of the next one
                     self._put_waiting(unit_id, trajs, items, rest, timeout, out)
@@ -457,52 +456,11 @@ class Pipeline:
             raise
         if ans["accepted"][0] is None:
             unit.release([trajs[k].id])
-        self._take(ans, [k], out)
+        self._router.take(ans, [k], out)
 
     def _raise_closed(self, e: EngineError) -> None:
         if self.stats_light()["closed"]:
             raise PipelineClosedError("the pipeline was closed (end of stream); build a new Pipeline to continue") from e
-
-    def _route(self, metas: Sequence[Mapping[str, Any]]) -> list[str]:
-        """The unit of each put, from this process's replica of the placement (the plane's last view)."""
-        with self._route_lock:
-            if self._replica is None:
-                units = list(self._engine.units)
-                self._replica = make_placement(str(self._engine.config.get("placement", "consumer_aware")), units)
-                self._follow_locked(self._engine.control.placement_view())
-            seq = self._next_seq
-            out = []
-            for i, m in enumerate(metas):
-                tm = TrajectoryMeta.from_dict({**{k: v for k, v in m.items() if k != "fields"}, "seq": seq + i,
-                                               "location": None})
-                out.append(self._replica.place(tm))
-            return out
-
-    def _follow_locked(self, view: Mapping[str, Any]) -> None:
-        assert self._replica is not None
-        self._replica.follow(view["placement"])
-        self._next_seq = max(self._next_seq, int(view["seq"]))
-
-    def _take(self, ans: Mapping[str, Any], idx: Sequence[int], out: list[TrajectoryMeta | None]) -> None:
-        """Record the plane's answer for ``idx``; raise its first error (the others stay accepted)."""
-        with self._route_lock:
-            if self._replica is not None:
-                self._follow_locked(ans)
-        for i, a in zip(idx, ans["accepted"]):
-            if a is not None:
-                out[i] = TrajectoryMeta.from_dict(a)
-        if ans.get("exception") is not None:
-            raise ans["exception"]
-        if ans["errors"]:
-            import knitdata.errors as errors_mod
-
-            tid, cls_name, message, field = ans["errors"][0]
-            cls = getattr(errors_mod, cls_name, KnitdataError)
-            more = f" ({len(ans['errors']) - 1} more refused in this batch)" if len(ans["errors"]) > 1 else ""
-            if cls in (ValidationError, FieldTypeError):
-                prefix = f"trajectory {tid!r}: " + (f"field {field!r}: " if field is not None else "")
-                raise cls(message.removeprefix(prefix) + more, trajectory_id=tid, field=field)
-            raise cls(message + more)
 
     def _checked(self, traj: Any) -> tuple[dict[str, Any], int]:
         """The checks of the put path in the producer (type, fields, media decoding): ``(metadata, loss tokens)``.
