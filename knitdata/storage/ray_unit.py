@@ -536,24 +536,7 @@ def read_records(
                 nodes = locations.get(r, {}).get("node_ids") or [items[p][1].ray_node]
                 meter.record_read(n, cross=here not in nodes, mode=mode, placement=placement, step=step)
     if lost and recover is not None:
-        for uid in list(lost):
-            unit = by_unit[uid][0]
-            want = [items[p][0] for p in lost[uid]]
-            found = recover(unit, want)
-            still = []
-            for p in lost[uid]:
-                rec = found.get(items[p][0])
-                if rec is None:
-                    still.append(p)
-                else:
-                    out[p] = rec
-                    if meter is not None:
-                        meter.record_read(len(rec), cross=True, mode=f"{mode}+recovered", placement=placement,
-                                          step=step)
-            if still:
-                lost[uid] = still
-            else:
-                del lost[uid]
+        _recover_lost(items, lost, out, recover, meter, mode=mode, placement=placement, step=step)
     if lost:
         gone = host_gone_error()
         if gone is not None:
@@ -567,3 +550,28 @@ def read_records(
             trajectory_ids=ids,
         )
     return out
+
+
+def _recover_lost(items: Sequence[tuple[str, RayStorageUnit]], lost: dict[str, list[int]], out: list[Any],
+                  recover: Callable[[RayStorageUnit, list[str]], Mapping[str, Any]], meter: TransferMeter | None, *,
+                  mode: str, placement: str, step: int) -> None:
+    """Fill ``out`` with what ``recover`` finds of the ``lost`` positions (by unit id); ``lost`` keeps the rest.
+
+    Recovered bytes are counted under ``"<mode>+recovered"`` as cross-node (see :func:`read_records`).
+    """
+    for uid in list(lost):
+        unit = items[lost[uid][0]][1]
+        found = recover(unit, [items[p][0] for p in lost[uid]])
+        still = []
+        for p in lost[uid]:
+            rec = found.get(items[p][0])
+            if rec is None:
+                still.append(p)
+            else:
+                out[p] = rec
+                if meter is not None:
+                    meter.record_read(len(rec), cross=True, mode=f"{mode}+recovered", placement=placement, step=step)
+        if still:
+            lost[uid] = still
+        else:
+            del lost[uid]
