@@ -452,7 +452,7 @@ def run_engines(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for engine in engines:
         if engine == "ray":
-            from knitdata.storage.ray_unit import connect
+            from knitdata.storage.ray_connect import connect
 
             connect(None)  # one local loopback Ray for the whole run
             from knitdata.engines.ray import ray_address

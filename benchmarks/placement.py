@@ -82,7 +82,7 @@ def start_cluster(nodes: int, store_mb: int = 128, cpus: int = 2) -> Any:
         ``ray.shutdown()``.
     """
     t0 = time.perf_counter()
-    from knitdata.storage.ray_unit import connect
+    from knitdata.storage.ray_connect import connect
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
@@ -233,7 +233,8 @@ def measure_fetch(nodes: list[str], *, records: int = 24, record_bytes: int = 1 
 
     from knitdata.codec import decode_trajectory
     from knitdata.record import Trajectory
-    from knitdata.storage.ray_unit import RayStorageUnit, current_node, read_records
+    from knitdata.storage.ray_connect import current_node
+    from knitdata.storage.ray_unit import RayStorageUnit, read_records
 
     here = current_node()
     other = next(n for n in nodes if n != here)
@@ -348,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     cluster = None
     if args.address:
-        from knitdata.storage.ray_unit import connect
+        from knitdata.storage.ray_connect import connect
 
         connect(args.address)
         nodes, startup = node_order()[: args.nodes], 0.0

@@ -5,13 +5,16 @@
 admitted and ending once the pipeline is closed and drained (or after ``max_minibatches`` per iteration).
 It reads the plan from the control plane and the payloads from the storage units through the engine
 (:class:`knitdata.engines.Engine`), so the same class serves the embedded and the Ray engine. Payloads are
-fetched only when needed:
+fetched only when needed, as the fetch mode (:mod:`knitdata.fetch`) says:
 
 * ``sample``: one storage request per trajectory, when the micro-batch is asked for (baseline);
 * ``eager``: the consumer's whole share of the mini-batch before its first micro-batch;
 * ``iter``: the next micro-batches are fetched, decoded, collated (and pinned / copied to ``device``) on a
   background thread (:class:`knitdata.prefetch.Prefetcher`) while the current one computes, across
   mini-batch boundaries.
+
+The control-plane calls of a rank go through its :class:`~knitdata.consumer.ConsumerSession`; a micro-batch goes
+through the stages of :mod:`knitdata.consumer` (plan, read, collate, media, metrics), the same on every engine.
 
 With a ``media_collator`` (e.g. :class:`~knitdata.multimodal.MultimodalCollator`) the share of each mini-batch
 is fetched at its first micro-batch and every micro-batch's ``media`` is the
@@ -31,33 +34,30 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from knitdata.collate import MicroBatchInfo
-from knitdata.control.plane import LEASE_TTL_S
+from knitdata.consumer import ConsumerSession, MediaStage, PlanStage, ReadStage, produce
 from knitdata.engines.base import Engine
-from knitdata.errors import ConfigError, DataTimeoutError, EngineError, FencedError, KnitdataError, StateError
-from knitdata.handoff import ConsumerLease
+from knitdata.errors import ConfigError, EngineError, KnitdataError, StateError
+from knitdata.fetch import FETCH_MODES, FetchMode, fetch_mode
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from knitdata.collate import MicroBatch
     from knitdata.metrics import ConsumerMetrics
 
 __all__ = ["TrajectoryDataset", "FETCH_MODES", "STATE_FORMAT", "find_states"]
 
-#: Fetch modes.
-FETCH_MODES: tuple[str, ...] = ("sample", "eager", "iter")
-#: ``format`` of a :class:`TrajectoryDataset` state.
+#: ``format of a :class:`TrajectoryDataset` state.
 STATE_FORMAT = "knitdata.TrajectoryDataset"
 _STATE_VERSION = 3
 _OLD_STATE_VERSIONS = (2,)  # read too (no fingerprint: a refill cannot be checked against them)
-_POLL_S = 1.0
 
 
 def find_states(obj: Any, out: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
@@ -91,7 +91,8 @@ class TrajectoryDataset(IterableDataset):
     Args:
         engine: The pipeline's engine.
         rank: The consumer.
-        fetch: ``"sample"``, ``"eager"`` or ``"iter"``.
+        fetch: ``"sample"``, ``"eager"`` or ``"iter"``, the name of another registered
+            :class:`~knitdata.fetch.FetchMode`, or a :class:`~knitdata.fetch.FetchMode`.
         collate: ``collate(trajectories, info) -> MicroBatch``; default :class:`~knitdata.collate.TokenCollator`.
         media_collator: ``media_collator(list_of_micro_batches) -> MultimodalBatch``, or ``None``.
         prefetch_depth: Micro-batches prepared ahead in ``iter`` mode. With a ``media_collator`` at least a
@@ -111,11 +112,11 @@ class TrajectoryDataset(IterableDataset):
         engine: Engine,
         rank: int,
         *,
-        fetch: str = "iter",
+        fetch: str | FetchMode = "iter",
         collate: Callable[..., Any] | None = None,
         media_collator: Callable[..., Any] | None = None,
         prefetch_depth: int = 2,
-        device: Any = None,
+        device: str | torch.device | None = None,
         pin_memory: bool | None = None,
         max_minibatches: int | None = None,
         timeout: float | None = 1800.0,
@@ -123,8 +124,7 @@ class TrajectoryDataset(IterableDataset):
         super().__init__()
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < engine.num_consumers:
             raise ConfigError(f"rank must be an int in 0..{engine.num_consumers - 1}, got {rank!r}")
-        if fetch not in FETCH_MODES:
-            raise ConfigError(f"unknown fetch mode {fetch!r}; choose one of {FETCH_MODES}")
+        mode = fetch_mode(fetch)
         if max_minibatches is not None and (isinstance(max_minibatches, bool) or not isinstance(max_minibatches, int)
                                             or max_minibatches < 1):
             raise ConfigError(f"max_minibatches must be a positive int or None, got {max_minibatches!r}")
@@ -138,7 +138,8 @@ class TrajectoryDataset(IterableDataset):
             collate = TokenCollator()
         self.engine = engine
         self.rank = rank
-        self.fetch = fetch
+        self.fetch = mode.name
+        self.fetch_mode = mode
         self.collate = collate
         self.media_collator = media_collator
         self.prefetch_depth = prefetch_depth
@@ -159,6 +160,7 @@ class TrajectoryDataset(IterableDataset):
         self._handed_out = 0
         self._cap: int | None = None  # release="step" never releases past the last state taken or loaded
         self._active: weakref.ref[_ConsumerIterator] | None = None
+        self.session = ConsumerSession(self.engine, self.rank)
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -266,10 +268,7 @@ class TrajectoryDataset(IterableDataset):
                 w, nw = (wi.id, wi.num_workers) if wi is not None else (0, 1)
             nxt, fp = self._next, self._fp
             if nxt is None:
-                ans = self.engine.control.start_point(self.rank)
-                base = int(ans["next"])
-                nxt = base + ((w - base) % nw)
-                fp = None if ans.get("fp") is None else (base, str(ans["fp"]))
+                nxt, fp = self.session.start(w, nw)
             mb, micro = self._pos if self._pos is not None else (None, None)
             self._cap = nxt
             if it is not None:
@@ -308,7 +307,7 @@ class TrajectoryDataset(IterableDataset):
         if fp is not None and fp_len is not None:
             where = (f"after mini-batch {mb} micro-batch {micro - 1}" if pos is not None and micro
                      else f"before mini-batch {mb}" if pos is not None else f"at micro-batch {nxt}")
-            self.engine.control.verify(self.rank, fp_len, fp, where)
+            self.session.verify(fp_len, fp, where)
         with self._lock:
             self._close_active()
             self._next, self._worker, self._end_step, self._pos = nxt, (w, nw), end, pos
@@ -316,7 +315,7 @@ class TrajectoryDataset(IterableDataset):
             self._epoch, self._handed_out = epoch, handed
             self._cap = nxt
         if nw == 1:
-            self.engine.control.seek(self.rank, nxt)
+            self.session.seek(nxt)
 
     def commit(self, state: Mapping[str, Any] | None = None, *, wait: bool = False) -> int | None:
         """Commit a position: this rank's payloads before it are released from storage.
@@ -355,12 +354,7 @@ class TrajectoryDataset(IterableDataset):
         upto = min(nexts.values())
         if len(nexts) < nw:
             upto = max(0, upto - (nw - 1))
-        sender = self.engine.sender
-        if not wait:
-            sender.commit(self.rank, upto)
-            return None
-        sender.flush()
-        return int(self.engine.control.commit(self.rank, upto))
+        return self.session.commit(upto, wait=wait)
 
     def flush(self) -> None:
         """Send this process's queued hand-out records and commits to the control plane now, and wait for it.
@@ -369,7 +363,7 @@ class TrajectoryDataset(IterableDataset):
         else with the heartbeat (:data:`~knitdata.handoff.HEARTBEAT_S`). ``Pipeline.stats()`` sends them first;
         call this before reading the control plane's view of this rank some other way (unit memory, a test).
         """
-        self.engine.sender.flush()
+        self.session.flush()
 
     # ------------------------------------------------------------------ internals
     def _ended(self, it: _ConsumerIterator, natural: bool) -> None:
@@ -380,7 +374,7 @@ class TrajectoryDataset(IterableDataset):
             commit = natural and self.engine.release == "step" and self._worker[1] == 1 and self._next is not None
             upto = self._next if self._cap is None or self._next is None else min(self._next, self._cap)
         if commit and upto is not None:
-            self.engine.sender.commit(self.rank, upto)  # a finished pass is at a mini-batch boundary
+            self.session.commit(upto, wait=False)  # a finished pass is at a mini-batch boundary
 
     def __repr__(self) -> str:
         return (f"TrajectoryDataset(rank={self.rank}, fetch={self.fetch!r}, next={self._next}, "
@@ -393,45 +387,33 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
     It holds the (rank, worker) lease (:class:`~knitdata.handoff.ConsumerLease`): taking it fences an older
     iterator of the rank, and the position starts after the last micro-batch that one handed out. ``__next__``
     takes the next micro-batch (in ``iter`` mode from the prefetch queue) and records it in the lease; the
-    process's :class:`~knitdata.handoff.ControlSender` tells the control plane. The producing generator (run on
-    the prefetch thread in ``iter`` mode) holds neither this iterator nor the dataset, so an abandoned iterator is
-    collected and its ``__del__`` stops the thread and ends the lease.
+    process's :class:`~knitdata.handoff.ControlSender` tells the control plane. The producing stages
+    (:func:`knitdata.consumer.produce`, run on the prefetch thread in ``iter`` mode) hold neither this iterator nor
+    the dataset, so an abandoned iterator is collected and its ``__del__`` stops the thread and ends the lease.
     """
 
     def __init__(self, ds: TrajectoryDataset, worker: int, num_workers: int) -> None:
         self._ds = ds
         self._stop = threading.Event()
         self._done = False
-        self._worker = worker
         self._nw = num_workers
         self._inner: Iterator[tuple[dict[str, Any], Any]] | None = None
-        self._rank = ds.rank
-        self._control = ds.engine.control
-        self._lease, ans = ds.engine.sender.acquire(ds.rank, worker, uuid.uuid4().hex, wait_s=LEASE_TTL_S + 5.0)
+        self._session = ds.session
+        self._lease, (nxt, fp) = ds.session.lease(worker, num_workers, ds._cap)
         if ds._next is None:  # after the last micro-batch handed out to the rank (by the iterator fenced, too)
-            base = int(ans["next"])
-            ds._next = base + ((worker - base) % num_workers)
-            ds._fp = None if ans.get("fp") is None else (base, str(ans["fp"]))
-        self._lease.send_each = ds.engine.release == "handout"
-        self._lease.auto_step = ds.engine.release == "step" and num_workers == 1
-        self._lease.cap = ds._cap
+            ds._next, ds._fp = nxt, fp
         self._synced = 0
         self._metrics = ds.metrics
-        end_box = [ds._end_step]
-        self._end_box = end_box
-        grow: list[Any] = [None]  # the prefetcher's set_depth (weakly: the generator must not hold the iterator)
-        source = _produce(ds.engine, ds.rank, ds.fetch, ds.collate, ds.media_collator, ds.metrics, self._stop,
-                          ds._next, num_workers, self._lease, ds.max_minibatches, end_box, ds.timeout,
-                          grow, ds.prefetch_depth)
-        if ds.fetch == "iter":
-            from knitdata.prefetch import Prefetcher
-
-            pf = Prefetcher(source, depth=ds.prefetch_depth, device=ds.device, pin_memory=ds.pin_memory)
-            if ds.media_collator is not None:  # the prefetch thread reads a whole share ahead (below)
-                grow[0] = weakref.WeakMethod(pf.set_depth)
-            self._inner = pf
-        else:
-            self._inner = source
+        engine, mode = ds.engine, ds.fetch_mode
+        self._plan = plan = PlanStage(engine, ds.rank, self._lease, self._stop, ds._next, num_workers, ds.timeout,
+                                      ds.max_minibatches, ds._end_step)
+        media = MediaStage(ds.media_collator, ds.prefetch_depth) if ds.media_collator is not None else None
+        reader = ReadStage(engine, ds.rank, mode, plan, whole_share=mode.whole_share or media is not None)
+        source = produce(plan, reader, ds.collate, media, ds.metrics, self._stop)
+        self._inner, set_depth = mode.prepare(source, depth=ds.prefetch_depth, device=ds.device,
+                                              pin_memory=ds.pin_memory)
+        if media is not None and set_depth is not None:  # the prefetch thread reads a whole share ahead
+            media.grow = weakref.WeakMethod(set_depth)  # weakly: the stages must not hold the prefetcher
 
     def __next__(self) -> MicroBatch:
         inner = self._inner
@@ -478,8 +460,8 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             ds._pos = (last["minibatch"] + 1, 0) if last["info"]["is_last"] else (last["minibatch"], last["microbatch"] + 1)
             if last.get("fp") is not None:
                 ds._fp = (j + 1, last["fp"])
-            if ds._end_step is None and self._end_box[0] is not None:
-                ds._end_step = self._end_box[0]
+            if ds._end_step is None and self._plan.end is not None:
+                ds._end_step = self._plan.end
 
     @property
     def done(self) -> bool:
@@ -505,129 +487,10 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             except ValueError:  # a generator running on another thread: it sees the stop flag instead
                 pass
         self.sync()
-        self._lease.end()  # its last records, then the lease goes
-        try:
-            self._control.report_consumer(self._rank, self._ds.metrics.to_dict())
-            flush = getattr(self._ds.engine, "flush_meter", None)
-            if flush is not None:
-                flush()
-        except Exception:  # noqa: BLE001 - best effort: the control plane is gone (shutdown)
-            pass
+        self._session.end(self._lease, self._metrics)  # its last records, then the lease goes
 
     def __del__(self) -> None:
         try:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-
-
-def _wait_entries(control: Any, rank: int, j: int, stop: threading.Event, lease: ConsumerLease,
-                  timeout: float | None) -> list[dict[str, Any]] | None:
-    """Entries from ``j`` to the end of its mini-batch; ``None`` at the end of the stream (or when stopped)."""
-    t0 = time.monotonic()
-    while True:
-        if stop.is_set():
-            return None
-        wait = _POLL_S
-        if timeout is not None:
-            left = timeout - (time.monotonic() - t0)
-            if left <= 0:
-                raise DataTimeoutError(
-                    f"rank {rank} waited {timeout:.0f} s for its micro-batch {j} (dataset timeout); admission is still "
-                    f"waiting for: {control.missing()}. Check that producers are alive and put every member of each "
-                    "group (withdraw() a group whose member was refused), or raise the dataset's timeout")
-            wait = min(wait, left)
-        try:
-            ans = control.next_entries(rank, j, wait, lease.token, lease.worker)
-        except FencedError as e:
-            lease.fence("a newer iterator", str(e))  # nothing prefetched is handed out any more
-            raise
-        if "entries" in ans:
-            return list(ans["entries"])
-        if ans.get("end"):
-            return None
-
-
-def _bytes(items: Sequence[Sequence[Any]], local_units: frozenset[str]) -> tuple[int, int]:
-    """Payload bytes of plan items ``[id, unit, nbytes]``, and those on the units of the consumer's node."""
-    nbytes = local = 0
-    for _tid, unit, n in items:
-        nbytes += int(n)
-        if unit in local_units:
-            local += int(n)
-    return nbytes, local
-
-
-def _produce(engine: Engine, rank: int, fetch: str, collate: Callable[..., Any], media_collator: Callable[..., Any] | None,
-             metrics: ConsumerMetrics, stop: threading.Event, j: int, nw: int, lease: ConsumerLease,
-             max_minibatches: int | None, end_box: list[int | None], timeout: float | None,
-             grow: list[Any] | None = None, depth: int = 2,
-             ) -> Iterator[tuple[dict[str, Any], Any]]:
-    """Fetch and collate micro-batches ``j, j + nw, ...`` of ``rank`` in plan order.
-
-    With a media collator (``iter``), ``grow[0]`` (a weak reference to the prefetcher's ``set_depth``) lets the
-    prefetch thread work a whole share ahead: the next mini-batch's share (its payloads and media table, the
-    costly part) is prepared while the current mini-batch computes, as far ahead as a share has micro-batches.
-    """
-    control = engine.control
-    local_units = engine.local_units(rank)
-    whole_share = fetch == "eager" or media_collator is not None
-    shared_depth = [depth]
-    cache: dict[int, dict[str, Any]] = {}
-    share: dict[str, Any] = {}  # whole-share modes: trajectories of this worker's share of the current mini-batch
-    media: Any = None
-    while True:
-        if j not in cache:
-            cache.clear()
-            entries = _wait_entries(control, rank, j, stop, lease, timeout)
-            if entries is None:
-                return
-            for e in entries:
-                cache[int(e["j"])] = e
-        e = cache.pop(j)
-        step = int(e["minibatch"])
-        if end_box[0] is None and max_minibatches is not None:
-            end_box[0] = step + max_minibatches
-        if end_box[0] is not None and step >= end_box[0]:
-            return
-        info = MicroBatchInfo(**e["info"])  # written by the control plane (MicroBatchInfo.to_dict): trusted
-        items = e["items"]
-        t0 = time.perf_counter()
-        nbytes = local = requests = ntraj = 0
-        if whole_share:
-            if not all(it[0] in share for it in items):
-                mine = [x for k, x in sorted(cache.items()) if (k - j) % nw == 0]
-                rows = [e, *mine]
-                all_items = [it for x in rows for it in x["items"]]
-                trajs = engine.read(all_items, mode="eager", step=step) if all_items else []
-                share = {t.id: t for t in trajs}
-                ntraj = len(trajs)
-                requests = len({it[1] for it in all_items})
-                nbytes, local = _bytes(all_items, local_units)
-                if media_collator is not None:
-                    groups: list[list[Any]] = [[] for _ in range(int(e["microbatch"]))]
-                    groups += [[share[it[0]] for it in x["items"]] for x in rows]
-                    media = media_collator(groups)
-                    set_depth = grow[0]() if grow is not None and grow[0] is not None else None
-                    if set_depth is not None and int(info.num_microbatches) + 1 > shared_depth[0]:
-                        shared_depth[0] = int(info.num_microbatches) + 1  # the next share, not the one after
-                        set_depth(shared_depth[0])
-            batch = [share.pop(it[0]) for it in items]
-        else:
-            batch = engine.read(items, mode=fetch, step=step) if items else []
-            ntraj = len(batch)
-            requests = len(items) if fetch == "sample" else len({it[1] for it in items})
-            nbytes, local = _bytes(items, local_units)
-        mb = collate(batch, info)
-        if media is not None:
-            mb.media = media
-        if info.is_last:
-            media = None
-        metrics.record_fetch(time.perf_counter() - t0, nbytes=nbytes, local_bytes=local, requests=requests,
-                             trajectories=ntraj)
-        yield e, mb
-        if stop.is_set():
-            return
-        j += nw
-        if j not in cache and end_box[0] is not None and step + 1 >= end_box[0]:
-            return  # the next micro-batch of this worker is past the last mini-batch of this pass

@@ -34,13 +34,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.control import PLANE_DEFAULTS, RELEASE_MODES, fields_of
-from knitdata.engines.base import ENGINES, Engine
+from knitdata.engines.base import ENGINES, Engine, engine_class
 from knitdata.errors import (
     ConfigError,
     EngineError,
     FieldTypeError,
     KnitdataError,
-    OptionalDependencyError,
     PipelineClosedError,
     StoreFull,
     ValidationError,
@@ -49,6 +48,7 @@ from knitdata.handoff import ProducerPresence
 from knitdata.metrics import ConsumerMetrics
 from knitdata.placement import ConsumerLayout, Placement, make_placement
 from knitdata.planner import MiniBatchPlan
+from knitdata.producer import PutRouter
 from knitdata.record import Trajectory, TrajectoryMeta
 from knitdata.storage.base import StorageUnit
 
@@ -155,6 +155,7 @@ class Pipeline:
             raise ConfigError(f"spec must be a knitdata.admission.BatchSpec, got {type(spec).__name__}")
         if engine not in ENGINES:
             raise ConfigError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+        cls_ = engine_class(engine)
         if release not in RELEASE_MODES:
             raise ConfigError(f"release must be one of {RELEASE_MODES}, got {release!r}")
         if layout is not None and not isinstance(layout, ConsumerLayout):
@@ -189,7 +190,7 @@ class Pipeline:
             admission_name = admission
         if isinstance(placement, Placement):
             placement_name = "consumer_aware" if placement.consumer_aware else "index_mod"
-            if engine != "embedded" or type(placement) is not type(make_placement(placement_name, placement.units)):
+            if not cls_.in_process or type(placement) is not type(make_placement(placement_name, placement.units)):
                 raise ConfigError("give the placement by name ('consumer_aware' or 'index_mod')")
         else:
             make_placement(placement, list(layout.nodes))
@@ -201,32 +202,8 @@ class Pipeline:
                   "producer_timeout_s": None if producer_timeout_s is None else float(producer_timeout_s)}
         opts = dict(engine_options or {})
         opts.pop("cross_process", None)  # every Ray pipeline serves other processes now
-        eng: Engine
-        if engine == "embedded":
-            if opts:
-                raise ConfigError(f"the embedded engine takes no engine options, got {sorted(opts)}")
-            from knitdata.engines.embedded import EmbeddedEngine
-
-            eng = EmbeddedEngine(layout, config, capacity_bytes, spill_dir=spill_dir, spill_bytes=spill_bytes,
-                                 policy=policy, on_plan=on_plan)
-        else:
-            if policy is not None:
-                raise ConfigError("the Ray engine takes the admission policy by name (it runs in the coordinator actor)")
-            if on_plan is not None:
-                raise ConfigError("on_plan runs in the pipeline's process: use the embedded engine, or read "
-                                  "Pipeline.stats() on the Ray engine")
-            known = {"name", "address", "nodes", "loopback_only", "detached", "timeout_s", "journal_dir",
-                     "journal_compact_every", "resume"}
-            if set(opts) - known:
-                raise ConfigError(f"unknown Ray engine options {sorted(set(opts) - known)}; known: {sorted(known)}")
-            try:
-                from knitdata.engines.ray import RayEngine
-            except ModuleNotFoundError as e:
-                if e.name and e.name.split(".")[0] == "ray":
-                    raise OptionalDependencyError("ray", "ray", "engine='ray'") from e
-                raise
-            eng = RayEngine.create(layout, config, capacity_bytes, spill_dir=spill_dir, spill_bytes=spill_bytes,
-                                   **opts)
+        eng = cls_.build(layout, config, capacity_bytes, spill_dir=spill_dir, spill_bytes=spill_bytes, policy=policy,
+                         on_plan=on_plan, options=opts)
         self._setup(eng, put_timeout=put_timeout, check_media=check_media, owner=True)
         self.capacity_bytes = capacity_bytes
 
@@ -240,9 +217,7 @@ class Pipeline:
         self._closed_here = False
         self._version_listeners: list[Callable[[int, float], None]] = []
         self._listeners_lock = threading.Lock()
-        self._route_lock = threading.Lock()
-        self._replica: Placement | None = None  # this process's replica of the placement (one-round-trip puts)
-        self._next_seq = 0
+        self._router = PutRouter(engine)  # this process's replica of the placement (one-round-trip puts)
         self._presence: ProducerPresence | None = None  # made at the first put: this handle is a producer
 
     @classmethod
@@ -270,14 +245,9 @@ class Pipeline:
         Raises:
             EngineError: No pipeline of that name on the cluster. OptionalDependencyError: No ``ray``.
         """
-        try:
-            from knitdata.engines.ray import RayEngine
-        except ModuleNotFoundError as e:
-            if e.name and e.name.split(".")[0] == "ray":
-                raise OptionalDependencyError("ray", "ray", "Pipeline.attach") from e
-            raise
+        engine = engine_class("ray", what="Pipeline.attach")
         self = cls.__new__(cls)
-        eng = RayEngine(name, address=address, loopback_only=loopback_only, timeout_s=timeout_s)
+        eng: Any = engine.attach(name, address=address, loopback_only=loopback_only, timeout_s=timeout_s)
         self._setup(eng, put_timeout=put_timeout, check_media=check_media, owner=False)
         self.capacity_bytes = int(eng.info["capacity_bytes"])
         return self
@@ -338,10 +308,9 @@ class Pipeline:
         Raises:
             EngineError: On the Ray engine (it lives in the coordinator actor).
         """
-        plane = self._engine.control
-        if self._engine.kind != "embedded":
+        if not self._engine.in_process:
             raise EngineError("the planner runs in the coordinator actor on the Ray engine; read stats()")
-        return plane.planner
+        return self._engine.control.planner
 
     @property
     def closed(self) -> bool:
@@ -433,7 +402,7 @@ class Pipeline:
         token = uuid.uuid4().hex
         items = [[m, n, f"{token}:{i}"] for i, (m, n) in enumerate(checked)]
         by_unit: dict[str, list[int]] = {}
-        for i, unit_id in enumerate(self._route([m for m, _n in checked])):
+        for i, unit_id in enumerate(self._router.route([m for m, _n in checked])):
             by_unit.setdefault(unit_id, []).append(i)
         out: list[TrajectoryMeta | None] = [None] * len(trajs)
         for unit_id, idx in by_unit.items():
@@ -447,7 +416,7 @@ class Pipeline:
                     raise
                 n = res["stored"]
                 if res["admit"] is not None:
-                    self._take(res["admit"], rest[:n], out)
+                    self._router.take(res["admit"], rest[:n], out)
                 rest = rest[n:]
                 if rest:  # the unit is full: wait for room with a blocking put of the next one
                     self._put_waiting(unit_id, trajs, items, rest, timeout, out)
@@ -487,52 +456,11 @@ class Pipeline:
             raise
         if ans["accepted"][0] is None:
             unit.release([trajs[k].id])
-        self._take(ans, [k], out)
+        self._router.take(ans, [k], out)
 
     def _raise_closed(self, e: EngineError) -> None:
         if self.stats_light()["closed"]:
             raise PipelineClosedError("the pipeline was closed (end of stream); build a new Pipeline to continue") from e
-
-    def _route(self, metas: Sequence[Mapping[str, Any]]) -> list[str]:
-        """The unit of each put, from this process's replica of the placement (the plane's last view)."""
-        with self._route_lock:
-            if self._replica is None:
-                units = list(self._engine.units)
-                self._replica = make_placement(str(self._engine.config.get("placement", "consumer_aware")), units)
-                self._follow_locked(self._engine.control.placement_view())
-            seq = self._next_seq
-            out = []
-            for i, m in enumerate(metas):
-                tm = TrajectoryMeta.from_dict({**{k: v for k, v in m.items() if k != "fields"}, "seq": seq + i,
-                                               "location": None})
-                out.append(self._replica.place(tm))
-            return out
-
-    def _follow_locked(self, view: Mapping[str, Any]) -> None:
-        assert self._replica is not None
-        self._replica.follow(view["placement"])
-        self._next_seq = max(self._next_seq, int(view["seq"]))
-
-    def _take(self, ans: Mapping[str, Any], idx: Sequence[int], out: list[TrajectoryMeta | None]) -> None:
-        """Record the plane's answer for ``idx``; raise its first error (the others stay accepted)."""
-        with self._route_lock:
-            if self._replica is not None:
-                self._follow_locked(ans)
-        for i, a in zip(idx, ans["accepted"]):
-            if a is not None:
-                out[i] = TrajectoryMeta.from_dict(a)
-        if ans.get("exception") is not None:
-            raise ans["exception"]
-        if ans["errors"]:
-            import knitdata.errors as errors_mod
-
-            tid, cls_name, message, field = ans["errors"][0]
-            cls = getattr(errors_mod, cls_name, KnitdataError)
-            more = f" ({len(ans['errors']) - 1} more refused in this batch)" if len(ans["errors"]) > 1 else ""
-            if cls in (ValidationError, FieldTypeError):
-                prefix = f"trajectory {tid!r}: " + (f"field {field!r}: " if field is not None else "")
-                raise cls(message.removeprefix(prefix) + more, trajectory_id=tid, field=field)
-            raise cls(message + more)
 
     def _checked(self, traj: Any) -> tuple[dict[str, Any], int]:
         """The checks of the put path in the producer (type, fields, media decoding): ``(metadata, loss tokens)``.
@@ -620,8 +548,7 @@ class Pipeline:
         report = dict(self._engine.control.close())
         if self._presence is not None:  # a closed pipeline needs no producer presence
             self._engine.sender.remove_producer(self._presence)
-        if self._engine.kind == "embedded":
-            self._engine.close_units()
+        self._engine.on_close()
         if report.get("dropped_trajectories") and not self._closed_here:
             warnings.warn(
                 f"knitdata: pipeline closed with {report['dropped_trajectories']} trajectories never admitted "
@@ -641,7 +568,7 @@ class Pipeline:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._owner and self._engine.kind == "ray":
+        if self._owner and self._engine.shutdown_on_exit:
             self.shutdown()
         else:
             self.close()
@@ -737,9 +664,7 @@ class Pipeline:
 
     def flush_meter(self) -> None:
         """Ray engine: send this process's put/read byte counters to the coordinator (and zero them here)."""
-        flush = getattr(self._engine, "flush_meter", None)
-        if flush is not None:
-            flush()
+        self._engine.flush_meter()
 
     def __repr__(self) -> str:
         return (f"Pipeline(engine={self.engine!r}, name={self.name!r}, consumers={self.num_consumers}, "

@@ -553,7 +553,7 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     import ray
 
-    from knitdata.storage.ray_unit import connect
+    from knitdata.storage.ray_connect import connect
 
     connect(a.address)
     try:

@@ -200,8 +200,9 @@ def units_basic(extra: int = 20_000) -> dict[str, Any]:
     import ray
 
     from knitdata.errors import StoreFull
+    from knitdata.storage.ray_connect import current_node
     from knitdata.storage.ray_metrics import TransferMeter
-    from knitdata.storage.ray_unit import RayStorageUnit, current_node, read_records
+    from knitdata.storage.ray_unit import RayStorageUnit, read_records
 
     nodes = _nodes()
     trajs = [make_traj(i, extra=extra) for i in range(6)]
@@ -548,7 +549,7 @@ def coordinator_killed(journal_root: str, n_groups: int = 24, kills: int = 2, co
 
     from knitdata import Pipeline
     from knitdata.engines.ray import coordinator_name
-    from knitdata.storage.ray_unit import NAMESPACE
+    from knitdata.storage.ray_connect import NAMESPACE
 
     name = f"ck-{os.getpid()}"
     pipe = Pipeline(_spec(2 * n_groups), num_consumers=2, engine="ray", token_budget=128, capacity_bytes=64 << 20,
@@ -708,7 +709,7 @@ def main(argv: list[str]) -> int:
     if a.cmd == "serve":
         _serve(a.nodes, a.cpus, a.store_mb)
         return 0
-    from knitdata.storage.ray_unit import connect
+    from knitdata.storage.ray_connect import connect
 
     os.environ["KD_RAY_ADDRESS"] = a.address
     connect(a.address)

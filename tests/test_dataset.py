@@ -404,3 +404,58 @@ def test_close_from_another_thread_ends_a_blocked_pass_cleanly(fetch):
     t.join(10)
     pipe.close()
     assert not t.is_alive() and out == [[]]
+
+
+# ------------------------------------------------------------------ the path of a micro-batch (issue 24)
+def _suffixes(res: dict) -> set[tuple[str, ...]]:
+    """Each path from the producing stages on (before them: the trainer's next(), or the prefetcher's pull)."""
+    out = set()
+    for p in res["paths"]:
+        assert p[-1] == "engine.read", p
+        assert "consumer.py:produce" in p, p
+        out.add(tuple(p[p.index("consumer.py:produce"):]))
+    return out
+
+
+def _check_stops(res: dict) -> None:
+    for fetch in ("sample", "iter"):
+        r = res[fetch]
+        assert r["microbatches"] == 8 and r["paths"], r
+        assert r["max_stops"] <= 8, (fetch, r["paths"])  # was 8-10 embedded, 9-11 Ray (13 eager) before issue 24
+        assert r["max_trainer_stops"] <= 8, (fetch, r["trainer"])
+        # the stages, then the engine: one control call at a mini-batch's first micro-batch, one read
+        assert _suffixes(r) == {
+            ("consumer.py:produce", "consumer.py:PlanStage.next", "consumer.py:ReadStage.read", "engine.read"),
+            ("consumer.py:produce", "consumer.py:PlanStage.next", "engine.next_entries", "consumer.py:ReadStage.read",
+             "engine.read"),
+        }, (fetch, r["paths"])
+    assert max(len(p) for p in res["eager"]["paths"]) <= 8, res["eager"]["paths"]
+
+
+def _embedded_stops() -> dict:
+    from _path_helpers import filled, measure
+
+    res = {}
+    for fetch in ("sample", "eager", "iter"):
+        pipe = filled("embedded")
+        res[fetch] = measure(pipe, fetch)
+        pipe.shutdown()
+    return res
+
+
+def test_a_microbatch_path_is_short_on_the_embedded_engine():
+    _check_stops(_embedded_stops())
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_microbatch_path_is_the_same_on_the_ray_engine():
+    pytest.importorskip("ray")
+    from _ray_helpers import PY, run_json_subprocess
+
+    ray_res = run_json_subprocess([PY, os.path.join(os.path.dirname(__file__), "_path_helpers.py"), "ray"],
+                                  "micro-batch path on the Ray engine", timeout_s=300)
+    _check_stops(ray_res)
+    emb = _embedded_stops()
+    for fetch in ("sample", "iter"):
+        assert _suffixes(ray_res[fetch]) == _suffixes(emb[fetch])

@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from knitdata.collate import MicroBatch, MicroBatchInfo, TokenCollator
 from knitdata.errors import ConfigError, StateError
-from knitdata.prefetch import PinnedBufferPool, Prefetcher, _staged_copy, map_tensors
+from knitdata.prefetch import PinnedBufferPool, Prefetcher, map_tensors
 from knitdata.record import Trajectory
+from knitdata.staging import staged_copy as _staged_copy
 
 
 class CountingSource:
@@ -391,8 +392,8 @@ def test_cuda_code_path_with_fake_streams(monkeypatch: pytest.MonkeyPatch, use_p
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main_stream)
-    real = kp._CudaTransfer
-    monkeypatch.setattr(kp, "_CudaTransfer", lambda dev, pin, pool, stats: real(torch.device("cpu"), False, pool, stats))
+    real = kp.CudaTransfer  # the prefetcher's name of knitdata.staging.CudaTransfer
+    monkeypatch.setattr(kp, "CudaTransfer", lambda dev, pin, pool, stats: real(torch.device("cpu"), False, pool, stats))
     pool = PinnedBufferPool(pin=False, min_size=1 << 10) if use_pool else None
     batches = _ragged_batches(5)
     src = iter(batches)

@@ -196,8 +196,8 @@ def test_attached_processes_get_a_knitdata_error_when_the_creator_dies(creator: 
 
 # ------------------------------------------------------------------------- the decision, without a cluster
 def _stub_probe(monkeypatch: pytest.MonkeyPatch, answer: str) -> tuple[Any, list[bool]]:
-    """``ray_unit`` with ``probe_gcs`` answering ``answer``; the list records whether each probe sent a token."""
-    from knitdata.storage import ray_unit
+    """``ray_connect`` with ``probe_gcs`` answering ``answer``; the list records whether each probe sent a token."""
+    from knitdata.storage import ray_connect
 
     sent: list[bool] = []
 
@@ -205,19 +205,19 @@ def _stub_probe(monkeypatch: pytest.MonkeyPatch, answer: str) -> tuple[Any, list
         sent.append(with_token)
         return answer
 
-    monkeypatch.setattr(ray_unit, "probe_gcs", probe)
+    monkeypatch.setattr(ray_connect, "probe_gcs", probe)
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    return ray_unit, sent
+    return ray_connect, sent
 
 
 def test_the_token_goes_only_to_a_ray_of_this_user_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     from knitdata.errors import EngineError
 
-    ray_unit, sent = _stub_probe(monkeypatch, "unauthenticated")
+    ray_connect, sent = _stub_probe(monkeypatch, "unauthenticated")
     # another machine; a loopback port that no raylet of this user serves
     for address in ("10.1.2.3:6379", "127.0.0.1:1"):
         with pytest.raises(EngineError, match="RAY_AUTH_MODE=token") as ei:
-            ray_unit.prepare_auth(address)
+            ray_connect.prepare_auth(address)
         assert address in str(ei.value) and "only to a Ray of yours on this machine" in str(ei.value)
     assert sent == [False, False]  # asked without credentials, never with the token
     assert "RAY_AUTH_MODE" not in os.environ
@@ -226,15 +226,15 @@ def test_the_token_goes_only_to_a_ray_of_this_user_on_this_machine(monkeypatch: 
 def test_an_explicit_auth_mode_is_respected_and_named(monkeypatch: pytest.MonkeyPatch) -> None:
     from knitdata.errors import EngineError
 
-    ray_unit, sent = _stub_probe(monkeypatch, "unauthenticated")
+    ray_connect, sent = _stub_probe(monkeypatch, "unauthenticated")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     with pytest.raises(EngineError, match="RAY_AUTH_MODE=disabled is set"):
-        ray_unit.prepare_auth("127.0.0.1:1")
+        ray_connect.prepare_auth("127.0.0.1:1")
     assert os.environ["RAY_AUTH_MODE"] == "disabled" and sent == [False]
 
 
 def test_a_cluster_without_authentication_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    ray_unit, sent = _stub_probe(monkeypatch, "ok")
-    ray_unit.prepare_auth("127.0.0.1:1")
-    ray_unit.prepare_auth("ray://head:10001")  # not host:port (Ray Client): left to Ray, not probed
+    ray_connect, sent = _stub_probe(monkeypatch, "ok")
+    ray_connect.prepare_auth("127.0.0.1:1")
+    ray_connect.prepare_auth("ray://head:10001")  # not host:port (Ray Client): left to Ray, not probed
     assert sent == [False] and "RAY_AUTH_MODE" not in os.environ

@@ -413,16 +413,16 @@ def test_loader_states_are_json_and_crafted_states_are_refused(tmp_path):
 
 def test_ray_connect_defaults_are_loopback_only_and_dashboard_off(monkeypatch):
     ray = pytest.importorskip("ray")
-    from knitdata.storage import ray_unit
+    from knitdata.storage import ray_connect
 
     calls: list[dict] = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda address=None, **kw: calls.append({"address": address, **kw}))
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "NodeManagerAddress": "127.0.0.1", "NodeID": "n"}])
-    monkeypatch.setattr(ray_unit, "_INIT_PID", None)
+    monkeypatch.setattr(ray_connect, "_INIT_PID", None)
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "1")
     monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", True, raising=False)
-    ray_unit.connect()
+    ray_connect.connect()
     assert len(calls) == 1
     kw = calls[0]
     assert kw["address"] == "local"  # a new local Ray, never an existing cluster found on the machine
@@ -432,12 +432,12 @@ def test_ray_connect_defaults_are_loopback_only_and_dashboard_off(monkeypatch):
     # attaching to a cluster with a node off loopback is refused by default
     monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True, "NodeManagerAddress": "10.1.2.3", "NodeID": "n"}])
     with pytest.raises(KnitdataError, match="loopback"):
-        ray_unit.check_loopback()
+        ray_connect.check_loopback()
 
 
 def test_ray_engine_default_binding_is_documented():
     pytest.importorskip("ray")
     from knitdata.engines import ray as ray_engine
 
-    doc = (ray_engine.__doc__ or "") + (knitdata.storage.ray_unit.connect.__doc__ or "")
+    doc = (ray_engine.__doc__ or "") + (knitdata.storage.ray_connect.connect.__doc__ or "")
     assert "127.0.0.1" in doc and "dashboard" in doc.lower()

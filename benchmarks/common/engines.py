@@ -102,9 +102,9 @@ def attach_dataset(job: Mapping[str, Any], rank: int, w: TransferWorkload, cfg: 
 
     Attaches to the driver's Ray cluster (loopback only) and to the pipeline's coordinator by name.
     """
-    from knitdata.storage import ray_unit
+    from knitdata.storage import ray_connect
 
-    ray_unit.connect(job["ray_address"], loopback_only=True)
+    ray_connect.connect(job["ray_address"], loopback_only=True)
     from knitdata.pipeline import Pipeline
 
     kw = dataset_kwargs(w, cfg, job["encoding"])
@@ -138,7 +138,7 @@ class RayCluster:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
 
-        from knitdata.storage import ray_unit
+        from knitdata.storage import ray_connect
 
         if ray.is_initialized():
             raise EngineError("Ray is already initialized in this process; the transfer benchmark starts its own")
@@ -146,7 +146,7 @@ class RayCluster:
             try:
                 ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False,
                          logging_level="ERROR",  # type: ignore[arg-type]  # ray annotates int; takes names too
-                         _node_ip_address=ray_unit.LOOPBACK, object_store_memory=self.object_store_bytes,
+                         _node_ip_address=ray_connect.LOOPBACK, object_store_memory=self.object_store_bytes,
                          runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                                                    "TQ_NUM_THREADS": "1"}})
                 break
@@ -156,12 +156,12 @@ class RayCluster:
                 ray.shutdown()
                 time.sleep(5)
         try:
-            ray_unit.check_loopback()
+            ray_connect.check_loopback()
         except EngineError as e:
             ray.shutdown()
             raise LoopbackError(str(e)) from e
         self.address = ray.get_runtime_context().gcs_address
-        self.node = ray_unit.current_node()
+        self.node = ray_connect.current_node()
         self.startup_s = time.perf_counter() - t0
 
     def prepare_engine(self, w: TransferWorkload) -> tuple[dict[str, Any], set[str], float]:

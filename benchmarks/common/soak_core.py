@@ -465,7 +465,7 @@ def run_soak(cfg: SoakConfig, *, progress: bool = True, engine_options: dict[str
         import ray
 
         from knitdata.engines.ray import coordinator_name
-        from knitdata.storage.ray_unit import NAMESPACE
+        from knitdata.storage.ray_connect import NAMESPACE
 
         actor = ray.get_actor(coordinator_name(engine_options["name"]), namespace=NAMESPACE)
         while not killer_stop.wait(kill_coordinator_every_s):

@@ -405,7 +405,7 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
         import ray
 
         from knitdata.engines.ray import coordinator_name
-        from knitdata.storage.ray_unit import NAMESPACE
+        from knitdata.storage.ray_connect import NAMESPACE
 
         actor = ray.get_actor(coordinator_name(name), namespace=NAMESPACE)
         while not killer_stop.wait(kill_coordinator_every_s):

@@ -1,18 +1,61 @@
-"""What every engine provides to the pipeline and the datasets (:class:`Engine`)."""
+"""What every engine provides to the pipeline and the datasets (:class:`Engine`), and the engines by name.
+
+An engine is chosen by name (``Pipeline(engine=name)``): :func:`engine_class` imports the class registered under
+that name (:func:`register_engine`), and the pipeline builds it with :meth:`Engine.build`. What differs between
+engines is said by the class (its capabilities: :attr:`Engine.in_process`, :attr:`Engine.supports_worker_processes`,
+:attr:`Engine.shutdown_on_exit`) and done by its methods, never by checking its name.
+"""
 
 from __future__ import annotations
 
 import abc
+import importlib
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from knitdata.errors import EngineError, OptionalDependencyError
+from knitdata.fetch import FetchMode
 from knitdata.handoff import HEARTBEAT_S, ControlSender
 from knitdata.metrics import ConsumerMetrics
 from knitdata.placement import ConsumerLayout
 from knitdata.record import Trajectory
 from knitdata.storage.base import StorageUnit
 
-__all__ = ["Engine", "ENGINES"]
+__all__ = ["Engine", "ENGINES", "engine_class", "register_engine"]
+
+_REGISTRY: dict[str, str] = {}
+
+
+def register_engine(name: str, target: str) -> None:
+    """Make the engine class ``target`` (``"module:Class"``, imported when first used) known as ``name``."""
+    _REGISTRY[name] = target
+
+
+def engine_class(name: str, *, what: str | None = None) -> type[Engine]:
+    """The engine class registered as ``name`` (imported now).
+
+    Args:
+        name: A name of :data:`ENGINES` (or one registered since).
+        what: What needs it, for the message of a missing optional dependency (default ``engine=<name>``).
+
+    Raises:
+        KeyError: No engine of that name. OptionalDependencyError: The engine's package is not installed.
+    """
+    module, _sep, cls = _REGISTRY[name].partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        top = e.name.split(".")[0] if e.name else ""
+        if top and top != "knitdata":
+            raise OptionalDependencyError(top, top, what or f"engine={name!r}") from e
+        raise
+    found: type[Engine] = getattr(mod, cls)
+    return found
+
+
+register_engine("embedded", "knitdata.engines.embedded:EmbeddedEngine")
+register_engine("ray", "knitdata.engines.ray:RayEngine")
 
 #: The engines :class:`knitdata.pipeline.Pipeline` knows.
 ENGINES: tuple[str, ...] = ("embedded", "ray")
@@ -27,16 +70,22 @@ class Engine(abc.ABC):
     :attr:`sender`, off the trainer's thread.
 
     Attributes:
-        kind: ``"embedded"`` or ``"ray"``.
+        kind: The engine's name (``"embedded"`` or ``"ray"``), for messages and reports.
         name: The pipeline's name (how other processes attach; ``None`` for the embedded engine).
         layout: Consumers by node.
         config: The control plane's options (JSON-like).
         supports_worker_processes: Whether a dataset may run in DataLoader worker processes.
+        in_process: Whether the control plane (its planner, admission policy and placement objects) lives in this
+            process, so that a pipeline may hand it objects and show it.
+        shutdown_on_exit: Whether the pipeline's creator shuts the engine down when its ``with`` block ends (the
+            engine holds resources beyond the process: actors), rather than only closing the pipeline.
     """
 
     kind: str = ""
     name: str | None = None
     supports_worker_processes: bool = False
+    in_process: bool = False
+    shutdown_on_exit: bool = False
     #: Seconds between the lease renewals of this process's consumers (how fast an older iterator lets go).
     heartbeat_s: float = HEARTBEAT_S
 
@@ -45,6 +94,27 @@ class Engine(abc.ABC):
         self.config = dict(config)
         self._metrics = [ConsumerMetrics(r) for r in range(layout.num_consumers)]
         self._sender: ControlSender | None = None
+
+    @classmethod
+    @abc.abstractmethod
+    def build(cls, layout: ConsumerLayout, config: Mapping[str, Any], capacity_bytes: int, *,
+              spill_dir: str | os.PathLike[str] | None, spill_bytes: int, policy: Any, on_plan: Any,
+              options: Mapping[str, Any]) -> Engine:
+        """A new pipeline's engine (``Pipeline(engine=...)``), its ``engine_options`` checked first.
+
+        Raises:
+            ConfigError: Options this engine does not take.
+        """
+
+    @classmethod
+    def attach(cls, name: str, *, address: str | None = None, loopback_only: bool = True,
+               timeout_s: float = 60.0) -> Engine:
+        """A handle on the running pipeline ``name`` (``Pipeline.attach``), for engines that serve other processes.
+
+        Raises:
+            EngineError: This engine's pipelines live in one process.
+        """
+        raise EngineError(f"a pipeline of the {cls.kind} engine lives in one process: other processes cannot attach")
 
     @property
     def sender(self) -> ControlSender:
@@ -88,17 +158,37 @@ class Engine(abc.ABC):
         return frozenset(u for u, unit in self.units.items() if unit.node == node)
 
     @abc.abstractmethod
-    def read(self, items: Sequence[Sequence[Any]], *, mode: str, step: int) -> list[Trajectory]:
-        """Payloads of ``items`` (``[id, unit, nbytes]`` entries of a plan) in order, one request per unit.
+    def read(self, items: Sequence[Sequence[Any]], *, fetch: FetchMode, step: int) -> list[Trajectory]:
+        """Payloads of ``items`` (``[id, unit, nbytes]`` entries of a plan) in order, decoded.
+
+        Each group of ``fetch.groups(items)`` is read with one request per unit; bytes are counted under
+        ``fetch.name`` and ``step``.
 
         Raises:
             TrajectoryLostError: Naming every payload that could be neither read nor recovered.
         """
 
+    def next_entries(self, rank: int, j: int, wait_s: float, token: str, worker: int) -> dict[str, Any]:
+        """The plan entries of ``rank`` from ``j`` to the end of its mini-batch (see
+        :meth:`knitdata.control.ControlPlane.next_entries`), waiting up to ``wait_s``."""
+        ans: dict[str, Any] = self.control.next_entries(rank, j, wait_s, token, worker)
+        return ans
+
+    def report_consumer(self, rank: int, stats: Mapping[str, Any]) -> None:
+        """A consumer's iterator ended: report its metrics and this process's transfer counters."""
+        self.control.report_consumer(rank, dict(stats))
+        self.flush_meter()
+
+    def flush_meter(self) -> None:  # noqa: B027 - optional
+        """Send this process's transfer counters to the control plane (engines that count them)."""
+
     def close_units(self) -> None:
         """Refuse further puts on every unit (producers waiting for room wake up)."""
         for unit in self.units.values():
             unit.close()
+
+    def on_close(self) -> None:  # noqa: B027 - optional
+        """The pipeline was closed (end of stream) in this process: what the engine does beyond the control plane."""
 
     def shutdown(self) -> None:  # noqa: B027 - optional
         """Release what the engine holds beyond the pipeline's life (actors)."""

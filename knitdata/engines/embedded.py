@@ -9,6 +9,8 @@ from typing import Any
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch
 from knitdata.control import ControlPlane
 from knitdata.engines.base import Engine
+from knitdata.errors import ConfigError
+from knitdata.fetch import FetchMode
 from knitdata.placement import ConsumerLayout
 from knitdata.planner import MiniBatchPlan
 from knitdata.record import Trajectory
@@ -32,6 +34,7 @@ class EmbeddedEngine(Engine):
     """
 
     kind = "embedded"
+    in_process = True
     heartbeat_s = 0.1  # in-process reports are cheap: an older iterator lets go within 0.1 s
 
     def __init__(
@@ -58,6 +61,16 @@ class EmbeddedEngine(Engine):
         self._control = ControlPlane(config, {u: unit.node for u, unit in units.items()},
                                      lambda u, ids, wait: units[u].release(ids), policy=policy, on_plan=on_plan)
 
+    @classmethod
+    def build(cls, layout: ConsumerLayout, config: Mapping[str, Any], capacity_bytes: int, *,
+              spill_dir: str | os.PathLike[str] | None, spill_bytes: int, policy: Any, on_plan: Any,
+              options: Mapping[str, Any]) -> EmbeddedEngine:
+        """A new pipeline's embedded engine (it takes no ``engine_options``)."""
+        if options:
+            raise ConfigError(f"the embedded engine takes no engine options, got {sorted(options)}")
+        return cls(layout, config, capacity_bytes, spill_dir=spill_dir,
+                   spill_bytes=spill_bytes, policy=policy, on_plan=on_plan)
+
     @property
     def control(self) -> ControlPlane:
         """The control plane (in this process)."""
@@ -68,10 +81,14 @@ class EmbeddedEngine(Engine):
         """The storage units by id."""
         return self._units
 
-    def read(self, items: Sequence[Sequence[Any]], *, mode: str, step: int) -> list[Trajectory]:
-        """Payloads in order; one ``get`` per unit (no copy)."""
-        if mode == "sample":
-            return [self._units[u].get((tid,))[0] for tid, u, _n in items]
+    def read(self, items: Sequence[Sequence[Any]], *, fetch: FetchMode, step: int) -> list[Trajectory]:
+        """Payloads in order; one ``get`` per unit and group of ``fetch.groups(items)`` (no copy)."""
+        groups = fetch.groups(items)
+        if len(groups) == 1:
+            return self._get(groups[0])
+        return [t for group in groups for t in self._get(group)]
+
+    def _get(self, items: Sequence[Sequence[Any]]) -> list[Trajectory]:
         by_unit: dict[str, list[str]] = {}
         for tid, u, _n in items:
             by_unit.setdefault(u, []).append(tid)
@@ -83,6 +100,10 @@ class EmbeddedEngine(Engine):
             for t in self._units[u].get(ids):
                 out[t.id] = t
         return [out[tid] for tid, _u, _n in items]
+
+    def on_close(self) -> None:
+        """Close the units: producers waiting for room wake up and fail."""
+        self.close_units()
 
     def __getstate__(self) -> Any:
         from knitdata.errors import EngineError

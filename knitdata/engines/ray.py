@@ -4,19 +4,19 @@ Pieces (all on one Ray cluster):
 
 * one **coordinator** actor (:class:`CoordinatorActor`) hosting :class:`knitdata.control.ControlPlane`, the
   very class the embedded engine calls directly; its methods take and return JSON-like values only;
-* one **storage unit** actor per training node (:class:`~knitdata.storage.ray_unit.StorageUnitActor`, hard node
+* one **storage unit** actor per training node (:class:`~knitdata.storage.ray_actor.StorageUnitActor`, hard node
   affinity), payloads as codec records in that node's object store (no pickle), read zero-copy on the node;
 * any number of processes holding a :class:`RayEngine` handle (the pipeline's creator, producers, torchrun
   ranks, DataLoader workers), attached by the pipeline's name: payload bytes go straight between them and the
   units, never through the coordinator.
 
-Binding: :func:`~knitdata.storage.ray_unit.connect` with ``address=None`` starts a local Ray bound to
+Binding: :func:`~knitdata.storage.ray_connect.connect` with ``address=None`` starts a local Ray bound to
 ``127.0.0.1`` with the dashboard off (or uses the Ray this process is already attached to); with an address
 it attaches there and, with ``loopback_only=True`` (the default), refuses a cluster with a non-loopback node.
 Before attaching to an address it applies this user's Ray token for a Ray of this user on this machine (Ray's
-token authentication) or fails within seconds naming what to set (:func:`~knitdata.storage.ray_unit.prepare_auth`).
+token authentication) or fails within seconds naming what to set (:func:`~knitdata.storage.ray_connect.prepare_auth`).
 
-Host watch: every attached process watches the cluster's GCS port (:func:`~knitdata.storage.ray_unit.watch_host`);
+Host watch: every attached process watches the cluster's GCS port (:func:`~knitdata.storage.ray_connect.watch_host`);
 when the Ray the creator started is gone, calls of the pipeline raise :class:`~knitdata.errors.EngineError`
 ("the host of knitdata pipeline ... is gone") within seconds instead of hanging until Ray ends the process.
 """
@@ -37,21 +37,21 @@ except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in t
 from knitdata.codec import decode_trajectory
 from knitdata.engines.base import Engine
 from knitdata.engines.ray_control import CoordinatorActor, RayControl
+from knitdata.fetch import FetchMode
 from knitdata.metrics import TransferMeter
 from knitdata.placement import ConsumerLayout
 from knitdata.record import Trajectory
 from knitdata.storage.base import StorageUnit
-from knitdata.storage.ray_unit import (
+from knitdata.storage.ray_connect import (
     NAMESPACE,
-    RayStorageUnit,
     alive_nodes,
     check_host,
     connect,
     current_address,
     hosts_cluster,
-    read_records,
     watch_host,
 )
+from knitdata.storage.ray_unit import RayStorageUnit, read_records
 
 __all__ = ["RayEngine", "coordinator_name", "ray_address", "resolve_nodes"]
 
@@ -106,6 +106,10 @@ class RayEngine(Engine):
 
     kind = "ray"
     supports_worker_processes = True
+    shutdown_on_exit = True
+    #: The ``engine_options`` :meth:`build` takes.
+    OPTIONS = frozenset({"name", "address", "nodes", "loopback_only", "detached", "timeout_s", "journal_dir",
+                         "journal_compact_every", "resume"})
     _owner: Any  # set by create(): the coordinator handle that keeps a non-detached coordinator alive
 
     def __init__(self, name: str, *, address: str | None = None, loopback_only: bool = True,
@@ -135,6 +139,27 @@ class RayEngine(Engine):
         placement = str(info["config"].get("placement", ""))
         self._units = {u: RayStorageUnit.from_handle(actor, desc, meter=self.meter, placement=placement)
                        for u, (actor, desc) in handles.items()}
+
+    @classmethod
+    def attach(cls, name: str, *, address: str | None = None, loopback_only: bool = True,
+               timeout_s: float = 60.0) -> RayEngine:
+        """A handle on the running pipeline ``name`` on the Ray cluster at ``address``."""
+        return cls(name, address=address, loopback_only=loopback_only, timeout_s=timeout_s)
+
+    @classmethod
+    def build(cls, layout: ConsumerLayout, config: Mapping[str, Any], capacity_bytes: int, *,
+              spill_dir: str | os.PathLike[str] | None, spill_bytes: int, policy: Any, on_plan: Any,
+              options: Mapping[str, Any]) -> RayEngine:
+        """A new pipeline's Ray engine (:meth:`create` with ``options``), the options checked before any Ray call."""
+        if policy is not None:
+            raise ConfigError("the Ray engine takes the admission policy by name (it runs in the coordinator actor)")
+        if on_plan is not None:
+            raise ConfigError("on_plan runs in the pipeline's process: use the embedded engine, or read "
+                              "Pipeline.stats() on the Ray engine")
+        if set(options) - cls.OPTIONS:
+            raise ConfigError(f"unknown Ray engine options {sorted(set(options) - cls.OPTIONS)}; known: "
+                              f"{sorted(cls.OPTIONS)}")
+        return cls.create(layout, config, capacity_bytes, spill_dir=spill_dir, spill_bytes=spill_bytes, **options)
 
     @classmethod
     def create(
@@ -219,22 +244,27 @@ class RayEngine(Engine):
         """The storage units by id (actor handles)."""
         return self._units
 
-    def read(self, items: Sequence[Sequence[Any]], *, mode: str, step: int) -> list[Trajectory]:
-        """Records from the units (zero-copy on the same node), spill recovery for a dead unit, decoded."""
-        recover = None
-        if self.info.get("spill_dir"):
-            def recover(unit: RayStorageUnit, ids: list[str]) -> Mapping[str, Any]:
-                return self._control.call("recover", unit.unit_id, ids)
+    def read(self, items: Sequence[Sequence[Any]], *, fetch: FetchMode, step: int) -> list[Trajectory]:
+        """Records from the units (zero-copy on the same node), spill recovery for a dead unit, decoded.
 
+        Each group of ``fetch.groups(items)`` is one request per unit; bytes are counted under ``fetch.name``.
+        """
+        recover = self._recover if self.info.get("spill_dir") else None
         placement = str(self.config.get("placement", ""))
-        if mode == "sample":
-            recs = [r for tid, u, _n in items
-                    for r in read_records([(tid, self._units[u])], meter=self.meter, mode=mode, placement=placement,
-                                          step=step, recover=recover)]
-        else:
-            recs = read_records([(tid, self._units[u]) for tid, u, _n in items], meter=self.meter, mode=mode,
-                                placement=placement, step=step, recover=recover)
+        units = self._units
+        recs: list[Any] = []
+        for group in fetch.groups(items):
+            recs += read_records([(tid, units[u]) for tid, u, _n in group], meter=self.meter, mode=fetch.name,
+                                 placement=placement, step=step, recover=recover)
         return [decode_trajectory(r, copy=False) for r in recs]
+
+    def next_entries(self, rank: int, j: int, wait_s: float, token: str, worker: int) -> dict[str, Any]:
+        """See :meth:`Engine.next_entries`: one coordinator call, bounded by ``wait_s`` plus the call's time-out."""
+        ans: dict[str, Any] = self._control.call("next_entries", rank, j, wait_s, token, worker, wait_s=wait_s)
+        return ans
+
+    def _recover(self, unit: RayStorageUnit, ids: list[str]) -> Mapping[str, Any]:
+        return self._control.call("recover", unit.unit_id, ids)  # type: ignore[no-any-return]
 
     def flush_meter(self) -> None:
         """Send this process's put/read byte counters to the coordinator (and zero them here); waits for it."""

@@ -26,7 +26,9 @@ try:
 except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in tests
     raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.engines.ray)") from _e
 
-from knitdata.storage.ray_unit import RayStorageUnit, SpillRecovery, check_host, host_gone_error, ray_get
+from knitdata.storage.ray_actor import SpillRecovery
+from knitdata.storage.ray_connect import check_host, host_gone_error, ray_get
+from knitdata.storage.ray_unit import RayStorageUnit
 
 __all__ = ["CoordinatorActor", "CoordinatorBase", "RayControl", "coordinator_class"]
 

@@ -1,0 +1,296 @@
+"""The consumer's side of the pipeline: its dialogue with the control plane, and the stages of a micro-batch.
+
+:class:`ConsumerSession` is everything a :class:`~knitdata.dataset.TrajectoryDataset` asks the control plane for
+one rank (where to start, lease, verify, seek, commit, the end-of-pass report); the hand-outs themselves go through
+the iterator's :class:`~knitdata.handoff.ConsumerLease` and the process's
+:class:`~knitdata.handoff.ControlSender`, off the trainer's thread.
+
+A micro-batch goes through composed stages, the same on every engine up to the engine's ``read``:
+
+* :class:`PlanStage`: the worker's next plan entry (``engine.next_entries``, a mini-batch's entries at a time);
+* :class:`ReadStage`: its payloads (``engine.read``, decoded), grouped into reads by the
+  :class:`~knitdata.fetch.FetchMode`: per micro-batch, or the worker's whole share of the mini-batch at once;
+* collate: ``collate(trajectories, info) -> MicroBatch``;
+* :class:`MediaStage`: the media table of the share (with a ``media_collator``);
+* metrics: :meth:`~knitdata.metrics.ConsumerMetrics.record_fetch`.
+
+:func:`produce` runs them in order; the fetch mode decides where (``iter``: on a prefetch thread).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from knitdata.collate import MicroBatchInfo
+from knitdata.control.plane import LEASE_TTL_S
+from knitdata.engines.base import Engine
+from knitdata.errors import DataTimeoutError, FencedError
+from knitdata.fetch import FetchMode, fetch_mode
+from knitdata.handoff import ConsumerLease
+
+if TYPE_CHECKING:  # pragma: no cover
+    from knitdata.metrics import ConsumerMetrics
+
+__all__ = ["ConsumerSession", "PlanStage", "ReadStage", "MediaStage", "produce", "POLL_S"]
+
+#: Seconds each wait for the next entries lasts before checking for a stop (and the dataset's timeout).
+POLL_S = 1.0
+
+
+class ConsumerSession:
+    """The control-plane calls of consumer ``rank`` in this process (every engine; JSON-like values).
+
+    Args:
+        engine: The pipeline's engine.
+        rank: The consumer.
+    """
+
+    def __init__(self, engine: Engine, rank: int) -> None:
+        self.engine = engine
+        self.rank = rank
+
+    def start(self, worker: int, num_workers: int) -> tuple[int, tuple[int, str] | None]:
+        """Where worker ``worker`` of ``num_workers`` starts without a loaded state: ``(next j, fingerprint)``
+        (after the last micro-batch handed out to the rank)."""
+        return _start(self.engine.control.start_point(self.rank), worker, num_workers)
+
+    def lease(self, worker: int, num_workers: int, cap: int | None,
+              ) -> tuple[ConsumerLease, tuple[int, tuple[int, str] | None]]:
+        """Take the (rank, worker) lease for a new iterator (fencing an older one); returns it and where the rank's
+        new iterator starts (as :meth:`start`)."""
+        import uuid
+
+        engine = self.engine
+        lease, ans = engine.sender.acquire(self.rank, worker, uuid.uuid4().hex, wait_s=LEASE_TTL_S + 5.0)
+        lease.send_each = engine.release == "handout"
+        lease.auto_step = engine.release == "step" and num_workers == 1
+        lease.cap = cap
+        return lease, _start(ans, worker, num_workers)
+
+    def verify(self, length: int, fp: str, where: str) -> None:
+        """Check that the rank's first ``length`` micro-batches have fingerprint ``fp`` (else ``StateError``)."""
+        self.engine.control.verify(self.rank, length, fp, where)
+
+    def seek(self, j: int) -> None:
+        """The rank continues at micro-batch ``j`` (a state was loaded)."""
+        self.engine.control.seek(self.rank, j)
+
+    def commit(self, upto: int, *, wait: bool) -> int | None:
+        """Release the rank's payloads before ``upto``: queued for the sender, or sent now (``wait``: the count)."""
+        sender = self.engine.sender
+        if not wait:
+            sender.commit(self.rank, upto)
+            return None
+        sender.flush()
+        return int(self.engine.control.commit(self.rank, upto))
+
+    def flush(self) -> None:
+        """Send this process's queued hand-out records and commits now, and wait for it."""
+        self.engine.sender.flush()
+
+    def end(self, lease: ConsumerLease, metrics: ConsumerMetrics) -> None:
+        """An iterator ended: its last records, then the lease goes; the rank's metrics are reported (best effort)."""
+        lease.end()
+        try:
+            self.engine.report_consumer(self.rank, metrics.to_dict())
+        except Exception:  # noqa: BLE001 - best effort: the control plane is gone (shutdown)
+            pass
+
+
+def _start(ans: Mapping[str, Any], worker: int, num_workers: int) -> tuple[int, tuple[int, str] | None]:
+    base = int(ans["next"])
+    fp = None if ans.get("fp") is None else (base, str(ans["fp"]))
+    return base + ((worker - base) % num_workers), fp
+
+
+class PlanStage:
+    """The plan entries of micro-batches ``j, j + nw, ...`` of a rank, in plan order (a mini-batch's at a time).
+
+    Attributes:
+        end: The first mini-batch this pass does not reach (``None``: until drained), set at the first entry.
+    """
+
+    def __init__(self, engine: Engine, rank: int, lease: ConsumerLease, stop: threading.Event, j: int, nw: int,
+                 timeout: float | None, max_minibatches: int | None, end: int | None) -> None:
+        self.engine = engine
+        self.rank = rank
+        self.lease = lease
+        self.stop = stop
+        self.j = j
+        self.nw = nw
+        self.timeout = timeout
+        self.max_minibatches = max_minibatches
+        self.end = end
+        self.cache: dict[int, dict[str, Any]] = {}  # entries of the current mini-batch from j on, by j
+        self.last_step: int | None = None  # the mini-batch of the last entry returned
+
+    def next(self) -> dict[str, Any] | None:
+        """The next entry of this worker, or ``None`` at the end of the pass (or when stopped).
+
+        At the first micro-batch of a mini-batch it waits (up to the dataset's timeout, in :data:`POLL_S` slices) for
+        the entries from there to the end of the mini-batch.
+        """
+        j, cache = self.j, self.cache
+        if j not in cache:
+            if self.end is not None and self.last_step is not None and self.last_step + 1 >= self.end:
+                return None  # the next micro-batch of this worker is past the last mini-batch of this pass
+            cache.clear()
+            t0 = time.monotonic()
+            while j not in cache:  # one loop, no helper: the path of a micro-batch stays short
+                if self.stop.is_set():
+                    return None
+                wait = POLL_S
+                if self.timeout is not None:
+                    left = self.timeout - (time.monotonic() - t0)
+                    if left <= 0:
+                        raise DataTimeoutError(
+                            f"rank {self.rank} waited {self.timeout:.0f} s for its micro-batch {j} (dataset timeout); "
+                            f"admission is still waiting for: {self.engine.control.missing()}. Check that producers "
+                            "are alive and put every member of each group (withdraw() a group whose member was "
+                            "refused), or raise the dataset's timeout")
+                    wait = min(wait, left)
+                try:
+                    ans = self.engine.next_entries(self.rank, j, wait, self.lease.token, self.lease.worker)
+                except FencedError as err:
+                    self.lease.fence("a newer iterator", str(err))  # nothing prefetched is handed out any more
+                    raise
+                if "entries" in ans:
+                    for entry in ans["entries"]:
+                        cache[int(entry["j"])] = entry
+                elif ans.get("end"):
+                    return None
+        e = cache.pop(j)
+        step = e["minibatch"]
+        if self.end is None and self.max_minibatches is not None:
+            self.end = step + self.max_minibatches
+        if self.end is not None and step >= self.end:
+            return None
+        self.j = j + self.nw
+        self.last_step = step
+        return e
+
+
+class ReadStage:
+    """The payloads of each entry, read through the engine as the fetch mode groups them.
+
+    With ``whole_share`` (``eager``, or a media collator) the worker's share of a mini-batch (the entry and the
+    rest of its mini-batch in the plan stage's cache) is read at its first micro-batch and served from here.
+
+    Attributes:
+        rows: The entries of the share read by the last :meth:`read` (``None``: it read no new share).
+        nbytes, local, requests, trajectories: What the last :meth:`read` fetched.
+    """
+
+    def __init__(self, engine: Engine, rank: int, fetch: FetchMode, plan: PlanStage, whole_share: bool) -> None:
+        self.engine = engine
+        self.fetch = fetch
+        self.plan = plan
+        self.whole_share = whole_share
+        self.share_fetch = fetch if fetch.whole_share else fetch_mode("eager")  # how a share is read
+        self.local_units = engine.local_units(rank)
+        self.share: dict[str, Any] = {}
+        self.rows: list[dict[str, Any]] | None = None
+        self.nbytes = self.local = self.requests = self.trajectories = 0
+
+    def read(self, e: dict[str, Any]) -> list[Any]:
+        """The trajectories of entry ``e``, in order."""
+        items = e["items"]
+        self.rows = None
+        if not self.whole_share:
+            batch = self.engine.read(items, fetch=self.fetch, step=e["minibatch"]) if items else []
+            self.trajectories = len(batch)
+            self._count(items, self.fetch)
+            return batch
+        share = self.share
+        new = False
+        for it in items:  # loops, not comprehensions (each a frame on the path)
+            if it[0] not in share:
+                new = True
+                break
+        if new:
+            rows = [e]
+            nw, j = self.plan.nw, e["j"]
+            for k in sorted(self.plan.cache):
+                if (k - j) % nw == 0:
+                    rows.append(self.plan.cache[k])
+            every: list[Sequence[Any]] = []
+            for x in rows:
+                every += x["items"]
+            trajs = self.engine.read(every, fetch=self.share_fetch, step=e["minibatch"]) if every else []
+            self.share = share = {t.id: t for t in trajs}
+            self.trajectories = len(trajs)
+            self.rows = rows
+            self._count(every, self.share_fetch)
+        else:
+            self.nbytes = self.local = self.requests = self.trajectories = 0
+        return [share.pop(it[0]) for it in items]
+
+    def _count(self, items: Sequence[Sequence[Any]], fetch: FetchMode) -> None:
+        nbytes = local = 0
+        for _tid, unit, n in items:
+            nbytes += int(n)
+            if unit in self.local_units:
+                local += int(n)
+        self.nbytes, self.local = nbytes, local
+        self.requests = fetch.requests(items)
+
+
+class MediaStage:
+    """The media table of the worker's share of each mini-batch (a ``media_collator``'s), on every micro-batch.
+
+    Args:
+        collator: ``media_collator(list_of_micro_batches) -> MultimodalBatch``.
+        depth: The prefetch depth asked for.
+
+    Attributes:
+        grow: A weak reference to the prefetcher's ``set_depth`` (``None``: no prefetcher): the prefetch thread is
+            let work a whole share ahead (the next share is prepared while the current mini-batch computes).
+    """
+
+    def __init__(self, collator: Callable[..., Any], depth: int) -> None:
+        self.collator = collator
+        self.depth = depth
+        self.grow: weakref.WeakMethod[Any] | None = None
+        self.media: Any = None
+
+    def attach(self, mb: Any, e: dict[str, Any], rows: list[dict[str, Any]] | None, share: Mapping[str, Any],
+               batch: list[Any], info: MicroBatchInfo) -> None:
+        """Give ``mb`` the share's media table (built when a new share was read: ``rows``)."""
+        if rows is not None:
+            by_id = {t.id: t for t in batch}
+            by_id.update(share)
+            groups: list[list[Any]] = [[] for _ in range(int(e["microbatch"]))]
+            groups += [[by_id[it[0]] for it in x["items"]] for x in rows]
+            self.media = self.collator(groups)
+            set_depth = self.grow() if self.grow is not None else None
+            if set_depth is not None and int(info.num_microbatches) + 1 > self.depth:
+                self.depth = int(info.num_microbatches) + 1  # the next share, not the one after
+                set_depth(self.depth)
+        if self.media is not None:
+            mb.media = self.media
+        if info.is_last:
+            self.media = None
+
+
+def produce(plan: PlanStage, reader: ReadStage, collate: Callable[..., Any], media: MediaStage | None,
+            metrics: ConsumerMetrics, stop: threading.Event) -> Iterator[tuple[dict[str, Any], Any]]:
+    """``(entry, micro-batch)`` of each of the plan's entries: read, collate, media, metrics."""
+    while True:
+        e = plan.next()
+        if e is None:
+            return
+        t0 = time.perf_counter()
+        batch = reader.read(e)
+        info = MicroBatchInfo(**e["info"])  # written by the control plane (MicroBatchInfo.to_dict): trusted
+        mb = collate(batch, info)
+        if media is not None:
+            media.attach(mb, e, reader.rows, reader.share, batch, info)
+        metrics.record_fetch(time.perf_counter() - t0, nbytes=reader.nbytes, local_bytes=reader.local,
+                             requests=reader.requests, trajectories=reader.trajectories)
+        yield e, mb
+        if stop.is_set():
+            return

@@ -1,0 +1,132 @@
+"""Fetch modes: how a consumer groups its micro-batches' payloads into reads, registered by name.
+
+A :class:`FetchMode` says, for the items ``[id, unit, nbytes]`` of a plan entry, how they are grouped into storage
+requests (:meth:`FetchMode.groups`, used by every engine's ``read``), how those requests are counted
+(:meth:`FetchMode.requests`), whether the worker's whole share of a mini-batch is read at its first micro-batch
+(:attr:`FetchMode.whole_share`) and whether micro-batches are prepared on a background thread
+(:meth:`FetchMode.prepare`). The built-in modes:
+
+* ``sample``: one storage request per trajectory, when the micro-batch is asked for (baseline);
+* ``eager``: the consumer's whole share of the mini-batch before its first micro-batch;
+* ``iter``: the next micro-batches are fetched, decoded, collated (and pinned / copied to a device) on a
+  background thread (:class:`knitdata.prefetch.Prefetcher`) while the current one computes.
+
+>>> fetch_mode("sample").requests([["t0", "u0", 10], ["t1", "u0", 20]])
+2
+>>> fetch_mode("iter").requests([["t0", "u0", 10], ["t1", "u0", 20]])
+1
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from knitdata.errors import ConfigError
+
+__all__ = ["FetchMode", "SampleFetch", "EagerFetch", "IterFetch", "FETCH_MODES", "fetch_mode", "register_fetch_mode"]
+
+#: Items of a plan entry: ``[trajectory id, unit id, nbytes]``.
+Items = Sequence[Sequence[Any]]
+
+
+class FetchMode:
+    """One fetch mode (a strategy object; the built-in ones are registered by :attr:`name`).
+
+    Attributes:
+        name: The mode's name (``TrajectoryDataset(fetch=name)``; transfer counters are filed under it).
+        whole_share: Read the worker's share of a mini-batch (every micro-batch of it) at its first micro-batch.
+    """
+
+    name: str = ""
+    whole_share: bool = False
+
+    def groups(self, items: Items) -> Sequence[Items]:
+        """``items`` grouped into reads: each group is read with one request per unit (default: one group)."""
+        return (items,)
+
+    def requests(self, items: Items) -> int:
+        """Storage requests that reading ``items`` takes (default: one per unit)."""
+        return len({it[1] for it in items})
+
+    def prepare(self, source: Iterator[Any], *, depth: int, device: Any, pin_memory: bool | None,
+                ) -> tuple[Iterator[Any], Callable[[int], None] | None]:
+        """The iterator the consumer takes micro-batches from, and how to change its prefetch depth (or ``None``).
+
+        Default: ``source`` itself (micro-batches are made when asked for, on the consumer's thread).
+        """
+        return source, None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class SampleFetch(FetchMode):
+    """``sample``: one request per trajectory, when the micro-batch is asked for."""
+
+    name = "sample"
+
+    def groups(self, items: Items) -> Sequence[Items]:
+        """One group per trajectory."""
+        return [(it,) for it in items]
+
+    def requests(self, items: Items) -> int:
+        """One per trajectory."""
+        return len(items)
+
+
+class EagerFetch(FetchMode):
+    """``eager``: the worker's whole share of a mini-batch at its first micro-batch, one request per unit."""
+
+    name = "eager"
+    whole_share = True
+
+
+class IterFetch(FetchMode):
+    """``iter``: micro-batches prepared ahead on a background thread (:class:`~knitdata.prefetch.Prefetcher`)."""
+
+    name = "iter"
+
+    def prepare(self, source: Iterator[Any], *, depth: int, device: Any, pin_memory: bool | None,
+                ) -> tuple[Iterator[Any], Callable[[int], None] | None]:
+        """A :class:`~knitdata.prefetch.Prefetcher` over ``source`` and its ``set_depth``."""
+        from knitdata.prefetch import Prefetcher
+
+        pf = Prefetcher(source, depth=depth, device=device, pin_memory=pin_memory)
+        return pf, pf.set_depth
+
+
+_MODES: dict[str, FetchMode] = {}
+
+
+def register_fetch_mode(mode: FetchMode) -> FetchMode:
+    """Make ``mode`` known by its name (replacing a mode of that name); returns it.
+
+    Raises:
+        ConfigError: ``mode`` is not a :class:`FetchMode` with a non-empty name.
+    """
+    if not isinstance(mode, FetchMode) or not isinstance(mode.name, str) or not mode.name:
+        raise ConfigError(f"a fetch mode must be a FetchMode with a name, got {mode!r}")
+    _MODES[mode.name] = mode
+    return mode
+
+
+def fetch_mode(mode: str | FetchMode) -> FetchMode:
+    """The fetch mode named ``mode`` (a :class:`FetchMode` is returned as is).
+
+    Raises:
+        ConfigError: No mode of that name.
+    """
+    if isinstance(mode, FetchMode):
+        return mode
+    found = _MODES.get(mode) if isinstance(mode, str) else None
+    if found is None:
+        raise ConfigError(f"unknown fetch mode {mode!r}; choose one of {tuple(_MODES)}")
+    return found
+
+
+for _m in (SampleFetch(), EagerFetch(), IterFetch()):
+    register_fetch_mode(_m)
+
+#: The built-in fetch modes.
+FETCH_MODES: tuple[str, ...] = ("sample", "eager", "iter")

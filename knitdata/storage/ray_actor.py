@@ -1,0 +1,394 @@
+"""The Ray storage-unit actor (one per training node, payloads in its node's object store) and spill recovery.
+
+:class:`StorageUnitActor` holds the payloads of one unit as codec records; clients talk to it through
+:class:`knitdata.storage.ray_unit.RayStorageUnit`. :class:`SpillRecovery` serves a dead unit's payloads from its
+write-through spill shards. See :mod:`knitdata.storage.ray_unit` for the memory bound and the failure model.
+Importing this module without Ray installed raises :class:`~knitdata.errors.OptionalDependencyError`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from knitdata.errors import EngineError, OptionalDependencyError, StoreFull
+
+try:
+    import ray
+except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in tests
+    raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.storage.ray_actor)") from _e
+
+import numpy as np
+
+from knitdata.codec import decode_trajectory, encode_trajectory
+from knitdata.storage.ray_connect import current_node
+
+__all__ = ["StorageUnitActor", "SpillRecovery", "spill_directory", "INLINE_MAX_BYTES", "ADMIT_TIMEOUT_S"]
+
+_ON_DISK = "on-disk"  # marks a payload that spilled over: only in the unit's spill store
+#: Records up to this many bytes stay in the unit actor's own memory and travel inline in its replies (a
+#: ``ray.put`` costs about 1 ms per object whatever its size; Ray inlines replies below 100 KiB).
+INLINE_MAX_BYTES = 64 << 10
+#: Seconds a storage unit keeps retrying the admission of a put while the coordinator restarts.
+ADMIT_TIMEOUT_S = 120.0
+
+
+# --------------------------------------------------------------------------------------------- spill
+def spill_directory(spill_dir: str | os.PathLike[str], unit_id: str) -> str:
+    """The :class:`~knitdata.spill.SpillStore` directory of one unit under a shared ``spill_dir``."""
+    return os.path.join(os.fspath(spill_dir), unit_id.replace("/", "_"))
+
+
+class SpillRecovery:
+    """Serves the payloads of dead units from their write-through spill shards (thread-safe).
+
+    Each unit with a ``spill_dir`` writes every accepted payload through to a
+    :class:`knitdata.spill.SpillStore` (webdataset tar shards) in ``spill_directory(spill_dir, unit_id)``
+    and releases it there too. After the unit's actor dies, this opens the store once
+    (:meth:`SpillStore.open <knitdata.spill.SpillStore.open>` rebuilds exactly the unreleased samples) and
+    returns records by id. Open it in one process only (the coordinator): opening rewrites the release log.
+
+    Args:
+        spill_dir: The shared spill directory.
+    """
+
+    def __init__(self, spill_dir: str | os.PathLike[str]) -> None:
+        self.spill_dir = os.fspath(spill_dir)
+        self._stores: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def records(self, unit_id: str, traj_ids: Sequence[str]) -> dict[str, bytes]:
+        """Codec records of the ids found in the unit's spill (absent ids are left out)."""
+        from knitdata.spill import SpillStore
+
+        with self._lock:
+            store = self._stores.get(unit_id)
+            if store is None:
+                directory = spill_directory(self.spill_dir, unit_id)
+                if not os.path.isdir(directory):
+                    return {}
+                store = self._stores[unit_id] = SpillStore.open(directory, repair=False)
+            out: dict[str, bytes] = {}
+            for tid in traj_ids:
+                if tid in store:
+                    out[tid] = bytes(encode_trajectory(store.get(tid)))
+            return out
+
+    def close(self) -> None:
+        """Close the opened stores."""
+        with self._lock:
+            for store in self._stores.values():
+                store.close()
+            self._stores.clear()
+
+
+# ----------------------------------------------------------------------------------------- the actor
+class _UnitState:
+    """The unit's bookkeeping (plain Python; the actor wraps it)."""
+
+    def __init__(self, unit_id: str, capacity_bytes: int, spill_dir: str | None, node_name: str | None,
+                 spill_bytes: int | None = None, resume: bool = False) -> None:
+        self.unit_id = unit_id
+        self.node_name = node_name
+        self.capacity_bytes = capacity_bytes
+        self.node = current_node()
+        self.spill: Any = None
+        if spill_dir:
+            from knitdata.spill import SpillStore
+
+            max_bytes = spill_bytes if spill_bytes is not None else 4 * capacity_bytes + (64 << 20)
+            directory = spill_directory(spill_dir, unit_id)
+            if resume and os.path.isdir(directory) and os.listdir(directory):
+                # a whole-job restart: the unreleased payloads of the previous run, served from disk
+                self.spill = SpillStore.open(directory, max_bytes=max(max_bytes, 1 << 30))
+            else:
+                self.spill = SpillStore(directory, max_bytes=max_bytes)
+        # id -> (ObjectRef | inline numpy record | _ON_DISK | None while being put, accounted memory bytes,
+        # record bytes)
+        self.items: dict[str, tuple[Any, int, int]] = {}
+        if resume and self.spill is not None:
+            for tid in self.spill.ids():
+                self.items[tid] = (_ON_DISK, 0, 0)
+        self.cond = threading.Condition()
+        self.used = self.high = 0
+        self.counters = dict.fromkeys(
+            ("puts", "rejected_puts", "gets", "get_requests", "bytes_fetched", "releases", "written_through",
+             "spilled_over", "reloaded"), 0
+        )
+        self.put_wait_s = 0.0
+        self.closed = False
+
+    def fits(self, n: int) -> bool:
+        return self.used + n <= self.capacity_bytes or self.used == 0
+
+
+# ray's stubs omit the actor options max_concurrency and concurrency_groups
+@ray.remote(num_cpus=0, max_concurrency=32, concurrency_groups={"wait": 64})  # type: ignore[call-overload]
+class StorageUnitActor:
+    """The storage unit of one node (a threaded Ray actor; every method is short or bounded).
+
+    Producers waiting for room (:meth:`wait_room`, at most 0.5 s per call) run in their own concurrency
+    group, so they never hold up reads and releases.
+
+    Create it through :meth:`RayStorageUnit.create`, which pins it to its node.
+    """
+
+    def __init__(self, unit_id: str, capacity_bytes: int, spill_dir: str | None = None,
+                 node_name: str | None = None, spill_bytes: int | None = None, resume: bool = False) -> None:
+        self._s = _UnitState(unit_id, capacity_bytes, spill_dir, node_name, spill_bytes, resume)
+        self._control: Any = None  # the coordinator, set by set_control
+        # group commit of the puts' admission calls (see _admit)
+        self._gc: dict[str, Any] = {"cond": threading.Condition(), "queue": [], "busy": False, "calls": 0, "puts": 0}
+
+    def info(self) -> dict[str, Any]:
+        """``unit_id``, ``node`` (Ray node id), ``node_name``, ``capacity_bytes``, ``pid``, ``spill``."""
+        s = self._s
+        return {"unit_id": s.unit_id, "node": s.node, "node_name": s.node_name or s.node,
+                "capacity_bytes": s.capacity_bytes, "pid": os.getpid(),
+                "spill": s.spill.directory if s.spill else None}
+
+    def put(self, traj_id: str, record: np.ndarray, nbytes: int) -> str:
+        """Store one record; returns ``"ok"``, ``"full"``, ``"dup"`` or ``"closed"`` (never blocks).
+
+        With a spill store every record is written through to it; one that does not fit in memory stays on
+        disk only (spill-over) and is reloaded into the object store when it is fetched. ``"full"`` then
+        means the spill store is full too.
+        """
+        s = self._s
+        with s.cond:
+            if s.closed:
+                return "closed"
+            if traj_id in s.items:
+                return "dup"
+            in_memory = s.fits(nbytes)
+            if not in_memory and s.spill is None:
+                return "full"
+            accounted = nbytes if in_memory else 0
+            s.used += accounted  # reserve before the copy so concurrent puts respect the bound
+            s.high = max(s.high, s.used)
+            s.items[traj_id] = (None, accounted, int(record.nbytes))
+
+        def undo() -> None:
+            with s.cond:
+                s.items.pop(traj_id, None)
+                s.used -= accounted
+                s.cond.notify_all()
+
+        try:
+            if s.spill is not None:  # write-through, so a dead unit's payloads stay recoverable
+                s.spill.put(decode_trajectory(record.data, copy=False))
+            if not in_memory:
+                ref: Any = _ON_DISK
+            elif record.nbytes <= INLINE_MAX_BYTES:  # small: a copy in this actor's memory, sent inline on reads
+                ref = np.array(record, dtype=np.uint8, copy=True)
+                ref.setflags(write=False)
+            else:  # a copy into this node's object store, owned by this actor
+                ref = ray.put(record)
+        except StoreFull:
+            undo()
+            return "full"
+        except BaseException:
+            undo()
+            raise
+        with s.cond:
+            s.items[traj_id] = (ref, accounted, int(record.nbytes))
+            s.counters["puts"] += 1
+            s.counters["written_through"] += s.spill is not None
+            s.counters["spilled_over"] += not in_memory
+        return "ok"
+
+    def put_batch(self, items: list[tuple[str, np.ndarray, int]]) -> list[str]:
+        """:meth:`put` for several records in one call, in order; stops at the first one that is not ``"ok"``.
+
+        Returns:
+            One status per record stored or refused (shorter than ``items`` after a refusal).
+        """
+        out: list[str] = []
+        for traj_id, record, nbytes in items:
+            status = self.put(traj_id, record, nbytes)
+            out.append(status)
+            if status != "ok":
+                break
+        return out
+
+    def set_control(self, control: Any) -> None:
+        """The coordinator actor handle, which :meth:`put_admit` calls (set by the coordinator as it starts)."""
+        self._control = control
+
+    def put_admit(self, recs: list[tuple[str, np.ndarray, int]], items: list[Any]) -> dict[str, Any]:
+        """The one-round-trip put: store the records that fit now, then admit them with one coordinator call.
+
+        See :meth:`knitdata.storage.base.StorageUnit.put_admit`. Records the coordinator refused are dropped.
+
+        Returns:
+            ``{"stored": n, "status": "ok" | "full" | "dup" | "closed", "index": position of the first record not
+            stored, "admit": the coordinator's answer or None}``; after ``"dup"`` or ``"closed"`` nothing of the
+            batch is kept.
+        """
+        statuses = self.put_batch(recs)
+        status = statuses[-1] if statuses else "ok"
+        n = len(statuses) - (status != "ok")
+        ids = [r[0] for r in recs[:n]]
+        if status in ("dup", "closed"):
+            self.release(ids)
+            return {"stored": 0, "status": status, "index": n, "admit": None}
+        if n == 0:
+            return {"stored": 0, "status": status, "index": 0, "admit": None}
+        try:
+            ans = self._admit(items[:n])
+        except BaseException:
+            self.release(ids)
+            raise
+        refused = [tid for tid, a in zip(ids, ans["accepted"]) if a is None]
+        if refused:
+            self.release(refused)
+        return {"stored": n, "status": status, "index": n, "admit": ans}
+
+    def _admit(self, items: list[Any]) -> dict[str, Any]:
+        """Admit one put's items; concurrent puts share one coordinator call (a group commit)."""
+        gc = self._gc
+        box: dict[str, Any] = {}
+        with gc["cond"]:
+            gc["queue"].append((items, box))
+            while not box and gc["busy"]:
+                gc["cond"].wait()
+            if box:  # another put's call carried this one
+                return self._answer(box)
+            batch, gc["queue"] = gc["queue"], []
+            gc["busy"] = True
+        try:
+            answers = self._call_admit([b[0] for b in batch])
+            for (_it, bx), ans in zip(batch, answers):
+                bx["ans"] = ans
+        except BaseException as e:  # noqa: BLE001 - handed to every put of the call
+            for _it, bx in batch:
+                bx["err"] = e
+        finally:
+            with gc["cond"]:
+                gc["busy"] = False
+                gc["calls"] += 1
+                gc["puts"] += len(batch)
+                gc["cond"].notify_all()
+        return self._answer(box)
+
+    @staticmethod
+    def _answer(box: Mapping[str, Any]) -> dict[str, Any]:
+        if "err" in box:
+            raise box["err"]
+        return dict(box["ans"])
+
+    def _call_admit(self, batches: list[Any]) -> list[dict[str, Any]]:
+        control = self._control
+        if control is None:
+            raise EngineError(f"storage unit {self._s.unit_id!r} has no coordinator yet; retry the put")
+        deadline = time.monotonic() + ADMIT_TIMEOUT_S
+        while True:  # a restarting coordinator (journaled) answers a retried call as the first one
+            try:
+                if len(batches) == 1:
+                    return [ray.get(control.admit_many.remote(self._s.unit_id, batches[0]),
+                                    timeout=max(0.1, deadline - time.monotonic()))]
+                return list(ray.get(control.admit_batches.remote(self._s.unit_id, batches),
+                                    timeout=max(0.1, deadline - time.monotonic())))
+            except ray.exceptions.ActorUnavailableError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(0.2)
+
+    def admit_stats(self) -> dict[str, int]:
+        """``{"calls", "puts"}``: coordinator calls made for puts, and puts they carried (group commits)."""
+        gc = self._gc
+        with gc["cond"]:
+            return {"calls": gc["calls"], "puts": gc["puts"]}
+
+    @ray.method(concurrency_group="wait")
+    def wait_room(self, nbytes: int, max_wait_s: float) -> bool:
+        """Wait up to ``max_wait_s`` until ``nbytes`` fit; returns whether they fit now."""
+        s = self._s
+        t0 = time.perf_counter()
+        with s.cond:
+            s.cond.wait_for(lambda: s.fits(nbytes) or s.closed, timeout=max(0.0, max_wait_s))
+            s.put_wait_s += time.perf_counter() - t0
+            return s.fits(nbytes) and not s.closed
+
+    def count_rejected(self) -> None:
+        """Count one put that gave up (``StoreFull`` on the client)."""
+        with self._s.cond:
+            self._s.counters["rejected_puts"] += 1
+
+    def refs(self, ids: list[str]) -> tuple[list[Any], list[str]]:
+        """Return ``([[ref or inline record, record bytes] per held id], [missing ids])`` (refs nested, so not
+        resolved; records of at most :data:`INLINE_MAX_BYTES` come inline as ``numpy.uint8`` arrays)."""
+        s = self._s
+        out: list[Any] = []
+        missing: list[str] = []
+        on_disk: list[int] = []
+        with s.cond:
+            s.counters["get_requests"] += 1
+            for tid in ids:
+                item = s.items.get(tid)
+                if item is None or item[0] is None:
+                    missing.append(tid)
+                    out.append(None)
+                else:
+                    if isinstance(item[0], str):  # _ON_DISK (compared by value: the string may come unpickled)
+                        on_disk.append(len(out))
+                    out.append([item[0], item[2]])
+                    s.counters["gets"] += 1
+                    s.counters["bytes_fetched"] += item[2]
+        for k in on_disk:  # spilled over: reload into this node's object store for this read only
+            rec = encode_trajectory(s.spill.get(ids[k]))
+            out[k] = [ray.put(np.frombuffer(rec, dtype=np.uint8)), len(rec)]
+            with s.cond:
+                s.counters["reloaded"] += 1
+        return out, missing
+
+    def release(self, ids: list[str]) -> int:
+        """Drop payloads (idempotent); returns the accounted bytes freed."""
+        s = self._s
+        freed = 0
+        dropped: list[str] = []
+        with s.cond:
+            for tid in ids:
+                item = s.items.get(tid)
+                if item is None or item[0] is None:
+                    continue
+                del s.items[tid]
+                freed += item[1]
+                dropped.append(tid)
+            s.used -= freed
+            s.counters["releases"] += len(dropped)
+            s.cond.notify_all()
+        if s.spill is not None:
+            for tid in dropped:
+                s.spill.release(tid)
+        return freed
+
+    def contains(self, traj_id: str) -> bool:
+        """Whether the unit holds ``traj_id``."""
+        with self._s.cond:
+            item = self._s.items.get(traj_id)
+            return item is not None and item[0] is not None
+
+    def spill_stats(self) -> dict[str, int]:
+        """``written_through``, ``spilled_over`` (puts kept on disk only) and ``reloaded`` counts."""
+        with self._s.cond:
+            return {k: self._s.counters[k] for k in ("written_through", "spilled_over", "reloaded")}
+
+    def stats(self) -> dict[str, Any]:
+        """Counters as a JSON-serializable dict (fields of :class:`~knitdata.storage.base.StorageStats`)."""
+        s = self._s
+        with s.cond:
+            return {"unit_id": s.unit_id, "node": s.node_name or s.node, "capacity_bytes": s.capacity_bytes, "used_bytes": s.used,
+                    "high_water_bytes": s.high, "num_items": len(s.items), "puts": s.counters["puts"],
+                    "rejected_puts": s.counters["rejected_puts"], "put_wait_s": s.put_wait_s,
+                    "gets": s.counters["gets"], "get_requests": s.counters["get_requests"],
+                    "bytes_fetched": s.counters["bytes_fetched"], "releases": s.counters["releases"]}
+
+    def close(self) -> None:
+        """Refuse further puts and wake waiting producers."""
+        with self._s.cond:
+            self._s.closed = True
+            self._s.cond.notify_all()

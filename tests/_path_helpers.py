@@ -1,0 +1,176 @@
+"""Stops on a micro-batch's path through ``TrajectoryDataset.__iter__``, counted with ``sys.setprofile``.
+
+A *stop* is a knitdata function frame entered on the way from ``next(it)`` to the engine's ``read`` returning the
+micro-batch. Every Python thread is profiled (``sys.setprofile`` and ``threading.setprofile``):
+
+* on the thread that calls the engine's ``read`` (the trainer's thread in ``sample``/``eager`` mode, the prefetch
+  thread in ``iter`` mode, or the trainer's thread when the prefetcher runs a source step inline), a micro-batch's
+  path starts where that thread (re)entered the outermost frame still active at the read after the previous
+  read returned (``_ConsumerIterator.__next__``; in ``iter`` mode the prefetcher's pull of its next item), and
+  ends when ``read`` returns; every knitdata frame entered in between is a stop, ``read`` included; a generator
+  resumed counts as entered (the profiler reports it so);
+* a frame in ``knitdata/engines/`` or ``knitdata/control/`` entered from outside them is one stop (the engine's
+  business: the Ray forwarder's or the control plane's own frames are not counted), so that both engines are
+  measured on the same footing;
+* ``trainer``: the frames entered by each ``next(it)`` on the trainer's thread when it did not read (``iter``:
+  popping the prefetched item and recording its hand-out), counted apart.
+
+Run as a script (``python tests/_path_helpers.py ray``) it measures the Ray engine in a fresh process (a local Ray
+on loopback) and prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import knitdata  # noqa: E402
+
+PKG = os.path.dirname(os.path.abspath(knitdata.__file__)) + os.sep
+BOUNDARY = (PKG + "engines" + os.sep, PKG + "control" + os.sep)
+
+
+def _key(code: Any) -> str:
+    rel = code.co_filename[len(PKG):].replace(os.sep, "/")
+    name = getattr(code, "co_qualname", code.co_name)
+    if code.co_filename.startswith(BOUNDARY):
+        # the engine's own class is engine-specific: compare by method name
+        return f"engine.{code.co_name}" if rel.startswith("engines/") else f"control.{code.co_name}"
+    return f"{rel}:{name}"
+
+
+class StopCounter:
+    """Profiles every thread while active; :meth:`paths` splits the events into micro-batch paths."""
+
+    def __init__(self) -> None:
+        self.events: dict[int, list[tuple[str, str, int]]] = {}  # thread -> (event, key, frame id)
+        self.main = threading.get_ident()
+        self.next_marks: list[tuple[int, int]] = []  # (start, end) event indices of each next(it) on the trainer
+        self._skip: dict[int, int] = {}  # thread -> id of the boundary frame whose inner frames are not counted
+
+    def _prof(self, frame: Any, event: str, arg: Any) -> None:
+        if event not in ("call", "return"):
+            return
+        code = frame.f_code
+        if not code.co_filename.startswith(PKG):
+            return
+        tid = threading.get_ident()
+        skip = self._skip.get(tid)
+        if skip is not None:
+            if event == "return" and id(frame) == skip:
+                del self._skip[tid]
+                self.events.setdefault(tid, []).append(("return", _key(code), id(frame)))
+            return
+        if event == "call" and code.co_filename.startswith(BOUNDARY):
+            self._skip[tid] = id(frame)
+        self.events.setdefault(tid, []).append((event, _key(code), id(frame)))
+
+    def __enter__(self) -> StopCounter:
+        threading.setprofile(self._prof)
+        sys.setprofile(self._prof)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+
+    def next(self, it: Any) -> Any:
+        """``next(it)``, marking its events on the trainer's thread."""
+        start = len(self.events.get(self.main, []))
+        item = next(it)  # the end of the stream (StopIteration) is no micro-batch's path
+        self.next_marks.append((start, len(self.events.get(self.main, []))))
+        return item
+
+    def paths(self) -> dict[str, Any]:
+        """``{"paths": [stops of each read], "trainer": [stops of each next(it) without a read]}``."""
+        paths: list[list[str]] = []
+        for tid, evs in self.events.items():
+            base = 0 if tid == self.main else 1  # another thread's first frame is its loop (the prefetcher's)
+            stack: list[tuple[int, int]] = []  # (frame id, index of its last (re)entry)
+            prev_ret = -1
+            for i, (ev, key, fid) in enumerate(evs):
+                if ev == "call":
+                    stack.append((fid, i))
+                    continue
+                while stack and stack[-1][0] != fid:  # frames left by an exception
+                    stack.pop()
+                if stack:
+                    stack.pop()
+                if key != "engine.read":
+                    continue
+                start = next((pos for _f, pos in stack[base:] if pos > prev_ret), None)
+                read_call = max((k for k in range(prev_ret + 1, i) if evs[k][0] == "call" and evs[k][2] == fid),
+                                default=i)
+                start = read_call if start is None else min(start, read_call)
+                paths.append([k for e, k, _f in evs[start:read_call + 1] if e == "call"])
+                prev_ret = i
+        main = self.events.get(self.main, [])
+        trainer = []  # in iter mode: the trainer pops prefetched micro-batches
+        for a, b in self.next_marks:
+            keys = [k for e, k, _f in main[a:b] if e == "call"]
+            if not any("produce" in k or k == "engine.read" for k in keys):  # it only handed out
+                trainer.append(keys)
+        return {"paths": paths, "trainer": trainer}
+
+
+def measure(pipe: Any, fetch: str, n: int = 12) -> dict[str, Any]:
+    """Stops of the micro-batches of rank 0 (``n`` at most) of a filled and closed ``pipe``."""
+    ds = pipe.dataset(0, fetch=fetch)
+    got = 0
+    with StopCounter() as sc:
+        it = iter(ds)  # the prefetch thread starts here: profiled from its start
+        for _ in range(n):
+            try:
+                sc.next(it)
+            except StopIteration:
+                break
+            got += 1
+            time.sleep(0.002)  # the trainer computes: the prefetcher runs on its thread
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+    out = sc.paths()
+    out["microbatches"] = got
+    out["max_stops"] = max((len(p) for p in out["paths"]), default=0)
+    out["files"] = sorted({k.split(":")[0] for p in out["paths"] for k in p})
+    out["max_trainer_stops"] = max((len(p) for p in out["trainer"]), default=0)
+    return out
+
+
+def filled(engine: str, **kw: Any) -> Any:
+    """A closed pipeline of two mini-batches, two micro-batches each for rank 0 of 2 (placement by index)."""
+    import random
+
+    from _ondemand_helpers import make_workload
+
+    from knitdata.pipeline import Pipeline
+
+    wl = make_workload(random.Random(3), num_sources=2, group_size=2, num_minibatches=2,
+                       groups_per_minibatch_per_source=2, train_batches=2)
+    pipe = Pipeline(wl.spec, num_consumers=2, token_budget=12, engine=engine, **kw)
+    for t in wl.trajs:
+        pipe.put(t)
+    pipe.close()
+    return pipe
+
+
+def _main(engine: str) -> None:
+    out = {}
+    for fetch in ("sample", "eager", "iter"):
+        pipe = filled(engine, engine_options={"name": f"stops-{fetch}"} if engine == "ray" else None)
+        try:
+            out[fetch] = measure(pipe, fetch)
+        finally:
+            pipe.shutdown()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1] if len(sys.argv) > 1 else "embedded")
