@@ -1,19 +1,34 @@
 """knitdata: moves reinforcement-learning trajectories from rollout to training.
 
-The layout follows the data's path, one module per stage:
+The layout follows the data's path; each stage is a module (or a package of one-concept modules):
 
-================  ===========================================================================
-stage             module
-================  ===========================================================================
-record            :mod:`knitdata.record` (``Trajectory``), :mod:`knitdata.codec` (wire/disk)
-admission         :mod:`knitdata.admission`, :mod:`knitdata.staleness`
-placement         :mod:`knitdata.placement`, :mod:`knitdata.planner`
-storage           :mod:`knitdata.storage` (embedded, Ray), :mod:`knitdata.spill`, :mod:`knitdata.shards`
-consumer dataset  :mod:`knitdata.pipeline`, :mod:`knitdata.dataset`
-collate           :mod:`knitdata.collate` (tokens), :mod:`knitdata.media`, :mod:`knitdata.multimodal`
-prefetch          :mod:`knitdata.prefetch`
-encoder           :mod:`knitdata.encoder` (``SharedEncoding``)
-================  ===========================================================================
+==================  =========================================================================================
+stage               where
+==================  =========================================================================================
+record              :mod:`knitdata.record` (``Trajectory``, ``TrajectoryMeta``), :mod:`knitdata.codec` (wire/disk)
+put (producer)      :mod:`knitdata.pipeline` (``Pipeline.put``), :mod:`knitdata.producer` (the placement replica)
+admission           :mod:`knitdata.admission` (``spec``, ``composition``, ``base``, ``policies``),
+                    :mod:`knitdata.staleness`
+placement           :mod:`knitdata.placement`
+planning            :mod:`knitdata.planner` (``records``: ``MicroBatchInfo``; ``core``, ``microbatches``, ``columns``)
+control plane       :mod:`knitdata.control`: ``surface`` (the control calls, declared once), ``state``, ``admit``,
+                    ``leases``, ``positions``, ``reporting``, ``durability``, ``journal``, ``snapshot``; ``plane``
+                    (the ``ControlPlane`` facade)
+storage             :mod:`knitdata.storage` (``base``, ``embedded``; Ray: ``ray_connect``, ``ray_actor``,
+                    ``ray_unit``), :mod:`knitdata.spill`, :mod:`knitdata.shards` (webdataset export/replay)
+engines             :mod:`knitdata.engines` (``base``: the registry; ``embedded``; ``ray``, ``ray_control``)
+consumer            :mod:`knitdata.dataset` (``TrajectoryDataset``), :mod:`knitdata.consumer` (its control-plane
+                    session and stages), :mod:`knitdata.fetch` (fetch modes), :mod:`knitdata.handoff` (leases,
+                    the background sender)
+collate             :mod:`knitdata.collate` (tokens), :mod:`knitdata.media`, :mod:`knitdata.multimodal`
+prefetch            :mod:`knitdata.prefetch`, :mod:`knitdata.staging` (pinning, side-stream copies)
+encoder             :mod:`knitdata.encoder` (``SharedEncoding``), :mod:`knitdata.replicas`
+integrations        :mod:`knitdata.integrations` (``accelerate``, ``transformers``)
+metrics             :mod:`knitdata.metrics`
+==================  =========================================================================================
+
+Benchmarks, the simulator and the demo are not part of the package: they live in the repository's top-level
+``benchmarks`` package (``python -m benchmarks <name>``).
 
 Names below are imported on first use, so ``import knitdata`` stays light and the optional extras
 (ray, matplotlib, transferqueue) stay optional.
@@ -53,7 +68,7 @@ _LAZY: dict[str, str] = {
     "TrajectoryDataset": "knitdata.dataset",
     "TokenCollator": "knitdata.collate",
     "MicroBatch": "knitdata.collate",
-    "MicroBatchInfo": "knitdata.collate",
+    "MicroBatchInfo": "knitdata.planner",
     "Prefetcher": "knitdata.prefetch",
     "MultimodalCollator": "knitdata.multimodal",
     "MultimodalBatch": "knitdata.multimodal",
@@ -97,7 +112,7 @@ if TYPE_CHECKING:  # pragma: no cover
         make_policy,
     )
     from knitdata.codec import decode_trajectory, encode_trajectory  # noqa: F401
-    from knitdata.collate import MicroBatch, MicroBatchInfo, TokenCollator  # noqa: F401
+    from knitdata.collate import MicroBatch, TokenCollator  # noqa: F401
     from knitdata.control import ControlPlane  # noqa: F401
     from knitdata.dataset import TrajectoryDataset  # noqa: F401
     from knitdata.encoder import SharedEncoding, grad_sync  # noqa: F401
@@ -106,7 +121,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from knitdata.multimodal import MediaTable, MultimodalBatch, MultimodalCollator  # noqa: F401
     from knitdata.pipeline import Pipeline  # noqa: F401
     from knitdata.placement import ConsumerAwarePlacement, ConsumerLayout, IndexModPlacement  # noqa: F401
-    from knitdata.planner import Planner  # noqa: F401
+    from knitdata.planner import MicroBatchInfo, Planner  # noqa: F401
     from knitdata.prefetch import Prefetcher  # noqa: F401
     from knitdata.shards import ShardDataset, read_shards, write_shards  # noqa: F401
     from knitdata.spill import SpillStore  # noqa: F401

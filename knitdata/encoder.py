@@ -70,7 +70,7 @@ micro-batch (the peak is whichever is larger at any moment):
 Reported for a Qwen2.5-VL-3B-shaped model with hand-written glue (one H200, bf16, groups of 8 sharing an image,
 8 micro-batches of 2):
 ``fold`` peaked at about the model's own duplicated path (34 vs 35 GiB at 448 px, 49 vs 51 GiB at 896 px)
-and ``recompute`` lower; ``knitdata bench vlm`` (``--gpu``) measures ``peak_mem_bytes`` per mode.
+and ``recompute`` lower; ``python -m benchmarks vlm`` (``--gpu``) measures ``peak_mem_bytes`` per mode.
 
 Example (DDP, one wrapper around encoder and backbone, ``find_unused_parameters=False``)::
 

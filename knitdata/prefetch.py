@@ -11,7 +11,7 @@ the item last handed out, so items prefetched but not consumed never move the re
 Hand-off: a thread hand-off is not free under the GIL. A consumer woken for an item has to wait for the GIL
 while the producer runs on into the next item, dropping and retaking the GIL in every torch call, each time
 waking the consumer for nothing; with no compute to overlap this cost about 0.35 ms per 0.5 ms item
-(``knitdata bench loader``). So: (1) when the consumer waits for an item, the producer, once it queued it,
+(``python -m benchmarks loader``). So: (1) when the consumer waits for an item, the producer, once it queued it,
 sleeps until the consumer took it (one clean switch); (2) when the queue is empty and the thread is not
 inside the source, the consumer pulls the next item itself (work stealing); (3) when the consumer spends
 less than ``inline_below_s`` between ``__next__`` calls (25th percentile of the last 8 items; nothing to

@@ -25,7 +25,7 @@ An adapter ties one ``transformers`` model to knitdata's multimodal path without
    does internally) and passed as ``inputs_embeds``. No module's ``forward`` is swapped: that would break
    under ``torch.compile`` and DDP/FSDP wrappers and would hide from the model which path it runs.
    :meth:`HFMultimodalAdapter.forward_native` runs the model's own path with every trajectory's copy of its
-   media (the reference the tests compare gradients against, and the baseline of ``knitdata bench vlm``).
+   media (the reference the tests compare gradients against, and the baseline of ``python -m benchmarks vlm``).
 
 Supported families: ``qwen2_5_vl`` (Qwen2.5-VL, images) and ``qwen2_audio`` (Qwen2-Audio, audio clips),
 through :func:`adapter_for` (dispatch on ``model.config.model_type``), :func:`qwen2_5_vl` or

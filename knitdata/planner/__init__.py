@@ -25,7 +25,7 @@ unit: their counts read as one buffer (:attr:`~knitdata.record.TrajectoryMeta.pa
 order, where units are, the bytes that stay local, and the shares: slices of whole units when each unit's
 trajectories arrived in order (as admission lists a group), else one sort by ``(rank, seq)``. Plans are
 :class:`PlannedMicroBatch` named tuples built in bulk. The choices, tie-breaking included (least load, then
-lowest rank), are those of a linear search (see ``benchmarks/planner_before_after.py`` and ``knitdata bench
+lowest rank), are those of a linear search (see ``benchmarks/planner_before_after.py`` and ``python -m benchmarks
 control --scale`` for the cost).
 
 Mini-batches below :attr:`Planner.vectorize_from` trajectories (or of ``2**22`` or more), or whose
