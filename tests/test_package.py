@@ -70,18 +70,25 @@ def test_no_two_modules_import_each_other() -> None:
     assert pairs == [], pairs
 
 
-def test_no_module_uses_another_modules_private_names() -> None:
+def _private_imports(folder: str) -> list[str]:
+    """``from knitdata... import _name`` and ``knitdata._name`` in the Python files below ``folder``."""
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent / "knitdata"
     bad = []
-    for path in root.rglob("*.py"):
+    for path in (Path(__file__).resolve().parent.parent / folder).rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("knitdata"):
                 bad += [f"{path.name}: from {node.module} import {a.name}" for a in node.names
                         if a.name.startswith("_") and not a.name.startswith("__")]
-    assert bad == [], bad
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id == "knitdata"):
+                bad.append(f"{path.name}: knitdata.{node.attr}")
+    return bad
+
+
+def test_no_module_uses_another_modules_private_names() -> None:
+    assert _private_imports("knitdata") == []
 
 
 def test_control_plane_and_metadata_layers_do_not_import_engines_or_payload_code() -> None:
@@ -157,21 +164,7 @@ def test_rooms_stay_small() -> None:
 
 def test_benchmarks_use_only_the_public_api() -> None:
     """The drivers in ``benchmarks/`` import no private name of knitdata (they are users of the library)."""
-    import ast
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent / "benchmarks"
-    bad = []
-    for path in root.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("knitdata"):
-                bad += [f"{path.name}: from {node.module} import {a.name}" for a in node.names
-                        if a.name.startswith("_") and not a.name.startswith("__")]
-            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-                base = node.value
-                if isinstance(base, ast.Name) and base.id == "knitdata":
-                    bad.append(f"{path.name}: knitdata.{node.attr}")
-    assert bad == [], bad
+    assert _private_imports("benchmarks") == []
 
 
 #: The layers of docs/concepts.md ("Architecture: the layers"), top first: a module imports only from its own
