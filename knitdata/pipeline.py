@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.control import PLANE_DEFAULTS, RELEASE_MODES, fields_of
-from knitdata.engines.base import ENGINES, Engine, engine_class
+from knitdata.engines.base import ENGINES, Engine, engine_class, engine_names
 from knitdata.errors import (
     ConfigError,
     EngineError,
@@ -153,8 +153,8 @@ class Pipeline:
     ) -> None:
         if not isinstance(spec, BatchSpec):
             raise ConfigError(f"spec must be a knitdata.admission.BatchSpec, got {type(spec).__name__}")
-        if engine not in ENGINES:
-            raise ConfigError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+        if engine not in engine_names():
+            raise ConfigError(f"unknown engine {engine!r}; choose one of {engine_names()}")
         cls_ = engine_class(engine)
         if release not in RELEASE_MODES:
             raise ConfigError(f"release must be one of {RELEASE_MODES}, got {release!r}")
@@ -255,7 +255,7 @@ class Pipeline:
     # ------------------------------------------------------------------ properties
     @property
     def engine(self) -> str:
-        """``"embedded"`` or ``"ray"``."""
+        """The kind of the pipeline's engine class: ``"embedded"``, ``"ray"`` (or a registered engine's)."""
         return self._engine.kind
 
     @property

@@ -264,6 +264,21 @@ def test_engine_selection(monkeypatch):
         Pipeline(spec, num_consumers=3, layout=ConsumerLayout.single_node(2))
 
 
+def test_an_engine_registered_by_name_is_accepted():
+    """Engines are a registry: a name registered by the user selects its class (here the embedded one again)."""
+    from knitdata.engines.base import engine_names, register_engine
+
+    register_engine("in_process_again", "knitdata.engines.embedded:EmbeddedEngine")
+    assert engine_names()[:2] == ("embedded", "ray") and "in_process_again" in engine_names()
+    pipe = Pipeline(BatchSpec({"a": 2}, num_minibatches=1), engine="in_process_again", num_consumers=1)
+    for i in range(2):
+        pipe.put(make_traj(i, "a", f"g{i}"))
+    pipe.close()
+    assert sorted(t for mb in pipe.dataset(0) for t in mb.info.trajectory_ids) == sorted(
+        make_traj(i, "a", f"g{i}").id for i in range(2))
+    assert pipe.engine == "embedded"  # the kind of the class it selected
+
+
 def test_locality_two_nodes_consumer_aware_vs_index_mod():
     spec = BatchSpec({"a": 16}, num_minibatches=1, group_size=4)
 

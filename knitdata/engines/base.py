@@ -22,7 +22,7 @@ from knitdata.placement import ConsumerLayout
 from knitdata.record import Trajectory
 from knitdata.storage.base import StorageUnit
 
-__all__ = ["Engine", "ENGINES", "engine_class", "register_engine"]
+__all__ = ["Engine", "ENGINES", "engine_class", "engine_names", "register_engine"]
 
 _REGISTRY: dict[str, str] = {}
 
@@ -54,10 +54,15 @@ def engine_class(name: str, *, what: str | None = None) -> type[Engine]:
     return found
 
 
+def engine_names() -> tuple[str, ...]:
+    """The names of the registered engines (the built-in :data:`ENGINES` first, then any registered since)."""
+    return tuple(_REGISTRY)
+
+
 register_engine("embedded", "knitdata.engines.embedded:EmbeddedEngine")
 register_engine("ray", "knitdata.engines.ray:RayEngine")
 
-#: The engines :class:`knitdata.pipeline.Pipeline` knows.
+#: The built-in engines (:func:`engine_names` lists these and any registered since).
 ENGINES: tuple[str, ...] = ("embedded", "ray")
 
 
