@@ -380,6 +380,7 @@ def run_transfer_benchmark(
                         server.close()
                         server = None
                         mark("transferqueue stop")
+                    cluster.start()  # not started yet without an interleaved run (--no-interleave)
                     job, expected, prep_s = cluster.prepare_engine(w)
                     srcs = [{**job, "name": f"{mode}/{enc}", "fetch": mode, "encoding": enc, "prepare_s": prep_s}]
                     expected_of[mode] = expected

@@ -587,3 +587,23 @@ def test_consumer_processes_exit_when_the_driver_dies():
     if alive:
         os.kill(child, signal.SIGKILL)
     assert not alive, "the consumer process outlived its driver"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_smoke_without_the_interleaved_run(tmp_path):
+    """`--no-interleave`: each knitdata mode runs alone only (Ray started for it), exactly once."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("ray is not installed (the process modes need it)")
+    out = tmp_path / "transfer.json"
+    cmd = [sys.executable, "-m", "benchmarks", "transfer", "--smoke", "--no-progress", "--json", str(out), "--plot", "",
+           "--modes", "iter", "iter_embedded", "--no-interleave"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    res = json.loads(out.read_text())
+    assert {r["mode"] for r in res["runs"]} == {"iter_embedded"}  # nothing interleaved: iter ran alone only
+    assert {r["mode"] for r in res["control_runs"]} == {"iter"}
+    for r in res["runs"] + res["control_runs"]:
+        assert (r["lost"], r["duplicated"], r["unexpected"]) == (0, 0, 0) and r["delivered"] == r["expected"], r["mode"]
+
