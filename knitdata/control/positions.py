@@ -102,11 +102,6 @@ class Positions(Part):
         with self.s.cond:
             return self.s.commit_upto(rank, int(upto))
 
-    @control_call(fire_and_forget=True)
-    def commit_async(self, rank: int, upto: int) -> None:
-        """:meth:`commit` without a result (engines forward it without waiting)."""
-        self.commit(rank, upto)
-
     @control_call(journaled=True)
     def seek(self, rank: int, j: int) -> None:
         """``rank`` restored at entry ``j``: everything below is committed (released now or when planned)."""
