@@ -89,6 +89,7 @@ def test_soak_config_is_validated_and_table_renders():
     assert "mode" not in summarize_runs([row | {"mode": "threads", "unexpected": 0}, faulty])
 
 
+@pytest.mark.slow  # a soak: make test-slow (and .ci/run after make test)
 def test_soak_cross_process_ray_survives_consumer_sigkill_and_coordinator_kill(tmp_path):
     """Producer and consumers in their own processes (Ray engine): a consumer process is SIGKILLed mid-step and a
     new one restores from the JSON state on disk; the coordinator actor is SIGKILLed once and replays its

@@ -157,6 +157,7 @@ def test_embedded_run_in_process_is_exactly_once_and_reports_the_keys(compute):
         assert "calibration" not in res
 
 
+@pytest.mark.slow  # every mode in processes (~90 s): make test-slow (and .ci/run after make test)
 @pytest.mark.timeout(300)
 def test_smoke_run_every_mode(tmp_path):
     """`python -m benchmarks transfer --smoke` (accel compute, 2 consumer processes; hard time-out 240 s): JSON keys,
