@@ -315,7 +315,7 @@ class Admission(Part):
         for pmb in row:
             j = s.planned[rank]
             s.planned[rank] = j + 1
-            info = pmb.to_info().to_dict()
+            info = pmb.info.to_dict()
             if chain is not None:
                 chain = entry_fingerprint(chain, info)
                 fps[j + 1] = chain
@@ -323,7 +323,7 @@ class Admission(Part):
                 s.release_metas([s.live[m.id] for m in pmb.trajectories if m.id in s.live], delivered=True)
                 continue
             s.queues[rank][j] = {
-                "j": j, "minibatch": pmb.minibatch, "microbatch": pmb.microbatch, "info": info,
+                "j": j, "minibatch": info["minibatch"], "microbatch": info["microbatch"], "info": info,
                 "items": [[m.id, m.location, m.nbytes] for m in pmb.trajectories], "fp": chain,
             }
         s.chain[rank] = chain

@@ -43,7 +43,6 @@ from knitdata.planner.records import (
     MiniBatchPlan,
     PlannedMicroBatch,
     microbatch_factory,
-    single_microbatches,
 )
 from knitdata.record import TrajectoryMeta
 
@@ -428,10 +427,10 @@ class Planner:
             "global_loss_tokens": global_loss,
         }
         rows: list[tuple[PlannedMicroBatch, ...]]
+        make = microbatch_factory(common)
         if k == 1:
-            rows = list(zip(single_microbatches(common, shares)))
+            rows = [(make(rank, 0, share),) for rank, share in enumerate(shares)]
         else:
-            make = microbatch_factory(common)
             rows = []
             for rank, share in enumerate(shares):
                 if not share:

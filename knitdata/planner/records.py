@@ -19,7 +19,6 @@ __all__ = [
     "MicroBatchInfo",
     "PlannedMicroBatch",
     "MiniBatchPlan",
-    "single_microbatches",
     "microbatch_factory",
 ]
 
@@ -217,16 +216,10 @@ class MiniBatchPlan:
             "minibatch": self.minibatch,
             "minibatch_in_batch": self.minibatch_in_batch,
             "num_microbatches": self.num_microbatches,
-            "ids": [[list(mb.trajectory_ids) for mb in row] for row in self.microbatches],
+            "ids": [[list(mb.info.trajectory_ids) for mb in row] for row in self.microbatches],
             "local_bytes": self.local_bytes,
             "remote_bytes": self.remote_bytes,
         }
-
-
-def single_microbatches(common: dict[str, Any], shares: list[Sequence[TrajectoryMeta]]) -> list[PlannedMicroBatch]:
-    """Micro-batch 0 (of 1) of every consumer (``shares[rank]``), sharing ``common`` fields."""
-    make = microbatch_factory(common)
-    return [make(rank, 0, share) for rank, share in enumerate(shares)]
 
 
 def microbatch_factory(common: dict[str, Any]) -> Callable[[int, int, Sequence[TrajectoryMeta]], PlannedMicroBatch]:
