@@ -19,8 +19,10 @@ Example:
     >>> [g] = from_hf_generate(out, prompt_ids=torch.tensor([[0, 1]]), attention_mask=torch.tensor([[0, 1]]),
     ...                        num_return_sequences=2, transition_scores=scores, eos_token_id=2, version=0,
     ...                        request_ids=["q0"])
-    >>> [(s.prompt_ids.tolist(), s.response_ids.tolist(), s.status) for s in g.samples]
-    [([1], [5, 2], 'completed'), ([1], [6, 7, 8], 'truncated')]
+    >>> for s in g.samples:
+    ...     print(tuple(s.prompt_ids.tolist()), tuple(s.response_ids.tolist()), s.status)
+    (1,) (5, 2) completed
+    (1,) (6, 7, 8) truncated
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ Example:
     ...                       status="aborted", finish_reason="abort", version=3)
     >>> buf.add_group(RolloutGroup("q1", [first])) is None          # aborted: nothing to put yet
     True
-    >>> [(c.request_id, c.index, c.input_ids) for c in buf.pending()]
-    [('q1', 0, [1, 2, 5, 6])]
+    >>> c = buf.pending()[0]                                        # what to resubmit
+    >>> c.request_id, c.index, tuple(c.input_ids)
+    ('q1', 0, (1, 2, 5, 6))
     >>> cont = RolloutSample("q1-retry", 0, prompt_ids=[1, 2, 5, 6], response_ids=[7, 2], logprobs=[-0.25, -0.125],
     ...                      status="completed", finish_reason="stop", version=4)
     >>> group = buf.add(cont, request_id="q1", index=0)

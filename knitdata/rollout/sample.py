@@ -15,8 +15,9 @@ when the tokens carry several: ``token_versions``). An aborted sample is refused
 Example:
     >>> s = RolloutSample("req-7", 0, prompt_ids=[1, 2], response_ids=[5, 6, 2], logprobs=[-0.1, -0.5, -0.2],
     ...                   finish_reason="stop", status="completed", version=3)
-    >>> [t.id for t in RolloutGroup("req-7", [s]).trajectories("math", scalars=[{"reward": 1.0}])]
-    ['req-7-0']
+    >>> t = RolloutGroup("req-7", [s]).trajectories("math", scalars=[{"reward": 1.0}])[0]
+    >>> t.id, t.gen_version
+    ('req-7-0', 3)
 """
 
 from __future__ import annotations
