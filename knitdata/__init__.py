@@ -6,6 +6,8 @@ The layout follows the data's path; each stage is a module (or a package of one-
 stage               where
 ==================  =========================================================================================
 record              :mod:`knitdata.record` (``Trajectory``, ``TrajectoryMeta``), :mod:`knitdata.codec` (wire/disk)
+rollout             :mod:`knitdata.rollout` (engine outputs to trajectories: vLLM, SGLang, OpenAI, HF ``generate``;
+                    multi-turn, multimodal, partial rollouts)
 put (producer)      :mod:`knitdata.pipeline` (``Pipeline.put``), :mod:`knitdata.producer` (the placement replica)
 admission           :mod:`knitdata.admission` (``spec``, ``composition``, ``base``, ``policies``),
                     :mod:`knitdata.staleness`

@@ -55,6 +55,25 @@ def safe_id(text: str) -> str:
     return out or "_"
 
 
+def _to_tensor(values: Any, where: dict[str, Any], what: str, ok: tuple[type, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor, an array, or a sequence whose every entry is an instance of ``ok`` (never a ``bool``), as a tensor."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().cpu()
+    if isinstance(values, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(values))
+    try:
+        seq = list(values)
+    except TypeError:
+        raise RolloutOutputError(f"expected a sequence of {what}s, got {type(values).__name__}", **where) from None
+    for i, v in enumerate(seq):
+        if isinstance(v, bool) or not isinstance(v, ok):
+            raise RolloutOutputError(f"position {i}: expected a {what}, got {v!r} ({type(v).__name__})", **where)
+    try:
+        return torch.tensor([int(v) if dtype == torch.int64 else float(v) for v in seq], dtype=dtype)
+    except (OverflowError, RuntimeError, ValueError) as e:
+        raise RolloutOutputError(f"a {what} out of range: {e}", **where) from None
+
+
 def as_token_ids(values: Any, *, request_id: str | None = None, sample: int | None = None, field: str = "token_ids") -> torch.Tensor:
     """Return token ids as a 1-D ``int64`` tensor.
 
@@ -70,19 +89,7 @@ def as_token_ids(values: Any, *, request_id: str | None = None, sample: int | No
     where: dict[str, Any] = {"request_id": request_id, "sample": sample, "field": field}
     if values is None:
         raise RolloutOutputError("missing (no token ids)", **where)
-    if isinstance(values, torch.Tensor):
-        t = values.detach().cpu()
-    elif isinstance(values, np.ndarray):
-        t = torch.from_numpy(np.ascontiguousarray(values))
-    else:
-        try:
-            seq = list(values)
-        except TypeError:
-            raise RolloutOutputError(f"expected a sequence of token ids, got {type(values).__name__}", **where) from None
-        bad = [v for v in seq if isinstance(v, bool) or not isinstance(v, (int, np.integer))]
-        if bad:
-            raise RolloutOutputError(f"token ids must be ints, got {bad[0]!r} ({type(bad[0]).__name__})", **where)
-        t = torch.tensor([int(v) for v in seq], dtype=torch.int64)
+    t = _to_tensor(values, where, "token id", (int, np.integer), torch.int64)
     if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
         raise RolloutOutputError(f"token ids must be integers, got dtype {t.dtype}", **where)
     if t.dim() != 1:
@@ -106,19 +113,7 @@ def as_logprobs(values: Any, *, request_id: str | None = None, sample: int | Non
         RolloutOutputError: Not 1-D numbers, a ``None`` entry, a non-finite value, or a value above 0.
     """
     where: dict[str, Any] = {"request_id": request_id, "sample": sample, "field": field}
-    if isinstance(values, torch.Tensor):
-        t = values.detach().cpu()
-    elif isinstance(values, np.ndarray):
-        t = torch.from_numpy(np.ascontiguousarray(values))
-    else:
-        try:
-            seq = list(values)
-        except TypeError:
-            raise RolloutOutputError(f"expected a sequence of log-probs, got {type(values).__name__}", **where) from None
-        for i, v in enumerate(seq):
-            if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)):
-                raise RolloutOutputError(f"position {i}: expected a float log-prob, got {v!r}", **where)
-        t = torch.tensor([float(v) for v in seq], dtype=torch.float64)
+    t = _to_tensor(values, where, "log-prob", (int, float, np.floating, np.integer), torch.float64)
     if t.dtype == torch.bool or t.dtype.is_complex:
         raise RolloutOutputError(f"log-probs must be real numbers, got dtype {t.dtype}", **where)
     if t.dim() != 1:
