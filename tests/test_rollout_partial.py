@@ -99,6 +99,35 @@ def test_sglang_abort_then_continuation_under_new_weights() -> None:
     assert t.token_versions.tolist() == [3, 3, 4, 4] and t.gen_version == 3 and t.id == "s1-0"
 
 
+def test_the_last_segments_tensors_and_the_media_are_carried() -> None:
+    import base64
+
+    import numpy as np
+
+    from knitdata.rollout import attach_media
+
+    def resp(ids, reason, version, rows):
+        routed = base64.b64encode(np.arange(rows * 2, dtype="<i4").tobytes()).decode()
+        return {"output_ids": ids, "meta_info": {"id": "m", "finish_reason": {"type": reason},
+                                                 "weight_version": str(version), "routed_experts": routed,
+                                                 "output_token_logprobs": [[-0.5, t, None] for t in ids]}}
+
+    img = np.zeros((4, 4, 3), dtype=np.uint8)
+    first = attach_media(from_sglang(resp([7], "abort", 1, 2), prompt_ids=[1, 120]), [img], placeholder_ids={"image": 120})
+    buf = SegmentBuffer()
+    buf.add_group(first)
+    state = json.loads(json.dumps(buf.state_dict()))
+    [c] = buf.pending()
+    done = buf.add(from_sglang(resp([8, 2], "stop", 2, 4), prompt_ids=c.input_ids).samples[0], request_id="m", index=0)
+    t = done.trajectories("vqa")[0]
+    assert t.tensors["routed_experts"].shape == (4, 2) and len(t.media) == 1  # prompt + output - 1 rows
+    restored = SegmentBuffer()
+    restored.load_state_dict(state)
+    assert restored.partial("m", 0).tensors["routed_experts"].tolist() == first.samples[0].tensors["routed_experts"].tolist()
+    assert restored.partial("m", 0).tensors["routed_experts"].dtype == torch.int32
+    assert restored.partial("m", 0).media == []  # media are not part of the state: attach them to the finished group
+
+
 def test_bad_segments_are_refused() -> None:
     p = PartialRollout("r", 0, [1, 2])
     p.add(_seg("r", [1, 2], [5], [-1.0], 3, "aborted"))

@@ -1,4 +1,4 @@
-"""Tests of knitdata.rollout.sample and knitdata.rollout.status: checks, statuses, trajectories of a group."""
+"""Tests of knitdata.rollout.sample: checks of a sample, trajectories of a sample and of a group."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitdata.errors import RolloutOutputError, ValidationError
+from knitdata.errors import RolloutOutputError
 from knitdata.record import Trajectory
-from knitdata.rollout import FINISH_REASONS, STATUSES, RolloutGroup, RolloutSample, finish_status
+from knitdata.rollout import RolloutGroup, RolloutSample
 from knitdata.rollout.sample import as_logprobs, as_token_ids, safe_id
 
 
@@ -21,22 +21,6 @@ def _sample(**kw) -> RolloutSample:
                 status="completed", finish_reason="stop", version=2)
     base.update(kw)
     return RolloutSample(**base)
-
-
-def test_finish_reasons_map_to_three_statuses_and_unknown_ones_are_refused() -> None:
-    assert finish_status("stop") == "completed" and finish_status("tool_calls") == "completed"
-    assert finish_status("length") == "truncated" and finish_status("abort") == "aborted"
-    assert set(FINISH_REASONS.values()) == set(STATUSES)
-    with pytest.raises(RolloutOutputError, match=r"request 'q': sample 1: field 'finish_reason': unknown finish reason"):
-        finish_status("content_filter", request_id="q", sample=1)
-    assert finish_status("content_filter", extra={"content_filter": "completed"}) == "completed"
-    with pytest.raises(RolloutOutputError, match="has not finished"):
-        finish_status(None, request_id="q")
-    with pytest.raises(RolloutOutputError, match="unknown status"):
-        finish_status("x", extra={"x": "done"})
-    e = pytest.raises(RolloutOutputError, finish_status, 3, request_id="q", sample=0).value
-    assert isinstance(e, ValidationError) and isinstance(e, ValueError)
-    assert (e.request_id, e.sample, e.field, e.trajectory_id) == ("q", 0, "finish_reason", None)
 
 
 def test_sample_becomes_a_trajectory_with_logprobs_version_and_group() -> None:

@@ -33,7 +33,7 @@ import torch
 
 from knitdata.errors import MediaError, RolloutOutputError
 from knitdata.media import audio_item, image_item
-from knitdata.record import MediaItem
+from knitdata.record import MEDIA_KINDS, MediaItem
 from knitdata.rollout.sample import RolloutGroup, RolloutSample
 
 __all__ = ["media_item", "collapse_placeholders", "attach_media"]
@@ -93,7 +93,8 @@ def attach_media(target: T, media: Sequence[Any], *, placeholder_ids: Mapping[st
             :class:`~knitdata.rollout.sample.RolloutGroup` (its samples share the prompt and its media: the same
             items, so shared encoding finds them by provenance or digest).
         media: The prompt's raw media, in prompt order (see :func:`media_item`).
-        placeholder_ids: The model's placeholder token per kind, e.g. ``{"image": image_token_id}``.
+        placeholder_ids: The model's placeholder token per kind (:data:`knitdata.record.MEDIA_KINDS`), e.g.
+            ``{"image": image_token_id}``; every item's kind needs one.
 
     Raises:
         RolloutOutputError: An unreadable item, an unknown kind in ``placeholder_ids``, or a prompt whose runs of a
@@ -102,8 +103,9 @@ def attach_media(target: T, media: Sequence[Any], *, placeholder_ids: Mapping[st
     rid = target.request_id
     items = [media_item(m, request_id=rid, index=i) for i, m in enumerate(media)]
     for kind in placeholder_ids:
-        if kind not in ("image", "audio"):
-            raise RolloutOutputError(f"unknown media kind {kind!r} in placeholder_ids", request_id=rid, field="media")
+        if kind not in MEDIA_KINDS:
+            raise RolloutOutputError(f"unknown media kind {kind!r} in placeholder_ids (known: {MEDIA_KINDS})",
+                                     request_id=rid, field="media")
     for i, m in enumerate(items):
         if m.kind not in placeholder_ids:
             raise RolloutOutputError(f"media item {i} is {m.kind!r} but placeholder_ids names no {m.kind} placeholder",

@@ -34,12 +34,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from knitdata.errors import RolloutOutputError, StateError
-from knitdata.record import Trajectory
+from knitdata.record import MediaItem, Trajectory
 from knitdata.rollout.sample import LOGPROBS_KEY, RolloutGroup, RolloutSample, as_token_ids
 
 __all__ = ["Segment", "PartialRollout", "Continuation", "SegmentBuffer"]
@@ -75,18 +77,26 @@ class Segment:
 class PartialRollout:
     """The segments of one sample's generation.
 
+    The finished sample carries the extra tensors of the *last* segment (SGLang's ``routed_experts`` cover the
+    whole sequence, the continuation's prompt included, so the last segment's are complete) and the media given
+    here. The state (:meth:`to_dict`) holds everything but the media: after a restart, attach them to the finished
+    group (:func:`~knitdata.rollout.multimodal.attach_media`).
+
     Args:
         request_id: The original request's id (the group).
         index: The sample's index within the request.
         prompt_ids: The original prompt's token ids.
+        media: The prompt's media items (kept in memory only).
     """
 
-    def __init__(self, request_id: str, index: int, prompt_ids: Any):
+    def __init__(self, request_id: str, index: int, prompt_ids: Any, media: Sequence[MediaItem] = ()):
         self.request_id = str(request_id)
         self.index = int(index)
         self.prompt_ids: list[int] = as_token_ids(prompt_ids, request_id=self.request_id, sample=self.index,
                                                   field="prompt_ids").tolist()
+        self.media = list(media)
         self.segments: list[Segment] = []
+        self.tensors: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ state
     @property
@@ -144,6 +154,8 @@ class PartialRollout:
         lp = None if segment.logprobs is None else tuple(segment.logprobs.tolist())
         self.segments.append(Segment(int(v), tuple(segment.response_ids.tolist()), lp, segment.status,
                                      segment.finish_reason))
+        if segment.tensors:
+            self.tensors = dict(segment.tensors)
 
     def sample(self) -> RolloutSample:
         """The finished generation as one sample, with per-token versions.
@@ -169,7 +181,8 @@ class PartialRollout:
         last = self.segments[-1]
         return RolloutSample(self.request_id, self.index, prompt_ids=self.prompt_ids, response_ids=ids,
                              logprobs=None if missing_lp else lps, status=last.status,
-                             finish_reason=last.finish_reason, version=last.version, token_versions=versions)
+                             finish_reason=last.finish_reason, version=last.version, token_versions=versions,
+                             tensors=self.tensors, media=self.media)
 
     def trajectory(self, source: str, *, scalars: Mapping[str, float] | None = None,
                    logprobs_key: str = LOGPROBS_KEY) -> Trajectory:
@@ -178,8 +191,10 @@ class PartialRollout:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable dict (:meth:`from_dict` rebuilds it)."""
+        tensors = {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                       "values": t.reshape(-1).tolist()} for k, t in self.tensors.items()}
         return {"request_id": self.request_id, "index": self.index, "prompt_ids": list(self.prompt_ids),
-                "segments": [s.to_dict() for s in self.segments]}
+                "segments": [s.to_dict() for s in self.segments], "tensors": tensors}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> PartialRollout:
@@ -195,7 +210,12 @@ class PartialRollout:
                 out.segments.append(Segment(int(s["version"]), tuple(int(t) for t in s["token_ids"]),
                                             None if lp is None else tuple(float(x) for x in lp), str(s["status"]),
                                             str(s["finish_reason"])))
-        except (KeyError, TypeError, ValueError) as e:
+            for k, t in d.get("tensors", {}).items():
+                dtype = getattr(torch, str(t["dtype"]))
+                if not isinstance(dtype, torch.dtype):
+                    raise ValueError(f"unknown dtype {t['dtype']!r}")
+                out.tensors[str(k)] = torch.tensor(t["values"], dtype=dtype).reshape(t["shape"])
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
             raise StateError(f"bad partial rollout state: {type(e).__name__}: {e}") from e
         return out
 
@@ -259,7 +279,7 @@ class SegmentBuffer:
             raise RolloutOutputError(f"sample indices {indices} are not 0..n-1", request_id=rid, field="index")
         parts = []
         for s in sorted(group.samples, key=lambda s: s.index):
-            p = PartialRollout(rid, s.index, s.prompt_ids)
+            p = PartialRollout(rid, s.index, s.prompt_ids, media=s.media)
             p.add(s, version=version)
             parts.append(p)
         self._requests[rid] = parts
