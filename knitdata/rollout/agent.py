@@ -95,9 +95,11 @@ class MultiTurn:
             turn: The engine's output; its prompt must start with :attr:`context`; what follows is masked.
             version: Its policy version; default ``turn.version``.
 
+        A turn without log-probs leaves the whole episode without them (:meth:`sample` gives ``logprobs=None``).
+
         Raises:
-            RolloutOutputError: An aborted turn (continue it first), a prompt that does not extend the episode, no
-                version, or log-probs on some turns only.
+            RolloutOutputError: An aborted turn (continue it first), a prompt that does not extend the episode, or
+                no version.
         """
         where: dict[str, Any] = {"request_id": self.request_id, "sample": self.index}
         k = self._turns
