@@ -13,6 +13,8 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from knitdata.errors import RolloutOutputError
 from knitdata.rollout import from_sglang
@@ -103,3 +105,30 @@ def test_output_ids_default_to_the_logprob_triples() -> None:
     r = _resp([5, 6])
     del r["output_ids"]
     assert from_sglang(r, prompt_ids=[1]).samples[0].response_ids.tolist() == [5, 6]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 500), min_size=1, max_size=10), min_size=1, max_size=4),
+       st.sampled_from([None, "short", "id", "reason", "meta"]), st.data())
+def test_random_responses_round_trip_and_any_corruption_is_named(outputs, corruption, data) -> None:
+    resps = [_resp(ids) for ids in outputs]
+    if corruption is None:
+        g = from_sglang(resps, prompt_ids=[1, 2], request_id="q")
+        assert [s.response_ids.tolist() for s in g.samples] == outputs
+        assert all(s.logprobs.numel() == len(ids) and s.version == 3 for s, ids in zip(g.samples, outputs))
+        return
+    k = data.draw(st.integers(0, len(resps) - 1))
+    meta = resps[k]["meta_info"]
+    if corruption == "short":
+        meta["output_token_logprobs"].pop()
+    elif corruption == "id":
+        meta["output_token_logprobs"][0][1] += 1000
+    elif corruption == "reason":
+        meta["finish_reason"] = {"type": "weird"}
+    else:
+        del resps[k]["meta_info"]
+    with pytest.raises(RolloutOutputError) as ei:
+        from_sglang(resps, prompt_ids=[1, 2], request_id="q")
+    want = {"short": "meta_info.output_token_logprobs", "id": "meta_info.output_token_logprobs",
+            "reason": "meta_info.finish_reason", "meta": "meta_info"}[corruption]
+    assert (ei.value.field, ei.value.request_id, ei.value.sample) == (want, "q", k)

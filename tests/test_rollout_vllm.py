@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from knitdata.errors import RolloutOutputError
 from knitdata.rollout import from_vllm
@@ -115,3 +117,33 @@ def test_malformed_outputs_are_refused_naming_request_and_field() -> None:
 def test_plain_float_logprobs_are_accepted() -> None:
     c = CompletionOutput(0, "", [4, 5], None, [{4: -0.5}, {5: -0.25}], "stop")
     assert from_vllm(_request([c]), version=0).samples[0].logprobs.tolist() == [-0.5, -0.25]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 500), min_size=1, max_size=12), st.sampled_from(["stop", "length",
+                                                                                                   "abort"])),
+                min_size=1, max_size=4),
+       st.sampled_from([None, "drop_position", "wrong_token", "cumulative", "reason"]), st.data())
+def test_random_outputs_round_trip_and_any_corruption_is_named(samples, corruption, data) -> None:
+    outs = [_completion(i, ids, reason) for i, (ids, reason) in enumerate(samples)]
+    if corruption is None:
+        g = from_vllm(_request(outs), version=1)
+        for s, (ids, reason) in zip(g.samples, samples):
+            assert s.response_ids.tolist() == ids and s.logprobs.numel() == len(ids)
+            assert s.status == {"stop": "completed", "length": "truncated", "abort": "aborted"}[reason]
+        return
+    bad = outs[data.draw(st.integers(0, len(outs) - 1))]
+    if corruption == "drop_position":
+        bad.logprobs = bad.logprobs[:-1]
+    elif corruption == "wrong_token":
+        k = data.draw(st.integers(0, len(bad.token_ids) - 1))
+        bad.logprobs[k] = {bad.token_ids[k] + 1000: Logprob(-1.0)}
+    elif corruption == "cumulative":
+        bad.cumulative_logprob -= 1.0
+    else:
+        bad.finish_reason = "weird"
+    with pytest.raises(RolloutOutputError) as ei:
+        from_vllm(_request(outs), version=1)
+    want = {"drop_position": "logprobs", "wrong_token": "logprobs", "cumulative": "cumulative_logprob",
+            "reason": "finish_reason"}[corruption]
+    assert (ei.value.field, ei.value.request_id, ei.value.sample) == (want, "req-3", bad.index)
