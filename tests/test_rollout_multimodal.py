@@ -65,35 +65,52 @@ def test_placeholder_runs_collapse_to_one_per_item_for_every_sample() -> None:
         attach_media(_sample([1]), [], placeholder_ids={"video": 121})
 
 
-def test_engine_expanded_prompt_goes_through_the_models_collate_unchanged() -> None:
-    """An engine (vLLM) echoes the prompt with each image's placeholder expanded to its encoder rows; after
-    attach_media the Qwen2.5-VL collate expands it again to exactly that many rows, with the processor's metadata."""
+def _engine_rows(adapter, family: str, raw) -> int:
+    """How many placeholder tokens the engine's processor expands one item to (the model's encoder rows)."""
+    if family == "qwen2_5_vl":  # grid patches / merge_size**2
+        _, meta = adapter.preprocess(torch.from_numpy(raw).permute(2, 0, 1))
+        return int(meta["image_grid_thw"].prod()) // 4
+    samples, rate = raw  # valid mel frames L -> ((L - 1) // 2 + 1 - 2) // 2 + 1 rows
+    _, meta = adapter.preprocess(torch.from_numpy(samples)[:, None], rate)
+    length = int(meta["feature_length"])
+    return ((length - 1) // 2 + 1 - 2) // 2 + 1
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen2_audio"])
+def test_engine_expanded_prompt_goes_through_the_models_collate_unchanged(family) -> None:
+    """An engine (vLLM) echoes the prompt with each item's placeholder expanded to its encoder rows; after
+    attach_media the model's collate expands it again to exactly that many rows, with the processor's metadata
+    (Qwen2.5-VL's image_grid_thw, Qwen2-Audio's valid feature length) computed from the raw media."""
     pytest.importorskip("transformers")
-    from _hf_helpers import tiny_image_processor, tiny_qwen2_5_vl
+    from _hf_helpers import tiny_image_processor, tiny_qwen2_5_vl, tiny_qwen2_audio
 
     from knitdata import BatchSpec, Pipeline
-    from knitdata.integrations.transformers import qwen2_5_vl
+    from knitdata.integrations.transformers import qwen2_5_vl, qwen2_audio
 
-    model = tiny_qwen2_5_vl(dtype=torch.float32)
-    adapter = qwen2_5_vl(model, tiny_image_processor())
     rng = np.random.default_rng(0)
-    pixels = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((32, 32), (16, 24))]
-    rows = []
-    for p in pixels:  # what the engine's processor expands each image to: grid patches / merge**2
-        _, meta = adapter.preprocess(torch.from_numpy(p).permute(2, 0, 1))
-        rows.append(int(meta["image_grid_thw"].prod()) // 4)
-    engine_prompt = [1, VS, *[IMAGE] * rows[0], VE, 9, VS, *[IMAGE] * rows[1], VE, 8]
+    if family == "qwen2_5_vl":
+        adapter = qwen2_5_vl(tiny_qwen2_5_vl(dtype=torch.float32), tiny_image_processor())
+        raw = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((32, 32), (16, 24))]
+        ph, kind, meta_name = IMAGE, "image", "image_grid_thw"
+    else:
+        adapter = qwen2_audio(tiny_qwen2_audio(dtype=torch.float32))
+        raw = [(rng.standard_normal(n * 160).astype(np.float32), 16000) for n in (30, 64)]
+        ph, kind, meta_name = AUDIO, "audio", "feature_length"
+    rows = [_engine_rows(adapter, family, r) for r in raw]
+    assert rows[0] != rows[1] and min(rows) > 1
+    engine_prompt = [1, VS, *[ph] * rows[0], VE, 9, VS, *[ph] * rows[1], VE, 8]
     group = RolloutGroup("req", [RolloutSample("req", i, prompt_ids=engine_prompt, response_ids=[40 + i, 2],
                                                logprobs=[-1.0, -1.0], version=0) for i in range(2)])
-    trajs = attach_media(group, pixels, placeholder_ids={"image": IMAGE}).trajectories("vqa")
-    pipe = Pipeline(BatchSpec({"vqa": 2}, num_minibatches=1, group_size=2), num_consumers=1, token_budget=4096)
+    trajs = attach_media(group, raw, placeholder_ids={kind: ph}).trajectories("mm")
+    assert trajs[0].prompt_ids.tolist() == [1, VS, ph, VE, 9, VS, ph, VE, 8]
+    pipe = Pipeline(BatchSpec({"mm": 2}, num_minibatches=1, group_size=2), num_consumers=1, token_budget=4096)
     for t in trajs:
         pipe.put(t)
     pipe.close()
     [mb] = list(pipe.dataset(0, media_collator=adapter.media_collator()))
-    assert mb.media.tables["image"].num_items == 2  # the group's two images, each processed once
+    table = mb.media.tables[kind]
+    assert table.num_items == 2 and meta_name in table.meta  # the group's two items, each processed once
     inputs = adapter.collate(mb)
     for j in range(2):
         n = int(inputs["attention_mask"][j].sum())
         assert inputs["input_ids"][j, :n - 2].tolist() == engine_prompt  # exactly the engine's expanded prompt
-    assert inputs["image_grid_thw"].shape[0] == 4  # 2 images x 2 trajectories
