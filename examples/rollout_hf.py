@@ -78,6 +78,7 @@ class WeightSlot:
     def __init__(self, model: Any) -> None:
         self._lock = threading.Condition()
         self.version = 0
+        self.closed = False  # the trainer stopped: the worker stops too
         self._state = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
     def publish(self, version: int, model: Any) -> None:
@@ -88,7 +89,12 @@ class WeightSlot:
 
     def wait_for(self, version: int, timeout: float) -> None:
         with self._lock:
-            self._lock.wait_for(lambda: self.version >= version, timeout=timeout)
+            self._lock.wait_for(lambda: self.version >= version or self.closed, timeout=timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self._lock.notify_all()
 
     def load_into(self, model: Any) -> int:
         with self._lock:
@@ -156,7 +162,7 @@ class RolloutWorker:
     def run(self) -> None:
         try:
             rnd = 0
-            while self.queue or len(self.buffer):
+            while (self.queue or len(self.buffer)) and not self.slot.closed:
                 # a weight-update point: every admitted mini-batch trained, then the newest weights loaded
                 self.slot.wait_for(self.admitted, timeout=60)
                 self.version = self.slot.load_into(self.model)
@@ -260,8 +266,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     thread = threading.Thread(target=worker.run, name="rollout-worker")
     thread.start()
-    steps = train(pipe, slot, model)
-    thread.join()
+    try:
+        steps = train(pipe, slot, model)
+    finally:
+        slot.close()
+        thread.join()
     if worker.error is not None:
         raise worker.error
     trajectories = worker.records
