@@ -217,12 +217,14 @@ def test_a_producer_that_dies_without_close_does_not_stall_consumers(engine, req
 
 
 # --- replica ---
-@pytest.mark.parametrize("engine", ENGINES)
-def test_replicas_see_identical_streams_exactly_once(engine, request):
+@pytest.mark.parametrize("engine,num_workers", [("embedded", 0), pytest.param("ray", 0, marks=pytest.mark.ray),
+                                                pytest.param("ray", 2, marks=[pytest.mark.ray, pytest.mark.slow])])
+def test_replicas_see_identical_streams_exactly_once(engine, num_workers, request):
     """Issue 25.2: dp=2 x 2 replicas. The replicas of each rank get byte-identical streams, equal to the rank's
     stream without replicas (exactly once per rank); a replica that crashed after saving resumes on its own with
-    exactly the micro-batches after its state while the other goes on, its payloads still held until it did."""
-    res = run_on(engine, request, "replicas")
+    exactly the micro-batches after its state while the other goes on, its payloads still held until it did.
+    On Ray also through StatefulDataLoader worker processes."""
+    res = run_on(engine, request, "replicas", num_workers=num_workers)
     assert all(e[0] == "no error" for e in res["errors"].values()), res["errors"]
     ref, streams, stop = res["ref"], res["streams"], 2
     ids = [i for rows in ref for ids, _pos, _digest in rows for i in ids]
