@@ -156,6 +156,68 @@ def test_replica_positions_survive_a_control_plane_snapshot():
         ControlPlane.from_state_dict(bad, lambda unit, ids, wait: None)
 
 
+def test_replica_calls_are_journaled_and_recovered(tmp_path):
+    from knitdata.control.journal import Journal
+
+    pipe = _filled()
+    snap = json.loads(json.dumps(pipe.control.state_dict()))
+    units = snap["unit_nodes"]
+    a = ControlPlane(snap["config"], units, lambda u, ids, w: None, journal=Journal(tmp_path / "j"))
+    a.load_state_dict(snap)
+    a.compact()  # the journal starts from this snapshot
+    a.register_replicas(3)
+    a.handed_many(0, [[0, 0, 0, 0], [1, 0, 1, 0]], 2)
+    a.commit(0, 2, 2)
+    a.commit(0, 1, 1)
+    a.seek(0, 1, 0)
+    a.handed_many(1, [[0, 0, 0, 0]], 1)
+    b = ControlPlane(snap["config"], units, lambda u, ids, w: None)
+    b.recover(str(tmp_path / "j"))
+    assert b.state.replicas.to_dict() == a.state.replicas.to_dict()
+    assert b.state.replicas.committed[0] == [1, 1, 2] and b.committed[0] == a.committed[0] == 1
+    assert [b.start_position(0, k) for k in range(3)] == [1, 1, 2]
+    with pytest.raises(ConfigError, match="disagrees"):
+        b.register_replicas(2)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(num_replicas=st.integers(2, 3), ops=st.lists(st.tuples(st.integers(0, 2), st.sampled_from(
+    ["take", "take", "save", "crash"])), max_size=14))
+def test_replicas_that_take_save_and_crash_in_any_order_each_get_the_rank_stream_once(num_replicas, ops):
+    """Each replica of rank 0 takes micro-batches, saves and commits states, and crashes (its trainer rolls back to
+    its last saved state, or to the start) in any interleaving: after draining, every replica's stream since its
+    last restore continues its saved prefix exactly, and equals the rank's stream; nothing released too early
+    raises StateError, and once all are done and committed rank 0 holds nothing."""
+    ref = _ref()[0]
+    pipe = _filled()
+    rows: list[list[Any]] = [[] for _ in range(num_replicas)]
+    saved: list[tuple[dict[str, Any], int] | None] = [None] * num_replicas
+    ds: list[Any] = [pipe.dataset(0, replica=k, num_replicas=num_replicas) for k in range(num_replicas)]
+    its: list[Any] = [iter(d) for d in ds]
+    for k, op in ops:
+        k %= num_replicas
+        if op == "take":
+            mb = next(its[k], None)
+            if mb is not None:
+                rows[k].append(cf._replica_row(mb))
+        elif op == "save":
+            state = json.loads(json.dumps(ds[k].state_dict()))
+            ds[k].commit(state)
+            saved[k] = (state, len(rows[k]))
+        else:  # crash: a new dataset loads the last saved state (none saved: it continues after its last hand-out)
+            ds[k].close()
+            ds[k] = pipe.dataset(0, replica=k, num_replicas=num_replicas)
+            if saved[k] is not None:
+                ds[k].load_state_dict(saved[k][0])
+                rows[k] = rows[k][: saved[k][1]]
+            its[k] = iter(ds[k])
+    for k in range(num_replicas):
+        rows[k] += [cf._replica_row(mb) for mb in its[k]]
+        assert rows[k] == ref, k
+        ds[k].commit(wait=True)
+    assert pipe.stats_light()["held_microbatches"][0] == 0
+
+
 # ------------------------------------------------------------------------------------------------ layouts
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dp=st.integers(1, 4), tp=st.integers(1, 4), pp=st.integers(1, 3))
