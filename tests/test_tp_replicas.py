@@ -67,6 +67,8 @@ def test_release_waits_for_the_slowest_replica_and_each_resumes_on_its_own():
     assert [cf._replica_row(mb) for mb in fast] == ref[0]
     pipe.stats_light()
     assert pipe.control.committed[0] == 0 and pipe.control.state.replicas.committed[0] == [len(ref[0]), 0]
+    unit = next(iter(pipe.control.unit_nodes))
+    assert f"its replicas committed up to [{len(ref[0])}, 0]" in pipe.control.holders(unit)  # what StoreFull says
     slow = pipe.dataset(0, replica=1, num_replicas=2)
     it = iter(slow)
     head = [cf._replica_row(next(it)) for _ in range(3)]
