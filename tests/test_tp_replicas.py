@@ -102,8 +102,8 @@ def test_a_new_replica_dataset_without_state_continues_after_its_own_last_hand_o
     assert got_a == got_b == ref[0]
 
 
-@pytest.mark.parametrize("release", ["handout", "commit"])
-def test_other_release_modes_release_once_every_replica_is_past(release):
+@pytest.mark.parametrize("release", ["step", "handout", "commit"])
+def test_every_release_mode_releases_once_every_replica_is_past(release):
     ref = _ref()
     pipe = _filled(release=release)
     a = pipe.dataset(0, replica=0, num_replicas=3)
@@ -122,6 +122,8 @@ def test_other_release_modes_release_once_every_replica_is_past(release):
     c.commit(wait=True)
     held = pipe.stats_light()["held_microbatches"][0]
     assert held == len(ref[0]) - 2, (release, held)  # replica 1 handed out (and committed) 2 micro-batches
+    snap = json.loads(json.dumps(pipe.control.state_dict()))  # loads back, positions and all
+    assert ControlPlane.from_state_dict(snap, lambda u, ids, w: None).state.replicas.to_dict() == snap["replicas"]
     assert [cf._replica_row(mb) for mb in it_b] == ref[0][2:] and [cf._replica_row(mb) for mb in it_c] == ref[0][3:]
     b.commit(wait=True)
     c.commit(wait=True)
@@ -153,7 +155,7 @@ def test_replica_positions_survive_a_control_plane_snapshot():
     assert snap["replicas"]["num"] == 2 and snap["replicas"]["committed"][1] == [0, 1]
     plane = ControlPlane.from_state_dict(snap, lambda unit, ids, wait: None)
     assert plane.state.replicas.to_dict() == snap["replicas"] and plane.start_position(1, 1) == 1
-    bad = {**snap, "replicas": {**snap["replicas"], "committed": [[0, 0], [1, 1]]}}
+    bad = {**snap, "replicas": {**snap["replicas"], "committed": [[0, 0], [2, 2]]}}
     with pytest.raises(knitdata.StateError, match="replicas.committed"):
         ControlPlane.from_state_dict(bad, lambda unit, ids, wait: None)
 

@@ -342,9 +342,9 @@ def _replicas(x: Any, n: int, committed: list[int], planned: list[int]) -> Repli
             raise _bad(f"replicas.{key}", f"a list of {n} lists", xs)
         rows[key] = [_ints(r, f"replicas.{key}[{i}]", num) for i, r in enumerate(xs)]
     for r in range(n):
-        if min(rows["committed"][r]) != committed[r]:
-            raise _bad(f"replicas.committed[{r}]", f"replica positions whose smallest is rank {r}'s committed "
-                       f"position {committed[r]}", rows["committed"][r])
+        if min(rows["committed"][r]) > committed[r]:
+            raise _bad(f"replicas.committed[{r}]", f"replica positions whose smallest is at most rank {r}'s "
+                       f"committed position {committed[r]}", rows["committed"][r])
     handed = _list(d["handed"], "replicas.handed")
     if len(handed) != n:
         raise _bad("replicas.handed", f"a list of {n} lists", handed)
