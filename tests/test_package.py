@@ -170,7 +170,7 @@ def test_benchmarks_use_only_the_public_api() -> None:
 #: The layers of docs/concepts.md ("Architecture: the layers"), top first: a module imports only from its own
 #: layer or below.
 LAYERS: list[tuple[str, ...]] = [
-    ("integrations", "encoder", "replicas"),
+    ("integrations", "encoder", "replicas", "parallel"),
     ("pipeline", "producer", "dataset", "consumer", "collate", "multimodal", "media", "rollout"),
     ("engines",),
     ("fetch", "handoff", "prefetch", "staging"),
