@@ -240,6 +240,11 @@ class HFMultimodalAdapter:
     def _extra_inputs(self, input_ids, mask, table, occ) -> dict[str, torch.Tensor]:
         return {}
 
+    def rows(self, shared: Any, i: int) -> Any:
+        """Micro-batch ``i``'s rows for :meth:`forward` from an open ``SharedMiniBatch`` (``shared.rows(i)``;
+        a several-tower family gathers every kind's)."""
+        return shared.rows(i)
+
     def forward(self, inputs: dict[str, torch.Tensor], rows: torch.Tensor | None, **kwargs: Any) -> Any:
         """The model's own forward with the shared rows at the placeholders.
 

@@ -229,8 +229,7 @@ class Qwen2_5OmniAdapter(HFMultimodalAdapter):
         kwargs.setdefault("dummy_input", self.dummy_inputs())
         return SharedEncoding(self.encoders, mode=mode, call=self.encoder_call, out_rows=self.out_rows, **kwargs)
 
-    @staticmethod
-    def rows(shared: Any, i: int) -> dict[str, Any]:
+    def rows(self, shared: Any, i: int) -> dict[str, Any]:
         """Micro-batch ``i``'s rows of every kind the mini-batch holds: ``{kind: rows or None}``.
 
         Args:
