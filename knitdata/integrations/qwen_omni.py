@@ -19,6 +19,10 @@ the model's forward keeps them). The forward is the model's own: image and video
 ``<vision_start> image|video <vision_end>`` and ``<audio_start> audio <audio_end>`` around one placeholder
 per item, as the model's processor writes them.
 
+Under DDP, freeze ``model.audio_tower.audio_bos_eos_token`` (``requires_grad_(False)``): the thinker's
+forward never uses it (its own duplicated path neither), and DDP with ``find_unused_parameters=False`` (what
+shared encoding's ``fold`` wants with one wrapper) fails on a parameter without a gradient.
+
 **Video frames** are decoded with PyAV (the ``video`` extra) and sampled by the collator's
 :class:`~knitdata.video.VideoSampling`; they are resized and normalized with the model's own image
 processor frame by frame (``temporal_patch_size=1``) and grouped into temporal patches in the layout of
