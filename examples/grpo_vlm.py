@@ -107,22 +107,9 @@ def tiny_omni_model(seed: int = 0) -> Any:
 
 def video_mp4(rng: np.random.Generator, frames: int = 6, side: int = 16) -> bytes:
     """A real MP4 (mpeg4) of ``frames`` random frames at 4 fps, made with PyAV."""
-    import io
+    from knitdata.video import encode_video
 
-    import av
-
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as c:
-        st = c.add_stream("mpeg4", rate=4)
-        st.width = st.height = side
-        st.pix_fmt = "yuv420p"
-        for _ in range(frames):
-            frame = av.VideoFrame.from_ndarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8), format="rgb24")
-            for pkt in st.encode(frame):
-                c.mux(pkt)
-        for pkt in st.encode():
-            c.mux(pkt)
-    return buf.getvalue()
+    return encode_video(rng.integers(0, 256, (frames, side, side, 3), dtype=np.uint8), fps=4)
 
 
 def image_processor() -> Any:

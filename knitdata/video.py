@@ -28,7 +28,16 @@ import torch
 from knitdata.errors import MediaError
 from knitdata.record import MediaItem
 
-__all__ = ["VideoSource", "VideoSampling", "probe_video", "load_video", "video_item", "check_frames", "video_key"]
+__all__ = [
+    "VideoSource",
+    "VideoSampling",
+    "probe_video",
+    "load_video",
+    "video_item",
+    "encode_video",
+    "check_frames",
+    "video_key",
+]
 
 #: What :func:`load_video` accepts: container bytes (MP4, WebM, MKV...) or a file path.
 VideoSource = Any
@@ -267,3 +276,34 @@ def video_key(item: MediaItem, sampling: VideoSampling) -> str:
     """
     return f"video:{item.digest}:{sampling.signature}"
 
+
+def encode_video(frames: torch.Tensor | np.ndarray, fps: int = 2, *, fmt: str = "mp4", codec: str | None = None) -> bytes:
+    """Encode frames into a container with PyAV (tests, benchmarks, synthetic rollouts).
+
+    Args:
+        frames: ``uint8 [T, 3, H, W]`` or ``[T, H, W, 3]`` RGB frames (even ``H`` and ``W`` for YUV 4:2:0).
+        fps: Frames per second of the stream.
+        fmt: Container format: ``"mp4"`` or ``"webm"`` (any muxer FFmpeg knows).
+        codec: Video codec; default ``mpeg4`` for MP4 (in every PyAV wheel), ``libvpx`` (VP8) for WebM.
+
+    Returns:
+        The container bytes.
+    """
+    av = _av()
+    t = torch.as_tensor(np.asarray(frames)) if isinstance(frames, np.ndarray) else frames.detach().cpu()
+    if t.dim() == 4 and t.shape[1] == 3 and t.shape[-1] != 3:
+        t = t.permute(0, 2, 3, 1)
+    if t.dtype != torch.uint8 or t.dim() != 4 or t.shape[-1] != 3:
+        raise MediaError(f"frames must be uint8 [T, 3, H, W] or [T, H, W, 3], got {t.dtype} {tuple(t.shape)}")
+    arr = np.ascontiguousarray(t.numpy())
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format=fmt) as container:
+        stream = container.add_stream(codec or {"webm": "libvpx"}.get(fmt, "mpeg4"), rate=fps)
+        stream.height, stream.width = int(arr.shape[1]), int(arr.shape[2])
+        stream.pix_fmt = "yuv420p"
+        for frame in arr:
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()

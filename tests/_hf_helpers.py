@@ -125,24 +125,10 @@ def tiny_feature_extractor():
 
 def tiny_video(frames: int = 6, size: tuple[int, int] = (16, 24), seed: int = 0, fmt: str = "mp4") -> bytes:
     """A real container (mp4 with mpeg4, or webm with vp8) of random frames at 4 fps, made with PyAV."""
-    import io
-
-    import av
+    from knitdata.video import encode_video
 
     rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    codec = {"mp4": "mpeg4", "webm": "libvpx"}[fmt]
-    with av.open(buf, mode="w", format=fmt) as c:
-        s = c.add_stream(codec, rate=4)
-        s.width, s.height = size[1], size[0]
-        s.pix_fmt = "yuv420p"
-        for _ in range(frames):
-            arr = rng.integers(0, 256, (size[0], size[1], 3), dtype=np.uint8)
-            for pkt in s.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
-                c.mux(pkt)
-        for pkt in s.encode():
-            c.mux(pkt)
-    return buf.getvalue()
+    return encode_video(rng.integers(0, 256, (frames, size[0], size[1], 3), dtype=np.uint8), fps=4, fmt=fmt)
 
 
 def random_media(family: str, rng: np.random.Generator):
