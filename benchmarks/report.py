@@ -1022,7 +1022,8 @@ def render_soak_kill(d: dict) -> str:
 
 @block("vlm", "vlm.json")
 def render_vlm(d: dict) -> str:
-    """SharedEncoding on Qwen2.5-VL and Qwen2-Audio configs: step time, speedup, peak memory, gradient difference."""
+    """SharedEncoding on Qwen2.5-VL, Qwen2-Audio, Qwen2.5-Omni and Qwen3-VL configs: step time, speedup, peak
+    memory, gradient difference."""
     r = d["vlm.json"]
     rows = []
     spread = []
