@@ -387,8 +387,19 @@ def setup_omni(ns: dict[str, Any]) -> None:
     ``image_processor`` and ``feature_extractor``; ``mp4``: a small MP4 container; ``pipe`` (one consumer) filled
     with 2 groups of 4 responses sharing an image, a video and an audio clip; ``rank`` 0 of ``world`` 1; ``opt``."""
     import numpy as np
-    from _hf_helpers import (AEND, ASTART, AUDIO_ID, IMAGE_ID, VEND, VIDEO_ID, VSTART, tiny_feature_extractor,
-                             tiny_image_processor, tiny_qwen2_5_omni, tiny_video)
+    from _hf_helpers import (
+        AEND,
+        ASTART,
+        AUDIO_ID,
+        IMAGE_ID,
+        VEND,
+        VIDEO_ID,
+        VSTART,
+        tiny_feature_extractor,
+        tiny_image_processor,
+        tiny_qwen2_5_omni,
+        tiny_video,
+    )
 
     from knitdata import BatchSpec, Pipeline, Trajectory, audio_item, image_item, video_item
 
