@@ -187,3 +187,21 @@ def test_qwen3_vl_rows_are_merged_plus_deepstack(q3):
     with pytest.raises(ConfigError, match="placeholder"):
         ad.forward(ad.collate(mbs[0], batch, 0), None) if batch.for_microbatch(0) else (_ for _ in ()).throw(
             ConfigError("placeholder"))
+
+
+def test_omni_dummy_encode_of_missing_kinds(omni):
+    """A rank whose mini-batch holds only images still runs both towers (zero-gradient dummy encodes of video and
+    audio), so that its collectives line up with ranks that hold them; the gradients are the native ones."""
+    ad = _omni_adapter(omni)
+    mbs = omni_layout(5, kinds=("image",), groups=2, group_size=2, k=2)
+    batch = ad.media_collator()(mbs)
+    assert batch.kinds == ("image",)
+    ad.model.zero_grad(set_to_none=True)
+    run_native(ad, mbs, batch, [1.0, 1.0])
+    ref = grads(ad.model)
+    ad.model.zero_grad(set_to_none=True)
+    run_shared_multi(ad, ad.shared_encoding("fold", dummy=True), mbs, batch, [1.0, 1.0])
+    got = grads(ad.model)
+    audio = [n for n in got if n.startswith("model.audio_tower.")]
+    assert audio and all(float(got[n].abs().max()) == 0.0 for n in audio)  # ran, with a zero gradient
+    assert max_rel_diff({n: g for n, g in got.items() if n in ref}, ref) <= 1e-6

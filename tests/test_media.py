@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from knitdata.errors import MediaError
@@ -296,3 +298,41 @@ def test_one_video_shared_by_a_group_is_decoded_once_per_minibatch():
     col1 = MultimodalCollator({}, key="digest", video_sampling=VideoSampling(fps=1.0))
     col2 = MultimodalCollator({}, key="digest", video_sampling=VideoSampling(fps=2.0))
     assert col1.processor.key_of(a, None) != col2.processor.key_of(a, None)  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(total=st.integers(1, 400), duration=st.floats(0.05, 120.0), fps=st.floats(0.1, 30.0),
+       num=st.integers(1, 64), factor=st.integers(1, 4), by_rate=st.booleans())
+def test_video_sampling_properties(total, duration, fps, num, factor, by_rate):
+    from knitdata.video import VideoSampling
+
+    s = VideoSampling(fps=fps, frame_factor=factor) if by_rate else VideoSampling(fps=None, num_frames=num,
+                                                                                  frame_factor=factor)
+    idx = s.indices(total, duration)
+    assert idx.numel() == s.count(total, duration) and idx.numel() % factor == 0 and idx.numel() >= factor
+    assert int(idx.min()) >= 0 and int(idx.max()) < total and bool((idx[1:] >= idx[:-1]).all())
+    if by_rate:
+        assert idx.numel() <= max(s.max_frames, factor)
+
+
+def test_video_frames_items_and_encode_errors():
+    pytest.importorskip("av")
+    from knitdata.media import check_media_item
+    from knitdata.video import encode_video, load_video, video_item
+
+    frames = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
+    item = video_item(frames)
+    assert item.kind == "video" and torch.equal(item.tensor, frames)
+    proc = MediaProcessor({"video": lambda x, fps: (x.float().flatten(1), {"fps": torch.tensor(fps)})})
+    pm = proc.process(item)
+    assert pm.tensor.shape == (4, 3 * 16 * 16) and float(pm.meta["fps"]) == 2.0
+    with pytest.raises(MediaError, match="uint8"):
+        video_item(frames.float())
+    with pytest.raises(MediaError, match="uint8"):
+        check_media_item(MediaItem("video", tensor=torch.zeros(4, 5, 16, 16, dtype=torch.uint8)),
+                         trajectory_id="t", index=0)
+    with pytest.raises(MediaError):
+        encode_video(torch.zeros(2, 16, 16))
+    data = encode_video(frames, fps=2, fmt="webm")
+    out, fps = load_video(data)
+    assert out.shape == (4, 3, 16, 16) and fps == 2.0
