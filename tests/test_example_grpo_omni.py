@@ -29,6 +29,7 @@ def _launch(n: int, out: Path, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # about a minute of process start-up on 2 busy cores; the gradients are tested in test_integrations_omni
 @pytest.mark.timeout(TIMEOUT_S + 30)
 def test_grpo_omni_one_process_matches_the_duplicated_forward(tmp_path):
     res = _launch(1, tmp_path / "one.json", "--check-grads")

@@ -167,6 +167,8 @@ def test_qwen3_vl_gradients_with_deepstack_equal_native(q3, mode):
     ad = qwen3_vl(q3, tiny_image_processor())
     mbs = omni_layout(3, kinds=("image",), groups=3, group_size=3, k=3)
     batch, err, ref = _compare(ad, mbs, mode, False)
+    per_mb = [set(mm["image"].index.tolist()) for mm in batch.occurrences if "image" in mm]
+    assert any(a & b for x, a in enumerate(per_mb) for b in per_mb[x + 1:])  # an image shared across micro-batches
     assert any("deepstack_merger_list" in n for n in ref)  # the deepstack mergers are trained through E
     assert any(".visual.blocks.0." in n for n in ref)
     assert err <= 1e-6, err
