@@ -174,6 +174,7 @@ def _build_model(cfg: VLMConfig, family: str, text_tokens: int) -> Any:
     special = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     text.setdefault("max_position_embeddings", max(4096, 4 * text_tokens))
     make: Callable[[], transformers.PreTrainedModel]  # the family's model class on its config
+    vision: dict[str, Any]
     if family == "qwen2_5_vl":
         half = int(text["hidden_size"]) // int(text["num_attention_heads"]) // 2
         text.setdefault("rope_scaling", {"type": "mrope", "mrope_section": [half // 4, half // 4, half - 2 * (half // 4)]})
@@ -190,7 +191,8 @@ def _build_model(cfg: VLMConfig, family: str, text_tokens: int) -> Any:
         audio = dict(cfg.audio)
         audio.setdefault("n_window", min(100, int(audio.get("max_source_positions", 1500))))
         audio["output_dim"] = int(text["hidden_size"])
-        oconf = transformers.Qwen2_5OmniThinkerConfig(
+        # the thinker config keeps vision_start/end_token_id (its get_rope_index reads them) without declaring them
+        oconf = transformers.Qwen2_5OmniThinkerConfig(  # type: ignore[call-arg]
             vision_config=vision, audio_config=audio, text_config={**text, **special, **_mrope(text)},
             image_token_index=vocab - 4, video_token_index=vocab - 3, audio_token_index=vocab - 5,
             vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1, audio_start_token_id=vocab - 6,
@@ -200,8 +202,10 @@ def _build_model(cfg: VLMConfig, family: str, text_tokens: int) -> Any:
     elif family == "qwen3_vl":
         keys = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size")
         depth = int(cfg.vision.get("depth", 4))
-        vision = dict(patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3,
-                      num_position_embeddings=2304, deepstack_visual_indexes=sorted({max(0, depth // 3), depth // 2}))
+        vision = dict(
+            patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=2304,
+            deepstack_visual_indexes=sorted({max(0, depth // 3), depth // 2}),
+        )
         vision.update({k: v for k, v in cfg.vision.items() if k in keys})
         t3 = {**text, **special, **_mrope(text, interleaved=True)}
         t3["head_dim"] = int(text["hidden_size"]) // int(text["num_attention_heads"])

@@ -113,8 +113,8 @@ class TQServer:
                     video = next(m for m in group[0].media if m.kind == "video")
                     audio = next(m for m in group[0].media if m.kind == "audio")
                     assert video.data is not None and audio.data is not None
-                    for name, item in (("video", video), ("audio", audio)):
-                        raw = torch.from_numpy(np.frombuffer(item.data, dtype=np.uint8).copy())
+                    for name, data in (("video", video.data), ("audio", audio.data)):
+                        raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
                         fields[name] = raw.unsqueeze(0).expand(n, -1).contiguous()
                 elif w.workload == "omni":
                     frames = [m.tensor for m in group[0].media if m.kind == "image" and m.tensor is not None]
