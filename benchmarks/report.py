@@ -1022,7 +1022,8 @@ def render_soak_kill(d: dict) -> str:
 
 @block("vlm", "vlm.json")
 def render_vlm(d: dict) -> str:
-    """SharedEncoding on Qwen2.5-VL and Qwen2-Audio configs: step time, speedup, peak memory, gradient difference."""
+    """SharedEncoding on Qwen2.5-VL, Qwen2-Audio, Qwen2.5-Omni and Qwen3-VL configs: step time, speedup, peak
+    memory, gradient difference."""
     r = d["vlm.json"]
     rows = []
     spread = []
@@ -1040,6 +1041,11 @@ def render_vlm(d: dict) -> str:
              table(["family", "size", "mode", "step s", "speedup", "peak mem", "grad diff"], rows, "lllrrrr")]
     if spread:
         parts.append(f"Per-repetition step times of one mode vary by up to {max(spread) * 100:.0f}% (`step_s_all`).")
+    decodes = {(e.get("family"), e.get("size")): e.get("video_decodes") for e in r.get("results") or []
+               if e.get("video_decodes")}
+    for (fam, size), dec in decodes.items():
+        parts.append(f"{fam} {size}: {len(dec)} unique videos per mini-batch, each container decoded "
+                     f"{'/'.join(str(x) for x in dec)} time(s) (`video_decodes`).")
     return _join(*parts)
 
 

@@ -3,8 +3,9 @@
 One fixed multimodal RL workload (the seed's Figures 8 and 11a-c): groups of ``n = 8`` trajectories of 2,048
 tokens that share one ``3x448x448`` uint8 image per group, 4 consumer processes, micro-batches of 4
 trajectories, 4 micro-batches per step, one torch thread per process, warm-up steps excluded, start-up
-excluded. ``--workload omni`` gives each group a short video (frames as image items; 4 frames at 224 px by
-default on this 2-core machine; the seed's 16 at 448 px with ``--omni-seed-size``, which also defaults to 1 + 4
+excluded. ``--workload omni`` gives each group a short video (an MP4 container made with PyAV, decoded and
+sampled by the consumers with ``knitdata.video``; ``--omni-video frames`` stores its frames as image items
+instead; 4 frames at 224 px by default on this 2-core machine; the seed's 16 at 448 px with ``--omni-seed-size``, which also defaults to 1 + 4
 steps and each mode alone) and a 30 s 16 kHz audio clip stored as FLAC bytes and decoded with soundfile; the model
 gets an audio encoder. It is delivered by
 
@@ -564,6 +565,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="omni: video frames (default 4; smoke 2; the seed's setting is 16)")
     parser.add_argument("--omni-px", type=int, default=None,
                         help="omni: frame side in px (default 224; smoke 112; the seed's setting is 448)")
+    parser.add_argument("--omni-video", choices=("container", "frames"), default="container",
+                        help="omni: the video as one MP4 container decoded by the consumers with PyAV (default; "
+                             "the video extra) or as its frames stored as image items")
     parser.add_argument("--omni-seed-size", action="store_true",
                         help=f"the omni workload at the seed's size: {SEED_OMNI_FRAMES} frames at {SEED_OMNI_PX} px and "
                              "30 s of 16 kHz audio per group (implies --workload omni; default 1 + 4 steps and "
@@ -609,7 +613,8 @@ def _workload_of(args: argparse.Namespace, steps: int, warmup: int) -> tuple[Tra
         frames = args.omni_frames if args.omni_frames is not None else (
             SEED_OMNI_FRAMES if seed else (2 if args.smoke else 4))
         px = args.omni_px if args.omni_px is not None else (SEED_OMNI_PX if seed else (112 if args.smoke else 224))
-        return omni_workload(frames, px, cfg=cfg, steps=steps, warmup_steps=warmup), cfg
+        container = getattr(args, "omni_video", "container") == "container"
+        return omni_workload(frames, px, cfg=cfg, steps=steps, warmup_steps=warmup, video_container=container), cfg
     if args.smoke:  # 2 consumer processes (ranks) instead of 4: half the processes to start, still several ranks
         return TransferWorkload(steps=steps, warmup_steps=warmup, num_consumers=2), SMOKE_VLM
     return TransferWorkload(steps=steps, warmup_steps=warmup), TINY_VLM

@@ -1,9 +1,10 @@
 """Shared encoding on real architectures: a model's own duplicated forward vs fold, leaf and recompute.
 
-Random-init ``transformers`` models built from configs (nothing downloaded): Qwen2.5-VL (images) and
-Qwen2-Audio (audio clips). One optimizer step's mini-batch holds ``groups`` prompts, each with one image or
-clip shared by the ``group_size`` responses of its group (GRPO), shuffled into ``microbatches``
-micro-batches of equal size. Per family and mode, measured side by side in one run (interleaved repetitions,
+Random-init ``transformers`` models built from configs (nothing downloaded): Qwen2.5-VL (images),
+Qwen2-Audio (audio clips), the Qwen2.5-Omni thinker (an image, a video and an audio clip in every prompt; the
+video a real container decoded with PyAV) and Qwen3-VL (images, deepstack features included). One optimizer
+step's mini-batch holds ``groups`` prompts, each with its media shared by the ``group_size`` responses of its
+group (GRPO), shuffled into ``microbatches`` micro-batches of equal size. Per family and mode, measured side by side in one run (interleaved repetitions,
 medians):
 
 * ``native``: the model's own forward with every trajectory's copy of its media
@@ -20,7 +21,9 @@ medians):
   allocations through Python's allocator, not the C++ allocator holding tensors; torch keeps no peak
   statistics of CPU tensor memory. The RSS growth also counts the gradient buffers (the same in every mode)
   and allocator slack, so compare modes with each other, not with tensor sizes;
-* ``max_rel_grad_diff``: the largest per-parameter ``max |g - g_native| / max |g_native|`` after one step.
+* ``max_rel_grad_diff``: the largest per-parameter ``max |g - g_native| / max |g_native|`` after one step;
+* ``video_decodes``: (omni) how many times each unique video's container was decoded while the mini-batch's
+  media were collated (1 each: decoded once per unique video per mini-batch, whatever the group size).
 
 Presets: the default CPU config (small models, one torch thread), ``--smoke`` (tiny, seconds, no memory
 subprocesses; used by the tests) and ``--gpu`` (one CUDA device: a Qwen2.5-VL-3B-shaped model in bfloat16
@@ -63,16 +66,20 @@ class VLMConfig:
     """Workload of the vlm benchmark.
 
     Attributes:
-        families: Model families to measure (``qwen2_5_vl``, ``qwen2_audio``).
-        image_sizes: Square image sides in pixels (Qwen2.5-VL), one workload each.
+        families: Model families to measure (``qwen2_5_vl``, ``qwen2_audio``, ``qwen2_5_omni``, ``qwen3_vl``).
+        image_sizes: Square image sides in pixels (Qwen2.5-VL, Qwen3-VL), one workload each; the omni
+            workload uses the first.
         text_tokens: Prompt plus response tokens per trajectory, per image size (or one for all).
-        audio_seconds: Clip length (Qwen2-Audio).
+        audio_seconds: Clip length (Qwen2-Audio, Qwen2.5-Omni).
+        video_frames: Frames of the omni workload's video (sampled at 2 per second from a container of
+            that many frames at 2 fps).
+        video_size: Square frame side in pixels of that video.
         groups: Unique media items (prompts) per mini-batch.
         group_size: Trajectories sharing one item (GRPO ``n``).
         microbatches: Micro-batches per optimizer step.
-        vision: Qwen2.5-VL vision config overrides.
-        text: Language model config overrides (both families).
-        audio: Qwen2-Audio audio config overrides.
+        vision: Vision config overrides (Qwen2.5-VL, the omni thinker; Qwen3-VL takes its size keys).
+        text: Language model config overrides (every family).
+        audio: Audio config overrides (Qwen2-Audio, the omni thinker).
         dtype: ``"float32"`` or ``"bfloat16"``.
         device: ``"cpu"`` or ``"cuda"``.
         warmup: Untimed steps per mode.
@@ -81,10 +88,12 @@ class VLMConfig:
         seed: Seed of the parameters and the layout.
     """
 
-    families: tuple[str, ...] = ("qwen2_5_vl", "qwen2_audio")
+    families: tuple[str, ...] = ("qwen2_5_vl", "qwen2_audio", "qwen2_5_omni", "qwen3_vl")
     image_sizes: tuple[int, ...] = (224,)
     text_tokens: tuple[int, ...] = (128,)
     audio_seconds: float = 4.0
+    video_frames: int = 8
+    video_size: int = 112
     groups: int = 2
     group_size: int = 8
     microbatches: int = 8
@@ -111,7 +120,8 @@ class VLMConfig:
     def smoke(cls) -> VLMConfig:
         """A tiny workload that runs in seconds (for tests)."""
         return cls(
-            image_sizes=(56,), text_tokens=(24,), audio_seconds=0.5, groups=2, group_size=2, microbatches=2,
+            image_sizes=(64,), text_tokens=(24,), audio_seconds=0.5, video_frames=4, video_size=32, groups=2,
+            group_size=2, microbatches=2,
             vision=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                         fullatt_block_indexes=[0]),
             text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -152,6 +162,7 @@ class Workload:
     batch: Any
     inputs: list
     scales: list[float]
+    video_decodes: list[int] = field(default_factory=list)
 
 
 def _build_model(cfg: VLMConfig, family: str, text_tokens: int) -> Any:
@@ -163,6 +174,7 @@ def _build_model(cfg: VLMConfig, family: str, text_tokens: int) -> Any:
     special = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     text.setdefault("max_position_embeddings", max(4096, 4 * text_tokens))
     make: Callable[[], transformers.PreTrainedModel]  # the family's model class on its config
+    vision: dict[str, Any]
     if family == "qwen2_5_vl":
         half = int(text["hidden_size"]) // int(text["num_attention_heads"]) // 2
         text.setdefault("rope_scaling", {"type": "mrope", "mrope_section": [half // 4, half // 4, half - 2 * (half // 4)]})
@@ -173,6 +185,35 @@ def _build_model(cfg: VLMConfig, family: str, text_tokens: int) -> Any:
             vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1,
         )
         make = functools.partial(transformers.Qwen2_5_VLForConditionalGeneration, conf)
+    elif family == "qwen2_5_omni":
+        vision = dict(patch_size=14, temporal_patch_size=2, spatial_merge_size=2, window_size=112, in_channels=3)
+        vision.update(cfg.vision)
+        audio = dict(cfg.audio)
+        audio.setdefault("n_window", min(100, int(audio.get("max_source_positions", 1500))))
+        audio["output_dim"] = int(text["hidden_size"])
+        # the thinker config keeps vision_start/end_token_id (its get_rope_index reads them) without declaring them
+        oconf = transformers.Qwen2_5OmniThinkerConfig(  # type: ignore[call-arg]
+            vision_config=vision, audio_config=audio, text_config={**text, **special, **_mrope(text)},
+            image_token_index=vocab - 4, video_token_index=vocab - 3, audio_token_index=vocab - 5,
+            vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1, audio_start_token_id=vocab - 6,
+            audio_end_token_id=vocab - 7,
+        )
+        make = functools.partial(transformers.Qwen2_5OmniThinkerForConditionalGeneration, oconf)
+    elif family == "qwen3_vl":
+        keys = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size")
+        depth = int(cfg.vision.get("depth", 4))
+        vision = dict(
+            patch_size=16, temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=2304,
+            deepstack_visual_indexes=sorted({max(0, depth // 3), depth // 2}),
+        )
+        vision.update({k: v for k, v in cfg.vision.items() if k in keys})
+        t3 = {**text, **special, **_mrope(text, interleaved=True)}
+        t3["head_dim"] = int(text["hidden_size"]) // int(text["num_attention_heads"])
+        qconf = transformers.Qwen3VLConfig(
+            vision_config=vision, text_config=t3, image_token_id=vocab - 4, video_token_id=vocab - 3,
+            vision_start_token_id=vocab - 2, vision_end_token_id=vocab - 1,
+        )
+        make = functools.partial(transformers.Qwen3VLForConditionalGeneration, qconf)
     else:
         aconf = transformers.Qwen2AudioConfig(
             audio_config=dict(cfg.audio), text_config={"model_type": "qwen2", **text, **special},
@@ -190,6 +231,28 @@ def _build_model(cfg: VLMConfig, family: str, text_tokens: int) -> Any:
     return model.to(dtype).train()
 
 
+def _mrope(text: dict[str, Any], interleaved: bool = False) -> dict[str, Any]:
+    """``rope_parameters`` with an M-RoPE section split of the head (transformers 5 configs)."""
+    if "rope_parameters" in text or "rope_scaling" in text:
+        return {}
+    half = int(text["hidden_size"]) // int(text["num_attention_heads"]) // 2
+    section = [half // 4, half // 4, half - 2 * (half // 4)]
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": section}
+    if interleaved:
+        params["mrope_interleaved"] = True
+    return {"rope_parameters": params}
+
+
+def _video_container(frames: int, size: int, seed: int) -> bytes:
+    """A real MP4 (mpeg4) of ``frames`` random frames at 2 fps, made with PyAV."""
+    import numpy as np
+
+    from knitdata.video import encode_video
+
+    rng = np.random.default_rng(seed)
+    return encode_video(rng.integers(0, 256, (frames, size, size, 3), dtype=np.uint8), fps=2)
+
+
 def build_workload(cfg: VLMConfig, family: str, index: int = 0) -> Workload:
     """Build the model, the trajectories and the collated batch of one family and size."""
     import numpy as np
@@ -197,35 +260,55 @@ def build_workload(cfg: VLMConfig, family: str, index: int = 0) -> Workload:
     from knitdata.integrations.transformers import adapter_for
     from knitdata.media import audio_item, image_item
     from knitdata.record import Trajectory
+    from knitdata.video import video_item
 
     tokens = cfg.text_tokens[min(index, len(cfg.text_tokens) - 1)]
     model = _build_model(cfg, family, tokens)
     adapter = adapter_for(model)
     rng = np.random.default_rng(cfg.seed + index)
     vocab = int(cfg.text.get("vocab_size", 1024))
-    if family == "qwen2_5_vl":
+    def image() -> Any:
         px = cfg.image_sizes[index]
-        size = f"{px}px"
-        media = [image_item(torch.from_numpy(rng.integers(0, 256, (3, px, px), dtype=np.uint8))) for _ in range(cfg.groups)]
+        return image_item(torch.from_numpy(rng.integers(0, 256, (3, px, px), dtype=np.uint8)))
+
+    def audio() -> Any:
+        n = int(cfg.audio_seconds * 16000)
+        return audio_item(rng.standard_normal(n).astype(np.float32) * 0.1, sample_rate=16000)
+
+    media: list[list[Any]]
+    if family in ("qwen2_5_vl", "qwen3_vl"):
+        size = f"{cfg.image_sizes[index]}px"
+        media = [[image()] for _ in range(cfg.groups)]
+    elif family == "qwen2_5_omni":
+        size = f"{cfg.image_sizes[index]}px+{cfg.video_frames}x{cfg.video_size}px+{cfg.audio_seconds:g}s"
+        media = [[image(), video_item(_video_container(cfg.video_frames, cfg.video_size, cfg.seed + g)), audio()]
+                 for g in range(cfg.groups)]
     else:
         size = f"{cfg.audio_seconds:g}s"
-        n = int(cfg.audio_seconds * 16000)
-        media = [audio_item(rng.standard_normal(n).astype(np.float32) * 0.1, sample_rate=16000) for _ in range(cfg.groups)]
+        media = [[audio()] for _ in range(cfg.groups)]
     trajs = []
     half = max(1, tokens // 2)
-    for g, item in enumerate(media):
+    for g, items in enumerate(media):
         prompt = rng.integers(3, vocab - 8, size=half).tolist()
-        prompt[1] = adapter.placeholder_id
+        for j, item in enumerate(items):  # one placeholder per item (the omni thinker's in start/end tokens)
+            pid = adapter.placeholders[item.kind]
+            if family == "qwen2_5_omni":
+                start, end = (vocab - 6, vocab - 7) if item.kind == "audio" else (vocab - 2, vocab - 1)
+                prompt[1 + 3 * j: 4 + 3 * j] = [start, pid, end]
+            else:
+                prompt[1 + j] = pid
         for m in range(cfg.group_size):
             resp = rng.integers(3, vocab - 8, size=max(1, tokens - half)).tolist()
             trajs.append(Trajectory(id=f"g{g}m{m}", source="bench", group=f"g{g}", prompt_ids=torch.tensor(prompt),
-                                    response_ids=torch.tensor(resp), media=[item]))
+                                    response_ids=torch.tensor(resp), media=list(items)))
     random.Random(cfg.seed).shuffle(trajs)
     k = cfg.microbatches
     mbs = [trajs[i::k] for i in range(k)]
-    batch = adapter.media_collator()(mbs).to(cfg.device)
+    collator = adapter.media_collator()
+    batch = collator(mbs).to(cfg.device)
     inputs = [{key: v.to(cfg.device) for key, v in adapter.collate(mb, batch, i).items()} for i, mb in enumerate(mbs)]
-    return Workload(family, size, model, adapter, mbs, batch, inputs, [1.0 / k] * k)
+    decodes = sorted(collator.processor.decodes.values())
+    return Workload(family, size, model, adapter, mbs, batch, inputs, [1.0 / k] * k, decodes)
 
 
 def run_step(w: Workload, mode: str) -> None:
@@ -238,7 +321,7 @@ def run_step(w: Workload, mode: str) -> None:
     shared = w.adapter.shared_encoding(mode, dummy=False)
     with shared.minibatch(w.batch) as sm:
         for i, inp in enumerate(w.inputs):
-            sm.backward(w.adapter.forward(inp, sm.rows(i)).loss * w.scales[i])
+            sm.backward(w.adapter.forward(inp, w.adapter.rows(sm, i)).loss * w.scales[i])
 
 
 def _sync(device: str) -> None:
@@ -306,7 +389,7 @@ def run_bench(cfg: VLMConfig, progress: bool = True) -> dict[str, Any]:
     if not cuda:
         torch.set_num_threads(1)
     load_before = os.getloadavg()
-    work = [(f, i) for f in cfg.families for i in (range(len(cfg.image_sizes)) if f == "qwen2_5_vl" else [0])]
+    work = [(f, i) for f in cfg.families for i in (range(len(cfg.image_sizes)) if f in ("qwen2_5_vl", "qwen3_vl") else [0])]
     bar = tqdm(total=len(work) * len(MODES) * (cfg.warmup + cfg.repeats + 1), desc="bench vlm", disable=not progress,
                leave=False)
     results: list[dict[str, Any]] = []
@@ -356,7 +439,11 @@ def run_bench(cfg: VLMConfig, progress: bool = True) -> dict[str, Any]:
                 "max_rel_grad_diff": diff,
                 "unique_items": w.batch.num_unique,
                 "occurrences": w.batch.num_occurrences,
-                "encoder_rows_per_item": float(w.adapter.out_rows(w.batch.tables[w.adapter.kind]).float().mean()),
+                "encoder_rows_per_item": {
+                    kind: float(w.adapter.out_rows(t).float().mean()) for kind, t in sorted(w.batch.tables.items())
+                },
+                "unique_items_by_kind": {kind: t.num_items for kind, t in sorted(w.batch.tables.items())},
+                "video_decodes": list(w.video_decodes),
                 "text_tokens": int(w.inputs[0]["attention_mask"].sum(-1).float().mean()),
                 "step_s_all": times[mode],
             })
@@ -380,12 +467,12 @@ def run_bench(cfg: VLMConfig, progress: bool = True) -> dict[str, Any]:
 
 def format_table(report: dict[str, Any]) -> str:
     """The results as a text table."""
-    head = f"{'family':<12} {'size':>6} {'mode':<10} {'step s':>9} {'speedup':>8} {'peak mem':>10} {'grad diff':>10}"
+    head = f"{'family':<12} {'size':>22} {'mode':<10} {'step s':>9} {'speedup':>8} {'peak mem':>10} {'grad diff':>10}"
     lines = [head, "-" * len(head)]
     for r in report["results"]:
         mem = "-" if r["peak_mem_bytes"] is None else f"{r['peak_mem_bytes'] / 2**20:.1f}M"
         lines.append(
-            f"{r['family']:<12} {r['size']:>6} {r['mode']:<10} {r['step_s']:>9.4f} {r['speedup']:>8.2f} {mem:>10} "
+            f"{r['family']:<12} {r['size']:>22} {r['mode']:<10} {r['step_s']:>9.4f} {r['speedup']:>8.2f} {mem:>10} "
             f"{r['max_rel_grad_diff']:>10.2e}"
         )
     la, lb = report["loadavg_before"], report["loadavg_after"]
@@ -401,7 +488,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     preset.add_argument("--smoke", action="store_true", help="tiny models, seconds, no memory subprocesses (tests)")
     preset.add_argument("--gpu", action="store_true", help="Qwen2.5-VL-3B-shaped, bf16, 448 and 896 px on one GPU")
     parser.add_argument("--families", type=lambda s: tuple(s.split(",")), default=None,
-                        help="comma-separated families (qwen2_5_vl,qwen2_audio)")
+                        help="comma-separated families (qwen2_5_vl,qwen2_audio,qwen2_5_omni,qwen3_vl)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per mode")
     parser.add_argument("--no-mem", action="store_true", help="skip the peak-memory measurement")
 

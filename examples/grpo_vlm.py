@@ -30,7 +30,14 @@ What it shows:
   where fold also runs the encoder's backward), one optimizer step per mini-batch;
 * ``--check-grads``: on the first mini-batch, the gradients also equal the model's own duplicated forward
   (every trajectory's copy of its image through the model's normal forward), printed as
-  ``max_rel_grad_diff`` (one process only).
+  ``max_rel_grad_diff`` (one process only);
+* ``--family qwen2_5_omni``: the same loop on a tiny random-init Qwen2.5-Omni thinker, every prompt with an
+  image, a video (a real MP4 container made with PyAV, decoded and sampled at 2 frames per second by the
+  collator) and an audio clip, all shared by the group: both towers (vision for images and video, audio) encode
+  each unique item once per optimizer step (needs the ``video`` extra)::
+
+      accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
+          --dynamo_backend no --main_process_port 29513 examples/grpo_vlm.py --family qwen2_5_omni
 """
 
 from __future__ import annotations
@@ -54,7 +61,9 @@ from knitdata.media import image_item
 
 VOCAB = 128
 IMAGE_ID, VIDEO_ID, VSTART, VEND = 120, 121, 122, 123
+AUDIO_ID, ASTART, AEND = 124, 125, 126
 SOURCES = ("caption", "count")
+FAMILIES = ("qwen2_5_vl", "qwen2_5_omni")
 
 
 def tiny_model(seed: int = 0) -> Any:
@@ -73,6 +82,34 @@ def tiny_model(seed: int = 0) -> Any:
     )
     torch.manual_seed(seed)
     return Qwen2_5_VLForConditionalGeneration(cfg)
+
+
+def tiny_omni_model(seed: int = 0) -> Any:
+    """A tiny random-init Qwen2.5-Omni thinker: the vision tower above, a 1-layer audio tower (16 mel bins)."""
+    from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
+
+    cfg = Qwen2_5OmniThinkerConfig(
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
+                           patch_size=4, temporal_patch_size=2, spatial_merge_size=2, window_size=16,
+                           fullatt_block_indexes=[1], in_channels=3),
+        audio_config=dict(d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, num_mel_bins=16,
+                          max_source_positions=200, n_window=20, output_dim=32),
+        text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        image_token_index=IMAGE_ID, video_token_index=VIDEO_ID, audio_token_index=AUDIO_ID, vision_start_token_id=VSTART,
+        vision_end_token_id=VEND, audio_start_token_id=ASTART, audio_end_token_id=AEND,
+    )
+    torch.manual_seed(seed)
+    return Qwen2_5OmniThinkerForConditionalGeneration(cfg)
+
+
+def video_mp4(rng: np.random.Generator, frames: int = 6, side: int = 16) -> bytes:
+    """A real MP4 (mpeg4) of ``frames`` random frames at 4 fps, made with PyAV."""
+    from knitdata.video import encode_video
+
+    return encode_video(rng.integers(0, 256, (frames, side, side, 3), dtype=np.uint8), fps=4)
 
 
 def image_processor() -> Any:
@@ -95,15 +132,25 @@ def _reward(source: str, response: torch.Tensor) -> float:
     return float((response % 2 == 0).float().mean())
 
 
-def rollout_group(seed: int, batch: int, source: str, index: int, group_size: int, gen_version: int) -> list[Trajectory]:
-    """One GRPO group: one prompt image shared by ``group_size`` responses; group-relative advantages."""
+def rollout_group(seed: int, batch: int, source: str, index: int, group_size: int, gen_version: int,
+                  family: str = "qwen2_5_vl") -> list[Trajectory]:
+    """One GRPO group: one prompt image (omni: an image, a video and an audio clip) shared by ``group_size``
+    responses; group-relative advantages."""
     group = f"b{batch}-{source}-g{index}"
     g = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{group}".encode()))
     rng = np.random.default_rng(zlib.crc32(group.encode()))
     h, w = (int(x) * 8 for x in rng.integers(2, 5, size=2))
-    img = image_item(torch.from_numpy(rng.integers(0, 256, (3, h, w), dtype=np.uint8)))
+    media = [image_item(torch.from_numpy(rng.integers(0, 256, (3, h, w), dtype=np.uint8)))]
+    marks = [VSTART, IMAGE_ID, VEND]
+    if family == "qwen2_5_omni":
+        from knitdata.media import audio_item
+        from knitdata.video import video_item
+
+        media += [video_item(video_mp4(rng, frames=int(rng.integers(4, 9)))),
+                  audio_item(rng.standard_normal(int(rng.integers(20, 60)) * 160).astype(np.float32), sample_rate=16000)]
+        marks += [VSTART, VIDEO_ID, VEND, ASTART, AUDIO_ID, AEND]
     text = torch.randint(3, 100, (int(torch.randint(2, 6, (1,), generator=g)),), generator=g).tolist()
-    prompt = torch.tensor([1, VSTART, IMAGE_ID, VEND, *text])
+    prompt = torch.tensor([1, *marks, *text])
     responses = [torch.randint(3, 100, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g)
                  for _ in range(group_size)]
     rewards = torch.tensor([_reward(source, r) for r in responses])
@@ -111,18 +158,18 @@ def rollout_group(seed: int, batch: int, source: str, index: int, group_size: in
     return [
         Trajectory(id=f"{group}-r{j}", source=source, group=group, prompt_ids=prompt.clone(), response_ids=r,
                    gen_version=gen_version, scalars={"reward": float(rewards[j]), "advantage": float(adv[j])},
-                   media=[img])
+                   media=list(media))
         for j, r in enumerate(responses)
     ]
 
 
-def rollout_stream(spec: BatchSpec, train_batches: int, seed: int = 0):
+def rollout_stream(spec: BatchSpec, train_batches: int, seed: int = 0, family: str = "qwen2_5_vl"):
     per_source = {s: spec.quotas[s] // spec.group_size for s in spec.sources}
     for b in range(train_batches):
         for i in range(max(per_source.values())):
             for s in spec.sources:
                 if i < per_source[s]:
-                    yield from rollout_group(seed, b, s, i, spec.group_size, b * spec.num_minibatches)
+                    yield from rollout_group(seed, b, s, i, spec.group_size, b * spec.num_minibatches, family)
 
 
 def policy_loss(out: Any, inputs: dict[str, torch.Tensor], advantage: torch.Tensor,
@@ -151,7 +198,7 @@ def open_pipeline(args: argparse.Namespace, world: int) -> tuple[Any, threading.
 
     def produce() -> None:
         try:
-            for traj in rollout_stream(spec, args.train_batches, args.seed):
+            for traj in rollout_stream(spec, args.train_batches, args.seed, args.family):
                 pipe.put(traj)
         finally:
             pipe.close()
@@ -184,6 +231,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-minibatches", type=int, default=2)
     p.add_argument("--token-budget", type=int, default=32, help="most tokens per micro-batch (planner; counts one token per image placeholder)")
     p.add_argument("--mode", choices=("fold", "leaf", "recompute", "naive"), default="fold")
+    p.add_argument("--family", choices=FAMILIES, default="qwen2_5_vl",
+                   help="qwen2_5_omni: image, video and audio per prompt through a Qwen2.5-Omni thinker")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-grads", action="store_true", help="compare the first step with the duplicated path")
@@ -198,15 +247,26 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate.utils import gather_object, set_seed
 
     from knitdata.integrations.accelerate import prepare_loader
-    from knitdata.integrations.transformers import qwen2_5_vl
+    from knitdata.integrations.transformers import qwen2_5_omni, qwen2_5_vl
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(args.seed)
-    model = tiny_model(args.seed)  # the same parameters on every rank
+    omni = args.family == "qwen2_5_omni"
+    model = tiny_omni_model(args.seed) if omni else tiny_model(args.seed)  # the same parameters on every rank
+    if omni:  # the thinker's forward never uses this table (the model's own path neither): DDP wants it frozen
+        model.model.audio_tower.audio_bos_eos_token.requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, opt = accelerator.prepare(model, opt)
-    adapter = qwen2_5_vl(model, image_processor())  # calls the DDP wrapper's forward, encodes with model.visual
+    if omni:  # both towers: model.visual (images, video frames) and model.audio_tower
+        from transformers import WhisperFeatureExtractor
+
+        from knitdata.video import VideoSampling
+
+        adapter: Any = qwen2_5_omni(model, image_processor(), WhisperFeatureExtractor(feature_size=16),
+                                    VideoSampling(fps=2.0))
+    else:
+        adapter = qwen2_5_vl(model, image_processor())  # calls the DDP wrapper's forward, encodes with model.visual
     shared = adapter.shared_encoding(args.mode)
 
     pipe, producer = open_pipeline(args, world)
@@ -231,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             # merged-patch count, labels on the responses; an empty slot gets a one-row dummy (a DDP forward
             # still runs on it, so that the ranks' gradient all-reduces line up)
             inputs = {k: v.to(accelerator.device) for k, v in adapter.collate(mb).items()}
-            out = adapter.forward(inputs, sm.rows(info.microbatch))
+            out = adapter.forward(inputs, adapter.rows(sm, info.microbatch))  # omni: every kind's rows
             if mb.is_empty:
                 loss_sum = out.loss * 0.0
             else:
@@ -276,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             with open(args.out, "w") as f:
-                json.dump({"world": world, "mode": args.mode, "ranks": everyone}, f, indent=1)
+                json.dump({"world": world, "mode": args.mode, "family": args.family, "ranks": everyone}, f, indent=1)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return 0

@@ -22,7 +22,8 @@ engines             :mod:`knitdata.engines` (``base``: the registry; ``embedded`
 consumer            :mod:`knitdata.dataset` (``TrajectoryDataset``), :mod:`knitdata.consumer` (its control-plane
                     session and stages), :mod:`knitdata.fetch` (fetch modes), :mod:`knitdata.handoff` (leases,
                     the background sender)
-collate             :mod:`knitdata.collate` (tokens), :mod:`knitdata.media`, :mod:`knitdata.multimodal`
+collate             :mod:`knitdata.collate` (tokens), :mod:`knitdata.media`, :mod:`knitdata.video` (PyAV),
+                    :mod:`knitdata.multimodal`
 prefetch            :mod:`knitdata.prefetch`, :mod:`knitdata.staging` (pinning, side-stream copies)
 encoder             :mod:`knitdata.encoder` (``SharedEncoding``), :mod:`knitdata.replicas`
 parallel            :mod:`knitdata.parallel` (``replica_layout``: data-parallel rank and replica from a DeviceMesh)
@@ -81,6 +82,8 @@ _LAZY: dict[str, str] = {
     "patchify": "knitdata.media",
     "image_item": "knitdata.media",
     "audio_item": "knitdata.media",
+    "video_item": "knitdata.video",
+    "VideoSampling": "knitdata.video",
     "write_shards": "knitdata.shards",
     "read_shards": "knitdata.shards",
     "ShardDataset": "knitdata.shards",
@@ -133,3 +136,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from knitdata.shards import ShardDataset, read_shards, write_shards  # noqa: F401
     from knitdata.spill import SpillStore  # noqa: F401
     from knitdata.staleness import StalenessTracker  # noqa: F401
+    from knitdata.video import VideoSampling, video_item  # noqa: F401

@@ -1,4 +1,4 @@
-"""Decode and process media items (images, audio) into encoder inputs, and key them for deduplication.
+"""Decode and process media items (images, audio, video) into encoder inputs, and key them for deduplication.
 
 A trajectory's :class:`~knitdata.record.MediaItem` holds either encoded bytes (PNG, JPEG, WAV, FLAC...) or a
 decoded tensor. :class:`MediaProcessor` turns one item into the tensor the encoder consumes:
@@ -9,6 +9,9 @@ decoded tensor. :class:`MediaProcessor` turns one item into the tensor the encod
   item whose ``tensor`` is not ``uint8`` is taken as already processed encoder input and passed through.
 * audio is decoded with soundfile (bytes or paths) into ``float32 [frames, channels]`` with its sample rate
   kept; the audio callable is called as ``fn(samples, sample_rate)``.
+* videos (container bytes or paths: MP4, WebM, ... with the ``video`` extra, PyAV) are decoded and sampled
+  once per :class:`VideoSampling` (a frame rate or a frame count, as the model's processor expects) into
+  ``uint8 [T, C, H, W]`` frames; the video callable is called as ``fn(frames, fps)`` with the sampled rate.
 
 Processed inputs are keyed either by provenance ``(group, media index)`` (exact and free for GRPO: the n
 responses of one prompt carry the same media) or by a digest of the processed input (finds one image
@@ -35,10 +38,12 @@ import torch
 
 from knitdata.errors import MediaError
 from knitdata.record import MediaItem, tensor_digest
+from knitdata.video import VideoSampling, check_frames, load_video, probe_video, video_key
 
 __all__ = [
     "ImageSource",
     "AudioSource",
+
     "ProcessedMedia",
     "MediaProcessor",
     "load_image",
@@ -64,10 +69,10 @@ class ProcessedMedia:
     """One media item turned into encoder input.
 
     Attributes:
-        kind: ``"image"`` or ``"audio"``.
+        kind: ``"image"``, ``"audio"`` or ``"video"``.
         tensor: The processed encoder input; its first dimension is the item's length (patches, frames) and
             its trailing dimensions must agree among items of one kind so they can be packed.
-        sample_rate: Audio sample rate in Hz (``None`` for images).
+        sample_rate: Audio sample rate in Hz (``None`` for images and videos).
         meta: Per-item metadata from the model's processor (e.g. ``image_grid_thw`` ``int64 [3]``), or
             ``None``; a preprocessing callable returns it as ``(tensor, {name: tensor})``.
     """
@@ -229,8 +234,8 @@ def load_audio(
 def check_media_item(item: MediaItem, *, trajectory_id: str | None = None, index: int | None = None) -> None:
     """Check that a media item can be decoded, before it is accepted (``Pipeline.put`` calls this).
 
-    Encoded images and audio are decoded once (pillow, soundfile): truncated, corrupt, empty or unknown
-    formats are refused here, by the producer, instead of failing a consumer's mini-batch later. Decoded
+    Encoded images, audio and video containers are decoded once (pillow, soundfile, PyAV: every frame of a
+    video): truncated, corrupt, empty or unknown formats are refused here, by the producer, instead of failing a consumer's mini-batch later. Decoded
     audio needs a sample rate; decoded content must not be empty.
 
     Args:
@@ -251,12 +256,16 @@ def check_media_item(item: MediaItem, *, trajectory_id: str | None = None, index
     if item.data is not None:
         if item.kind == "image":
             load_image(item.data, mode=None, trajectory_id=trajectory_id, item=index)
+        elif item.kind == "video":
+            probe_video(item.data, trajectory_id=trajectory_id, item=index)  # every frame, here and not in training
         else:
             load_audio(item.data, trajectory_id=trajectory_id, item=index)
         return
     t = item.tensor
     if t is None or t.numel() == 0:
         raise MediaError(f"{item.kind} content is empty", **where)
+    if item.kind == "video" and t.dtype == torch.uint8:
+        check_frames(t, trajectory_id=trajectory_id, item=index)
     if item.kind == "audio" and item.sample_rate is None:
         raise MediaError("decoded audio samples need a sample_rate (MediaItem(..., sample_rate=...))", **where)
     if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
@@ -396,6 +405,12 @@ class MediaProcessor:
             may also return ``(tensor, {name: tensor})``: per-item metadata the encoder needs (e.g. Qwen2-VL's
             ``image_grid_thw``), carried in :attr:`ProcessedMedia.meta` and the media table.
         image_mode: Pillow mode every image is converted to before preprocessing (``None`` keeps it).
+        video_sampling: How video frames are sampled (default :class:`VideoSampling` ``()``, 2 per second);
+            the ``"video"`` callable is called as ``fn(frames uint8 [T, C, H, W], fps)``.
+
+    Attributes:
+        decodes: Per video (its content digest), how many times its container was decoded here (one per
+            mini-batch the video is in, with a collator: what ``bench vlm`` reports).
 
     Raises:
         ValueError: ``preprocess`` names an unknown kind or holds a non-callable.
@@ -405,14 +420,24 @@ class MediaProcessor:
         self,
         preprocess: Mapping[str, Callable[..., torch.Tensor | tuple[torch.Tensor, Mapping[str, torch.Tensor]]]] | None = None,
         image_mode: str | None = "RGB",
+        video_sampling: VideoSampling | None = None,
     ):
         self.preprocess = dict(preprocess or {})
         for k, fn in self.preprocess.items():
-            if k not in ("image", "audio"):
-                raise ValueError(f"preprocess has unknown media kind {k!r}; use 'image' or 'audio'")
+            if k not in ("image", "audio", "video"):
+                raise ValueError(f"preprocess has unknown media kind {k!r}; use 'image', 'audio' or 'video'")
             if not callable(fn):
                 raise ValueError(f"preprocess[{k!r}] must be callable, got {type(fn).__name__}")
         self.image_mode = image_mode
+        self.video_sampling = video_sampling or VideoSampling()
+        self.decodes: dict[str, int] = {}
+
+    def key_of(self, item: MediaItem, processed: ProcessedMedia) -> str:
+        """The content key of an item (``key="digest"``): a video's :func:`video_key` (container bytes and
+        sampling: no hashing of its frames), else :func:`processed_digest`."""
+        if item.kind == "video" and item.data is not None:
+            return video_key(item, self.video_sampling)
+        return processed_digest(processed)
 
     def process(self, item: MediaItem, *, trajectory_id: str | None = None, index: int | None = None) -> ProcessedMedia:
         """Decode and preprocess one item.
@@ -439,6 +464,19 @@ class MediaProcessor:
                 x = load_image(item.data if item.data is not None else item.tensor, mode=self.image_mode, **where)
                 fn = self.preprocess.get("image")
             args: tuple = (x,)
+        elif item.kind == "video":
+            if item.tensor is not None and item.tensor.dtype != torch.uint8:
+                x, fn = item.tensor, None  # already processed encoder input
+            elif item.data is not None:
+                x, fps = load_video(item.data, self.video_sampling, **where)
+                self.decodes[item.digest] = self.decodes.get(item.digest, 0) + 1
+                fn = self.preprocess.get("video")
+            else:
+                assert item.tensor is not None
+                check_frames(item.tensor, **where)
+                x, fps = item.tensor, float(self.video_sampling.fps or 1.0)  # frames already sampled
+                fn = self.preprocess.get("video")
+            args = (x, fps) if fn is not None else (x,)
         else:
             if item.data is not None:
                 x, rate = load_audio(item.data, **where)

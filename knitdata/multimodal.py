@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from knitdata.errors import MediaError
-from knitdata.media import MediaProcessor, ProcessedMedia, processed_digest, provenance_key
+from knitdata.media import MediaProcessor, ProcessedMedia, provenance_key
 from knitdata.record import Trajectory
+from knitdata.video import VideoSampling
 
 __all__ = ["MediaTable", "MediaOccurrences", "MultimodalBatch", "MultimodalCollator", "KEY_MODES", "segment_rows"]
 
@@ -63,7 +64,7 @@ class MediaTable:
     """Unique processed media of one kind, packed along the first dimension.
 
     Attributes:
-        kind: ``"image"`` or ``"audio"``.
+        kind: ``"image"``, ``"audio"`` or ``"video"``.
         values: ``[sum of lengths, *feature_shape]``: item ``u`` is ``values[offsets[u]:offsets[u + 1]]``.
         offsets: ``int64 [U + 1]``, starting at 0.
         keys: The ``U`` keys (a digest string or a ``(group, index)`` tuple).
@@ -307,7 +308,10 @@ class MultimodalCollator:
             each group's items are processed once, and a group whose members carry different media under the
             same index is rejected).
         image_mode: Pillow mode images are converted to.
-        processor: A ready :class:`~knitdata.media.MediaProcessor` (overrides ``preprocess``/``image_mode``).
+        processor: A ready :class:`~knitdata.media.MediaProcessor` (overrides ``preprocess``/``image_mode``/
+            ``video_sampling``).
+        video_sampling: How video frames are sampled (:class:`~knitdata.video.VideoSampling`; default 2 per
+            second). A video's digest key covers its container bytes and this sampling.
 
     Raises:
         ValueError: Unknown ``key``.
@@ -320,11 +324,12 @@ class MultimodalCollator:
         *,
         image_mode: str | None = "RGB",
         processor: MediaProcessor | None = None,
+        video_sampling: VideoSampling | None = None,
     ):
         if key not in KEY_MODES:
             raise ValueError(f"key must be one of {KEY_MODES}, got {key!r}")
         self.key = key
-        self.processor = processor or MediaProcessor(preprocess, image_mode=image_mode)
+        self.processor = processor or MediaProcessor(preprocess, image_mode=image_mode, video_sampling=video_sampling)
 
     def __call__(self, micro_batches: Sequence[Sequence[Trajectory]]) -> MultimodalBatch:
         """Collate the media of the micro-batches (in training order).
@@ -371,7 +376,7 @@ class MultimodalCollator:
                         if cached is None:
                             cached = self.processor.process(item, trajectory_id=traj.id, index=n)
                             by_raw[item.digest] = cached
-                            processed_key[item.digest] = processed_digest(cached)  # hashed once per raw item
+                            processed_key[item.digest] = self.processor.key_of(item, cached)  # hashed once per raw item
                         pm = cached
                         k = processed_key[item.digest]
                         kind_rows = key_to_row.setdefault(item.kind, {})

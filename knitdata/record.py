@@ -31,7 +31,7 @@ __all__ = [
 ]
 
 #: Media kinds a trajectory may carry.
-MEDIA_KINDS: tuple[str, ...] = ("image", "audio")
+MEDIA_KINDS: tuple[str, ...] = ("image", "audio", "video")
 
 _INT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 #: Tensor dtypes a trajectory may hold (what :mod:`knitdata.codec`, shards and Ray can carry).
@@ -91,14 +91,15 @@ def tensor_digest(t: torch.Tensor) -> str:
 
 @dataclass(frozen=True)
 class MediaItem:
-    """One image or audio clip attached to a trajectory.
+    """One image, audio clip or video attached to a trajectory.
 
     Either ``tensor`` (decoded pixels ``uint8 [C, H, W]`` or ``[H, W, C]``, or audio samples
     ``float32 [frames]``/``[frames, channels]``, or already processed encoder inputs) or ``data``
-    (encoded file bytes: PNG, JPEG, FLAC, WAV...) must be given, not both.
+    (encoded file bytes: PNG, JPEG, FLAC, WAV, or a video container: MP4, WebM...) must be given, not both.
+    A decoded video is ``uint8 [T, C, H, W]`` frames, already sampled.
 
     Attributes:
-        kind: ``"image"`` or ``"audio"``.
+        kind: ``"image"``, ``"audio"`` or ``"video"``.
         tensor: Decoded content, or ``None``.
         data: Encoded bytes, or ``None``.
         sample_rate: Audio sample rate in Hz (audio only).

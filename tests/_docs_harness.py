@@ -382,8 +382,37 @@ def setup_qwen(ns: dict[str, Any]) -> None:
               opt=torch.optim.AdamW(model.parameters(), lr=1e-4))
 
 
+def setup_omni(ns: dict[str, Any]) -> None:
+    """``model``: a tiny random-init Qwen2.5-Omni thinker (``tests/_hf_helpers.py``, float32), its
+    ``image_processor`` and ``feature_extractor``; ``mp4``: a small MP4 container; ``pipe`` (one consumer) filled
+    with 2 groups of 4 responses sharing an image, a video and an audio clip; ``rank`` 0 of ``world`` 1; ``opt``."""
+    import _hf_helpers as hf
+    import numpy as np
+
+    from knitdata import BatchSpec, Pipeline, Trajectory, audio_item, image_item, video_item
+
+    model = hf.tiny_qwen2_5_omni(dtype=torch.float32)
+    model.model.audio_tower.audio_bos_eos_token.requires_grad_(False)
+    spec = BatchSpec({"av": 8}, num_minibatches=2, group_size=4)
+    pipe = Pipeline(spec, num_consumers=1, token_budget=40)
+    rng = np.random.default_rng(0)
+    prompt = torch.tensor([1, hf.VSTART, hf.IMAGE_ID, hf.VEND, hf.VSTART, hf.VIDEO_ID, hf.VEND, hf.ASTART,
+                           hf.AUDIO_ID, hf.AEND, 7])
+    for g in range(2):
+        media = [image_item(rng.integers(0, 256, (3, 32, 32), dtype=np.uint8)), video_item(hf.tiny_video(seed=g)),
+                 audio_item(rng.standard_normal(4000).astype(np.float32), sample_rate=16000)]
+        for r in range(4):
+            pipe.put(Trajectory(id=f"g{g}-r{r}", source="av", group=f"g{g}", media=media, prompt_ids=prompt,
+                                response_ids=torch.from_numpy(rng.integers(3, 100, 5))))
+    pipe.close()
+    ns.update(model=model, spec=spec, pipe=pipe, pipeline=pipe, rank=0, world=1, mp4=hf.tiny_video(seed=5),
+              image_processor=hf.tiny_image_processor(), feature_extractor=hf.tiny_feature_extractor(),
+              opt=torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4))
+
+
 SETUPS: dict[str, Callable[[dict[str, Any]], None]] = {
     "default": setup_default,
+    "omni": setup_omni,
     "consumer": setup_consumer,
     "resume": setup_resume,
     "multimodal": setup_multimodal,

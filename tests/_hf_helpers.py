@@ -64,6 +64,73 @@ def tiny_qwen2_audio(dtype=torch.float64, seed: int = 0):
     return Qwen2AudioForConditionalGeneration(cfg).to(dtype)
 
 
+ASTART, AEND = 125, 126  # the omni configs' audio start / end tokens
+
+
+def tiny_qwen2_5_omni(dtype=torch.float64, seed: int = 0):
+    """A tiny random-init Qwen2.5-Omni thinker (vision tower as Qwen2.5-VL's, audio tower with 16 mel bins)."""
+    from transformers import Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
+
+    cfg = Qwen2_5OmniThinkerConfig(
+        vision_config=dict(
+            depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+            temporal_patch_size=2, spatial_merge_size=2, window_size=16, fullatt_block_indexes=[1], in_channels=3,
+        ),
+        audio_config=dict(
+            d_model=16, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, num_mel_bins=16,
+            max_source_positions=200, n_window=20, output_dim=32,
+        ),
+        text_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=128, max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        ),
+        image_token_index=IMAGE_ID, video_token_index=VIDEO_ID, audio_token_index=AUDIO_ID,
+        vision_start_token_id=VSTART, vision_end_token_id=VEND, audio_start_token_id=ASTART, audio_end_token_id=AEND,
+    )
+    torch.manual_seed(seed)
+    return Qwen2_5OmniThinkerForConditionalGeneration(cfg).to(dtype)
+
+
+def tiny_qwen3_vl(dtype=torch.float64, seed: int = 0):
+    """A tiny random-init Qwen3-VL with two deepstack layers."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    cfg = Qwen3VLConfig(
+        vision_config=dict(
+            depth=3, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=4,
+            temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1],
+        ),
+        text_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, vocab_size=128, max_position_embeddings=1024,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                             "mrope_interleaved": True},
+            bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        ),
+        image_token_id=IMAGE_ID, video_token_id=VIDEO_ID, vision_start_token_id=VSTART, vision_end_token_id=VEND,
+    )
+    torch.manual_seed(seed)
+    return Qwen3VLForConditionalGeneration(cfg).to(dtype)
+
+
+def tiny_feature_extractor():
+    """Whisper features with the tiny omni audio tower's 16 mel bins (clips up to 30 s)."""
+    from transformers import WhisperFeatureExtractor
+
+    return WhisperFeatureExtractor(feature_size=16)
+
+
+def tiny_video(frames: int = 6, size: tuple[int, int] = (16, 24), seed: int = 0, fmt: str = "mp4") -> bytes:
+    """A real container (mp4 with mpeg4, or webm with vp8) of random frames at 4 fps, made with PyAV."""
+    from knitdata.video import encode_video
+
+    rng = np.random.default_rng(seed)
+    return encode_video(rng.integers(0, 256, (frames, size[0], size[1], 3), dtype=np.uint8), fps=4, fmt=fmt)
+
+
 def random_media(family: str, rng: np.random.Generator):
     """One media item of the family's kind (images of a few sizes, clips of a few lengths)."""
     if family == "qwen2_5_vl":

@@ -8,6 +8,7 @@ engine. Timings are reported, never asserted (except that a calibrated wait last
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -608,3 +609,57 @@ def test_smoke_without_the_interleaved_run(tmp_path):
     for r in res["runs"] + res["control_runs"]:
         assert (r["lost"], r["duplicated"], r["unexpected"]) == (0, 0, 0) and r["delivered"] == r["expected"], r["mode"]
 
+
+
+# --- omni ---
+OMNI_MP4 = dataclasses.replace(OMNI_SMALL, video_container=True)
+
+
+def test_omni_container_workload_is_decoded_by_the_consumers():
+    """--omni-video container: one MP4 per group, decoded with PyAV; dup and shared give the same gradients, the
+    container is decoded once per unique video with shared encoding, and transferqueue's rows decode alike."""
+    pytest.importorskip("av")
+    from knitdata.video import probe_video
+
+    g = workload.make_group(OMNI_MP4, 0, 1)
+    assert [m.kind for m in g[0].media] == ["video", "audio"] and OMNI_MP4.media_kinds == ("video", "audio")
+    frames, _ = probe_video(g[0].media[0].data)
+    assert len(frames) == OMNI_MP4.video_frames
+    trajs = [t for grp in workload.make_step_groups(OMNI_MP4, 0)[:2] for t in grp]
+    grads = {}
+    for enc in workload.ENCODINGS:
+        tr = consumer._Trainer(OMNI_MP4, OMNI_VLM_SMALL, enc)
+        for item in _items(OMNI_MP4, OMNI_VLM_SMALL, enc, trajs):
+            tr.microbatch(item)
+        grads[enc] = {n: p.grad.clone() for n, p in tr.model.named_parameters() if p.grad is not None}
+    assert grads["dup"].keys() == grads["shared"].keys() and any(n.startswith("encoder.") for n in grads["dup"])
+    for n, gr in grads["dup"].items():
+        torch.testing.assert_close(grads["shared"][n], gr, rtol=1e-4, atol=1e-6, msg=n)
+    col = consumer.dataset_kwargs(OMNI_MP4, OMNI_VLM_SMALL, "shared")["media_collator"]
+    col([trajs[:2], trajs[2:]])
+    assert sorted(col.processor.decodes.values()) == [1, 1]  # 2 groups: each container decoded once
+    with pytest.raises(ConfigError, match="even"):
+        dataclasses.replace(OMNI_MP4, video_frames=3)
+    args = argparse.Namespace(workload="omni", omni_seed_size=False, omni_frames=None, omni_px=None, smoke=True,
+                              omni_video="container")
+    assert tb._workload_of(args, 1, 1)[0].video_container
+
+
+def test_omni_container_transferqueue_rows_decode_like_knitdata():
+    pytest.importorskip("av")
+    pytest.importorskip("tensordict")
+    import numpy as np
+    from tensordict import TensorDict
+
+    group = workload.make_group(OMNI_MP4, 0, 1)
+    n = len(group)
+    fields = {"input_ids": torch.stack([torch.cat([t.prompt_ids, t.response_ids]) for t in group]),
+              "tidx": torch.tensor([int(t.id[1:6]) * OMNI_MP4.trajectories_per_step
+                                    + int(t.id[7:10]) * OMNI_MP4.group_size + int(t.id.rsplit("t", 1)[1]) for t in group])}
+    for name, item in (("video", group[0].media[0]), ("audio", group[0].media[1])):
+        fields[name] = torch.from_numpy(np.frombuffer(item.data, dtype=np.uint8).copy()).unsqueeze(0).expand(n, -1)
+    item = baselines._TQDecode(OMNI_MP4, OMNI_VLM_SMALL).dup(TensorDict(fields, batch_size=n), 1, 2)
+    ref = consumer.dataset_kwargs(OMNI_MP4, OMNI_VLM_SMALL, "dup")["collate"](group)  # knitdata's dup collate
+    assert item.ids == tuple(t.id for t in group)
+    for kind in OMNI_MP4.media_kinds:
+        torch.testing.assert_close(item.inputs[kind], ref.tensors[f"{kind}_inputs"])

@@ -348,7 +348,7 @@ CRAFTED = [
     (("meta", "media", 0, "digest"), [1]),
     (("meta", "media", 0, "digest"), 7),
     (("meta", "media", 0, "kind"), ["image"]),
-    (("meta", "media", 0, "kind"), "video"),
+    (("meta", "media", 0, "kind"), "hologram"),
     (("meta", "media", 0, "sample_rate"), True),
     (("meta", "media", 0, "sample_rate"), -5),
     (("meta", "media", 0, "encoded"), False),

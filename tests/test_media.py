@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 
 from knitdata.errors import MediaError
@@ -158,7 +160,7 @@ def test_processor_pipeline_and_errors():
     with pytest.raises(MediaError, match="must return a tensor"):
         MediaProcessor({"image": lambda x: "x"}).process(image_item(RGB))
     with pytest.raises(ValueError, match="unknown media kind"):
-        MediaProcessor({"video": lambda x: x})
+        MediaProcessor({"text": lambda x: x})
 
 
 def test_image_item_keeps_encoded_bytes(tmp_path):
@@ -199,3 +201,138 @@ def test_check_media_item_refuses_what_a_consumer_could_not_decode() -> None:
         with pytest.raises(MediaError) as e:
             check_media_item(bad, trajectory_id="t9", index=3)
         assert e.value.trajectory_id == "t9" and e.value.item == 3
+
+
+# --- video (PyAV) ---
+
+
+def _video(**kw) -> bytes:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _hf_helpers import tiny_video
+
+    return tiny_video(**kw)
+
+
+@pytest.mark.parametrize("fmt", ["mp4", "webm"])
+def test_video_container_decoded_and_sampled(fmt, tmp_path):
+    pytest.importorskip("av")
+    from knitdata.video import VideoSampling, load_video, video_item
+
+    data = _video(frames=8, size=(16, 24), fmt=fmt)  # 8 frames at 4 fps: 2 s
+    frames, fps = load_video(data, VideoSampling(fps=2.0))
+    assert frames.dtype == torch.uint8 and tuple(frames.shape) == (4, 3, 16, 24) and fps == 2.0
+    frames, fps = load_video(data, VideoSampling(fps=None, num_frames=6))
+    assert frames.shape[0] == 6 and fps == pytest.approx(3.0)
+    path = tmp_path / f"v.{fmt}"
+    path.write_bytes(data)
+    item = video_item(path)
+    assert item.kind == "video" and item.data == data and item.digest == video_item(data).digest
+    same, _ = load_video(path, VideoSampling(fps=2.0))
+    assert torch.equal(same, load_video(data, VideoSampling(fps=2.0))[0])
+
+
+def test_video_sampling_rules():
+    from knitdata.video import VideoSampling
+
+    s = VideoSampling(fps=2.0, min_frames=2, max_frames=8, frame_factor=2)
+    assert s.count(100, 10.0) == 8 and s.count(3, 0.5) == 2 and s.count(30, 2.6) == 4
+    assert s.indices(8, 4.0).tolist() == [0, 1, 2, 3, 4, 5, 6, 7][: s.count(8, 4.0)]
+    assert VideoSampling(fps=None, num_frames=5, frame_factor=2).count(9, 1.0) == 4
+    assert s.signature != VideoSampling(fps=1.0).signature
+    with pytest.raises(ValueError):
+        VideoSampling(fps=2.0, num_frames=4)
+    with pytest.raises(ValueError):
+        VideoSampling(fps=0.0)
+
+
+@pytest.mark.parametrize("fmt", ["mp4", "webm"])
+def test_bad_video_containers_refused_naming_trajectory_and_item(fmt):
+    pytest.importorskip("av")
+    from knitdata.media import check_media_item
+    from knitdata.video import video_item
+
+    data = _video(frames=8, fmt=fmt)
+    for bad, what in ((data[: len(data) // 2], "truncated"), (b"\x00" * 64 + data[64:], "corrupt header"),
+                      (b"not a video at all", "garbage")):
+        item = MediaItem("video", data=bad)
+        with pytest.raises(MediaError) as e:
+            check_media_item(item, trajectory_id="t9", index=2)
+        assert "'t9'" in str(e.value) and "item 2" in str(e.value), (what, str(e.value))
+        with pytest.raises(MediaError):
+            video_item(bad)
+    with pytest.raises(MediaError, match="empty"):
+        check_media_item(MediaItem("video", data=b""), trajectory_id="t9", index=0)
+
+
+def test_video_refused_at_put_not_at_training():
+    pytest.importorskip("av")
+    from knitdata import BatchSpec, Pipeline, Trajectory
+
+    data = _video(frames=8)
+    pipe = Pipeline(BatchSpec({"s": 2}, num_minibatches=1, group_size=2), num_consumers=1)
+    bad = MediaItem("video", data=data[: len(data) // 2])
+    with pytest.raises(MediaError, match="'g0-r1'.*item 1|item 1.*'g0-r1'"):
+        pipe.put(Trajectory(id="g0-r1", source="s", group="g0", prompt_ids=torch.tensor([1, 2]),
+                            response_ids=torch.tensor([3]), media=[MediaItem("video", data=data), bad]))
+
+
+def test_one_video_shared_by_a_group_is_decoded_once_per_minibatch():
+    pytest.importorskip("av")
+    from knitdata import MultimodalCollator, Trajectory
+    from knitdata.video import VideoSampling, video_item
+
+    a, b = video_item(_video(frames=8, seed=1)), video_item(_video(frames=8, seed=2))
+    trajs = [Trajectory(id=f"g{g}r{r}", source="s", group=f"g{g}", prompt_ids=torch.tensor([1]),
+                        response_ids=torch.tensor([2]), media=[v]) for g, v in enumerate((a, b, a)) for r in range(4)]
+    mbs = [trajs[0:5], trajs[5:9], trajs[9:12]]
+    for key in ("provenance", "digest"):
+        col = MultimodalCollator({}, key=key, video_sampling=VideoSampling(fps=2.0))
+        mm = col(mbs)
+        assert mm.tables["video"].num_items == (3 if key == "provenance" else 2)
+        assert sorted(col.processor.decodes.values()) == [1, 1]  # each distinct container decoded once
+        assert mm.tables["video"].values.dtype == torch.uint8 and mm.num_occurrences == 12
+    # the same bytes sampled another way are another item
+    col1 = MultimodalCollator({}, key="digest", video_sampling=VideoSampling(fps=1.0))
+    col2 = MultimodalCollator({}, key="digest", video_sampling=VideoSampling(fps=2.0))
+    assert col1.processor.key_of(a, None) != col2.processor.key_of(a, None)  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(total=st.integers(1, 400), duration=st.floats(0.05, 120.0), fps=st.floats(0.1, 30.0),
+       num=st.integers(1, 64), factor=st.integers(1, 4), by_rate=st.booleans())
+def test_video_sampling_properties(total, duration, fps, num, factor, by_rate):
+    from knitdata.video import VideoSampling
+
+    s = VideoSampling(fps=fps, frame_factor=factor) if by_rate else VideoSampling(fps=None, num_frames=num,
+                                                                                  frame_factor=factor)
+    idx = s.indices(total, duration)
+    assert idx.numel() == s.count(total, duration) and idx.numel() % factor == 0 and idx.numel() >= factor
+    assert int(idx.min()) >= 0 and int(idx.max()) < total and bool((idx[1:] >= idx[:-1]).all())
+    if by_rate:
+        assert idx.numel() <= max(s.max_frames, factor)
+
+
+def test_video_frames_items_and_encode_errors():
+    pytest.importorskip("av")
+    from knitdata.media import check_media_item
+    from knitdata.video import encode_video, load_video, video_item
+
+    frames = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
+    item = video_item(frames)
+    assert item.kind == "video" and torch.equal(item.tensor, frames)
+    proc = MediaProcessor({"video": lambda x, fps: (x.float().flatten(1), {"fps": torch.tensor(fps)})})
+    pm = proc.process(item)
+    assert pm.tensor.shape == (4, 3 * 16 * 16) and float(pm.meta["fps"]) == 2.0
+    with pytest.raises(MediaError, match="uint8"):
+        video_item(frames.float())
+    with pytest.raises(MediaError, match="uint8"):
+        check_media_item(MediaItem("video", tensor=torch.zeros(4, 5, 16, 16, dtype=torch.uint8)),
+                         trajectory_id="t", index=0)
+    with pytest.raises(MediaError):
+        encode_video(torch.zeros(2, 16, 16))
+    data = encode_video(frames, fps=2, fmt="webm")
+    out, fps = load_video(data)
+    assert out.shape == (4, 3, 16, 16) and fps == 2.0

@@ -81,7 +81,7 @@ def test_error_classes_derive_from_builtins() -> None:
 @pytest.mark.parametrize(
     ("kw", "err"),
     [
-        ({"kind": "video", "data": b"x"}, ValidationError),
+        ({"kind": "hologram", "data": b"x"}, ValidationError),
         ({"kind": "image"}, ValidationError),
         ({"kind": "image", "data": b"x", "tensor": torch.zeros(1)}, ValidationError),
         ({"kind": "image", "tensor": [1, 2]}, FieldTypeError),

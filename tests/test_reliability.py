@@ -525,7 +525,7 @@ def _bad_media(kind: str, i: int):
         t.media = [MediaItem("image", data=b"")]
     elif kind == "unknown_kind":
         item = MediaItem("image", data=_PNG)
-        object.__setattr__(item, "kind", "video")  # a producer bypassing MediaItem's own check
+        object.__setattr__(item, "kind", "hologram")  # a producer bypassing MediaItem's own check
         t.media = [item]
     elif kind == "audio_without_rate":
         t.media = [MediaItem("audio", tensor=torch.zeros(100))]

@@ -29,7 +29,7 @@ _TQ_PARTITION = "knitdata_bench"
 def _tq_fields(w: TransferWorkload) -> list[str]:
     """transferqueue row fields of the workload (every row holds its own copy of the media)."""
     if w.workload == "omni":
-        return ["input_ids", "frames", "audio", "tidx"]
+        return ["input_ids", "video" if w.video_container else "frames", "audio", "tidx"]
     return ["input_ids", "pixel_values", "tidx"]
 
 
@@ -109,7 +109,14 @@ class TQServer:
                     "input_ids": torch.stack([torch.cat([t.prompt_ids, t.response_ids]) for t in group]),
                     "tidx": torch.arange(idx, idx + n, dtype=torch.int64),
                 }
-                if w.workload == "omni":
+                if w.workload == "omni" and w.video_container:  # the MP4 container's bytes, decoded by consumers
+                    video = next(m for m in group[0].media if m.kind == "video")
+                    audio = next(m for m in group[0].media if m.kind == "audio")
+                    assert video.data is not None and audio.data is not None
+                    for name, data in (("video", video.data), ("audio", audio.data)):
+                        raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())
+                        fields[name] = raw.unsqueeze(0).expand(n, -1).contiguous()
+                elif w.workload == "omni":
                     frames = [m.tensor for m in group[0].media if m.kind == "image" and m.tensor is not None]
                     audio = next(m for m in group[0].media if m.kind == "audio")
                     assert audio.data is not None
@@ -170,7 +177,14 @@ class _TQDecode:
         input_ids = torch.stack(_unbind(ids_t)) if ids_t.is_nested else ids_t
         moved = input_ids.numel() * 8 + len(tidx) * 8
         media: list[list[MediaItem]] = []
-        if w.workload == "omni":
+        if w.workload == "omni" and w.video_container:
+            for i, v, c in zip(tidx, _unbind(td["video"]), _unbind(td["audio"])):
+                gid = _tq_id(w, i).rsplit("t", 1)[0]
+                media.append([MediaItem("video", data=v.numpy().tobytes(), digest=f"{gid}/v"),
+                              MediaItem("audio", data=c.numpy().tobytes(), sample_rate=w.audio_rate,
+                                        digest=f"{gid}/a")])
+                moved += v.numel() + c.numel()
+        elif w.workload == "omni":
             frames, clips = _unbind(td["frames"]), _unbind(td["audio"])
             for i, f, c in zip(tidx, frames, clips):
                 gid = _tq_id(w, i).rsplit("t", 1)[0]

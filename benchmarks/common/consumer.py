@@ -121,19 +121,21 @@ class _Trainer:
         c, h, wd = w.item_shape
         n_patch = (h // cfg.patch) * (wd // cfg.patch)
         # per kind: (encoder input rows per item, items per trajectory)
-        self.layout = {"image": (n_patch, w.image_items), "audio": (w.audio_rows, 1)}
+        self.layout = {"image": (n_patch, w.image_items), "video": (n_patch * w.image_items, 1),
+                       "audio": (w.audio_rows, 1)}
         self.kinds = self.model.kinds
         self.shared = None
         if encoding == "shared":
             from knitdata.encoder import SharedEncoding
 
-            merge = {"image": cfg.merge, "audio": cfg.audio_merge}
+            merge = {"image": cfg.merge, "video": cfg.merge, "audio": cfg.audio_merge}
             out_rows = None
             if any(merge[k] != 1 for k in self.kinds):
                 def out_rows(table: Any) -> torch.Tensor:
                     return table.lengths // merge[table.kind]
             encs = self.model.encoders()
-            self.shared = SharedEncoding(encs if len(encs) > 1 else encs["image"], dummy=False, out_rows=out_rows)
+            self.shared = SharedEncoding(encs if len(encs) > 1 else next(iter(encs.values())), dummy=False,
+                                         out_rows=out_rows)
         self._ctx: Any = None
 
     def microbatch(self, item: StepItem) -> None:

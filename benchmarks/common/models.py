@@ -202,7 +202,7 @@ class TinyVLM(nn.Module):
 
     def encoders(self) -> dict[str, nn.Module]:
         """The encoder of each media kind."""
-        out: dict[str, nn.Module] = {"image": self.encoder}
+        out: dict[str, nn.Module] = {"video" if "video" in self.kinds else "image": self.encoder}
         if self.audio_encoder is not None:
             out["audio"] = self.audio_encoder
         return out
@@ -252,9 +252,24 @@ class _AudioRows:
         return x[:n].reshape(self.rows, self.hop).contiguous()
 
 
+class _VideoPatches:
+    """Video preprocessing of the omni workload with containers: the decoded frames' patches, frame after frame
+    (a picklable callable ``fn(frames uint8 [T, C, H, W], fps)``)."""
+
+    def __init__(self, patchify: Callable[[torch.Tensor], torch.Tensor], frames: int):
+        self.patchify, self.frames = patchify, frames
+
+    def __call__(self, frames: torch.Tensor, fps: float) -> torch.Tensor:
+        if frames.shape[0] != self.frames:
+            raise ConfigError(f"video sampled to {frames.shape[0]} frames; the workload's encoder expects {self.frames}")
+        return torch.cat([self.patchify(f) for f in frames])
+
+
 def preprocess(w: TransferWorkload, cfg: VLMConfig) -> dict[str, Callable[..., torch.Tensor]]:
     """Per media kind, the model's preprocessing (knitdata's MediaProcessor convention)."""
     out: dict[str, Callable[..., torch.Tensor]] = {"image": _patchify_fn(cfg, w)}
+    if w.video_container:
+        out["video"] = _VideoPatches(out.pop("image"), w.video_frames)
     if w.workload == "omni":
         out["audio"] = _AudioRows(w.audio_rows, w.audio_hop, w.audio_rate)
     return out

@@ -517,7 +517,8 @@ def _run_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
 
 def _describe_media(w: Mapping[str, Any]) -> str:
     if w.get("workload") == "omni":
-        return (f"a {w['video_frames']}-frame {w['frame_px']}x{w['frame_px']} uint8 video and a "
+        video = "MP4 (decoded with PyAV)" if w.get("video_container") else "uint8"
+        return (f"a {w['video_frames']}-frame {w['frame_px']}x{w['frame_px']} {video} video and a "
                 f"{w['audio_seconds']:g} s {w['audio_rate']} Hz FLAC audio clip per group")
     return f"one {'x'.join(map(str, w['image_shape']))} uint8 image per group"
 

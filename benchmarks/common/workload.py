@@ -85,6 +85,9 @@ class TransferWorkload:
             audio clip of ``audio_seconds`` at ``audio_rate`` Hz stored as FLAC bytes and decoded with soundfile).
         video_frames: Frames per video (omni).
         frame_px: Frame side in pixels (omni).
+        video_container: Omni: the video is one MP4 container (mpeg4, 2 fps, made with PyAV) instead of its frames
+            as image items; consumers decode it with PyAV (``knitdata.video``: once per unique video per
+            mini-batch with shared encoding, once per copy with dup) and sample all its frames (an even count).
         audio_seconds: Audio clip length in seconds (omni).
         audio_rate: Audio sample rate in Hz (omni).
         audio_hop: Audio samples per encoder input row (omni; 800 = 50 ms at 16 kHz).
@@ -104,6 +107,7 @@ class TransferWorkload:
     workload: str = "image"
     video_frames: int = 4
     frame_px: int = 224
+    video_container: bool = False
     audio_seconds: float = 30.0
     audio_rate: int = 16000
     audio_hop: int = 800
@@ -115,6 +119,9 @@ class TransferWorkload:
             for name in ("video_frames", "frame_px", "audio_rate", "audio_hop"):
                 if int(getattr(self, name)) <= 0:
                     raise ConfigError(f"omni workload: {name} must be positive, got {getattr(self, name)}")
+            if self.video_container and (self.video_frames % 2 or self.video_frames < 2):
+                raise ConfigError(f"omni workload: a video container holds an even number of frames (sampled at 2 "
+                                  f"fps, the temporal patch of 2), got {self.video_frames}")
             if self.audio_rows <= 0:
                 raise ConfigError(f"omni workload: {self.audio_seconds} s at {self.audio_rate} Hz is shorter than one "
                                   f"audio row of {self.audio_hop} samples")
@@ -169,7 +176,9 @@ class TransferWorkload:
     @property
     def media_kinds(self) -> tuple[str, ...]:
         """Media kinds of a trajectory (each has its own encoder)."""
-        return ("image", "audio") if self.workload == "omni" else ("image",)
+        if self.workload == "omni":
+            return ("video" if self.video_container else "image", "audio")
+        return ("image",)
 
     @property
     def image_items(self) -> int:
@@ -257,7 +266,12 @@ def _group_media(w: TransferWorkload, step: int, g: int, gen: torch.Generator) -
     if w.workload == "image":
         return [MediaItem("image", tensor=torch.randint(0, 256, w.image_shape, dtype=torch.uint8, generator=gen))]
     frames = torch.randint(0, 256, (w.video_frames, *w.item_shape), dtype=torch.uint8, generator=gen)
-    items = [MediaItem("image", tensor=frames[i]) for i in range(w.video_frames)]
+    if w.video_container:
+        from knitdata.video import encode_video
+
+        items = [MediaItem("video", data=encode_video(frames, fps=2))]
+    else:
+        items = [MediaItem("image", tensor=frames[i]) for i in range(w.video_frames)]
     data = make_audio_flac(w, w.seed * 1_000_003 + step * 1009 + g)
     items.append(MediaItem("audio", data=data, sample_rate=w.audio_rate))
     return items

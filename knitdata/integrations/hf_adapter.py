@@ -68,6 +68,8 @@ class HFMultimodalAdapter:
         self.inner = unwrap_model(model)
         self.processor = processor
         self.placeholder_id = int(self._placeholder_id())
+        #: Per media kind, the placeholder token its items occupy (one kind for single-tower families).
+        self.placeholders: dict[str, int] = {self.kind: self.placeholder_id}
         pad = getattr(self._text_config(), "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
 
@@ -186,27 +188,31 @@ class HFMultimodalAdapter:
             return self._dummy_inputs()
         if batch is None or i is None:
             raise ConfigError("collate(trajectories, batch, i): give the mini-batch's MultimodalBatch and the micro-batch")
-        occ = batch.for_microbatch(i).get(self.kind)
-        table = batch.tables.get(self.kind)
-        counts: dict[int, list[int]] = {}
-        if occ is not None and len(occ) and table is not None:
-            rows = self.out_rows(table).cpu()[occ.index.cpu()]
-            for j, r in zip(occ.trajectory.tolist(), rows.tolist()):
-                counts.setdefault(j, []).append(int(r))
+        occs = batch.for_microbatch(i)
+        counts: dict[str, dict[int, list[int]]] = {}
+        for kind in self.placeholders:
+            occ, table = occs.get(kind), batch.tables.get(kind)
+            if occ is not None and len(occ) and table is not None:
+                rows = self.out_rows(table).cpu()[occ.index.cpu()]
+                for j, r in zip(occ.trajectory.tolist(), rows.tolist()):
+                    counts.setdefault(kind, {}).setdefault(j, []).append(int(r))
         seqs, labs = [], []
         for j, (tid, prompt, resp, loss_mask) in enumerate(sequences):
-            where = (prompt == self.placeholder_id).nonzero().flatten().tolist()
-            want = counts.get(j, [])
-            if len(where) != len(want):
-                raise MediaError(
-                    f"the prompt holds {len(where)} placeholder token(s) {self.placeholder_id} but the trajectory "
-                    f"carries {len(want)} {self.kind} item(s): put one placeholder per item (it is expanded to the "
-                    "item's encoder rows here)",
-                    trajectory_id=tid,
-                )
+            marks: list[tuple[int, int, int]] = []  # (position, rows, placeholder) over every kind
+            for kind, pid in self.placeholders.items():
+                where = (prompt == pid).nonzero().flatten().tolist()
+                want = counts.get(kind, {}).get(j, [])
+                if len(where) != len(want):
+                    raise MediaError(
+                        f"the prompt holds {len(where)} placeholder token(s) {pid} but the trajectory carries "
+                        f"{len(want)} {kind} item(s): put one placeholder per item (it is expanded to the item's "
+                        "encoder rows here)",
+                        trajectory_id=tid,
+                    )
+                marks += [(pos, n, pid) for pos, n in zip(where, want)]
             parts, start = [], 0
-            for pos, n in zip(where, want):
-                parts += [prompt[start:pos], torch.full((n,), self.placeholder_id, dtype=torch.long)]
+            for pos, n, pid in sorted(marks):
+                parts += [prompt[start:pos], torch.full((n,), pid, dtype=torch.long)]
                 start = pos + 1
             parts.append(prompt[start:])
             p = torch.cat(parts)
@@ -217,18 +223,27 @@ class HFMultimodalAdapter:
             labs.append(torch.cat([torch.full_like(p, -100), lab]))
         input_ids, mask, labels = _right_pad(seqs, labs, self.pad_id, pad_to_multiple_of)
         out = {"input_ids": input_ids, "attention_mask": mask, "labels": labels}
-        out.update(self._extra_inputs(input_ids, mask, table, occ))
+        out.update(self._extra_inputs_all(input_ids, mask, batch.tables, occs))
         return out
 
     def _dummy_inputs(self) -> dict[str, torch.Tensor]:
         """Two padding tokens, the second one labelled (a finite loss, scaled to zero by scale_mean_loss)."""
         ids = torch.full((1, 2), self.pad_id, dtype=torch.long)
         out = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([[-100, self.pad_id]])}
-        out.update(self._extra_inputs(ids, out["attention_mask"], None, None))
+        out.update(self._extra_inputs_all(ids, out["attention_mask"], {}, {}))
         return out
+
+    def _extra_inputs_all(self, input_ids, mask, tables, occs) -> dict[str, torch.Tensor]:
+        """Family inputs of a micro-batch given every kind's table and occurrences (one kind by default)."""
+        return self._extra_inputs(input_ids, mask, tables.get(self.kind), occs.get(self.kind))
 
     def _extra_inputs(self, input_ids, mask, table, occ) -> dict[str, torch.Tensor]:
         return {}
+
+    def rows(self, shared: Any, i: int) -> Any:
+        """Micro-batch ``i``'s rows for :meth:`forward` from an open ``SharedMiniBatch`` (``shared.rows(i)``;
+        a several-tower family gathers every kind's)."""
+        return shared.rows(i)
 
     def forward(self, inputs: dict[str, torch.Tensor], rows: torch.Tensor | None, **kwargs: Any) -> Any:
         """The model's own forward with the shared rows at the placeholders.

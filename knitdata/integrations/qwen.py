@@ -21,7 +21,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise OptionalDependencyError("transformers", "transformers", "knitdata.integrations.transformers") from e
 
-__all__ = ["ADAPTERS", "Qwen2_5_VLAdapter", "Qwen2AudioAdapter", "qwen2_5_vl", "qwen2_audio"]
+__all__ = ["ADAPTERS", "Qwen2_5_VLAdapter", "Qwen2AudioAdapter", "default_image_processor", "qwen2_5_vl", "qwen2_audio"]
 
 
 class Qwen2_5_VLAdapter(HFMultimodalAdapter):
@@ -41,7 +41,7 @@ class Qwen2_5_VLAdapter(HFMultimodalAdapter):
         inner = unwrap_model(model)
         vc = inner.config.vision_config
         if image_processor is None:
-            image_processor = _default_image_processor(vc)
+            image_processor = default_image_processor(vc)
         for attr, want in (
             ("patch_size", vc.patch_size),
             ("temporal_patch_size", vc.temporal_patch_size),
@@ -233,7 +233,14 @@ class _AudioStack(nn.Module):
         return out[keep]
 
 
-def _default_image_processor(vision_config: Any) -> Any:
+def default_image_processor(vision_config: Any, **kwargs: Any) -> Any:
+    """A ``Qwen2VLImageProcessor`` (the PIL variant where available) matching a Qwen vision config.
+
+    Args:
+        vision_config: The model's vision config (``patch_size``, ``temporal_patch_size``,
+            ``spatial_merge_size``).
+        **kwargs: More processor arguments (``size``, ``image_mean``, ``image_std``...).
+    """
     cls: Callable[..., Any]
     try:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -247,6 +254,7 @@ def _default_image_processor(vision_config: Any) -> Any:
         patch_size=vision_config.patch_size,
         temporal_patch_size=vision_config.temporal_patch_size,
         merge_size=vision_config.spatial_merge_size,
+        **kwargs,
     )
 
 

@@ -27,9 +27,11 @@ An adapter ties one ``transformers`` model to knitdata's multimodal path without
    :meth:`HFMultimodalAdapter.forward_native` runs the model's own path with every trajectory's copy of its
    media (the reference the tests compare gradients against, and the baseline of ``python -m benchmarks vlm``).
 
-Supported families: ``qwen2_5_vl`` (Qwen2.5-VL, images) and ``qwen2_audio`` (Qwen2-Audio, audio clips),
-through :func:`adapter_for` (dispatch on ``model.config.model_type``), :func:`qwen2_5_vl` or
-:func:`qwen2_audio`. Both towers treat items independently (per-item ``cu_seqlens`` windows and full
+Supported families: ``qwen2_5_vl`` (Qwen2.5-VL, images), ``qwen2_audio`` (Qwen2-Audio, audio clips),
+``qwen2_5_omni`` (the Qwen2.5-Omni thinker: images, video and audio in one prompt) and ``qwen3_vl`` (Qwen3-VL,
+images with deepstack features; see :mod:`knitdata.integrations.qwen_omni`), through :func:`adapter_for`
+(dispatch on ``model.config.model_type``), :func:`qwen2_5_vl`, :func:`qwen2_audio`, :func:`qwen2_5_omni` or
+:func:`qwen3_vl`. Their towers treat items independently (per-item ``cu_seqlens`` windows and full
 attention in the Qwen2.5-VL vision tower; per-clip attention masks in the Qwen2-Audio encoder), the
 exactness condition of :class:`~knitdata.encoder.SharedEncoding`. Tested in float64 on tiny random-init
 configs against the duplicated native path: Qwen2.5-VL's RMSNorm computes in float32 even in a float64
@@ -148,6 +150,7 @@ from knitdata.encoder import SharedEncoding  # noqa: F401
 from knitdata.errors import ConfigError
 from knitdata.integrations.hf_adapter import GRAD_RTOL, HFMultimodalAdapter, scale_mean_loss, unwrap_model
 from knitdata.integrations.qwen import ADAPTERS, Qwen2_5_VLAdapter, Qwen2AudioAdapter, qwen2_5_vl, qwen2_audio
+from knitdata.integrations.qwen_omni import Qwen2_5OmniAdapter, Qwen3VLAdapter, qwen2_5_omni, qwen3_vl
 from knitdata.multimodal import MultimodalCollator  # noqa: F401
 
 __all__ = [
@@ -156,14 +159,24 @@ __all__ = [
     "HFMultimodalAdapter",
     "Qwen2_5_VLAdapter",
     "Qwen2AudioAdapter",
+    "Qwen2_5OmniAdapter",
+    "Qwen3VLAdapter",
     "adapter_for",
     "qwen2_5_vl",
     "qwen2_audio",
+    "qwen2_5_omni",
+    "qwen3_vl",
     "scale_mean_loss",
 ]
 
-#: Supported ``model.config.model_type`` values.
-FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen2_audio")
+#: Supported families (Qwen2.5-Omni: its thinker, ``model_type`` ``"qwen2_5_omni_thinker"``).
+FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen2_audio", "qwen2_5_omni", "qwen3_vl")
+
+_BY_MODEL_TYPE: dict[str, Any] = {
+    **ADAPTERS,
+    "qwen2_5_omni_thinker": Qwen2_5OmniAdapter,
+    "qwen3_vl": Qwen3VLAdapter,
+}
 
 
 def adapter_for(model: nn.Module, processor: Any | None = None) -> HFMultimodalAdapter:
@@ -177,9 +190,13 @@ def adapter_for(model: nn.Module, processor: Any | None = None) -> HFMultimodalA
         ConfigError: Unsupported family (see the module docstring for the LLaVA-style recipe).
     """
     family = getattr(unwrap_model(model).config, "model_type", None)
-    if family not in ADAPTERS:
+    if family == "qwen2_5_omni":
+        raise ConfigError(
+            "a whole Qwen2.5-Omni model (thinker, talker, token2wav): RL trains its thinker, pass model.thinker"
+        )
+    if family not in _BY_MODEL_TYPE:
         raise ConfigError(
             f"no knitdata adapter for model_type {family!r}; supported: {FAMILIES} (see the recipe in "
             "knitdata.integrations.transformers for LLaVA-style towers)"
         )
-    return ADAPTERS[family](model, processor)
+    return _BY_MODEL_TYPE[family](model, processor)
