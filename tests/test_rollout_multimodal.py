@@ -62,7 +62,7 @@ def test_placeholder_runs_collapse_to_one_per_item_for_every_sample() -> None:
         attach_media(_sample([1, IMAGE]), [img, (np.zeros(16, dtype=np.float32), 16000)],
                      placeholder_ids={"image": IMAGE})
     with pytest.raises(RolloutOutputError, match="unknown media kind"):
-        attach_media(_sample([1]), [], placeholder_ids={"video": 121})
+        attach_media(_sample([1]), [], placeholder_ids={"hologram": 121})
 
 
 def _engine_rows(adapter, family: str, raw) -> int:

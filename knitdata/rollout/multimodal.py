@@ -45,7 +45,7 @@ def media_item(raw: Any, *, request_id: str | None = None, index: int | None = N
     """Build a media item from raw media as a rollout harness holds them.
 
     Args:
-        raw: A :class:`~knitdata.record.MediaItem` (kept); audio as ``(samples, sampling_rate)`` or a dict with
+        raw: A :class:`~knitdata.record.MediaItem` (kept: a video comes as :func:`knitdata.video_item` made it); audio as ``(samples, sampling_rate)`` or a dict with
             ``"array"`` and ``"sampling_rate"`` (the Hugging Face ``datasets`` audio format); anything else is an
             image: a ``PIL.Image``, ``uint8`` pixels (``[H, W, C]``, ``[C, H, W]`` or ``[H, W]``), encoded bytes or
             a file path.
