@@ -274,6 +274,12 @@ class RayEngine(Engine):
         self.meter.reset()
         self._control.call("report_transfer", d)
 
+    def recoverable(self, unit_ids: Sequence[str], ids: Sequence[str]) -> list[str]:
+        """The ids of ``ids`` that the spill shards of the dead units ``unit_ids`` still hold (none without spill)."""
+        if not self.info.get("spill_dir"):
+            return []
+        return list(self._control.call("recoverable", list(unit_ids), list(ids)))
+
     def kill_unit(self, unit_id: str) -> None:
         """Kill one storage unit's actor (failure drills and tests): its payloads are lost unless spilled."""
         self._control.call("kill_unit", unit_id)
