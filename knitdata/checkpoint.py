@@ -176,6 +176,11 @@ class RolloutLedger:
         """The prompts started and not finished, in start order."""
         return [row[0] for row in self._control.ledger_state()["in_flight"]]
 
+    def num_finished(self) -> int:
+        """How many prompts were reported finished over the run (restored with a checkpoint): a producer that
+        starts its prompts in order resumes at ``num_finished() + len(in_flight())``."""
+        return int(self._control.ledger_state()["finished"])
+
 
 # ------------------------------------------------------------------------------------------------ write
 def _payloads(engine: Any, live: Sequence[Mapping[str, Any]]) -> Iterator[Trajectory]:

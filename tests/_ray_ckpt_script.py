@@ -36,18 +36,31 @@ SPEC = BatchSpec({"math": 4, "code": 4}, num_minibatches=2, group_size=2)
 
 
 def cluster() -> tuple[Any, Any, list[str]]:
+    """A 3-node loopback cluster; returns it, a node to remove and ``[this driver's node id, that node's id]``.
+
+    Every node is on 127.0.0.1, so the driver attaches to any of them: the node removed is neither the head (the
+    cluster's GCS) nor the driver's (the pipeline's creator, where its coordinator runs).
+    """
     import ray
     from ray.cluster_utils import Cluster
 
     common = {"num_cpus": 8, "object_store_memory": 128 << 20, "node_ip_address": "127.0.0.1"}
     c = Cluster(initialize_head=True, connect=False,
                 head_node_args={**common, "include_dashboard": False, "resources": {"kd_node0": 1}})
-    worker = c.add_node(**common, resources={"kd_node1": 1})
+    workers = [c.add_node(**common, resources={f"kd_node{i}": 1}) for i in (1, 2)]
     c.wait_for_nodes()
     ray.init(address=c.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
-    alive = [n for n in ray.nodes() if n["Alive"]]
-    order = sorted(alive, key=lambda n: next(int(k[7:]) for k in n["Resources"] if k.startswith("kd_node")))
-    return c, worker, [n["NodeID"] for n in order]
+    here = ray.get_runtime_context().get_node_id()
+    ids = {i: next(n["NodeID"] for n in ray.nodes() if n["Alive"] and f"kd_node{i}" in n["Resources"]) for i in (1, 2)}
+    i = next(i for i in (1, 2) if ids[i] != here)
+    return c, workers[i - 1], [here, ids[i]]
+
+
+def stop(c: Any) -> None:
+    import ray
+
+    ray.shutdown()
+    c.shutdown()
 
 
 def wait_dead(node_id: str, timeout_s: float = 60.0) -> float:
@@ -133,7 +146,7 @@ def two_to_one(d: str) -> dict[str, Any]:
         t.join()
     units_after = {u: unit.node for u, unit in new.units.items()}
     new.shutdown()
-    c.shutdown()
+    stop(c)
     consumed = [t for r in range(2) for t in before[r] + after[r]]
     return {"info": info.to_dict(), "report": report.to_dict(), "consumed": consumed, "put": put,
             "units_before": units_before, "units_after": units_after}
@@ -141,29 +154,22 @@ def two_to_one(d: str) -> dict[str, Any]:
 
 def node_loss(d: str) -> dict[str, Any]:
     c, worker, nodes = cluster()
-    worker2 = c.add_node(num_cpus=8, object_store_memory=128 << 20, node_ip_address="127.0.0.1",
-                         resources={"kd_node2": 1})
-    c.wait_for_nodes()
-    import ray
-
-    node2 = [n["NodeID"] for n in ray.nodes() if n["Alive"] and "kd_node2" in n["Resources"]][0]
     out: dict[str, Any] = {}
     pipes: dict[str, Pipeline] = {}
-    for mode, other in (("spill", nodes[1]), ("none", node2)):
+    for mode in ("spill", "none"):
         spill = os.path.join(d, "spill") if mode == "spill" else None
         pipe = pipes[mode] = Pipeline(SPEC, layout=ConsumerLayout(["n0", "n1"]), engine="ray", token_budget=64,
                                       spill_dir=spill, engine_options={"address": c.address, "name": f"nl-{mode}",
-                                                                       "nodes": [nodes[0], other]})
+                                                                       "nodes": nodes})
         put: list[str] = []
         put_prompts(pipe, range(8), put)  # 2 train batches, admitted
         pipe.put(traj("p8-0", 8))  # an incomplete group, not admitted
         put.append("p8-0")
-        live = pipe._engine.control.state_dict()["live"]
-        out[mode] = {"put": put, "on_unit": {u: sorted(m["id"] for m in live if m["location"] == u)
-                                             for u in pipe.units}}
+        held = {u: pipe._engine.control.lost_on([u])["groups"] for u in pipe.units}  # what each unit holds
+        out[mode] = {"put": put, "on_unit": {u: {g: v["trajectories"] for g, v in gs.items()} for u, gs in held.items()},
+                     "unit_nodes": {u: unit.node for u, unit in pipe.units.items()}}
     c.remove_node(worker)
-    c.remove_node(worker2)
-    out["dead_after_s"] = max(wait_dead(nodes[1]), wait_dead(node2))
+    out["dead_after_s"] = wait_dead(nodes[1])
     for mode, pipe in pipes.items():
         t0 = time.monotonic()
         out[mode]["lost_groups"] = pipe.lost_groups()
@@ -183,7 +189,7 @@ def node_loss(d: str) -> dict[str, Any]:
         out[mode]["consumed"] = got
         out[mode]["errors"] = errors
         pipe.shutdown()
-    c.shutdown()
+    stop(c)
     return out
 
 

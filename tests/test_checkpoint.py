@@ -174,3 +174,31 @@ def test_checkpoint_while_consumers_run(tmp_path: Path) -> None:
     assert m["payloads"]["count"] == infos[-1].trajectories
     assert all(i.pause_ms < 100 for i in infos)
     assert not any(p.endswith(".tmp") for p in os.listdir(tmp_path))
+
+
+def _ray_env() -> dict[str, str]:
+    env = _env()
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", RAY_DEDUP_LOGS="0", OMP_NUM_THREADS="1")
+    return env
+
+
+def run_ray_scenario(name: str, d: Path, timeout: float = 400.0) -> dict:
+    """Run a scenario of tests/_ray_ckpt_script.py (its own 2-node Ray cluster) in a driver subprocess."""
+    pytest.importorskip("ray")
+    script = HERE / "_ray_ckpt_script.py"
+    p = subprocess.run([sys.executable, str(script), name, str(d)], capture_output=True, text=True, timeout=timeout,
+                       env=_ray_env(), start_new_session=True)
+    assert p.returncode == 0, p.stderr[-6000:]
+    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
+
+
+@pytest.mark.slow
+def test_ray_restore_from_two_nodes_onto_one(tmp_path: Path) -> None:
+    """Ray: checkpoint with units on 2 nodes, remove the worker node, restore onto the head node alone."""
+    out = run_ray_scenario("two_to_one", tmp_path)
+    assert set(out["units_before"].values()) == {"n0", "n1"} and set(out["units_after"].values()) == {"n0"}
+    assert out["report"]["unit_map"] == {"n0": "n0", "n1": "n0"}
+    assert out["report"]["reissue_ids"] == ["p8", "p9"]
+    consumed, put = out["consumed"], out["put"]
+    assert len(consumed) == len(set(consumed)) and sorted(consumed) == sorted(put)
+    assert out["info"]["pause_ms"] < 100

@@ -171,7 +171,7 @@ def test_benchmarks_use_only_the_public_api() -> None:
 #: layer or below.
 LAYERS: list[tuple[str, ...]] = [
     ("integrations", "encoder", "replicas"),
-    ("pipeline", "producer", "dataset", "consumer", "collate", "multimodal", "media"),
+    ("pipeline", "producer", "dataset", "consumer", "collate", "multimodal", "media", "checkpoint"),
     ("engines",),
     ("fetch", "handoff", "prefetch", "staging"),
     ("storage", "spill", "shards"),

@@ -163,14 +163,14 @@ class Ledger(Part):
             if self._pinned is not None:
                 raise StateError("a checkpoint of this pipeline is in progress; wait for it to finish (one at a time)")
             state = self._state_dict()
-            ledger = {"format": LEDGER_FORMAT, "in_flight": [[p, g, n] for p, (g, n) in self.prompts.items()],
-                      "finished": self.finished_count}
+            rows = [[p, g, n] for p, (g, n) in self.prompts.items()]
+            ledger = {"format": LEDGER_FORMAT, "in_flight": rows, "finished": self.finished_count}
             self._pinned = {m["id"] for m in state["live"]}
             self._releaser = s.releaser
             s.releaser = self._deferring
             self._cut_at = time.monotonic()
             pause_ms = (time.perf_counter() - t0) * 1e3
-        reissue = reissue_list(state, {p: (g, n) for p, g, n in ledger["in_flight"]})
+        reissue = reissue_list(state, {p: (g, n) for p, g, n in rows})
         return {"plane": state, "ledger": ledger, "reissue": reissue, "pause_ms": pause_ms}
 
     def _deferring(self, unit: str, ids: list[str], wait: bool) -> Any:

@@ -418,7 +418,9 @@ class RayStorageUnit(StorageUnit):
         """Whether the unit's actor answers within ``timeout_s`` (``False`` once its node or process died)."""
         try:
             ray_get(self._h.actor.info.remote(), timeout=timeout_s)
-        except (*_LOST_ERRORS, ray.exceptions.GetTimeoutError, ray.exceptions.RayTaskError):
+        except _LOST_OR_TIMEOUT:
+            return False
+        except ray.exceptions.RayTaskError:
             return False
         return True
 
