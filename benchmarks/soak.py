@@ -197,6 +197,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(results: soak_reshape.json)")
     parser.add_argument("--rounds", type=int, default=4, help="with --reshape: jobs killed before the last one")
     parser.add_argument("--prompts", type=int, default=240, help="with --reshape: prompts (groups of 2) of the run")
+    parser.add_argument("--kill-within", type=float, default=2.5,
+                        help="with --reshape: each killed job dies at a random point within this many seconds after "
+                        "its first checkpoint")
     parser.add_argument("--dir", default=None, help="with --reshape: working directory (default: a temporary one)")
     parser.add_argument("--control", action="store_true",
                         help="with --processes: first run the same cross-process soak without faults (no consumer "
@@ -258,7 +261,8 @@ def run_reshape(args: argparse.Namespace) -> int:
     import tempfile
 
     work = args.dir or tempfile.mkdtemp(prefix="knitdata-soak-reshape-")
-    r = run_soak_reshape(work, rounds=args.rounds, prompts=args.prompts, ranks=args.consumers, seed=args.seed)
+    r = run_soak_reshape(work, rounds=args.rounds, prompts=args.prompts, ranks=args.consumers, seed=args.seed,
+                         kill_after_s=(0.0, args.kill_within))
     r["loadavg"] = list(os.getloadavg())
     print(f"soak --reshape: {r['jobs']} jobs ({r['kills']} killed with SIGKILL, {r['restores_other_topology']} "
           f"restored onto another layout), {r['prompts']} prompts x {r['group_size']}: lost {r['lost']}, duplicated "

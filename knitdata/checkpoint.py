@@ -33,7 +33,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -56,6 +56,8 @@ __all__ = [
     "check_fingerprint",
     "remap_plane_state",
     "restore_into",
+    "restore_pipeline",
+    "lost_groups",
 ]
 
 #: The format name and version of ``manifest.json``.
@@ -435,3 +437,101 @@ def restore_into(engine: Any, path: str | os.PathLike[str], manifest: Mapping[st
         raise StateError(f"checkpoint {path!r} does not load: {e}") from e
     reissue = [dict(r) for r in manifest.get("reissue", [])]
     return RestoreReport(path=path, trajectories=n, reissue=reissue, unit_map=umap, config_changed=config_changed)
+
+
+def restore_pipeline(
+    cls: Any,
+    path: str | os.PathLike[str],
+    engine_of: Callable[[Any], Any],
+    *,
+    engine: str | None = None,
+    layout: ConsumerLayout | None = None,
+    capacity_bytes: int | None = None,
+    spill_dir: str | os.PathLike[str] | None = None,
+    spill_bytes: int = 16 << 30,
+    engine_options: Mapping[str, Any] | None = None,
+    allow_config_change: bool = False,
+    **options: Any,
+) -> Any:
+    """:meth:`knitdata.Pipeline.restore`: a new pipeline continuing the one checkpointed at ``path``.
+
+    The saved options apply unless given. ``engine``, ``layout`` (the same number of ranks on other nodes),
+    ``capacity_bytes``, ``spill_dir``, ``spill_bytes`` and ``engine_options`` change the topology only; any other
+    keyword of :class:`~knitdata.Pipeline` (``token_budget``, ``admission``, ...) must keep the configuration's
+    fingerprint unless ``allow_config_change=True``. The ranks then load their saved states; the producer
+    reissues ``pipe.restore_report.reissue`` (:class:`RestoreReport`).
+
+    Args:
+        cls: The pipeline class to build.
+        path: The checkpoint directory.
+        engine_of: Returns the engine of a pipeline of ``cls``.
+        engine: The engine's name (default: the saved one).
+        layout: Consumers by node (default: the saved one).
+        capacity_bytes: Capacity of each unit (default: the saved one).
+        spill_dir: Spill directory of the new units.
+        spill_bytes: Their disk budget.
+        engine_options: The new engine's options (Ray: ``name``, ``address``, ``nodes``...).
+        allow_config_change: Continue although the configuration's fingerprint differs.
+        **options: Other keywords of :class:`~knitdata.Pipeline`.
+
+    Raises:
+        StateError: No checkpoint at ``path``, or a damaged one.
+        ConfigError: Another fingerprint (without ``allow_config_change``), another number of ranks, or units too
+            small for the payloads they get back.
+    """
+    from knitdata.admission import BatchSpec
+
+    manifest = read_manifest(path)
+    cfg = manifest["plane"]["config"]
+    saved = manifest["options"]
+    kwargs: dict[str, Any] = {
+        "admission": cfg["admission"], "admission_options": cfg.get("admission_options") or {},
+        "token_budget": cfg["token_budget"], "placement": cfg["placement"],
+        "allow_split_groups": cfg["allow_split_groups"], "balance_tolerance": cfg["balance_tolerance"],
+        "release": cfg["release"], "producer_timeout_s": cfg.get("producer_timeout_s"),
+        "put_timeout": saved.get("put_timeout", 60.0), "check_media": saved.get("check_media", True)}
+    opts = dict(options)
+    spec = opts.pop("spec", None)
+    kwargs.update(opts)
+    pipe = cls(spec if spec is not None else BatchSpec.from_dict(cfg["spec"]),
+               layout=layout if layout is not None else ConsumerLayout.from_dict(cfg["layout"]),
+               engine=engine if engine is not None else str(manifest["engine"]),
+               capacity_bytes=capacity_bytes if capacity_bytes is not None else int(saved["capacity_bytes"]),
+               spill_dir=spill_dir, spill_bytes=spill_bytes, engine_options=engine_options, **kwargs)
+    try:
+        eng = engine_of(pipe)
+        changed = check_fingerprint(manifest, eng.config, allow_config_change=allow_config_change)
+        pipe.restore_report = restore_into(eng, path, manifest, config_changed=changed)
+    except BaseException:
+        pipe.shutdown()
+        raise
+    return pipe
+
+
+def lost_groups(engine: Any) -> dict[str, dict[str, Any]]:
+    """The groups whose payloads are gone with a dead storage unit (Ray: its node died) and not in its spill.
+
+    Returns:
+        ``{group: {"trajectories": [lost ids], "admitted": bool, "ranks": [ranks whose planned micro-batches hold
+        them], "units": [dead units]}}``; ``{}`` when every unit answers or everything is recoverable. A group not
+        admitted yet can be regenerated (``pipe.withdraw(group)``, then put it again under a new group id); a
+        consumer reaching an admitted lost group raises :class:`~knitdata.errors.TrajectoryLostError` naming its
+        trajectories (restart from the last checkpoint).
+    """
+    from knitdata.storage.base import dead_units
+
+    dead = dead_units(engine.units)
+    if not dead:
+        return {}
+    report = engine.control.lost_on(dead)
+    recoverable = getattr(engine, "recoverable", None)
+    out: dict[str, dict[str, Any]] = {}
+    for group, g in report["groups"].items():
+        ids = list(g["trajectories"])
+        if recoverable is not None:
+            back = set(recoverable(dead, ids))
+            ids = [t for t in ids if t not in back]
+        if ids:
+            out[group] = {"trajectories": ids, "admitted": bool(g["admitted"]), "ranks": list(g["ranks"]),
+                          "units": dead}
+    return out

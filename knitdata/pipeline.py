@@ -220,8 +220,7 @@ class Pipeline:
         self._listeners_lock = threading.Lock()
         self._router = PutRouter(engine)  # this process's replica of the placement (one-round-trip puts)
         self._presence: ProducerPresence | None = None  # made at the first put: this handle is a producer
-        #: What :meth:`restore` restored (``None`` for a pipeline built otherwise).
-        self.restore_report: RestoreReport | None = None
+        self.restore_report: RestoreReport | None = None  # what restore() restored
 
     @classmethod
     def attach(
@@ -641,111 +640,27 @@ class Pipeline:
     # ------------------------------------------------------------------ whole-pipeline checkpoint
     @property
     def ledger(self) -> RolloutLedger:
-        """The rollout ledger (:class:`~knitdata.checkpoint.RolloutLedger`): the producer reports the prompts it
-        starts and finishes, so that a checkpoint knows which ones to reissue after a restore."""
+        """The rollout ledger the producer reports its prompts to (:class:`~knitdata.checkpoint.RolloutLedger`)."""
         from knitdata.checkpoint import RolloutLedger
-
         return RolloutLedger(self._engine.control)
 
     def checkpoint(self, path: str | os.PathLike[str]) -> CheckpointInfo:
-        """Save the whole pipeline to the directory ``path``; see :mod:`knitdata.checkpoint`.
-
-        Saves, as one consistent cut: admitted mini-batches not released yet (their plans and the ranks'
-        positions), finished but unadmitted trajectories and incomplete groups (their payloads), the rollout
-        ledger's prompts in flight, and the configuration's fingerprint. Trainers wait only while the cut is
-        taken (``pause_ms`` of the result); payloads are written after it.
-
-        Raises:
-            StateError: Another checkpoint of this pipeline is in progress.
-            TrajectoryLostError: A payload could not be read (a dead unit without spill).
-        """
+        """Save the whole pipeline to the directory ``path``: :func:`knitdata.checkpoint.write_checkpoint`."""
         from knitdata.checkpoint import write_checkpoint
-
         return write_checkpoint(self._engine, path, options={
             "capacity_bytes": self.capacity_bytes, "put_timeout": self.put_timeout, "check_media": self.check_media})
 
     @classmethod
-    def restore(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        engine: str | None = None,
-        layout: ConsumerLayout | None = None,
-        capacity_bytes: int | None = None,
-        spill_dir: str | os.PathLike[str] | None = None,
-        spill_bytes: int = 16 << 30,
-        engine_options: Mapping[str, Any] | None = None,
-        allow_config_change: bool = False,
-        **options: Any,
-    ) -> Pipeline:
-        """A new pipeline continuing the one checkpointed at ``path`` (:meth:`checkpoint`), in any process.
-
-        Its options are the saved ones unless given here: ``engine``, ``layout`` (the same number of ranks on
-        other nodes), ``capacity_bytes``, ``spill_dir``, ``engine_options`` may change freely (topology); any
-        other :class:`Pipeline` keyword (``token_budget``, ``admission``, ...) given here must leave the
-        configuration's fingerprint unchanged unless ``allow_config_change=True``. Ranks load their saved states
-        (``ds.load_state_dict``) and continue exactly once; the producer reissues
-        ``pipe.restore_report.reissue``.
-
-        Raises:
-            StateError: No checkpoint at ``path``, or a damaged one.
-            ConfigError: A configuration whose fingerprint differs (without ``allow_config_change``), another
-                number of ranks, or units too small for the payloads they get back.
-        """
-        from knitdata.checkpoint import check_fingerprint, read_manifest, restore_into
-
-        manifest = read_manifest(path)
-        cfg = manifest["plane"]["config"]
-        saved = manifest["options"]
-        kwargs: dict[str, Any] = {
-            "admission": cfg["admission"], "admission_options": cfg.get("admission_options") or {},
-            "token_budget": cfg["token_budget"], "placement": cfg["placement"],
-            "allow_split_groups": cfg["allow_split_groups"], "balance_tolerance": cfg["balance_tolerance"],
-            "release": cfg["release"], "producer_timeout_s": cfg.get("producer_timeout_s"),
-            "put_timeout": saved.get("put_timeout", 60.0), "check_media": saved.get("check_media", True)}
-        spec = options.pop("spec", None)
-        kwargs.update(options)
-        pipe = cls(spec if spec is not None else BatchSpec.from_dict(cfg["spec"]),
-                   layout=layout if layout is not None else ConsumerLayout.from_dict(cfg["layout"]),
-                   engine=engine if engine is not None else str(manifest["engine"]),
-                   capacity_bytes=capacity_bytes if capacity_bytes is not None else int(saved["capacity_bytes"]),
-                   spill_dir=spill_dir, spill_bytes=spill_bytes, engine_options=engine_options,
-                   **kwargs)
-        try:
-            changed = check_fingerprint(manifest, pipe._engine.config, allow_config_change=allow_config_change)
-            pipe.restore_report = restore_into(pipe._engine, path, manifest, config_changed=changed)
-        except BaseException:
-            pipe.shutdown()
-            raise
-        return pipe
+    def restore(cls, path: str | os.PathLike[str], *, allow_config_change: bool = False, **options: Any) -> Pipeline:
+        """A new pipeline continuing the checkpoint at ``path``, in any process: see
+        :func:`knitdata.checkpoint.restore_pipeline` for ``options`` (the topology, or :class:`Pipeline` keywords)."""
+        from knitdata.checkpoint import restore_pipeline
+        return restore_pipeline(cls, path, lambda p: p._engine, allow_config_change=allow_config_change, **options)
 
     def lost_groups(self) -> dict[str, dict[str, Any]]:
-        """The groups whose payloads are gone with a dead storage unit (Ray: its node died) and not in its spill.
-
-        Returns:
-            ``{group: {"trajectories": [lost ids], "admitted": bool, "ranks": [ranks whose planned micro-batches
-            hold them], "units": [dead units]}}``; ``{}`` when every unit is alive or everything was recovered.
-            A group not admitted yet can be regenerated: :meth:`withdraw` it and put it again under a new group
-            id; consumers that reach an admitted lost group raise :class:`~knitdata.errors.TrajectoryLostError`
-            naming its trajectories (restart from the last checkpoint).
-        """
-        from knitdata.storage.base import dead_units
-
-        dead = dead_units(self._engine.units)
-        if not dead:
-            return {}
-        report = self._engine.control.lost_on(dead)
-        recoverable = getattr(self._engine, "recoverable", None)
-        out: dict[str, dict[str, Any]] = {}
-        for group, g in report["groups"].items():
-            ids = list(g["trajectories"])
-            if recoverable is not None:
-                back = set(recoverable(dead, ids))
-                ids = [t for t in ids if t not in back]
-            if ids:
-                out[group] = {"trajectories": ids, "admitted": bool(g["admitted"]), "ranks": list(g["ranks"]),
-                              "units": dead}
-        return out
+        """The groups lost with a dead storage unit and not in its spill: :func:`knitdata.checkpoint.lost_groups`."""
+        from knitdata.checkpoint import lost_groups
+        return lost_groups(self._engine)
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:

@@ -180,7 +180,8 @@ def node_loss(d: str) -> dict[str, Any]:
         for r in range(2):
             t0 = time.monotonic()
             try:
-                got += [t for mb in pipe.dataset(r, timeout=60) for t in mb.info.trajectory_ids]
+                for mb in pipe.dataset(r, timeout=60):
+                    got += mb.info.trajectory_ids
             except TrajectoryLostError as e:
                 errors.append({"rank": r, "type": "TrajectoryLostError", "ids": list(e.trajectory_ids),
                                "s": time.monotonic() - t0})

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -20,22 +19,14 @@ from knitdata import BatchSpec, ConsumerLayout, Pipeline, Trajectory
 from knitdata.checkpoint import config_fingerprint, read_manifest, remap_plane_state
 from knitdata.errors import ConfigError, StateError
 
-HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ckpt_helpers import HERE, run_ray_scenario, run_script  # noqa: E402
+
 SCRIPT = HERE / "_checkpoint_script.py"
 
 
-def _env() -> dict[str, str]:
-    """The user's environment, with this checkout importable (as ``pip install -e .`` makes it)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent), env.get("PYTHONPATH")]))
-    return env
-
-
-def _run(*args: str, script: Path = SCRIPT, timeout: float = 120.0) -> dict:
-    p = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout,
-                       env=_env(), start_new_session=True)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
+def _run(*args: str) -> dict:
+    return run_script(SCRIPT, *args)  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
@@ -175,21 +166,6 @@ def test_checkpoint_while_consumers_run(tmp_path: Path) -> None:
     assert all(i.pause_ms < 100 for i in infos)
     assert not any(p.endswith(".tmp") for p in os.listdir(tmp_path))
 
-
-def _ray_env() -> dict[str, str]:
-    env = _env()
-    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", RAY_DEDUP_LOGS="0", OMP_NUM_THREADS="1")
-    return env
-
-
-def run_ray_scenario(name: str, d: Path, timeout: float = 400.0) -> dict:
-    """Run a scenario of tests/_ray_ckpt_script.py (its own 2-node Ray cluster) in a driver subprocess."""
-    pytest.importorskip("ray")
-    script = HERE / "_ray_ckpt_script.py"
-    p = subprocess.run([sys.executable, str(script), name, str(d)], capture_output=True, text=True, timeout=timeout,
-                       env=_ray_env(), start_new_session=True)
-    assert p.returncode == 0, p.stderr[-6000:]
-    return json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
 
 
 @pytest.mark.slow
