@@ -334,6 +334,18 @@ def _unit_map(old: Mapping[str, str], new: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def _relocate(x: Any, umap: Mapping[str, str]) -> None:
+    """Replace, in place, the ``location`` of every trajectory metadata dict nested in ``x`` by its new unit."""
+    if isinstance(x, dict):
+        if isinstance(x.get("id"), str) and isinstance(x.get("location"), str) and x["location"] in umap:
+            x["location"] = umap[x["location"]]
+        for v in x.values():
+            _relocate(v, umap)
+    elif isinstance(x, list):
+        for v in x:
+            _relocate(v, umap)
+
+
 def remap_plane_state(state: Mapping[str, Any], *, config: Mapping[str, Any],
                       unit_nodes: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
     """A cut's plane state converted for a plane of ``config`` over the units ``unit_nodes``.
@@ -368,6 +380,7 @@ def remap_plane_state(state: Mapping[str, Any], *, config: Mapping[str, Any],
         for e in q:
             for it in e["items"]:
                 it[1] = umap[it[1]]
+    _relocate(out["policy"], umap)  # the admission policy holds the metadata of what it has not admitted yet
     out["recent_releases"] = []  # releases of the old units: nothing to send again here
     pl = out["placement"]
     if isinstance(pl, dict) and "load" in pl:

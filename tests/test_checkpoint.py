@@ -87,8 +87,27 @@ def test_restore_onto_other_nodes_keeps_the_plans(saved: tuple[Path, dict]) -> N
         assert new == old and state["position"] == m["plane"]["position"]
         held = sum(len(u) for u in pipe._engine.units.values())
         assert held == m["payloads"]["count"]
+        # what admission held (half a group) is admitted and read from its new unit once the group completes
+        job = json.loads((d / "job.json").read_text())
+        for r in pipe.restore_report.reissue:
+            p = int(r["prompt_id"][1:])
+            pipe.put_many([_traj(f"p{p}-x{k}", p) for k in range(r["missing"])])
+        pipe.put_many([_traj(f"p15-{k}", 15) for k in range(2)])  # the train batch's last group
+        pipe.close()
+        got = []
+        for r in range(2):
+            ds = pipe.dataset(r, timeout=30)
+            ds.load_state_dict(job["states"][str(r)])
+            got += [t for mb in ds for t in mb.info.trajectory_ids]
+        assert {"p12-0", "p12-x0", "p13-x0", "p13-x1", "p14-0", "p14-1"} <= set(got)
+        assert len(got) == len(set(got))
     finally:
         pipe.shutdown()
+
+
+def _traj(tid: str, p: int) -> Trajectory:
+    return Trajectory(id=tid, source="math" if p % 2 == 0 else "code", group=f"p{p}", prompt_ids=torch.arange(4),
+                      response_ids=torch.arange(5), scalars={"reward": 1.0})
 
 
 def _t(i: int) -> Trajectory:

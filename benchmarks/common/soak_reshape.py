@@ -230,6 +230,8 @@ def run_soak_reshape(d: str, *, rounds: int = 4, prompts: int = 240, ranks: int 
             errors.append(f"round {inc}: the job did not finish (or checkpoint) within {timeout_s} s")
             break
         ev = _read_log(d, inc)
+        if killed and any(e["ev"] == "done" for e in ev):
+            killed = False  # it had finished (killed while it exited): the run is complete
         ck = [e for e in ev if e["ev"] == "ckpt"]
         rounds_out.append({"round": inc, "nodes": nodes, "killed": killed, "ran_s": time.perf_counter() - t0,
                            "checkpoints": len(ck), "pause_ms_max": max((e["pause_ms"] for e in ck), default=None),
