@@ -21,6 +21,9 @@ import torch
 
 from knitdata import BatchSpec, Pipeline, Trajectory
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ckpt_helpers import reissue_missing  # noqa: E402
+
 PROMPTS = 24  # 6 train batches of 4 groups (2 math, 2 code) of 2
 DONE = 12  # prompts put and finished before the checkpoint
 RANKS = 2
@@ -88,13 +91,7 @@ def restore(d: str) -> None:
 
     def producer() -> None:
         try:
-            for r in report.reissue:
-                p = int(r["prompt_id"][1:])
-                fresh = [traj(f"p{p}-r{k}", p) for k in range(r["missing"])]
-                if fresh:
-                    pipe.put_many(fresh)
-                    put.extend(t.id for t in fresh)
-                pipe.ledger.finished(r["prompt_id"])
+            reissue_missing(pipe, traj, put)
             for p in range(DONE + 3, PROMPTS):
                 pipe.ledger.started(f"p{p}")
                 pipe.put_many([traj(f"p{p}-{k}", p) for k in range(2)])

@@ -39,3 +39,15 @@ def run_ray_scenario(name: str, d: Path, timeout: float = 400.0) -> Any:
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0", RAY_DEDUP_LOGS="0",
                OMP_NUM_THREADS="1")
     return run_script(HERE / "_ray_ckpt_script.py", name, str(d), timeout=timeout, env=env)
+
+
+def reissue_missing(pipe: Any, make: Any, put: list[str], tag: str = "r") -> None:
+    """Reissue what ``pipe.restore_report`` names: ``make(id, prompt)`` the missing members of each prompt (ids
+    ``p{prompt}-{tag}{k}``), put them, record their ids in ``put``, and report each prompt finished."""
+    for r in pipe.restore_report.reissue:
+        p = int(r["prompt_id"][1:])
+        fresh = [make(f"p{p}-{tag}{k}", p) for k in range(r["missing"])]
+        if fresh:
+            pipe.put_many(fresh)
+            put.extend(t.id for t in fresh)
+        pipe.ledger.finished(r["prompt_id"])

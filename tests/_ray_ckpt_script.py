@@ -23,6 +23,9 @@ import torch
 from knitdata import BatchSpec, ConsumerLayout, Pipeline, Trajectory
 from knitdata.errors import KnitdataError, TrajectoryLostError
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ckpt_helpers import reissue_missing  # noqa: E402
+
 
 def traj(tid: str, prompt: int) -> Trajectory:
     g = torch.Generator().manual_seed(prompt * 7 + len(tid))
@@ -123,13 +126,7 @@ def two_to_one(d: str) -> dict[str, Any]:
 
     def producer() -> None:
         try:
-            for r in report.reissue:
-                p = int(r["prompt_id"][1:])
-                fresh = [traj(f"p{p}-r{k}", p) for k in range(r["missing"])]
-                if fresh:
-                    new.put_many(fresh)
-                    put.extend(t.id for t in fresh)
-                new.ledger.finished(r["prompt_id"])
+            reissue_missing(new, traj, put)
             put_prompts(new, range(10, 16), put)
         finally:
             new.close()

@@ -32,6 +32,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from benchmarks.common.soak_processes import write_json_atomic
+
 __all__ = ["run_soak_reshape", "job_main"]
 
 GROUP = 2
@@ -46,15 +48,6 @@ def _traj(tid: str, prompt: int, nbytes: int) -> Any:
                       prompt_ids=torch.tensor([prompt, 1]), response_ids=torch.arange(4 + prompt % 5),
                       scalars={"reward": float(prompt % 7)},
                       tensors={"pad": torch.full((nbytes,), prompt % 251, dtype=torch.uint8)})
-
-
-def _write_json(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def job_main(d: str, inc: int, prompts: int, ranks: int, nodes: int, consume_ms: float, ckpt_every_s: float,
@@ -97,6 +90,13 @@ def job_main(d: str, inc: int, prompts: int, ranks: int, nodes: int, consume_ms:
 
     def producer() -> None:
         try:
+            _producer()
+        except BaseException as e:
+            emit(ev="error", where="producer", error=repr(e)[:500])
+            raise
+
+    def _producer() -> None:
+        try:
             for r in reissue:
                 p = int(r["prompt_id"][1:])
                 fresh = [_traj(f"p{p}-i{inc}-{k}", p, traj_bytes) for k in range(r["missing"])]
@@ -119,6 +119,13 @@ def job_main(d: str, inc: int, prompts: int, ranks: int, nodes: int, consume_ms:
             pipe.close()
 
     def rank(r: int) -> None:
+        try:
+            _rank(r)
+        except BaseException as e:
+            emit(ev="error", where=f"rank {r}", error=repr(e)[:500])
+            raise
+
+    def _rank(r: int) -> None:
         ds = pipe.dataset(r, timeout=120)
         if states[r] is not None:
             ds.load_state_dict(states[r])
@@ -147,16 +154,16 @@ def job_main(d: str, inc: int, prompts: int, ranks: int, nodes: int, consume_ms:
                 st, cn = list(taken), list(taken_counts)
                 emit(ev="ckpt_begin", seq=seq)
                 info = pipe.checkpoint(path)
-            _write_json(job_path, {"ckpt": path, "states": st, "counts": cn, "inc": inc, "seq": seq})
+            write_json_atomic(job_path, {"ckpt": path, "states": st, "counts": cn, "inc": inc, "seq": seq})
             emit(ev="ckpt", seq=seq, path=path, pause_ms=info.pause_ms, write_s=info.write_s,
                  trajectories=info.trajectories)
 
-    threads = [threading.Thread(target=producer, daemon=True)] + [
-        threading.Thread(target=rank, args=(r,), daemon=True) for r in range(ranks)]
     ck = threading.Thread(target=checkpointer, daemon=True)
+    ck.start()
+    threads = [threading.Thread(target=producer, daemon=True)]
+    threads += [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(ranks)]
     for t in threads:
         t.start()
-    ck.start()
     for t in threads:
         t.join()
     stop.set()
@@ -246,6 +253,8 @@ def run_soak_reshape(d: str, *, rounds: int = 4, prompts: int = 240, ranks: int 
 def _account(d: str, last: int, prompts: int, rounds: list[dict[str, Any]], errors: list[str], wall_s: float,
              **params: Any) -> dict[str, Any]:
     logs = [_read_log(d, i) for i in range(last + 1)]
+    errors = errors + [f"job {i}, {e['where']}: {e['error']}" for i, ev in enumerate(logs) for e in ev
+                       if e["ev"] == "error"]
     # where each rank resumed in job i + 1: the micro-batches of job i at or past it were rolled back
     resumed = [next((e["counts"] for e in logs[i + 1] if e["ev"] == "restored"), None) for i in range(last)]
     counted: Counter[str] = Counter()
