@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from knitdata import BatchSpec, ConsumerLayout, Pipeline, Trajectory
 from knitdata.checkpoint import config_fingerprint, read_manifest, remap_plane_state
@@ -197,3 +200,39 @@ def test_ray_restore_from_two_nodes_onto_one(tmp_path: Path) -> None:
     consumed, put = out["consumed"], out["put"]
     assert len(consumed) == len(set(consumed)) and sorted(consumed) == sorted(put)
     assert out["info"]["pause_ms"] < 100
+
+
+@pytest.mark.filterwarnings("ignore:knitdata. pipeline closed with")
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 2), st.booleans()), min_size=1, max_size=10))
+def test_reissue_is_exactly_the_prompts_in_flight(plan: list[tuple[int, bool]]) -> None:
+    """Prompt i: ``plan[i][0]`` of its 2 members put, reported finished if ``plan[i][1]`` and whole. The restore
+    reissues exactly the prompts not finished, each with the members the checkpoint holds and the count missing."""
+    spec = BatchSpec({"a": 64}, num_minibatches=1, group_size=2)  # nothing is admitted: every member is held
+    pipe = Pipeline(spec, num_consumers=1, token_budget=64)
+    finished = set()
+    for i, (k, fin) in enumerate(plan):
+        pipe.ledger.started(f"q{i}", group=f"g{i}")
+        for m in range(k):
+            pipe.put(Trajectory(id=f"q{i}-{m}", source="a", group=f"g{i}", prompt_ids=torch.arange(2),
+                                response_ids=torch.arange(3), scalars={"reward": 0.0}))
+        if fin and k == 2:
+            pipe.ledger.finished(f"q{i}")
+            finished.add(i)
+    with tempfile.TemporaryDirectory() as d:
+        info = pipe.checkpoint(os.path.join(d, "c"))
+        assert info.in_flight == len(plan) - len(finished)
+        new = Pipeline.restore(os.path.join(d, "c"))
+    try:
+        assert new.restore_report is not None
+        got = {r["prompt_id"]: r for r in new.restore_report.reissue}
+        assert sorted(got) == sorted(f"q{i}" for i in range(len(plan)) if i not in finished)
+        for pid, r in got.items():
+            i = int(pid[1:])
+            assert r["group"] == f"g{i}" and r["have"] == [f"q{i}-{m}" for m in range(plan[i][0])]
+            assert r["missing"] == 2 - plan[i][0]
+        assert new.ledger.in_flight() == [f"q{i}" for i in range(len(plan)) if i not in finished]
+        assert new.ledger.num_finished() == len(finished)
+    finally:
+        new.close()
+        pipe.close()
