@@ -134,10 +134,12 @@ def job_main(d: str, inc: int, prompts: int, ranks: int, nodes: int, consume_ms:
                 taken[r] = ds.state_dict()
         k = counts[r]
         for mb in ds:
-            emit(ev="mb", r=r, k=k, ids=list(mb.info.trajectory_ids))
+            info = mb.info
+            assert info is not None  # the default collate sets it
+            emit(ev="mb", r=r, k=k, ids=list(info.trajectory_ids))
             k += 1
             time.sleep(consume_ms / 1000)
-            if mb.info.is_last:
+            if info.is_last:
                 with state_lock:
                     taken[r] = ds.state_dict()
                     taken_counts[r] = k
