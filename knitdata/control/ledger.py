@@ -73,7 +73,7 @@ class Ledger(Part):
         load_state_dict: The plane's :meth:`~knitdata.control.durability.Durability.load_state_dict`.
     """
 
-    def __init__(self, s: PlaneState, state_dict: Callable[[], dict[str, Any]] | None = None,
+    def __init__(self, s: PlaneState, state_dict: Callable[..., dict[str, Any]] | None = None,
                  load_state_dict: Callable[[Mapping[str, Any]], None] | None = None) -> None:
         super().__init__(s)
         self._state_dict = state_dict
@@ -162,14 +162,16 @@ class Ledger(Part):
                 t0 = time.perf_counter()
             if self._pinned is not None:
                 raise StateError("a checkpoint of this pipeline is in progress; wait for it to finish (one at a time)")
-            state = self._state_dict()
+            state = self._state_dict(raw_metas=True)  # metadata objects: converted after the lock
             rows = [[p, g, n] for p, (g, n) in self.prompts.items()]
             ledger = {"format": LEDGER_FORMAT, "in_flight": rows, "finished": self.finished_count}
-            self._pinned = {m["id"] for m in state["live"]}
+            self._pinned = set(s.live)
             self._releaser = s.releaser
             s.releaser = self._deferring
             self._cut_at = time.monotonic()
             pause_ms = (time.perf_counter() - t0) * 1e3
+        state["live"] = [m.to_dict() for m in state["live"]]
+        state["pending"] = [m.to_dict() for m in state["pending"]]
         reissue = reissue_list(state, {p: (g, n) for p, g, n in rows})
         return {"plane": state, "ledger": ledger, "reissue": reissue, "pause_ms": pause_ms}
 
