@@ -6,6 +6,8 @@ The layout follows the data's path; each stage is a module (or a package of one-
 stage               where
 ==================  =========================================================================================
 record              :mod:`knitdata.record` (``Trajectory``, ``TrajectoryMeta``), :mod:`knitdata.codec` (wire/disk)
+rollout             :mod:`knitdata.rollout` (engine outputs to trajectories: vLLM, SGLang, OpenAI, HF ``generate``;
+                    multi-turn, multimodal, partial rollouts)
 put (producer)      :mod:`knitdata.pipeline` (``Pipeline.put``), :mod:`knitdata.producer` (the placement replica)
 admission           :mod:`knitdata.admission` (``spec``, ``composition``, ``base``, ``policies``),
                     :mod:`knitdata.staleness`
@@ -23,6 +25,7 @@ consumer            :mod:`knitdata.dataset` (``TrajectoryDataset``), :mod:`knitd
 collate             :mod:`knitdata.collate` (tokens), :mod:`knitdata.media`, :mod:`knitdata.multimodal`
 prefetch            :mod:`knitdata.prefetch`, :mod:`knitdata.staging` (pinning, side-stream copies)
 encoder             :mod:`knitdata.encoder` (``SharedEncoding``), :mod:`knitdata.replicas`
+parallel            :mod:`knitdata.parallel` (``replica_layout``: data-parallel rank and replica from a DeviceMesh)
 integrations        :mod:`knitdata.integrations` (``accelerate``, ``transformers``)
 metrics             :mod:`knitdata.metrics`
 checkpoint          :mod:`knitdata.checkpoint` (``Pipeline.checkpoint`` / ``Pipeline.restore``, the rollout ledger)
@@ -83,6 +86,9 @@ _LAZY: dict[str, str] = {
     "read_shards": "knitdata.shards",
     "ShardDataset": "knitdata.shards",
     "SpillStore": "knitdata.spill",
+    "ReplicaLayout": "knitdata.parallel",
+    "replica_layout": "knitdata.parallel",
+    "from_process_groups": "knitdata.parallel",
 }
 
 __all__ = ["__version__", "Trajectory", "TrajectoryMeta", "MediaItem", *errors.__all__, *_LAZY]
@@ -120,6 +126,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from knitdata.engines.ray import ray_address  # noqa: F401
     from knitdata.media import audio_item, image_item, patchify  # noqa: F401
     from knitdata.multimodal import MediaTable, MultimodalBatch, MultimodalCollator  # noqa: F401
+    from knitdata.parallel import ReplicaLayout, from_process_groups, replica_layout  # noqa: F401
     from knitdata.pipeline import Pipeline  # noqa: F401
     from knitdata.placement import ConsumerAwarePlacement, ConsumerLayout, IndexModPlacement  # noqa: F401
     from knitdata.planner import MicroBatchInfo, Planner  # noqa: F401

@@ -47,16 +47,24 @@ class ConsumerSession:
     Args:
         engine: The pipeline's engine.
         rank: The consumer.
+        replica: The rank's tensor/pipeline-parallel replica (0 without replicas).
     """
 
-    def __init__(self, engine: Engine, rank: int) -> None:
+    def __init__(self, engine: Engine, rank: int, replica: int = 0) -> None:
         self.engine = engine
         self.rank = rank
+        self.replica = replica
+
+    def register(self, num_replicas: int) -> None:
+        """Tell the control plane that every rank has ``num_replicas`` replicas (``ConfigError`` when it disagrees)."""
+        self.engine.control.register_replicas(num_replicas)
 
     def start(self, worker: int, num_workers: int) -> tuple[int, tuple[int, str] | None]:
         """Where worker ``worker`` of ``num_workers`` starts without a loaded state: ``(next j, fingerprint)``
-        (after the last micro-batch handed out to the rank)."""
-        return _start(self.engine.control.start_point(self.rank), worker, num_workers)
+        (after the last micro-batch handed out to the rank's replica)."""
+        c = self.engine.control
+        ans = c.start_point(self.rank, self.replica) if self.replica else c.start_point(self.rank)
+        return _start(ans, worker, num_workers)
 
     def lease(self, worker: int, num_workers: int, cap: int | None,
               ) -> tuple[ConsumerLease, tuple[int, tuple[int, str] | None]]:
@@ -65,7 +73,8 @@ class ConsumerSession:
         import uuid
 
         engine = self.engine
-        lease, ans = engine.sender.acquire(self.rank, worker, uuid.uuid4().hex, wait_s=LEASE_TTL_S + 5.0)
+        lease, ans = engine.sender.acquire(self.rank, worker, uuid.uuid4().hex, wait_s=LEASE_TTL_S + 5.0,
+                                           replica=self.replica)
         lease.send_each = engine.release == "handout"
         lease.auto_step = engine.release == "step" and num_workers == 1
         lease.cap = cap
@@ -76,16 +85,21 @@ class ConsumerSession:
         self.engine.control.verify(self.rank, length, fp, where)
 
     def seek(self, j: int) -> None:
-        """The rank continues at micro-batch ``j`` (a state was loaded)."""
-        self.engine.control.seek(self.rank, j)
+        """The rank (its replica) continues at micro-batch ``j`` (a state was loaded)."""
+        if self.replica:
+            self.engine.control.seek(self.rank, j, self.replica)
+        else:
+            self.engine.control.seek(self.rank, j)
 
     def commit(self, upto: int, *, wait: bool) -> int | None:
         """Release the rank's payloads before ``upto``: queued for the sender, or sent now (``wait``: the count)."""
         sender = self.engine.sender
         if not wait:
-            sender.commit(self.rank, upto)
+            sender.commit(self.rank, upto, self.replica)
             return None
         sender.flush()
+        if self.replica:
+            return int(self.engine.control.commit(self.rank, upto, self.replica))
         return int(self.engine.control.commit(self.rank, upto))
 
     def flush(self) -> None:
@@ -154,7 +168,9 @@ class PlanStage:
                             "refused), or raise the dataset's timeout")
                     wait = min(wait, left)
                 try:
-                    ans = self.engine.next_entries(self.rank, j, wait, self.lease.token, self.lease.worker)
+                    lease = self.lease
+                    ans = (self.engine.next_entries(self.rank, j, wait, lease.token, lease.worker) if not lease.replica
+                           else self.engine.next_entries(self.rank, j, wait, lease.token, lease.worker, lease.replica))
                 except FencedError as err:
                     self.lease.fence("a newer iterator", str(err))  # nothing prefetched is handed out any more
                     raise

@@ -28,6 +28,12 @@ deterministic, so ``j`` names the same micro-batch in a fresh pipeline fed the s
 out in plan order. State (:meth:`TrajectoryDataset.state_dict`): the next ``j`` of this (worker's) iteration, a
 few integers of JSON. A new dataset without a loaded state continues after the last micro-batch handed out
 to the rank; a consumer that crashed loads its saved state instead.
+
+Replicas: the tensor/pipeline-parallel peers of data-parallel rank ``rank`` build their datasets with
+``replica=k, num_replicas=R`` (:func:`knitdata.parallel.replica_layout` derives them from a ``DeviceMesh``). Each
+replica receives the same micro-batches in the same order, holds its own lease (a newer iterator of replica ``k``
+fences only replica ``k``'s older one), and saves and resumes on its own; the rank's payloads are released once
+every replica is past them.
 """
 
 from __future__ import annotations
@@ -102,6 +108,10 @@ class TrajectoryDataset(IterableDataset):
         pin_memory: Pin on the prefetch thread (default: when CUDA is used).
         max_minibatches: Each iteration stops after this many mini-batches (``None``: until drained).
         timeout: Most seconds to wait for the next micro-batch (``None``: no limit).
+        replica: This dataset's tensor/pipeline-parallel replica of data-parallel rank ``rank`` (``None``: the rank
+            has one consumer, which acts as replica 0).
+        num_replicas: Replicas per rank, given with ``replica`` (registered with the control plane; every replica
+            of every rank must pass the same number).
 
     Attributes:
         metrics: The rank's :class:`~knitdata.metrics.ConsumerMetrics` in this process.
@@ -120,10 +130,17 @@ class TrajectoryDataset(IterableDataset):
         pin_memory: bool | None = None,
         max_minibatches: int | None = None,
         timeout: float | None = 1800.0,
+        replica: int | None = None,
+        num_replicas: int | None = None,
     ) -> None:
         super().__init__()
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < engine.num_consumers:
             raise ConfigError(f"rank must be an int in 0..{engine.num_consumers - 1}, got {rank!r}")
+        if (replica is None) != (num_replicas is None) or (num_replicas is not None and (
+                isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1
+                or isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < num_replicas)):
+            raise ConfigError(f"rank {rank}: replica and num_replicas go together, with 0 <= replica < num_replicas "
+                              f"(ints), got replica={replica!r}, num_replicas={num_replicas!r}")
         mode = fetch_mode(fetch)
         if max_minibatches is not None and (isinstance(max_minibatches, bool) or not isinstance(max_minibatches, int)
                                             or max_minibatches < 1):
@@ -147,7 +164,10 @@ class TrajectoryDataset(IterableDataset):
         self.pin_memory = pin_memory
         self.max_minibatches = max_minibatches
         self.timeout = timeout
+        self.replica, self.num_replicas = replica, num_replicas
         self._init_local()
+        if num_replicas is not None:
+            self.session.register(num_replicas)
 
     def _init_local(self) -> None:
         self._lock = threading.RLock()  # an iterator closed under it brings the position up to date
@@ -160,7 +180,7 @@ class TrajectoryDataset(IterableDataset):
         self._handed_out = 0
         self._cap: int | None = None  # release="step" never releases past the last state taken or loaded
         self._active: weakref.ref[_ConsumerIterator] | None = None
-        self.session = ConsumerSession(self.engine, self.rank)
+        self.session = ConsumerSession(self.engine, self.rank, self.replica or 0)
 
     def __getstate__(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -279,10 +299,14 @@ class TrajectoryDataset(IterableDataset):
                 "minibatch": mb, "microbatch": micro, "end_minibatch": self._end_step, "epoch": self._epoch,
                 "handed_out": self._handed_out,
                 "fingerprint": None if fp is None else fp[1], "fingerprint_length": None if fp is None else fp[0],
+                **({} if self.replica is None else {"replica": self.replica, "num_replicas": self.num_replicas}),
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue after the micro-batch ``state`` was taken at; payloads before it are released.
+
+        With replicas, the state of any replica of the same rank may be loaded (they receive the same micro-batches);
+        it positions this dataset's replica only.
 
         Raises:
             StateError: Not a TrajectoryDataset state, or one of another rank, layout or pipeline.
@@ -377,7 +401,8 @@ class TrajectoryDataset(IterableDataset):
             self.session.commit(upto, wait=False)  # a finished pass is at a mini-batch boundary
 
     def __repr__(self) -> str:
-        return (f"TrajectoryDataset(rank={self.rank}, fetch={self.fetch!r}, next={self._next}, "
+        rep = "" if self.replica is None else f", replica={self.replica} of {self.num_replicas}"
+        return (f"TrajectoryDataset(rank={self.rank}{rep}, fetch={self.fetch!r}, next={self._next}, "
                 f"engine={self.engine.kind!r})")
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "TrajectoryLostError",
     "MediaError",
     "OptionalDependencyError",
+    "RolloutOutputError",
 ]
 
 
@@ -156,3 +157,32 @@ class OptionalDependencyError(KnitdataError, ImportError):
         )
         self.package = package
         self.extra = extra
+
+
+class RolloutOutputError(ValidationError):
+    """A rollout engine's output cannot become a trajectory: a length mismatch, missing log-probs, an unknown
+    finish reason, a continuation that does not extend its request (``knitdata.rollout``).
+
+    The message starts with the request, the sample (the index of the response within the request) and the field.
+
+    Attributes:
+        request_id: The engine's request id, or ``None`` when not known.
+        sample: The index of the response within its request (``n`` samples per request), or ``None``.
+        field: The name of the offending field of the engine's output, or ``None``.
+        trajectory_id: Always ``None`` (no trajectory exists yet).
+    """
+
+    def __init__(self, message: str, *, request_id: str | None = None, sample: int | None = None,
+                 field: str | None = None):
+        prefix = ""
+        if request_id is not None:
+            prefix += f"request {request_id!r}: "
+        if sample is not None:
+            prefix += f"sample {sample}: "
+        if field is not None:
+            prefix += f"field {field!r}: "
+        Exception.__init__(self, prefix + message)
+        self.trajectory_id = None
+        self.field = field
+        self.request_id = request_id
+        self.sample = sample

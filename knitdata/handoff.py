@@ -63,6 +63,7 @@ class ConsumerLease:
     Attributes:
         rank: The consumer.
         worker: The DataLoader worker.
+        replica: The rank's tensor/pipeline-parallel replica (0 without replicas).
         token: The iterator's token.
         epoch: The lease's epoch (grows with each new holder of the rank and worker).
         fenced: Who took the lease over (``None`` while held).
@@ -75,9 +76,10 @@ class ConsumerLease:
     """
 
     def __init__(self, sender: ControlSender, rank: int, worker: int, token: str, epoch: int, ttl_s: float,
-                 sent_at: float) -> None:
+                 sent_at: float, replica: int = 0) -> None:
         self.rank = rank
         self.worker = worker
+        self.replica = replica
         self.token = token
         self.epoch = epoch
         self.fenced: str | None = None
@@ -169,7 +171,7 @@ class ConsumerLease:
             raise FencedError(self._message())
 
     def _message(self) -> str:
-        return self._fence_message or fenced_message(self.rank, self.worker, str(self.fenced))
+        return self._fence_message or fenced_message(self.rank, self.worker, str(self.fenced), self.replica)
 
     def fence(self, by: str, message: str | None = None) -> None:
         """A newer iterator took (or asked for) the rank: stop handing out; the sender lets the lease go.
@@ -269,7 +271,7 @@ class ControlSender:
         self.heartbeat_s = float(heartbeat_s)
         self._on_error = on_error
         self._leases: dict[str, ConsumerLease] = {}
-        self._commits: dict[int, int] = {}
+        self._commits: dict[tuple[int, int], int] = {}  # (rank, replica) -> upto
         self._version: int | None = None
         self._producers: weakref.WeakValueDictionary[str, ProducerPresence] = weakref.WeakValueDictionary()
         self._gone: list[list[Any]] = []  # producers whose handle was dropped: reported not alive once
@@ -285,12 +287,16 @@ class ControlSender:
         self.last_error: BaseException | None = None
 
     # ------------------------------------------------------------------ leases
-    def acquire(self, rank: int, worker: int, token: str, *, wait_s: float) -> tuple[ConsumerLease, dict[str, Any]]:
-        """Take the lease of ``(rank, worker)`` for ``token`` (fencing an older holder); returns it and the plane's
-        answer (``next``, ``fp``: where the rank's new iterator starts)."""
+    def acquire(self, rank: int, worker: int, token: str, *, wait_s: float,
+                replica: int = 0) -> tuple[ConsumerLease, dict[str, Any]]:
+        """Take the lease of ``(rank, worker)`` (of ``replica``) for ``token`` (fencing an older holder); returns it
+        and the plane's answer (``next``, ``fp``: where the rank's new iterator starts)."""
         t0 = time.monotonic()  # the lease's local deadline counts from the request
-        ans = self._control.lease(rank, worker, token, wait_s, holder_name())
-        lease = ConsumerLease(self, rank, worker, token, int(ans["epoch"]), float(ans["ttl_s"]), t0)
+        if replica:
+            ans = self._control.lease(rank, worker, token, wait_s, holder_name(), replica)
+        else:
+            ans = self._control.lease(rank, worker, token, wait_s, holder_name())
+        lease = ConsumerLease(self, rank, worker, token, int(ans["epoch"]), float(ans["ttl_s"]), t0, replica)
         with self._lock:
             self._leases[token] = lease
         self._ensure_thread()
@@ -302,10 +308,10 @@ class ControlSender:
             self._leases.pop(lease.token, None)
 
     # ------------------------------------------------------------------ commits
-    def commit(self, rank: int, upto: int) -> None:
-        """Queue a commit of ``rank`` up to ``upto`` (coalesced with others of the rank; sent soon)."""
+    def commit(self, rank: int, upto: int, replica: int = 0) -> None:
+        """Queue a commit of ``rank`` (its ``replica``) up to ``upto`` (coalesced with others of it; sent soon)."""
         with self._lock:
-            self._commits[rank] = max(upto, self._commits.get(rank, 0))
+            self._commits[(rank, replica)] = max(upto, self._commits.get((rank, replica), 0))
         self._ensure_thread()
         self.wake()  # frees storage: soon (the version and the next mini-batch's first hand-out ride along)
 
@@ -397,13 +403,15 @@ class ControlSender:
         taken = []
         for lease in leases:
             recs, release = lease.take()
-            batch.append([lease.rank, lease.worker, lease.token, recs, release])
+            batch.append([lease.rank, lease.worker, lease.token, recs, release]
+                         + ([lease.replica] if lease.replica else []))
             taken.append((lease, recs, release))
         if not batch and not commits and version is None and not producers:
             return
         sent_at = time.perf_counter()
         try:
-            ans = self._control.report(batch, [list(c) for c in commits], version, producers)
+            ans = self._control.report(batch, [[r, u, k] if k else [r, u] for (r, k), u in commits], version,
+                                       producers)
         except BaseException:
             self._restore(taken, commits, version, producers)
             raise
@@ -425,14 +433,15 @@ class ControlSender:
                 for token in done:
                     self._leases.pop(token, None)
 
-    def _restore(self, taken: list[tuple[ConsumerLease, list[list[int]], bool]], commits: list[tuple[int, int]],
+    def _restore(self, taken: list[tuple[ConsumerLease, list[list[int]], bool]],
+                 commits: list[tuple[tuple[int, int], int]],
                  version: int | None, producers: list[list[Any]]) -> None:
         """Put back what an unsent report took: sent again next time, in order."""
         for lease, recs, _release in taken:
             lease.give_back(recs)
         with self._lock:
-            for rank, upto in commits:
-                self._commits[rank] = max(upto, self._commits.get(rank, 0))
+            for key, upto in commits:
+                self._commits[key] = max(upto, self._commits.get(key, 0))
             if self._version is None:
                 self._version = version
             self._gone[:0] = [p for p in producers if not p[2] and p[0] not in self._producers]

@@ -588,11 +588,14 @@ class Pipeline:
         pin_memory: bool | None = None,
         max_minibatches: int | None = None,
         timeout: float | None = DEFAULT_TIMEOUT_S,
+        replica: int | None = None,
+        num_replicas: int | None = None,
     ) -> TrajectoryDataset:
         """The :class:`~knitdata.dataset.TrajectoryDataset` of consumer ``rank``.
 
         Args:
-            rank: The consumer; default ``torch.distributed.get_rank()``.
+            rank: The consumer (the data-parallel rank with ``replica``); default ``torch.distributed.get_rank()``
+                (without ``replica`` only).
             fetch: ``"sample"``, ``"eager"`` or ``"iter"``.
             collate: Turns trajectories into a micro-batch; default :class:`~knitdata.collate.TokenCollator`.
             media_collator: E.g. :class:`~knitdata.multimodal.MultimodalCollator`; builds the media table of
@@ -604,12 +607,19 @@ class Pipeline:
             max_minibatches: Stop each iteration after this many mini-batches.
             timeout: Most seconds to wait for the next micro-batch before
                 :class:`~knitdata.errors.DataTimeoutError` (``None``: no limit).
+            replica: This process's replica of data-parallel rank ``rank`` (its tensor/pipeline-parallel peers
+                receive the same micro-batches; :func:`knitdata.replica_layout` derives ``rank``, ``replica`` and
+                ``num_replicas`` from a ``DeviceMesh``).
+            num_replicas: Replicas per data-parallel rank (the same in every replica's call).
 
         Raises:
-            ConfigError: Bad options, or no rank given outside an initialized process group.
+            ConfigError: Bad options, no rank given outside an initialized process group (or with ``replica``),
+                or ``num_replicas`` other than the one registered first.
         """
         from knitdata.dataset import TrajectoryDataset
 
+        if rank is None and replica is not None:
+            raise ConfigError("replica=... needs the data-parallel rank: pass rank=... (knitdata.replica_layout)")
         if rank is None:
             rank = _dist_rank()
             if rank is None:
@@ -617,7 +627,7 @@ class Pipeline:
         return TrajectoryDataset(
             self._engine, rank, fetch=fetch, collate=collate, media_collator=media_collator,
             prefetch_depth=prefetch_depth, device=device, pin_memory=pin_memory, max_minibatches=max_minibatches,
-            timeout=timeout,
+            timeout=timeout, replica=replica, num_replicas=num_replicas,
         )
 
     def metrics(self, rank: int) -> ConsumerMetrics:

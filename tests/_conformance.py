@@ -536,6 +536,89 @@ def producer_dies(engine: str, n_groups: int = 3) -> dict[str, Any]:
     return out
 
 
+# --- replica ---
+def _replica_row(mb: Any) -> list[Any]:
+    """A micro-batch as ids, position and a digest of its bytes (every tensor of it, in field order)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in (mb.input_ids, mb.position_ids, mb.loss_mask, *mb.scalars.values(), *mb.tensors.values()):
+        h.update(t.contiguous().numpy().tobytes())
+    return [*_row(mb), h.hexdigest()[:16]]
+
+
+@scenario
+def replicas(engine: str, n_groups: int = 8, dp: int = 2, num_replicas: int = 2, stop_after: int = 2,
+             fetch: str = "iter", num_workers: int = 0) -> dict[str, Any]:
+    """Tensor/pipeline-parallel replicas: ``dp`` ranks x ``num_replicas`` replicas, one consumer thread each.
+
+    Replica 1 of rank 0 takes ``stop_after`` micro-batches, saves its state, commits it and stops (a crash); the
+    other replicas drain their ranks; then a new dataset of that replica loads the state and finishes. Returns
+    each replica's stream (ids, position, byte digest), what the control plane held and released meanwhile, the
+    reference streams of a pipeline without replicas, and the error a dataset with another ``num_replicas`` gets.
+    With ``num_workers``, each replica iterates through ``StatefulDataLoader`` worker processes (Ray engine).
+    Every replica commits its last state when it is done (with workers only explicit commits release).
+    """
+    from knitdata.dataset import find_states
+
+    spec = spec_for(n_groups)
+    trajs = workload(n_groups)
+    ref_pipe = make_pipeline(engine, spec, nodes=1, ranks_per_node=dp)
+    for t in trajs:
+        ref_pipe.put(t)
+    ref_pipe.close()
+    ref = [[_replica_row(mb) for mb in ref_pipe.dataset(r, fetch=fetch)] for r in range(dp)]
+    _shutdown(ref_pipe)
+
+    pipe = make_pipeline(engine, spec, nodes=1, ranks_per_node=dp)
+    for t in trajs:
+        pipe.put(t)
+    pipe.close()
+    streams: dict[str, list[Any]] = {}
+    errs: dict[str, Any] = {}
+    state: dict[str, Any] = {}
+
+    def loader(rank: int, replica: int) -> tuple[Any, Any]:
+        ds = pipe.dataset(rank, replica=replica, num_replicas=num_replicas, fetch=fetch)
+        return ds, (ds.stateful_loader(num_workers=num_workers) if num_workers else ds)
+
+    def consume(rank: int, replica: int) -> None:
+        def go() -> None:
+            ds, ld = loader(rank, replica)
+            rows = streams.setdefault(f"{rank}/{replica}", [])
+            if (rank, replica) == (0, 1):  # the replica that crashes after saving
+                it = iter(ld)
+                rows.extend(_replica_row(next(it)) for _ in range(stop_after))
+                state.update(json.loads(json.dumps(ld.state_dict())))
+                ds.commit(state, wait=True)
+                del it
+                ds.close()
+                return
+            rows.extend(_replica_row(mb) for mb in ld)
+            ds.commit(ld.state_dict(), wait=True)
+
+        errs[f"{rank}/{replica}"] = _err(go)
+
+    threads = [threading.Thread(target=consume, args=(r, k)) for r in range(dp) for k in range(num_replicas)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(240)
+    held = pipe.stats_light()  # sends this process's queued hand-outs and commits first
+    resumed, ld = loader(0, 1)
+    ld.load_state_dict(state)
+    rest = [_replica_row(mb) for mb in ld]
+    resumed.commit(ld.state_dict(), wait=True)  # past the loaded state: released once a later one is committed
+    after = pipe.stats_light()
+    bad_r = _err(lambda: pipe.dataset(1, replica=0, num_replicas=num_replicas + 1))
+    _shutdown(pipe)
+    keys = ("committed", "held_microbatches", "held_trajectories", "released")
+    return {"streams": streams, "rest": rest, "errors": errs,
+            "state_next": min(x["next"] for x in find_states(state)),
+            "held": {k: held[k] for k in keys}, "after": {k: after[k] for k in keys}, "ref": ref,
+            "bad_num_replicas": bad_r, "puts": len(trajs)}
+
+
 # ----------------------------------------------------------------------------------------------- main
 def run(name: str, **kwargs: Any) -> Any:
     """Run scenario ``name`` here (the embedded engine)."""

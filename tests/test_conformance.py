@@ -214,3 +214,29 @@ def test_a_producer_that_dies_without_close_does_not_stall_consumers(engine, req
     assert res["error"][0] == "IncompleteStreamError", res["error"]
     assert "stopped without close()" in res["error"][3] and "math" in res["error"][3], res["error"]
     assert res["after_s"] < (40 if engine == "ray" else 10), res
+
+
+# --- replica ---
+@pytest.mark.parametrize("engine,num_workers", [("embedded", 0), pytest.param("ray", 0, marks=pytest.mark.ray),
+                                                pytest.param("ray", 2, marks=[pytest.mark.ray, pytest.mark.slow])])
+def test_replicas_see_identical_streams_exactly_once(engine, num_workers, request):
+    """Issue 25.2: dp=2 x 2 replicas. The replicas of each rank get byte-identical streams, equal to the rank's
+    stream without replicas (exactly once per rank); a replica that crashed after saving resumes on its own with
+    exactly the micro-batches after its state while the other goes on, its payloads still held until it did.
+    On Ray also through StatefulDataLoader worker processes."""
+    res = run_on(engine, request, "replicas", num_workers=num_workers)
+    assert all(e[0] == "no error" for e in res["errors"].values()), res["errors"]
+    ref, streams, stop = res["ref"], res["streams"], 2
+    ids = [i for rows in ref for ids, _pos, _digest in rows for i in ids]
+    assert len(ids) == len(set(ids)) == res["puts"]  # each rank's stream: every trajectory once over the ranks
+    for r in range(2):
+        assert streams[f"{r}/0"] == ref[r], f"rank {r} replica 0"
+    assert streams["1/1"] == ref[1]
+    assert streams["0/1"] == ref[0][:stop] and res["state_next"] == stop
+    assert res["rest"] == ref[0][stop:]  # the resumed replica: exactly the rest, byte for byte
+    # while replica 1 of rank 0 stood at its state, rank 0 held everything after it; rank 1 released all
+    assert res["held"]["committed"] == [stop, len(ref[1])], res["held"]
+    assert res["held"]["held_microbatches"] == [len(ref[0]) - stop, 0], res["held"]
+    assert res["held"]["held_trajectories"] == sum(len(i) for i, _p, _d in ref[0][stop:]), res["held"]
+    assert res["after"]["held_trajectories"] == 0 and res["after"]["released"] == res["puts"], res["after"]
+    assert res["bad_num_replicas"][0] == "ConfigError" and "num_replicas=3" in res["bad_num_replicas"][3]

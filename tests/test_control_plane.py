@@ -310,7 +310,7 @@ def test_the_ray_coordinator_and_client_derive_their_methods_from_the_surface():
     assert c.next_entries(1, 7, 2.0) == "answer"
     assert c.stats() == "answer"
     assert c.handed(0, 1, 0, 0) is None  # fire and forget: sent, not awaited
-    assert sent == [("lease", (0, 1, "tok", 5.0, ""), 5.0), ("next_entries", (1, 7, 2.0), 2.0), ("stats", (), 0.0),
+    assert sent == [("lease", (0, 1, "tok", 5.0, "", 0), 5.0), ("next_entries", (1, 7, 2.0), 2.0), ("stats", (), 0.0),
                     ("handed", (0, 1, 0, 0))]
     with pytest.raises(AttributeError):
         c.reserve  # noqa: B018 - the two-phase put is gone

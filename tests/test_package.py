@@ -138,6 +138,8 @@ SIZE_EXCEPTIONS: dict[str, str] = {
     "knitdata/planner/core.py:_assign": "the locality-then-balance assignment loop, one algorithm",
     "knitdata/planner/core.py:_assign_small": "the same for small layouts, one algorithm",
     "knitdata/pipeline.py:Pipeline": "the user-facing facade: 194 of its 590 lines are its public API's docstrings",
+    "knitdata/pipeline.py": "the user-facing facade: each feature's entry points (checkpoint/restore delegate to "
+                            "knitdata.checkpoint in 24 lines); 8 lines over",
     "knitdata/storage/ray_unit.py:read_records": "45 of its 111 lines are its docstring",
 }
 
@@ -170,8 +172,8 @@ def test_benchmarks_use_only_the_public_api() -> None:
 #: The layers of docs/concepts.md ("Architecture: the layers"), top first: a module imports only from its own
 #: layer or below.
 LAYERS: list[tuple[str, ...]] = [
-    ("integrations", "encoder", "replicas"),
-    ("pipeline", "producer", "dataset", "consumer", "collate", "multimodal", "media", "checkpoint"),
+    ("integrations", "encoder", "replicas", "parallel"),
+    ("pipeline", "producer", "dataset", "consumer", "collate", "multimodal", "media", "rollout", "checkpoint"),
     ("engines",),
     ("fetch", "handoff", "prefetch", "staging"),
     ("storage", "spill", "shards"),

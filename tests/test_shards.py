@@ -788,3 +788,40 @@ def test_structure_fuzz_loader_states_only_raise_state_errors(ten, data) -> None
         return
     got = [t.id for t in fresh]  # an accepted state resumes cleanly
     assert len(got) <= 10, how
+
+
+# torchdata's TestEndOfEpochBehavior (meta-pytorch/data, test/stateful_dataloader/test_state_dict.py) on
+# ShardDataset, its 4 cases: num_workers 0 and 2, each with two batchings (torchdata's second parameter, shuffle,
+# does not apply to an IterableDataset: batch_size 1 and None take its place). In each, a StatefulDataLoader state
+# taken at the last item ("sd_in") yields nothing when loaded; one taken after the epoch's end ("sd_out") starts a
+# full new epoch. Before ShardDataset fixed its pass when iter() is called, both num_workers=0 cases failed.
+def _end_of_epoch_loader(paths: list[str], num_workers: int, batch_size: int | None):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader(ShardDataset(paths), batch_size=batch_size, num_workers=num_workers,
+                              collate_fn=(lambda t: t.id) if batch_size is None else (lambda b: [t.id for t in b]))
+
+
+def _count_items_yielded(loader, batch_size: int | None) -> list[str]:
+    return [i for x in loader for i in (x if batch_size else [x])]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("batch_size", [1, None])
+def test_torchdata_end_of_epoch_behavior(ten, num_workers, batch_size):
+    ids, paths = ten
+    dl = _end_of_epoch_loader(paths, num_workers, batch_size)
+    num_items_yielded = 0
+    sd_in = None
+    for _batch in dl:
+        num_items_yielded += 1
+        sd_in = dl.state_dict()
+    sd_out = dl.state_dict()
+    assert num_items_yielded == len(ids)
+    dataloader_sd_in = _end_of_epoch_loader(paths, num_workers, batch_size)
+    dataloader_sd_in.load_state_dict(sd_in)
+    assert _count_items_yielded(dataloader_sd_in, batch_size) == []  # saved at the last item: nothing left
+    dataloader_sd_out = _end_of_epoch_loader(paths, num_workers, batch_size)
+    dataloader_sd_out.load_state_dict(sd_out)
+    got = _count_items_yielded(dataloader_sd_out, batch_size)  # saved after the epoch's end: a full new epoch
+    assert sorted(got) == ids and len(got) == len(ids)

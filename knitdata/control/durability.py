@@ -166,6 +166,7 @@ class Durability:
                 "recent_releases": [[u, list(ids)] for u, ids in s.recent_releases],
                 "chains": list(s.chain), "fps": [[[k, v] for k, v in fps.items()] for fps in s.fps],
                 "verify_at": [None if v is None else list(v) for v in s.verify_at],
+                **({} if s.replicas is None else {"replicas": s.replicas.to_dict()}),
             }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -207,5 +208,6 @@ class Durability:
             s.rejected_by_cause = d["rejected_by_cause"]
             s.recent_releases = deque((u, ids) for u, ids in d["recent_releases"])
             s.chain, s.fps, s.verify_at = d["chains"], d["fps"], d["verify_at"]
+            s.replicas = d.get("replicas")
             s.recent_ids = sum(len(ids) for _u, ids in s.recent_releases)
             s.cond.notify_all()

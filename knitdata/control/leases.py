@@ -1,5 +1,9 @@
 """Leases and fencing: one live iterator per (rank, worker), the entries it may take, and its process's reports.
 
+With tensor/pipeline-parallel replicas (:meth:`~knitdata.control.positions.Positions.register_replicas`) the lease
+is per (rank, replica, worker): the replicas of a rank each take all of its entries, and a newer iterator of one
+replica fences only the older iterator of that replica.
+
 A newer iterator of a rank asks the older one to let go (:meth:`Leases.lease`); the older one sees it in its next
 report (:meth:`Leases.report`) and stops, or its lease expires :data:`~knitdata.control.state.LEASE_TTL_S` after
 its last renewal. Its later calls raise :class:`~knitdata.errors.FencedError`. Leases are not journaled: after a
@@ -35,8 +39,9 @@ class Leases(Part):
         self.positions = positions
 
     @control_call(waits="wait_s")
-    def lease(self, rank: int, worker: int, token: str, wait_s: float = 0.0, holder: str = "") -> dict[str, Any]:
-        """Make ``token`` the one live iterator of ``(rank, worker)``, fencing an older one.
+    def lease(self, rank: int, worker: int, token: str, wait_s: float = 0.0, holder: str = "",
+              replica: int = 0) -> dict[str, Any]:
+        """Make ``token`` the one live iterator of ``(rank, worker)`` (of ``replica``), fencing an older one.
 
         A live older holder is asked to give the lease up: it stops handing out, sends its last hand-out records
         and lets go (within its heartbeat), or its lease expires :data:`LEASE_TTL_S` after its last renewal (its
@@ -48,17 +53,19 @@ class Leases(Part):
             token: The new iterator's token.
             wait_s: How long to wait for the older holder to let go or expire.
             holder: Who asks (for messages), e.g. ``"host:pid"``.
+            replica: The rank's tensor/pipeline-parallel replica (0 without replicas).
 
         Returns:
-            ``{"epoch": lease epoch, "ttl_s": LEASE_TTL_S, "next": where the rank's new iterator starts (after
-            the last micro-batch handed out), "fp": the fingerprint of the micro-batches before it (or None)}``.
+            ``{"epoch": lease epoch, "ttl_s": LEASE_TTL_S, "next": where the rank's (replica's) new iterator starts
+            (after the last micro-batch handed out), "fp": the fingerprint of the micro-batches before it (or
+            None)}``.
 
         Raises:
             EngineError: The older holder neither let go nor expired within ``wait_s``.
         """
         s = self.s
-        s.check_rank(rank)
-        key = (rank, worker)
+        self.positions.check_replica(rank, replica)
+        key = (rank, worker, replica)
         deadline = time.monotonic() + wait_s
         with s.cond:
             while True:
@@ -69,26 +76,28 @@ class Leases(Part):
                         cur = s.take_lease(key, token, holder, now)
                     else:
                         cur.renewed = now
-                    p = s.start(rank)
+                    p = s.start(rank, replica)
                     return {"epoch": cur.epoch, "ttl_s": LEASE_TTL_S, "next": p, "fp": s.fp(rank, p)}
                 if cur.fence_by is None:
                     cur.fence_by = f"{holder or token[:8]} (lease epoch {s.lease_epochs.get(key, 0) + 1})"
                     s.cond.notify_all()
                 if now >= deadline:
+                    who = f"rank {rank}" + (f" replica {replica}" if replica else "")
                     raise EngineError(
-                        f"rank {rank} (worker {worker}) is held by a live iterator ({cur.holder}, lease epoch "
-                        f"{cur.epoch}) that did not give it up within {wait_s:.0f} s; each rank has one consumer: "
-                        "finish or close() the other dataset/iterator first")
+                        f"{who} (worker {worker}) is held by a live iterator ({cur.holder}, lease epoch "
+                        f"{cur.epoch}) that did not give it up within {wait_s:.0f} s; each rank (replica) has one "
+                        "consumer: finish or close() the other dataset/iterator first, or give tensor/pipeline-"
+                        "parallel peers their own replica (pipe.dataset(rank, replica=..., num_replicas=...))")
                 s.cond.wait(min(0.05, deadline - now))
 
     @control_call()
-    def unlease(self, rank: int, worker: int, token: str) -> None:
+    def unlease(self, rank: int, worker: int, token: str, replica: int = 0) -> None:
         """End the lease of ``token`` (its iterator finished, was closed, or let a newer one take over)."""
         s = self.s
         with s.cond:
-            cur = s.leases.get((rank, worker))
+            cur = s.leases.get((rank, worker, replica))
             if cur is not None and cur.token == token:
-                del s.leases[(rank, worker)]
+                del s.leases[(rank, worker, replica)]
                 s.cond.notify_all()
 
     @control_call()
@@ -97,11 +106,12 @@ class Leases(Part):
         """One consumer process's news, sent off the trainer's thread: hand-outs, lease renewals, commits, version.
 
         Args:
-            leases: ``[rank, worker, token, records, release]`` per live iterator of the process: ``records`` are
+            leases: ``[rank, worker, token, records, release(, replica)]`` per live iterator of the process (replica
+                0 when left out): ``records`` are
                 ``[j, minibatch, microbatch, auto_upto]`` of the micro-batches it handed out since its last report
                 (applied as :meth:`~knitdata.control.positions.Positions.handed_many` while ``token`` holds the
                 lease, ignored otherwise), then the lease is renewed, or ended when ``release`` is true.
-            commits: ``[rank, upto]`` pairs (as :meth:`~knitdata.control.positions.Positions.commit`).
+            commits: ``[rank, upto(, replica)]`` (as :meth:`~knitdata.control.positions.Positions.commit`).
             version: The trainer's new policy version (as
                 :meth:`~knitdata.control.positions.Positions.report_version`), applied last.
             producers: ``[producer id, holder, alive]`` of the producers in the process: ``alive`` is false once
@@ -119,9 +129,10 @@ class Leases(Part):
                 prev = s.producers.get(str(pid))
                 ended = None if alive else (prev[3] if prev is not None and prev[3] is not None else now)
                 s.producers[str(pid)] = [str(holder), now, bool(alive), ended]
-            for rank, worker, token, records, release in leases:
-                s.check_rank(rank)
-                key = (rank, worker)
+            for rank, worker, token, records, release, *more in leases:
+                replica = int(more[0]) if more else 0
+                self.positions.check_replica(rank, replica)
+                key = (rank, worker, replica)
                 cur = s.leases.get(key)
                 if cur is None and not release:  # the plane restarted (leases are not journaled): held again
                     cur = s.take_lease(key, str(token), "", now)
@@ -130,7 +141,10 @@ class Leases(Part):
                     fenced.append([rank, worker, token, by])
                     continue
                 if records:
-                    self.positions.handed_many(rank, records)
+                    if replica:
+                        self.positions.handed_many(rank, records, replica)
+                    else:
+                        self.positions.handed_many(rank, records)
                 if release:
                     del s.leases[key]
                     s.cond.notify_all()
@@ -138,16 +152,20 @@ class Leases(Part):
                     fenced.append([rank, worker, token, cur.fence_by])
                 else:
                     cur.renewed = now
-            for rank, upto in commits or ():
-                self.positions.commit(rank, upto)
+            for rank, upto, *more in commits or ():
+                if more and more[0]:
+                    self.positions.commit(rank, upto, int(more[0]))
+                else:
+                    self.positions.commit(rank, upto)
             if version is not None:
                 self.positions.report_version(version)
         return {"fenced": fenced}
 
     @control_call(waits="timeout_s")
     def next_entries(self, rank: int, j: int, timeout_s: float, token: str | None = None,
-                     worker: int = 0) -> dict[str, Any]:
-        """Entries ``j..`` up to the end of ``j``'s mini-batch, waiting up to ``timeout_s``.
+                     worker: int = 0, replica: int = 0) -> dict[str, Any]:
+        """Entries ``j..`` up to the end of ``j``'s mini-batch, waiting up to ``timeout_s`` (the same for every
+        replica of ``rank``; ``token`` must hold the lease of ``(rank, worker)`` of ``replica``).
 
         Returns:
             ``{"entries": [...]}``, ``{"end": True}`` (closed and drained), or ``{"wait": True}`` (nothing yet).
@@ -158,12 +176,12 @@ class Leases(Part):
                 ``(rank, worker)``. The admission error that stopped the pipeline.
         """
         s = self.s
-        s.check_rank(rank)
+        self.positions.check_replica(rank, replica)
         deadline = time.monotonic() + timeout_s
         with s.cond:
             while True:
                 if token is not None:
-                    self._hold(rank, worker, token)
+                    self._hold(rank, worker, token, replica)
                 if s.error is not None:
                     raise s.error
                 if j < s.planned[rank]:
@@ -181,17 +199,17 @@ class Leases(Part):
                     return {"wait": True}
                 s.cond.wait(remaining)
 
-    def _hold(self, rank: int, worker: int, token: str) -> Lease:
+    def _hold(self, rank: int, worker: int, token: str, replica: int = 0) -> Lease:
         """Renew ``token``'s lease of ``(rank, worker)`` (taken again after a restart), or raise FencedError."""
         s = self.s
-        key = (rank, worker)
+        key = (rank, worker, replica)
         cur = s.leases.get(key)
         if cur is None:  # the plane restarted (leases are not journaled): held again
             cur = s.take_lease(key, token, "", time.monotonic())
         if cur.token != token or cur.fence_by is not None:
             by = (cur.fence_by if cur.token == token and cur.fence_by is not None
                   else f"{cur.holder} (lease epoch {cur.epoch})")
-            raise FencedError(fenced_message(rank, worker, by))
+            raise FencedError(fenced_message(rank, worker, by, replica))
         cur.renewed = time.monotonic()
         return cur
 

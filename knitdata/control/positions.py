@@ -16,9 +16,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from knitdata.control.state import FP_KEEP, PlaneState
+from knitdata.control.state import FP_KEEP, PlaneState, Replicas
 from knitdata.control.surface import Part, control_call, control_part
-from knitdata.errors import StateError, ValidationError
+from knitdata.errors import ConfigError, StateError, ValidationError
 
 __all__ = ["Positions", "check_verifications", "mismatch_message"]
 
@@ -58,6 +58,82 @@ def check_verifications(s: PlaneState) -> None:
 class Positions(Part):
     """Where each rank's consumer stands: hand-outs, commits, restores and their checks, the trainer's version."""
 
+    @control_call(journaled=True)
+    def register_replicas(self, num_replicas: int) -> int:
+        """Every rank has ``num_replicas`` tensor/pipeline-parallel replicas (the first dataset of a replica says so).
+
+        Each replica of a rank receives all of the rank's micro-batches and counts as part of one consumer: an entry
+        is released once every replica is past it. Replicas registered after some entries were released start at
+        the rank's committed position; replica 0 keeps the rank's hand-out position (a dataset built without a
+        replica is replica 0).
+
+        Args:
+            num_replicas: Replicas per data-parallel rank (the same for every rank and every replica's dataset).
+
+        Returns:
+            ``num_replicas``.
+
+        Raises:
+            ConfigError: Not a positive int, or another number of replicas was registered before.
+        """
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ConfigError(f"num_replicas must be a positive int, got {num_replicas!r}")
+        s = self.s
+        with s.cond:
+            if s.replicas is not None:
+                if s.replicas.num != num_replicas:
+                    raise ConfigError(
+                        f"num_replicas={num_replicas} disagrees with the {s.replicas.num} replicas per rank this "
+                        "pipeline registered first: every replica of every data-parallel rank must pass the same "
+                        "num_replicas (the size of its tensor/pipeline-parallel group)")
+                return num_replicas
+            n = s.layout.num_consumers
+            s.replicas = Replicas(
+                num_replicas, [[s.committed[r]] * num_replicas for r in range(n)],
+                [[s.start(r)] + [s.committed[r]] * (num_replicas - 1) for r in range(n)], [{} for _ in range(n)])
+            return num_replicas
+
+    def check_replica(self, rank: int, replica: int) -> None:
+        """Raise :class:`~knitdata.errors.ConfigError` unless ``replica`` is a replica of ``rank`` registered here."""
+        self.s.check_rank(rank)
+        if replica == 0 and not isinstance(replica, bool):
+            return
+        num = 1 if self.s.replicas is None else self.s.replicas.num
+        if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < num:
+            raise ConfigError(f"rank {rank}: replica must be an int in 0..{num - 1} (num_replicas={num}"
+                              f"{'' if self.s.replicas is not None else ', none registered'}), got {replica!r}")
+
+    def _advance(self, rank: int, replica: int, upto: int) -> int:
+        """Commit ``rank``'s ``replica`` up to ``upto``; release what every replica is past. Returns the count."""
+        s = self.s
+        r = s.replicas
+        if r is None:
+            return s.commit_upto(rank, upto)
+        row = r.committed[rank]
+        if upto > row[replica]:
+            row[replica] = upto
+        n = s.commit_upto(rank, min(row))
+        return n + self._sweep(rank)
+
+    def _sweep(self, rank: int) -> int:
+        """``release="handout"`` with replicas: release the entries every replica handed out or committed past."""
+        s = self.s
+        r = s.replicas
+        assert r is not None
+        handed, row, full = r.handed[rank], r.committed[rank], (1 << r.num) - 1
+        n = 0
+        for j, mask in list(handed.items()):
+            for k, c in enumerate(row):
+                if c > j:
+                    mask |= 1 << k
+            if mask == full or j < s.committed[rank]:
+                del handed[j]
+                n += j in s.queues[rank]
+                s.drop_entry(rank, j)
+            else:
+                handed[j] = mask
+        return n
+
     @control_call(journaled=True, fire_and_forget=True)
     def handed(self, rank: int, j: int, minibatch: int, microbatch: int, auto_commit: bool = True) -> None:
         """Entry ``j`` of ``rank`` was handed out to the trainer (staleness; release per ``release``: with
@@ -67,48 +143,69 @@ class Positions(Part):
             self._handed(rank, j, microbatch, j if auto_commit else 0)
 
     @control_call(journaled=True)
-    def handed_many(self, rank: int, records: Sequence[Sequence[Any]]) -> None:
+    def handed_many(self, rank: int, records: Sequence[Sequence[Any]], replica: int = 0) -> None:
         """:meth:`handed` for ``[j, minibatch, microbatch, auto_upto, version]`` records of ``rank``, in order.
 
         ``auto_upto``: with ``release="step"``, when ``j`` starts a mini-batch, release the rank's entries below
         ``min(j, auto_upto)`` (the consumer's last saved position caps it; ``0``: release nothing). ``version``: the
         trainer's policy version when it took the micro-batch, as its process last reported it (``-1`` or absent:
-        the version last reported here); staleness is measured against it.
+        the version last reported here); staleness is measured against it. ``replica``: the rank's replica that
+        handed them out (see :meth:`register_replicas`).
         """
-        self.s.check_rank(rank)
+        self.check_replica(rank, replica)
         with self.s.cond:
             for rec in records:
                 j, microbatch, auto_upto = int(rec[0]), int(rec[2]), int(rec[3])
                 v = int(rec[4]) if len(rec) > 4 else -1
-                self._handed(rank, j, microbatch, min(j, auto_upto), v)
+                self._handed(rank, j, microbatch, min(j, auto_upto), v, replica)
 
-    def _handed(self, rank: int, j: int, microbatch: int, auto_upto: int, version: int = -1) -> None:
+    def _handed(self, rank: int, j: int, microbatch: int, auto_upto: int, version: int = -1,
+                replica: int = 0) -> None:
         s = self.s
+        reps = s.replicas
         e = s.queues[rank].get(j)
-        if e is not None:
+        if e is not None and (reps is None or replica == 0):  # staleness counts each micro-batch once
             v = version if version >= 0 else s.version
             s.staleness.extend([v - g for g in e["info"]["gen_versions"]])
-        if s.release_mode == "handout":
+        if reps is not None:
+            if s.release_mode == "handout" and j >= s.committed[rank]:
+                reps.handed[rank][j] = reps.handed[rank].get(j, 0) | (1 << replica)
+                self._sweep(rank)
+            elif s.release_mode == "step" and auto_upto > 0 and microbatch == 0:
+                self._advance(rank, replica, auto_upto)
+        elif s.release_mode == "handout":
             s.drop_entry(rank, j)
         elif s.release_mode == "step" and auto_upto > 0 and microbatch == 0:
             s.commit_upto(rank, auto_upto)
+        if reps is not None and j + 1 > reps.position[rank][replica]:
+            reps.position[rank][replica] = j + 1
         if j + 1 > s.position[rank]:
             s.position[rank] = j + 1
 
     @control_call(journaled=True)
-    def commit(self, rank: int, upto: int) -> int:
-        """Release ``rank``'s entries below ``upto``; returns how many micro-batches were released."""
-        self.s.check_rank(rank)
+    def commit(self, rank: int, upto: int, replica: int = 0) -> int:
+        """Release ``rank``'s entries below ``upto``; returns how many micro-batches were released.
+
+        With replicas (:meth:`register_replicas`) this commits ``replica``'s position; entries are released once
+        every replica of the rank committed past them.
+        """
+        self.check_replica(rank, replica)
         with self.s.cond:
-            return self.s.commit_upto(rank, int(upto))
+            return self._advance(rank, replica, int(upto))
 
     @control_call(journaled=True)
-    def seek(self, rank: int, j: int) -> None:
-        """``rank`` restored at entry ``j``: everything below is committed (released now or when planned)."""
-        self.s.check_rank(rank)
+    def seek(self, rank: int, j: int, replica: int = 0) -> None:
+        """``rank`` (its ``replica``) restored at entry ``j``: everything below is committed (released now or when
+        planned, once every replica is past it)."""
+        self.check_replica(rank, replica)
         with self.s.cond:
-            self.s.commit_upto(rank, int(j))
-            self.s.position[rank] = int(j)
+            self._advance(rank, replica, int(j))
+            reps = self.s.replicas
+            if reps is None:
+                self.s.position[rank] = int(j)
+            else:
+                reps.position[rank][replica] = int(j)
+                self.s.position[rank] = max(reps.position[rank])
 
     @control_call(journaled=True)
     def verify(self, rank: int, length: int, fp: str, where: str = "") -> None:
@@ -144,22 +241,23 @@ class Positions(Part):
                 raise StateError(mismatch_message(s, rank, length, where))
 
     @control_call()
-    def start_position(self, rank: int) -> int:
-        """Where a new dataset of ``rank`` starts: after the last micro-batch handed out to the rank.
+    def start_position(self, rank: int, replica: int = 0) -> int:
+        """Where a new dataset of ``rank`` (its ``replica``) starts: after the last micro-batch handed out to it.
 
         A consumer that crashed restores its saved state instead (:meth:`seek`), which may go back to the
         rank's committed position.
         """
-        self.s.check_rank(rank)
+        self.check_replica(rank, replica)
         with self.s.cond:
-            return self.s.start(rank)
+            return self.s.start(rank, replica)
 
     @control_call()
-    def start_point(self, rank: int) -> dict[str, Any]:
-        """``{"next": start_position(rank), "fp": fingerprint of the micro-batches before it (None: unknown)}``."""
-        self.s.check_rank(rank)
+    def start_point(self, rank: int, replica: int = 0) -> dict[str, Any]:
+        """``{"next": start_position(rank, replica), "fp": fingerprint of the micro-batches before it (None:
+        unknown)}``."""
+        self.check_replica(rank, replica)
         with self.s.cond:
-            p = self.s.start(rank)
+            p = self.s.start(rank, replica)
             return {"next": p, "fp": self.s.fp(rank, p)}
 
     @control_call(journaled=True)

@@ -99,8 +99,11 @@ class Reporting(Part):
                         n += 1
                         nb += sum(int(x[2]) for x in mine)
                 if n:
+                    reps = "" if s.replicas is None or s.replicas.num == 1 else (
+                        f"; its replicas committed up to {s.replicas.committed[r]}, handed out up to "
+                        f"{s.replicas.position[r]}: the slowest holds it")
                     parts.append(f"rank {r}: {n} uncommitted micro-batches ({nb} bytes, committed up to "
-                                 f"{s.committed[r]}, handed out up to {s.position[r]})")
+                                 f"{s.committed[r]}, handed out up to {s.position[r]}{reps})")
             waiting = [m for m in s.pending.values() if m.location == unit]
             if waiting:
                 parts.append(f"{len(waiting)} trajectories waiting for admission ({sum(m.nbytes for m in waiting)} bytes)")

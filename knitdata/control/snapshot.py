@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from knitdata import errors
+from knitdata.control.state import Replicas
 from knitdata.errors import KnitdataError, StateError
 from knitdata.planner import MicroBatchInfo
 from knitdata.record import TrajectoryMeta
@@ -270,6 +271,8 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
     if fmt not in (1, 2) or isinstance(fmt, bool):
         raise _bad("format", "1 or 2", fmt)
     keys = SNAPSHOT_KEYS if fmt == 2 else SNAPSHOT_KEYS_V1
+    if fmt == 2 and "replicas" in s:  # optional: a pipeline whose ranks registered replicas
+        keys = keys | {"replicas"}
     if set(s) != keys:
         raise StateError(f"control-plane snapshot: keys {sorted(s)} are not those of format {fmt} (missing "
                          f"{sorted(keys - set(s))}, unexpected {sorted(set(s) - keys)})")
@@ -321,4 +324,34 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
         out["verify_at"] = [None] * n
         return out
     out.update(_fingerprints(s, n))
+    if "replicas" in s:
+        out["replicas"] = _replicas(s["replicas"], n, out["committed"], out["planned"])
     return out
+
+
+def _replicas(x: Any, n: int, committed: list[int], planned: list[int]) -> Replicas:
+    """The ``replicas`` part (:class:`~knitdata.control.state.Replicas`), checked against the ranks' positions."""
+    d = _dict(x, "replicas")
+    if set(d) != {"num", "committed", "position", "handed"}:
+        raise _bad("replicas", "an object with num, committed, position and handed", sorted(d))
+    num = _int(d["num"], "replicas.num", lo=1)
+    rows: dict[str, list[list[int]]] = {}
+    for key in ("committed", "position"):
+        xs = _list(d[key], f"replicas.{key}")
+        if len(xs) != n:
+            raise _bad(f"replicas.{key}", f"a list of {n} lists", xs)
+        rows[key] = [_ints(r, f"replicas.{key}[{i}]", num) for i, r in enumerate(xs)]
+    for r in range(n):
+        if min(rows["committed"][r]) > committed[r]:
+            raise _bad(f"replicas.committed[{r}]", f"replica positions whose smallest is at most rank {r}'s "
+                       f"committed position {committed[r]}", rows["committed"][r])
+    handed = _list(d["handed"], "replicas.handed")
+    if len(handed) != n:
+        raise _bad("replicas.handed", f"a list of {n} lists", handed)
+    masks: list[dict[int, int]] = []
+    for r, h in enumerate(handed):
+        pairs = [_ints(p, f"replicas.handed[{r}][{k}]", 2) for k, p in enumerate(_list(h, f"replicas.handed[{r}]"))]
+        if any(not committed[r] <= j < planned[r] or not 0 < m < (1 << num) for j, m in pairs):
+            raise _bad(f"replicas.handed[{r}]", f"[entry, mask] pairs of entries {committed[r]}..{planned[r]}", h)
+        masks.append({j: m for j, m in pairs})
+    return Replicas(num, rows["committed"], rows["position"], masks)

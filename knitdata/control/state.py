@@ -25,7 +25,7 @@ from knitdata.record import TrajectoryMeta
 
 __all__ = ["PlaneState", "Lease", "RELEASE_MODES", "PLANE_DEFAULTS", "LEASE_TTL_S", "PRODUCER_TTL_S",
            "DELIVERED_MEMORY", "WITHDRAWN_MEMORY", "FP_KEEP", "FP_EMPTY", "RECENT_RELEASES", "SNAPSHOT_FORMAT",
-           "fields_of", "entry_fingerprint", "fenced_message"]
+           "fields_of", "entry_fingerprint", "fenced_message", "Replicas"]
 
 #: When payloads leave storage (see :mod:`knitdata.control.plane`).
 RELEASE_MODES: tuple[str, ...] = ("step", "commit", "handout")
@@ -77,9 +77,37 @@ class Lease:
     fence_by: str | None = None
 
 
-def fenced_message(rank: int, worker: int, by: str) -> str:
-    """The message of :class:`~knitdata.errors.FencedError` for ``(rank, worker)`` taken over by ``by``."""
-    return (f"rank {rank} (worker {worker}) was taken over by a newer iterator ({by}) while this one was alive: this "
+@dataclass
+class Replicas:
+    """The tensor/pipeline-parallel replicas of every rank (registered by their datasets): each replica receives
+    the rank's micro-batches and has a position of its own; an entry is released once every replica is past it.
+
+    Attributes:
+        num: Replicas per rank.
+        committed: ``committed[rank][replica]``: the replica's entries below are committed (the rank's committed
+            position is the smallest over its replicas).
+        position: ``position[rank][replica]``: the next entry of the replica's iterator.
+        handed: ``handed[rank][j]`` (``release="handout"``): the bit mask of the replicas that handed entry ``j``
+            out (released when every replica did).
+    """
+
+    num: int
+    committed: list[list[int]]
+    position: list[list[int]]
+    handed: list[dict[int, int]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON: ``{"num", "committed", "position", "handed": [[[j, mask], ...] per rank]}``."""
+        return {"num": self.num, "committed": [list(r) for r in self.committed],
+                "position": [list(r) for r in self.position],
+                "handed": [[[j, m] for j, m in sorted(h.items())] for h in self.handed]}
+
+
+def fenced_message(rank: int, worker: int, by: str, replica: int = 0) -> str:
+    """The message of :class:`~knitdata.errors.FencedError` for ``(rank, worker)`` (of ``replica``) taken over by
+    ``by``."""
+    rank_s = f"{rank}" if not replica else f"{rank} replica {replica}"
+    return (f"rank {rank_s} (worker {worker}) was taken over by a newer iterator ({by}) while this one was alive: this "
             "iterator stops here, and the micro-batches it had not handed out go to the newer one (each rank has one "
             "consumer; if this process was replaced, let it exit)")
 
@@ -152,8 +180,10 @@ class PlaneState:
         # producers that put here: id -> [holder, last report, any of its putting threads alive, when they ended]
         self.producers: dict[str, list[Any]] = {}
         self.producer_timeout_s = cfg.get("producer_timeout_s")
-        self.leases: dict[tuple[int, int], Lease] = {}
-        self.lease_epochs: dict[tuple[int, int], int] = {}
+        self.leases: dict[tuple[int, int, int], Lease] = {}  # (rank, worker, replica) -> its live iterator
+        self.lease_epochs: dict[tuple[int, int, int], int] = {}
+        # tensor/pipeline-parallel replicas of each rank (None: one consumer per rank, until a dataset registers them)
+        self.replicas: Replicas | None = None
         # replay fingerprints: the chained digest of each rank's micro-batches (entry_fingerprint)
         self.chain: list[str | None] = [FP_EMPTY] * n  # digest of the rank's planned prefix (None: unknown)
         self.fps: list[dict[int, str | None]] = [{0: FP_EMPTY} for _ in range(n)]  # prefix length -> digest
@@ -253,8 +283,12 @@ class PlaneState:
         return n
 
     # ------------------------------------------------------------------------------------ positions
-    def start(self, rank: int) -> int:
-        """Where a new iterator of ``rank`` starts: after the last micro-batch handed out or committed."""
+    def start(self, rank: int, replica: int = 0) -> int:
+        """Where a new iterator of ``rank`` (its ``replica``) starts: after the last micro-batch handed out or
+        committed (by that replica)."""
+        r = self.replicas
+        if r is not None:
+            return max(r.position[rank][replica], r.committed[rank][replica], self.committed[rank])
         return max(self.position[rank], self.committed[rank])
 
     def prune_fps(self, rank: int) -> None:
@@ -274,7 +308,7 @@ class PlaneState:
                 return v[1]
         return fp
 
-    def take_lease(self, key: tuple[int, int], token: str, holder: str, now: float) -> Lease:
+    def take_lease(self, key: tuple[int, int, int], token: str, holder: str, now: float) -> Lease:
         """Give the lease of ``key`` to ``token`` under a new epoch."""
         epoch = self.lease_epochs.get(key, 0) + 1
         self.lease_epochs[key] = epoch

@@ -173,10 +173,12 @@ class Engine(abc.ABC):
             TrajectoryLostError: Naming every payload that could be neither read nor recovered.
         """
 
-    def next_entries(self, rank: int, j: int, wait_s: float, token: str, worker: int) -> dict[str, Any]:
+    def next_entries(self, rank: int, j: int, wait_s: float, token: str, worker: int,
+                     replica: int = 0) -> dict[str, Any]:
         """The plan entries of ``rank`` from ``j`` to the end of its mini-batch (see
         :meth:`knitdata.control.ControlPlane.next_entries`), waiting up to ``wait_s``."""
-        ans: dict[str, Any] = self.control.next_entries(rank, j, wait_s, token, worker)
+        ans: dict[str, Any] = (self.control.next_entries(rank, j, wait_s, token, worker) if not replica
+                               else self.control.next_entries(rank, j, wait_s, token, worker, replica))
         return ans
 
     def report_consumer(self, rank: int, stats: Mapping[str, Any]) -> None:

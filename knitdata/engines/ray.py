@@ -263,9 +263,11 @@ class RayEngine(Engine):
                                  placement=placement, step=step, recover=recover)
         return [decode_trajectory(r, copy=False) for r in recs]
 
-    def next_entries(self, rank: int, j: int, wait_s: float, token: str, worker: int) -> dict[str, Any]:
+    def next_entries(self, rank: int, j: int, wait_s: float, token: str, worker: int,
+                     replica: int = 0) -> dict[str, Any]:
         """See :meth:`Engine.next_entries`: one coordinator call, bounded by ``wait_s`` plus the call's time-out."""
-        ans: dict[str, Any] = self._control.call("next_entries", rank, j, wait_s, token, worker, wait_s=wait_s)
+        ans: dict[str, Any] = self._control.call("next_entries", rank, j, wait_s, token, worker, replica,
+                                                 wait_s=wait_s)
         return ans
 
     def _recover(self, unit: RayStorageUnit, ids: list[str]) -> Mapping[str, Any]:

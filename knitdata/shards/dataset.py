@@ -34,9 +34,13 @@ class ShardDataset(IterableDataset):
     ``__iter__`` continue exactly after them (skipping data without decoding it), which is what
     ``torchdata.stateful_dataloader.StatefulDataLoader`` needs per worker.
 
-    End of epoch follows the ``torchdata.nodes`` convention (a loader without ``restart_on_stop_iteration``):
-    a state saved once an epoch has ended (after ``StopIteration``, or after its last sample) records that
-    end; loaded, the next ``__iter__`` yields nothing more, and the one after it starts the next epoch.
+    End of epoch: a state saved after an epoch's last sample (before its ``StopIteration``) resumes with nothing
+    left of that epoch. A state saved once the epoch has ended (after ``StopIteration``) records that end; loaded
+    into the dataset itself, the next ``__iter__`` yields nothing and the one after it starts the next epoch (the
+    ``torchdata.nodes`` convention, a loader without ``restart_on_stop_iteration``). Inside
+    ``torchdata.stateful_dataloader.StatefulDataLoader`` (any ``num_workers``) the loader's own convention holds:
+    its state taken at the last item resumes with nothing, its state taken after the epoch's end starts a full
+    new epoch (the loader drops the empty pass itself). A pass begins when ``iter()`` is called.
 
     Args:
         urls: Shard paths or a brace pattern.
@@ -113,23 +117,28 @@ class ShardDataset(IterableDataset):
 
     # -------------------------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[Any]:
+        # the pass is fixed here, when iter() is called, not at its first next(): StatefulDataLoader (num_workers=0)
+        # builds an iterator from a loaded state and, when that state's epoch had ended, drops it unstarted and
+        # calls iter() again for the next epoch
         first, count, _wid = self._my_indices()
         if self._resume_end:  # loaded an end-of-epoch state: this pass yields nothing, the next one starts over
             self._resume_end = False
             self._resume = None
             self._epoch_end = True
-            return
+            return iter(())
         skip = self._resume or 0
         self._resume = None
         self._yielded = skip
         self._epoch_end = False
+        return self._pass(first + skip, count - skip)
+
+    def _pass(self, pos: int, remaining: int) -> Iterator[Any]:
+        """Yield ``remaining`` samples from global index ``pos`` on, then end the epoch."""
         total = self.total_samples
-        if total == 0 or count == 0:
+        if total == 0 or remaining <= 0:
             self._end_epoch()
             return
         cum = np.cumsum([0, *self.sample_counts])
-        pos = first + skip
-        remaining = count - skip
         while remaining > 0:
             g = pos % total
             shard = int(np.searchsorted(cum, g, side="right") - 1)

@@ -1,0 +1,128 @@
+"""Multimodal requests: the raw media of a prompt become :class:`~knitdata.record.MediaItem` s and the prompt
+carries one placeholder token per item, as knitdata's multimodal collate expects.
+
+An engine serving a vision-language or audio model takes the raw media (a ``PIL.Image``, an ``uint8`` pixel
+array, encoded bytes, an audio array with its sampling rate) and expands each item's placeholder in the prompt
+into as many tokens as the encoder makes rows (vLLM's ``prompt_token_ids`` hold the expanded prompt). knitdata
+keeps the media themselves (shared encoding encodes each unique item once per mini-batch, with the model's own
+processor at collate time: its metadata such as ``image_grid_thw`` is computed there, and audio keeps its sampling
+rate in the item) and *one* placeholder per item in ``prompt_ids``, expanded again by the collate
+(:meth:`knitdata.integrations.hf_adapter.HFMultimodalAdapter.collate`). :func:`attach_media` does both: it builds
+the items (:func:`knitdata.media.image_item`, :func:`knitdata.media.audio_item`) and collapses each run of a
+placeholder token into one, checking that the prompt holds one run per item of each kind. Items of one kind that
+follow each other without a token between them cannot be told apart this way (Qwen models put vision start/end
+tokens around each image): such a prompt is refused.
+
+Example:
+    >>> import numpy as np
+    >>> s = RolloutSample("v1", 0, prompt_ids=[1, 122, 120, 120, 120, 123, 7], response_ids=[5], logprobs=[-1.0],
+    ...                   version=0)
+    >>> img = np.zeros((8, 8, 3), dtype=np.uint8)                # H, W, C pixels (or a PIL image, PNG bytes)
+    >>> s = attach_media(s, [img], placeholder_ids={"image": 120})
+    >>> s.prompt_ids.tolist(), [m.kind for m in s.media]
+    ([1, 122, 120, 123, 7], ['image'])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from knitdata.errors import MediaError, RolloutOutputError
+from knitdata.media import audio_item, image_item
+from knitdata.record import MEDIA_KINDS, MediaItem
+from knitdata.rollout.sample import RolloutGroup, RolloutSample
+
+__all__ = ["media_item", "collapse_placeholders", "attach_media"]
+
+T = TypeVar("T", RolloutSample, RolloutGroup)
+
+
+def media_item(raw: Any, *, request_id: str | None = None, index: int | None = None) -> MediaItem:
+    """Build a media item from raw media as a rollout harness holds them.
+
+    Args:
+        raw: A :class:`~knitdata.record.MediaItem` (kept); audio as ``(samples, sampling_rate)`` or a dict with
+            ``"array"`` and ``"sampling_rate"`` (the Hugging Face ``datasets`` audio format); anything else is an
+            image: a ``PIL.Image``, ``uint8`` pixels (``[H, W, C]``, ``[C, H, W]`` or ``[H, W]``), encoded bytes or
+            a file path.
+        request_id: Named in errors.
+        index: The item's index, named in errors.
+
+    Raises:
+        RolloutOutputError: The item cannot be read (the message says why).
+    """
+    try:
+        if isinstance(raw, MediaItem):
+            return raw
+        if isinstance(raw, Mapping) and "array" in raw:
+            return audio_item(raw["array"], sample_rate=int(raw["sampling_rate"]))
+        if isinstance(raw, tuple) and len(raw) == 2 and isinstance(raw[1], int):
+            return audio_item(raw[0], sample_rate=raw[1])
+        return image_item(raw)
+    except (MediaError, KeyError, TypeError, ValueError) as e:
+        raise RolloutOutputError(f"media item {index}: {e}", request_id=request_id, field="media") from e
+
+
+def collapse_placeholders(prompt_ids: torch.Tensor, placeholder_id: int) -> tuple[torch.Tensor, int]:
+    """Collapse each run of ``placeholder_id`` in ``prompt_ids`` into one token.
+
+    Returns:
+        ``(collapsed prompt, number of runs)``.
+    """
+    ids = prompt_ids.tolist()
+    out: list[int] = []
+    runs = 0
+    for i, tok in enumerate(ids):
+        if tok == placeholder_id:
+            if i and ids[i - 1] == placeholder_id:
+                continue
+            runs += 1
+        out.append(tok)
+    return torch.tensor(out, dtype=prompt_ids.dtype), runs
+
+
+def attach_media(target: T, media: Sequence[Any], *, placeholder_ids: Mapping[str, int]) -> T:
+    """Return the sample (or every sample of the group) with its prompt's media attached.
+
+    Args:
+        target: A :class:`~knitdata.rollout.sample.RolloutSample` or a
+            :class:`~knitdata.rollout.sample.RolloutGroup` (its samples share the prompt and its media: the same
+            items, so shared encoding finds them by provenance or digest).
+        media: The prompt's raw media, in prompt order (see :func:`media_item`).
+        placeholder_ids: The model's placeholder token per kind (:data:`knitdata.record.MEDIA_KINDS`), e.g.
+            ``{"image": image_token_id}``; every item's kind needs one.
+
+    Raises:
+        RolloutOutputError: An unreadable item, an unknown kind in ``placeholder_ids``, or a prompt whose runs of a
+            placeholder do not match the number of items of that kind.
+    """
+    rid = target.request_id
+    items = [media_item(m, request_id=rid, index=i) for i, m in enumerate(media)]
+    for kind in placeholder_ids:
+        if kind not in MEDIA_KINDS:
+            raise RolloutOutputError(f"unknown media kind {kind!r} in placeholder_ids (known: {MEDIA_KINDS})",
+                                     request_id=rid, field="media")
+    for i, m in enumerate(items):
+        if m.kind not in placeholder_ids:
+            raise RolloutOutputError(f"media item {i} is {m.kind!r} but placeholder_ids names no {m.kind} placeholder",
+                                     request_id=rid, field="media")
+
+    def one(s: RolloutSample) -> RolloutSample:
+        prompt = s.prompt_ids
+        for kind, pid in placeholder_ids.items():
+            prompt, runs = collapse_placeholders(prompt, int(pid))
+            want = sum(1 for m in items if m.kind == kind)
+            if runs != want:
+                raise RolloutOutputError(
+                    f"the prompt holds {runs} run(s) of the {kind} placeholder {pid} for {want} {kind} item(s)",
+                    request_id=rid, sample=s.index, field="prompt_ids",
+                )
+        return dataclasses.replace(s, prompt_ids=prompt, media=list(items))
+
+    if isinstance(target, RolloutGroup):
+        return RolloutGroup(rid, [one(s) for s in target.samples])  # type: ignore[return-value]
+    return one(target)  # type: ignore[return-value]
