@@ -63,6 +63,7 @@ from benchmarks.common.soak_core import (
     run_soak,
 )
 from benchmarks.common.soak_processes import run_soak_processes
+from benchmarks.common.soak_reshape import run_soak_reshape
 from knitdata.errors import ConfigError, EngineError, OptionalDependencyError
 
 __all__ = [
@@ -79,6 +80,8 @@ __all__ = [
     "check_soak_payload",
     "run_soak",
     "run_soak_processes",
+    "run_soak_reshape",
+    "run_reshape",
     "CRASH_POINTS",
     "RSS_SLACK_BYTES",
 ]
@@ -187,6 +190,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most consumer process restarts per rank (with --processes; default: no limit)")
     parser.add_argument("--max-kills", type=int, default=None,
                         help="most coordinator kills (with --processes and --kill-coordinator; default: no limit)")
+    parser.add_argument("--reshape", action="store_true",
+                        help="whole-pipeline checkpoints: SIGKILL the whole job (embedded engine, one process) at random "
+                        "points, restore it from its last pipe.checkpoint (every other round onto another layout of "
+                        "the ranks), reissue the prompts in flight; reports lost, duplicated and reissued prompts "
+                        "(results: soak_reshape.json)")
+    parser.add_argument("--rounds", type=int, default=4, help="with --reshape: jobs killed before the last one")
+    parser.add_argument("--prompts", type=int, default=240, help="with --reshape: prompts (groups of 2) of the run")
+    parser.add_argument("--kill-within", type=float, default=2.5,
+                        help="with --reshape: each killed job dies at a random point within this many seconds after "
+                        "its first checkpoint")
+    parser.add_argument("--dir", default=None, help="with --reshape: working directory (default: a temporary one)")
     parser.add_argument("--control", action="store_true",
                         help="with --processes: first run the same cross-process soak without faults (no consumer "
                         "restarts, no coordinator kills), reported side by side")
@@ -242,9 +256,37 @@ def summarize_runs(results: list[dict[str, Any]]) -> dict[str, Any]:
     return payload
 
 
+def run_reshape(args: argparse.Namespace) -> int:
+    """``--reshape``: kill and restore whole jobs (:func:`run_soak_reshape`); print, write JSON; exit 1 unless ok."""
+    import tempfile
+
+    work = args.dir or tempfile.mkdtemp(prefix="knitdata-soak-reshape-")
+    r = run_soak_reshape(work, rounds=args.rounds, prompts=args.prompts, ranks=args.consumers, seed=args.seed,
+                         kill_after_s=(0.0, args.kill_within))
+    r["loadavg"] = list(os.getloadavg())
+    print(f"soak --reshape: {r['jobs']} jobs ({r['kills']} killed with SIGKILL, {r['restores_other_topology']} "
+          f"restored onto another layout), {r['prompts']} prompts x {r['group_size']}: lost {r['lost']}, duplicated "
+          f"{r['duplicated']}, reissued {r['reissued']} prompts (mismatches {len(r['reissue_mismatch'])}), "
+          f"{r['rolled_back_microbatches']} micro-batches rolled back, checkpoint pause max "
+          f"{r['checkpoint_pause_ms_max'] or 0:.2f} ms, {'ok' if r['ok'] else 'NOT OK'}")
+    for err in r["errors"][:5]:
+        print(f"error: {err}")
+    if args.json:
+        path = args.json
+        if os.path.basename(path) == "soak.json":  # the default of `python benchmarks/soak.py`: keep soak.json
+            path = os.path.join(os.path.dirname(path), "soak_reshape.json")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(r, f, indent=2)
+        print(f"wrote {path}")
+    return 0 if r["ok"] else 1
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the soak(s), print a table, write JSON; exit 1 if anything was lost, duplicated or unbounded."""
     torch.set_num_threads(1)
+    if getattr(args, "reshape", False):
+        return run_reshape(args)
     engines = ["embedded", "ray"] if args.engine == "all" else [args.engine]
     results: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}

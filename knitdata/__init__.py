@@ -14,8 +14,8 @@ admission           :mod:`knitdata.admission` (``spec``, ``composition``, ``base
 placement           :mod:`knitdata.placement`
 planning            :mod:`knitdata.planner` (``records``: ``MicroBatchInfo``; ``core``, ``microbatches``, ``columns``)
 control plane       :mod:`knitdata.control`: ``surface`` (the control calls, declared once), ``state``, ``admit``,
-                    ``leases``, ``positions``, ``reporting``, ``durability``, ``journal``, ``snapshot``; ``plane``
-                    (the ``ControlPlane`` facade)
+                    ``leases``, ``positions``, ``reporting``, ``ledger``, ``durability``, ``journal``, ``snapshot``;
+                    ``plane`` (the ``ControlPlane`` facade)
 storage             :mod:`knitdata.storage` (``base``, ``embedded``; Ray: ``ray_connect``, ``ray_actor``,
                     ``ray_unit``), :mod:`knitdata.spill`, :mod:`knitdata.shards` (webdataset export/replay)
 engines             :mod:`knitdata.engines` (``base``: the registry; ``embedded``; ``ray``, ``ray_control``)
@@ -29,6 +29,7 @@ encoder             :mod:`knitdata.encoder` (``SharedEncoding``), :mod:`knitdata
 parallel            :mod:`knitdata.parallel` (``replica_layout``: data-parallel rank and replica from a DeviceMesh)
 integrations        :mod:`knitdata.integrations` (``accelerate``, ``transformers``)
 metrics             :mod:`knitdata.metrics`
+checkpoint          :mod:`knitdata.checkpoint` (``Pipeline.checkpoint`` / ``Pipeline.restore``, the rollout ledger)
 ==================  =========================================================================================
 
 Benchmarks, the simulator and the demo are not part of the package: they live in the repository's top-level

@@ -53,6 +53,7 @@ from knitdata.record import Trajectory, TrajectoryMeta
 from knitdata.storage.base import StorageUnit
 
 if TYPE_CHECKING:  # pragma: no cover
+    from knitdata.checkpoint import CheckpointInfo, RestoreReport, RolloutLedger
     from knitdata.dataset import TrajectoryDataset
 
 __all__ = ["Pipeline", "PipelineClosedError", "ENGINES", "RELEASE_MODES", "DEFAULT_TIMEOUT_S", "PUT_TIMEOUT"]
@@ -219,6 +220,7 @@ class Pipeline:
         self._listeners_lock = threading.Lock()
         self._router = PutRouter(engine)  # this process's replica of the placement (one-round-trip puts)
         self._presence: ProducerPresence | None = None  # made at the first put: this handle is a producer
+        self.restore_report: RestoreReport | None = None  # what restore() restored
 
     @classmethod
     def attach(
@@ -644,6 +646,31 @@ class Pipeline:
         if kill is None:
             raise EngineError("kill_unit is a failure drill of the Ray engine")
         kill(unit_id)
+
+    # ------------------------------------------------------------------ whole-pipeline checkpoint
+    @property
+    def ledger(self) -> RolloutLedger:
+        """The rollout ledger the producer reports its prompts to (:class:`~knitdata.checkpoint.RolloutLedger`)."""
+        from knitdata.checkpoint import RolloutLedger
+        return RolloutLedger(self._engine.control)
+
+    def checkpoint(self, path: str | os.PathLike[str]) -> CheckpointInfo:
+        """Save the whole pipeline to the directory ``path``: :func:`knitdata.checkpoint.write_checkpoint`."""
+        from knitdata.checkpoint import write_checkpoint
+        return write_checkpoint(self._engine, path, options={
+            "capacity_bytes": self.capacity_bytes, "put_timeout": self.put_timeout, "check_media": self.check_media})
+
+    @classmethod
+    def restore(cls, path: str | os.PathLike[str], *, allow_config_change: bool = False, **options: Any) -> Pipeline:
+        """A new pipeline continuing the checkpoint at ``path``, in any process: see
+        :func:`knitdata.checkpoint.restore_pipeline` for ``options`` (the topology, or :class:`Pipeline` keywords)."""
+        from knitdata.checkpoint import restore_pipeline
+        return restore_pipeline(cls, path, lambda p: p._engine, allow_config_change=allow_config_change, **options)
+
+    def lost_groups(self) -> dict[str, dict[str, Any]]:
+        """The groups lost with a dead storage unit and not in its spill: :func:`knitdata.checkpoint.lost_groups`."""
+        from knitdata.checkpoint import lost_groups
+        return lost_groups(self._engine)
 
     # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:

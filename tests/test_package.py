@@ -138,6 +138,8 @@ SIZE_EXCEPTIONS: dict[str, str] = {
     "knitdata/planner/core.py:_assign": "the locality-then-balance assignment loop, one algorithm",
     "knitdata/planner/core.py:_assign_small": "the same for small layouts, one algorithm",
     "knitdata/pipeline.py:Pipeline": "the user-facing facade: 194 of its 590 lines are its public API's docstrings",
+    "knitdata/pipeline.py": "the user-facing facade: each feature's entry points (checkpoint/restore delegate to "
+                            "knitdata.checkpoint in 24 lines); 8 lines over",
     "knitdata/storage/ray_unit.py:read_records": "45 of its 111 lines are its docstring",
 }
 
@@ -171,7 +173,7 @@ def test_benchmarks_use_only_the_public_api() -> None:
 #: layer or below.
 LAYERS: list[tuple[str, ...]] = [
     ("integrations", "encoder", "replicas", "parallel"),
-    ("pipeline", "producer", "dataset", "consumer", "collate", "multimodal", "media", "video", "rollout"),
+    ("pipeline", "producer", "dataset", "consumer", "collate", "multimodal", "media", "video", "rollout", "checkpoint"),
     ("engines",),
     ("fetch", "handoff", "prefetch", "staging"),
     ("storage", "spill", "shards"),

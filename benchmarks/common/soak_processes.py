@@ -32,7 +32,7 @@ from benchmarks.common.soak_core import (
 from knitdata.admission import BatchSpec
 from knitdata.errors import ConfigError
 
-__all__ = ["XPROC_START_TIMEOUT_S", "XPROC_DRAIN_TIMEOUT_S", "run_soak_processes"]
+__all__ = ["XPROC_START_TIMEOUT_S", "XPROC_DRAIN_TIMEOUT_S", "run_soak_processes", "write_json_atomic"]
 
 
 #: Seconds the driver waits for the worker processes to attach (spawn, import, connect to Ray, find the pipeline).
@@ -58,7 +58,7 @@ def _pss_bytes(pid: int) -> int:
         return 0
 
 
-def _write_json_atomic(path: str, obj: Any) -> None:
+def write_json_atomic(path: str, obj: Any) -> None:
     """Write ``obj`` as JSON to ``path`` through a temporary file and a rename (a kill leaves old or new)."""
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -66,6 +66,7 @@ def _write_json_atomic(path: str, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
 
 
 class _EventLog:
@@ -154,7 +155,7 @@ def _xproc_consumer(conn: Any) -> None:
             with open(job["state"], encoding="utf-8") as f:
                 ds.load_state_dict(json.load(f))
         else:  # the step-0 checkpoint: a crash before the first saved step restores to the start
-            _write_json_atomic(job["state"], ds.state_dict())
+            write_json_atomic(job["state"], ds.state_dict())
         log.write("ready", pid=os.getpid(), restored=restored, t=time.time())
         crash_after = int(job["crash_after"])
         n = 0
@@ -179,7 +180,7 @@ def _xproc_consumer(conn: Any) -> None:
             if cfg.consume_s and ids:
                 time.sleep(cfg.consume_s * len(ids))
             state = ds.state_dict()
-            _write_json_atomic(job["state"], state)  # the checkpoint
+            write_json_atomic(job["state"], state)  # the checkpoint
             ds.commit(state)  # sent without waiting on the Ray engine, as a trainer would
             log.write("commit", ids=ids)
             if crash_now:

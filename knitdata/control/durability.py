@@ -129,8 +129,11 @@ class Durability:
                 warnings.warn(f"journal {j.path!r}: compaction failed, the journal keeps growing: {e}",
                               RuntimeWarning, stacklevel=4)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, raw_metas: bool = False) -> dict[str, Any]:
         """The plane's complete state, JSON-serializable, from which :meth:`load_state_dict` continues identically.
+
+        ``raw_metas``: ``live`` and ``pending`` hold the (immutable) :class:`~knitdata.record.TrajectoryMeta`
+        objects, for a caller that converts them with ``to_dict()`` after the plane's lock (a checkpoint's cut).
 
         Holds: admission, placement, queues and positions, held and pending trajectories (and the put tokens of
         the held ones), withdrawn groups, schema, version, counters, close report, the stopping error, staleness,
@@ -151,8 +154,9 @@ class Durability:
                 "policy": s.policy.state_dict(), "placement": s.placement.state_dict(),
                 "seq": s.seq, "putting": [],
                 "schema": s.schema, "withdrawn": list(s.withdrawn), "delivered": list(s.delivered),
-                "live": [m.to_dict() for m in s.live.values()], "put_tokens": dict(s.put_tokens),
-                "pending": [m.to_dict() for m in s.pending.values()],
+                "live": list(s.live.values()) if raw_metas else [m.to_dict() for m in s.live.values()],
+                "put_tokens": dict(s.put_tokens),
+                "pending": list(s.pending.values()) if raw_metas else [m.to_dict() for m in s.pending.values()],
                 "loss": dict(s.loss),
                 "queues": [[q[j] for j in sorted(q)] for q in s.queues],
                 "planned": list(s.planned), "committed": list(s.committed), "position": list(s.position),

@@ -44,6 +44,7 @@ from knitdata.control.admit import Admission
 from knitdata.control.durability import Durability
 from knitdata.control.journal import Journal
 from knitdata.control.leases import Leases
+from knitdata.control.ledger import Ledger
 from knitdata.control.positions import Positions
 from knitdata.control.reporting import Reporting
 from knitdata.control.state import (
@@ -65,7 +66,7 @@ __all__ = ["ControlPlane", "SURFACE", "JOURNALED_OPS", "FIRE_AND_FORGET", "RELEA
 
 #: The parts of a plane by attribute name.
 PARTS: dict[str, type] = {"admission": Admission, "positions": Positions, "leasing": Leases,
-                          "reporting": Reporting}
+                          "reporting": Reporting, "ledger": Ledger}
 #: Every call of the control surface by name (declared by the parts).
 SURFACE: Mapping[str, ControlCall] = MappingProxyType({n: c for n, c in CONTROL_CALLS.items() if c.part in PARTS})
 #: The calls recorded in the journal (every call that can change the plane's state).
@@ -111,6 +112,7 @@ class ControlPlane:
         self.leasing = Leases(s, self.positions)
         self.reporting = Reporting(s)
         self.durability = Durability(s, lambda op, args: getattr(self, op)(*args), JOURNALED_OPS)
+        self.ledger = Ledger(s, self.durability.state_dict, self.durability.load_state_dict)
         for name, call in SURFACE.items():  # bound once: a call costs what calling its part costs
             setattr(self, name, getattr(getattr(self, call.part), name))
 

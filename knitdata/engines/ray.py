@@ -48,6 +48,7 @@ from knitdata.storage.ray_connect import (
     check_host,
     connect,
     current_address,
+    current_node,
     hosts_cluster,
     watch_host,
 )
@@ -220,9 +221,13 @@ class RayEngine(Engine):
         handles = {u: [unit.actor, unit.handle_info()] for u, unit in units.items()}
         restarts = -1 if journal is not None else 0  # without a journal a restarted coordinator would be empty
         # an ActorClass (ray's stubs keep the class)
+        # on the creator's node: the pipeline survives the loss of another node (its units' payloads aside)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(current_node(), soft=True)
         actor = CoordinatorActor.options(name=coordinator_name(name), namespace=NAMESPACE,  # type: ignore[attr-defined]
                                          lifetime="detached" if detached else None, max_restarts=restarts,
-                                         max_task_retries=restarts).remote(setup, handles)
+                                         max_task_retries=restarts, scheduling_strategy=here).remote(setup, handles)
         try:
             ray.get(actor.info.remote(), timeout=timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
@@ -275,6 +280,12 @@ class RayEngine(Engine):
             return
         self.meter.reset()
         self._control.call("report_transfer", d)
+
+    def recoverable(self, unit_ids: Sequence[str], ids: Sequence[str]) -> list[str]:
+        """The ids of ``ids`` that the spill shards of the dead units ``unit_ids`` still hold (none without spill)."""
+        if not self.info.get("spill_dir"):
+            return []
+        return list(self._control.call("recoverable", list(unit_ids), list(ids)))
 
     def kill_unit(self, unit_id: str) -> None:
         """Kill one storage unit's actor (failure drills and tests): its payloads are lost unless spilled."""

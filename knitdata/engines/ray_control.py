@@ -119,6 +119,15 @@ class CoordinatorBase:
             return {}
         return self._recovery.records(unit_id, ids)
 
+    def recoverable(self, unit_ids: list[str], ids: list[str]) -> list[str]:
+        """The ids of ``ids`` found in the spill shards of the (dead) units ``unit_ids``."""
+        if self._recovery is None:
+            return []
+        found: set[str] = set()
+        for u in unit_ids:
+            found.update(self._recovery.held(u, [t for t in ids if t not in found]))
+        return sorted(found)
+
     def kill_unit(self, unit_id: str) -> None:
         """Kill a unit's actor (failure drills and tests)."""
         self._units[unit_id].kill()

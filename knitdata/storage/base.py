@@ -25,7 +25,7 @@ processes it returns payloads as codec records (:meth:`StorageUnit.get_records`)
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -33,7 +33,7 @@ from knitdata.codec import encode_trajectory
 from knitdata.errors import StoreFull, ValidationError
 from knitdata.record import Trajectory
 
-__all__ = ["StorageStats", "StorageUnit"]
+__all__ = ["StorageStats", "StorageUnit", "dead_units"]
 
 
 @dataclass(frozen=True)
@@ -223,3 +223,12 @@ class StorageUnit(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Refuse further puts and wake blocked producers (they raise ``EngineError``)."""
+
+    def alive(self, timeout_s: float = 10.0) -> bool:
+        """Whether the unit answers within ``timeout_s`` (a unit in this process always does)."""
+        return True
+
+
+def dead_units(units: Mapping[str, StorageUnit], timeout_s: float = 10.0) -> list[str]:
+    """The ids of the units of ``units`` that do not answer (:meth:`StorageUnit.alive`), sorted."""
+    return sorted(u for u, unit in units.items() if not unit.alive(timeout_s))

@@ -77,6 +77,19 @@ class SpillRecovery:
                     out[tid] = bytes(encode_trajectory(store.get(tid)))
             return out
 
+    def held(self, unit_id: str, traj_ids: Sequence[str]) -> list[str]:
+        """The ids of ``traj_ids`` the unit's spill holds (recoverable), without reading them."""
+        from knitdata.spill import SpillStore
+
+        with self._lock:
+            store = self._stores.get(unit_id)
+            if store is None:
+                directory = spill_directory(self.spill_dir, unit_id)
+                if not os.path.isdir(directory):
+                    return []
+                store = self._stores[unit_id] = SpillStore.open(directory, repair=False)
+            return [t for t in traj_ids if t in store]
+
     def close(self) -> None:
         """Close the opened stores."""
         with self._lock:

@@ -414,6 +414,16 @@ class RayStorageUnit(StorageUnit):
         except _LOST_ERRORS:
             pass
 
+    def alive(self, timeout_s: float = 10.0) -> bool:
+        """Whether the unit's actor answers within ``timeout_s`` (``False`` once its node or process died)."""
+        try:
+            ray_get(self._h.actor.info.remote(), timeout=timeout_s)
+        except _LOST_OR_TIMEOUT:
+            return False
+        except ray.exceptions.RayTaskError:
+            return False
+        return True
+
     def kill(self) -> None:
         """Kill the unit's actor (its payloads are lost; used for shutdown and failure tests)."""
         ray.kill(self._h.actor, no_restart=True)
