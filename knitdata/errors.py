@@ -25,6 +25,7 @@ __all__ = [
     "TrajectoryLostError",
     "MediaError",
     "OptionalDependencyError",
+    "RolloutThrottled",
 ]
 
 
@@ -156,3 +157,10 @@ class OptionalDependencyError(KnitdataError, ImportError):
         )
         self.package = package
         self.extra = extra
+
+
+class RolloutThrottled(KnitdataError, TimeoutError):
+    """A rollout worker waited longer than its ``timeout`` for room within the pipeline's ``max_staleness``.
+
+    The message says the capacity per source and what admission waits for.
+    """

@@ -214,3 +214,24 @@ def test_a_producer_that_dies_without_close_does_not_stall_consumers(engine, req
     assert res["error"][0] == "IncompleteStreamError", res["error"]
     assert "stopped without close()" in res["error"][3] and "math" in res["error"][3], res["error"]
     assert res["after_s"] < (40 if engine == "ray" else 10), res
+
+
+# --- stale ---
+@pytest.mark.parametrize("engine", ENGINES)
+def test_staleness_bound_keeps_quotas(engine, request):
+    """Issue 26.3 on every engine: random arrival orders and versions, max_staleness=1 with drop and wait: nothing
+    trained is staler than the bound (trainer version - gen_version), every train batch holds its exact quotas, and
+    with regeneration of what was dropped every train batch completes; drops are counted per source."""
+    eta = 1
+    res = run_on(engine, request, "staleness_bound", eta=eta)
+    for run, r in res.items():
+        by_batch: dict[int, dict[str, int]] = {}
+        for b, source, version, gv in r["trained"]:
+            assert 0 <= version - gv <= eta, (run, b, source, version, gv)
+            by_batch.setdefault(b, {"math": 0, "code": 0})[source] += 1
+        assert by_batch == {b: {"math": 4, "code": 4} for b in range(3)}, (run, by_batch)
+        dropped = sum(r["bound"]["dropped_groups"].values())
+        assert dropped == len(r["dropped"]), run
+        assert r["token_staleness"]["count"] == 24 and r["token_staleness"]["worst"] <= eta, run
+    assert sum(len(r["dropped"]) for run, r in res.items() if run.startswith("drop/")) > 0
+    assert all(r["bound"]["on_stale"] == run.split("/")[0] for run, r in res.items())

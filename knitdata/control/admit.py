@@ -279,6 +279,57 @@ class Admission(Part):
             s.cond.notify_all()
             return dict(s.close_report)
 
+    # ------------------------------------------------------------------------------------ staleness bound
+    @control_call()
+    def rollout_capacity(self, version: int | None = None) -> dict[str, int]:
+        """Groups (prompts) per source that may still start with policy ``version`` (default: the trainer's last
+        reported version) and be admitted within ``max_staleness``; see
+        :meth:`~knitdata.admission.AdmissionPolicy.rollout_capacity`.
+
+        Raises:
+            ConfigError: The pipeline has no staleness bound.
+        """
+        with self.s.cond:
+            return self.s.policy.rollout_capacity(self._version(version))
+
+    @control_call(journaled=True)
+    def reserve_rollout(self, counts: Mapping[str, int], version: int | None = None) -> bool:
+        """Reserve ``counts`` groups per source if the bound leaves room for all (all or nothing); see
+        :meth:`~knitdata.admission.AdmissionPolicy.reserve`."""
+        with self.s.cond:
+            return self.s.policy.reserve(dict(counts), self._version(version))
+
+    @control_call(journaled=True)
+    def unreserve_rollout(self, counts: Mapping[str, int]) -> None:
+        """Give back reservations of prompts that will not be generated."""
+        with self.s.cond:
+            self.s.policy.unreserve(dict(counts))
+
+    @control_call(journaled=True)
+    def take_dropped(self) -> list[dict[str, Any]]:
+        """The groups the staleness bound dropped since the last call, for the producer to regenerate (see
+        :meth:`~knitdata.admission.AdmissionPolicy.take_dropped`)."""
+        with self.s.cond:
+            return self.s.policy.take_dropped()
+
+    def _version(self, version: int | None) -> int:
+        if version is None:
+            return self.s.version
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValidationError(f"version must be a non-negative int or None, got {version!r}", field="version")
+        return version
+
+    def _release_dropped(self) -> None:
+        """Free the payloads of the groups the staleness bound dropped (the policy lists them for regeneration)."""
+        s = self.s
+        metas = s.policy.pop_released()
+        if not metas:
+            return
+        for m in metas:
+            s.pending.pop(m.id, None)
+            s.placement.forget_group(m.group)
+        s.release_metas(metas)
+
     # ------------------------------------------------------------------------------------ planning
     def poll(self) -> None:
         """Plan every mini-batch admission releases now and queue its micro-batches per rank (as *entries*)."""
@@ -286,8 +337,10 @@ class Admission(Part):
         try:
             admitted = s.policy.poll(time.monotonic())
         except KnitdataError as e:
+            self._release_dropped()
             s.fail(e)
             raise
+        self._release_dropped()
         planned: list[tuple[AdmittedMiniBatch, MiniBatchPlan]] = []
         for mb in admitted:
             plan = s.planner.plan(mb, s.loss)

@@ -88,6 +88,7 @@ class Positions(Part):
         if e is not None:
             v = version if version >= 0 else s.version
             s.staleness.extend([v - g for g in e["info"]["gen_versions"]])
+            s.token_staleness.record(v, [s.live[x[0]] for x in e["items"] if x[0] in s.live])
         if s.release_mode == "handout":
             s.drop_entry(rank, j)
         elif s.release_mode == "step" and auto_upto > 0 and microbatch == 0:
