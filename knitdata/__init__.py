@@ -58,6 +58,7 @@ _LAZY: dict[str, str] = {
     "ConstraintPreservingAdmission": "knitdata.admission",
     "make_policy": "knitdata.admission",
     "StalenessTracker": "knitdata.staleness",
+    "TokenStaleness": "knitdata.staleness",
     "ConsumerLayout": "knitdata.placement",
     "ConsumerAwarePlacement": "knitdata.placement",
     "IndexModPlacement": "knitdata.placement",
@@ -125,4 +126,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from knitdata.prefetch import Prefetcher  # noqa: F401
     from knitdata.shards import ShardDataset, read_shards, write_shards  # noqa: F401
     from knitdata.spill import SpillStore  # noqa: F401
-    from knitdata.staleness import StalenessTracker  # noqa: F401
+    from knitdata.staleness import StalenessTracker, TokenStaleness  # noqa: F401
