@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
-from knitdata.control import PLANE_DEFAULTS, RELEASE_MODES, fields_of
+from knitdata.control import PLANE_DEFAULTS, RELEASE_MODES, acquire_rollout, fields_of
 from knitdata.engines.base import ENGINES, Engine, engine_class, engine_names
 from knitdata.errors import (
     ConfigError,
@@ -41,7 +41,6 @@ from knitdata.errors import (
     FieldTypeError,
     KnitdataError,
     PipelineClosedError,
-    RolloutThrottled,
     StoreFull,
     ValidationError,
 )
@@ -115,11 +114,8 @@ class Pipeline:
             ``None``: wait (up to the dataset's ``timeout``). A handle counts as a producer from its first put.
         check_media: Decode every encoded media item once at :meth:`put` (in the producer) and refuse bad ones.
         on_plan: Called as ``on_plan(admitted, plan)`` for each planned mini-batch (embedded engine; keep it cheap).
-        max_staleness: ``eta``: admission never admits a trajectory more than this many versions staler than the
-            trainer version of its mini-batch (``None``: no bound). See docs/concepts.md "A hard staleness bound".
-        on_stale: With a bound: ``"drop"`` (a group that can no longer be admitted within it is dropped whole;
-            :meth:`dropped` lists it for regeneration) or ``"wait"`` (producers also call
-            :meth:`acquire_rollout` before starting a prompt, so every started prompt has a slot within the bound).
+        max_staleness: Admit nothing staler than this many versions (``None``: no bound; docs/concepts.md).
+        on_stale: ``"drop"`` (:meth:`dropped` lists what to regenerate) or ``"wait"`` (also :meth:`acquire_rollout`).
         engine_options: Ray: ``name`` (default ``"knitdata"``; other processes attach with it), ``address``
             (``None``: this process's Ray, else a new local loopback-only one), ``nodes`` (layout node -> Ray node
             id), ``loopback_only`` (default ``True``), ``detached`` (keep the actors after this process exits),
@@ -188,8 +184,7 @@ class Pipeline:
         policy: AdmissionPolicy | None = None
         if max_staleness is not None or on_stale != "drop":
             if isinstance(admission, AdmissionPolicy):
-                raise ConfigError("max_staleness / on_stale apply when admission is given by name; build the policy "
-                                  "object with them instead")
+                raise ConfigError("max_staleness / on_stale apply to an admission given by name (or build the policy with them)")
             admission_options = {**dict(admission_options or {}), "max_staleness": max_staleness, "on_stale": on_stale}
         if isinstance(admission, AdmissionPolicy):
             if admission_options:
@@ -514,60 +509,25 @@ class Pipeline:
         """
         self._engine.control.set_in_flight(dict(counts))
 
-    # ------------------------------------------------------------------ the staleness bound (max_staleness)
+    # the staleness bound (max_staleness): knitdata.control.admit, docs/concepts.md "A hard staleness bound"
     def rollout_capacity(self, version: int | None = None) -> dict[str, int]:
-        """How many more prompts (groups) per source a rollout worker may start with policy ``version`` (default:
-        the trainer's last reported version) so that none of them exceeds ``max_staleness`` when admitted.
-
-        Raises:
-            ConfigError: The pipeline has no ``max_staleness``.
-        """
+        """Prompts (groups) per source that may start with ``version`` (default: the last reported) within the bound
+        (:meth:`~knitdata.admission.AdmissionPolicy.rollout_capacity`; ConfigError without one)."""
         return dict(self._engine.control.rollout_capacity(version))
 
     def acquire_rollout(self, counts: Mapping[str, int] | str, n: int = 1, *, version: int | None = None,
-                        timeout: float | None = 60.0, poll_s: float = 0.01) -> None:
-        """Block until the bound leaves room, then reserve prompts to start (``on_stale="wait"``'s throttle).
-
-        A reservation ends when the first member of a group of that source is put (or with
-        :meth:`release_rollout`). With ``on_stale="drop"`` it returns at once and reserves nothing.
-
-        Args:
-            counts: ``{source: prompts}``, or one source name (then ``n`` prompts of it).
-            n: Prompts when ``counts`` is a source name.
-            version: The policy version the prompts will be generated with (default: the trainer's last reported).
-            timeout: Most seconds to wait (``None``: no limit).
-            poll_s: First pause between tries (doubles up to 0.2 s).
-
-        Raises:
-            RolloutThrottled: No room within ``timeout`` (the trainer has not advanced: it waits for other sources
-                or the consumers stopped). ConfigError: No ``max_staleness``.
-        """
-        want = {counts: n} if isinstance(counts, str) else dict(counts)
-        if self._engine.config["admission_options"].get("on_stale", "drop") != "wait":
-            self._engine.control.rollout_capacity(version)  # raises without a bound
-            return
-        plane = self._engine.control
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = poll_s
-        while not plane.reserve_rollout(want, version):
-            if deadline is not None and time.monotonic() >= deadline:
-                raise RolloutThrottled(
-                    f"no room within max_staleness for {want} after {timeout} s (capacity now "
-                    f"{plane.rollout_capacity(version)}); the trainer must advance first: it waits for "
-                    f"{plane.missing()}")
-            time.sleep(pause)
-            pause = min(0.2, pause * 2)
+                        timeout: float | None = 60.0) -> None:
+        """Block until the bound has room, then reserve ``counts`` prompts per source (or ``n`` of one source);
+        see :func:`knitdata.control.acquire_rollout` (raises :class:`~knitdata.errors.RolloutThrottled`)."""
+        acquire_rollout(self._engine, {counts: n} if isinstance(counts, str) else dict(counts), version, timeout)
 
     def release_rollout(self, counts: Mapping[str, int]) -> None:
         """Give back reservations (:meth:`acquire_rollout`) of prompts that will not be generated."""
         self._engine.control.unreserve_rollout(dict(counts))
 
     def dropped(self) -> list[dict[str, Any]]:
-        """The groups the staleness bound dropped since the last call, for the producer to regenerate.
-
-        Each is ``{"group", "source", "version", "trajectories", "tokens", "step"}``; their payloads are already
-        freed. Regenerate each dropped prompt as a new group (new group id) so that its source meets its quota.
-        """
+        """The groups the bound dropped since the last call, to regenerate (``{"group", "source", "version",
+        "trajectories", "tokens", "step"}`` each; payloads already freed)."""
         return list(self._engine.control.take_dropped())
 
     def withdraw(self, group: str) -> list[TrajectoryMeta]:

@@ -10,12 +10,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from knitdata.admission.composition import even_completion
+from knitdata.admission.bound import StalenessBound, check_counts, check_settings
 from knitdata.admission.spec import AdmittedMiniBatch, BatchSpec
 from knitdata.errors import ConfigError, KnitdataError, QuotaInfeasibleError, StateError, ValidationError
 from knitdata.record import TrajectoryMeta
 
-__all__ = ["ReadyGroup", "AdmissionPolicy", "ON_STALE", "REGENERATE_MEMORY"]
+__all__ = ["ReadyGroup", "AdmissionPolicy", "BoundedAdmission"]
 
 
 def _count(x: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
@@ -37,14 +37,111 @@ class ReadyGroup:
     gone: bool = field(default=False)  # admitted, withdrawn or dropped: lazily skipped in the queues
 
 
-#: How to keep a staleness bound: drop what expired (producers run free) or also throttle producers.
-ON_STALE: tuple[str, ...] = ("drop", "wait")
-#: Most dropped groups kept for the producer to regenerate (:meth:`AdmissionPolicy.take_dropped`); older ones
-#: are forgotten (counted in ``bound_stats()["regenerate_overflow"]``).
-REGENERATE_MEMORY = 100_000
+
+class BoundedAdmission:
+    """The staleness-bound part of :class:`AdmissionPolicy` (:mod:`knitdata.admission.bound`): the rollout throttle
+    and the groups dropped for regeneration. Every policy has these methods; they raise
+    :class:`~knitdata.errors.ConfigError` (or return nothing) without ``max_staleness``."""
+
+    _bound: StalenessBound | None
+    _loading: bool
+    _Q: dict[str, int]
+    _b: int
+    _admitted: dict[str, int]
+    _ready_n: dict[str, int]
+    _ready_groups: dict[str, ReadyGroup]
+    _pending_groups: dict[str, int]
+    _in_flight: dict[str, int] | None
+    spec: BatchSpec
+
+    @property
+    def step(self) -> int:
+        """Global index of the next mini-batch (:class:`AdmissionPolicy` defines it)."""
+        raise NotImplementedError
+
+    def _init_bound(self, max_staleness: int | None, on_stale: str, version_offset: int, oldest_first: bool) -> None:
+        check_settings(max_staleness, on_stale, version_offset)
+        self._bound = None if max_staleness is None else StalenessBound(max_staleness, on_stale, version_offset,
+                                                                        self._Q, self.spec.num_minibatches)
+        self.max_staleness, self.on_stale, self.version_offset = max_staleness, on_stale, version_offset
+        # with a bound, quota-preserving policies take each source's oldest ready group first (heaps per source)
+        self._oldest_first = self._bound is not None and oldest_first
+        self._by_version: dict[str, list[tuple[int, int, ReadyGroup]]] = {s: [] for s in self._Q}
+        self._loading = False
+
+    def _track(self, grp: ReadyGroup) -> None:
+        if self._bound is not None:
+            self._bound.push(grp)
+            if self._oldest_first:
+                heapq.heappush(self._by_version[grp.source], (grp.version, grp.seq, grp))
+
+    def _check_bound_state(self, state: Mapping[str, Any]) -> Any:
+        bound = state.get("bound")
+        mine = None if self._bound is None else self._bound.settings()
+        theirs = None if bound is None else [bound["max_staleness"], bound["on_stale"], bound["version_offset"]]
+        if mine != theirs:
+            raise StateError(f"state has staleness bound {theirs} (max_staleness, on_stale, version_offset), this "
+                             f"policy has {mine}")
+        return bound
+
+    def rollout_capacity(self, version: int) -> dict[str, int]:
+        """Groups per source that may still start with policy ``version`` within the bound
+        (:meth:`StalenessBound.capacity <knitdata.admission.bound.StalenessBound.capacity>`).
+
+        Raises:
+            ConfigError: No bound (``max_staleness`` is ``None``).
+        """
+        bound = self._need_bound()
+        used = {s: self._b * Q + self._admitted[s] + self._ready_n[s] + self._pending_groups[s] for s, Q in self._Q.items()}
+        return bound.capacity(version, used)
+
+    def reserve(self, counts: Mapping[str, int], version: int) -> bool:
+        """Reserve ``counts`` groups per source to start with ``version`` if :meth:`rollout_capacity` has room for all
+        (all or nothing); a reservation ends when a new group of that source arrives, or with :meth:`unreserve`."""
+        return self._need_bound().reserve(check_counts(counts, self.spec.sources, "reserve"),
+                                          self.rollout_capacity(version))
+
+    def unreserve(self, counts: Mapping[str, int]) -> None:
+        """Give back reservations of prompts that will not be generated (floored at 0)."""
+        self._need_bound().unreserve(check_counts(counts, self.spec.sources, "unreserve"))
+
+    def take_dropped(self) -> list[dict[str, Any]]:
+        """The groups dropped by the bound since the last call, for the producer to regenerate (as new groups)."""
+        return [] if self._bound is None else self._bound.take_dropped()
+
+    def pop_released(self) -> list[TrajectoryMeta]:
+        """The members of groups dropped since the last call (the caller frees their payloads)."""
+        return [] if self._bound is None else self._bound.pop_released()
+
+    def bound_stats(self) -> dict[str, Any] | None:
+        """The bound's settings and drops per source (``None`` without a bound)."""
+        return None if self._bound is None else self._bound.stats()
+
+    def _need_bound(self) -> StalenessBound:
+        if self._bound is None:
+            raise ConfigError("this needs a staleness bound: build the policy (or Pipeline) with max_staleness=eta")
+        return self._bound
+
+    def _expired(self, version: int) -> bool:
+        return self._bound is not None and not self._loading and self._bound.expired(version, self.step)
+
+    def _drop(self, grp: ReadyGroup) -> None:
+        grp.gone = True
+        assert self._bound is not None
+        self._bound.drop(grp.group, grp.source, grp.version, grp.metas, self.step)
+        if self._in_flight is not None:  # regeneration is coming: the supply check counts it
+            self._in_flight[grp.source] = self._in_flight.get(grp.source, 0) + len(grp.metas)
+
+    def _expire(self) -> None:
+        if self._bound is None:
+            return
+        for grp in list(self._bound.expiring(self.step)):
+            self._ready_n[grp.source] -= 1
+            del self._ready_groups[grp.group]
+            self._drop(grp)
 
 
-class AdmissionPolicy(abc.ABC):
+class AdmissionPolicy(BoundedAdmission, abc.ABC):
     """Base class of the admission policies: holds ready groups and emits mini-batches in order.
 
     Args:
@@ -55,16 +152,10 @@ class AdmissionPolicy(abc.ABC):
             :class:`~knitdata.errors.QuotaInfeasibleError` is raised as soon as a source's ready plus
             in-flight trajectories (see :meth:`set_in_flight`) cannot cover its remaining quota. Surplus
             ready groups carry over in both modes.
-        max_staleness: ``eta``: never admit a trajectory staler than this many versions (``None``: no bound).
-            The mini-batch of global step ``t`` is trained with trainer version ``version_offset + t`` (one
-            optimizer step per mini-batch, as :mod:`knitdata.staleness` counts), so a group whose oldest token
-            has version ``v`` may join steps up to ``v + eta - version_offset``. A complete group that can no
-            longer be admitted within the bound is dropped whole (:meth:`take_dropped` lists it for
-            regeneration; counted per source in :meth:`bound_stats`). With a bound, quota-preserving policies
-            take each source's oldest groups first.
-        on_stale: ``"drop"`` (producers run free; what expires is dropped and regenerated) or ``"wait"``
-            (producers also ask :meth:`rollout_capacity` / :meth:`reserve` before they start a prompt, so that
-            every started group has a slot within the bound).
+        max_staleness: ``eta``: never admit a trajectory staler than this many versions (``None``: no bound; see
+            :mod:`knitdata.admission.bound`). A complete group past it is dropped whole (:meth:`take_dropped`);
+            quota-preserving policies then take each source's oldest groups first.
+        on_stale: ``"drop"`` or ``"wait"`` (producers also :meth:`reserve` within :meth:`rollout_capacity`).
         version_offset: The trainer's version before the first mini-batch (step 0).
 
     Protocol: call :meth:`offer` with finished trajectories (a group becomes admissible once all its
@@ -79,18 +170,8 @@ class AdmissionPolicy(abc.ABC):
                  on_stale: str = "drop", version_offset: int = 0) -> None:
         if not isinstance(spec, BatchSpec):
             raise ConfigError(f"{type(self).__name__} needs a BatchSpec, got {type(spec).__name__}")
-        if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
-                                          or max_staleness < 0):
-            raise ConfigError(f"max_staleness must be None or an int >= 0 (versions), got {max_staleness!r}")
-        if on_stale not in ON_STALE:
-            raise ConfigError(f"on_stale must be one of {ON_STALE}, got {on_stale!r}")
-        if isinstance(version_offset, bool) or not isinstance(version_offset, int) or version_offset < 0:
-            raise ConfigError(f"version_offset must be an int >= 0, got {version_offset!r}")
         self.spec = spec
         self.continuous = bool(continuous)
-        self.max_staleness = max_staleness
-        self.on_stale = on_stale
-        self.version_offset = version_offset
         g = spec.group_size
         self._g = g
         self._M = spec.num_minibatches
@@ -108,22 +189,8 @@ class AdmissionPolicy(abc.ABC):
         self._b = 0
         self._k = 0
         self._seq = 0
-        # the staleness bound (see max_staleness): expiry heap over ready groups, per-source oldest-first heaps
-        self._oldest_first = max_staleness is not None and self.preserves_quotas
-        self._expiry: list[tuple[int, int, ReadyGroup]] = []
-        self._by_version: dict[str, list[tuple[int, int, ReadyGroup]]] = {s: [] for s in spec.sources}
-        self._reserved: dict[str, int] = dict.fromkeys(spec.sources, 0)
         self._pending_groups: dict[str, int] = dict.fromkeys(spec.sources, 0)
-        self._just_dropped: list[ReadyGroup] = []
-        self._regenerate: deque[dict[str, Any]] = deque()
-        self._stale: dict[str, dict[str, int]] = {k: dict.fromkeys(spec.sources, 0) for k in (
-            "dropped_groups", "dropped_trajectories", "dropped_tokens")}
-        self._regenerate_overflow = 0
-        self._loading = False
-        sched = even_completion(self._Q, self._M)
-        self._schedule_cum = [dict.fromkeys(self._Q, 0)]
-        for col in sched:
-            self._schedule_cum.append({s_: self._schedule_cum[-1][s_] + col[s_] for s_ in self._Q})
+        self._init_bound(max_staleness, on_stale, version_offset, self.preserves_quotas)
 
     # -- properties ------------------------------------------------------------------------------------
     @property
@@ -152,139 +219,6 @@ class AdmissionPolicy(abc.ABC):
     def remaining_quota(self) -> dict[str, int]:
         """Trajectories per source still to admit in the current train batch."""
         return {s: (self._Q[s] - self._admitted[s]) * self._g for s in self._Q}
-
-    def train_version(self, step: int | None = None) -> int:
-        """The trainer version global mini-batch ``step`` (default: the next one) is trained with."""
-        return self.version_offset + (self.step if step is None else step)
-
-    # -- the staleness bound --------------------------------------------------------------------------
-    def rollout_capacity(self, version: int) -> dict[str, int]:
-        """Groups (prompts) per source that may still start with policy ``version`` and be admitted within the
-        bound: AReaL's rule (at most ``(eta + v + 1) * batch`` started by version ``v``) adapted to quotas.
-
-        The first ``T = version + eta + 1 - version_offset`` steps hold ``C_s(T) = Q_s * (T // M) + c_s(T % M)``
-        groups of source ``s`` on the even schedule of the quotas (``c_s(r)``: the first ``r`` mini-batches of
-        :func:`~knitdata.admission.even_completion`, the schedule :class:`LinearTargetAdmission` admits; in total
-        exactly ``T * m / g`` groups). The capacity is ``C_s(T)`` minus what source ``s`` admitted since step 0, has
-        ready, in incomplete groups, or reserved (:meth:`reserve`) and not yet arrived. A producer that keeps to it
-        and delivers each source's groups in the order it started them has each started group admitted within the
-        bound under :class:`LinearTargetAdmission` (the ``k``-th group of a source is its ``k``-th admitted); other
-        policies may admit a source ahead of that schedule and let another's old group expire: it is then dropped
-        and listed for regeneration as in ``"drop"`` mode (the benchmarks count how often). The current step always
-        has room: the capacities sum to at least a mini-batch beyond what is admitted, ready or reserved.
-
-        Raises:
-            ConfigError: No bound (``max_staleness`` is ``None``).
-        """
-        eta = self._need_bound("rollout_capacity")
-        T = int(version) + eta + 1 - self.version_offset
-        full, r = divmod(max(0, T), self._M)
-        cum = self._schedule_cum[r]
-        out: dict[str, int] = {}
-        for s, Q in self._Q.items():
-            used = self._b * Q + self._admitted[s] + self._ready_n[s] + self._pending_groups[s] + self._reserved[s]
-            out[s] = max(0, Q * full + cum[s] - used)
-        return out
-
-    def reserve(self, counts: Mapping[str, int], version: int) -> bool:
-        """Reserve ``counts`` groups per source to start with policy ``version`` if :meth:`rollout_capacity`
-        allows all of them (all or nothing). A reservation ends when a group of that source arrives (its first
-        member) or with :meth:`unreserve`.
-
-        Raises:
-            ConfigError: No bound. ValidationError: An unknown source or a negative count.
-        """
-        want = self._counts(counts, "reserve")
-        cap = self.rollout_capacity(version)
-        if any(n > cap[s] for s, n in want.items()):
-            return False
-        for s, n in want.items():
-            self._reserved[s] += n
-        return True
-
-    def unreserve(self, counts: Mapping[str, int]) -> None:
-        """Give back reservations of prompts that will not be generated (floored at 0)."""
-        for s, n in self._counts(counts, "unreserve").items():
-            self._reserved[s] = max(0, self._reserved[s] - n)
-
-    def take_dropped(self) -> list[dict[str, Any]]:
-        """The groups dropped by the bound since the last call, oldest first, for the producer to regenerate.
-
-        Each is ``{"group", "source", "version", "trajectories", "tokens", "step"}`` (``step``: the mini-batch
-        being formed when it expired; ``trajectories``: the ids dropped). Regenerate each as a new group (a new
-        group id; the dropped id stays refused only if you :meth:`withdraw` it).
-        """
-        out = list(self._regenerate)
-        self._regenerate.clear()
-        return out
-
-    def bound_stats(self) -> dict[str, Any]:
-        """The bound's settings and what it dropped (per source: groups, trajectories, tokens), JSON-ready."""
-        return {"max_staleness": self.max_staleness, "on_stale": self.on_stale, "version_offset": self.version_offset,
-                "reserved": {s: n for s, n in self._reserved.items()}, "to_regenerate": len(self._regenerate),
-                "dropped_groups": dict(self._stale["dropped_groups"]),
-                "dropped_trajectories": dict(self._stale["dropped_trajectories"]),
-                "dropped_tokens": dict(self._stale["dropped_tokens"]),
-                "regenerate_overflow": self._regenerate_overflow}
-
-    def pop_released(self) -> list[TrajectoryMeta]:
-        """The members of groups dropped since the last call (the caller frees their payloads)."""
-        out = [m for grp in self._just_dropped for m in grp.metas]
-        self._just_dropped = []
-        return out
-
-    def _need_bound(self, what: str) -> int:
-        if self.max_staleness is None:
-            raise ConfigError(f"{what} needs a staleness bound: build the policy (or Pipeline) with max_staleness=eta")
-        return self.max_staleness
-
-    def _counts(self, counts: Mapping[str, int], what: str) -> dict[str, int]:
-        if not isinstance(counts, Mapping):
-            raise ValidationError(f"{what} takes a mapping {{source: groups}}, got {type(counts).__name__}",
-                                  field="counts")
-        out: dict[str, int] = {}
-        for s, n in counts.items():
-            if s not in self._Q:
-                raise ValidationError(f"{what}: unknown source {s!r}; known {list(self._Q)}", field="source")
-            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ValidationError(f"{what}: count for {s!r} must be an int >= 0, got {n!r}", field="counts")
-            out[s] = n
-        return out
-
-    def _expired(self, version: int) -> bool:
-        return self.max_staleness is not None and not self._loading and \
-            self.version_offset + self.step - version > self.max_staleness
-
-    def _drop(self, grp: ReadyGroup) -> None:
-        """Drop a complete group the bound can no longer admit: counted, listed for regeneration, released."""
-        s = grp.source
-        st = self._stale
-        st["dropped_groups"][s] += 1
-        st["dropped_trajectories"][s] += len(grp.metas)
-        tokens = sum(m.num_tokens for m in grp.metas)
-        st["dropped_tokens"][s] += tokens
-        self._regenerate.append({"group": grp.group, "source": s, "version": grp.version,
-                                 "trajectories": [m.id for m in grp.metas], "tokens": tokens, "step": self.step})
-        while len(self._regenerate) > REGENERATE_MEMORY:
-            self._regenerate.popleft()
-            self._regenerate_overflow += 1
-        self._just_dropped.append(grp)
-        if self._in_flight is not None:  # regeneration is coming: the supply check counts it
-            self._in_flight[s] = self._in_flight.get(s, 0) + len(grp.metas)
-
-    def _expire(self) -> None:
-        """Drop every ready group staler than the bound at the next step (O(log n) per dropped group)."""
-        if self.max_staleness is None:
-            return
-        h = self._expiry
-        while h and (h[0][2].gone or self._expired(h[0][0])):
-            _v, _q, grp = heapq.heappop(h)
-            if grp.gone:
-                continue
-            grp.gone = True
-            self._ready_n[grp.source] -= 1
-            del self._ready_groups[grp.group]
-            self._drop(grp)
 
     # -- input ----------------------------------------------------------------------------------------
     def offer(self, metas: Iterable[TrajectoryMeta]) -> None:
@@ -315,8 +249,8 @@ class AdmissionPolicy(abc.ABC):
                 members = self._pending[t.group] = []
                 ids = self._pending_ids[t.group] = set()
                 self._pending_groups[t.source] += 1
-                if self._reserved[t.source]:
-                    self._reserved[t.source] -= 1
+                if self._bound is not None:
+                    self._bound.arrived(t.source)
             elif members[0].source != t.source:
                 raise ValidationError(
                     f"group {t.group!r} mixes sources {members[0].source!r} and {t.source!r}",
@@ -340,16 +274,12 @@ class AdmissionPolicy(abc.ABC):
                 grp = ReadyGroup(self._seq, t.group, t.source, tuple(members), min(x.gen_version for x in members))
                 self._seq += 1
                 if self._expired(grp.version):
-                    grp.gone = True
                     self._drop(grp)
                     continue
                 self._ready[t.source].append(grp)
                 self._ready_n[t.source] += 1
                 self._ready_groups[t.group] = grp
-                if self.max_staleness is not None:
-                    heapq.heappush(self._expiry, (grp.version, grp.seq, grp))
-                    if self._oldest_first:
-                        heapq.heappush(self._by_version[t.source], (grp.version, grp.seq, grp))
+                self._track(grp)
 
     def set_in_flight(self, counts: Mapping[str, int]) -> None:
         """Tell how many trajectories per source are in flight or still to dispatch for this train batch.
@@ -528,15 +458,8 @@ class AdmissionPolicy(abc.ABC):
                 if not grp.gone:
                     ready.append([grp.seq, grp.group, [t.to_dict() for t in grp.metas]])
         ready.sort(key=lambda r: int(r[0]))
-        bound = None
-        if self.max_staleness is not None:
-            bound = {"max_staleness": self.max_staleness, "on_stale": self.on_stale,
-                     "version_offset": self.version_offset, "reserved": dict(self._reserved),
-                     "regenerate": list(self._regenerate),
-                     "stale": {**{k: dict(v) for k, v in self._stale.items()},
-                               "regenerate_overflow": self._regenerate_overflow}}
         return {
-            "bound": bound,
+            "bound": None if self._bound is None else self._bound.state_dict(),
             "policy": self.name,
             "spec": self.spec.to_dict(),
             "continuous": self.continuous,
@@ -561,12 +484,7 @@ class AdmissionPolicy(abc.ABC):
                 raise StateError(f"state is for policy {state['policy']!r}, not {self.name!r}")
             if BatchSpec.from_dict(state["spec"]) != self.spec:
                 raise StateError(f"state has batch spec {state['spec']}, this policy has {self.spec.to_dict()}")
-            bound = state.get("bound")
-            mine = None if self.max_staleness is None else [self.max_staleness, self.on_stale, self.version_offset]
-            theirs = None if bound is None else [bound["max_staleness"], bound["on_stale"], bound["version_offset"]]
-            if mine != theirs:
-                raise StateError(f"state has staleness bound {theirs} (max_staleness, on_stale, version_offset), "
-                                 f"this policy has {mine}")
+            bound = self._check_bound_state(state)
             fresh = type(self).__new__(type(self))
             AdmissionPolicy.__init__(fresh, self.spec, continuous=bool(state["continuous"]),
                                      max_staleness=self.max_staleness, on_stale=self.on_stale,
@@ -595,17 +513,8 @@ class AdmissionPolicy(abc.ABC):
             if inf is not None and (not isinstance(inf, Mapping) or not set(inf) <= set(self._Q)):
                 raise StateError(f"in_flight must be null or counts of sources {sorted(self._Q)}, got {str(inf)[:100]}")
             fresh._in_flight = None if inf is None else {s: _count(inf.get(s, 0), f"in_flight.{s}") for s in self._Q}
-            if bound is not None:
-                fresh._reserved = {s: _count(bound["reserved"].get(s, 0), f"reserved.{s}") for s in self._Q}
-                regen = bound["regenerate"]
-                if not isinstance(regen, list) or not all(isinstance(x, dict) and {"group", "source"} <= set(x)
-                                                          for x in regen):
-                    raise StateError(f"bound.regenerate must be a list of dropped groups, got {str(regen)[:100]}")
-                fresh._regenerate = deque(regen)
-                st = bound["stale"]
-                for key in ("dropped_groups", "dropped_trajectories", "dropped_tokens"):
-                    fresh._stale[key] = {s: _count(st[key].get(s, 0), f"stale.{key}.{s}") for s in self._Q}
-                fresh._regenerate_overflow = _count(st["regenerate_overflow"], "stale.regenerate_overflow")
+            if bound is not None and fresh._bound is not None:
+                fresh._bound.load_state_dict(bound)
             fresh._loading = False
         except StateError:
             raise
@@ -625,15 +534,6 @@ class AdmissionPolicy(abc.ABC):
             "_in_flight",
             "_b",
             "_k",
-            "_seq",
-            "_expiry",
-            "_by_version",
-            "_reserved",
-            "_pending_groups",
-            "_just_dropped",
-            "_regenerate",
-            "_stale",
-            "_regenerate_overflow",
-            "_schedule_cum",
+            "_seq", "_bound", "_by_version", "_pending_groups",
         ):
             setattr(self, attr, getattr(fresh, attr))
