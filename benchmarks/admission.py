@@ -52,6 +52,7 @@ __all__ = [
     "BOUND_METRICS",
     "run_bound",
     "format_bound",
+    "plot_bound",
     "METRICS",
 ]
 
@@ -171,7 +172,8 @@ def format_bound(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _plot_bound(doc: dict[str, Any], path: str) -> None:
+def plot_bound(doc: dict[str, Any], path: str) -> None:
+    """Throughput and staleness per bound (:func:`run_bound`'s document) as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -447,7 +449,7 @@ def run(args: argparse.Namespace) -> int:
                 json.dump(doc, f, indent=1)
             print(f"wrote {args.json}")
         if args.plot:
-            _plot_bound(doc, args.plot)
+            plot_bound(doc, args.plot)
             print(f"wrote {args.plot}")
         return 0
     if args.sweep_m:
