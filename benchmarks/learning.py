@@ -40,16 +40,26 @@ virtual. Threads: the event loop (rollout slots and the trainer take turns on it
 slots of the clock, not OS threads, which on 2 cores would only add scheduling noise and nondeterminism) and
 the dataset's prefetch thread.
 
-Presets: ``quick`` (default; B = 1,024 = 128 prompts x 8, M = 16, 320 steps, 3 seeds, about 2 minutes on this
-2-core machine), ``--full`` (640 steps, 5 seeds, reward measured every step) and ``--smoke`` (tests).
+Presets: ``quick`` (default; B = 1,024 = 128 prompts x 8, M = 16, 320 steps, 3 seeds, every regime plus the
+two-speed comparison: about 10 minutes on this 2-core machine when idle), ``--full`` (640 steps, 5 seeds, reward measured every step) and ``--smoke`` (tests).
 
 Regimes (the only difference between the three disaggregated ones is the admission policy; the same task,
-seeds, prompts, sampling noise and generation times for all four):
+seeds, prompts, sampling noise and generation times for all four base regimes):
 
 - ``train_batch``, ``linear_target``, ``constraint_preserving``: the pipeline's admission policy of that name.
 - ``colocated``: the reference; rollout generates the whole train batch, then the trainer trains its ``M``
   mini-batches while rollout waits (train-batch admission, and batch ``b + 1`` is dispatched only after
   batch ``b``'s last optimizer step), so mini-batch ``k`` has staleness ``k`` and architectural staleness 0.
+- ``bound_<eta>_<drop|wait>`` (eta in :data:`BOUND_ETAS`): constraint-preserving admission with
+  ``Pipeline(..., max_staleness=eta, on_stale=...)`` on a continuous prompt stream (rollout keeps every slot busy
+  with the next train batches' prompts, AReaL-style, instead of waiting for a batch to be admitted). ``drop``:
+  each group :meth:`~knitdata.pipeline.Pipeline.dropped` lists is generated again first (same prompt and
+  noise, new group id, a fresh seeded generation time); ``wait``: a prompt starts only when
+  :meth:`~knitdata.pipeline.Pipeline.rollout_capacity` has room for its source (then ``acquire_rollout``).
+  Figures added: ``worst_staleness`` (largest trainer version - ``gen_version`` trained) and
+  ``wasted_token_share`` (tokens of dropped groups / tokens generated). ``fifo_bound_<eta>_<mode>``: the same
+  with a FIFO mini-batch stream (verl's arrangement), used by the two-speed comparison
+  (:func:`run_two_speed`, JSON key ``two_speed``): an easy fast source beside a hard slow one.
 
 Figures: AUC = mean held-out reward over the evaluated steps (0 to ``steps``); final reward = mean over the
 last 10% of the evaluated steps; steps to 0.8 = first evaluated step whose held-out reward is >= 0.8;
