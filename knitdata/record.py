@@ -456,7 +456,7 @@ class TrajectoryMeta:
             "media_digests": list(self.media_digests),
             "location": self.location,
             "seq": self.seq,
-            "version_span": self.version_span,
+            **({"version_span": self.version_span} if self.version_span else {}),  # partial rollouts only
         }
 
     @classmethod

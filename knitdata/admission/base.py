@@ -459,7 +459,7 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
                     ready.append([grp.seq, grp.group, [t.to_dict() for t in grp.metas]])
         ready.sort(key=lambda r: int(r[0]))
         return {
-            "bound": None if self._bound is None else self._bound.state_dict(),
+            **({} if self._bound is None else {"bound": self._bound.state_dict()}),
             "policy": self.name,
             "spec": self.spec.to_dict(),
             "continuous": self.continuous,
