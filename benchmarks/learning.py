@@ -58,7 +58,8 @@ seeds, prompts, sampling noise and generation times for all four base regimes):
   :meth:`~knitdata.pipeline.Pipeline.rollout_capacity` has room for its source (then ``acquire_rollout``).
   Figures added: ``worst_staleness`` (largest trainer version - ``gen_version`` trained) and
   ``wasted_token_share`` (tokens of dropped groups / tokens generated). ``fifo_bound_<eta>_<mode>``: the same
-  with a FIFO mini-batch stream (verl's arrangement), used by the two-speed comparison
+  with a FIFO mini-batch stream (verl's arrangement: no quotas, and what the bound drops is discarded, not
+  regenerated; the prompt stream goes on), used by the two-speed comparison
   (:func:`run_two_speed`, JSON key ``two_speed``): an easy fast source beside a hard slow one.
 
 Figures: AUC = mean held-out reward over the evaluated steps (0 to ``steps``); final reward = mean over the
@@ -687,7 +688,8 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
             works[w.group] = w
             for d in pipe.dropped():  # regenerate each dropped group first: same prompt, a new generation
                 old = works.pop(d["group"])
-                queue.appendleft(regenerated(cfg, seed, old))
+                if policy_name != "fifo":  # FIFO (verl's arrangement) discards it; the stream goes on
+                    queue.appendleft(regenerated(cfg, seed, old))
             return
         left = unfinished[w.batch]
         left[w.source] -= g

@@ -165,20 +165,24 @@ def test_regime_names():
     assert set(BOUND_REGIMES) <= set(REGIMES)
 
 
+BOUND_SMOKE = replace(SMOKE, num_batches=2)
+
+
 @pytest.fixture(scope="module")
 def bound_smoke():
-    return run_learning(SMOKE, ["bound_1_drop", "bound_2_wait", "fifo_bound_1_drop"], progress=False)
+    return run_learning(BOUND_SMOKE, ["bound_1_drop", "bound_2_wait", "fifo_bound_1_drop"], progress=False)
 
 
 def test_bound_regimes_keep_the_bound_and_the_quotas(bound_smoke):
     """Issue 26.4 plumbing: nothing trained is staler than eta; constraint-preserving admission with the bound
     trains each source's exact quota (regenerating what was dropped); dropped work is counted as wasted tokens."""
     report, runs = bound_smoke
-    quotas = SMOKE.spec().quotas
+    cfg = BOUND_SMOKE
+    quotas = cfg.spec().quotas
     for name, (r,) in runs.items():
         _, eta, _ = parse_regime(name)
         assert eta is not None and max(r.raw_staleness) <= eta, name
-        assert len(r.delivered_ids) == len(set(r.delivered_ids)) == SMOKE.steps * SMOKE.batch_size // SMOKE.num_minibatches
+        assert len(r.delivered_ids) == len(set(r.delivered_ids)) == cfg.steps * cfg.batch_size // cfg.num_minibatches
         assert set(r.delivered_ids) <= set(r.put_ids)
         assert 0 <= r.dropped_tokens < r.generated_tokens
         sb = r.pipeline_stats["staleness_bound"]
@@ -187,7 +191,7 @@ def test_bound_regimes_keep_the_bound_and_the_quotas(bound_smoke):
         assert row["worst_staleness"] <= eta and row["wasted_token_share"] == pytest.approx(
             r.dropped_tokens / r.generated_tokens)
         if not name.startswith("fifo"):
-            assert r.trained_by_source == {s: q * SMOKE.num_batches for s, q in quotas.items()}, name
+            assert r.trained_by_source == {s: q * cfg.num_batches for s, q in quotas.items()}, name
     assert runs["bound_1_drop"][0].dropped_tokens > 0  # eta = 1 < M - 1: the continuous stream runs ahead
 
 
