@@ -41,7 +41,8 @@ slots of the clock, not OS threads, which on 2 cores would only add scheduling n
 the dataset's prefetch thread.
 
 Presets: ``quick`` (default; B = 1,024 = 128 prompts x 8, M = 16, 320 steps, 3 seeds, every regime plus the
-two-speed comparison: about 10 minutes on this 2-core machine when idle), ``--full`` (640 steps, 5 seeds, reward measured every step) and ``--smoke`` (tests).
+two-speed comparison: 2,065 s wall here at a load average of 5 to 11 on 2 cores; the base regimes alone took
+about 3 minutes before), ``--full`` (640 steps, 5 seeds, reward measured every step) and ``--smoke`` (tests).
 
 Regimes (the only difference between the three disaggregated ones is the admission policy; the same task,
 seeds, prompts, sampling noise and generation times for all four base regimes):
