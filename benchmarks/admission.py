@@ -5,11 +5,13 @@
 on identical durations, prints a table of medians over seeds, and writes JSON and a plot. ``--sweep-m``
 repeats ``skewed`` for M = 4, 8, 16; the admission-cost scaling measurement (microseconds per trajectory
 of ``ConstraintPreservingAdmission`` and ``FifoAdmission`` as B grows from ~10^3 to ~10^6) runs with
-``--scaling`` (and always alongside ``--sweep-m``).
+``--scaling`` (and always alongside ``--sweep-m``). ``--bound`` simulates constraint-preserving admission without
+and with a staleness bound ``max_staleness`` in 1, 2, 4, 8 (``on_stale`` drop and wait): throughput, staleness,
+wasted rollout work (:func:`run_bound`).
 
 As a script, ``python benchmarks/admission.py [--seeds N] [--out DIR]`` (default 5 seeds) runs every named
 scenario of :data:`SCRIPT_SCENARIOS`, then the M sweep, writing ``DIR/admission_<scenario>.json/.png`` and
-``DIR/admission_sweep_m.json/.png`` (default ``DIR``: ``benchmarks/results``).
+``DIR/admission_sweep_m.json/.png`` (``--bound`` runs on its own) (default ``DIR``: ``benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ __all__ = [
     "run_scaling",
     "format_table",
     "plot",
+    "BOUND_ETAS",
+    "BOUND_METRICS",
+    "run_bound",
+    "format_bound",
+    "plot_bound",
     "METRICS",
 ]
 
@@ -114,6 +121,86 @@ def run_scenario(
         out[p] = row
     report = {"scenario": scenario.name, "params": scenario.params(), "seeds": list(seeds), "policies": out}
     return report, runs
+
+
+#: Staleness bounds of ``--bound``.
+BOUND_ETAS: tuple[int, ...] = (1, 2, 4, 8)
+#: Figures of ``--bound`` per regime (medians over seeds).
+BOUND_METRICS: tuple[str, ...] = ("throughput", "makespan", "raw_staleness_mean", "worst_staleness",
+                                  "arch_staleness_mean", "wasted_token_share", "dropped_groups", "quota_violations")
+
+
+def run_bound(scenario: Scenario, seeds: Sequence[int], etas: Sequence[int] = BOUND_ETAS,
+              policy: str = "constraint_preserving") -> dict[str, Any]:
+    """Throughput and staleness per staleness bound (issue 26.4): ``policy`` without a bound and with
+    ``max_staleness`` = each of ``etas``, ``on_stale`` drop and wait, on the same seeded workloads.
+
+    Returns:
+        ``{"scenario", "params", "seeds", "policy", "etas", "regimes": {"none" | "bound_<eta>_<mode>": {metric:
+        median over seeds, "per_seed": {...}}}}``; ``throughput`` is trained trajectories per time unit.
+    """
+    regimes: dict[str, Any] = {}
+    for eta, mode in [(None, "drop"), *[(e, m) for e in etas for m in ("drop", "wait")]]:
+        name = "none" if eta is None else f"bound_{eta}_{mode}"
+        per_seed = {}
+        for s in seeds:
+            r = simulate(scenario, policy, s, max_staleness=eta, on_stale=mode)
+            m = dict(r.metrics)
+            if eta is None:
+                raw = [t["train_version"] - t["gen_version"] for t in r.trajectories]
+                m.update(worst_staleness=max(raw), wasted_token_share=0.0, dropped_groups=0,
+                         throughput=len(r.trajectories) / m["makespan"])
+            per_seed[str(s)] = {k: m[k] for k in BOUND_METRICS}
+        row: dict[str, Any] = {k: _median([x[k] for x in per_seed.values()]) for k in BOUND_METRICS}
+        row["per_seed"] = per_seed
+        regimes[name] = row
+    return {"scenario": scenario.name, "params": scenario.params(), "seeds": list(seeds), "policy": policy,
+            "etas": list(etas), "regimes": regimes}
+
+
+def format_bound(doc: dict[str, Any]) -> str:
+    """The printed table of :func:`run_bound`."""
+    lines = [f"staleness bound on {doc['scenario']} ({doc['policy']}; medians over seeds {doc['seeds']}):",
+             f"{'regime':<16}{'throughput':>11}{'makespan':>10}{'raw':>7}{'worst':>7}{'arch':>7}{'wasted':>8}"
+             f"{'dropped':>9}{'quota_viol':>11}"]
+    for name, r in doc["regimes"].items():
+        lines.append(f"{name:<16}{_fmt(r['throughput']):>11}{_fmt(r['makespan']):>10}{_fmt(r['raw_staleness_mean']):>7}"
+                     f"{_fmt(r['worst_staleness']):>7}{_fmt(r['arch_staleness_mean']):>7}"
+                     f"{_fmt(r['wasted_token_share']):>8}{_fmt(r['dropped_groups']):>9}{_fmt(r['quota_violations']):>11}")
+    lines.append("(throughput: trained trajectories per time unit; raw: mean trainer version - gen_version; worst: its "
+                 "max; wasted: share of generated tokens dropped by the bound)")
+    return "\n".join(lines)
+
+
+def plot_bound(doc: dict[str, Any], path: str) -> None:
+    """Throughput and staleness per bound (:func:`run_bound`'s document) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    etas = doc["etas"]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(9, 3.6))
+    base = doc["regimes"]["none"]
+    for mode, mk in (("drop", "o"), ("wait", "s")):
+        rows = [doc["regimes"][f"bound_{e}_{mode}"] for e in etas]
+        ax.plot(etas, [r["throughput"] for r in rows], marker=mk, label=mode)
+        bx.plot(etas, [r["raw_staleness_mean"] for r in rows], marker=mk, label=f"{mode} mean")
+        bx.plot(etas, [r["worst_staleness"] for r in rows], marker=mk, ls=":", label=f"{mode} worst")
+    ax.axhline(base["throughput"], color="grey", ls="--", lw=0.8, label="no bound")
+    bx.axhline(base["raw_staleness_mean"], color="grey", ls="--", lw=0.8, label="no bound (mean)")
+    ax.set_xlabel("max_staleness (eta)")
+    ax.set_ylabel("trained trajectories per time unit")
+    bx.set_xlabel("max_staleness (eta)")
+    bx.set_ylabel("staleness (versions)")
+    for x in (ax, bx):
+        x.set_xticks(etas)
+        x.legend(fontsize=7)
+    ax.set_title(f"{doc['scenario']}: throughput per bound", fontsize=9)
+    bx.set_title("staleness trained", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def sweep_m(seeds: Sequence[int], ms: Sequence[int] = (4, 8, 16), progress: bool = True) -> dict[str, Any]:
@@ -326,6 +413,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=1, help="number of seeds (medians reported)")
     parser.add_argument("--sweep-m", action="store_true", help="run skewed with M = 4, 8, 16 (and the scaling)")
     parser.add_argument("--scaling", action="store_true", help="measure admission cost per trajectory, B=1e3..1e6")
+    parser.add_argument("--bound", action="store_true",
+                        help="throughput and staleness per staleness bound eta in 1, 2, 4, 8 (drop and wait)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot")
 
@@ -352,6 +441,17 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark; returns the exit code."""
     seeds = list(range(args.seed, args.seed + max(1, args.seeds)))
     doc: dict[str, Any]
+    if getattr(args, "bound", False):
+        doc = run_bound(get_scenario(args.scenario), seeds)
+        print(format_bound(doc))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+            print(f"wrote {args.json}")
+        if args.plot:
+            plot_bound(doc, args.plot)
+            print(f"wrote {args.plot}")
+        return 0
     if args.sweep_m:
         doc = sweep_m(seeds)
         doc.update({"scenario": "skewed", "sweep": "num_minibatches", "seeds": seeds})

@@ -40,16 +40,28 @@ virtual. Threads: the event loop (rollout slots and the trainer take turns on it
 slots of the clock, not OS threads, which on 2 cores would only add scheduling noise and nondeterminism) and
 the dataset's prefetch thread.
 
-Presets: ``quick`` (default; B = 1,024 = 128 prompts x 8, M = 16, 320 steps, 3 seeds, about 2 minutes on this
-2-core machine), ``--full`` (640 steps, 5 seeds, reward measured every step) and ``--smoke`` (tests).
+Presets: ``quick`` (default; B = 1,024 = 128 prompts x 8, M = 16, 320 steps, 3 seeds, every regime plus the
+two-speed comparison: 2,065 s wall here at a load average of 5 to 11 on 2 cores; the base regimes alone took
+about 3 minutes before), ``--full`` (640 steps, 5 seeds, reward measured every step) and ``--smoke`` (tests).
 
 Regimes (the only difference between the three disaggregated ones is the admission policy; the same task,
-seeds, prompts, sampling noise and generation times for all four):
+seeds, prompts, sampling noise and generation times for all four base regimes):
 
 - ``train_batch``, ``linear_target``, ``constraint_preserving``: the pipeline's admission policy of that name.
 - ``colocated``: the reference; rollout generates the whole train batch, then the trainer trains its ``M``
   mini-batches while rollout waits (train-batch admission, and batch ``b + 1`` is dispatched only after
   batch ``b``'s last optimizer step), so mini-batch ``k`` has staleness ``k`` and architectural staleness 0.
+- ``bound_<eta>_<drop|wait>`` (eta in :data:`BOUND_ETAS`): constraint-preserving admission with
+  ``Pipeline(..., max_staleness=eta, on_stale=...)`` on a continuous prompt stream (rollout keeps every slot busy
+  with the next train batches' prompts, AReaL-style, instead of waiting for a batch to be admitted). ``drop``:
+  each group :meth:`~knitdata.pipeline.Pipeline.dropped` lists is generated again first (same prompt and
+  noise, new group id, a fresh seeded generation time); ``wait``: a prompt starts only when
+  :meth:`~knitdata.pipeline.Pipeline.rollout_capacity` has room for its source (then ``acquire_rollout``).
+  Figures added: ``worst_staleness`` (largest trainer version - ``gen_version`` trained) and
+  ``wasted_token_share`` (tokens of dropped groups / tokens generated). ``fifo_bound_<eta>_<mode>``: the same
+  with a FIFO mini-batch stream (verl's arrangement: no quotas, and what the bound drops is discarded, not
+  regenerated; the prompt stream goes on), used by the two-speed comparison
+  (:func:`run_two_speed`, JSON key ``two_speed``): an easy fast source beside a hard slow one.
 
 Figures: AUC = mean held-out reward over the evaluated steps (0 to ``steps``); final reward = mean over the
 last 10% of the evaluated steps; steps to 0.8 = first evaluated step whose held-out reward is >= 0.8;
@@ -75,16 +87,17 @@ import json
 import math
 import statistics
 import time
+import warnings
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from benchmarks.sim import SCENARIOS, get_scenario
+from benchmarks.sim import SCENARIOS, Scenario, SourceParams, get_scenario
 from knitdata.admission import AdmittedMiniBatch, BatchSpec
 from knitdata.collate import MicroBatch, MicroBatchInfo, TokenCollator
 from knitdata.errors import ConfigError
@@ -94,6 +107,12 @@ from knitdata.staleness import summarize
 
 __all__ = [
     "REGIMES",
+    "BASE_REGIMES",
+    "BOUND_ETAS",
+    "BOUND_REGIMES",
+    "TWO_SPEED",
+    "TWO_SPEED_REGIMES",
+    "parse_regime",
     "LearningConfig",
     "PRESETS",
     "SortPolicy",
@@ -101,19 +120,35 @@ __all__ = [
     "group_advantages",
     "GroupWork",
     "batch_workload",
+    "regenerated",
     "heldout_prompts",
     "fast_collate",
     "RegimeRun",
     "run_regime",
     "run_learning",
+    "run_two_speed",
     "format_table",
     "plot",
     "add_arguments",
     "run",
 ]
 
+#: Staleness bounds ``eta`` of the ``bound_<eta>_<drop|wait>`` regimes.
+BOUND_ETAS: tuple[int, ...] = (1, 2, 4, 8)
+#: Constraint-preserving admission with ``max_staleness=eta`` and ``on_stale`` drop or wait (issue 26).
+BOUND_REGIMES: tuple[str, ...] = tuple(f"bound_{e}_{m}" for e in BOUND_ETAS for m in ("drop", "wait"))
+#: The regimes without a bound: colocated and the three admission policies.
+BASE_REGIMES: tuple[str, ...] = ("colocated", "train_batch", "linear_target", "constraint_preserving")
 #: Regimes in report order.
-REGIMES: tuple[str, ...] = ("colocated", "train_batch", "linear_target", "constraint_preserving")
+REGIMES: tuple[str, ...] = (*BASE_REGIMES, *BOUND_REGIMES)
+#: The two-source scenario (a fast easy source beside a slow hard one): its regimes compare constraint-preserving
+#: admission with the bound against a FIFO mini-batch stream with the same bound (verl's arrangement).
+TWO_SPEED_REGIMES: tuple[str, ...] = ("bound_2_drop", "fifo_bound_2_drop")
+#: The two-source scenario: ``easy`` prompts use digits 0-2 and take 0.5 time units, ``hard`` prompts use 0-9 and
+#: take 3 (log-normal); equal quotas; the held-out set is the hard task's.
+TWO_SPEED = Scenario("two_speed", (SourceParams("easy", 128, 0.5, 0.3), SourceParams("hard", 128, 3.0, 0.6)))
+#: Largest prompt digit + 1 per source (10 where not named).
+_SOURCE_VOCAB: dict[str, int] = {"easy": 3}
 
 _VOCAB = 10
 _THRESHOLD = 0.8
@@ -157,8 +192,9 @@ class LearningConfig:
     seeds: tuple[int, ...] = (0, 1, 2)
 
     def __post_init__(self) -> None:
-        if self.scenario not in SCENARIOS:
-            raise ConfigError(f"unknown scenario {self.scenario!r}; choose one of {sorted(SCENARIOS)}")
+        if self.scenario not in SCENARIOS and self.scenario != TWO_SPEED.name:
+            raise ConfigError(f"unknown scenario {self.scenario!r}; choose one of "
+                              f"{sorted([*SCENARIOS, TWO_SPEED.name])}")
         for name in ("prompts_per_batch", "group_size", "num_minibatches", "num_batches", "slots", "digits",
                      "hidden", "eval_prompts", "eval_every"):
             v = getattr(self, name)
@@ -189,7 +225,7 @@ class LearningConfig:
 
     def group_quotas(self) -> dict[str, int]:
         """Groups per train batch per source: the scenario's quota proportions, largest remainder."""
-        sources = get_scenario(self.scenario).sources
+        sources = _scenario(self.scenario).sources
         total = sum(s.quota for s in sources)
         exact = [self.prompts_per_batch * s.quota / total for s in sources]
         q = [int(math.floor(x)) for x in exact]
@@ -211,10 +247,35 @@ class LearningConfig:
         d["steps"] = self.steps
         d["quotas_groups"] = self.group_quotas()
         d["sources"] = [
-            {"name": s.name, "mean": s.mean, "sigma": s.sigma} for s in get_scenario(self.scenario).sources
+            {"name": s.name, "mean": s.mean, "sigma": s.sigma, "vocab": _SOURCE_VOCAB.get(s.name, _VOCAB)}
+            for s in _scenario(self.scenario).sources
         ]
         d["policy_parameters"] = sum(p.numel() for p in SortPolicy(self.digits, self.hidden).parameters())
         return d
+
+
+def _scenario(name: str) -> Scenario:
+    return TWO_SPEED if name == TWO_SPEED.name else get_scenario(name)
+
+
+def parse_regime(name: str) -> tuple[str, int | None, str]:
+    """``(admission policy, max_staleness or None, on_stale)`` of a regime name.
+
+    ``colocated`` and the policy names have no bound; ``bound_<eta>_<drop|wait>`` is constraint-preserving admission
+    with that bound, ``fifo_bound_<eta>_<drop|wait>`` a FIFO mini-batch stream with it.
+
+    Raises:
+        ConfigError: Not a regime name.
+    """
+    if name in ("colocated", "train_batch", "linear_target", "constraint_preserving"):
+        return ("train_batch" if name == "colocated" else name), None, "drop"
+    parts = name.split("_")
+    policy = "constraint_preserving"
+    if parts[0] == "fifo":
+        policy, parts = "fifo", parts[1:]
+    if len(parts) == 3 and parts[0] == "bound" and parts[1].isdigit() and parts[2] in ("drop", "wait"):
+        return policy, int(parts[1]), parts[2]
+    raise ConfigError(f"unknown regime {name!r}; choose one of {REGIMES}, or [fifo_]bound_<eta>_<drop|wait>")
 
 
 #: Named presets: ``quick`` (the default, about 2 minutes here), ``full`` and ``smoke`` (tests, seconds).
@@ -364,10 +425,14 @@ def batch_workload(cfg: LearningConfig, seed: int, batch: int) -> list[GroupWork
     are drawn from the same seeded stream, so every regime gets the same ones.
     """
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x1EA2, batch]))
-    by_name = {s.name: s for s in get_scenario(cfg.scenario).sources}
+    by_name = {s.name: s for s in _scenario(cfg.scenario).sources}
     names = [s for s, n in cfg.group_quotas().items() for _ in range(n)]
     order = rng.permutation(len(names))
     prompts = rng.integers(0, _VOCAB, (len(names), cfg.digits))
+    for j, i in enumerate(order):  # a source with a smaller digit range (an easier task)
+        vocab = _SOURCE_VOCAB.get(names[i], _VOCAB)
+        if vocab != _VOCAB:
+            prompts[j] %= vocab
     uniforms = rng.random((len(names), cfg.group_size, cfg.digits)).astype(np.float32)
     normals = rng.standard_normal(len(names))
     out = []
@@ -377,6 +442,17 @@ def batch_workload(cfg: LearningConfig, seed: int, batch: int) -> list[GroupWork
         out.append(GroupWork(batch, j, f"b{batch}g{j}", src.name, torch.from_numpy(prompts[j]),
                              dur, torch.from_numpy(uniforms[j])))
     return out
+
+
+def regenerated(cfg: LearningConfig, seed: int, w: GroupWork) -> GroupWork:
+    """A dropped group generated again: the same prompt and sampling noise, a new group id (``<group>r``) and a new
+    seeded draw of its generation time."""
+    gid = f"{w.group}r"
+    src = next(s for s in _scenario(cfg.scenario).sources if s.name == w.source)
+    digest = int.from_bytes(hashlib.blake2b(gid.encode(), digest_size=8).digest(), "little")
+    z = float(np.random.default_rng(np.random.SeedSequence([seed, 0x2E6E, digest])).standard_normal())
+    dur = math.exp(math.log(src.mean) - src.sigma * src.sigma / 2.0 + src.sigma * z)
+    return replace(w, group=gid, duration=dur)
 
 
 def heldout_prompts(cfg: LearningConfig) -> torch.Tensor:
@@ -437,6 +513,9 @@ class RegimeRun:
         pipeline_stats: ``pipe.stats()`` at the end (counts and the pipeline's own staleness summary).
         virtual_time: Virtual time at the end.
         wall_s: Wall seconds.
+        generated_tokens: Tokens (prompt + response) of every trajectory rollout put.
+        dropped_tokens: Of those, the tokens the staleness bound dropped (rollout work wasted).
+        trained_by_source: Trajectories the trainer received, per source.
     """
 
     regime: str
@@ -453,6 +532,9 @@ class RegimeRun:
     pipeline_stats: dict[str, Any]
     virtual_time: float
     wall_s: float
+    generated_tokens: int = 0
+    dropped_tokens: int = 0
+    trained_by_source: dict[str, int] = field(default_factory=dict)
 
 
 def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
@@ -462,8 +544,8 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
         ConfigError: Unknown regime.
         RuntimeError: The loop stalled or the pipeline delivered something out of plan (a bug).
     """
-    if regime not in REGIMES:
-        raise ConfigError(f"unknown regime {regime!r}; choose one of {REGIMES}")
+    policy_name, eta, on_stale = parse_regime(regime)
+    bound = eta is not None
     t_wall = time.perf_counter()
     M, g, L = cfg.num_minibatches, cfg.group_size, cfg.digits
     colocated = regime == "colocated"
@@ -484,7 +566,9 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
 
     pipe = Pipeline(
         cfg.spec(),
-        admission="train_batch" if colocated else regime,
+        admission=policy_name,
+        max_staleness=eta,
+        on_stale=on_stale,
         num_consumers=1,
         token_budget=max(8192, cfg.batch_size * 2 * L),
         capacity_bytes=1 << 28,
@@ -506,6 +590,8 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
     done_steps = 0
     busy = False
     out = RegimeRun(regime, seed, [], [], [], [], [], [], [], [], "", {}, 0.0, 0.0)
+    works: dict[str, GroupWork] = {}  # bound regimes: the groups put, to regenerate a dropped one
+    source_of: dict[str, str] = {}
     digest = hashlib.blake2b(digest_size=16)
 
     def evaluate(step: int) -> None:
@@ -519,9 +605,36 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
         heapq.heappush(events, (t, order, kind, payload))
         order += 1
 
+    def stream() -> list[GroupWork]:
+        """Bound regimes: a continuous prompt stream (AReaL-style); ``wait`` starts only what the bound has room for."""
+        nonlocal dispatched
+        while len(queue) < cfg.prompts_per_batch:
+            work = batch_workload(cfg, seed, dispatched)
+            for w in work:
+                digest.update(f"{w.group}|{w.source}|{w.prompt.tolist()}|{w.duration:.17g};".encode())
+            queue.extend(work)
+            dispatched += 1
+        starting: list[GroupWork] = []
+        if on_stale != "wait":
+            while queue and running + len(starting) < cfg.slots:
+                starting.append(queue.popleft())
+            return starting
+        cap = pipe.rollout_capacity(version)
+        skipped: list[GroupWork] = []
+        while queue and running + len(starting) < cfg.slots and any(cap.values()):
+            w = queue.popleft()
+            if cap[w.source] > 0:
+                pipe.acquire_rollout(w.source, 1, version=version, timeout=0)
+                cap[w.source] -= 1
+                starting.append(w)
+            else:
+                skipped.append(w)
+        queue.extendleft(reversed(skipped))
+        return starting
+
     def dispatch() -> None:
         nonlocal dispatched, running
-        while dispatched < cfg.num_batches and (
+        while not bound and dispatched < cfg.num_batches and (
             (done_steps >= dispatched * M) if colocated else (full_batches[0] >= dispatched)
         ):
             work = batch_workload(cfg, seed, dispatched)
@@ -532,10 +645,14 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
             unfinished.append(counts)
             queue.extend(work)
             dispatched += 1
-        starting = []
-        while queue and running < cfg.slots:
-            starting.append(queue.popleft())
-            running += 1
+        if bound:
+            starting = stream()
+            running += len(starting)
+        else:
+            starting = []
+            while queue and running < cfg.slots:
+                starting.append(queue.popleft())
+                running += 1
         if not starting:
             return
         # the groups starting now sample with the weights rollout holds now: one batched forward
@@ -567,6 +684,14 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
                 )
             )
             out.put_ids.append(tid)
+            source_of[tid] = w.source
+        if bound:
+            works[w.group] = w
+            for d in pipe.dropped():  # regenerate each dropped group first: same prompt, a new generation
+                old = works.pop(d["group"])
+                if policy_name != "fifo":  # FIFO (verl's arrangement) discards it; the stream goes on
+                    queue.appendleft(regenerated(cfg, seed, old))
+            return
         left = unfinished[w.batch]
         left[w.source] -= g
         cur = full_batches[0]
@@ -601,6 +726,9 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
                 out.raw_staleness.append(version - gv)
                 out.arch_staleness.append(version - gv - k)
             out.delivered_ids.extend(info.trajectory_ids)
+            for tid in info.trajectory_ids:
+                src = source_of.pop(tid)
+                out.trained_by_source[src] = out.trained_by_source.get(src, 0) + 1
             p = mb.input_ids[:, :L]
             r = mb.input_ids[:, L:]
             lp = trainer.logprobs(p, r)
@@ -642,9 +770,14 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
                 train_done()
             dispatch()
         out.pipeline_stats = pipe.stats()
+        out.generated_tokens = len(out.put_ids) * 2 * L
+        sb = out.pipeline_stats.get("staleness_bound") or {}
+        out.dropped_tokens = int(sum((sb.get("dropped_tokens") or {}).values()))
     finally:
         ds.close()
-        pipe.close()
+        with warnings.catch_warnings():  # bound regimes: the stream's surplus at the end is never admitted
+            warnings.simplefilter("ignore")
+            pipe.close()
     out.workload_digest = digest.hexdigest()
     out.virtual_time = now
     out.wall_s = time.perf_counter() - t_wall
@@ -677,6 +810,8 @@ def _run_figures(r: RegimeRun) -> dict[str, Any]:
         "arch_staleness_p95": summarize(arch)["p95"],
         "arch_staleness_negative_share": float(np.mean([a < 0 for a in arch])) if arch else math.nan,
         "raw_staleness_mean": float(np.mean(r.raw_staleness)) if r.raw_staleness else math.nan,
+        "worst_staleness": max(r.raw_staleness) if r.raw_staleness else None,
+        "wasted_token_share": r.dropped_tokens / r.generated_tokens if r.generated_tokens else 0.0,
         "virtual_time": r.virtual_time,
         "wall_s": r.wall_s,
     }
@@ -737,8 +872,11 @@ def run_learning(cfg: LearningConfig, regimes: Sequence[str] = REGIMES, progress
             "reached_0_8": sum(f["steps_to_0_8"] is not None for f in per_seed),
         }
         for k in ("arch_staleness_positive_mean", "arch_staleness_mean", "arch_staleness_p95",
-                  "arch_staleness_negative_share", "raw_staleness_mean"):
+                  "arch_staleness_negative_share", "raw_staleness_mean", "wasted_token_share", "virtual_time"):
             row[k] = float(np.mean([f[k] for f in per_seed]))
+        worst = [f["worst_staleness"] for f in per_seed if f["worst_staleness"] is not None]
+        row["worst_staleness"] = max(worst) if worst else None
+        row["auc_median"] = float(np.median([f["auc"] for f in per_seed]))
         row["eval_steps"] = rs[0].eval_steps
         row["reward_mean"] = curves.mean(0).tolist()
         row["reward_std"] = curves.std(0).tolist()
@@ -747,7 +885,7 @@ def run_learning(cfg: LearningConfig, regimes: Sequence[str] = REGIMES, progress
         row["per_seed"] = {str(x.seed): f for x, f in zip(rs, per_seed)}
         row["pipeline"] = {str(x.seed): {k: x.pipeline_stats.get(k) for k in
                                          ("puts", "admitted_minibatches", "admitted_trajectories", "version",
-                                          "staleness")} for x in rs}
+                                          "staleness", "token_staleness", "staleness_bound")} for x in rs}
         report["regimes"][name] = row
     if {"colocated", "train_batch", "constraint_preserving"} <= set(runs):
         per = {}
@@ -761,7 +899,34 @@ def run_learning(cfg: LearningConfig, regimes: Sequence[str] = REGIMES, progress
             "median": statistics.median(vals) if vals else None,
             "of_mean_auc": _ratio(report["regimes"]),
         }
+    if "colocated" in runs:
+        co = report["regimes"]["colocated"]["auc"]
+        report["bound_vs_colocated"] = {
+            "definition": "AUC(regime) / AUC(colocated) - 1 (mean AUCs over seeds)",
+            **{n: report["regimes"][n]["auc"] / co - 1.0 for n in runs if n.startswith("bound_") and co}}
     return report, runs
+
+
+def run_two_speed(cfg: LearningConfig, progress: bool = True) -> dict[str, Any]:
+    """The two-source comparison (issue 26.4): on :data:`TWO_SPEED` (a fast easy source beside a slow hard one),
+    constraint-preserving admission with ``max_staleness=2`` (drop) against a FIFO mini-batch stream with the same
+    bound (verl's arrangement), same seeds and workloads. The held-out reward is the hard (slow) source's task.
+
+    Returns:
+        ``{"params", "regimes": {name: summary}, "hard_share": {name: share of trained trajectories from the
+        hard source, mean over seeds}, "auc_hard_median": {name: median over seeds}, "cp_minus_fifo_per_seed",
+        "cp_beats_fifo"}``.
+    """
+    two = replace(cfg, scenario=TWO_SPEED.name)
+    rep, runs = run_learning(two, TWO_SPEED_REGIMES, progress=progress)
+    cp, fifo = TWO_SPEED_REGIMES
+    per = {str(a.seed): float(np.mean(a.rewards)) - float(np.mean(b.rewards)) for a, b in zip(runs[cp], runs[fifo])}
+    rep["hard_share"] = {n: float(np.mean([x.trained_by_source.get("hard", 0) / max(1, sum(x.trained_by_source.values()))
+                                           for x in rs])) for n, rs in runs.items()}
+    rep["auc_hard_median"] = {n: rep["regimes"][n]["auc_median"] for n in runs}
+    rep["cp_minus_fifo_per_seed"] = per
+    rep["cp_beats_fifo"] = rep["auc_hard_median"][cp] > rep["auc_hard_median"][fifo]
+    return rep
 
 
 def _ratio(regimes: dict[str, Any]) -> float | None:
@@ -792,7 +957,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"  seeds={p['seeds']}, held-out {p['eval_prompts']} prompts every {p['eval_every']} steps; "
         f"load average at start {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; wall {report['wall_s']:.0f} s",
         f"{'regime':<22}{'AUC':>8}{'+-':>7}{'final':>8}{'+-':>7}{'steps->0.8':>12}{'reached':>9}"
-        f"{'arch+':>8}{'arch':>8}{'arch_p95':>9}{'neg':>6}{'raw':>7}",
+        f"{'arch+':>8}{'arch':>8}{'arch_p95':>9}{'neg':>6}{'raw':>7}{'worst':>7}{'wasted':>8}",
     ]
     n = len(p["seeds"])
     for name, r in report["regimes"].items():
@@ -801,7 +966,8 @@ def format_table(report: dict[str, Any]) -> str:
             f"{_fmt(r['final_reward_std']):>7}{_fmt(r['steps_to_0_8'], 0):>12}{r['reached_0_8']:>6}/{n:<2}"
             f"{_fmt(r['arch_staleness_positive_mean'], 2):>8}{_fmt(r['arch_staleness_mean'], 2):>8}"
             f"{_fmt(r['arch_staleness_p95'], 1):>9}{_fmt(r['arch_staleness_negative_share'], 2):>6}"
-            f"{_fmt(r['raw_staleness_mean'], 2):>7}"
+            f"{_fmt(r['raw_staleness_mean'], 2):>7}{_fmt(r.get('worst_staleness')):>7}"
+            f"{_fmt(r.get('wasted_token_share'), 3):>8}"
         )
     gc = report.get("gap_closed")
     if gc:
@@ -810,9 +976,22 @@ def format_table(report: dict[str, Any]) -> str:
             f"AUC gap train_batch -> colocated closed by constraint_preserving: median over seeds "
             f"{_fmt(gc['median'], 2)} (per seed {per}; of the mean AUCs {_fmt(gc['of_mean_auc'], 2)})"
         )
+    bvc = report.get("bound_vs_colocated")
+    if bvc:
+        lines.append("AUC against colocated: " + ", ".join(f"{k} {v * 100:+.1f}%" for k, v in bvc.items()
+                                                          if k != "definition"))
+    two = report.get("two_speed")
+    if two:
+        cp, fifo = TWO_SPEED_REGIMES
+        med, share = two["auc_hard_median"], two["hard_share"]
+        lines.append(f"two_speed (easy fast source beside a hard slow one, held-out = hard task): median AUC "
+                     f"{cp} {_fmt(med[cp])} vs {fifo} {_fmt(med[fifo])}; hard source's share of trained "
+                     f"trajectories {_fmt(share[cp], 2)} vs {_fmt(share[fifo], 2)}; constraint-preserving beats FIFO: "
+                     f"{two['cp_beats_fifo']}")
     lines.append("(AUC, final: mean +- std over seeds; steps->0.8: median over seeds, '-' if the median seed never "
                  "reached it; arch+: mean positive part of architectural staleness, arch: signed mean, neg: share "
-                 "< 0, raw: trainer version - gen_version)")
+                 "< 0, raw: trainer version - gen_version; worst: largest staleness trained; wasted: share of "
+                 "generated tokens the bound dropped)")
     return "\n".join(lines)
 
 
@@ -858,6 +1037,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    parser.add_argument("--no-two-speed", action="store_true",
+                        help="skip the two-source comparison (constraint-preserving vs FIFO under the same bound)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -869,9 +1050,10 @@ def run(args: argparse.Namespace) -> int:
         cfg = replace(cfg, num_batches=args.batches)
     regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
     for r in regimes:
-        if r not in REGIMES:
-            raise ConfigError(f"unknown regime {r!r}; choose from {REGIMES}")
+        parse_regime(r)
     report, _ = run_learning(cfg, regimes, progress=not args.no_progress)
+    if not args.no_two_speed:
+        report["two_speed"] = run_two_speed(cfg, progress=not args.no_progress)
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -1208,6 +1208,62 @@ def render_learning_result(r: dict) -> str:
     return _join(*parts)
 
 
+def render_learning_bound(r: dict) -> str:
+    """The staleness-bound regimes of a learning result and the two-speed comparison (issue 26)."""
+    reg = _dict(r.get("regimes"))
+    co = _dict(reg.get("colocated"))
+    rows = []
+    for name, e in reg.items():
+        if not (name == "colocated" or name.startswith("bound_")):
+            continue
+        e = _dict(e)
+        vs = (e["auc"] / co["auc"] - 1) if _num(e.get("auc")) is not None and _num(co.get("auc")) else None
+        rows.append([name, f(e.get("auc"), ".3f"), pct(vs, "+.1f"), f(e.get("final_reward"), ".3f"),
+                     f(e.get("worst_staleness"), ".0f"), f(e.get("raw_staleness_mean")),
+                     pct(e.get("wasted_token_share")), f(e.get("virtual_time"), ".0f")])
+    if len(rows) <= 1:
+        return "_No bound regimes in this result._"
+    parts = [table(["regime", "AUC", "vs colocated", "final", "worst staleness", "mean staleness",
+                    "wasted tokens", "virtual time"], rows)]
+    two = _dict(r.get("two_speed"))
+    med, share = _dict(two.get("auc_hard_median")), _dict(two.get("hard_share"))
+    if med:
+        per = ", ".join(f"{k}: {v:+.3f}" for k, v in _dict(two.get("cp_minus_fifo_per_seed")).items()
+                        if _num(v) is not None)
+        parts.append(
+            f"Two sources (`easy`: digits 0-2, 0.5 time units per group; `hard`: digits 0-9, 3 time units), held-out "
+            f"reward on the hard task, bound 2 with drop: constraint-preserving admission median AUC "
+            f"{f(med.get('bound_2_drop'), '.3f')} against {f(med.get('fifo_bound_2_drop'), '.3f')} for a FIFO "
+            f"mini-batch stream with the same bound (per seed, difference {per}); the hard source is "
+            f"{pct(share.get('bound_2_drop'), '.0f')} of what constraint-preserving admission trained and "
+            f"{pct(share.get('fifo_bound_2_drop'), '.0f')} of what FIFO trained. "
+            + _choice(two.get("cp_beats_fifo"), "Constraint-preserving admission wins.",
+                      "Constraint-preserving admission does not win here.", ""))
+    return _join(*parts)
+
+
+@block("learning-bound", "learning.json")
+def render_learning_bound_block(d: dict) -> str:
+    """The staleness-bound regimes of the default learning preset."""
+    return render_learning_bound(d["learning.json"])
+
+
+@block("admission-bound", "admission_bound.json")
+def render_admission_bound(d: dict) -> str:
+    """Simulated throughput and staleness per staleness bound (``bench admission --bound``)."""
+    r = d["admission_bound.json"]
+    rows = []
+    for name, e in _dict(r.get("regimes")).items():
+        e = _dict(e)
+        rows.append([name, f(e.get("throughput")), f(e.get("makespan"), ".0f"), f(e.get("raw_staleness_mean")),
+                     f(e.get("worst_staleness"), ".0f"), pct(e.get("wasted_token_share")),
+                     f(e.get("dropped_groups"), ".0f"), f(e.get("quota_violations"), ".0f")])
+    head = (f"Scenario `{r.get('scenario', '-')}`, `{r.get('policy', '-')}` admission, medians over seeds "
+            f"{', '.join(map(str, r.get('seeds') or []))}; throughput = trained trajectories per time unit.")
+    return _join(head, table(["regime", "throughput", "makespan", "mean staleness", "worst", "wasted tokens",
+                              "dropped groups", "quota violations"], rows))
+
+
 @block("planner-before-after", "planner_before_after.json")
 def render_planner_before_after(d: dict) -> str:
     """The planner before and after the cluster-scale work, alternating call by call in one run."""

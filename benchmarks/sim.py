@@ -344,22 +344,35 @@ class _VersionHistory:
         return (self._int(t1) - self._int(t0)) / (t1 - t0)
 
 
-def simulate(sc: Scenario, policy: str, seed: int = 0) -> SimResult:
+def simulate(sc: Scenario, policy: str, seed: int = 0, max_staleness: int | None = None,
+             on_stale: str = "drop") -> SimResult:
     """Run one seeded simulation of ``sc`` with the named admission policy.
 
     Args:
         sc: The scenario.
         policy: An admission policy name (:data:`POLICY_NAMES`).
         seed: Seed of the workload (durations, order, drops); identical across policies.
+        max_staleness: A staleness bound ``eta`` for admission (``None``: none). The policy then runs in
+            continuous mode (surplus carries over, no in-flight counts); rollout regenerates each dropped group
+            (same source, a fresh seeded duration draw) at the front of its queue, and with ``on_stale="wait"`` a
+            group starts only when :meth:`~knitdata.admission.AdmissionPolicy.reserve` gives it room (other queued
+            groups may start before it).
+        on_stale: ``"drop"`` or ``"wait"``.
 
     Returns:
         A :class:`SimResult` whose ``metrics`` hold ``arch_staleness_{mean,p50,p95}``,
         ``raw_staleness_mean``, ``version_mean_staleness_mean``, ``quota_violations``,
         ``bound_violations``, ``mean_admit_delay``, ``makespan``, ``colocated_makespan``,
-        ``minibatch_admit_times``.
+        ``minibatch_admit_times``, and with a bound ``worst_staleness``, ``dropped_groups``,
+        ``wasted_token_share`` (tokens dropped / tokens generated) and ``throughput`` (trained trajectories per
+        time unit).
     """
     spec = sc.spec()
-    pol = make_policy(policy, spec, continuous=sc.continuous)
+    bound = max_staleness is not None
+    pol = make_policy(policy, spec, continuous=sc.continuous or bound, max_staleness=max_staleness,
+                      on_stale=on_stale)
+    regen_rng = np.random.default_rng(np.random.SeedSequence([seed, 0x2E6E]))
+    reserved_groups: set[str] = set()
     M, g, C = sc.num_minibatches, sc.group_size, sc.slots
     names = [s.name for s in sc.sources]
     wl = _Workload(sc, seed)
@@ -430,8 +443,32 @@ def simulate(sc: Scenario, policy: str, seed: int = 0) -> SimResult:
                 for j, (src, durs) in enumerate(wl.batch_groups(dispatched_batches)):
                     add_group(src, durs, dispatched_batches, f"b{dispatched_batches}g{j}")
                 dispatched_batches += 1
+        if bound and on_stale == "wait":
+            skipped: list[_Traj] = []
+            while queue and len(running) < C:
+                t = queue.popleft()
+                if t.group not in reserved_groups:
+                    if not pol.reserve({names[t.source]: 1}, clock.rollout_version):
+                        skipped.append(t)
+                        continue
+                    reserved_groups.add(t.group)
+                start(t)
+            queue.extendleft(reversed(skipped))
+            return
         while queue and len(running) < C:
             start(queue.popleft())
+
+    def regenerate() -> None:
+        for d in pol.take_dropped():
+            src = names.index(d["source"])
+            sp = sc.sources[src]
+            durs = _lognormal(regen_rng, sp.mean, sp.sigma, g)
+            batch = min(pol.train_batch, sc.num_batches - 1) if not sc.continuous else -1
+            gid = f"{d['group']}r"
+            add_group(src, durs, batch, gid)
+            for _ in range(g):  # to the front: regenerated work first
+                queue.appendleft(queue.pop())
+        pol.pop_released()
 
     def train_next() -> None:
         nonlocal trainer_busy, order
@@ -499,7 +536,7 @@ def simulate(sc: Scenario, policy: str, seed: int = 0) -> SimResult:
                     for r in list(running.values()):
                         r.epoch += 1
                         start(r)
-        if not sc.continuous and pol.train_batch < sc.num_batches:
+        if not sc.continuous and not bound and pol.train_batch < sc.num_batches:
             pol.set_in_flight(unfinished[pol.train_batch])
         for mb in pol.poll(now):
             if mb.train_batch < sc.num_batches:
@@ -516,6 +553,8 @@ def simulate(sc: Scenario, policy: str, seed: int = 0) -> SimResult:
                     }
                 )
                 trainer_q.append(mb)
+        if bound:
+            regenerate()
         dispatch()
         train_next()
 
@@ -567,6 +606,16 @@ def simulate(sc: Scenario, policy: str, seed: int = 0) -> SimResult:
         "minibatch_admit_times": [r["admitted_at"] for r in mb_records],
         "trajectories_generated": len(trajs),
     }
+    if bound:
+        bs = pol.bound_stats()
+        raw = [t.train_version - t.gen_version for t in admitted if t.train_version >= 0]
+        out.metrics.update({
+            "max_staleness": max_staleness, "on_stale": on_stale,
+            "worst_staleness": max(raw) if raw else None,
+            "dropped_groups": int(sum(bs["dropped_groups"].values())),
+            "wasted_token_share": sum(bs["dropped_tokens"].values()) / max(1, sum(t.tokens for t in trajs)),
+            "throughput": total_steps * spec.minibatch_size / now if now > 0 else None,
+        })
     return out
 
 

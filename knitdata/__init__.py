@@ -63,6 +63,7 @@ _LAZY: dict[str, str] = {
     "ConstraintPreservingAdmission": "knitdata.admission",
     "make_policy": "knitdata.admission",
     "StalenessTracker": "knitdata.staleness",
+    "TokenStaleness": "knitdata.staleness",
     "ConsumerLayout": "knitdata.placement",
     "ConsumerAwarePlacement": "knitdata.placement",
     "IndexModPlacement": "knitdata.placement",
@@ -136,5 +137,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from knitdata.prefetch import Prefetcher  # noqa: F401
     from knitdata.shards import ShardDataset, read_shards, write_shards  # noqa: F401
     from knitdata.spill import SpillStore  # noqa: F401
-    from knitdata.staleness import StalenessTracker  # noqa: F401
+    from knitdata.staleness import StalenessTracker, TokenStaleness  # noqa: F401
     from knitdata.video import VideoSampling, video_item  # noqa: F401

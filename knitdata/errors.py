@@ -26,6 +26,7 @@ __all__ = [
     "MediaError",
     "OptionalDependencyError",
     "RolloutOutputError",
+    "RolloutThrottled",
 ]
 
 
@@ -186,3 +187,10 @@ class RolloutOutputError(ValidationError):
         self.field = field
         self.request_id = request_id
         self.sample = sample
+
+
+class RolloutThrottled(KnitdataError, TimeoutError):
+    """A rollout worker waited longer than its ``timeout`` for room within the pipeline's ``max_staleness``.
+
+    The message says the capacity per source and what admission waits for.
+    """

@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
-from knitdata.control import PLANE_DEFAULTS, RELEASE_MODES, fields_of
+from knitdata.control import PLANE_DEFAULTS, RELEASE_MODES, acquire_rollout, fields_of
 from knitdata.engines.base import ENGINES, Engine, engine_class, engine_names
 from knitdata.errors import (
     ConfigError,
@@ -115,6 +115,8 @@ class Pipeline:
             ``None``: wait (up to the dataset's ``timeout``). A handle counts as a producer from its first put.
         check_media: Decode every encoded media item once at :meth:`put` (in the producer) and refuse bad ones.
         on_plan: Called as ``on_plan(admitted, plan)`` for each planned mini-batch (embedded engine; keep it cheap).
+        max_staleness: Admit nothing staler than this many versions (``None``: no bound; docs/concepts.md).
+        on_stale: ``"drop"`` (:meth:`dropped` lists what to regenerate) or ``"wait"`` (also :meth:`acquire_rollout`).
         engine_options: Ray: ``name`` (default ``"knitdata"``; other processes attach with it), ``address``
             (``None``: this process's Ray, else a new local loopback-only one), ``nodes`` (layout node -> Ray node
             id), ``loopback_only`` (default ``True``), ``detached`` (keep the actors after this process exits),
@@ -151,6 +153,8 @@ class Pipeline:
         check_media: bool = True,
         on_plan: Callable[[AdmittedMiniBatch, MiniBatchPlan], None] | None = None,
         engine_options: Mapping[str, Any] | None = None,
+        max_staleness: int | None = None,
+        on_stale: str = "drop",
     ) -> None:
         if not isinstance(spec, BatchSpec):
             raise ConfigError(f"spec must be a knitdata.admission.BatchSpec, got {type(spec).__name__}")
@@ -179,6 +183,10 @@ class Pipeline:
         elif num_consumers is not None and num_consumers != layout.num_consumers:
             raise ConfigError(f"num_consumers={num_consumers} disagrees with the layout's {layout.num_consumers} ranks")
         policy: AdmissionPolicy | None = None
+        if max_staleness is not None or on_stale != "drop":
+            if isinstance(admission, AdmissionPolicy):
+                raise ConfigError("max_staleness / on_stale apply to an admission given by name (or build the policy with them)")
+            admission_options = {**dict(admission_options or {}), "max_staleness": max_staleness, "on_stale": on_stale}
         if isinstance(admission, AdmissionPolicy):
             if admission_options:
                 raise ConfigError("admission_options only apply when admission is given by name")
@@ -502,6 +510,27 @@ class Pipeline:
             QuotaInfeasibleError: A source can no longer deliver its quota.
         """
         self._engine.control.set_in_flight(dict(counts))
+
+    # the staleness bound (max_staleness): knitdata.control.admit, docs/concepts.md "A hard staleness bound"
+    def rollout_capacity(self, version: int | None = None) -> dict[str, int]:
+        """Prompts (groups) per source that may start with ``version`` (default: the last reported) within the bound
+        (:meth:`~knitdata.admission.AdmissionPolicy.rollout_capacity`; ConfigError without one)."""
+        return dict(self._engine.control.rollout_capacity(version))
+
+    def acquire_rollout(self, counts: Mapping[str, int] | str, n: int = 1, *, version: int | None = None,
+                        timeout: float | None = 60.0) -> None:
+        """Block until the bound has room, then reserve ``counts`` prompts per source (or ``n`` of one source);
+        see :func:`knitdata.control.acquire_rollout` (raises :class:`~knitdata.errors.RolloutThrottled`)."""
+        acquire_rollout(self._engine, {counts: n} if isinstance(counts, str) else dict(counts), version, timeout)
+
+    def release_rollout(self, counts: Mapping[str, int]) -> None:
+        """Give back reservations (:meth:`acquire_rollout`) of prompts that will not be generated."""
+        self._engine.control.unreserve_rollout(dict(counts))
+
+    def dropped(self) -> list[dict[str, Any]]:
+        """The groups the bound dropped since the last call, to regenerate (``{"group", "source", "version",
+        "trajectories", "tokens", "step"}`` each; payloads already freed)."""
+        return list(self._engine.control.take_dropped())
 
     def withdraw(self, group: str) -> list[TrajectoryMeta]:
         """Drop a group that rollout aborted or a filter rejected; frees its stored members.

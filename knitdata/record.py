@@ -327,6 +327,13 @@ class Trajectory:
         return float(self.token_versions.double().mean())
 
     @property
+    def version_span(self) -> int:
+        """Newest minus oldest token version (0 without per-token versions: one version generated it all)."""
+        if self.token_versions is None or self.token_versions.numel() == 0:
+            return 0
+        return int(self.token_versions.max()) - int(self.token_versions.min())
+
+    @property
     def nbytes(self) -> int:
         """Bytes of all tensors and media payloads (the size a store accounts for)."""
         total = 0
@@ -353,6 +360,7 @@ class Trajectory:
             media_digests=tuple(m.digest for m in self.media),
             location=location,
             seq=seq,
+            version_span=self.version_span,
         )
 
     def equals(self, other: Trajectory) -> bool:
@@ -401,6 +409,8 @@ class TrajectoryMeta:
         media_digests: Content digests of its media items, in order.
         location: Id of the storage unit holding the payload (``None`` if not stored yet).
         seq: Arrival sequence number (monotonic per pipeline; ``-1`` if unknown).
+        version_span: Newest minus oldest token version (a partial rollout continued under newer weights; 0
+            when one version generated every token).
         packed: ``num_tokens``, ``nbytes``, ``seq`` and ``hash(id)`` as four little-endian int64
             (:data:`PACKED_META`), set at construction; ``None`` when a count is not an integer that fits. The
             planner reads a whole mini-batch of them as one buffer (``b"".join``, then ``numpy.frombuffer``)
@@ -419,6 +429,7 @@ class TrajectoryMeta:
     media_digests: tuple[str, ...] = ()
     location: str | None = None
     seq: int = -1
+    version_span: int = 0
     packed: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -431,7 +442,7 @@ class TrajectoryMeta:
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # rebuilt through __init__ where it is loaded: ``packed`` holds that process's hash of the id
         return (type(self), (self.id, self.source, self.group, self.gen_version, self.version_mean, self.num_tokens,
-                             self.nbytes, self.media_digests, self.location, self.seq))
+                             self.nbytes, self.media_digests, self.location, self.seq, self.version_span))
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-serializable dict."""
@@ -446,6 +457,7 @@ class TrajectoryMeta:
             "media_digests": list(self.media_digests),
             "location": self.location,
             "seq": self.seq,
+            **({"version_span": self.version_span} if self.version_span else {}),  # partial rollouts only
         }
 
     @classmethod
@@ -463,6 +475,7 @@ class TrajectoryMeta:
                 media_digests=tuple(str(x) for x in d.get("media_digests", ())),
                 location=None if d.get("location") is None else str(d["location"]),
                 seq=int(d.get("seq", -1)),
+                version_span=int(d.get("version_span", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValidationError(f"bad trajectory metadata {dict(d)!r}: {e}", field="meta") from e

@@ -6,6 +6,11 @@ computed with trainer version ``v`` (before that mini-batch's own optimizer step
 k - 1 here) has staleness k - 1, so the **architectural staleness** of a trajectory is its staleness minus
 its mini-batch's ``index``. It can be negative (fresher than colocated execution would be).
 
+Per token. Under partial rollout one trajectory spans several versions (``token_versions``; ``gen_version`` is the
+oldest, ``version_mean`` the token-weighted mean, ``version_span`` newest minus oldest). Its *worst* token
+staleness is the trajectory's staleness ``v - gen_version`` (what a bound ``max_staleness`` limits), its *mean*
+token staleness ``v - version_mean`` and its *span* ``version_span``; :class:`TokenStaleness` accumulates them.
+
 Pure metadata: nothing here imports torch payload code, storage or engines.
 """
 
@@ -20,6 +25,7 @@ from knitdata.errors import StateError, ValidationError
 __all__ = [
     "VersionClock",
     "StalenessTracker",
+    "TokenStaleness",
     "summarize",
     "percentile",
     "staleness_reduction",
@@ -109,6 +115,52 @@ def staleness_reduction(arch_policy: float, arch_train_batch: float) -> float | 
     return 1.0 - arch_policy / arch_train_batch
 
 
+class TokenStaleness:
+    """Running per-token staleness figures of trained trajectories in O(1) memory.
+
+    For each trajectory trained at version ``v``: mean token staleness ``v - version_mean``, worst token
+    staleness ``v - gen_version`` (the oldest token) and the span ``version_span`` (newest minus oldest token
+    version; > 0 for a partial rollout continued under newer weights).
+
+    Example:
+        >>> from knitdata.record import TrajectoryMeta
+        >>> ts = TokenStaleness()
+        >>> ts.record(5, [TrajectoryMeta("a", "s", "g", gen_version=2, version_mean=3.0, version_span=2)])
+        >>> ts.summary()["token_mean"], ts.summary()["worst"], ts.summary()["span_max"]
+        (2.0, 3, 2)
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.partial = 0
+        self._mean_sum = 0.0
+        self._span_sum = 0
+        self.span_max = 0
+        self.worst: int | None = None
+
+    def record(self, train_version: int, metas: Iterable[Any]) -> None:
+        """Record trajectories (anything with ``gen_version``, ``version_mean``, ``version_span``) trained at
+        ``train_version``."""
+        for m in metas:
+            span = int(getattr(m, "version_span", 0))
+            worst = train_version - int(m.gen_version)
+            self.count += 1
+            self._mean_sum += train_version - float(m.version_mean)
+            self._span_sum += span
+            self.partial += span > 0
+            self.span_max = max(self.span_max, span)
+            self.worst = worst if self.worst is None else max(self.worst, worst)
+
+    def summary(self) -> dict[str, Any]:
+        """``{count, token_mean, span_mean, span_max, worst, partial_share}`` (``nan`` / ``None`` when empty):
+        ``token_mean`` is the mean over trajectories of their mean token staleness, ``worst`` the largest
+        staleness of any token, ``partial_share`` the share of trajectories that span several versions."""
+        n = self.count
+        return {"count": n, "token_mean": self._mean_sum / n if n else math.nan,
+                "span_mean": self._span_sum / n if n else math.nan, "span_max": self.span_max, "worst": self.worst,
+                "partial_share": self.partial / n if n else math.nan}
+
+
 class StalenessTracker:
     """Accumulates staleness per trained trajectory.
 
@@ -119,9 +171,11 @@ class StalenessTracker:
         self.raw: list[int] = []
         self.arch: list[int] = []
         self.version_mean_staleness: list[float] = []
+        self.span: list[int] = []
 
     def record(
-        self, index: int, train_version: int, gen_versions: Iterable[int], version_means: Iterable[float] | None = None
+        self, index: int, train_version: int, gen_versions: Iterable[int], version_means: Iterable[float] | None = None,
+        spans: Iterable[int] | None = None,
     ) -> None:
         """Record one mini-batch.
 
@@ -130,6 +184,7 @@ class StalenessTracker:
             train_version: Trainer version the gradient is computed with (before its optimizer step).
             gen_versions: ``gen_version`` (oldest among tokens) of each trajectory.
             version_means: Token-weighted mean version of each trajectory (optional).
+            spans: Newest minus oldest token version of each trajectory (optional; partial rollouts).
         """
         for gv in gen_versions:
             s = train_version - int(gv)
@@ -137,6 +192,8 @@ class StalenessTracker:
             self.arch.append(s - index)
         if version_means is not None:
             self.version_mean_staleness.extend(train_version - float(x) for x in version_means)
+        if spans is not None:
+            self.span.extend(int(x) for x in spans)
 
     def record_minibatch(self, mb: Any, train_version: int) -> None:
         """Record an :class:`~knitdata.admission.AdmittedMiniBatch` trained at ``train_version``."""
@@ -145,11 +202,13 @@ class StalenessTracker:
             train_version,
             (t.gen_version for t in mb.trajectories),
             (t.version_mean for t in mb.trajectories),
+            (getattr(t, "version_span", 0) for t in mb.trajectories),
         )
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serializable state: the recorded staleness values, in order."""
-        return {"raw": list(self.raw), "arch": list(self.arch), "version_mean": list(self.version_mean_staleness)}
+        return {"raw": list(self.raw), "arch": list(self.arch), "version_mean": list(self.version_mean_staleness),
+                "span": list(self.span)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (later records append to the loaded ones).
@@ -165,11 +224,19 @@ class StalenessTracker:
             raise StateError(f"not a StalenessTracker state {{raw, arch, version_mean}}: {str(state)[:200]}")
         self.raw, self.arch = list(parts[0]), list(parts[1])
         self.version_mean_staleness = [float(v) for v in parts[2]]
+        span = state.get("span", [])
+        if not isinstance(span, list) or any(type(v) is not int for v in span):
+            raise StateError(f"not a StalenessTracker state: span must be a list of ints, got {str(span)[:200]}")
+        self.span = list(span)
 
     def summary(self) -> dict[str, Any]:
-        """``{"arch": {mean, positive_mean, p50, p95, share_negative, count}, "raw": {...}, "version_mean": {...}}``."""
+        """``{"arch": {mean, positive_mean, p50, p95, share_negative, count}, "raw": {...}, "version_mean": {...},
+        "span": {...}, "worst": int or None}``: per trajectory (``raw``, ``arch``) and per token (``version_mean``:
+        mean token staleness, ``span``: newest minus oldest token version, ``worst``: the stalest token)."""
         return {
             "arch": summarize(self.arch),
             "raw": summarize(self.raw),
             "version_mean": summarize(self.version_mean_staleness),
+            "span": summarize(self.span),
+            "worst": max(self.raw) if self.raw else None,
         }

@@ -619,6 +619,84 @@ def replicas(engine: str, n_groups: int = 8, dp: int = 2, num_replicas: int = 2,
             "bad_num_replicas": bad_r, "puts": len(trajs)}
 
 
+# --- stale ---
+@scenario
+def staleness_bound(engine: str, seeds: list[int] | None = None, eta: int = 1, batches: int = 3) -> dict[str, Any]:
+    """A hard staleness bound on the engine: for each mode (``drop``, ``wait``) and seed, a producer puts groups in a
+    seeded random order (drop: versions up to ``eta + 2`` behind the trainer; wait: ``acquire_rollout`` first, fresh
+    versions), regenerates what :meth:`Pipeline.dropped` lists, and one consumer trains ``batches`` train batches,
+    reporting its version after each mini-batch. Returns, per run, each trained trajectory's
+    ``[train batch, source, trainer version, gen_version]``, the dropped groups and the pipeline's bound stats."""
+    import random
+
+    import torch
+
+    from knitdata.admission import BatchSpec
+    from knitdata.record import Trajectory
+
+    spec = BatchSpec({"math": 4, "code": 4}, num_minibatches=2, group_size=2)
+    out: dict[str, Any] = {}
+    for mode in ("drop", "wait"):
+        for seed in seeds or [0, 1]:
+            rng = random.Random(seed)
+            pipe = make_pipeline(engine, spec, max_staleness=eta, on_stale=mode)
+            it = iter(pipe.dataset(0, fetch="iter", timeout=60))
+            version, trained, dropped = 0, [], []
+            flying: list[list[Any]] = []
+            source_of: dict[str, str] = {}
+
+            def start(source: str, v: int, version: int, flying: list[list[Any]] = flying,
+                      source_of: dict[str, str] = source_of, seed: int = seed) -> None:
+                members = []
+                gid = f"s{seed}g{len(source_of)}"
+                for k in range(2):
+                    tv = torch.full((6,), v, dtype=torch.int64)
+                    if k and v < version:  # a partial rollout: its second half under the newer weights
+                        tv[3:] = v + 1
+                    members.append(Trajectory(id=f"{gid}m{k}", source=source, group=gid, prompt_ids=torch.arange(4),
+                                              response_ids=torch.arange(6), gen_version=v, token_versions=tv))
+                for t in members:
+                    source_of[t.id] = source
+                flying.append(members)
+
+            for _round in range(1000):
+                if version >= batches * spec.num_minibatches:
+                    break
+                for _ in range(rng.randint(1, 3)):  # start a few prompts
+                    src = rng.choice(["math", "code"])
+                    if mode == "wait":
+                        if pipe.rollout_capacity(version)[src] < 1:
+                            continue
+                        pipe.acquire_rollout(src, 1, version=version, timeout=5)
+                        start(src, version, version)
+                    else:
+                        start(src, max(0, version - rng.randint(0, eta + 2)), version)
+                rng.shuffle(flying)
+                for _ in range(rng.randint(1, max(1, len(flying)))):  # deliver some, in random order
+                    if flying:
+                        for t in flying.pop(0):
+                            pipe.put(t)
+                for d in pipe.dropped():
+                    dropped.append(d)
+                    start(d["source"], version, version)
+                while version < batches * spec.num_minibatches and \
+                        pipe.stats_light()["admitted_minibatches"] > version:  # train what is admitted
+                    while True:
+                        mb = next(it)
+                        trained.extend([mb.info.minibatch // 2, source_of[i], version, gv]
+                                       for i, gv in zip(mb.info.trajectory_ids, mb.info.gen_versions))
+                        if mb.info.is_last:
+                            break
+                    version += 1
+                    pipe.report_version(version)
+            stats = pipe.stats()
+            _close_iter(it)
+            _shutdown(pipe)
+            out[f"{mode}/{seed}"] = {"trained": trained, "dropped": dropped, "bound": stats["staleness_bound"],
+                                     "token_staleness": stats["token_staleness"]}
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- main
 def run(name: str, **kwargs: Any) -> Any:
     """Run scenario ``name`` here (the embedded engine)."""

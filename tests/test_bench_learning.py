@@ -16,15 +16,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.learning import (
+    BASE_REGIMES,
+    BOUND_REGIMES,
     PRESETS,
     REGIMES,
+    TWO_SPEED_REGIMES,
     LearningConfig,
     SortPolicy,
     batch_workload,
     fast_collate,
     format_table,
+    parse_regime,
     run_learning,
     run_regime,
+    run_two_speed,
     sort_reward,
 )
 from knitdata.cli import main
@@ -37,7 +42,7 @@ KEYS = ("auc", "final_reward", "steps_to_0_8", "arch_staleness_positive_mean")
 
 @pytest.fixture(scope="module")
 def smoke():
-    return run_learning(SMOKE, progress=False)
+    return run_learning(SMOKE, BASE_REGIMES, progress=False)
 
 
 def test_versions_recorded_and_reported(smoke):
@@ -95,7 +100,7 @@ def test_staleness_is_what_the_pipeline_delivered(smoke):
 
 def test_report_keys_and_table(smoke):
     report, _ = smoke
-    assert set(report["regimes"]) == set(REGIMES)
+    assert set(report["regimes"]) == set(BASE_REGIMES)
     for name, row in report["regimes"].items():
         for k in KEYS:
             assert k in row, (name, k)
@@ -105,7 +110,7 @@ def test_report_keys_and_table(smoke):
     assert set(report["gap_closed"]["per_seed"]) == {str(s) for s in SMOKE.seeds}
     json.dumps(report)  # JSON-serializable
     table = format_table(report)
-    for name in REGIMES:
+    for name in BASE_REGIMES:
         assert name in table
     assert "load average" in table
 
@@ -125,13 +130,15 @@ def test_cli_writes_json_and_plot(tmp_path, capsys):
         import matplotlib  # noqa: F401
     except ImportError:  # the plot is optional (extra "plot")
         png = None
-    rc = main(["bench", "learning", "--smoke", "--batches", "2", "--no-progress", "--json", str(out)]
-              + ([] if png is None else ["--plot", str(png)]))
+    regimes = ["colocated", "train_batch", "constraint_preserving", "bound_2_drop"]
+    rc = main(["bench", "learning", "--smoke", "--batches", "2", "--no-progress", "--json", str(out),
+               "--regimes", ",".join(regimes), "--no-two-speed"] + ([] if png is None else ["--plot", str(png)]))
     assert rc == 0
     doc = json.loads(out.read_text())
-    for name in REGIMES:
-        for k in KEYS:
+    for name in regimes:
+        for k in (*KEYS, "worst_staleness", "wasted_token_share"):
             assert k in doc["regimes"][name]
+    assert set(doc["bound_vs_colocated"]) == {"definition", "bound_2_drop"}
     assert "median" in doc["gap_closed"]
     assert png is None or png.stat().st_size > 0
     assert "constraint_preserving" in capsys.readouterr().out
@@ -146,6 +153,55 @@ def test_bad_config_is_refused():
         LearningConfig(group_size=1)
     with pytest.raises(ConfigError):
         run_regime(SMOKE, "fifo_or_else", 0)
+    with pytest.raises(ConfigError):
+        run_regime(SMOKE, "bound_x_drop", 0)
+
+
+def test_regime_names():
+    assert parse_regime("colocated") == ("train_batch", None, "drop")
+    assert parse_regime("bound_4_wait") == ("constraint_preserving", 4, "wait")
+    assert parse_regime("fifo_bound_2_drop") == ("fifo", 2, "drop")
+    assert set(BOUND_REGIMES) == {f"bound_{e}_{m}" for e in (1, 2, 4, 8) for m in ("drop", "wait")}
+    assert set(BOUND_REGIMES) <= set(REGIMES)
+
+
+BOUND_SMOKE = replace(SMOKE, num_batches=2)
+
+
+@pytest.fixture(scope="module")
+def bound_smoke():
+    return run_learning(BOUND_SMOKE, ["bound_1_drop", "bound_2_wait", "fifo_bound_1_drop"], progress=False)
+
+
+def test_bound_regimes_keep_the_bound_and_the_quotas(bound_smoke):
+    """Issue 26.4 plumbing: nothing trained is staler than eta; constraint-preserving admission with the bound
+    trains each source's exact quota (regenerating what was dropped); dropped work is counted as wasted tokens."""
+    report, runs = bound_smoke
+    cfg = BOUND_SMOKE
+    quotas = cfg.spec().quotas
+    for name, (r,) in runs.items():
+        _, eta, _ = parse_regime(name)
+        assert eta is not None and max(r.raw_staleness) <= eta, name
+        assert len(r.delivered_ids) == len(set(r.delivered_ids)) == cfg.steps * cfg.batch_size // cfg.num_minibatches
+        assert set(r.delivered_ids) <= set(r.put_ids)
+        assert 0 <= r.dropped_tokens < r.generated_tokens
+        sb = r.pipeline_stats["staleness_bound"]
+        assert sb["max_staleness"] == eta and r.dropped_tokens == sum(sb["dropped_tokens"].values())
+        row = report["regimes"][name]
+        assert row["worst_staleness"] <= eta and row["wasted_token_share"] == pytest.approx(
+            r.dropped_tokens / r.generated_tokens)
+        if not name.startswith("fifo"):
+            assert r.trained_by_source == {s: q * cfg.num_batches for s, q in quotas.items()}, name
+    assert runs["bound_1_drop"][0].dropped_tokens > 0  # eta = 1 < M - 1: the continuous stream runs ahead
+
+
+def test_two_speed_report():
+    rep = run_two_speed(replace(SMOKE, num_batches=2), progress=False)
+    assert set(rep["regimes"]) == set(TWO_SPEED_REGIMES)
+    assert set(rep["hard_share"]) == set(TWO_SPEED_REGIMES) and isinstance(rep["cp_beats_fifo"], bool)
+    assert rep["hard_share"]["bound_2_drop"] == pytest.approx(0.5)  # the quotas hold
+    assert rep["params"]["scenario"] == "two_speed"
+    assert "two_speed" in format_table({**rep, "two_speed": rep})
 
 
 @settings(max_examples=15, deadline=None)

@@ -240,3 +240,24 @@ def test_replicas_see_identical_streams_exactly_once(engine, num_workers, reques
     assert res["held"]["held_trajectories"] == sum(len(i) for i, _p, _d in ref[0][stop:]), res["held"]
     assert res["after"]["held_trajectories"] == 0 and res["after"]["released"] == res["puts"], res["after"]
     assert res["bad_num_replicas"][0] == "ConfigError" and "num_replicas=3" in res["bad_num_replicas"][3]
+
+
+# --- stale ---
+@pytest.mark.parametrize("engine", ENGINES)
+def test_staleness_bound_keeps_quotas(engine, request):
+    """Issue 26.3 on every engine: random arrival orders and versions, max_staleness=1 with drop and wait: nothing
+    trained is staler than the bound (trainer version - gen_version), every train batch holds its exact quotas, and
+    with regeneration of what was dropped every train batch completes; drops are counted per source."""
+    eta = 1
+    res = run_on(engine, request, "staleness_bound", eta=eta)
+    for run, r in res.items():
+        by_batch: dict[int, dict[str, int]] = {}
+        for b, source, version, gv in r["trained"]:
+            assert 0 <= version - gv <= eta, (run, b, source, version, gv)
+            by_batch.setdefault(b, {"math": 0, "code": 0})[source] += 1
+        assert by_batch == {b: {"math": 4, "code": 4} for b in range(3)}, (run, by_batch)
+        dropped = sum(r["bound"]["dropped_groups"].values())
+        assert dropped == len(r["dropped"]), run
+        assert r["token_staleness"]["count"] == 24 and r["token_staleness"]["worst"] <= eta, run
+    assert sum(len(r["dropped"]) for run, r in res.items() if run.startswith("drop/")) > 0
+    assert all(r["bound"]["on_stale"] == run.split("/")[0] for run, r in res.items())

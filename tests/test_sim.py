@@ -137,3 +137,31 @@ def test_bench_report_keys_and_plot(tmp_path) -> None:
 def test_admission_cost_measurement_small() -> None:
     r = bench.admission_cost(1000, min_trajectories=2048)
     assert r["batch_size"] == 1024 and r["trajectories"] == 2048 and r["us_per_trajectory"] > 0
+
+
+@pytest.mark.parametrize("on_stale", ["drop", "wait"])
+def test_simulated_bound_keeps_eta_and_quotas(on_stale: str) -> None:
+    """Issue 26.4 (simulated): with max_staleness the trainer never gets anything staler than eta, every train batch
+    keeps its quotas (regeneration of what was dropped), and the report counts drops, waste and throughput."""
+    r = simulate(SMALL, "constraint_preserving", seed=2, max_staleness=1, on_stale=on_stale)
+    m = r.metrics
+    assert all(t["train_version"] - t["gen_version"] <= 1 for t in r.trajectories)
+    assert m["worst_staleness"] <= 1 and m["quota_violations"] == 0
+    assert len(r.trajectories) == SMALL.num_batches * SMALL.batch_size
+    assert 0 <= m["wasted_token_share"] < 1 and m["throughput"] > 0
+    assert (m["dropped_groups"] > 0) == (m["wasted_token_share"] > 0)
+
+
+def test_bench_bound_report(tmp_path) -> None:
+    doc = bench.run_bound(SMALL, [0], etas=(1, 4))
+    assert list(doc["regimes"]) == ["none", "bound_1_drop", "bound_1_wait", "bound_4_drop", "bound_4_wait"]
+    for name, row in doc["regimes"].items():
+        assert set(bench.BOUND_METRICS) <= set(row), name
+        if name != "none":
+            assert row["worst_staleness"] <= int(name.split("_")[1]) and row["quota_violations"] == 0
+    assert doc["regimes"]["none"]["worst_staleness"] > 1  # the bound changed something
+    json.dumps(doc)
+    assert "bound_4_wait" in bench.format_bound(doc)
+    pytest.importorskip("matplotlib")
+    bench.plot_bound(doc, str(tmp_path / "b.png"))
+    assert (tmp_path / "b.png").stat().st_size > 0

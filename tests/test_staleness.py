@@ -123,3 +123,87 @@ def test_version_clock_refuses_bad_states(bad) -> None:
         VersionClock().load_state_dict(bad)
     with pytest.raises(StateError):
         StalenessTracker().load_state_dict(bad)
+
+
+# --------------------------------------------------------------------------------------------- per token
+
+
+def test_token_staleness_of_partial_rollouts() -> None:
+    """Per token as well as per trajectory: a trajectory continued under newer weights has its oldest token's
+    staleness as worst, the token-weighted mean as mean, and newest - oldest version as span."""
+    import torch
+
+    from knitdata.record import Trajectory
+    from knitdata.staleness import TokenStaleness
+
+    tv = torch.tensor([2, 2, 3, 3, 3, 5])
+    t = Trajectory(id="p", source="s", group="g", prompt_ids=torch.arange(3), response_ids=torch.arange(6),
+                   gen_version=2, token_versions=tv)
+    m = t.meta()
+    assert (m.gen_version, m.version_span, m.version_mean) == (2, 3, pytest.approx(3.0))
+    assert TrajectoryMeta.from_dict(json.loads(json.dumps(m.to_dict()))) == m
+    plain = Trajectory(id="q", source="s", group="g", prompt_ids=torch.arange(3), response_ids=torch.arange(6),
+                       gen_version=4).meta()
+    assert plain.version_span == 0
+    ts = TokenStaleness()
+    assert ts.summary()["worst"] is None and math.isnan(ts.summary()["token_mean"])
+    ts.record(6, [m, plain])
+    s = ts.summary()
+    assert s == {"count": 2, "token_mean": pytest.approx((3.0 + 2.0) / 2), "span_mean": 1.5, "span_max": 3,
+                 "worst": 4, "partial_share": 0.5}
+    tr = StalenessTracker()
+    tr.record_minibatch(AdmittedMiniBatch(0, 1, 1, (m, plain)), 6)
+    summ = tr.summary()
+    assert summ["worst"] == 4 and summ["span"]["mean"] == 1.5 and summ["version_mean"]["mean"] == pytest.approx(2.5)
+    d = StalenessTracker()
+    d.load_state_dict(json.loads(json.dumps(tr.state_dict())))
+    assert d.summary() == summ
+    with pytest.raises(StateError):
+        d.load_state_dict({**tr.state_dict(), "span": ["x"]})
+
+
+def test_pipeline_reports_token_staleness_and_the_bound() -> None:
+    """pipe.stats(): per-token staleness of what was handed out, and the bound's drops; acquire_rollout raises
+    RolloutThrottled naming the capacity when the bound leaves no room."""
+    import torch
+
+    from knitdata import Pipeline, Trajectory
+    from knitdata.admission import BatchSpec
+    from knitdata.errors import ConfigError, RolloutThrottled
+
+    def traj(i: int, src: str, v: int, tv: list[int] | None = None) -> Trajectory:
+        return Trajectory(id=f"t{i}", source=src, group=f"g{i}", prompt_ids=torch.arange(2),
+                          response_ids=torch.arange(4), gen_version=v,
+                          token_versions=None if tv is None else torch.tensor(tv))
+
+    spec = BatchSpec({"a": 2, "b": 2}, num_minibatches=2)
+    with Pipeline(spec, max_staleness=0) as pipe:  # drop mode
+        assert pipe.stats()["staleness_bound"]["on_stale"] == "drop"
+        it = iter(pipe.dataset(0, timeout=10))
+        pipe.put(traj(0, "a", 0))
+        pipe.put(traj(1, "b", 0, [0, 0, 1, 1]))  # step 0 admits a, b (version 0)
+        next(it)
+        pipe.report_version(1)
+        pipe.put(traj(2, "a", 0))  # 1 stale at step 1 > 0: dropped, listed for regeneration
+        (d,) = pipe.dropped()
+        assert (d["group"], d["source"], d["trajectories"]) == ("g2", "a", ["t2"]) and pipe.dropped() == []
+        pipe.put(traj(3, "a", 1))
+        pipe.put(traj(4, "b", 1))
+        next(it)
+        st_ = pipe.stats()
+        assert st_["staleness_bound"]["dropped_groups"] == {"a": 1, "b": 0}
+        ts = st_["token_staleness"]
+        assert ts["count"] == 4 and ts["worst"] == 0 and ts["span_max"] == 1 and ts["partial_share"] == 0.25
+        assert st_["held_trajectories"] <= 4  # the dropped payload is freed
+    with Pipeline(spec, max_staleness=1, on_stale="wait") as pipe:
+        pipe.acquire_rollout({"a": 2, "b": 2}, timeout=1)
+        with pytest.raises(RolloutThrottled, match="capacity now"):
+            pipe.acquire_rollout("a", 1, timeout=0.05)
+        pipe.release_rollout({"a": 1})
+        pipe.acquire_rollout("a", 1, timeout=0)
+    with Pipeline(spec) as pipe, pytest.raises(ConfigError, match="max_staleness"):
+        pipe.rollout_capacity()
+    from knitdata.admission import make_policy
+
+    with pytest.raises(ConfigError, match="by name"):
+        Pipeline(spec, admission=make_policy("fifo", spec), max_staleness=2)

@@ -18,12 +18,14 @@ admits nothing costs O(S), and admitting a mini-batch costs O(m / g · log S). N
 
 Modules: :mod:`~knitdata.admission.spec` (:class:`BatchSpec`, :class:`AdmittedMiniBatch`),
 :mod:`~knitdata.admission.composition` (the feasibility check), :mod:`~knitdata.admission.base`
-(:class:`AdmissionPolicy`) and :mod:`~knitdata.admission.policies` (the four policies, :func:`make_policy`).
+(:class:`AdmissionPolicy`), :mod:`~knitdata.admission.policies` (the four policies, :func:`make_policy`) and
+:mod:`~knitdata.admission.bound` (the hard staleness bound ``max_staleness`` every policy can keep).
 """
 
 from __future__ import annotations
 
 from knitdata.admission.base import AdmissionPolicy
+from knitdata.admission.bound import ON_STALE, StalenessBound
 from knitdata.admission.composition import completion_exists, composition_limits, even_completion
 from knitdata.admission.policies import (
     POLICIES,
@@ -39,6 +41,8 @@ __all__ = [
     "BatchSpec",
     "AdmittedMiniBatch",
     "AdmissionPolicy",
+    "StalenessBound",
+    "ON_STALE",
     "TrainBatchAdmission",
     "FifoAdmission",
     "LinearTargetAdmission",

@@ -10,11 +10,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from knitdata.admission.bound import StalenessBound, check_counts, check_settings
 from knitdata.admission.spec import AdmittedMiniBatch, BatchSpec
 from knitdata.errors import ConfigError, KnitdataError, QuotaInfeasibleError, StateError, ValidationError
 from knitdata.record import TrajectoryMeta
 
-__all__ = ["ReadyGroup", "AdmissionPolicy"]
+__all__ = ["ReadyGroup", "AdmissionPolicy", "BoundedAdmission"]
 
 
 def _count(x: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
@@ -33,9 +34,114 @@ class ReadyGroup:
     source: str
     metas: tuple[TrajectoryMeta, ...]
     version: int = field(default=0)
+    gone: bool = field(default=False)  # admitted, withdrawn or dropped: lazily skipped in the queues
 
 
-class AdmissionPolicy(abc.ABC):
+
+class BoundedAdmission:
+    """The staleness-bound part of :class:`AdmissionPolicy` (:mod:`knitdata.admission.bound`): the rollout throttle
+    and the groups dropped for regeneration. Every policy has these methods; they raise
+    :class:`~knitdata.errors.ConfigError` (or return nothing) without ``max_staleness``."""
+
+    _bound: StalenessBound | None
+    _loading: bool
+    _Q: dict[str, int]
+    _b: int
+    _admitted: dict[str, int]
+    _ready_n: dict[str, int]
+    _ready_groups: dict[str, ReadyGroup]
+    _pending_groups: dict[str, int]
+    _in_flight: dict[str, int] | None
+    spec: BatchSpec
+
+    @property
+    def step(self) -> int:
+        """Global index of the next mini-batch (:class:`AdmissionPolicy` defines it)."""
+        raise NotImplementedError
+
+    def _init_bound(self, max_staleness: int | None, on_stale: str, version_offset: int, oldest_first: bool) -> None:
+        check_settings(max_staleness, on_stale, version_offset)
+        self._bound = None if max_staleness is None else StalenessBound(max_staleness, on_stale, version_offset,
+                                                                        self._Q, self.spec.num_minibatches)
+        self.max_staleness, self.on_stale, self.version_offset = max_staleness, on_stale, version_offset
+        # with a bound, quota-preserving policies take each source's oldest ready group first (heaps per source)
+        self._oldest_first = self._bound is not None and oldest_first
+        self._by_version: dict[str, list[tuple[int, int, ReadyGroup]]] = {s: [] for s in self._Q}
+        self._loading = False
+
+    def _track(self, grp: ReadyGroup) -> None:
+        if self._bound is not None:
+            self._bound.push(grp)
+            if self._oldest_first:
+                heapq.heappush(self._by_version[grp.source], (grp.version, grp.seq, grp))
+
+    def _check_bound_state(self, state: Mapping[str, Any]) -> Any:
+        bound = state.get("bound")
+        mine = None if self._bound is None else self._bound.settings()
+        theirs = None if bound is None else [bound["max_staleness"], bound["on_stale"], bound["version_offset"]]
+        if mine != theirs:
+            raise StateError(f"state has staleness bound {theirs} (max_staleness, on_stale, version_offset), this "
+                             f"policy has {mine}")
+        return bound
+
+    def rollout_capacity(self, version: int) -> dict[str, int]:
+        """Groups per source that may still start with policy ``version`` within the bound
+        (:meth:`StalenessBound.capacity <knitdata.admission.bound.StalenessBound.capacity>`).
+
+        Raises:
+            ConfigError: No bound (``max_staleness`` is ``None``).
+        """
+        bound = self._need_bound()
+        used = {s: self._b * Q + self._admitted[s] + self._ready_n[s] + self._pending_groups[s] for s, Q in self._Q.items()}
+        return bound.capacity(version, used)
+
+    def reserve(self, counts: Mapping[str, int], version: int) -> bool:
+        """Reserve ``counts`` groups per source to start with ``version`` if :meth:`rollout_capacity` has room for all
+        (all or nothing); a reservation ends when a new group of that source arrives, or with :meth:`unreserve`."""
+        return self._need_bound().reserve(check_counts(counts, self.spec.sources, "reserve"),
+                                          self.rollout_capacity(version))
+
+    def unreserve(self, counts: Mapping[str, int]) -> None:
+        """Give back reservations of prompts that will not be generated (floored at 0)."""
+        self._need_bound().unreserve(check_counts(counts, self.spec.sources, "unreserve"))
+
+    def take_dropped(self) -> list[dict[str, Any]]:
+        """The groups dropped by the bound since the last call, for the producer to regenerate (as new groups)."""
+        return [] if self._bound is None else self._bound.take_dropped()
+
+    def pop_released(self) -> list[TrajectoryMeta]:
+        """The members of groups dropped since the last call (the caller frees their payloads)."""
+        return [] if self._bound is None else self._bound.pop_released()
+
+    def bound_stats(self) -> dict[str, Any] | None:
+        """The bound's settings and drops per source (``None`` without a bound)."""
+        return None if self._bound is None else self._bound.stats()
+
+    def _need_bound(self) -> StalenessBound:
+        if self._bound is None:
+            raise ConfigError("this needs a staleness bound: build the policy (or Pipeline) with max_staleness=eta")
+        return self._bound
+
+    def _expired(self, version: int) -> bool:
+        return self._bound is not None and not self._loading and self._bound.expired(version, self.step)
+
+    def _drop(self, grp: ReadyGroup) -> None:
+        grp.gone = True
+        assert self._bound is not None
+        self._bound.drop(grp.group, grp.source, grp.version, grp.metas, self.step)
+        if self._in_flight is not None:  # regeneration is coming: the supply check counts it
+            self._in_flight[grp.source] = self._in_flight.get(grp.source, 0) + len(grp.metas)
+
+    def _expire(self) -> None:
+        if self._bound is None:
+            return
+        for grp in list(self._bound.expiring(self.step)):
+            self._ready_n[grp.source] -= 1
+            del self._ready_groups[grp.group]
+            self._drop(grp)
+
+
+class AdmissionPolicy(BoundedAdmission, abc.ABC):
     """Base class of the admission policies: holds ready groups and emits mini-batches in order.
 
     Args:
@@ -46,6 +152,11 @@ class AdmissionPolicy(abc.ABC):
             :class:`~knitdata.errors.QuotaInfeasibleError` is raised as soon as a source's ready plus
             in-flight trajectories (see :meth:`set_in_flight`) cannot cover its remaining quota. Surplus
             ready groups carry over in both modes.
+        max_staleness: ``eta``: never admit a trajectory staler than this many versions (``None``: no bound; see
+            :mod:`knitdata.admission.bound`). A complete group past it is dropped whole (:meth:`take_dropped`);
+            quota-preserving policies then take each source's oldest groups first.
+        on_stale: ``"drop"`` or ``"wait"`` (producers also :meth:`reserve` within :meth:`rollout_capacity`).
+        version_offset: The trainer's version before the first mini-batch (step 0).
 
     Protocol: call :meth:`offer` with finished trajectories (a group becomes admissible once all its
     ``group_size`` members arrived), optionally :meth:`set_in_flight`, :meth:`withdraw` dropped groups,
@@ -55,7 +166,8 @@ class AdmissionPolicy(abc.ABC):
     name: str = ""
     preserves_quotas: bool = True
 
-    def __init__(self, spec: BatchSpec, *, continuous: bool = False) -> None:
+    def __init__(self, spec: BatchSpec, *, continuous: bool = False, max_staleness: int | None = None,
+                 on_stale: str = "drop", version_offset: int = 0) -> None:
         if not isinstance(spec, BatchSpec):
             raise ConfigError(f"{type(self).__name__} needs a BatchSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -77,6 +189,8 @@ class AdmissionPolicy(abc.ABC):
         self._b = 0
         self._k = 0
         self._seq = 0
+        self._pending_groups: dict[str, int] = dict.fromkeys(spec.sources, 0)
+        self._init_bound(max_staleness, on_stale, version_offset, self.preserves_quotas)
 
     # -- properties ------------------------------------------------------------------------------------
     @property
@@ -134,6 +248,9 @@ class AdmissionPolicy(abc.ABC):
             if members is None:
                 members = self._pending[t.group] = []
                 ids = self._pending_ids[t.group] = set()
+                self._pending_groups[t.source] += 1
+                if self._bound is not None:
+                    self._bound.arrived(t.source)
             elif members[0].source != t.source:
                 raise ValidationError(
                     f"group {t.group!r} mixes sources {members[0].source!r} and {t.source!r}",
@@ -153,11 +270,16 @@ class AdmissionPolicy(abc.ABC):
                 del self._pending[t.group]
                 del self._pending_ids[t.group]
                 self._pending_members[t.source] -= g
+                self._pending_groups[t.source] -= 1
                 grp = ReadyGroup(self._seq, t.group, t.source, tuple(members), min(x.gen_version for x in members))
                 self._seq += 1
+                if self._expired(grp.version):
+                    self._drop(grp)
+                    continue
                 self._ready[t.source].append(grp)
                 self._ready_n[t.source] += 1
                 self._ready_groups[t.group] = grp
+                self._track(grp)
 
     def set_in_flight(self, counts: Mapping[str, int]) -> None:
         """Tell how many trajectories per source are in flight or still to dispatch for this train batch.
@@ -197,6 +319,7 @@ class AdmissionPolicy(abc.ABC):
         if members is not None:
             del self._pending_ids[group]
             self._pending_members[members[0].source] -= len(members)
+            self._pending_groups[members[0].source] -= 1
             return list(members)
         grp = self._ready_groups.pop(group, None)
         if grp is None:
@@ -204,6 +327,7 @@ class AdmissionPolicy(abc.ABC):
         self._ready_n[grp.source] -= 1
         out: list[TrajectoryMeta] = list(grp.metas)
         grp.metas = ()  # lazily skipped when it reaches the deque head
+        grp.gone = True
         return out
 
     # -- output ---------------------------------------------------------------------------------------
@@ -218,6 +342,7 @@ class AdmissionPolicy(abc.ABC):
         """
         out: list[AdmittedMiniBatch] = []
         while True:
+            self._expire()
             self._check_supply()
             counts = self._choose()
             if counts is None:
@@ -232,14 +357,23 @@ class AdmissionPolicy(abc.ABC):
     # -- helpers ------------------------------------------------------------------------------------
     def _head(self, s: str) -> ReadyGroup | None:
         dq = self._ready[s]
-        while dq and not dq[0].metas:
+        while dq and dq[0].gone:
             dq.popleft()
+        if self._oldest_first:  # with a bound: the source's oldest group first
+            h = self._by_version[s]
+            while h and h[0][2].gone:
+                heapq.heappop(h)
+            return h[0][2] if h else None
         return dq[0] if dq else None
 
     def _pop(self, s: str) -> ReadyGroup:
         grp = self._head(s)
         assert grp is not None, "ready counter out of sync"
-        self._ready[s].popleft()
+        if self._oldest_first:
+            heapq.heappop(self._by_version[s])
+        else:
+            self._ready[s].popleft()
+        grp.gone = True
         self._ready_n[s] -= 1
         del self._ready_groups[grp.group]
         return grp
@@ -321,10 +455,11 @@ class AdmissionPolicy(abc.ABC):
         ready: list[list[Any]] = []
         for s in self._Q:
             for grp in self._ready[s]:
-                if grp.metas:
+                if not grp.gone:
                     ready.append([grp.seq, grp.group, [t.to_dict() for t in grp.metas]])
         ready.sort(key=lambda r: int(r[0]))
         return {
+            **({} if self._bound is None else {"bound": self._bound.state_dict()}),
             "policy": self.name,
             "spec": self.spec.to_dict(),
             "continuous": self.continuous,
@@ -349,8 +484,12 @@ class AdmissionPolicy(abc.ABC):
                 raise StateError(f"state is for policy {state['policy']!r}, not {self.name!r}")
             if BatchSpec.from_dict(state["spec"]) != self.spec:
                 raise StateError(f"state has batch spec {state['spec']}, this policy has {self.spec.to_dict()}")
+            bound = self._check_bound_state(state)
             fresh = type(self).__new__(type(self))
-            AdmissionPolicy.__init__(fresh, self.spec, continuous=bool(state["continuous"]))
+            AdmissionPolicy.__init__(fresh, self.spec, continuous=bool(state["continuous"]),
+                                     max_staleness=self.max_staleness, on_stale=self.on_stale,
+                                     version_offset=self.version_offset)
+            fresh._loading = True
             for _grp, ms in state["pending"]:
                 if not isinstance(ms, list) or not 0 < len(ms) < self._g:
                     raise StateError(f"a pending group holds 1 to {self._g - 1} members, got {str(ms)[:100]}")
@@ -374,6 +513,9 @@ class AdmissionPolicy(abc.ABC):
             if inf is not None and (not isinstance(inf, Mapping) or not set(inf) <= set(self._Q)):
                 raise StateError(f"in_flight must be null or counts of sources {sorted(self._Q)}, got {str(inf)[:100]}")
             fresh._in_flight = None if inf is None else {s: _count(inf.get(s, 0), f"in_flight.{s}") for s in self._Q}
+            if bound is not None and fresh._bound is not None:
+                fresh._bound.load_state_dict(bound)
+            fresh._loading = False
         except StateError:
             raise
         except KnitdataError as e:
@@ -392,6 +534,6 @@ class AdmissionPolicy(abc.ABC):
             "_in_flight",
             "_b",
             "_k",
-            "_seq",
+            "_seq", "_bound", "_by_version", "_pending_groups",
         ):
             setattr(self, attr, getattr(fresh, attr))

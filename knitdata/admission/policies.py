@@ -29,6 +29,17 @@ class TrainBatchAdmission(AdmissionPolicy):
 
     name = "train_batch"
 
+    def __init__(self, spec: BatchSpec, *, continuous: bool = False, max_staleness: int | None = None,
+                 on_stale: str = "drop", version_offset: int = 0) -> None:
+        super().__init__(spec, continuous=continuous, max_staleness=max_staleness, on_stale=on_stale,
+                         version_offset=version_offset)
+        if max_staleness is not None and max_staleness < spec.num_minibatches - 1:
+            raise ConfigError(
+                f"train_batch admission cannot keep max_staleness={max_staleness} with M={spec.num_minibatches} "
+                f"mini-batches: the whole train batch is generated before its first mini-batch, so its last one is "
+                f"at least M - 1 = {spec.num_minibatches - 1} versions stale; raise the bound or use "
+                "constraint_preserving admission")
+
     def _choose(self) -> dict[str, int] | list[ReadyGroup] | None:
         rem = self._remaining()
         if any(self._ready_n[s] < r for s, r in rem.items()):
@@ -82,8 +93,10 @@ class LinearTargetAdmission(AdmissionPolicy):
 
     name = "linear_target"
 
-    def __init__(self, spec: BatchSpec, *, continuous: bool = False) -> None:
-        super().__init__(spec, continuous=continuous)
+    def __init__(self, spec: BatchSpec, *, continuous: bool = False, max_staleness: int | None = None,
+                 on_stale: str = "drop", version_offset: int = 0) -> None:
+        super().__init__(spec, continuous=continuous, max_staleness=max_staleness, on_stale=on_stale,
+                         version_offset=version_offset)
         self._schedule = even_completion(self._Q, self._M)
 
     def _choose(self) -> dict[str, int] | list[ReadyGroup] | None:
@@ -154,7 +167,7 @@ def make_policy(name: str, spec: BatchSpec, **kw: Any) -> AdmissionPolicy:
     Args:
         name: One of ``"train_batch"``, ``"fifo"``, ``"linear_target"``, ``"constraint_preserving"``.
         spec: The batch specification.
-        **kw: Passed to the policy (``continuous=``).
+        **kw: Passed to the policy (``continuous=``, ``max_staleness=``, ``on_stale=``, ``version_offset=``).
 
     Raises:
         ConfigError: Unknown name.

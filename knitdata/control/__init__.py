@@ -7,6 +7,7 @@ the parts share), the parts :mod:`~knitdata.control.admit`, :mod:`~knitdata.cont
 file formats :mod:`~knitdata.control.journal` and :mod:`~knitdata.control.snapshot`.
 """
 
+from knitdata.control.admit import acquire_rollout
 from knitdata.control.plane import (
     FIRE_AND_FORGET,
     JOURNALED_OPS,
@@ -19,4 +20,4 @@ from knitdata.control.plane import (
 from knitdata.control.surface import ControlCall
 
 __all__ = ["ControlPlane", "ControlCall", "SURFACE", "JOURNALED_OPS", "FIRE_AND_FORGET", "PLANE_DEFAULTS",
-           "RELEASE_MODES", "fields_of"]
+           "RELEASE_MODES", "fields_of", "acquire_rollout"]

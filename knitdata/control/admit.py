@@ -20,11 +20,18 @@ from knitdata.admission import AdmittedMiniBatch
 from knitdata.control.positions import check_verifications
 from knitdata.control.state import WITHDRAWN_MEMORY, entry_fingerprint
 from knitdata.control.surface import Part, control_call, control_part
-from knitdata.errors import ConfigError, FieldTypeError, KnitdataError, QuotaInfeasibleError, ValidationError
+from knitdata.errors import (
+    ConfigError,
+    FieldTypeError,
+    KnitdataError,
+    QuotaInfeasibleError,
+    RolloutThrottled,
+    ValidationError,
+)
 from knitdata.planner import MiniBatchPlan
 from knitdata.record import TrajectoryMeta
 
-__all__ = ["Admission", "check_schema", "rejection_cause"]
+__all__ = ["Admission", "acquire_rollout", "check_schema", "rejection_cause"]
 
 
 def rejection_cause(e: KnitdataError) -> str:
@@ -55,6 +62,40 @@ def check_schema(tid: str, fields: Mapping[str, Any] | None, schema: Mapping[str
             raise FieldTypeError(
                 f"has dtype {dt} but the pipeline's first trajectory fixed {want_t[name]} for this field; cast it "
                 "before put (a micro-batch holds one dtype per field)", trajectory_id=tid, field=f"tensors.{name}")
+
+
+def acquire_rollout(engine: Any, want: Mapping[str, int], version: int | None = None, timeout: float | None = 60.0,
+                    poll_s: float = 0.01) -> None:
+    """The throttle of ``on_stale="wait"`` (:meth:`knitdata.Pipeline.acquire_rollout`): block until the staleness
+    bound has room, then reserve ``want`` prompts (groups) per source, to start with policy ``version`` (default: the
+    trainer's last reported). A reservation ends when the first member of a group of that source is put (or with
+    :meth:`Admission.unreserve_rollout`). With ``on_stale="drop"`` it returns at once and reserves nothing.
+
+    Args:
+        engine: The pipeline's engine (its ``control`` and ``config``).
+        want: ``{source: prompts}``.
+        version: The policy version the prompts will be generated with.
+        timeout: Most seconds to wait (``None``: no limit); tries are ``poll_s`` apart, doubling up to 0.2 s.
+        poll_s: The first pause.
+
+    Raises:
+        RolloutThrottled: No room within ``timeout`` (the trainer has not advanced: it waits for other sources, or
+            the consumers stopped); the message gives the capacity and what admission waits for.
+        ConfigError: The pipeline has no ``max_staleness``.
+    """
+    plane = engine.control
+    if dict(engine.config["admission_options"]).get("on_stale", "drop") != "wait":
+        plane.rollout_capacity(version)  # raises without a bound
+        return
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = poll_s
+    while not plane.reserve_rollout(dict(want), version):
+        if deadline is not None and time.monotonic() >= deadline:
+            raise RolloutThrottled(f"no room within max_staleness for {dict(want)} after {timeout} s (capacity now "
+                                   f"{plane.rollout_capacity(version)}); the trainer must advance first: it waits for "
+                                   f"{plane.missing()}")
+        time.sleep(pause)
+        pause = min(0.2, pause * 2)
 
 
 @control_part("admission")
@@ -279,6 +320,57 @@ class Admission(Part):
             s.cond.notify_all()
             return dict(s.close_report)
 
+    # ------------------------------------------------------------------------------------ staleness bound
+    @control_call()
+    def rollout_capacity(self, version: int | None = None) -> dict[str, int]:
+        """Groups (prompts) per source that may still start with policy ``version`` (default: the trainer's last
+        reported version) and be admitted within ``max_staleness``; see
+        :meth:`~knitdata.admission.AdmissionPolicy.rollout_capacity`.
+
+        Raises:
+            ConfigError: The pipeline has no staleness bound.
+        """
+        with self.s.cond:
+            return self.s.policy.rollout_capacity(self._version(version))
+
+    @control_call(journaled=True)
+    def reserve_rollout(self, counts: Mapping[str, int], version: int | None = None) -> bool:
+        """Reserve ``counts`` groups per source if the bound leaves room for all (all or nothing); see
+        :meth:`~knitdata.admission.AdmissionPolicy.reserve`."""
+        with self.s.cond:
+            return self.s.policy.reserve(dict(counts), self._version(version))
+
+    @control_call(journaled=True)
+    def unreserve_rollout(self, counts: Mapping[str, int]) -> None:
+        """Give back reservations of prompts that will not be generated."""
+        with self.s.cond:
+            self.s.policy.unreserve(dict(counts))
+
+    @control_call(journaled=True)
+    def take_dropped(self) -> list[dict[str, Any]]:
+        """The groups the staleness bound dropped since the last call, for the producer to regenerate (see
+        :meth:`~knitdata.admission.AdmissionPolicy.take_dropped`)."""
+        with self.s.cond:
+            return self.s.policy.take_dropped()
+
+    def _version(self, version: int | None) -> int:
+        if version is None:
+            return self.s.version
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValidationError(f"version must be a non-negative int or None, got {version!r}", field="version")
+        return version
+
+    def _release_dropped(self) -> None:
+        """Free the payloads of the groups the staleness bound dropped (the policy lists them for regeneration)."""
+        s = self.s
+        metas = s.policy.pop_released()
+        if not metas:
+            return
+        for m in metas:
+            s.pending.pop(m.id, None)
+            s.placement.forget_group(m.group)
+        s.release_metas(metas)
+
     # ------------------------------------------------------------------------------------ planning
     def poll(self) -> None:
         """Plan every mini-batch admission releases now and queue its micro-batches per rank (as *entries*)."""
@@ -286,8 +378,10 @@ class Admission(Part):
         try:
             admitted = s.policy.poll(time.monotonic())
         except KnitdataError as e:
+            self._release_dropped()
             s.fail(e)
             raise
+        self._release_dropped()
         planned: list[tuple[AdmittedMiniBatch, MiniBatchPlan]] = []
         for mb in admitted:
             plan = s.planner.plan(mb, s.loss)

@@ -22,6 +22,7 @@ from knitdata.metrics import TransferMeter
 from knitdata.placement import ConsumerLayout, make_placement
 from knitdata.planner import MiniBatchPlan, Planner
 from knitdata.record import TrajectoryMeta
+from knitdata.staleness import TokenStaleness
 
 __all__ = ["PlaneState", "Lease", "RELEASE_MODES", "PLANE_DEFAULTS", "LEASE_TTL_S", "PRODUCER_TTL_S",
            "DELIVERED_MEMORY", "WITHDRAWN_MEMORY", "FP_KEEP", "FP_EMPTY", "RECENT_RELEASES", "SNAPSHOT_FORMAT",
@@ -194,6 +195,7 @@ class PlaneState:
         self.version = 0
         self.version_times: deque[float] = deque(maxlen=1024)
         self.staleness: deque[int] = deque(maxlen=10_000)
+        self.token_staleness = TokenStaleness()  # per token, since this plane started (not in snapshots)
         self.consumer_stats: list[dict[str, Any] | None] = [None] * n
         self.transfer = TransferMeter()
         self.counts = {"puts": 0, "rejected": 0, "withdrawn": 0, "admitted_minibatches": 0,
