@@ -214,3 +214,50 @@ def test_a_producer_that_dies_without_close_does_not_stall_consumers(engine, req
     assert res["error"][0] == "IncompleteStreamError", res["error"]
     assert "stopped without close()" in res["error"][3] and "math" in res["error"][3], res["error"]
     assert res["after_s"] < (40 if engine == "ray" else 10), res
+
+
+# --- reshape ---
+def _check_reshape(res: dict[str, Any]) -> None:
+    """Every case: the phases' trajectory ids together are every id put, each once (0 lost, 0 duplicated)."""
+    want = sorted(res["all"])
+    assert res["cases"]
+    for case, phases in res["cases"].items():
+        got = [i for ids in phases for i in ids]
+        dup = sorted({i for i in got if got.count(i) > 1})
+        assert not dup, f"{case}: delivered twice: {dup[:10]}"
+        lost = sorted(set(want) - set(got))
+        assert not lost, f"{case}: never delivered: {lost[:10]}"
+        assert sorted(got) == want, case
+
+
+#: [N, W, N', W', save point(, N'')]: ranks take (point + 3 r) % 7 micro-batches before their states are saved.
+RESHAPE_CASES = [[2, 0, 3, 0, 2], [4, 0, 1, 0, 1], [1, 0, 2, 0, 3, 2], [3, 0, 2, 0, 4, 3]]
+RESHAPE_CASES_RAY = [[2, 0, 3, 0, 2], [4, 0, 1, 0, 1], [1, 0, 2, 2, 3], [2, 2, 1, 0, 5]]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_reshape_resumes_onto_another_number_of_ranks(engine, request):
+    """Issue 25.1: states of N ranks (W workers) resume on N' ranks (W' workers) in a fresh pipeline refilled
+    with the same puts, and again after that: 0 lost, 0 duplicated (by trajectory id)."""
+    cases = RESHAPE_CASES if engine == "embedded" else RESHAPE_CASES_RAY
+    _check_reshape(run_on(engine, request, "reshape", cases=cases))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_reshape_a_live_pipeline(engine, request):
+    """Issue 25.1, case 2: the live pipeline is reshaped (pipe.reshape) and new ranks continue in it."""
+    _check_reshape(run_on(engine, request, "reshape", cases=[[2, 0, 3, 0, 2], [3, 0, 1, 0, 4]], mode="live"))
+
+
+def _matrix(ws: tuple[int, ...]) -> list[list[int]]:
+    sizes = (1, 2, 3, 4, 8)
+    return [[n, w, n2, w2, p] for n in sizes for n2 in sizes for w in ws for w2 in ws for p in (0, 2, 5)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ENGINES)
+def test_reshape_full_matrix(engine, request):
+    """Issue 25.1 acceptance: every (N, N') in {1, 2, 3, 4, 8}^2, at three save points; W, W' in {0, 2} on Ray
+    (the embedded engine has no worker processes)."""
+    cases = _matrix((0,)) if engine == "embedded" else _matrix((0, 2))
+    _check_reshape(run_on(engine, request, "reshape", timeout_s=3000.0, cases=cases))
