@@ -38,13 +38,13 @@ from knitdata.control.rankstates import (
 )
 from knitdata.control.state import FP_EMPTY, PlaneState, entry_fingerprint
 from knitdata.control.surface import Part, control_call, control_part
-from knitdata.errors import StateError
+from knitdata.errors import KnitdataError, StateError
 from knitdata.placement import ConsumerLayout
 from knitdata.planner import AdmittedLike, MiniBatchPlan, Planner
 from knitdata.record import TrajectoryMeta
 
 __all__ = ["MAX_SEGMENTS", "Remainder", "Segments", "Reshaping", "merge_rank_states", "remainder_of", "replan",
-           "route", "note_planned"]
+           "route", "note_planned", "snapshot_part", "snapshot_layout", "load_snapshot_part"]
 
 #: The most layout segments a history keeps (each reshape before the remainders of the last one were consumed
 #: adds one).
@@ -478,3 +478,104 @@ def _old_layout(merged: Mapping[str, Any], plane_layout: ConsumerLayout) -> Cons
         return layout_from_runs(merged["layout"])
     n = int(merged["num_consumers"])
     return plane_layout if plane_layout.num_consumers == n else ConsumerLayout.single_node(n)
+
+
+# ----------------------------------------------------------------------------------------------- snapshots
+def snapshot_part(s: PlaneState) -> dict[str, Any] | None:
+    """The reshape part of a control-plane snapshot (``None`` for a plane never reshaped with nothing queued):
+    the current layout, the segments with their run-time counters, and the records of the queued mini-batches."""
+    seg: Segments | None = s.segments
+    records = [[m, mb.train_batch, mb.index, [t.to_dict() for t in mb.trajectories],
+                list(getattr(mb, "group_sizes", ()) or ()), None if items is None else [t.id for t in items], off, k,
+                refs] for m, (mb, items, off, k, refs) in sorted(s.mb_records.items())]
+    out: dict[str, Any] = {"layout": s.layout.to_dict(), "records": records, "segments": None}
+    if seg is not None:
+        out["segments"] = {
+            "history": seg.history(), "counters": [[c.counter, list(c.chains)] for c in seg.closed],
+            "first_whole": seg.first_whole, "remainder_entries": seg.remainder_entries,
+            "remainder_fps": seg.remainder_fps, "applied": seg.applied,
+        }
+    return out
+
+
+def snapshot_layout(part: Any) -> ConsumerLayout | None:
+    """The current layout a snapshot's reshape part names (``None``: the plane's own).
+
+    Raises:
+        StateError: A malformed part.
+    """
+    if part is None:
+        return None
+    try:
+        return ConsumerLayout.from_dict(part["layout"])
+    except (KeyError, TypeError, ValueError, KnitdataError) as e:
+        raise StateError(f"control-plane snapshot: bad reshape part ({type(e).__name__}: {e})") from e
+
+
+def load_snapshot_part(s: PlaneState, part: Any) -> None:
+    """Restore what :func:`snapshot_part` saved (after the rest of the snapshot was loaded).
+
+    Raises:
+        StateError: A malformed part.
+    """
+    layout = snapshot_layout(part)
+    if layout is None:  # a snapshot of format 1 or 2: never reshaped; records rebuilt from the queues
+        s.mb_records, s.segments = _records_from_queues(s), None
+        _adopt_layout(s, ConsumerLayout.from_dict(s.base_layout))
+        return
+    try:
+        records: dict[int, list[Any]] = {}
+        for m, b, i, metas, sizes, items, off, k, refs in part["records"]:
+            trajs = tuple(TrajectoryMeta.from_dict(d) for d in metas)
+            by_id = {t.id: t for t in trajs}
+            mb = _Admitted(int(b), int(i), int(m), trajs, tuple(int(x) for x in sizes))
+            rest = None if items is None else tuple(by_id[str(x)] for x in items)
+            records[int(m)] = [mb, rest, int(off), int(k), int(refs)]
+        segp = part["segments"]
+        seg = None
+        if segp is not None:
+            h = segp["history"]
+            seg = Segments(int(h["root_whole"]), h["closed"], h["current"], s.planner)
+            for c, (counter, chains) in zip(seg.closed, segp["counters"]):
+                c.counter, c.chains = int(counter), list(chains)
+            seg.first_whole, seg.remainder_entries = segp["first_whole"], segp["remainder_entries"]
+            seg.remainder_fps, seg.applied = segp["remainder_fps"], segp["applied"]
+    except (KeyError, TypeError, ValueError, IndexError, KnitdataError) as e:
+        raise StateError(f"control-plane snapshot: bad reshape part ({type(e).__name__}: {e})") from e
+    s.mb_records = records
+    s.segments = seg
+    _adopt_layout(s, layout)
+
+
+def _records_from_queues(s: PlaneState) -> dict[int, list[Any]]:
+    """Records of the queued mini-batches from the entries alone (a snapshot of format 1 or 2 has none): their
+    trajectories in ``(seq, id)`` order, not as admitted, so a later live reshape plans an untouched one from
+    that order."""
+    found: dict[int, list[Any]] = {}
+    for q in s.queues:
+        for e in q.values():
+            info = e["info"]
+            rec = found.setdefault(int(e["minibatch"]), [info, [], int(e["j"]) - int(info["microbatch"]),
+                                                        int(info["num_microbatches"]), 0])
+            rec[1].extend(s.live[tid] for tid, _u, _n in e["items"] if tid in s.live)
+            rec[4] += 1
+    return {m: [_Admitted(int(info["train_batch"]), int(info["minibatch_in_batch"]), m, _canonical(metas)), None, off,
+                k, refs] for m, (info, metas, off, k, refs) in found.items()}
+
+
+def _adopt_layout(s: PlaneState, layout: ConsumerLayout) -> None:
+    if layout != s.layout:
+        s.layout = layout
+        s.config["layout"] = layout.to_dict()
+        s.planner = _planner_like(s.planner, layout)
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """An admitted mini-batch as a snapshot keeps it (an :class:`~knitdata.planner.AdmittedLike`)."""
+
+    train_batch: int
+    index: int
+    step: int
+    trajectories: tuple[TrajectoryMeta, ...]
+    group_sizes: tuple[int, ...] = ()

@@ -61,8 +61,9 @@ FP_KEEP = 64
 FP_EMPTY = "0" * 16
 #: How many released trajectory ids a snapshot keeps, to send their releases again after a recovery.
 RECENT_RELEASES = 8192
-#: The version of :meth:`ControlPlane.state_dict`'s format (2 adds the replay fingerprints; 1 is still read).
-SNAPSHOT_FORMAT = 2
+#: The version of :meth:`ControlPlane.state_dict`'s format (2 adds the replay fingerprints, 3 the reshape part:
+#: layout history and the queued mini-batches; 1 and 2 are still read).
+SNAPSHOT_FORMAT = 3
 
 
 @dataclass
@@ -120,6 +121,7 @@ class PlaneState:
                  journal: Journal | None = None) -> None:
         cfg = {**PLANE_DEFAULTS, **dict(config)}
         self.config = cfg
+        self.base_layout = cfg["layout"]  # the layout the plane was built with (a reshape changes config["layout"])
         self.spec = BatchSpec.from_dict(cfg["spec"])
         self.layout = ConsumerLayout.from_dict(cfg["layout"])
         if cfg["release"] not in RELEASE_MODES:
