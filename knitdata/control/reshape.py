@@ -306,7 +306,7 @@ class Reshaping(Part):
         key = canon(merged)
         with s.cond:
             seg: Segments | None = s.segments
-            if seg is not None and seg.applied == key:
+            if seg is not None and seg.applied == key and (layout is None or ConsumerLayout.from_dict(layout) == s.layout):
                 return {"num_consumers": s.layout.num_consumers, "replanned": 0, "segments": len(seg.closed) + 1}
             new_layout = s.layout if layout is None else ConsumerLayout.from_dict(layout)
             n_old = int(merged["num_consumers"])
