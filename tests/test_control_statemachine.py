@@ -37,7 +37,7 @@ RANKS = st.sampled_from([1, 2, 3, 4])
 
 
 def _config(n: int) -> dict[str, Any]:
-    return {"spec": SPEC.to_dict(), "layout": ConsumerLayout.single_node(n).to_dict(), "token_budget": 48}
+    return {"spec": SPEC.to_dict(), "layout": ConsumerLayout.single_node(n).to_dict(), "token_budget": 32}
 
 
 class ControlPlaneMachine(RuleBasedStateMachine):
@@ -94,7 +94,7 @@ class ControlPlaneMachine(RuleBasedStateMachine):
     def start(self, n: int) -> None:
         self._new_plane(n)
 
-    @rule(sources=st.lists(st.sampled_from("ab"), min_size=1, max_size=4), lengths=st.integers(0, 1000))
+    @rule(sources=st.lists(st.sampled_from("ab"), min_size=1, max_size=8), lengths=st.integers(0, 1000))
     def put(self, sources: list[str], lengths: int) -> None:
         """Whole groups of two, one admit_many per group."""
         for s in sources:
@@ -104,13 +104,13 @@ class ControlPlaneMachine(RuleBasedStateMachine):
             for k in range(2):
                 i = 2 * g + k
                 meta = {"id": f"t{i}", "source": s, "group": f"g{g}", "gen_version": 0,
-                        "num_tokens": 4 + (i * 7 + lengths) % 40, "nbytes": 16, "fields": fields_of(["r"], {})}
+                        "num_tokens": 4 + (i * 7 + lengths) % 28, "nbytes": 16, "fields": fields_of(["r"], {})}
                 items.append([meta, 0, f"tok{i}"])
             ans = self.plane.admit_many("node0", items)
             assert not ans["errors"], ans["errors"]
             self.puts += items
 
-    @rule(rank=st.integers(0, 7), count=st.integers(1, 4))
+    @rule(rank=st.integers(0, 7), count=st.integers(1, 6))
     def hand_out(self, rank: int, count: int) -> None:
         """A consumer takes its next micro-batches (and reports them, as its sender does)."""
         r = rank % self.n
@@ -247,7 +247,7 @@ class ControlPlaneMachine(RuleBasedStateMachine):
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-_SHORT = settings(max_examples=25, stateful_step_count=25, deadline=None,
+_SHORT = settings(max_examples=20, stateful_step_count=30, deadline=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 _LONG = settings(max_examples=400, stateful_step_count=60, deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
