@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from knitdata.consumer import ConsumerSession, MediaStage, PlanStage, ReadStage, produce
-from knitdata.control.rankstates import MERGED_FORMAT
+from knitdata.control.rankstates import MERGED_FORMAT, collect_states
 from knitdata.engines.base import Engine
 from knitdata.errors import ConfigError, EngineError, KnitdataError, StateError
 from knitdata.fetch import FETCH_MODES, FetchMode, fetch_mode
@@ -63,17 +63,7 @@ _OLD_STATE_VERSIONS = (2,)  # read too (no fingerprint: a refill cannot be check
 
 def find_states(obj: Any, out: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Every dataset state nested in ``obj`` (itself, or a ``StatefulDataLoader`` state with worker snapshots)."""
-    out = [] if out is None else out
-    if isinstance(obj, Mapping):
-        if obj.get("format") == STATE_FORMAT:
-            out.append(dict(obj))
-        else:
-            for v in obj.values():
-                find_states(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            find_states(v, out)
-    return out
+    return collect_states(obj, (STATE_FORMAT,), out)
 
 
 def _count(state: Mapping[str, Any], key: str, *, optional: bool = False) -> Any:

@@ -13,8 +13,8 @@ from knitdata.control.state import FP_EMPTY
 from knitdata.errors import KnitdataError, StateError
 from knitdata.placement import ConsumerLayout
 
-__all__ = ["MERGED_FORMAT", "RANK_STATE_FORMAT", "merge_rank_states", "check_merged", "layout_runs",
-           "layout_from_runs", "canon"]
+__all__ = ["MERGED_FORMAT", "RANK_STATE_FORMAT", "merge_rank_states", "check_merged", "collect_states",
+           "layout_runs", "layout_from_runs", "canon"]
 
 #: ``format`` of a merged state (:func:`merge_rank_states`).
 MERGED_FORMAT = "knitdata.MergedRankStates"
@@ -57,16 +57,21 @@ def _nonneg(v: Any, what: str) -> int:
     return v
 
 
-def _flatten(obj: Any, out: list[dict[str, Any]]) -> None:
+def collect_states(obj: Any, formats: tuple[str, ...] = (RANK_STATE_FORMAT, MERGED_FORMAT),
+                   out: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Every state of one of ``formats`` nested in ``obj`` (itself, or a ``StatefulDataLoader`` state holding one
+    per worker, or lists and dicts of those), in order."""
+    out = [] if out is None else out
     if isinstance(obj, Mapping):
-        if obj.get("format") in (RANK_STATE_FORMAT, MERGED_FORMAT):
+        if obj.get("format") in formats:
             out.append(dict(obj))
         else:
             for v in obj.values():
-                _flatten(v, out)
+                collect_states(v, formats, out)
     elif isinstance(obj, (list, tuple)):
         for v in obj:
-            _flatten(v, out)
+            collect_states(v, formats, out)
+    return out
 
 
 def canon(x: Any) -> str:
@@ -161,8 +166,7 @@ def merge_rank_states(states: Iterable[Any]) -> dict[str, Any]:
         >>> merge_rank_states([{**s, "rank": 0}, {**s, "rank": 1, "next": 2}])["positions"]
         [3, 2]
     """
-    flat: list[dict[str, Any]] = []
-    _flatten(list(states), flat)
+    flat = collect_states(list(states))
     if not flat:
         raise _bad("no knitdata dataset state among the inputs")
     merged = [s for s in flat if s.get("format") == MERGED_FORMAT]

@@ -29,6 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from knitdata.admission import AdmittedMiniBatch
 from knitdata.control.rankstates import (
     canon,
     check_merged,
@@ -528,7 +529,7 @@ def load_snapshot_part(s: PlaneState, part: Any) -> None:
         for m, b, i, metas, sizes, items, off, k, refs in part["records"]:
             trajs = tuple(TrajectoryMeta.from_dict(d) for d in metas)
             by_id = {t.id: t for t in trajs}
-            mb = _Admitted(int(b), int(i), int(m), trajs, tuple(int(x) for x in sizes))
+            mb = AdmittedMiniBatch(int(b), int(i), int(m), trajs, group_sizes=tuple(int(x) for x in sizes))
             rest = None if items is None else tuple(by_id[str(x)] for x in items)
             records[int(m)] = [mb, rest, int(off), int(k), int(refs)]
         segp = part["segments"]
@@ -559,7 +560,7 @@ def _records_from_queues(s: PlaneState) -> dict[int, list[Any]]:
                                                         int(info["num_microbatches"]), 0])
             rec[1].extend(s.live[tid] for tid, _u, _n in e["items"] if tid in s.live)
             rec[4] += 1
-    return {m: [_Admitted(int(info["train_batch"]), int(info["minibatch_in_batch"]), m, _canonical(metas)), None, off,
+    return {m: [AdmittedMiniBatch(int(info["train_batch"]), int(info["minibatch_in_batch"]), m, _canonical(metas)), None, off,
                 k, refs] for m, (info, metas, off, k, refs) in found.items()}
 
 
@@ -568,14 +569,3 @@ def _adopt_layout(s: PlaneState, layout: ConsumerLayout) -> None:
         s.layout = layout
         s.config["layout"] = layout.to_dict()
         s.planner = _planner_like(s.planner, layout)
-
-
-@dataclass(frozen=True)
-class _Admitted:
-    """An admitted mini-batch as a snapshot keeps it (an :class:`~knitdata.planner.AdmittedLike`)."""
-
-    train_batch: int
-    index: int
-    step: int
-    trajectories: tuple[TrajectoryMeta, ...]
-    group_sizes: tuple[int, ...] = ()
