@@ -107,8 +107,8 @@ class ControlPlaneMachine(RuleBasedStateMachine):
                         "num_tokens": 4 + (i * 7 + lengths) % 28, "nbytes": 16, "fields": fields_of(["r"], {})}
                 items.append([meta, 0, f"tok{i}"])
             ans = self.plane.admit_many("node0", items)
+            self.puts += [it for it, ok in zip(items, ans["accepted"]) if ok is not None]
             assert not ans["errors"], ans["errors"]
-            self.puts += items
 
     @rule(rank=st.integers(0, 7), count=st.integers(1, 6))
     def hand_out(self, rank: int, count: int) -> None:
@@ -202,6 +202,7 @@ class ControlPlaneMachine(RuleBasedStateMachine):
     def exactly_once(self) -> None:
         if not hasattr(self, "plane"):
             return
+        assert self.plane.error is None, f"the plane stopped: {self.plane.error}"
         dup = [i for i, c in Counter(self.taken).items() if c > 1]
         assert not dup, f"taken twice: {dup}"
         taken = set(self.taken)

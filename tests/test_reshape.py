@@ -146,8 +146,8 @@ def _plane(n: int) -> ControlPlane:
     return ControlPlane(cfg, {"node0": "node0"}, lambda u, ids, wait: None)
 
 
-def _fill(plane: ControlPlane, n: int = 32) -> None:
-    for i in range(n):
+def _fill(plane: ControlPlane, n: int = 32, order: list[int] | None = None) -> None:
+    for i in order if order is not None else range(n):
         tid = f"t{i}"
         meta = {"id": tid, "source": "ab"[(i // 2) % 2], "group": f"g{i // 2}", "gen_version": 0,
                 "num_tokens": 4 + (i * 7) % 30, "nbytes": 10, "fields": fields_of(["r"], {})}
@@ -253,3 +253,35 @@ def test_history_stays_bounded_over_many_reshapes() -> None:
     assert len(positions) == sizes[-1]
     assert sorted(all_ids) == sorted(f"t{i}" for i in range(64))
     assert MAX_SEGMENTS >= 2
+
+
+def test_a_refill_with_other_puts_is_refused_after_a_reshape() -> None:
+    """The merged state carries each old rank's fingerprint: a new job refilled in another order stops with a
+    StateError naming the rank, instead of delivering twice or skipping."""
+    old = _plane(2)
+    _fill(old)
+    positions = [3, 2]
+    for r in range(2):
+        _drain(old, r, 0, positions[r])
+    states = [{"format": "knitdata.TrajectoryDataset", "version": 3, "pipeline": None, "rank": r, "num_consumers": 2,
+               "worker": 0, "num_workers": 1, "next": p, "epoch": 0, "fingerprint": old.fp(r, p),
+               "fingerprint_length": p, "layout": [["node0", 2]]} for r, p in enumerate(positions)]
+    merged = merge_rank_states(states)
+    good = _plane(3)
+    good.reshape(merged)
+    _fill(good)
+    assert good.error is None
+    bad = _plane(3)
+    bad.reshape(merged)
+    order = [(15 - g) * 2 + k for g in range(16) for k in range(2)]  # the same groups, in reverse order
+    _fill_tolerant(bad, order)
+    assert isinstance(bad.error, StateError), bad.error
+    assert "rank " in str(bad.error) and "same puts in the same order" in str(bad.error)
+
+
+def _fill_tolerant(plane: ControlPlane, order: list[int]) -> None:
+    for i in order:
+        meta = {"id": f"t{i}", "source": "ab"[(i // 2) % 2], "group": f"g{i // 2}", "gen_version": 0,
+                "num_tokens": 4 + (i * 7) % 30, "nbytes": 10, "fields": fields_of(["r"], {})}
+        if plane.admit_many("node0", [[meta, 0, f"tok{i}"]])["errors"]:
+            return

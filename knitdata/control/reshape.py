@@ -341,8 +341,9 @@ class Reshaping(Part):
                                    "fps": list(merged["fingerprints"])}
             start = int(old_current.get("offset") or 0)
             rem = merged.get("remainder")
+            closes = True  # the old segment becomes the last closed one
             if all(p == start for p in rec["positions"]):
-                pass  # nothing handed out in that segment: its remainders flow on into the new one
+                closes = False  # nothing handed out in that segment: its remainders flow on into the new one
             elif rem is not None and all(p >= int(rem[1]) for p in rec["positions"]):
                 # every rank consumed the remainders it received: this segment becomes the root
                 root_whole = int(rem[0])
@@ -357,12 +358,12 @@ class Reshaping(Part):
                                s.planner)
             if not fresh and seg is not None:  # the closed segments kept go on where they are
                 for i, c in enumerate(seg.closed):
-                    if i < len(new_seg.closed) and new_seg.closed[i].rec is not c.rec and canon(new_seg.closed[i].rec) == canon(c.rec):
+                    if i < len(new_seg.closed) and canon(new_seg.closed[i].rec) == canon(c.rec):
                         new_seg.closed[i] = c
             if fresh:
                 self._install(new_seg)
             else:
-                replanned = self._reshape_live(merged, new_seg, new_layout)
+                replanned = self._reshape_live(merged, new_seg, new_layout, closes)
             new_seg.applied = key
             return {"num_consumers": new_layout.num_consumers, "replanned": replanned,
                     "segments": len(new_seg.closed) + 1}
@@ -424,8 +425,10 @@ class Reshaping(Part):
                     raise StateError(f"rank {r}: the state's fingerprint of its first {f[0]} micro-batches differs "
                                      "from this pipeline's: a state of another run")
 
-    def _reshape_live(self, merged: Mapping[str, Any], new_seg: Segments, layout: ConsumerLayout) -> int:
-        """Re-plan the queued mini-batches of a live plane for ``layout``; fence every iterator."""
+    def _reshape_live(self, merged: Mapping[str, Any], new_seg: Segments, layout: ConsumerLayout,
+                      closes: bool) -> int:
+        """Re-plan the queued mini-batches of a live plane for ``layout``; fence every iterator. ``closes``: the
+        plane's segment is the last closed one of ``new_seg`` (later mini-batches pass it untouched)."""
         s = self.s
         pos = [int(p) for p in merged["positions"]]
         top = max(pos)
@@ -453,9 +456,9 @@ class Reshaping(Part):
         for key in [k for k in s.leases if k[0] >= layout.num_consumers]:
             del s.leases[key]
         first = s.planned[0] if s.planned else 0
-        for c in new_seg.closed[-1:]:
-            if c.rec.get("positions") == pos and c.counter <= first:
-                c.counter = max(first, c.top)  # later mini-batches were never handed out in that layout
+        if closes:
+            c = new_seg.closed[-1]
+            c.counter = max(first, c.top)  # later mini-batches were never handed out in that layout
         s.segments = new_seg
         self._set_layout(layout, force=True)
         n = 0
