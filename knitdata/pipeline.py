@@ -619,30 +619,18 @@ class Pipeline:
         )
 
     def reshape(self, states: Sequence[Any], layout: ConsumerLayout | int | None = None) -> dict[str, Any]:
-        """Continue this live pipeline with another number of ranks, from the states of all its old ranks.
-
-        Stop the old ranks' iterators first. What they were handed out before their states is never delivered
-        again; the rest of each started mini-batch and everything after it is planned for ``layout`` (see
-        :mod:`knitdata.control.reshape`). Then every new rank (here, or a process that attaches afterwards) builds
-        ``pipe.dataset(rank)`` and loads the same merged state (a no-op for the pipeline, it positions the rank).
-        A new job uses a fresh pipeline instead, whose ranks load the merged state before the refill.
-
-        Args:
-            states: The states of every old rank (with DataLoader workers: every worker's), or one merged state
-                (:func:`knitdata.merge_rank_states`).
-            layout: The new layout, or a number of ranks (on this pipeline's first node); default: unchanged.
-
-        Returns:
-            The merged state the new ranks load (JSON).
+        """Continue this live pipeline on ``layout`` (or that many ranks on its first node) from the states of all
+        its stopped old ranks; returns the merged state every new rank loads. See "Resume onto another number of
+        ranks" in the docs and :meth:`knitdata.control.reshape.Reshaping.reshape`.
 
         Raises:
-            StateError: An incomplete or inconsistent set of states (see :func:`knitdata.merge_rank_states`).
+            StateError: An incomplete or inconsistent set of states (:func:`knitdata.merge_rank_states`).
         """
         from knitdata.control.rankstates import merge_rank_states
 
         merged = merge_rank_states(states)
-        new = (self.layout if layout is None else layout if isinstance(layout, ConsumerLayout)
-               else ConsumerLayout.single_node(layout, self.layout.nodes[0]))
+        new = layout if isinstance(layout, ConsumerLayout) else self.layout if layout is None else \
+            ConsumerLayout.single_node(layout, self.layout.nodes[0])
         self._engine.control.reshape(merged, new.to_dict())
         self._engine.set_layout(new)
         self.layout = new
