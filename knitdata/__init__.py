@@ -14,8 +14,8 @@ admission           :mod:`knitdata.admission` (``spec``, ``composition``, ``base
 placement           :mod:`knitdata.placement`
 planning            :mod:`knitdata.planner` (``records``: ``MicroBatchInfo``; ``core``, ``microbatches``, ``columns``)
 control plane       :mod:`knitdata.control`: ``surface`` (the control calls, declared once), ``state``, ``admit``,
-                    ``leases``, ``positions``, ``reporting``, ``ledger``, ``durability``, ``journal``, ``snapshot``;
-                    ``plane`` (the ``ControlPlane`` facade)
+                    ``leases``, ``positions``, ``reporting``, ``ledger``, ``reshape`` and ``rankstates`` (elastic resume),
+                    ``durability``, ``journal``, ``snapshot``; ``plane`` (the ``ControlPlane`` facade)
 storage             :mod:`knitdata.storage` (``base``, ``embedded``; Ray: ``ray_connect``, ``ray_actor``,
                     ``ray_unit``), :mod:`knitdata.spill`, :mod:`knitdata.shards` (webdataset export/replay)
 engines             :mod:`knitdata.engines` (``base``: the registry; ``embedded``; ``ray``, ``ray_control``)
@@ -93,6 +93,7 @@ _LAZY: dict[str, str] = {
     "ReplicaLayout": "knitdata.parallel",
     "replica_layout": "knitdata.parallel",
     "from_process_groups": "knitdata.parallel",
+    "merge_rank_states": "knitdata.control.rankstates",
 }
 
 __all__ = ["__version__", "Trajectory", "TrajectoryMeta", "MediaItem", *errors.__all__, *_LAZY]
@@ -125,6 +126,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from knitdata.codec import decode_trajectory, encode_trajectory  # noqa: F401
     from knitdata.collate import MicroBatch, TokenCollator  # noqa: F401
     from knitdata.control import ControlPlane  # noqa: F401
+    from knitdata.control.rankstates import merge_rank_states  # noqa: F401
     from knitdata.dataset import TrajectoryDataset  # noqa: F401
     from knitdata.encoder import SharedEncoding, grad_sync  # noqa: F401
     from knitdata.engines.ray import ray_address  # noqa: F401

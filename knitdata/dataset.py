@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from knitdata.consumer import ConsumerSession, MediaStage, PlanStage, ReadStage, produce
+from knitdata.control.rankstates import MERGED_FORMAT, collect_states
 from knitdata.engines.base import Engine
 from knitdata.errors import ConfigError, EngineError, KnitdataError, StateError
 from knitdata.fetch import FETCH_MODES, FetchMode, fetch_mode
@@ -68,17 +69,7 @@ _OLD_STATE_VERSIONS = (2,)  # read too (no fingerprint: a refill cannot be check
 
 def find_states(obj: Any, out: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Every dataset state nested in ``obj`` (itself, or a ``StatefulDataLoader`` state with worker snapshots)."""
-    out = [] if out is None else out
-    if isinstance(obj, Mapping):
-        if obj.get("format") == STATE_FORMAT:
-            out.append(dict(obj))
-        else:
-            for v in obj.values():
-                find_states(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            find_states(v, out)
-    return out
+    return collect_states(obj, (STATE_FORMAT,), out)
 
 
 def _count(state: Mapping[str, Any], key: str, *, optional: bool = False) -> Any:
@@ -180,6 +171,7 @@ class TrajectoryDataset(IterableDataset):
         self._handed_out = 0
         self._cap: int | None = None  # release="step" never releases past the last state taken or loaded
         self._active: weakref.ref[_ConsumerIterator] | None = None
+        self._layout: dict[str, Any] | None = None  # what states carry about the layout (elastic resume)
         self.session = ConsumerSession(self.engine, self.rank, self.replica or 0)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -293,7 +285,13 @@ class TrajectoryDataset(IterableDataset):
             self._cap = nxt
             if it is not None:
                 it.set_cap(nxt)
-            return {
+            lay = self._layout
+            if lay is None or (lay["history"] is not None and lay["remainder"] is None):
+                lay = self._layout = self.engine.control.layout_history(self.rank)
+            extra: dict[str, Any] = {"layout": lay["layout"]}
+            if lay["history"] is not None:
+                extra["layout_history"], extra["layout_remainder"] = lay["history"], lay["remainder"]
+            return {**extra,
                 "format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name, "rank": self.rank,
                 "num_consumers": self.engine.num_consumers, "worker": w, "num_workers": nw, "next": nxt,
                 "minibatch": mb, "microbatch": micro, "end_minibatch": self._end_step, "epoch": self._epoch,
@@ -305,20 +303,39 @@ class TrajectoryDataset(IterableDataset):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue after the micro-batch ``state`` was taken at; payloads before it are released.
 
+        ``state`` is this rank's own state, or the merged state of all ranks of a run saved with another number of
+        ranks or DataLoader workers (:func:`knitdata.merge_rank_states`): then every rank of this pipeline loads
+        the same merged state, before iterating; the pipeline applies it once (see
+        :mod:`knitdata.control.reshape`) and this rank starts at its first micro-batch of the new layout.
+
         With replicas, the state of any replica of the same rank may be loaded (they receive the same micro-batches);
         it positions this dataset's replica only.
 
         Raises:
-            StateError: Not a TrajectoryDataset state, or one of another rank, layout or pipeline.
+            StateError: Not a TrajectoryDataset state, one of another rank, layout or pipeline, or a merged state
+                the pipeline refuses.
         """
+        if isinstance(state, Mapping) and state.get("format") == MERGED_FORMAT:
+            self.engine.control.reshape(dict(state), None)
+            with self._lock:
+                self._close_active()
+                self._next, self._fp, self._pos, self._end_step, self._layout = None, None, None, None, None
+                self._epoch = int(state.get("epoch") or 0)
+                self._handed_out = 0
+                self._cap = None
+            return
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise StateError(f"not a {STATE_FORMAT} state: {state!r:.200}")
         if state.get("version") != _STATE_VERSION and state.get("version") not in _OLD_STATE_VERSIONS:
             raise StateError(f"unsupported state version {state.get('version')!r}; expected {_STATE_VERSION}")
+        if state.get("layout_history") is not None:  # a run reshaped before: this pipeline plans through it
+            self.engine.control.install_history(state["layout_history"])
         if state.get("rank") != self.rank or state.get("num_consumers") != self.engine.num_consumers:
             raise StateError(
                 f"state of rank {state.get('rank')} of {state.get('num_consumers')} consumers loaded into rank "
-                f"{self.rank} of {self.engine.num_consumers}: save and load one state per rank")
+                f"{self.rank} of {self.engine.num_consumers}: save and load one state per rank; to resume onto another "
+                "number of ranks, merge the states of all ranks (knitdata.merge_rank_states) and load the merged state "
+                "on every new rank")
         nxt, w, nw = _count(state, "next"), _count(state, "worker"), _count(state, "num_workers")
         end, mb, micro = (_count(state, k, optional=True) for k in ("end_minibatch", "minibatch", "microbatch"))
         epoch, handed = _count(state, "epoch", optional=True) or 0, _count(state, "handed_out", optional=True) or 0

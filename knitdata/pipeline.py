@@ -659,6 +659,24 @@ class Pipeline:
             timeout=timeout, replica=replica, num_replicas=num_replicas,
         )
 
+    def reshape(self, states: Sequence[Any], layout: ConsumerLayout | int | None = None) -> dict[str, Any]:
+        """Continue this live pipeline on ``layout`` (or that many ranks on its first node) from the states of all
+        its stopped old ranks; returns the merged state every new rank loads. See "Resume onto another number of
+        ranks" in the docs and :meth:`knitdata.control.reshape.Reshaping.reshape`.
+
+        Raises:
+            StateError: An incomplete or inconsistent set of states (:func:`knitdata.merge_rank_states`).
+        """
+        from knitdata.control.rankstates import merge_rank_states
+
+        merged = merge_rank_states(states)
+        new = layout if isinstance(layout, ConsumerLayout) else self.layout if layout is None else \
+            ConsumerLayout.single_node(layout, self.layout.nodes[0])
+        self._engine.control.reshape(merged, new.to_dict())
+        self._engine.set_layout(new)
+        self.layout = new
+        return merged
+
     def metrics(self, rank: int) -> ConsumerMetrics:
         """This process's metrics of consumer ``rank`` (shared by its datasets)."""
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_consumers:

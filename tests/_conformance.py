@@ -694,6 +694,94 @@ def staleness_bound(engine: str, seeds: list[int] | None = None, eta: int = 1, b
             _shutdown(pipe)
             out[f"{mode}/{seed}"] = {"trained": trained, "dropped": dropped, "bound": stats["staleness_bound"],
                                      "token_staleness": stats["token_staleness"]}
+
+
+# --- reshape ---
+def _consume(pipe: Any, rank: int, workers: int, take: int | None, state: Any = None,
+             fetch: str = "sample") -> tuple[list[str], Any]:
+    """Rank ``rank`` takes ``take`` micro-batches (``None``: all) through ``workers`` DataLoader workers (0: the
+    dataset itself), after loading ``state``; returns the trajectory ids taken and the state saved there."""
+    ds = pipe.dataset(rank, fetch=fetch, timeout=60)
+    if state is not None:
+        ds.load_state_dict(state)
+    src = ds.stateful_loader(num_workers=workers) if workers else ds
+    it = iter(src)
+    ids: list[str] = []
+    k = 0
+    while take is None or k < take:
+        try:
+            mb = next(it)
+        except StopIteration:
+            break
+        ids.extend(mb.info.trajectory_ids)
+        k += 1
+    saved = json.loads(json.dumps(src.state_dict()))
+    if workers:
+        del it, src
+    else:
+        ds.close()
+    return ids, saved
+
+
+@scenario
+def reshape(engine: str, cases: list[list[Any]], n_groups: int = 24, mode: str = "fresh") -> dict[str, Any]:
+    """Elastic resume: ``N`` ranks (``W`` workers) take different numbers of micro-batches and save their states;
+    ``N'`` ranks (``W'``) continue from the merged states, in a fresh pipeline refilled with the same puts
+    (``mode="fresh"``, case 3) or in the same live pipeline (``"live"``, case 2). A case
+    ``[N, W, N', W', point]`` may add ``N''``: the ``N'`` ranks stop part way too and ``N''`` ranks continue
+    (per-rank states when ``N'' == N'``). Returns the trajectory ids handed out in each phase, and every id put."""
+    from knitdata import merge_rank_states
+
+    spec = spec_for(n_groups)
+    out: dict[str, Any] = {"all": [t.id for t in workload(n_groups)], "cases": {}}
+
+    def fill(pipe: Any) -> None:
+        for t in workload(n_groups):
+            pipe.put(t)
+        pipe.close()
+
+    for case in cases:
+        n, w, n2, w2, point = case[:5]
+        n3 = case[5] if len(case) > 5 else None
+        phases: list[list[str]] = []
+        pipe = make_pipeline(engine, spec, ranks_per_node=n)
+        fill(pipe)
+        taken, states = [], []
+        for r in range(n):
+            ids, st = _consume(pipe, r, w, (point + 3 * r) % 7)
+            taken += ids
+            states.append(st)
+        phases.append(taken)
+        merged = merge_rank_states(states)
+        if mode == "live":
+            merged = pipe.reshape(states, n2)
+            pipe2 = pipe
+        else:
+            _shutdown(pipe)
+            pipe2 = make_pipeline(engine, spec, ranks_per_node=n2)
+            dss = [pipe2.dataset(r) for r in range(n2)]
+            for ds in dss:  # every new rank loads the merged state before the refill
+                ds.load_state_dict(merged)
+            fill(pipe2)
+        taken, states2 = [], []
+        for r in range(n2):
+            ids, st = _consume(pipe2, r, w2, None if n3 is None else (point + r) % 5, merged)
+            taken += ids
+            states2.append(st)
+        phases.append(taken)
+        if n3 is not None:
+            _shutdown(pipe2)
+            pipe3 = make_pipeline(engine, spec, ranks_per_node=n3)
+            loads = states2 if n3 == n2 and not w2 else [merge_rank_states(states2)] * n3
+            dss = [pipe3.dataset(r) for r in range(n3)]
+            for ds, st in zip(dss, loads):
+                ds.load_state_dict(st)
+            fill(pipe3)
+            phases.append([i for r in range(n3) for i in _consume(pipe3, r, 0, None, None)[0]])
+            _shutdown(pipe3)
+        else:
+            _shutdown(pipe2)
+        out["cases"]["/".join(map(str, case))] = phases
     return out
 
 

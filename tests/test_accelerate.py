@@ -276,3 +276,35 @@ def test_loader_state_harness(acc, fetch):
 
     ref = run_test_save_load_state(make, range(n + 1), key=lambda mb: (*_ids([mb])[0], mb.input_ids.tolist()))
     assert len(ref[0]) == n > 2
+
+
+def test_load_state_of_another_world_size_merges_every_rank(acc, tmp_path):
+    """Issue 25.1: a checkpoint written by 2 processes loads into 1 (every knitdata_loader_rank*.json is read
+    and the dataset states merged): every trajectory once, none lost."""
+    two = Pipeline(SPEC, num_consumers=2, token_budget=24)
+    trajs = make_trajs(2)
+    for t in trajs:
+        two.put(t)
+    two.close()
+    template = AcceleratedLoader(_filled_pipeline().dataset(0), acc, register_hooks=False).state_dict()
+    taken = []
+    for r in range(2):
+        ds = two.dataset(r, fetch="sample")
+        for k, mb in enumerate(ds):
+            taken += mb.info.trajectory_ids
+            if k == r:
+                break
+        state = {**template, "rank": r, "world": 2, "dataset": ds.state_dict()}
+        (tmp_path / f"knitdata_loader_rank{r}.json").write_text(json.dumps(state))
+        ds.close()
+    one = Pipeline(SPEC, num_consumers=1, token_budget=24)
+    loader = prepare_loader(acc, one, register_hooks=False, fetch="sample")
+    assert loader.load_state(tmp_path) == tmp_path  # the world differs: every rank's file merged
+    for t in trajs:
+        one.put(t)
+    one.close()
+    rest = [i for mb in loader for i in mb.info.trajectory_ids]
+    assert sorted(taken + rest) == sorted(t.id for t in trajs)
+    (tmp_path / "knitdata_loader_rank1.json").unlink()
+    with pytest.raises(StateError, match=r"ranks \[1\] are missing"):
+        prepare_loader(acc, Pipeline(SPEC, num_consumers=1, token_budget=24), register_hooks=False).load_state(tmp_path)

@@ -261,3 +261,52 @@ def test_staleness_bound_keeps_quotas(engine, request):
         assert r["token_staleness"]["count"] == 24 and r["token_staleness"]["worst"] <= eta, run
     assert sum(len(r["dropped"]) for run, r in res.items() if run.startswith("drop/")) > 0
     assert all(r["bound"]["on_stale"] == run.split("/")[0] for run, r in res.items())
+
+
+# --- reshape ---
+def _check_reshape(res: dict[str, Any]) -> None:
+    """Every case: the phases' trajectory ids together are every id put, each once (0 lost, 0 duplicated)."""
+    want = sorted(res["all"])
+    assert res["cases"]
+    for case, phases in res["cases"].items():
+        got = [i for ids in phases for i in ids]
+        dup = sorted({i for i in got if got.count(i) > 1})
+        assert not dup, f"{case}: delivered twice: {dup[:10]}"
+        lost = sorted(set(want) - set(got))
+        assert not lost, f"{case}: never delivered: {lost[:10]}"
+        assert sorted(got) == want, case
+
+
+#: [N, W, N', W', save point(, N'')]: ranks take (point + 3 r) % 7 micro-batches before their states are saved.
+RESHAPE_CASES = [[2, 0, 3, 0, 2], [4, 0, 1, 0, 1], [1, 0, 2, 0, 3, 2], [3, 0, 2, 0, 4, 3]]
+RESHAPE_CASES_RAY = [[4, 0, 1, 0, 1], [1, 0, 2, 2, 3]]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_reshape_resumes_onto_another_number_of_ranks(engine, request):
+    """Issue 25.1: states of N ranks (W workers) resume on N' ranks (W' workers) in a fresh pipeline refilled
+    with the same puts, and again after that: 0 lost, 0 duplicated (by trajectory id)."""
+    cases = RESHAPE_CASES if engine == "embedded" else RESHAPE_CASES_RAY
+    _check_reshape(run_on(engine, request, "reshape", cases=cases))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_reshape_a_live_pipeline(engine, request):
+    """Issue 25.1, case 2: the live pipeline is reshaped (pipe.reshape) and new ranks continue in it."""
+    cases = [[2, 0, 3, 0, 2], [3, 0, 1, 0, 4]] if engine == "embedded" else [[2, 0, 3, 0, 2]]
+    _check_reshape(run_on(engine, request, "reshape", cases=cases, mode="live"))
+
+
+def _matrix(ws: tuple[int, ...], points: tuple[int, ...]) -> list[list[int]]:
+    sizes = (1, 2, 3, 4, 8)
+    return [[n, w, n2, w2, p] for n in sizes for n2 in sizes for w in ws for w2 in ws for p in points]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3700)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_reshape_full_matrix(engine, request):
+    """Issue 25.1 acceptance: every (N, N') in {1, 2, 3, 4, 8}^2; on the embedded engine at five save points (it
+    has no worker processes), on Ray with W, W' in {0, 2} at two (each case starts DataLoader worker processes)."""
+    cases = _matrix((0,), (0, 1, 2, 4, 6)) if engine == "embedded" else _matrix((0, 2), (1, 4))
+    _check_reshape(run_on(engine, request, "reshape", timeout_s=3600.0, cases=cases))

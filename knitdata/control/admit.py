@@ -18,7 +18,8 @@ from typing import Any
 
 from knitdata.admission import AdmittedMiniBatch
 from knitdata.control.positions import check_verifications
-from knitdata.control.state import WITHDRAWN_MEMORY, entry_fingerprint
+from knitdata.control.reshape import note_planned, route
+from knitdata.control.state import WITHDRAWN_MEMORY
 from knitdata.control.surface import Part, control_call, control_part
 from knitdata.errors import (
     ConfigError,
@@ -384,16 +385,20 @@ class Admission(Part):
         self._release_dropped()
         planned: list[tuple[AdmittedMiniBatch, MiniBatchPlan]] = []
         for mb in admitted:
-            plan = s.planner.plan(mb, s.loss)
+            plan, items = route(s, mb)  # the planner's plan, or what is left after an elastic resume
             s.counts["admitted_minibatches"] += 1
             s.counts["admitted_trajectories"] += len(mb.trajectories)
-            s.counts["planned_local_bytes"] += plan.local_bytes
-            s.counts["planned_remote_bytes"] += plan.remote_bytes
             for m in mb.trajectories:
                 s.pending.pop(m.id, None)
                 s.placement.forget_group(m.group)
+            if plan is None:  # handed out before an elastic resume: nothing left to plan
+                continue
+            s.counts["planned_local_bytes"] += plan.local_bytes
+            s.counts["planned_remote_bytes"] += plan.remote_bytes
+            note_planned(s, mb, plan, items, s.planned[0])
             for rank, row in enumerate(plan.microbatches):
                 self._queue(rank, row)
+            s.forget_if_unqueued(mb.step)
             planned.append((mb, plan))
         if admitted:
             s.cond.notify_all()
@@ -404,21 +409,4 @@ class Admission(Part):
 
     def _queue(self, rank: int, row: Sequence[Any]) -> None:
         """Append the planned micro-batches ``row`` to ``rank``'s entries (released at once below its commit)."""
-        s = self.s
-        fps, chain = s.fps[rank], s.chain[rank]
-        for pmb in row:
-            j = s.planned[rank]
-            s.planned[rank] = j + 1
-            info = pmb.info.to_dict()
-            if chain is not None:
-                chain = entry_fingerprint(chain, info)
-                fps[j + 1] = chain
-            if j < s.committed[rank]:  # the rank restored past it: release at once
-                s.release_metas([s.live[m.id] for m in pmb.trajectories if m.id in s.live], delivered=True)
-                continue
-            s.queues[rank][j] = {
-                "j": j, "minibatch": info["minibatch"], "microbatch": info["microbatch"], "info": info,
-                "items": [[m.id, m.location, m.nbytes] for m in pmb.trajectories], "fp": chain,
-            }
-        s.chain[rank] = chain
-        s.prune_fps(rank)
+        self.s.queue_row(rank, row)

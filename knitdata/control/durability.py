@@ -14,10 +14,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from knitdata.control.journal import Journal, dumps_strict, loads_strict, recovery_plan
+from knitdata.control.reshape import load_snapshot_part, snapshot_layout, snapshot_part
 from knitdata.control.snapshot import decode_snapshot
 from knitdata.control.state import SNAPSHOT_FORMAT, PlaneState
 from knitdata.errors import CodecError, ConfigError, KnitdataError, StateError
-from knitdata.placement import make_placement
+from knitdata.placement import ConsumerLayout, make_placement
 
 __all__ = ["Durability", "REMOVED_OPS"]
 
@@ -145,7 +146,7 @@ class Durability:
         s = self.s
         with s.cond:
             try:
-                config = loads_strict(dumps_strict(s.config))
+                config = loads_strict(dumps_strict({**s.config, "layout": s.base_layout}))
             except (TypeError, ValueError) as e:
                 raise StateError(f"the control plane's configuration is not JSON-serializable: {e}") from e
             err = None if s.error is None else {"type": type(s.error).__name__, "message": str(s.error)}
@@ -166,6 +167,7 @@ class Durability:
                 "recent_releases": [[u, list(ids)] for u, ids in s.recent_releases],
                 "chains": list(s.chain), "fps": [[[k, v] for k, v in fps.items()] for fps in s.fps],
                 "verify_at": [None if v is None else list(v) for v in s.verify_at],
+                "reshape": snapshot_part(s),
                 **({} if s.replicas is None else {"replicas": s.replicas.to_dict()}),
             }
 
@@ -181,8 +183,10 @@ class Durability:
         """
         s = self.s
         with s.cond:
-            d = decode_snapshot(state, config=s.config, unit_nodes=s.unit_nodes,
-                                num_consumers=s.layout.num_consumers, counts=s.counts)
+            part = state.get("reshape") if isinstance(state, Mapping) else None
+            layout = snapshot_layout(part) or ConsumerLayout.from_dict(s.base_layout)
+            d = decode_snapshot(state, config={**s.config, "layout": s.base_layout}, unit_nodes=s.unit_nodes,
+                                num_consumers=layout.num_consumers, counts=s.counts)
             if d["putting"]:
                 raise StateError(f"control-plane snapshot: {len(d['putting'])} puts in progress of the two-phase put "
                                  f"({[p[0] for p in d['putting'][:8]]}), which this version of knitdata removed; "
@@ -210,4 +214,7 @@ class Durability:
             s.chain, s.fps, s.verify_at = d["chains"], d["fps"], d["verify_at"]
             s.replicas = d.get("replicas")
             s.recent_ids = sum(len(ids) for _u, ids in s.recent_releases)
+            load_snapshot_part(s, part)
+            n = s.layout.num_consumers
+            s.consumer_stats = (s.consumer_stats + [None] * n)[:n]
             s.cond.notify_all()

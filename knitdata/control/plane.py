@@ -47,6 +47,7 @@ from knitdata.control.leases import Leases
 from knitdata.control.ledger import Ledger
 from knitdata.control.positions import Positions
 from knitdata.control.reporting import Reporting
+from knitdata.control.reshape import Reshaping
 from knitdata.control.state import (
     LEASE_TTL_S,
     PLANE_DEFAULTS,
@@ -66,7 +67,8 @@ __all__ = ["ControlPlane", "SURFACE", "JOURNALED_OPS", "FIRE_AND_FORGET", "RELEA
 
 #: The parts of a plane by attribute name.
 PARTS: dict[str, type] = {"admission": Admission, "positions": Positions, "leasing": Leases,
-                          "reporting": Reporting, "ledger": Ledger}
+                          "reporting": Reporting, "ledger": Ledger,
+                          "reshaping": Reshaping}
 #: Every call of the control surface by name (declared by the parts).
 SURFACE: Mapping[str, ControlCall] = MappingProxyType({n: c for n, c in CONTROL_CALLS.items() if c.part in PARTS})
 #: The calls recorded in the journal (every call that can change the plane's state).
@@ -111,6 +113,7 @@ class ControlPlane:
         self.positions = Positions(s)
         self.leasing = Leases(s, self.positions)
         self.reporting = Reporting(s)
+        self.reshaping = Reshaping(s)
         self.durability = Durability(s, lambda op, args: getattr(self, op)(*args), JOURNALED_OPS)
         self.ledger = Ledger(s, self.durability.state_dict, self.durability.load_state_dict)
         for name, call in SURFACE.items():  # bound once: a call costs what calling its part costs

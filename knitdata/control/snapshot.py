@@ -18,7 +18,7 @@ from knitdata.errors import KnitdataError, StateError
 from knitdata.planner import MicroBatchInfo
 from knitdata.record import TrajectoryMeta
 
-__all__ = ["decode_snapshot", "SNAPSHOT_KEYS", "SNAPSHOT_KEYS_V1", "ERROR_TYPES"]
+__all__ = ["decode_snapshot", "SNAPSHOT_KEYS", "SNAPSHOT_KEYS_V1", "SNAPSHOT_KEYS_V3", "ERROR_TYPES"]
 
 #: The keys of a snapshot of format 1.
 SNAPSHOT_KEYS_V1: frozenset[str] = frozenset({
@@ -28,6 +28,8 @@ SNAPSHOT_KEYS_V1: frozenset[str] = frozenset({
 })
 #: The keys of a snapshot (format 2: format 1 and the replay fingerprints).
 SNAPSHOT_KEYS: frozenset[str] = SNAPSHOT_KEYS_V1 | {"chains", "fps", "verify_at"}
+#: The keys of a snapshot of format 3: format 2 and the reshape part (:mod:`knitdata.control.reshape`).
+SNAPSHOT_KEYS_V3: frozenset[str] = SNAPSHOT_KEYS | {"reshape"}
 #: The error classes a stopped plane's error may be restored as (their constructor takes the message alone).
 ERROR_TYPES: dict[str, type[KnitdataError]] = {
     c.__name__: c for c in (errors.KnitdataError, errors.QuotaInfeasibleError, errors.ValidationError,
@@ -268,10 +270,10 @@ def decode_snapshot(state: Any, *, config: Mapping[str, Any], unit_nodes: Mappin
     """
     s = _dict(state, "the snapshot")
     fmt = s.get("format")
-    if fmt not in (1, 2) or isinstance(fmt, bool):
-        raise _bad("format", "1 or 2", fmt)
-    keys = SNAPSHOT_KEYS if fmt == 2 else SNAPSHOT_KEYS_V1
-    if fmt == 2 and "replicas" in s:  # optional: a pipeline whose ranks registered replicas
+    if fmt not in (1, 2, 3) or isinstance(fmt, bool):
+        raise _bad("format", "1, 2 or 3", fmt)
+    keys = SNAPSHOT_KEYS_V3 if fmt == 3 else SNAPSHOT_KEYS if fmt == 2 else SNAPSHOT_KEYS_V1
+    if fmt >= 2 and "replicas" in s:  # optional: a pipeline whose ranks registered replicas
         keys = keys | {"replicas"}
     if set(s) != keys:
         raise StateError(f"control-plane snapshot: keys {sorted(s)} are not those of format {fmt} (missing "

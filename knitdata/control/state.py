@@ -62,8 +62,9 @@ FP_KEEP = 64
 FP_EMPTY = "0" * 16
 #: How many released trajectory ids a snapshot keeps, to send their releases again after a recovery.
 RECENT_RELEASES = 8192
-#: The version of :meth:`ControlPlane.state_dict`'s format (2 adds the replay fingerprints; 1 is still read).
-SNAPSHOT_FORMAT = 2
+#: The version of :meth:`ControlPlane.state_dict`'s format (2 adds the replay fingerprints, 3 the reshape part:
+#: layout history and the queued mini-batches; 1 and 2 are still read).
+SNAPSHOT_FORMAT = 3
 
 
 @dataclass
@@ -149,6 +150,7 @@ class PlaneState:
                  journal: Journal | None = None) -> None:
         cfg = {**PLANE_DEFAULTS, **dict(config)}
         self.config = cfg
+        self.base_layout = cfg["layout"]  # the layout the plane was built with (a reshape changes config["layout"])
         self.spec = BatchSpec.from_dict(cfg["spec"])
         self.layout = ConsumerLayout.from_dict(cfg["layout"])
         if cfg["release"] not in RELEASE_MODES:
@@ -189,6 +191,10 @@ class PlaneState:
         self.chain: list[str | None] = [FP_EMPTY] * n  # digest of the rank's planned prefix (None: unknown)
         self.fps: list[dict[int, str | None]] = [{0: FP_EMPTY} for _ in range(n)]  # prefix length -> digest
         self.verify_at: list[tuple[int, str, str] | None] = [None] * n  # pending check (length, digest, state)
+        # elastic resume (knitdata.control.reshape): the layout history once reshaped (a Segments), and per
+        # mini-batch with queued entries [admitted, remainder planned or None, first entry, K, entries queued]
+        self.segments: Any = None
+        self.mb_records: dict[int, list[Any]] = {}
         self.closed = False
         self.close_report: dict[str, Any] | None = None
         self.error: KnitdataError | None = None
@@ -263,6 +269,11 @@ class PlaneState:
         """Release entry ``j`` of ``rank`` (if still queued) and advance the committed position over gaps."""
         e = self.queues[rank].pop(j, None)
         if e is not None:
+            rec = self.mb_records.get(e["minibatch"])
+            if rec is not None:
+                rec[4] -= 1
+                if rec[4] <= 0:
+                    del self.mb_records[e["minibatch"]]
             self.release_metas([self.live[tid] for tid, _u, _n in e["items"] if tid in self.live], delivered=True)
         while self.committed[rank] < self.planned[rank] and self.committed[rank] not in self.queues[rank]:
             self.committed[rank] += 1
@@ -283,6 +294,35 @@ class PlaneState:
         if n:
             self.cond.notify_all()
         return n
+
+    def queue_row(self, rank: int, row: Sequence[Any]) -> None:
+        """Append the planned micro-batches ``row`` to ``rank``'s entries (released at once below its commit)."""
+        fps, chain = self.fps[rank], self.chain[rank]
+        for pmb in row:
+            j = self.planned[rank]
+            self.planned[rank] = j + 1
+            info = pmb.info.to_dict()
+            if chain is not None:
+                chain = entry_fingerprint(chain, info)
+                fps[j + 1] = chain
+            if j < self.committed[rank]:  # the rank restored past it: release at once
+                self.release_metas([self.live[m.id] for m in pmb.trajectories if m.id in self.live], delivered=True)
+                continue
+            self.queues[rank][j] = {
+                "j": j, "minibatch": info["minibatch"], "microbatch": info["microbatch"], "info": info,
+                "items": [[m.id, m.location, m.nbytes] for m in pmb.trajectories], "fp": chain,
+            }
+            rec = self.mb_records.get(info["minibatch"])
+            if rec is not None:
+                rec[4] += 1
+        self.chain[rank] = chain
+        self.prune_fps(rank)
+
+    def forget_if_unqueued(self, minibatch: int) -> None:
+        """Drop the record of ``minibatch`` when none of its entries is queued (all released at once)."""
+        rec = self.mb_records.get(minibatch)
+        if rec is not None and rec[4] <= 0:
+            del self.mb_records[minibatch]
 
     # ------------------------------------------------------------------------------------ positions
     def start(self, rank: int, replica: int = 0) -> int:

@@ -148,6 +148,14 @@ class Engine(abc.ABC):
         """Number of consumer ranks."""
         return self.layout.num_consumers
 
+    def set_layout(self, layout: ConsumerLayout) -> None:
+        """The control plane was reshaped onto ``layout`` (:meth:`knitdata.Pipeline.reshape`): ranks and metrics
+        follow it in this process."""
+        old = self._metrics
+        self.layout = layout
+        self.config["layout"] = layout.to_dict()
+        self._metrics = [old[r] if r < len(old) else ConsumerMetrics(r) for r in range(layout.num_consumers)]
+
     @property
     def release(self) -> str:
         """The release mode."""

@@ -365,25 +365,56 @@ class AcceleratedLoader:
     def load_state(self, directory: str | os.PathLike[str]) -> Path:
         """Read this rank's state from ``<directory>/<name>_rank{rank}.json``. Call it on every rank.
 
+        A checkpoint written with another number of processes (another world size) is resumed onto this one:
+        every rank's file there is read and their dataset states merged (:func:`knitdata.merge_rank_states`), and
+        each rank loads the merged state (see "Resume onto another number of ranks" in the docs).
+
         Returns:
-            The file read.
+            The file read (the directory, for a checkpoint of another world size).
 
         Raises:
-            StateError: The file is missing or not a valid state of this rank and world.
+            StateError: The file is missing or not a valid state of this rank and world, or the files of a
+                checkpoint of another world size do not form one complete set.
         """
         path = state_path(directory, self.rank, self.name)
         try:
             with open(path) as f:
                 state = json.load(f)
         except FileNotFoundError as e:
+            if any(Path(directory).glob(f"{self.name}_rank*.json")):  # fewer ranks saved it: merge theirs
+                return self._load_reshaped(directory)
             raise StateError(
                 f"no knitdata loader state for rank {self.rank} in {str(directory)!r} (expected {path.name}); was the "
                 f"checkpoint written with {self.world} processes and an AcceleratedLoader on every rank?"
             ) from e
         except json.JSONDecodeError as e:
             raise StateError(f"{path} is not valid JSON ({e}); the checkpoint is damaged") from e
+        if isinstance(state, dict) and state.get("format") == _FORMAT and state.get("world") != self.world:
+            return self._load_reshaped(directory)
         self.load_state_dict(state)
         return path
+
+    def _load_reshaped(self, directory: str | os.PathLike[str]) -> Path:
+        """A checkpoint of another world size: merge every rank's dataset state and load the merged one."""
+        from knitdata.control.rankstates import merge_rank_states
+
+        files = sorted(Path(directory).glob(f"{self.name}_rank*.json"))
+        states = []
+        for f in files:
+            try:
+                states.append(json.loads(f.read_text()))
+            except json.JSONDecodeError as e:
+                raise StateError(f"{f} is not valid JSON ({e}); the checkpoint is damaged") from e
+        if any(not isinstance(s, dict) or s.get("format") != _FORMAT for s in states):
+            raise StateError(f"{directory}: a {self.name}_rank*.json file is not a {_FORMAT} state")
+        merged = merge_rank_states([s["dataset"] for s in states])
+        self.dataset.load_state_dict(merged)
+        self._epoch = max(int(s.get("epoch", 0)) for s in states)
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(self._epoch)
+        self._last_info = None
+        return Path(directory)
 
     # ------------------------------------------------------------------ hooks
     def register_hooks(self) -> None:
