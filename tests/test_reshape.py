@@ -118,6 +118,16 @@ def test_merge_of_dataloader_worker_states() -> None:
         merge_rank_states([loader(0, [4, 5]), loader(1, [8, 3])])
 
 
+def test_merge_of_replica_states() -> None:
+    """Tensor/pipeline-parallel replicas of a rank share its stream: their states merge into the rank's position
+    when they stand at the same one, and are refused, naming the rank and replicas, when they do not."""
+    reps = [_state(r, replica=k, num_replicas=2) for r in range(3) for k in range(2)]
+    assert merge_rank_states(reps)["positions"] == merge_rank_states([_state(r) for r in range(3)])["positions"]
+    reps[3] = _state(1, replica=1, num_replicas=2, next=9)
+    with pytest.raises(StateError, match=r"rank 1 \(worker 0\): its replicas 0 and 1 stand at different positions"):
+        merge_rank_states(reps)
+
+
 @pytest.mark.parametrize("states, match", [
     ([_state(0), _state(2)], r"ranks \[1\] are missing"),
     ([_state(0), _state(1), _state(1), _state(2)], "rank 1 .worker 0. is given twice"),

@@ -122,8 +122,15 @@ def _group(flat: list[dict[str, Any]]) -> tuple[int, dict[int, dict[int, dict[st
             raise _bad(f"rank {r}: worker {w} of {nw}")
         if nws.setdefault(r, nw) != nw:
             raise _bad(f"rank {r}: states of {nws[r]} and of {nw} DataLoader workers")
-        if w in by_rank.setdefault(r, {}):
-            raise _bad(f"rank {r} (worker {w}) is given twice: give each rank's state once")
+        have = by_rank.setdefault(r, {}).get(w)
+        if have is not None:
+            if have.get("replica", 0) == st.get("replica", 0):
+                raise _bad(f"rank {r} (worker {w}) is given twice: give each rank's state once")
+            if have.get("next") != st.get("next"):  # tensor/pipeline-parallel replicas of one rank: one stream
+                raise _bad(f"rank {r} (worker {w}): its replicas {have.get('replica', 0)} and {st.get('replica', 0)} "
+                           f"stand at different positions ({have.get('next')} and {st.get('next')}); save every "
+                           "replica at the same optimizer step before resuming onto another number of ranks")
+            continue
         by_rank[r][w] = st
     missing = [r for r in range(n) if r not in by_rank]
     if missing:
