@@ -694,6 +694,7 @@ def staleness_bound(engine: str, seeds: list[int] | None = None, eta: int = 1, b
             _shutdown(pipe)
             out[f"{mode}/{seed}"] = {"trained": trained, "dropped": dropped, "bound": stats["staleness_bound"],
                                      "token_staleness": stats["token_staleness"]}
+    return out
 
 
 # --- reshape ---
