@@ -571,8 +571,8 @@ def restore_pipeline(
 
     Raises:
         StateError: No checkpoint at ``path``, a damaged one, or ``rank_states`` that are not the states of all
-            its ranks (missing or duplicate ranks, another run, positions after the checkpoint or before what it
-            released).
+            its ranks (missing or duplicate ranks, another run, a position past what the checkpoint had planned
+            for its rank or before what it had released).
         ConfigError: Another fingerprint (without ``allow_config_change``), another number of ranks without
             ``rank_states``, or units too small for the payloads they get back.
     """
