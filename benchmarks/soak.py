@@ -192,8 +192,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="most coordinator kills (with --processes and --kill-coordinator; default: no limit)")
     parser.add_argument("--reshape", action="store_true",
                         help="whole-pipeline checkpoints: SIGKILL the whole job (embedded engine, one process) at random "
-                        "points, restore it from its last pipe.checkpoint (every other round onto another layout of "
-                        "the ranks), reissue the prompts in flight; reports lost, duplicated and reissued prompts "
+                        "points, restore it from its last pipe.checkpoint (every other round onto one node, then two; "
+                        "every round onto another number of ranks: --consumers, twice as many, one more), reissue the prompts in flight; reports lost, duplicated and reissued prompts "
                         "(results: soak_reshape.json)")
     parser.add_argument("--rounds", type=int, default=4, help="with --reshape: jobs killed before the last one")
     parser.add_argument("--prompts", type=int, default=240, help="with --reshape: prompts (groups of 2) of the run")
@@ -265,7 +265,7 @@ def run_reshape(args: argparse.Namespace) -> int:
                          kill_after_s=(0.0, args.kill_within))
     r["loadavg"] = list(os.getloadavg())
     print(f"soak --reshape: {r['jobs']} jobs ({r['kills']} killed with SIGKILL, {r['restores_other_topology']} "
-          f"restored onto another layout), {r['prompts']} prompts x {r['group_size']}: lost {r['lost']}, duplicated "
+          f"restored onto other nodes, {r['restores_other_ranks']} onto another number of ranks), {r['prompts']} prompts x {r['group_size']}: lost {r['lost']}, duplicated "
           f"{r['duplicated']}, reissued {r['reissued']} prompts (mismatches {len(r['reissue_mismatch'])}), "
           f"{r['rolled_back_microbatches']} micro-batches rolled back, checkpoint pause max "
           f"{r['checkpoint_pause_ms_max'] or 0:.2f} ms, {'ok' if r['ok'] else 'NOT OK'}")

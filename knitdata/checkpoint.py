@@ -15,8 +15,11 @@ the payloads it holds are deferred until the payloads are written (:mod:`knitdat
 directory is written next to ``path`` and renamed into place, so a crash leaves the previous checkpoint whole.
 
 :func:`restore_into` loads a checkpoint into a freshly built engine (:meth:`knitdata.Pipeline.restore`): the
-same or another topology (nodes, units, engine), the same number of ranks. :func:`remap_plane_state` converts the
-cut's plane state to the new units: **the hook for a restore onto another number of ranks** (elastic resume).
+same or another topology (nodes, units, engine, number of ranks). :func:`remap_plane_state` converts the cut's
+plane state to the new units. Onto another number of ranks, the plane is restored in its saved layout (plans,
+positions and fingerprints as they were at the cut), then the elastic resume
+(:meth:`knitdata.control.reshape.Reshaping.reshape`) continues it on the new layout from the merged states of all
+old ranks (:func:`knitdata.merge_rank_states`).
 
 Example:
     >>> fp, parts = config_fingerprint({"spec": {"quotas": {"a": 2}}, "layout": {"nodes_of_ranks": ["n0"]},
@@ -55,6 +58,7 @@ __all__ = [
     "read_manifest",
     "check_fingerprint",
     "remap_plane_state",
+    "saved_layout",
     "restore_into",
     "restore_pipeline",
     "lost_groups",
@@ -127,6 +131,11 @@ class RestoreReport:
             generate them again), ``missing`` (how many to generate) and ``withdrawn``.
         unit_map: Old storage unit -> new storage unit.
         config_changed: Whether the configuration's fingerprint differed (restored with ``allow_config_change``).
+        merged_state: Restored onto another number of ranks: the merged state of the old ranks
+            (:func:`knitdata.merge_rank_states`) that every new rank loads (``ds.load_state_dict(merged_state)``)
+            instead of its own saved state; ``None`` otherwise.
+        reshaped: Restored onto another number of ranks: ``{"from_ranks", "to_ranks", "replanned", "segments"}``
+            (the elastic resume's result); ``None`` otherwise.
     """
 
     path: str
@@ -134,6 +143,8 @@ class RestoreReport:
     reissue: list[dict[str, Any]] = field(default_factory=list)
     unit_map: dict[str, str] = field(default_factory=dict)
     config_changed: bool = False
+    merged_state: dict[str, Any] | None = None
+    reshaped: dict[str, Any] | None = None
 
     @property
     def reissue_ids(self) -> list[str]:
@@ -230,7 +241,10 @@ def write_checkpoint(engine: Any, path: str | os.PathLike[str], *, options: Mapp
     finally:
         engine.control.checkpoint_done()
     try:
-        fp, parts = config_fingerprint(state["config"])
+        reshape_part = state.get("reshape")
+        current = reshape_part.get("layout") if isinstance(reshape_part, Mapping) else None
+        # the fingerprint covers the ranks the plane has at the cut (after any live reshape of this pipeline)
+        fp, parts = config_fingerprint({**state["config"], **({"layout": current} if current else {})})
         manifest = {
             "format": CHECKPOINT_FORMAT[0], "version": CHECKPOINT_FORMAT[1], "fingerprint": fp,
             "fingerprint_of": parts, "engine": engine.kind, "options": dict(options), "plane": state,
@@ -289,15 +303,22 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def check_fingerprint(manifest: Mapping[str, Any], config: Mapping[str, Any], *,
-                      allow_config_change: bool = False) -> bool:
+                      allow_config_change: bool = False, ranks_may_differ: bool = False) -> bool:
     """Compare the checkpoint's configuration with the restoring pipeline's ``config``.
+
+    Args:
+        manifest: The checkpoint's manifest (:func:`read_manifest`).
+        config: The restoring pipeline's configuration.
+        allow_config_change: Accept another configuration (returns ``True`` then).
+        ranks_may_differ: The number of ranks is a topology option here (a restore given the old ranks' states,
+            which the elastic resume re-plans); every other key is still compared.
 
     Returns:
         Whether they differ (only possible with ``allow_config_change=True``).
 
     Raises:
         ConfigError: They differ (naming the keys) and ``allow_config_change`` is false, or the number of ranks
-            differs (see :func:`remap_plane_state`).
+            differs and ``ranks_may_differ`` is false.
     """
     fp, parts = config_fingerprint(config)
     if fp == manifest["fingerprint"]:
@@ -305,16 +326,37 @@ def check_fingerprint(manifest: Mapping[str, Any], config: Mapping[str, Any], *,
     saved = manifest.get("fingerprint_of") or {}
     diff = sorted(k for k in set(parts) | set(saved) if parts.get(k) != saved.get(k))
     if "num_consumers" in diff:
-        raise ConfigError(
-            f"the checkpoint was taken with {saved.get('num_consumers')} ranks, this pipeline has "
-            f"{parts.get('num_consumers')}: a restore onto another number of ranks needs the elastic resume "
-            "(knitdata.checkpoint.remap_plane_state); restore with the same number of ranks")
+        if not ranks_may_differ:
+            raise ConfigError(
+                f"the checkpoint was taken with {saved.get('num_consumers')} ranks, this pipeline has "
+                f"{parts.get('num_consumers')}: to restore onto another number of ranks, pass the saved states of "
+                "all old ranks to Pipeline.restore (rank_states=[state of rank 0, rank 1, ...], or one merged state "
+                "from knitdata.merge_rank_states); or restore with the same number of ranks")
+        diff.remove("num_consumers")
+        if not diff:
+            return False
     if not allow_config_change:
         raise ConfigError(
             f"the checkpoint's configuration fingerprint {manifest['fingerprint']} differs from this pipeline's "
             f"{fp} in {diff} (saved {[saved.get(k) for k in diff]}, now {[parts.get(k) for k in diff]}); restore "
             "with the same options, or pass allow_config_change=True to Pipeline.restore to continue anyway")
     return True
+
+
+def saved_layout(manifest: Mapping[str, Any]) -> ConsumerLayout:
+    """The layout the checkpointed plane's ranks had at the cut (after any earlier reshape of that pipeline).
+
+    Raises:
+        StateError: A manifest whose plane state names no valid layout.
+    """
+    plane = manifest["plane"]
+    part = plane.get("reshape") if isinstance(plane, Mapping) else None
+    try:
+        raw = part["layout"] if isinstance(part, Mapping) and part.get("layout") is not None \
+            else plane["config"]["layout"]
+        return ConsumerLayout.from_dict(raw)
+    except (KeyError, TypeError, ValueError, KnitdataError) as e:
+        raise StateError(f"checkpoint manifest: no valid layout in its plane state ({type(e).__name__}: {e})") from e
 
 
 def _unit_map(old: Mapping[str, str], new: Mapping[str, str]) -> dict[str, str]:
@@ -346,28 +388,34 @@ def _relocate(x: Any, umap: Mapping[str, str]) -> None:
             _relocate(v, umap)
 
 
-def remap_plane_state(state: Mapping[str, Any], *, config: Mapping[str, Any],
-                      unit_nodes: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+def remap_plane_state(state: Mapping[str, Any], *, config: Mapping[str, Any], unit_nodes: Mapping[str, str],
+                      ranks_may_differ: bool = False) -> tuple[dict[str, Any], dict[str, str]]:
     """A cut's plane state converted for a plane of ``config`` over the units ``unit_nodes``.
 
-    Same number of ranks: every plan, position and fingerprint is kept as it was (a restored pipeline hands out
-    the same micro-batches as the original); each payload's unit becomes the new unit on its node, or, for a
-    node that is gone, one of the new units in turn; the placement's accounting moves with it.
+    Every plan, position and fingerprint is kept as it was (a restored pipeline hands out the same micro-batches
+    as the original); each payload's unit becomes the new unit on its node, or, for a node that is gone, one of
+    the new units in turn; the placement's accounting moves with it.
 
-    This is where a restore onto another number of ranks plugs in (the elastic resume re-plans the unconsumed
-    entries of ``state["queues"]`` for the new layout); here it is refused.
+    Another number of ranks (``ranks_may_differ=True``): the state keeps its saved layout (the plane loads it as
+    a plane reshaped onto that layout); the caller then applies the elastic resume onto ``config``'s layout
+    (:meth:`knitdata.control.reshape.Reshaping.reshape`), as :func:`restore_into` does.
 
     Returns:
         ``(state, {old unit: new unit})``.
 
     Raises:
-        ConfigError: Another number of ranks.
+        ConfigError: Another number of ranks without ``ranks_may_differ``.
+        StateError: A state without its layout (with ``ranks_may_differ``).
     """
     old_n = len(state["planned"])
     new_n = _num_consumers(config["layout"])
-    if old_n != new_n:
+    if old_n != new_n and not ranks_may_differ:
         raise ConfigError(f"the checkpoint has {old_n} ranks, the restoring pipeline {new_n}: a restore onto another "
-                          "number of ranks needs the elastic resume; restore with the same number of ranks")
+                          "number of ranks needs the elastic resume (pass the saved states of all old ranks to "
+                          "Pipeline.restore as rank_states=...); or restore with the same number of ranks")
+    if old_n != new_n and not (isinstance(state.get("reshape"), Mapping) and state["reshape"].get("layout")):
+        raise StateError("the checkpoint's plane state does not name its layout: it cannot be restored onto another "
+                         "number of ranks")
     umap = _unit_map(state["unit_nodes"], unit_nodes)
     out = json.loads(json.dumps(state))
     out["config"] = json.loads(json.dumps(dict(config)))
@@ -381,6 +429,8 @@ def remap_plane_state(state: Mapping[str, Any], *, config: Mapping[str, Any],
             for it in e["items"]:
                 it[1] = umap[it[1]]
     _relocate(out["policy"], umap)  # the admission policy holds the metadata of what it has not admitted yet
+    # the records of the queued mini-batches (their metadata), which a reshape plans again
+    _relocate(out.get("reshape"), umap)
     out["recent_releases"] = []  # releases of the old units: nothing to send again here
     pl = out["placement"]
     if isinstance(pl, dict) and "load" in pl:
@@ -393,20 +443,35 @@ def remap_plane_state(state: Mapping[str, Any], *, config: Mapping[str, Any],
 
 
 def restore_into(engine: Any, path: str | os.PathLike[str], manifest: Mapping[str, Any], *,
-                 config_changed: bool = False, put_timeout: float | None = 0.0) -> RestoreReport:
+                 config_changed: bool = False, put_timeout: float | None = 0.0,
+                 merged: Mapping[str, Any] | None = None) -> RestoreReport:
     """Load the checkpoint at ``path`` into ``engine``, a fresh pipeline's engine (nothing put yet).
 
     The payloads go back into the units (the unit on their node, see :func:`remap_plane_state`), then the plane
-    loads the cut's state and ledger.
+    loads the cut's state and ledger. Onto another number of ranks (``merged`` given), the plane loads the cut in
+    its saved layout, then continues on ``engine``'s layout from ``merged``
+    (:meth:`knitdata.control.reshape.Reshaping.reshape`): what the old ranks were handed out before their states
+    is never delivered again, the rest is planned for the new ranks.
+
+    Args:
+        engine: The fresh pipeline's engine.
+        path: The checkpoint directory.
+        manifest: Its manifest (:func:`read_manifest`).
+        config_changed: Recorded in the report.
+        put_timeout: Seconds a unit may wait for room while the payloads go back.
+        merged: The merged state of all ranks the checkpoint's plane had (:func:`knitdata.merge_rank_states`):
+            needed when ``engine`` has another number of ranks, applied whenever given.
 
     Raises:
-        ConfigError: A unit cannot hold what it gets back (raise ``capacity_bytes`` or give a ``spill_dir``).
-        StateError: The checkpoint's state does not load (damaged, or another configuration).
+        ConfigError: A unit cannot hold what it gets back (raise ``capacity_bytes`` or give a ``spill_dir``), or
+            another number of ranks without ``merged``.
+        StateError: The checkpoint's state does not load (damaged, or another configuration), or ``merged`` is
+            not of the checkpoint's ranks (the elastic resume's refusals).
         CodecError: A damaged payload shard.
     """
     path = os.fspath(path)
     units = engine.units
-    state, umap = remap_plane_state(manifest["plane"], config=engine.config,
+    state, umap = remap_plane_state(manifest["plane"], config=engine.config, ranks_may_differ=merged is not None,
                                     unit_nodes={u: unit.node for u, unit in units.items()})
     where = {m["id"]: m["location"] for m in state["live"]}
     shards = [os.path.join(path, s) for s in manifest["payloads"]["shards"]]
@@ -448,8 +513,15 @@ def restore_into(engine: Any, path: str | os.PathLike[str], manifest: Mapping[st
         if isinstance(e, StateError):
             raise
         raise StateError(f"checkpoint {path!r} does not load: {e}") from e
+    reshaped = None
+    if merged is not None:
+        old_n = len(state["planned"])
+        res = engine.control.reshape(dict(merged), engine.layout.to_dict())
+        reshaped = {"from_ranks": old_n, "to_ranks": int(res["num_consumers"]), "replanned": int(res["replanned"]),
+                    "segments": int(res["segments"])}
     reissue = [dict(r) for r in manifest.get("reissue", [])]
-    return RestoreReport(path=path, trajectories=n, reissue=reissue, unit_map=umap, config_changed=config_changed)
+    return RestoreReport(path=path, trajectories=n, reissue=reissue, unit_map=umap, config_changed=config_changed,
+                         merged_state=None if merged is None else dict(merged), reshaped=reshaped)
 
 
 def restore_pipeline(
@@ -459,6 +531,7 @@ def restore_pipeline(
     *,
     engine: str | None = None,
     layout: ConsumerLayout | None = None,
+    rank_states: Sequence[Any] | Mapping[str, Any] | None = None,
     capacity_bytes: int | None = None,
     spill_dir: str | os.PathLike[str] | None = None,
     spill_bytes: int = 16 << 30,
@@ -468,11 +541,17 @@ def restore_pipeline(
 ) -> Any:
     """:meth:`knitdata.Pipeline.restore`: a new pipeline continuing the one checkpointed at ``path``.
 
-    The saved options apply unless given. ``engine``, ``layout`` (the same number of ranks on other nodes),
-    ``capacity_bytes``, ``spill_dir``, ``spill_bytes`` and ``engine_options`` change the topology only; any other
-    keyword of :class:`~knitdata.Pipeline` (``token_budget``, ``admission``, ...) must keep the configuration's
-    fingerprint unless ``allow_config_change=True``. The ranks then load their saved states; the producer
-    reissues ``pipe.restore_report.reissue`` (:class:`RestoreReport`).
+    The saved options apply unless given. ``engine``, ``layout``, ``capacity_bytes``, ``spill_dir``,
+    ``spill_bytes`` and ``engine_options`` change the topology only; any other keyword of
+    :class:`~knitdata.Pipeline` (``token_budget``, ``admission``, ...) must keep the configuration's fingerprint
+    unless ``allow_config_change=True``.
+
+    The same number of ranks: plans and positions are those of the checkpoint; each rank loads its own saved
+    state. Another number of ranks (a ``layout`` with more or fewer ranks): pass ``rank_states``, the saved
+    states of **all** ranks the checkpointed pipeline had (or one merged state,
+    :func:`knitdata.merge_rank_states`); the plane is restored in its saved layout and continued on ``layout``
+    by the elastic resume, and every new rank loads ``pipe.restore_report.merged_state``. The producer reissues
+    ``pipe.restore_report.reissue`` (:class:`RestoreReport`) either way.
 
     Args:
         cls: The pipeline class to build.
@@ -480,6 +559,9 @@ def restore_pipeline(
         engine_of: Returns the engine of a pipeline of ``cls``.
         engine: The engine's name (default: the saved one).
         layout: Consumers by node (default: the saved one).
+        rank_states: The old ranks' saved states (``ds.state_dict()`` or a ``StatefulDataLoader``'s state, one per
+            rank, any order) or their merged state; required when ``layout`` has another number of ranks, ignored
+            otherwise.
         capacity_bytes: Capacity of each unit (default: the saved one).
         spill_dir: Spill directory of the new units.
         spill_bytes: Their disk budget.
@@ -488,15 +570,34 @@ def restore_pipeline(
         **options: Other keywords of :class:`~knitdata.Pipeline`.
 
     Raises:
-        StateError: No checkpoint at ``path``, or a damaged one.
-        ConfigError: Another fingerprint (without ``allow_config_change``), another number of ranks, or units too
-            small for the payloads they get back.
+        StateError: No checkpoint at ``path``, a damaged one, or ``rank_states`` that are not the states of all
+            its ranks (missing or duplicate ranks, another run, a position past what the checkpoint had planned
+            for its rank or before what it had released).
+        ConfigError: Another fingerprint (without ``allow_config_change``), another number of ranks without
+            ``rank_states``, or units too small for the payloads they get back.
     """
     from knitdata.admission import BatchSpec
+    from knitdata.control.rankstates import merge_rank_states
 
     manifest = read_manifest(path)
     cfg = manifest["plane"]["config"]
     saved = manifest["options"]
+    old_layout = saved_layout(manifest)
+    new_layout = layout if layout is not None else old_layout
+    merged: dict[str, Any] | None = None
+    if new_layout.num_consumers != old_layout.num_consumers:
+        if rank_states is None:
+            raise ConfigError(
+                f"checkpoint {os.fspath(path)!r} was taken with {old_layout.num_consumers} ranks, the layout given has "
+                f"{new_layout.num_consumers}: to restore onto another number of ranks, pass the saved states of all "
+                f"{old_layout.num_consumers} old ranks: Pipeline.restore(path, layout=..., rank_states=[state of rank "
+                "0, rank 1, ...]) (or rank_states=knitdata.merge_rank_states(states)); every new rank then loads "
+                "pipe.restore_report.merged_state")
+        merged = merge_rank_states([rank_states] if isinstance(rank_states, Mapping) else list(rank_states))
+        if int(merged["num_consumers"]) != old_layout.num_consumers:
+            raise StateError(f"rank_states are the states of a pipeline of {merged['num_consumers']} ranks, checkpoint "
+                             f"{os.fspath(path)!r} was taken with {old_layout.num_consumers}: pass the states of its "
+                             "ranks, saved with it")
     kwargs: dict[str, Any] = {
         "admission": cfg["admission"], "admission_options": cfg.get("admission_options") or {},
         "token_budget": cfg["token_budget"], "placement": cfg["placement"],
@@ -507,14 +608,14 @@ def restore_pipeline(
     spec = opts.pop("spec", None)
     kwargs.update(opts)
     pipe = cls(spec if spec is not None else BatchSpec.from_dict(cfg["spec"]),
-               layout=layout if layout is not None else ConsumerLayout.from_dict(cfg["layout"]),
-               engine=engine if engine is not None else str(manifest["engine"]),
+               layout=new_layout, engine=engine if engine is not None else str(manifest["engine"]),
                capacity_bytes=capacity_bytes if capacity_bytes is not None else int(saved["capacity_bytes"]),
                spill_dir=spill_dir, spill_bytes=spill_bytes, engine_options=engine_options, **kwargs)
     try:
         eng = engine_of(pipe)
-        changed = check_fingerprint(manifest, eng.config, allow_config_change=allow_config_change)
-        pipe.restore_report = restore_into(eng, path, manifest, config_changed=changed)
+        changed = check_fingerprint(manifest, eng.config, allow_config_change=allow_config_change,
+                                    ranks_may_differ=merged is not None)
+        pipe.restore_report = restore_into(eng, path, manifest, config_changed=changed, merged=merged)
     except BaseException:
         pipe.shutdown()
         raise

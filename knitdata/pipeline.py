@@ -708,11 +708,15 @@ class Pipeline:
             "capacity_bytes": self.capacity_bytes, "put_timeout": self.put_timeout, "check_media": self.check_media})
 
     @classmethod
-    def restore(cls, path: str | os.PathLike[str], *, allow_config_change: bool = False, **options: Any) -> Pipeline:
+    def restore(cls, path: str | os.PathLike[str], *, rank_states: Sequence[Any] | Mapping[str, Any] | None = None,
+                allow_config_change: bool = False, **options: Any) -> Pipeline:
         """A new pipeline continuing the checkpoint at ``path``, in any process: see
-        :func:`knitdata.checkpoint.restore_pipeline` for ``options`` (the topology, or :class:`Pipeline` keywords)."""
+        :func:`knitdata.checkpoint.restore_pipeline` for ``options`` (the topology, or :class:`Pipeline` keywords).
+        Onto another number of ranks (``layout=...``), pass ``rank_states``, the saved states of all old ranks (or
+        their merged state); every new rank then loads ``pipe.restore_report.merged_state``."""
         from knitdata.checkpoint import restore_pipeline
-        return restore_pipeline(cls, path, lambda p: p._engine, allow_config_change=allow_config_change, **options)
+        return restore_pipeline(cls, path, lambda p: p._engine, rank_states=rank_states,
+                                allow_config_change=allow_config_change, **options)
 
     def lost_groups(self) -> dict[str, dict[str, Any]]:
         """The groups lost with a dead storage unit and not in its spill: :func:`knitdata.checkpoint.lost_groups`."""

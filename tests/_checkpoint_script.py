@@ -8,6 +8,11 @@ finished); then ``pipe.checkpoint(DIR/ckpt)`` and the process exits without clos
 ``python tests/_checkpoint_script.py restore DIR``: ``Pipeline.restore(DIR/ckpt)``, the producer reissues what the
 restore report says and puts the remaining prompts, the ranks load their states and consume to the end. Each
 command prints one JSON line.
+
+``save DIR RANKS stagger`` saves with ``RANKS`` ranks, the odd ones saving their states one mini-batch later than
+the even ones (a mini-batch some ranks had started at the states); ``restore DIR RANKS`` restores onto ``RANKS``
+ranks on one node, passing the old ranks' states (``rank_states=``) when their number differs, and every new rank
+loads ``restore_report.merged_state``.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import threading
 
 import torch
 
-from knitdata import BatchSpec, Pipeline, Trajectory
+from knitdata import BatchSpec, ConsumerLayout, Pipeline, Trajectory
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ckpt_helpers import reissue_missing  # noqa: E402
@@ -36,8 +41,8 @@ def traj(tid: str, prompt: int) -> Trajectory:
                       response_ids=torch.randint(0, 100, (4 + prompt % 5,), generator=g), scalars={"reward": 1.0})
 
 
-def save(d: str) -> None:
-    pipe = Pipeline(BatchSpec({"math": 4, "code": 4}, num_minibatches=2, group_size=2), num_consumers=RANKS,
+def save(d: str, ranks: int = RANKS, stagger: bool = False) -> None:
+    pipe = Pipeline(BatchSpec({"math": 4, "code": 4}, num_minibatches=2, group_size=2), num_consumers=ranks,
                     token_budget=64)
     put: list[str] = []
     for p in range(DONE):
@@ -63,12 +68,12 @@ def save(d: str) -> None:
                     break
                 continue
             seen += mb.info.trajectory_ids
-            if mb.info.is_last and mb.info.minibatch == 1:
+            if mb.info.is_last and mb.info.minibatch == 1 + (r % 2 if stagger else 0):
                 states[r] = ds.state_dict()
                 before[r] = list(seen)
         ds.close()
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(RANKS)]
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
     for t in threads:
         t.start()
     for t in threads:
@@ -81,10 +86,16 @@ def save(d: str) -> None:
     os._exit(0)  # no close, no shutdown: the job is gone
 
 
-def restore(d: str) -> None:
+def restore(d: str, ranks: int | None = None) -> None:
     with open(os.path.join(d, "job.json")) as f:
         job = json.load(f)
-    pipe = Pipeline.restore(os.path.join(d, "ckpt"))
+    old = len(job["states"])
+    ranks = old if ranks is None else ranks
+    if ranks == old:
+        pipe = Pipeline.restore(os.path.join(d, "ckpt"))
+    else:  # the states of every old rank (read back from the job's checkpoint) let the new ranks continue
+        pipe = Pipeline.restore(os.path.join(d, "ckpt"), layout=ConsumerLayout.single_node(ranks),
+                                rank_states=[job["states"][str(r)] for r in range(old)])
     report = pipe.restore_report
     assert report is not None
     put: list[str] = []
@@ -104,10 +115,10 @@ def restore(d: str) -> None:
 
     def rank(r: int) -> None:
         ds = pipe.dataset(r, timeout=30)
-        ds.load_state_dict(job["states"][str(r)])
+        ds.load_state_dict(report.merged_state if report.merged_state is not None else job["states"][str(r)])
         got[r] = [t for mb in ds for t in mb.info.trajectory_ids]
 
-    threads = [threading.Thread(target=producer)] + [threading.Thread(target=rank, args=(r,)) for r in range(RANKS)]
+    threads = [threading.Thread(target=producer)] + [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
     for t in threads:
         t.start()
     for t in threads:
@@ -117,4 +128,7 @@ def restore(d: str) -> None:
 
 
 if __name__ == "__main__":
-    {"save": save, "restore": restore}[sys.argv[1]](sys.argv[2])
+    if sys.argv[1] == "save":
+        save(sys.argv[2], *(int(sys.argv[3]), sys.argv[4:] == ["stagger"]) if len(sys.argv) > 3 else ())
+    else:
+        restore(sys.argv[2], *(int(x) for x in sys.argv[3:4]))

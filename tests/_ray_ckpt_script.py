@@ -5,6 +5,8 @@ dashboard off), runs scenario ``NAME`` and prints its JSON result as the last li
 
 * ``two_to_one``: a pipeline with units on 2 nodes is checkpointed, the worker node is removed, and the
   checkpoint is restored onto the head node alone (same ranks); the ranks load their states.
+* ``four_to_two``: the same with 4 ranks (2 per node; the odd ones save one mini-batch later) restored onto 2
+  ranks on the head node, given the 4 ranks' states; the new ranks load the merged state.
 * ``node_loss``: the worker node holding a unit is removed; with ``spill_dir`` its payloads come back from the
   spill shards; without, ``pipe.lost_groups()`` names the groups and consumers raise ``TrajectoryLostError``.
 """
@@ -86,9 +88,18 @@ def put_prompts(pipe: Pipeline, prompts: range, out: list[str]) -> None:
 
 
 def two_to_one(d: str) -> dict[str, Any]:
+    return _onto_one_node(d, 2, 2, "ck2")
+
+
+def four_to_two(d: str) -> dict[str, Any]:
+    """4 ranks on 2 nodes (odd ranks save one mini-batch later) -> 2 ranks on the head node, given the 4 states."""
+    return _onto_one_node(d, 4, 2, "ck4")
+
+
+def _onto_one_node(d: str, old: int, new_ranks: int, name: str) -> dict[str, Any]:
     c, worker, nodes = cluster()
-    pipe = Pipeline(SPEC, layout=ConsumerLayout(["n0", "n1"]), engine="ray", token_budget=64,
-                    engine_options={"address": c.address, "name": "ck2", "nodes": nodes})
+    pipe = Pipeline(SPEC, layout=ConsumerLayout([f"n{r % 2}" for r in range(old)]), engine="ray", token_budget=64,
+                    engine_options={"address": c.address, "name": name, "nodes": nodes})
     put: list[str] = []
     put_prompts(pipe, range(8), put)
     pipe.ledger.started(["p8", "p9"])
@@ -96,19 +107,20 @@ def two_to_one(d: str) -> dict[str, Any]:
     put.append("p8-0")
     states: dict[int, Any] = {}
     before: dict[int, list[str]] = {}
+    stagger = old != new_ranks
 
     def rank(r: int) -> None:
         ds = pipe.dataset(r, timeout=60)
         seen: list[str] = []
         for mb in ds:
             seen += mb.info.trajectory_ids
-            if mb.info.is_last:
+            if mb.info.is_last and mb.info.minibatch == (r % 2 if stagger else mb.info.minibatch):
                 states[r] = ds.state_dict()
                 before[r] = list(seen)
                 break
         ds.close()
 
-    ths = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    ths = [threading.Thread(target=rank, args=(r,)) for r in range(old)]
     for t in ths:
         t.start()
     for t in ths:
@@ -118,8 +130,9 @@ def two_to_one(d: str) -> dict[str, Any]:
     pipe.shutdown()
     c.remove_node(worker)
     wait_dead(nodes[1])
-    new = Pipeline.restore(os.path.join(d, "ckpt"), layout=ConsumerLayout(["n0", "n0"]),
-                           engine_options={"address": c.address, "name": "ck2b"})
+    new = Pipeline.restore(os.path.join(d, "ckpt"), layout=ConsumerLayout(["n0"] * new_ranks),
+                           rank_states=[states[r] for r in range(old)],
+                           engine_options={"address": c.address, "name": f"{name}b"})
     report = new.restore_report
     assert report is not None
     after: dict[int, list[str]] = {}
@@ -133,10 +146,10 @@ def two_to_one(d: str) -> dict[str, Any]:
 
     def rank2(r: int) -> None:
         ds = new.dataset(r, timeout=60)
-        ds.load_state_dict(states[r])
+        ds.load_state_dict(report.merged_state if report.merged_state is not None else states[r])
         after[r] = [t for mb in ds for t in mb.info.trajectory_ids]
 
-    ths = [threading.Thread(target=producer)] + [threading.Thread(target=rank2, args=(r,)) for r in range(2)]
+    ths = [threading.Thread(target=producer)] + [threading.Thread(target=rank2, args=(r,)) for r in range(new_ranks)]
     for t in ths:
         t.start()
     for t in ths:
@@ -144,9 +157,10 @@ def two_to_one(d: str) -> dict[str, Any]:
     units_after = {u: unit.node for u, unit in new.units.items()}
     new.shutdown()
     stop(c)
-    consumed = [t for r in range(2) for t in before[r] + after[r]]
+    consumed = [t for r in range(old) for t in before[r]] + [t for r in range(new_ranks) for t in after[r]]
     return {"info": info.to_dict(), "report": report.to_dict(), "consumed": consumed, "put": put,
-            "units_before": units_before, "units_after": units_after}
+            "units_before": units_before, "units_after": units_after,
+            "after_ranks": sorted(after), "num_consumers_after": new_ranks}
 
 
 def node_loss(d: str) -> dict[str, Any]:
@@ -192,5 +206,5 @@ def node_loss(d: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    result = {"two_to_one": two_to_one, "node_loss": node_loss}[sys.argv[1]](sys.argv[2])
+    result = {"two_to_one": two_to_one, "four_to_two": four_to_two, "node_loss": node_loss}[sys.argv[1]](sys.argv[2])
     print(json.dumps(result), flush=True)

@@ -137,7 +137,7 @@ def test_soak_cross_process_ray_survives_consumer_sigkill_and_coordinator_kill(t
 
 
 def test_soak_reshape_kills_and_restores_whole_jobs(tmp_path):
-    """``bench soak --reshape`` (cheap): one job SIGKILLed after a checkpoint, restored onto another layout of the
+    """``bench soak --reshape`` (cheap): one job SIGKILLed after a checkpoint, restored onto other nodes and twice the
     ranks, run to the end: every prompt counted exactly ``group_size`` times, the reissued prompts those in flight."""
     out = tmp_path / "soak_reshape.json"
     rc = main(["bench", "soak", "--reshape", "--rounds", "1", "--prompts", "100", "--kill-within", "0.5",
@@ -145,5 +145,6 @@ def test_soak_reshape_kills_and_restores_whole_jobs(tmp_path):
     r = json.loads(out.read_text())
     assert rc == 0, r["errors"]
     assert r["mode"] == "reshape" and r["kills"] == 1 and r["jobs"] == 2 and r["restores_other_topology"] == 1
+    assert r["restores_other_ranks"] == 1 and [x["ranks"] for x in r["rounds"]] == [2, 4]
     assert r["lost"] == 0 and r["duplicated"] == 0 and r["reissue_mismatch"] == [] and r["ok"]
     assert r["trajectories_counted"] == 100 * r["group_size"]

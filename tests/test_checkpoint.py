@@ -12,13 +12,14 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from knitdata import BatchSpec, ConsumerLayout, Pipeline, Trajectory
+from knitdata import BatchSpec, ConsumerLayout, Pipeline, Trajectory, merge_rank_states
 from knitdata.checkpoint import config_fingerprint, read_manifest, remap_plane_state
 from knitdata.errors import ConfigError, StateError
 
@@ -59,6 +60,71 @@ def test_restore_in_a_new_process_is_exactly_once(saved: tuple[Path, dict]) -> N
     assert len(produced) == 48
 
 
+def _exactly_once(d: Path, res: dict) -> list[str]:
+    """Every trajectory put (before the cut, reissued, after) consumed once, by the old ranks before their states
+    or by the new ranks after the restore; returns what the new ranks consumed."""
+    job = json.loads((d / "job.json").read_text())
+    after = [t for r in sorted(res["after"]) for t in res["after"][r]]
+    consumed = [t for r in sorted(job["before"]) for t in job["before"][r]] + after
+    produced = job["put"] + res["put"]
+    assert len(consumed) == len(set(consumed)), "delivered twice: " + str(sorted({t for t in consumed
+                                                                                   if consumed.count(t) > 1}))
+    assert sorted(consumed) == sorted(produced), "lost: " + str(sorted(set(produced) - set(consumed)))
+    assert len(produced) == 48
+    # the producer is told exactly the prompts started and not finished, with what the checkpoint holds of them
+    reissue = {r["prompt_id"]: (r["have"], r["missing"]) for r in res["report"]["reissue"]}
+    assert reissue == {"p12": (["p12-0"], 1), "p13": ([], 2), "p14": (["p14-0", "p14-1"], 0)}
+    assert res["report"]["reissue_ids"] == ["p12", "p13"] and res["in_flight"] == []
+    return after
+
+
+@pytest.mark.parametrize("old, new", [(4, 2), (2, 3)])
+def test_restore_onto_another_number_of_ranks_in_a_new_process(
+        old: int, new: int, saved: tuple[Path, dict], tmp_path: Path) -> None:
+    """Saved with ``old`` ranks by one process, restored onto ``new`` ranks by another, given the old ranks'
+    states: the plane comes back in its saved layout, then the elastic resume continues it on the new ranks."""
+    if old == 2:
+        d = saved[0]
+    else:  # 4 ranks, the odd ones saved one mini-batch later: mini-batch 2 was started by some ranks only
+        d = tmp_path
+        out = _run("save", str(d), str(old), "stagger")
+        assert out["info"]["in_flight"] == 3
+    res = _run("restore", str(d), str(new))
+    rep = res["report"]
+    assert rep["reshaped"]["from_ranks"] == old and rep["reshaped"]["to_ranks"] == new
+    assert rep["merged_state"]["num_consumers"] == old and rep["reshaped"]["replanned"] > 0
+    # every new rank ran to the end; a mini-batch is 2 groups of 2 and groups are not split, so with 3 ranks one
+    # rank's micro-batches are empty
+    assert sorted(res["after"]) == [str(r) for r in range(new)]
+    assert sum(1 for v in res["after"].values() if v) == 2
+    _exactly_once(d, res)
+
+
+@pytest.mark.filterwarnings("ignore:knitdata. pipeline closed with")
+def test_another_number_of_ranks_needs_the_rank_states(saved: tuple[Path, dict]) -> None:
+    d, _out = saved
+    job = json.loads((d / "job.json").read_text())
+    with pytest.raises(ConfigError, match="rank_states=") as e:
+        Pipeline.restore(d / "ckpt", layout=ConsumerLayout.single_node(3))
+    assert "2 ranks" in str(e.value) and "merge_rank_states" in str(e.value)
+    with pytest.raises(StateError, match=r"ranks \[1\] are missing"):  # a missing rank is refused, naming it
+        Pipeline.restore(d / "ckpt", layout=ConsumerLayout.single_node(3), rank_states=[job["states"]["0"]])
+    with pytest.raises(ConfigError, match="token_budget"):  # the rest of the fingerprint still counts
+        Pipeline.restore(d / "ckpt", layout=ConsumerLayout.single_node(3), token_budget=128,
+                         rank_states=list(job["states"].values()))
+    # a merged state is accepted as well; the same number of ranks ignores the states (each loads its own)
+    merged = merge_rank_states(list(job["states"].values()))
+    pipe = Pipeline.restore(d / "ckpt", layout=ConsumerLayout.single_node(1), rank_states=merged)
+    try:
+        assert pipe.restore_report is not None and pipe.restore_report.merged_state == merged
+        assert pipe.num_consumers == 1
+    finally:
+        pipe.shutdown()
+    pipe = Pipeline.restore(d / "ckpt", rank_states=merged)
+    assert pipe.restore_report is not None and pipe.restore_report.merged_state is None
+    pipe.shutdown()
+
+
 @pytest.mark.filterwarnings("ignore:knitdata. pipeline closed with")
 def test_fingerprint_mismatch_is_refused_unless_allowed(saved: tuple[Path, dict]) -> None:
     d, _out = saved
@@ -69,7 +135,7 @@ def test_fingerprint_mismatch_is_refused_unless_allowed(saved: tuple[Path, dict]
     assert pipe.restore_report is not None and pipe.restore_report.config_changed
     pipe.shutdown()
     with pytest.raises(ConfigError, match="ranks"):
-        Pipeline.restore(d / "ckpt", layout=ConsumerLayout.single_node(3))
+        Pipeline.restore(d / "ckpt", layout=ConsumerLayout.single_node(3))  # without the ranks' states
     with pytest.raises(StateError, match="no knitdata checkpoint"):
         Pipeline.restore(d / "nothing-here")
 
@@ -106,6 +172,81 @@ def test_restore_onto_other_nodes_keeps_the_plans(saved: tuple[Path, dict]) -> N
         assert len(got) == len(set(got))
     finally:
         pipe.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore:knitdata. pipeline closed with")
+def test_restore_onto_other_nodes_and_ranks_reads_the_new_units(saved: tuple[Path, dict]) -> None:
+    """2 ranks on one node -> 3 ranks on two other nodes: the re-planned micro-batches read the new units."""
+    d, _out = saved
+    job = json.loads((d / "job.json").read_text())
+    pipe = Pipeline.restore(d / "ckpt", layout=ConsumerLayout(["a", "b", "a"]),
+                            rank_states=[job["states"][r] for r in ("1", "0")])  # any order
+    try:
+        rep = pipe.restore_report
+        assert rep is not None and rep.reshaped is not None and rep.merged_state is not None
+        assert rep.reshaped["to_ranks"] == 3 and set(rep.unit_map.values()) <= {"a", "b"}
+        put = list(job["put"])
+        for r in rep.reissue:
+            p = int(r["prompt_id"][1:])
+            fresh = [_traj(f"p{p}-x{k}", p) for k in range(r["missing"])]
+            pipe.put_many(fresh)
+            put += [t.id for t in fresh]
+        for p in range(15, 24):
+            pipe.put_many([_traj(f"p{p}-{k}", p) for k in range(2)])
+            put += [f"p{p}-{k}" for k in range(2)]
+        pipe.close()
+        got = [t for r in ("0", "1") for t in job["before"][r]]
+        for r in range(3):
+            ds = pipe.dataset(r, timeout=30)
+            ds.load_state_dict(rep.merged_state)
+            got += [t for mb in ds for t in mb.info.trajectory_ids]
+        assert len(got) == len(set(got)) and sorted(got) == sorted(put)
+    finally:
+        pipe.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore:knitdata. pipeline closed with")
+def test_checkpoint_of_a_reshaped_pipeline_restores_its_current_ranks(tmp_path: Path) -> None:
+    """A live pipeline reshaped 2 -> 3 ranks, then checkpointed: the restore defaults to its 3 ranks (their own
+    states), and onto 1 rank given the 3 states; both exactly once."""
+    pipe = Pipeline(BatchSpec({"math": 4, "code": 4}, num_minibatches=2, group_size=2), num_consumers=2,
+                    token_budget=64)
+    put = []
+    for p in range(16):
+        pipe.put_many([_traj(f"p{p}-{k}", p) for k in range(2)])
+        put += [f"p{p}-{k}" for k in range(2)]
+
+    def one_step(ds: Any, got: list[str]) -> Any:
+        for mb in ds:
+            got += mb.info.trajectory_ids
+            if mb.info.is_last:
+                break
+        return ds.state_dict()
+
+    before: list[str] = []
+    states = [one_step(pipe.dataset(r, timeout=30), before) for r in range(2)]
+    merged = pipe.reshape(states, 3)
+    mid = []
+    for r in range(3):
+        ds = pipe.dataset(r, timeout=30)
+        ds.load_state_dict(merged)
+        mid.append(ds)
+    states3 = [one_step(ds, before) for ds in mid]
+    pipe.checkpoint(tmp_path / "c")
+    pipe.close()
+    for kwargs, ranks in (({}, 3), ({"layout": ConsumerLayout.single_node(1), "rank_states": states3}, 1)):
+        new = Pipeline.restore(tmp_path / "c", **kwargs)
+        try:
+            assert new.num_consumers == ranks and new.restore_report is not None
+            new.close()
+            got = list(before)
+            for r in range(ranks):
+                ds = new.dataset(r, timeout=30)
+                ds.load_state_dict(states3[r] if ranks == 3 else new.restore_report.merged_state)
+                got += [t for mb in ds for t in mb.info.trajectory_ids]
+            assert len(got) == len(set(got)) and sorted(got) == sorted(put)
+        finally:
+            new.shutdown()
 
 
 def _traj(tid: str, p: int) -> Trajectory:
@@ -200,6 +341,20 @@ def test_ray_restore_from_two_nodes_onto_one(tmp_path: Path) -> None:
     consumed, put = out["consumed"], out["put"]
     assert len(consumed) == len(set(consumed)) and sorted(consumed) == sorted(put)
     assert out["info"]["pause_ms"] < 100
+
+
+@pytest.mark.slow
+def test_ray_restore_from_four_ranks_on_two_nodes_onto_two_ranks_on_one(tmp_path: Path) -> None:
+    """Ray: 4 ranks on 2 nodes checkpointed, the worker node removed, restored onto 2 ranks on the head node."""
+    out = run_ray_scenario("four_to_two", tmp_path)
+    assert set(out["units_before"].values()) == {"n0", "n1"} and set(out["units_after"].values()) == {"n0"}
+    rep = out["report"]
+    assert rep["unit_map"] == {"n0": "n0", "n1": "n0"}
+    assert rep["reshaped"]["from_ranks"] == 4 and rep["reshaped"]["to_ranks"] == 2
+    assert rep["reissue_ids"] == ["p8", "p9"] and out["after_ranks"] == [0, 1]
+    consumed, put = out["consumed"], out["put"]
+    assert len(consumed) == len(set(consumed)), "delivered twice"
+    assert sorted(consumed) == sorted(put), "lost: " + str(sorted(set(put) - set(consumed)))
 
 
 @pytest.mark.filterwarnings("ignore:knitdata. pipeline closed with")

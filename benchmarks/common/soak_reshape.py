@@ -8,8 +8,10 @@ boundary; a checkpoint thread, every ``checkpoint_every_s``, copies the ranks' l
 event goes to the job's JSON-lines log, flushed per line, so a SIGKILL loses nothing written.
 
 The driver (:func:`run_soak_reshape`) starts a job, SIGKILLs it at a random point, and starts the next one,
-which restores from the last ``job.json`` (``Pipeline.restore``; every other round onto another layout of the
-same ranks: one node or two), loads the ranks' states, reissues ``restore_report.reissue`` (only the missing
+which restores from the last ``job.json`` (``Pipeline.restore``; every other round onto one node, then two; and
+the number of ranks cycles through ``ranks``, ``2 * ranks``, ``ranks + 1`` (:func:`ranks_of`), so every restore
+changes it: the restore gets the old ranks' states, ``rank_states=``, and every new rank loads
+``restore_report.merged_state``), loads the ranks' states, reissues ``restore_report.reissue`` (only the missing
 members) and continues from ``ledger.num_finished() + len(in_flight)``. The last job runs to the end.
 
 Accounting from the logs: a micro-batch a rank consumed counts if it lies below the position that rank resumed
@@ -34,9 +36,14 @@ from typing import Any
 
 from benchmarks.common.soak_processes import write_json_atomic
 
-__all__ = ["run_soak_reshape", "job_main"]
+__all__ = ["run_soak_reshape", "job_main", "ranks_of"]
 
 GROUP = 2
+
+
+def ranks_of(ranks: int, inc: int) -> int:
+    """The number of ranks of job ``inc``: ``ranks``, ``2 * ranks``, ``ranks + 1``, then again."""
+    return (ranks, 2 * ranks, ranks + 1)[inc % 3]
 
 
 def _traj(tid: str, prompt: int, nbytes: int) -> Any:
@@ -56,6 +63,7 @@ def job_main(d: str, inc: int, prompts: int, ranks: int, nodes: int, consume_ms:
     import torch
 
     from knitdata import BatchSpec, ConsumerLayout, Pipeline
+    from knitdata.control.rankstates import MERGED_FORMAT
 
     torch.set_num_threads(1)
     log = open(os.path.join(d, f"log-{inc}.jsonl"), "a", buffering=1, encoding="utf-8")
@@ -77,13 +85,21 @@ def job_main(d: str, inc: int, prompts: int, ranks: int, nodes: int, consume_ms:
     else:
         with open(job_path, encoding="utf-8") as f:
             job = json.load(f)
-        pipe = Pipeline.restore(job["ckpt"], layout=layout, capacity_bytes=64 << 20)
-        assert pipe.restore_report is not None
-        states, counts = job["states"], job["counts"]
-        reissue = pipe.restore_report.reissue
+        old = len(job["states"])
+        # another number of ranks: the old ranks' states go to the restore, every new rank loads the merged one
+        pipe = Pipeline.restore(job["ckpt"], layout=layout, capacity_bytes=64 << 20,
+                                rank_states=job["states"] if old != ranks else None)
+        rep = pipe.restore_report
+        assert rep is not None
+        if rep.merged_state is not None:
+            states, counts = [rep.merged_state] * ranks, [0] * ranks
+        else:
+            states, counts = job["states"], job["counts"]
+        reissue = rep.reissue
         nxt = pipe.ledger.num_finished() + len(pipe.ledger.in_flight())
-        emit(ev="restored", counts=counts, reissue=[r["prompt_id"] for r in reissue], next=nxt,
-             ckpt=job["ckpt"], nodes=nodes, unit_map=pipe.restore_report.unit_map)
+        emit(ev="restored", counts=job["counts"], reissue=[r["prompt_id"] for r in reissue], next=nxt,
+             ckpt=job["ckpt"], nodes=nodes, ranks=ranks, ranks_before=old, unit_map=rep.unit_map,
+             replanned=None if rep.reshaped is None else rep.reshaped["replanned"])
     taken: list[Any] = list(states)
     taken_counts = list(counts)
     state_lock = threading.Lock()
@@ -129,6 +145,9 @@ def job_main(d: str, inc: int, prompts: int, ranks: int, nodes: int, consume_ms:
         ds = pipe.dataset(r, timeout=120)
         if states[r] is not None:
             ds.load_state_dict(states[r])
+            if states[r].get("format") == MERGED_FORMAT:  # a state of this rank's own, to save until its first step
+                with state_lock:
+                    taken[r] = ds.state_dict()
         else:
             with state_lock:
                 taken[r] = ds.state_dict()
@@ -210,10 +229,11 @@ def run_soak_reshape(d: str, *, rounds: int = 4, prompts: int = 240, ranks: int 
     while True:
         last = inc >= rounds
         nodes = 1 + (inc % 2)  # every other job restores onto another topology: one node, then two
+        job_ranks = ranks_of(ranks, inc)  # and every job onto another number of ranks
         if inc > 0 and not os.path.exists(os.path.join(d, "job.json")):
             errors.append(f"round {inc}: the killed job wrote no checkpoint; start it again from scratch")
             break
-        cmd = [sys.executable, "-m", "benchmarks.common.soak_reshape", "job", d, str(inc), str(prompts), str(ranks),
+        cmd = [sys.executable, "-m", "benchmarks.common.soak_reshape", "job", d, str(inc), str(prompts), str(job_ranks),
                str(nodes), str(consume_ms), str(ckpt_every_s), str(traj_bytes), str(rollout_ms)]
         p = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
@@ -242,7 +262,7 @@ def run_soak_reshape(d: str, *, rounds: int = 4, prompts: int = 240, ranks: int 
         if killed and any(e["ev"] == "done" for e in ev):
             killed = False  # it had finished (killed while it exited): the run is complete
         ck = [e for e in ev if e["ev"] == "ckpt"]
-        rounds_out.append({"round": inc, "nodes": nodes, "killed": killed, "ran_s": time.perf_counter() - t0,
+        rounds_out.append({"round": inc, "nodes": nodes, "ranks": job_ranks, "killed": killed, "ran_s": time.perf_counter() - t0,
                            "checkpoints": len(ck), "pause_ms_max": max((e["pause_ms"] for e in ck), default=None),
                            "write_s_max": max((e["write_s"] for e in ck), default=None)})
         if not killed:  # the last round, or a job that finished before its kill
@@ -317,6 +337,7 @@ def _account(d: str, last: int, prompts: int, rounds: list[dict[str, Any]], erro
         "benchmark": "soak", "mode": "reshape", "engine": "embedded", "prompts": prompts, "group_size": GROUP,
         "jobs": len(rounds), "kills": sum(r["killed"] for r in rounds), "rounds": rounds,
         "restores_other_topology": sum(1 for r in rounds[1:] if r["nodes"] != rounds[r["round"] - 1]["nodes"]),
+        "restores_other_ranks": sum(1 for r in rounds[1:] if r["ranks"] != rounds[r["round"] - 1]["ranks"]),
         "trajectories_counted": sum(counted.values()), "rolled_back_microbatches": rolled_back,
         "lost": lost, "duplicated": duplicated, "reissued": reissued, "reissue_mismatch": mismatch,
         "checkpoint_pause_ms_max": max(pauses, default=None), "wall_s": wall_s, "errors": errors,
