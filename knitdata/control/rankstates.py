@@ -155,7 +155,8 @@ def merge_rank_states(states: Iterable[Any]) -> dict[str, Any]:
     plans the later mini-batches for it from the start (see :mod:`knitdata.control.reshape`).
 
     Args:
-        states: The states of all ranks of one run (with DataLoader workers: every worker of every rank).
+        states: The states of all ranks of one run (with DataLoader workers: every worker of every rank; with
+            tensor/pipeline-parallel replicas: those of every replica, or of one replica per rank).
 
     Returns:
         The merged state (format :data:`MERGED_FORMAT`).
@@ -170,8 +171,8 @@ def merge_rank_states(states: Iterable[Any]) -> dict[str, Any]:
         >>> s = {"format": "knitdata.TrajectoryDataset", "version": 3, "pipeline": None, "num_consumers": 2,
         ...      "worker": 0, "num_workers": 1, "next": 3, "minibatch": 2, "microbatch": 1, "epoch": 0,
         ...      "fingerprint": None, "fingerprint_length": None}
-        >>> merge_rank_states([{**s, "rank": 0}, {**s, "rank": 1, "next": 2}])["positions"]
-        [3, 2]
+        >>> merge_rank_states([{**s, "rank": 0}, {**s, "rank": 1, "next": 2}])["positions"] == [3, 2]
+        True
     """
     flat = collect_states(list(states))
     if not flat:
