@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from knitdata.integrations.accelerate import prepare_loader
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(), log_with=args.log_with, project_dir=args.log_dir)
+    trackers = {"log_with": args.log_with, "project_dir": args.log_dir} if args.log_with else {}
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), **trackers)
     if args.log_with:
         accelerator.init_trackers("knitdata_grpo")  # TensorBoard: <log-dir>/knitdata_grpo/events.out.tfevents.*
     rank, world = accelerator.process_index, accelerator.num_processes
