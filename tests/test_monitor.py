@@ -148,12 +148,25 @@ def test_flat_metrics_values_are_always_finite_numbers(stale: Any, by_src: Any, 
 
 
 # ---------------------------------------------------------------------------------------------- Ray: a separate process
+#: A rank attached the documented way, logging ``ds.step_metrics()`` at each optimizer step (JSON list at the end).
+RANK_SCRIPT = """
+import json, sys
+from knitdata import Pipeline
+
+pipe = Pipeline.attach(sys.argv[1], address=sys.argv[2])
+ds = pipe.dataset(0)
+logged = [ds.step_metrics() for mb in ds if mb.info.is_last]
+print(json.dumps(logged))
+"""
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_knitdata_status_against_a_running_ray_pipeline() -> None:
     """``python -m knitdata status --address ADDR --name NAME`` in its own process, against a creator's pipeline
-    that a producer process filled (tests/_ray_attach_roles.py: the processes of README's Ray section)."""
+    that a producer process filled (tests/_ray_attach_roles.py: the processes of README's Ray section); before it,
+    rank 0 attached in its own process iterates to the end logging ``ds.step_metrics()`` per step."""
     pytest.importorskip("ray")
     from tests.test_ray_attach import Proc, user_env
 
@@ -165,6 +178,15 @@ def test_knitdata_status_against_a_running_ray_pipeline() -> None:
         assert "done" in prod.next("done", 120), prod.seen
         prod.wait(60)
         env = user_env()
+        rank0 = subprocess.run([sys.executable, "-c", RANK_SCRIPT, name, address], env=env, cwd=ROOT,
+                               capture_output=True, text=True, timeout=120)
+        assert rank0.returncode == 0, rank0.stderr[-3000:]
+        steps = json.loads(rank0.stdout.splitlines()[-1])
+        assert len(steps) == 2  # one train batch of 2 mini-batches: rank 0 logged at each is_last
+        assert [m["knitdata/steps"] for m in steps] == [1, 2]
+        assert steps[-1]["knitdata/sources/math/admitted"] == 8 and steps[-1]["knitdata/staleness/math/count"] > 0
+        assert steps[-1]["knitdata/store/capacity_bytes"] > 0 and 0 <= steps[-1]["knitdata/store/fill"] <= 1
+        assert steps[-1]["knitdata/bytes_local"] + steps[-1]["knitdata/bytes_remote"] > 0
 
         def status(*args: str) -> subprocess.CompletedProcess[str]:
             return subprocess.run([sys.executable, "-m", "knitdata", "status", "--address", address, "--name", name,
@@ -187,7 +209,9 @@ def test_knitdata_status_against_a_running_ray_pipeline() -> None:
         assert len(rows) == 1  # a closed pipeline: --watch prints once and exits
         assert rows[0]["sources"] == [{"source": "math", "finished": 8, "admitted": 8, "ready": 0, "quota": 8}]
         assert [r["rank"] for r in rows[0]["ranks"]] == [0, 1]
-        assert sum(r["ahead"] for r in rows[0]["ranks"]) > 0  # planned, nobody iterated
+        r0, r1 = rows[0]["ranks"]
+        assert r0["position"] == r0["planned"] > 0 and r0["ahead"] == 0  # rank 0 iterated to the end
+        assert r1["position"] == 0 and r1["ahead"] == r1["planned"] > 0  # rank 1 never came
 
         missing = status("--name", "no-such-pipeline", "--timeout", "10")
         assert missing.returncode == 1 and "no-such-pipeline" in missing.stderr
