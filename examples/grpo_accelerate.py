@@ -401,6 +401,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--token-budget", type=int, default=64, help="most tokens per micro-batch")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-with", default=None, help="an Accelerate tracker (tensorboard, wandb, ...): knitdata's "
+                   "per-step metrics go to it through accelerator.log")
+    p.add_argument("--log-dir", default="runs", help="the trackers' project directory (with --log-with)")
     args = p.parse_args(argv)
     if args.engine is None:
         import importlib.util
@@ -419,7 +422,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from knitdata.integrations.accelerate import prepare_loader
 
-    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    trackers = {"log_with": args.log_with, "project_dir": args.log_dir} if args.log_with else {}
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(), **trackers)
+    if args.log_with:
+        accelerator.init_trackers("knitdata_grpo")  # TensorBoard: <log-dir>/knitdata_grpo/events.out.tfevents.*
     rank, world = accelerator.process_index, accelerator.num_processes
     set_seed(args.seed)
     model = TinyPolicy()
@@ -428,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
 
     src = open_source(args, rank, world)
     collate = RecordingCollate()
-    loader = prepare_loader(accelerator, src.source, fetch=args.fetch, collate=collate)
+    # log_every=1: knitdata's metrics (staleness, data wait, bytes, store fill...) go to accelerator.log each step
+    loader = prepare_loader(accelerator, src.source, fetch=args.fetch, collate=collate,
+                            log_every=1 if args.log_with else None)
     assert accelerator.prepare(loader) is loader  # not a DataLoader: Accelerate leaves it alone
 
     version = 0

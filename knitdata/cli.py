@@ -1,4 +1,7 @@
-"""The ``knitdata`` command: ``knitdata demo`` and ``knitdata bench <name>``, from a checkout.
+"""The ``knitdata`` command: ``knitdata demo`` and ``knitdata bench <name>``, from a checkout; ``knitdata status``.
+
+``knitdata status --address ADDR --name NAME [--watch]`` prints a running Ray pipeline's status table
+(:mod:`knitdata.monitor`); it is part of the installed library.
 
 The demo and the benchmarks are not part of the installed library: they live in the repository's top-level
 ``benchmarks`` package (``python -m benchmarks <name>``). Run from a checkout (an editable install, or with the
@@ -10,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from types import ModuleType
 
-__all__ = ["main", "build_parser", "find_benchmarks"]
+__all__ = ["main", "build_parser", "find_benchmarks", "status_main", "build_status_parser"]
 
 _MISSING = ("the benchmarks and the demo are not part of the installed package: from a checkout of the repository, "
             "run `python -m benchmarks {name}`")
@@ -62,6 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("demo", help="run the end-to-end demo on the embedded engine (no servers)", add_help=False)
     sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON and a plot)", add_help=False)
+    sub.add_parser("status", help="print a status table of a running Ray pipeline (--address, --name, --watch)",
+                   add_help=False)
     return parser
 
 
@@ -75,6 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         The process exit code: the command's, or 2 (no command, or no ``benchmarks`` package to forward to).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["status"]:  # part of the library (knitdata.monitor), not of the checkout's benchmarks
+        return status_main(argv[1:])
     if argv[:1] not in (["demo"], ["bench"]):
         build_parser().parse_args(argv)  # --help exits here; an unknown command errors
         build_parser().print_help()
@@ -87,6 +96,64 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[0] == "demo":
         return int(cli.main(argv, prog="knitdata"))
     return int(cli.main(argv[1:], prog="knitdata bench", demo=False))
+
+
+def build_status_parser() -> argparse.ArgumentParser:
+    """The parser of ``knitdata status``."""
+    p = argparse.ArgumentParser(prog="knitdata status", description="Print a compact status table of a running "
+                                "Ray-engine pipeline (per source, per rank, store, journal).")
+    p.add_argument("--address", default=None, help="the Ray cluster's address (knitdata.ray_address() of the "
+                   "creating process, or 'auto'); default: the Ray this machine runs")
+    p.add_argument("--name", default="knitdata", help="the pipeline's name (engine_options['name'] of its creator)")
+    p.add_argument("--watch", action="store_true", help="refresh the table every --interval seconds until Ctrl-C "
+                   "or the pipeline closes")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes with --watch (default 2)")
+    p.add_argument("--once", action="store_true", help="print once and exit (the default without --watch)")
+    p.add_argument("--count", type=int, default=None, help="with --watch: stop after this many refreshes")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON line per refresh")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to attach and per call (default 30)")
+    return p
+
+
+def status_main(argv: Sequence[str] | None = None) -> int:
+    """``knitdata status``: attach to a running Ray pipeline and print its status table (once, or ``--watch``).
+
+    Returns:
+        0; 1 when the pipeline cannot be reached (the error on stderr).
+    """
+    args = build_status_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.interval <= 0:
+        print("knitdata status: --interval must be positive", file=sys.stderr)
+        return 2
+    from knitdata.errors import KnitdataError
+    from knitdata.monitor import status_rows, status_table
+    from knitdata.pipeline import Pipeline
+
+    try:
+        pipe = Pipeline.attach(args.name, address=args.address, timeout_s=args.timeout)
+    except KnitdataError as e:
+        print(f"knitdata status: cannot attach to pipeline {args.name!r}: {e}", file=sys.stderr)
+        return 1
+    watch = args.watch and not args.once
+    n = 0
+    try:
+        while True:
+            stats = {"name": args.name, **pipe.stats()}
+            if args.json:
+                print(json.dumps(status_rows(stats)), flush=True)
+            else:
+                if watch and sys.stdout.isatty():
+                    print("\x1b[2J\x1b[H", end="")
+                print(status_table(stats) + ("\n" if watch else ""), flush=True)
+            n += 1
+            if not watch or stats.get("closed") or (args.count is not None and n >= args.count):
+                return 0
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+    except KnitdataError as e:
+        print(f"knitdata status: pipeline {args.name!r}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

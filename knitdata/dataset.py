@@ -406,6 +406,40 @@ class TrajectoryDataset(IterableDataset):
         """
         self.session.flush()
 
+    def step_metrics(self, *, flush: bool = True, units: bool = True, prefix: str = "knitdata/") -> dict[str, float | int]:
+        """This rank's figures for a trainer's logger: one flat ``{"knitdata/...": number}`` dict.
+
+        Call it once per optimizer step (after the micro-batch with ``info.is_last``) and log it where the trainer
+        logs (``accelerator.log``, ``SummaryWriter.add_scalar``, ``wandb.log``). The keys are those of
+        :func:`knitdata.monitor.flat_metrics` for this rank: staleness (mean, p95, worst; overall, per source and
+        of this rank), this rank's exposed data wait in its last step (``knitdata/data_wait_s``), bytes it read
+        locally and from other nodes, seconds from put to admission, store fill and spills, and what a staleness
+        bound dropped. It costs one control-plane call (plus one per storage unit with ``units``; on the Ray engine
+        each is a round trip).
+
+        Args:
+            flush: Send this process's queued hand-out records first (so the last step's staleness is counted).
+            units: Read the storage units' counters (the ``store/...`` keys).
+            prefix: Put before every key.
+
+        Returns:
+            ``{key: int | float}``, every value finite.
+        """
+        from knitdata.monitor import flat_metrics
+
+        if flush:
+            self.session.flush()
+        stats: dict[str, Any] = dict(self.engine.control.stats())
+        if units:
+            found: dict[str, Any] = {}
+            for u, unit in self.engine.units.items():
+                try:
+                    found[u] = unit.stats().to_dict()
+                except Exception:  # noqa: BLE001 - a dead unit's actor: its figures are left out
+                    found[u] = None
+            stats["units"] = found
+        return flat_metrics(stats, rank=self.rank, consumer=self.metrics.to_dict(), prefix=prefix)
+
     # ------------------------------------------------------------------ internals
     def _ended(self, it: _ConsumerIterator, natural: bool) -> None:
         with self._lock:

@@ -48,6 +48,9 @@ class ConsumerMetrics:
             self._wait: deque[float] = deque(maxlen=self.window)
             self._data_wait: deque[float] = deque(maxlen=self.window)
             self._step_wait: deque[float] = deque(maxlen=self.window)
+            self._step_data_wait: deque[float] = deque(maxlen=self.window)
+            self._cur_step_data = 0.0
+            self._steps = 0
             self._fetch: deque[float] = deque(maxlen=self.window)
             self._cur_step = 0.0
             self._pending: deque[tuple[float, float, bool, bool]] = deque()  # waits not folded in yet
@@ -95,9 +98,12 @@ class ConsumerMetrics:
                 self._microbatches += 1
                 self._empty += int(empty)
                 self._cur_step += seconds
+                self._cur_step_data += dw
                 if is_last:
                     self._step_wait.append(self._cur_step)
-                    self._cur_step = 0.0
+                    self._step_data_wait.append(self._cur_step_data)
+                    self._steps += 1
+                    self._cur_step = self._cur_step_data = 0.0
 
     @property
     def microbatches(self) -> int:
@@ -149,6 +155,19 @@ class ConsumerMetrics:
             return list(self._step_wait)
 
     @property
+    def data_wait_per_step_s(self) -> list[float]:
+        """Of :attr:`wait_per_step_s`, the seconds each step was blocked until its micro-batches were ready."""
+        self._fold()
+        with self._lock:
+            return list(self._step_data_wait)
+
+    @property
+    def steps(self) -> int:
+        """Steps (mini-batches) whose last micro-batch was handed out."""
+        self._fold()
+        return self._steps
+
+    @property
     def fetch_latency_s(self) -> list[float]:
         """Latency of the last fetches (fetch + decode + collate of one micro-batch)."""
         with self._lock:
@@ -173,6 +192,10 @@ class ConsumerMetrics:
                 "wait_per_microbatch_s": summarize(list(self._wait)),
                 "data_wait_per_microbatch_s": summarize(list(self._data_wait)),
                 "wait_per_step_s": summarize(list(self._step_wait)),
+                "data_wait_per_step_s": summarize(list(self._step_data_wait)),
+                "steps": self._steps,
+                "last_step_wait_s": self._step_wait[-1] if self._step_wait else 0.0,
+                "last_step_data_wait_s": self._step_data_wait[-1] if self._step_data_wait else 0.0,
                 "fetch_latency_s": summarize(self._fetch),
             }
 

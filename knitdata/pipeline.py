@@ -750,6 +750,28 @@ class Pipeline:
             out["transfer"] = total.to_dict()
         return out
 
+    def step_metrics(self, rank: int | None = None, *, prefix: str = "knitdata/") -> dict[str, float | int]:
+        """:meth:`stats` as one flat ``{"knitdata/...": number}`` dict for a logger (see
+        :func:`knitdata.monitor.flat_metrics`); with ``rank``, that rank's wait, bytes and staleness too.
+
+        A rank's trainer calls :meth:`TrajectoryDataset.step_metrics <knitdata.dataset.TrajectoryDataset.step_metrics>`
+        instead (its own process's figures, one control-plane call).
+        """
+        from knitdata.monitor import flat_metrics
+
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
+                                 or not 0 <= rank < self.num_consumers):
+            raise ConfigError(f"rank must be an int in 0..{self.num_consumers - 1} or None, got {rank!r}")
+        return flat_metrics(self.stats(), rank=rank, prefix=prefix)
+
+    def status_table(self) -> str:
+        """A compact text table of this pipeline: per source finished/admitted/ready/quota, per rank position,
+        micro-batches planned ahead, data wait and staleness, store fill, the journal (what ``knitdata status``
+        prints for a Ray pipeline; see :func:`knitdata.monitor.status_table`)."""
+        from knitdata.monitor import status_table
+
+        return status_table({"name": self.name, **self.stats()})
+
     def flush_meter(self) -> None:
         """Ray engine: send this process's put/read byte counters to the coordinator (and zero them here)."""
         self._engine.flush_meter()

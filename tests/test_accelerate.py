@@ -308,3 +308,50 @@ def test_load_state_of_another_world_size_merges_every_rank(acc, tmp_path):
     (tmp_path / "knitdata_loader_rank1.json").unlink()
     with pytest.raises(StateError, match=r"ranks \[1\] are missing"):
         prepare_loader(acc, Pipeline(SPEC, num_consumers=1, token_budget=24), register_hooks=False).load_state(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- metrics to trackers
+def test_log_every_is_checked(acc):
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="log_every"):
+            prepare_loader(acc, _filled_pipeline(), log_every=bad)
+
+
+def test_log_metrics_needs_a_knitdata_dataset(acc):
+    from knitdata.integrations.accelerate import log_metrics
+
+    with pytest.raises(ConfigError, match="step_metrics"):
+        log_metrics(acc, [1, 2, 3])
+
+
+@pytest.mark.timeout(300)
+def test_example_logs_knitdata_metrics_to_tensorboard(tmp_path):
+    """The GRPO example with ``--log-with tensorboard`` (one process, as its docstring says): knitdata's per-step
+    metrics reach TensorBoard's event file through ``accelerator.log``; read back with TensorBoard's own reader."""
+    import subprocess
+
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = Path(__file__).resolve().parent.parent
+    logdir = tmp_path / "runs"
+    out = tmp_path / "grpo.json"
+    proc = subprocess.run([sys.executable, str(root / "examples" / "grpo_accelerate.py"), "--engine", "embedded",
+                           "--train-batches", "2", "--log-with", "tensorboard", "--log-dir", str(logdir),
+                           "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    events = list(logdir.rglob("events.out.tfevents.*"))
+    assert events, f"no event file under {logdir}: {list(logdir.rglob('*'))}"
+    acc_ = EventAccumulator(str(events[0].parent))
+    acc_.Reload()
+    tags = set(acc_.Tags()["scalars"])
+    steps = json.loads(out.read_text())["ranks"][0]["final_version"]
+    for tag in ("knitdata/staleness/mean", "knitdata/staleness/p95", "knitdata/staleness/max",
+                "knitdata/data_wait_s", "knitdata/bytes_local", "knitdata/bytes_remote",
+                "knitdata/admission_delay_s/mean", "knitdata/store/fill", "knitdata/store/spilled_items"):
+        assert tag in tags, sorted(tags)
+    assert any(t.startswith("knitdata/staleness/") and t.count("/") == 3 for t in tags)  # per source
+    fill = acc_.Scalars("knitdata/store/fill")
+    assert [e.step for e in fill] == list(range(steps))  # one point per optimizer step
+    assert all(0.0 <= e.value <= 1.0 for e in fill)
+    assert acc_.Scalars("knitdata/steps")[-1].value == steps

@@ -314,3 +314,19 @@ def test_the_ray_coordinator_and_client_derive_their_methods_from_the_surface():
                     ("handed", (0, 1, 0, 0))]
     with pytest.raises(AttributeError):
         c.reserve  # noqa: B018 - the two-phase put is gone
+
+
+def test_stats_report_sources_admission_delay_and_the_journal(tmp_path):
+    """What knitdata.monitor reads: per source quota/put/admitted/ready, put-to-admission delay, the journal."""
+    from knitdata.monitor import status_table
+
+    assert _plane().stats()["journal"] is None
+    plane = ControlPlane(_config(), UNITS, lambda u, ids, wait: None, journal=Journal(tmp_path / "j", fsync_every_s=0))
+    plane.admit_many("node1", [[_meta(_traj(i)), 8, f"tok{i}"] for i in range(10)])  # groups alternate a, b
+    st_ = plane.stats()
+    assert st_["sources"] == {"a": {"quota": 8, "puts": 6, "admitted": 4, "ready": 2},
+                              "b": {"quota": 8, "puts": 4, "admitted": 4, "ready": 0}}
+    assert st_["admission_delay_s"]["count"] == 8 and st_["admission_delay_s"]["max"] >= 0
+    j = st_["journal"]
+    assert j["records"] >= 1 and j["segment"] == 0 and j["bytes"] == (tmp_path / "j").stat().st_size > 0
+    assert f"journal: {j['records']} records in segment 0" in status_table(st_)

@@ -207,7 +207,11 @@ class Admission(Part):
             s.put_tokens[m.id] = str(token)
             s.loss[m.id] = int(loss)
             s.pending[m.id] = m
+            s.put_times[m.id] = time.monotonic()
             s.counts["puts"] += 1
+            row = s.source_counts.get(m.source)
+            if row is not None:
+                row["puts"] += 1
             accepted[k] = m.to_dict()
             try:
                 self.poll()
@@ -285,6 +289,7 @@ class Admission(Part):
                 s.withdrawn.popitem(last=False)
             for m in metas:
                 s.pending.pop(m.id, None)
+                s.put_times.pop(m.id, None)
             s.release_metas(metas)
             s.counts["withdrawn"] += len(metas)
             s.placement.forget_group(group)
@@ -369,6 +374,7 @@ class Admission(Part):
             return
         for m in metas:
             s.pending.pop(m.id, None)
+            s.put_times.pop(m.id, None)
             s.placement.forget_group(m.group)
         s.release_metas(metas)
 
@@ -388,8 +394,15 @@ class Admission(Part):
             plan, items = route(s, mb)  # the planner's plan, or what is left after an elastic resume
             s.counts["admitted_minibatches"] += 1
             s.counts["admitted_trajectories"] += len(mb.trajectories)
+            now = time.monotonic()
             for m in mb.trajectories:
                 s.pending.pop(m.id, None)
+                put_at = s.put_times.pop(m.id, None)
+                if put_at is not None:
+                    s.admission_delay.append(now - put_at)
+                counts = s.source_counts.get(m.source)
+                if counts is not None:
+                    counts["admitted"] += 1
                 s.placement.forget_group(m.group)
             if plan is None:  # handed out before an elastic resume: nothing left to plan
                 continue

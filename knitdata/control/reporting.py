@@ -3,6 +3,7 @@ metrics, and the messages that explain a stream that ended short."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -11,7 +12,7 @@ from knitdata.control.state import PRODUCER_TTL_S, PlaneState
 from knitdata.control.surface import Part, control_call, control_part
 from knitdata.metrics import summarize
 
-__all__ = ["Reporting", "missing_text", "producers_gone", "incomplete_message"]
+__all__ = ["Reporting", "missing_text", "producers_gone", "incomplete_message", "observation", "journal_summary"]
 
 
 def missing_text(s: PlaneState) -> str:
@@ -67,6 +68,34 @@ def incomplete_message(rep: Mapping[str, Any]) -> str:
             f"(an incomplete train batch or group): by source {rep['by_source']}, groups {shown}{more}; every "
             "admitted mini-batch was delivered. Complete or withdraw() the groups before close(), or treat this "
             "as the end of the run")
+
+
+def journal_summary(s: PlaneState) -> dict[str, Any] | None:
+    """The journal's segment, its records and the file's bytes (``None`` without a journal)."""
+    j = s.journal
+    if j is None:
+        return None
+    try:
+        nbytes = os.path.getsize(j.path)
+    except OSError:
+        nbytes = -1
+    return {"path": j.path, "segment": j.segment, "records": j.records, "bytes": nbytes}
+
+
+def observation(s: PlaneState) -> dict[str, Any]:
+    """What :mod:`knitdata.observe` reads (call under ``s.cond``): per source quota, trajectories put, admitted and
+    ready; staleness per source and per rank; seconds from put to admission; the journal."""
+    ready = s.policy.ready_counts()
+    return {
+        "sources": {src: {"quota": int(q), "puts": s.source_counts[src]["puts"],
+                          "admitted": s.source_counts[src]["admitted"], "ready": int(ready.get(src, 0))}
+                    for src, q in s.spec.quotas.items()},
+        "train_batch": s.policy.train_batch,
+        "staleness_by_source": {src: summarize(v) for src, v in s.staleness_by_source.items()},
+        "staleness_by_rank": [summarize(v) for v in s.staleness_by_rank],
+        "admission_delay_s": summarize(s.admission_delay),
+        "journal": journal_summary(s),
+    }
 
 
 @control_part("reporting")
@@ -132,4 +161,5 @@ class Reporting(Part):
                 "version_interval_s": summarize(b - a for a, b in zip(times, times[1:])),
                 "close_report": s.close_report, "consumers": list(s.consumer_stats),
                 "placement": s.placement.summary(), "transfer": s.transfer.to_dict(),
+                **observation(s),
             }

@@ -202,6 +202,13 @@ class PlaneState:
         self.version_times: deque[float] = deque(maxlen=1024)
         self.staleness: deque[int] = deque(maxlen=10_000)
         self.token_staleness = TokenStaleness()  # per token, since this plane started (not in snapshots)
+        # observation (knitdata.observe; since this plane started, not in snapshots): per source trajectories put
+        # and admitted, staleness per source and per rank, seconds from put to admission
+        self.source_counts: dict[str, dict[str, int]] = {src: {"puts": 0, "admitted": 0} for src in self.spec.sources}
+        self.staleness_by_source: dict[str, deque[int]] = {src: deque(maxlen=10_000) for src in self.spec.sources}
+        self.staleness_by_rank: list[deque[int]] = [deque(maxlen=1000) for _ in range(n)]
+        self.put_times: dict[str, float] = {}  # pending id -> when it was put (monotonic)
+        self.admission_delay: deque[float] = deque(maxlen=10_000)
         self.consumer_stats: list[dict[str, Any] | None] = [None] * n
         self.transfer = TransferMeter()
         self.counts = {"puts": 0, "rejected": 0, "withdrawn": 0, "admitted_minibatches": 0,

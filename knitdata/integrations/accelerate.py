@@ -29,6 +29,11 @@ you do not need to pass it to ``prepare()`` at all. What it does the Accelerate 
   are written by the main process only, with ``torch.save``, and its one dataloader state is shared by
   all ranks, accelerate#3080: neither fits per-rank loader state.)
 
+* **Metrics**: with ``log_every=N`` (or :func:`log_metrics`) the dataset's per-step figures
+  (:meth:`~knitdata.dataset.TrajectoryDataset.step_metrics`: staleness, exposed data wait, bytes, admission delay,
+  store fill, spills, flat keys under ``knitdata/``) go to ``accelerator.log``, so to every tracker the
+  Accelerator was built with (``log_with="tensorboard"``, ``"wandb"``...).
+
 The loader holds nothing beyond the micro-batch being handed out, so its state (the dataset's position
 after the last micro-batch handed out) is exactly what the training loop has consumed. Save at an
 optimizer-step boundary (after ``info.is_last``) so model, optimizer and loader agree.
@@ -74,6 +79,7 @@ __all__ = [
     "state_path",
     "rank_and_world",
     "STATE_FILE_PREFIX",
+    "log_metrics",
 ]
 
 #: File name prefix of the per-rank state files (``<prefix>_rank{r}.json``).
@@ -135,6 +141,9 @@ class AcceleratedLoader:
             ``accelerator.load_state`` (on every process).
         name: File name prefix of the per-rank state files.
         commit_on_save: After :meth:`save_state` wrote the file, :meth:`commit` the saved state.
+        log_every: Every this many optimizer steps, when the step's last micro-batch (``info.is_last``) is handed
+            out, log the dataset's ``step_metrics()`` with ``accelerator.log(..., step=info.minibatch)`` (see
+            :func:`log_metrics`; the main process logs, as Accelerate does). ``None``: never.
 
     Raises:
         ConfigError: The dataset belongs to another rank or a pipeline with another number of consumers,
@@ -158,8 +167,11 @@ class AcceleratedLoader:
         register_hooks: bool = True,
         name: str = STATE_FILE_PREFIX,
         commit_on_save: bool = True,
+        log_every: int | None = None,
     ) -> None:
         rank, world = rank_and_world(accelerator)
+        if log_every is not None and (isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 1):
+            raise ConfigError(f"log_every must be a positive int (optimizer steps) or None, got {log_every!r}")
         ds_rank = getattr(dataset, "rank", rank)
         if ds_rank != rank:
             raise ConfigError(
@@ -198,6 +210,7 @@ class AcceleratedLoader:
         self.non_blocking = bool(non_blocking)
         self.name = name
         self.commit_on_save = bool(commit_on_save)
+        self.log_every = log_every
         self._epoch = 0
         self._last_info: MicroBatchInfo | None = None
         self._handles: list[Any] = []
@@ -213,7 +226,10 @@ class AcceleratedLoader:
         for mb in self.dataset:
             if self.device_placement:
                 mb = send_to_device(mb, device, non_blocking=self.non_blocking)
-            self._last_info = getattr(mb, "info", None)
+            info = self._last_info = getattr(mb, "info", None)
+            if self.log_every is not None and info is not None and info.is_last and \
+                    (info.minibatch + 1) % self.log_every == 0:
+                log_metrics(self.accelerator, self.dataset, step=info.minibatch)
             yield mb
 
     def set_epoch(self, epoch: int) -> None:
@@ -454,6 +470,7 @@ def prepare_loader(
     non_blocking: bool | None = None,
     register_hooks: bool = True,
     name: str = STATE_FILE_PREFIX,
+    log_every: int | None = None,
     **dataset_kwargs: Any,
 ) -> AcceleratedLoader:
     """Build this process's loader: the dataset of rank ``accelerator.process_index``, wrapped for Accelerate.
@@ -468,6 +485,8 @@ def prepare_loader(
         non_blocking: See :class:`AcceleratedLoader`.
         register_hooks: See :class:`AcceleratedLoader`.
         name: See :class:`AcceleratedLoader`.
+        log_every: See :class:`AcceleratedLoader`: log knitdata's metrics through ``accelerator.log`` every this
+            many optimizer steps (build the Accelerator with ``log_with=...`` and call ``init_trackers`` first).
         **dataset_kwargs: Passed to ``source.dataset`` (``fetch``, ``prefetch_depth``, ``collate``...). With
             ``fetch="iter"`` on a CUDA accelerator, ``device`` defaults to ``accelerator.device`` (copies on
             the prefetch thread's side stream).
@@ -509,4 +528,40 @@ def prepare_loader(
         non_blocking=non_blocking,
         register_hooks=register_hooks,
         name=name,
+        log_every=log_every,
     )
+
+
+def log_metrics(accelerator: Any, dataset: Any, step: int | None = None, *, main_process_only: bool = True,
+                **metrics_kwargs: Any) -> dict[str, float | int]:
+    """Log a rank's knitdata figures through ``accelerator.log`` (TensorBoard, Weights & Biases, ... trackers).
+
+    The figures are the dataset's ``step_metrics()`` (:meth:`knitdata.dataset.TrajectoryDataset.step_metrics`):
+    flat keys under ``knitdata/`` (staleness, exposed data wait, bytes, admission delay, store fill, spills, what a
+    staleness bound dropped). ``accelerator.log`` writes on the main process only, so by default the other ranks
+    skip the control-plane call and return ``{}``.
+
+    Args:
+        accelerator: The :class:`accelerate.Accelerator` (its trackers set up with ``log_with`` and
+            ``init_trackers``).
+        dataset: The rank's :class:`~knitdata.dataset.TrajectoryDataset`, or an :class:`AcceleratedLoader`.
+        step: The step to log at (the optimizer step; e.g. ``mb.info.minibatch``).
+        main_process_only: Only the main process reads and logs the figures.
+        **metrics_kwargs: Passed to ``step_metrics`` (``flush``, ``units``, ``prefix``).
+
+    Returns:
+        What was logged (``{}`` on the other processes).
+
+    Raises:
+        ConfigError: The dataset has no ``step_metrics`` (not a knitdata dataset).
+    """
+    ds = getattr(dataset, "dataset", dataset) if isinstance(dataset, AcceleratedLoader) else dataset
+    fn = getattr(ds, "step_metrics", None)
+    if fn is None:
+        raise ConfigError(f"{type(ds).__name__} has no step_metrics(): pass a knitdata TrajectoryDataset or an "
+                          "AcceleratedLoader")
+    if main_process_only and not bool(getattr(accelerator, "is_main_process", True)):
+        return {}
+    values: dict[str, float | int] = fn(**metrics_kwargs)
+    accelerator.log(values, step=step)
+    return values
