@@ -1,4 +1,7 @@
-"""The ``knitdata`` command: ``knitdata demo`` and ``knitdata bench <name>``, from a checkout.
+"""The ``knitdata`` command: ``knitdata demo`` and ``knitdata bench <name>``, from a checkout; ``knitdata trace``.
+
+``knitdata trace PATH [--plot OUT.png] [--out MERGED.json]`` merges the part files of a run's trace
+(:mod:`knitdata.trace`) into ``PATH`` (or ``--out``) and can draw the run's timeline; it needs no checkout.
 
 The demo and the benchmarks are not part of the installed library: they live in the repository's top-level
 ``benchmarks`` package (``python -m benchmarks <name>``). Run from a checkout (an editable install, or with the
@@ -15,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-__all__ = ["main", "build_parser", "find_benchmarks"]
+__all__ = ["main", "build_parser", "find_benchmarks", "trace_main"]
 
 _MISSING = ("the benchmarks and the demo are not part of the installed package: from a checkout of the repository, "
             "run `python -m benchmarks {name}`")
@@ -62,7 +65,35 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.add_parser("demo", help="run the end-to-end demo on the embedded engine (no servers)", add_help=False)
     sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON and a plot)", add_help=False)
+    tr = sub.add_parser("trace", help="merge a run's trace parts into one Chrome/Perfetto trace; --plot draws its "
+                        "timeline (admission, delivery and compute per rank)")
+    tr.add_argument("path", help="the trace path given to Pipeline(trace=...) or KNITDATA_TRACE")
+    tr.add_argument("--out", default=None, help="write the merged trace here (default: PATH)")
+    tr.add_argument("--plot", default=None, metavar="PNG", help="draw the timeline into this PNG (needs matplotlib)")
+    tr.add_argument("--no-merge", action="store_true", help="PATH is a merged trace already: only plot it")
     return parser
+
+
+def trace_main(argv: Sequence[str]) -> int:
+    """``knitdata trace PATH [--out OUT] [--plot PNG] [--no-merge]``: merge, then plot; returns the exit code."""
+    from knitdata import trace
+    from knitdata.errors import KnitdataError
+
+    args = build_parser().parse_args(["trace", *argv])
+    try:
+        target = args.path
+        if not args.no_merge:
+            summary = trace.merge(args.path, args.out)
+            target = summary["path"]
+            print(f"{target}: {summary['events']} events from {summary['processes']} processes "
+                  f"({summary['parts']} parts) over {summary['span_us'] / 1e6:.3f} s")
+        if args.plot:
+            tl = trace.plot(target, args.plot)
+            print(f"{args.plot}: {len(tl['ranks'])} ranks, {len(tl['admissions'])} admissions")
+    except KnitdataError as e:
+        print(f"knitdata trace: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -75,6 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         The process exit code: the command's, or 2 (no command, or no ``benchmarks`` package to forward to).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["trace"]:
+        return trace_main(argv[1:])
     if argv[:1] not in (["demo"], ["bench"]):
         build_parser().parse_args(argv)  # --help exits here; an unknown command errors
         build_parser().print_help()

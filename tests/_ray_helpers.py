@@ -691,6 +691,39 @@ def one_round_trip(n_groups: int = 12) -> dict[str, Any]:
     return out
 
 
+@scenario
+def traced_run(trace: str, n_groups: int = 16) -> dict[str, Any]:
+    """A traced run on two nodes: this driver puts, one rank per node consumes in its own process (a Ray actor
+    attached by name, which traces because the pipeline does); the trace merged by shutdown()."""
+    import ray
+
+    from knitdata import Pipeline
+    from knitdata.placement import ConsumerLayout
+
+    nodes = _nodes()[:2]
+    t0 = time.monotonic()
+    name = f"trace-{os.getpid()}"
+    trajs = workload(n_groups, 2, extra=2_000)
+    pipe = Pipeline(_spec(len(trajs)), layout=ConsumerLayout(["n0", "n1"]), engine="ray", token_budget=1024,
+                    engine_options={"name": name, "nodes": nodes}, trace=trace)
+    consumers = _consumers(nodes)
+    runs = [c.consume.remote(name, r, "iter") for r, c in enumerate(consumers)]
+    for t in trajs:
+        pipe.put(t)
+    pipe.close()
+    outs = ray.get(runs, timeout=150)
+    pipe.shutdown()
+    seconds = time.monotonic() - t0
+    from knitdata import trace as tracing
+
+    offsets = []
+    for part in tracing.parts(trace):
+        for line in open(part).read().splitlines():
+            if '"knitdata_clock"' in line:
+                offsets.append(json.loads(line.rstrip(","))["args"]["offset_us"])
+    return {"seconds": seconds, "microbatches": sum(len(o["ids"]) for o in outs), "offsets_us": offsets}
+
+
 def main(argv: list[str]) -> int:
     """Entry point of the subprocesses."""
     import argparse
