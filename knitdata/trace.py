@@ -391,7 +391,7 @@ def plot_timeline(out: str | os.PathLike[str], admissions: Sequence[tuple[float,
     ax.set_xlabel("time (s)")
     ax.set_title(title, fontsize=9)
     if n:
-        ax.legend(loc="lower right", fontsize=7)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)  # beside the rows, never over them
     fig.tight_layout()
     fig.savefig(os.fspath(out), dpi=120)
     plt.close(fig)
