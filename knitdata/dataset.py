@@ -530,8 +530,8 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         self.sync()
         self._ds._ended(self, natural=True)
         self.close()
-        if tracing.tracer is not None:  # the pass ended: its events reach the part file now, not at exit
-            tracing.tracer.flush()
+        if tracing.tracer is not None:  # the pass ended: its events reach the part file now (off this thread)
+            tracing.tracer.wake()
 
     def close(self) -> None:
         """Stop producing; items prepared but not handed out are dropped (they were not handed out)."""

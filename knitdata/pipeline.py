@@ -450,8 +450,7 @@ class Pipeline:
             by_source: dict[str, int] = {}
             for m, _n in checked:
                 by_source[m["source"]] = by_source.get(m["source"], 0) + 1
-            tr.span("put", "producer", t0, tracing.now_us(), {"trajectories": len(trajs), "by_source": by_source,
-                                                              "units": sorted(by_unit)})
+            tr.span("put", "producer", t0, tracing.now_us(), {"trajectories": len(trajs), "by_source": by_source})
         return [m for m in out if m is not None]
 
     def _put_waiting(self, unit_id: str, trajs: Sequence[Trajectory], items: Sequence[Sequence[Any]], rest: Sequence[int],

@@ -51,6 +51,7 @@ ENV = "KNITDATA_TRACE"
 #: Seconds between the background flushes of a process's events to its part file.
 FLUSH_S = 1.0
 
+_ARGS = json.JSONEncoder(default=str)
 #: This process's tracer (``None``: tracing is off). Recording points test it: ``if trace.tracer is not None``.
 tracer: Tracer | None = None
 _lock = threading.Lock()
@@ -92,6 +93,7 @@ class Tracer:
         self._named: set[int] = set()
         self._flush_lock = threading.Lock()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self.offset_us = 0.0
         with open(self.file, "w", encoding="utf-8") as f:
             f.write("[\n")  # the JSON array format: a reader tolerates the missing "]" of a killed process
@@ -146,22 +148,23 @@ class Tracer:
             buf, lines = self._buf, []
             pid = self.pid
             tids: set[int] = set()
+            dumps = _ARGS.encode
             while True:
                 try:
                     ph, name, cat, ts, dur, tid, args = buf.popleft()
                 except IndexError:
                     break
-                ev: dict[str, Any] = {"ph": ph, "name": name, "pid": pid, "tid": tid, "ts": round(ts, 3)}
-                if cat:
-                    ev["cat"] = cat
+                # formatted by hand (names, categories and phases are knitdata's own identifiers): the cost per
+                # event is mostly its args' encoding
+                head = f'{{"ph": "{ph}", "name": "{name}", "cat": "{cat}", "pid": {pid}, "tid": {tid}, "ts": {ts:.3f}'
                 if ph == "X":
-                    ev["dur"] = round(max(dur, 0.0), 3)
+                    head += f', "dur": {max(dur, 0.0):.3f}'
                 elif ph == "i":
-                    ev["s"] = "t"
+                    head += ', "s": "t"'
                 if args is not None:
-                    ev["args"] = dict(args)
+                    head += ', "args": ' + dumps(args)
                 tids.add(tid)
-                lines.append(json.dumps(ev, default=str))
+                lines.append(head + "}")
             new = tids - self._named
             if new:
                 names = {t.native_id: t.name for t in threading.enumerate()}
@@ -173,8 +176,16 @@ class Tracer:
                 with open(self.file, "a", encoding="utf-8") as f:
                     f.write(",\n".join(lines) + ",\n")
 
+    def wake(self) -> None:
+        """Have the background thread flush now (the caller does not wait: e.g. a rank's pass ended)."""
+        self._wake.set()
+
     def _run(self, flush_s: float) -> None:
-        while not self._stop.wait(flush_s):
+        while not self._stop.is_set():
+            self._wake.wait(flush_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.flush()
             except OSError:  # pragma: no cover - a full disk: the run goes on untraced
@@ -183,6 +194,7 @@ class Tracer:
     def close(self) -> None:
         """Flush and stop the background thread (idempotent)."""
         self._stop.set()
+        self._wake.set()
         self.flush()
 
 

@@ -179,7 +179,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("storage", "spill", "shards"),
     ("control",),
     ("admission", "placement", "planner", "staleness"),
-    ("record", "codec", "metrics", "errors"),
+    ("record", "codec", "metrics", "errors", "trace"),
 ]
 
 
