@@ -290,3 +290,11 @@ def test_ray_two_node_trace(tmp_path: Path) -> None:
     assert by_name(events, "store") and by_name(events, "put") and by_name(events, "fetch")
     assert all(abs(o) < 1e6 for o in res["offsets_us"])  # one host: offsets are the round trips' error
     check_one_clock(events, res["seconds"])
+
+
+def test_cli_without_parts_fails_naming_the_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from knitdata.cli import main
+
+    assert main(["trace", str(tmp_path / "missing.json")]) == 1
+    err = capsys.readouterr().err
+    assert "no trace parts" in err and "missing.json" in err
