@@ -40,7 +40,7 @@ from benchmarks.common.output import write_json
 if TYPE_CHECKING:  # pragma: no cover
     from knitdata.admission import AdmittedMiniBatch
 
-__all__ = ["add_arguments", "reference_ms", "run", "run_scale", "run_engines", "run_engine_point", "trainer_data_point", "make_admitted",
+__all__ = ["add_arguments", "reference_ms", "run", "run_trace_overhead", "run_scale", "run_engines", "run_engine_point", "trainer_data_point", "make_admitted",
            "plan_quality", "SIZES"]
 
 
@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--total-1m", type=int, default=128, help="1 MiB trajectories per point")
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="(unused: no plot for this benchmark)")
+    parser.add_argument("--trace", action="store_true",
+                        help="only compare tracing on vs off (knitdata.trace) on the embedded engine's put path and "
+                             "trainer loop, side by side in one run")
 
 
 def make_admitted(n_traj: int, group_size: int, nodes: list[str], seed: int = 0) -> AdmittedMiniBatch:
@@ -497,10 +500,32 @@ def run_engines(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def run_trace_overhead(repeats: int = 9) -> dict[str, Any]:
+    """Tracing on vs off (:mod:`benchmarks.common.trace_ab`) on the embedded engine: 4 producer threads put 512
+    trajectories of 1 KiB while one consumer drains (put to admission), then the trainer loop of
+    :func:`trainer_data_point` (8 steps); the sum timed per run."""
+    from benchmarks.common.trace_ab import compare
+
+    def once() -> None:
+        point = run_engine_point("embedded", 4, "1KiB", 128)
+        assert not point["errors"], point["errors"]
+        trainer_data_point("embedded", steps=8)
+
+    return compare(once, repeats=repeats, what="control: embedded put path (4 producers x 128 x 1 KiB) + trainer loop")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark: the engines' control path, or with ``--scale`` planning at cluster scale."""
     load0 = os.getloadavg()
     t0 = time.perf_counter()
+    if getattr(args, "trace", False):
+        from benchmarks.common.trace_ab import format_line
+
+        ab = run_trace_overhead(repeats=args.repeats)
+        print(format_line(ab))
+        if args.json:
+            write_json(args.json, {"trace_overhead": ab}, indent=2)
+        return 0
     if args.scale:
         report: dict[str, Any] = {
             "config": {k: getattr(args, k) for k in ("trajectories", "group_size", "nodes", "ranks_per_node",

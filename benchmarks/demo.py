@@ -513,44 +513,14 @@ def _plot_timeline(
     cfg: DemoConfig,
     wall: float,
 ) -> None:
-    import matplotlib
+    """Figure 1 of the demo, drawn by :func:`knitdata.trace.plot_timeline` (the code ``knitdata trace --plot`` uses)."""
+    from knitdata.trace import plot_timeline
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = plt.get_cmap("tab10")
-    n = len(timeline)
-    fig, ax = plt.subplots(figsize=(12, 2.2 + 0.9 * n))
-    src_y = {s: i for i, (s, _, _) in enumerate(cfg.sources)}
-    # row n+1: rollout finishes per source; row n: admissions; rows 0..n-1: consumers
-    for _, fin, m in arrivals:
-        ax.plot(fin, n + 1 + 0.25 * (src_y[m.source] - 1), "|", color=colors(3 + src_y[m.source]), ms=6)
-    for t, b, k in admissions:
-        ax.plot([t, t], [n - 0.35, n + 0.35], color=colors(b % 10), lw=2)
-        ax.text(t, n + 0.4, f"{b}.{k}", fontsize=6, ha="center")
-    for r, events in enumerate(timeline):
-        y = n - 1 - r
-        adm = [(s, e - s) for k, s, e in events if k == "admission" and e - s > 1e-4]
-        waits = [(s, max(e - s, wall / 5000)) for k, s, e in events if k == "wait"]
-        comps = [(s, e - s) for k, s, e in events if k == "compute"]
-        ax.broken_barh(adm, (y - 0.3, 0.6), color="#BBBBBB", label="idle: next mini-batch not admitted" if r == 0 else None)
-        ax.broken_barh(comps, (y - 0.3, 0.6), color="#4C72B0", label="computation" if r == 0 else None)
-        ax.broken_barh(waits, (y - 0.3, 0.6), color="#DD8452", label="data delivery (exposed)" if r == 0 else None)
-    ax.set_yticks(
-        list(range(n + 2)),
-        [f"consumer {n - 1 - i}" for i in range(n)] + ["admission (b.k)", "rollout finishes\n(" + "/".join(src_y) + ")"],
+    plot_timeline(
+        path, admissions, timeline, [(fin, m.source) for _, fin, m in arrivals], [s for s, _, _ in cfg.sources], wall,
+        title=f"knitdata demo: constraint-preserving admission, iter fetch, shared encoding "
+              f"(B={cfg.quota * len(cfg.sources)}, M={cfg.num_minibatches}, C={cfg.rollout_slots})",
     )
-    ax.set_xlim(0, wall)
-    ax.set_xlabel("time (s)")
-    ax.set_title(
-        f"knitdata demo: constraint-preserving admission, iter fetch, shared encoding "
-        f"(B={cfg.quota * len(cfg.sources)}, M={cfg.num_minibatches}, C={cfg.rollout_slots})",
-        fontsize=9,
-    )
-    ax.legend(loc="lower right", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _arch(summary: dict[str, float]) -> str:

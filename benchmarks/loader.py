@@ -55,6 +55,7 @@ from knitdata.record import MediaItem, Trajectory
 __all__ = [
     "add_arguments",
     "run",
+    "measure_trace_overhead",
     "make_token_trajectories",
     "make_image_trajectories",
     "make_payload_trajectories",
@@ -459,15 +460,42 @@ def run_all(*, quick: bool = False, progress: bool = True) -> dict[str, Any]:
     }
 
 
+def measure_trace_overhead(*, quick: bool = False) -> dict[str, Any]:
+    """Tracing on vs off (:mod:`benchmarks.common.trace_ab`): puts, admission, planning and iterating every
+    micro-batch (``fetch="iter"``) of the overhead workload on a fresh embedded pipeline per run."""
+    from benchmarks.common.trace_ab import compare
+
+    torch.set_num_threads(1)
+    trajs = make_token_trajectories(256 if quick else 512)
+    collate = TokenCollator()
+
+    def once() -> None:
+        pipe = _fed_pipeline(trajs, 4, 4096)
+        n = sum(mb.num_sequences for mb in pipe.dataset(0, fetch="iter", collate=collate))
+        assert n == len(trajs)
+
+    return compare(once, repeats=7 if quick else 15, what=f"loader: put + iter of {len(trajs)} trajectories")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add this benchmark's options."""
     parser.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (about 10-20 s)")
+    parser.add_argument("--trace", action="store_true",
+                        help="only compare tracing on vs off (knitdata.trace), side by side in one run")
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; returns the exit code."""
+    if getattr(args, "trace", False):
+        from benchmarks.common.trace_ab import format_line
+
+        ab = measure_trace_overhead(quick=args.quick)
+        print(format_line(ab))
+        if args.json:
+            write_json(args.json, {"benchmark": "loader", "trace_overhead": ab}, indent=1)
+        return 0
     doc = run_all(quick=args.quick)
     print(format_table(doc))
     ok_overhead = doc["overhead_ratio_vs_torch"] <= doc["targets"]["overhead_ratio_vs_torch_max"]

@@ -1,7 +1,11 @@
-"""The ``knitdata`` command: ``knitdata demo`` and ``knitdata bench <name>``, from a checkout; ``knitdata status``.
+"""The ``knitdata`` command: ``knitdata demo`` and ``knitdata bench <name>``, from a checkout; ``knitdata status``
+and ``knitdata trace``.
 
 ``knitdata status --address ADDR --name NAME [--watch]`` prints a running Ray pipeline's status table
 (:mod:`knitdata.monitor`); it is part of the installed library.
+
+``knitdata trace PATH [--plot OUT.png] [--out MERGED.json]`` merges the part files of a run's trace
+(:mod:`knitdata.trace`) into ``PATH`` (or ``--out``) and can draw the run's timeline; it needs no checkout.
 
 The demo and the benchmarks are not part of the installed library: they live in the repository's top-level
 ``benchmarks`` package (``python -m benchmarks <name>``). Run from a checkout (an editable install, or with the
@@ -20,7 +24,7 @@ import time
 from collections.abc import Sequence
 from types import ModuleType
 
-__all__ = ["main", "build_parser", "find_benchmarks", "status_main", "build_status_parser"]
+__all__ = ["main", "build_parser", "find_benchmarks", "status_main", "build_status_parser", "trace_main"]
 
 _MISSING = ("the benchmarks and the demo are not part of the installed package: from a checkout of the repository, "
             "run `python -m benchmarks {name}`")
@@ -69,7 +73,35 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="run a benchmark (prints a table, writes JSON and a plot)", add_help=False)
     sub.add_parser("status", help="print a status table of a running Ray pipeline (--address, --name, --watch)",
                    add_help=False)
+    tr = sub.add_parser("trace", help="merge a run's trace parts into one Chrome/Perfetto trace; --plot draws its "
+                        "timeline (admission, delivery and compute per rank)")
+    tr.add_argument("path", help="the trace path given to Pipeline(trace=...) or KNITDATA_TRACE")
+    tr.add_argument("--out", default=None, help="write the merged trace here (default: PATH)")
+    tr.add_argument("--plot", default=None, metavar="PNG", help="draw the timeline into this PNG (needs matplotlib)")
+    tr.add_argument("--no-merge", action="store_true", help="PATH is a merged trace already: only plot it")
     return parser
+
+
+def trace_main(argv: Sequence[str]) -> int:
+    """``knitdata trace PATH [--out OUT] [--plot PNG] [--no-merge]``: merge, then plot; returns the exit code."""
+    from knitdata import trace
+    from knitdata.errors import KnitdataError
+
+    args = build_parser().parse_args(["trace", *argv])
+    try:
+        target = args.path
+        if not args.no_merge:
+            summary = trace.merge(args.path, args.out)
+            target = summary["path"]
+            print(f"{target}: {summary['events']} events from {summary['processes']} processes "
+                  f"({summary['parts']} parts) over {summary['span_us'] / 1e6:.3f} s")
+        if args.plot:
+            tl = trace.plot(target, args.plot)
+            print(f"{args.plot}: {len(tl['ranks'])} ranks, {len(tl['admissions'])} admissions")
+    except KnitdataError as e:
+        print(f"knitdata trace: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["status"]:  # part of the library (knitdata.monitor), not of the checkout's benchmarks
         return status_main(argv[1:])
+    if argv[:1] == ["trace"]:
+        return trace_main(argv[1:])
     if argv[:1] not in (["demo"], ["bench"]):
         build_parser().parse_args(argv)  # --help exits here; an unknown command errors
         build_parser().print_help()

@@ -25,6 +25,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from knitdata import trace as tracing
 from knitdata.collate import MicroBatchInfo
 from knitdata.control.plane import LEASE_TTL_S
 from knitdata.engines.base import Engine
@@ -305,8 +306,14 @@ def produce(plan: PlanStage, reader: ReadStage, collate: Callable[..., Any], med
         mb = collate(batch, info)
         if media is not None:
             media.attach(mb, e, reader.rows, reader.share, batch, info)
-        metrics.record_fetch(time.perf_counter() - t0, nbytes=reader.nbytes, local_bytes=reader.local,
+        t1 = time.perf_counter()
+        metrics.record_fetch(t1 - t0, nbytes=reader.nbytes, local_bytes=reader.local,
                              requests=reader.requests, trajectories=reader.trajectories)
+        tr = tracing.tracer
+        if tr is not None:  # perf_counter() is the trace clock (in seconds)
+            tr.span("fetch", "consumer", t0 * 1e6, t1 * 1e6,
+                    {"rank": plan.rank, "step": e["minibatch"], "microbatch": e["microbatch"], "bytes": reader.nbytes,
+                     "local_bytes": reader.local, "requests": reader.requests})
         yield e, mb
         if stop.is_set():
             return

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
+from knitdata import trace as tracing
 from knitdata.consumer import ConsumerSession, MediaStage, PlanStage, ReadStage, produce
 from knitdata.control.rankstates import MERGED_FORMAT, collect_states
 from knitdata.engines.base import Engine
@@ -479,6 +480,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         if ds._next is None:  # after the last micro-batch handed out to the rank (by the iterator fenced, too)
             ds._next, ds._fp = nxt, fp
         self._synced = 0
+        self._handed_at: float | None = None  # trace clock of the last hand-out (the trainer computes from there)
         self._metrics = ds.metrics
         engine, mode = ds.engine, ds.fetch_mode
         self._plan = plan = PlanStage(engine, ds.rank, self._lease, self._stop, ds._next, num_workers, ds.timeout,
@@ -516,7 +518,21 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             raise
         self._metrics.note_wait(t1 - t0, getattr(inner, "last_wait_s", t1 - t0), entry["info"]["is_last"],
                                 not entry["items"])
+        tr = tracing.tracer
+        if tr is not None:
+            self._trace(tr, entry, t0, t1)
         return mb
+
+    def _trace(self, tr: tracing.Tracer, entry: Mapping[str, Any], t0: float, t1: float) -> None:
+        """Record the trainer's wait in ``next()`` (``t0``..``t1``, perf_counter), the hand-out, and the compute
+        since the previous hand-out."""
+        start, end = t0 * 1e6, t1 * 1e6  # perf_counter() is the trace clock (in seconds)
+        args = {"rank": self._ds.rank, "step": entry["minibatch"], "microbatch": entry["microbatch"], "j": entry["j"]}
+        if self._handed_at is not None:
+            tr.span("compute", "trainer", self._handed_at, start, {"rank": self._ds.rank})
+        tr.span("wait", "trainer", start, end, args)
+        tr.instant("handout", "trainer", args, ts_us=end)
+        self._handed_at = end
 
     def set_cap(self, cap: int) -> None:
         """A state was taken at ``cap``: hand-outs from now on release (``release="step"``) up to it at most."""
@@ -548,6 +564,8 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         self.sync()
         self._ds._ended(self, natural=True)
         self.close()
+        if tracing.tracer is not None:  # the pass ended: its events reach the part file now (off this thread)
+            tracing.tracer.wake()
 
     def close(self) -> None:
         """Stop producing; items prepared but not handed out are dropped (they were not handed out)."""

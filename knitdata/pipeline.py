@@ -32,6 +32,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from knitdata import trace as tracing
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.control import PLANE_DEFAULTS, RELEASE_MODES, acquire_rollout, fields_of
 from knitdata.engines.base import ENGINES, Engine, engine_class, engine_names
@@ -125,6 +126,10 @@ class Pipeline:
             between snapshots of the coordinator's state; ``0``: never), ``resume`` (``True``: restart a run whose
             every process died from its journal and spill shards; consumers load their saved states, producers
             put again what was not acknowledged). The embedded engine takes none.
+        trace: Record a trace of the run into this path (default: the environment variable ``KNITDATA_TRACE``;
+            ``None``: none): every process of the pipeline writes a part file ``<trace>.<role>.<pid>.json``
+            (on Ray the coordinator, the units and each process that attaches, too), merged into ``trace`` by
+            :meth:`shutdown` or ``knitdata trace PATH`` (Chrome trace-event JSON; :mod:`knitdata.trace`).
 
     Raises:
         ConfigError: Inconsistent options.
@@ -155,6 +160,7 @@ class Pipeline:
         engine_options: Mapping[str, Any] | None = None,
         max_staleness: int | None = None,
         on_stale: str = "drop",
+        trace: str | os.PathLike[str] | None = None,
     ) -> None:
         if not isinstance(spec, BatchSpec):
             raise ConfigError(f"spec must be a knitdata.admission.BatchSpec, got {type(spec).__name__}")
@@ -211,6 +217,11 @@ class Pipeline:
                   "producer_timeout_s": None if producer_timeout_s is None else float(producer_timeout_s)}
         opts = dict(engine_options or {})
         opts.pop("cross_process", None)  # every Ray pipeline serves other processes now
+        trace_path = os.fspath(trace) if trace is not None else os.environ.get(tracing.ENV) or None
+        if trace_path is not None:
+            tracing.start(trace_path, "main" if cls_.in_process else "driver")
+            if not cls_.in_process:
+                opts["trace"] = trace_path  # the coordinator and the units trace too; attaching processes follow
         eng = cls_.build(layout, config, capacity_bytes, spill_dir=spill_dir, spill_bytes=spill_bytes, policy=policy,
                          on_plan=on_plan, options=opts)
         self._setup(eng, put_timeout=put_timeout, check_media=check_media, owner=True)
@@ -229,6 +240,8 @@ class Pipeline:
         self._router = PutRouter(engine)  # this process's replica of the placement (one-round-trip puts)
         self._presence: ProducerPresence | None = None  # made at the first put: this handle is a producer
         self.restore_report: RestoreReport | None = None  # what restore() restored
+        #: The trace this pipeline's processes record (``Pipeline(trace=...)``), or ``None``.
+        self.trace_path: str | None = tracing.tracer.path if tracing.tracer is not None else None
 
     @classmethod
     def attach(
@@ -415,6 +428,7 @@ class Pipeline:
         for i, unit_id in enumerate(self._router.route([m for m, _n in checked])):
             by_unit.setdefault(unit_id, []).append(i)
         out: list[TrajectoryMeta | None] = [None] * len(trajs)
+        t0 = tracing.now_us() if tracing.tracer is not None else 0.0
         for unit_id, idx in by_unit.items():
             unit = self._engine.units[unit_id]
             rest = idx
@@ -431,6 +445,12 @@ class Pipeline:
                 if rest:  # the unit is full: wait for room with a blocking put of the next one
                     self._put_waiting(unit_id, trajs, items, rest, timeout, out)
                     rest = rest[1:]
+        tr = tracing.tracer
+        if tr is not None:
+            by_source: dict[str, int] = {}
+            for m, _n in checked:
+                by_source[m["source"]] = by_source.get(m["source"], 0) + 1
+            tr.span("put", "producer", t0, tracing.now_us(), {"trajectories": len(trajs), "by_source": by_source})
         return [m for m in out if m is not None]
 
     def _put_waiting(self, unit_id: str, trajs: Sequence[Trajectory], items: Sequence[Sequence[Any]], rest: Sequence[int],
@@ -588,12 +608,27 @@ class Pipeline:
         return report
 
     def shutdown(self) -> None:
-        """Close the pipeline and free what the engine holds (Ray: kill the coordinator and unit actors)."""
+        """Close the pipeline and free what the engine holds (Ray: kill the coordinator and unit actors); with a
+        trace, the processes' parts are flushed and merged into it (:meth:`write_trace`)."""
         try:
             self.close()
         except KnitdataError:
             pass
+        if self.trace_path is not None:
+            self._engine.flush_trace()
         self._engine.shutdown()
+        if self.trace_path is not None and self._owner:
+            self.write_trace()
+
+    def write_trace(self) -> dict[str, Any] | None:
+        """Flush this process's trace events and merge every part written so far into :attr:`trace_path`
+        (:func:`knitdata.trace.merge`; ``knitdata trace PATH`` does the same later, with the parts of processes
+        that ended since). Returns the merge's summary, or ``None`` without a trace."""
+        if self.trace_path is None:
+            return None
+        if tracing.tracer is not None:
+            tracing.tracer.flush()
+        return tracing.merge(self.trace_path)
 
     def __enter__(self) -> Pipeline:
         return self

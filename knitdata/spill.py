@@ -25,6 +25,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from knitdata import trace as tracing
 from knitdata.errors import CodecError, ConfigError, StoreFull, ValidationError
 from knitdata.record import Trajectory
 from knitdata.shards import MAX_JSON_BYTES, decode_sample, encode_sample, write_shards
@@ -237,6 +238,7 @@ class SpillStore:
             ValidationError: If the id is already held, or is not a safe shard key.
             StoreFull: If it would take the store past ``max_bytes`` (nothing is written).
         """
+        t0 = tracing.now_us() if tracing.tracer is not None else 0.0
         sample = encode_sample(traj, checksum=self.checksum)  # outside the lock: pure
         mtime = int(time.time())
         bufs: list[Any] = []
@@ -289,6 +291,9 @@ class SpillStore:
             self._index[sample.key] = _Entry(sh.sid, start, length, {s: (o, n) for s, o, n in layout})
             self.stats["puts"] += 1
             self.stats["put_bytes"] += pos
+        if tracing.tracer is not None:
+            tracing.tracer.span("spill", "storage", t0, tracing.now_us(),
+                                {"trajectory": sample.key, "bytes": pos, "store": os.path.basename(self.directory)})
         return pos
 
     def _read(self, tid: str) -> tuple[_Entry, bytearray]:

@@ -691,6 +691,69 @@ def one_round_trip(n_groups: int = 12) -> dict[str, Any]:
     return out
 
 
+def _traced_consumer_class() -> Any:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class TracedRank:
+        """A rank in its own process: attaches by name (and so traces), then consumes with some compute."""
+
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+        def attach(self, name: str, rank: int) -> None:
+            from knitdata import Pipeline
+
+            self.ds = Pipeline.attach(name).dataset(rank, fetch="iter")
+
+        def consume(self, compute_s: float) -> int:
+            n = 0
+            for _mb in self.ds:
+                n += 1
+                time.sleep(compute_s)  # the step's compute
+            return n
+
+    return TracedRank
+
+
+@scenario
+def traced_run(trace: str, n_groups: int = 16, compute_s: float = 0.0, put_every_s: float = 0.0,
+               minibatches: int = 2) -> dict[str, Any]:
+    """A traced run on two nodes: this driver puts (one put per ``put_every_s``), one rank per node consumes in its
+    own process (a Ray actor attached by name, which traces because the pipeline does); merged by shutdown()."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from knitdata import Pipeline
+    from knitdata.placement import ConsumerLayout
+
+    nodes = _nodes()[:2]
+    t0 = time.monotonic()
+    name = f"trace-{os.getpid()}"
+    trajs = workload(n_groups, 2, extra=2_000)
+    pipe = Pipeline(_spec(len(trajs), m=minibatches), layout=ConsumerLayout(["n0", "n1"]), engine="ray",
+                    token_budget=1024, engine_options={"name": name, "nodes": nodes}, trace=trace)
+    cls = _traced_consumer_class()
+    ranks = [cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote() for n in nodes]
+    ray.get([r.attach.remote(name, i) for i, r in enumerate(ranks)], timeout=120)
+    runs = [r.consume.remote(compute_s) for r in ranks]
+    for t in trajs:
+        pipe.put(t)
+        time.sleep(put_every_s)
+    pipe.close()
+    counts = ray.get(runs, timeout=150)
+    pipe.shutdown()
+    seconds = time.monotonic() - t0
+    from knitdata import trace as tracing
+
+    offsets = []
+    for part in tracing.parts(trace):
+        for line in open(part).read().splitlines():
+            if '"knitdata_clock"' in line:
+                offsets.append(json.loads(line.rstrip(","))["args"]["offset_us"])
+    return {"seconds": seconds, "microbatches": sum(counts), "offsets_us": offsets}
+
+
 def main(argv: list[str]) -> int:
     """Entry point of the subprocesses."""
     import argparse

@@ -180,7 +180,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("storage", "spill", "shards"),
     ("control",),
     ("admission", "placement", "planner", "staleness"),
-    ("record", "codec", "metrics", "monitor", "errors"),
+    ("record", "codec", "metrics", "monitor", "errors", "trace"),
 ]
 
 

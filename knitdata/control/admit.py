@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from knitdata import trace as tracing
 from knitdata.admission import AdmittedMiniBatch
 from knitdata.control.positions import check_verifications
 from knitdata.control.reshape import note_planned, route
@@ -97,6 +98,24 @@ def acquire_rollout(engine: Any, want: Mapping[str, int], version: int | None = 
                                    f"{plane.missing()}")
         time.sleep(pause)
         pause = min(0.2, pause * 2)
+
+
+def trace_admitted(tr: tracing.Tracer, mb: AdmittedMiniBatch, plan: MiniBatchPlan | None, t0: float) -> None:
+    """Record an admitted mini-batch (``admit``: its trajectories per source and ``held_by``, the source of the
+    trajectory that arrived last, whose quota held the mini-batch back) and its plan (``plan``)."""
+    by_source: dict[str, int] = {}
+    last = None
+    for m in mb.trajectories:
+        by_source[m.source] = by_source.get(m.source, 0) + 1
+        if last is None or m.seq > last.seq:
+            last = m
+    args = {"step": mb.step, "train_batch": mb.train_batch, "index": mb.index, "trajectories": len(mb.trajectories),
+            "by_source": by_source, "held_by": None if last is None else last.source}
+    tr.instant("admit", "admission", args, ts_us=t0)
+    if plan is not None:
+        tr.span("plan", "admission", t0, tracing.now_us(), {"step": mb.step, "microbatches": plan.num_microbatches,
+                                                            "local_bytes": plan.local_bytes,
+                                                            "remote_bytes": plan.remote_bytes})
 
 
 @control_part("admission")
@@ -390,8 +409,12 @@ class Admission(Part):
             raise
         self._release_dropped()
         planned: list[tuple[AdmittedMiniBatch, MiniBatchPlan]] = []
+        tr = tracing.tracer
         for mb in admitted:
+            t0 = tracing.now_us() if tr is not None else 0.0
             plan, items = route(s, mb)  # the planner's plan, or what is left after an elastic resume
+            if tr is not None:
+                trace_admitted(tr, mb, plan, t0)
             s.counts["admitted_minibatches"] += 1
             s.counts["admitted_trajectories"] += len(mb.trajectories)
             now = time.monotonic()

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from knitdata import trace as tracing
 from knitdata.control.state import FP_KEEP, PlaneState, Replicas
 from knitdata.control.surface import Part, control_call, control_part
 from knitdata.errors import ConfigError, StateError, ValidationError
@@ -285,3 +286,5 @@ class Positions(Part):
                 s.counts["version_rollbacks"] += 1  # a job restored from a checkpoint reports its version again
             s.version = version
             s.version_times.append(time.monotonic())
+            if tracing.tracer is not None:
+                tracing.tracer.counter("version", {"version": version})

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from knitdata import trace as tracing
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.control.journal import Journal
 from knitdata.errors import ConfigError, KnitdataError, PipelineClosedError
@@ -264,7 +265,10 @@ class PlaneState:
             self.put_tokens.pop(m.id, None)
             if m.location is not None and live is not None:
                 by_unit.setdefault(m.location, []).append(m.id)
+        tr = tracing.tracer
         for u, ids in by_unit.items():
+            if tr is not None:
+                tr.instant("release", "storage", {"unit": u, "trajectories": len(ids), "delivered": delivered})
             self.releaser(u, ids, False)
             self.counts["released"] += len(ids)
             self.recent_releases.append((u, ids))
@@ -298,6 +302,8 @@ class PlaneState:
         if upto > self.committed[rank]:
             self.committed[rank] = upto
         self.prune_fps(rank)
+        if tracing.tracer is not None:
+            tracing.tracer.instant("commit", "positions", {"rank": rank, "upto": upto, "released": n})
         if n:
             self.cond.notify_all()
         return n

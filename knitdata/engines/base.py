@@ -205,5 +205,12 @@ class Engine(abc.ABC):
     def on_close(self) -> None:  # noqa: B027 - optional
         """The pipeline was closed (end of stream) in this process: what the engine does beyond the control plane."""
 
+    def flush_trace(self) -> None:
+        """Write the trace events recorded so far by this process (and, on engines with servers, by them)."""
+        from knitdata import trace
+
+        if trace.tracer is not None:
+            trace.tracer.flush()
+
     def shutdown(self) -> None:  # noqa: B027 - optional
         """Release what the engine holds beyond the pipeline's life (actors)."""

@@ -34,6 +34,7 @@ try:
 except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in tests
     raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.engines.ray)") from _e
 
+from knitdata import trace as tracing
 from knitdata.codec import decode_trajectory
 from knitdata.engines.base import Engine
 from knitdata.engines.ray_control import CoordinatorActor, RayControl
@@ -110,7 +111,7 @@ class RayEngine(Engine):
     shutdown_on_exit = True
     #: The ``engine_options`` :meth:`build` takes.
     OPTIONS = frozenset({"name", "address", "nodes", "loopback_only", "detached", "timeout_s", "journal_dir",
-                         "journal_compact_every", "resume"})
+                         "journal_compact_every", "resume", "trace"})
     _owner: Any  # set by create(): the coordinator handle that keeps a non-detached coordinator alive
 
     def __init__(self, name: str, *, address: str | None = None, loopback_only: bool = True,
@@ -135,6 +136,8 @@ class RayEngine(Engine):
         super().__init__(ConsumerLayout.from_dict(info["config"]["layout"]), info["config"])
         self.info = info
         watch_host(name, creator_hosts=bool(info.get("creator_hosts")))
+        if info.get("trace"):  # the pipeline is traced: this process too, on the coordinator's clock
+            tracing.start(str(info["trace"]), "process").sync(lambda: self._control.call("clock"))
         self.meter = TransferMeter()
         handles = self._control.call("unit_handles")
         placement = str(info["config"].get("placement", ""))
@@ -180,6 +183,7 @@ class RayEngine(Engine):
         journal_dir: str | os.PathLike[str] | None = None,
         journal_compact_every: int = 10_000,
         resume: bool = False,
+        trace: str | os.PathLike[str] | None = None,
     ) -> RayEngine:
         """Start the coordinator and the units of a new pipeline ``name``, and attach to it.
 
@@ -188,7 +192,8 @@ class RayEngine(Engine):
         ``journal_compact_every`` records the coordinator writes a snapshot of its state and starts a new journal
         segment (``0``: never), so a restart replays at most that many records. ``resume``: a
         whole-job restart (every process of the run gone): the coordinator replays the dead run's journal and the
-        new units serve its unreleased payloads from the spill shards (the same ``spill_dir``).
+        new units serve its unreleased payloads from the spill shards (the same ``spill_dir``). ``trace``: the
+        coordinator, the units and every process that attaches record a trace there (:mod:`knitdata.trace`).
 
         Raises:
             EngineError: A pipeline of that name already runs, or the actors did not start.
@@ -208,7 +213,8 @@ class RayEngine(Engine):
         setup: dict[str, Any] = {"name": name, "config": dict(config), "capacity_bytes": int(capacity_bytes),
                  "nodes": resolve_nodes(layout, nodes), "spill_bytes": spill_bytes,
                  "spill_dir": os.fspath(spill_dir) if spill_dir is not None else None, "journal": journal,
-                 "journal_compact_every": int(journal_compact_every), "creator_hosts": hosts_cluster()}
+                 "journal_compact_every": int(journal_compact_every), "creator_hosts": hosts_cluster(),
+                 "trace": os.fspath(trace) if trace is not None else None}
         try:
             ray.get_actor(coordinator_name(name), namespace=NAMESPACE)
             raise EngineError(f"a knitdata pipeline named {name!r} already runs on this cluster; pick another name "
@@ -290,6 +296,11 @@ class RayEngine(Engine):
     def kill_unit(self, unit_id: str) -> None:
         """Kill one storage unit's actor (failure drills and tests): its payloads are lost unless spilled."""
         self._control.call("kill_unit", unit_id)
+
+    def flush_trace(self) -> None:
+        """Write the trace events recorded so far by this process, the coordinator and the units."""
+        super().flush_trace()
+        self._control.call("flush_trace")
 
     def shutdown(self) -> None:
         """Close the pipeline and kill its actors."""

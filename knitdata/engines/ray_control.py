@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from knitdata import trace as tracing
 from knitdata.control import FIRE_AND_FORGET, SURFACE, ControlCall, ControlPlane
 from knitdata.control.journal import Journal
 from knitdata.errors import EngineError, KnitdataError, OptionalDependencyError
@@ -57,8 +58,19 @@ class CoordinatorBase:
             ray.get(calls, timeout=30)
         except Exception:  # noqa: BLE001 - a dead unit: its puts fail anyway
             pass
+        trace_path = setup.get("trace")
+        if trace_path:  # this process's clock is the trace's reference; the units measure their offsets to it
+            tracing.start(trace_path, "coordinator")
+            try:
+                ray.get([unit.actor.start_trace.remote(trace_path) for unit in units.values()], timeout=60)
+            except Exception:  # noqa: BLE001 - a dead unit traces nothing
+                pass
         if path and os.path.exists(path):
+            t0 = tracing.now_us()
             self._plane.recover(path)  # a restart: the state as of the last journaled call
+            if tracing.tracer is not None:
+                tracing.tracer.span("restart", "coordinator", t0, tracing.now_us(),
+                                    {"restarted": self.restarted, "replayed": self._plane.replayed})
         self._recovery = SpillRecovery(setup["spill_dir"]) if setup.get("spill_dir") else None
         self._admit_lock = threading.Lock()
         self._admit_cpu = {"cpu_s": 0.0, "calls": 0, "trajectories": 0}  # this actor's CPU inside the plane's admits
@@ -101,13 +113,27 @@ class CoordinatorBase:
         return report
 
     # engine plumbing ---------------------------------------------------------------------------------
+    def clock(self) -> float:
+        """This actor's trace clock (:func:`knitdata.trace.now_us`): the reference every process's offset is
+        measured against."""
+        return tracing.now_us()
+
+    def flush_trace(self) -> None:
+        """Write the trace events recorded so far by this actor and by the units."""
+        if tracing.tracer is not None:
+            tracing.tracer.flush()
+        try:
+            ray.get([u.actor.flush_trace.remote() for u in self._units.values()], timeout=30)
+        except Exception:  # noqa: BLE001 - a dead unit
+            pass
+
     def info(self) -> dict[str, Any]:
         """Name, config, units' nodes, spill directory, journal, and whether this actor was restarted."""
         return {"name": self._setup["name"], "config": self._plane.config, "nodes": self._setup["nodes"],
                 "spill_dir": self._setup.get("spill_dir"), "capacity_bytes": self._setup["capacity_bytes"],
                 "journal": self._setup.get("journal"), "restarted": self.restarted,
                 "replayed": self._plane.replayed, "pid": os.getpid(),
-                "creator_hosts": bool(self._setup.get("creator_hosts"))}
+                "creator_hosts": bool(self._setup.get("creator_hosts")), "trace": self._setup.get("trace")}
 
     def unit_handles(self) -> dict[str, Any]:
         """``{unit id: [actor handle, description]}`` (handles stay valid after a unit dies: calls then fail)."""

@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from knitdata import trace as tracing
 from knitdata.errors import EngineError, OptionalDependencyError, StoreFull
 
 try:
@@ -231,6 +232,20 @@ class StorageUnitActor:
         """The coordinator actor handle, which :meth:`put_admit` calls (set by the coordinator as it starts)."""
         self._control = control
 
+    def start_trace(self, path: str) -> float:
+        """Trace this unit's process into ``path`` (:mod:`knitdata.trace`), its clock offset measured against the
+        coordinator (set by :meth:`set_control` first); returns the offset in microseconds."""
+        tr = tracing.start(path, f"unit-{self._s.node_name or self._s.unit_id}")
+        if self._control is None:
+            return 0.0
+        control = self._control
+        return tr.sync(lambda: ray.get(control.clock.remote(), timeout=30))
+
+    def flush_trace(self) -> None:
+        """Write this process's trace events recorded so far."""
+        if tracing.tracer is not None:
+            tracing.tracer.flush()
+
     def put_admit(self, recs: list[tuple[str, np.ndarray, int]], items: list[Any]) -> dict[str, Any]:
         """The one-round-trip put: store the records that fit now, then admit them with one coordinator call.
 
@@ -241,8 +256,12 @@ class StorageUnitActor:
             stored, "admit": the coordinator's answer or None}``; after ``"dup"`` or ``"closed"`` nothing of the
             batch is kept.
         """
+        t0 = tracing.now_us() if tracing.tracer is not None else 0.0
         statuses = self.put_batch(recs)
         status = statuses[-1] if statuses else "ok"
+        if tracing.tracer is not None:
+            tracing.tracer.span("store", "storage", t0, tracing.now_us(),
+                                {"unit": self._s.unit_id, "trajectories": len(recs), "status": status})
         n = len(statuses) - (status != "ok")
         ids = [r[0] for r in recs[:n]]
         if status in ("dup", "closed"):
