@@ -209,6 +209,8 @@ def test_plane_reshape_fresh_and_live_deliver_the_same(live: bool) -> None:
     ids = taken + [i for row in rest for mb in row for i in mb]
     assert sorted(ids) == sorted(f"t{i}" for i in range(32))
     assert len({len(row) for row in rest}) == 1  # the same number of micro-batches per new rank
+    plane.handed_many(2, [[0, 0, 0, 0, -1]])  # a new rank's hand-out: per-rank figures follow the new layout
+    assert len(plane.stats()["staleness_by_rank"]) == 3
     if live:  # the same as a fresh pipeline would deliver
         fresh = _plane(3)
         fresh.reshape(merged)

@@ -217,4 +217,5 @@ class Durability:
             load_snapshot_part(s, part)
             n = s.layout.num_consumers
             s.consumer_stats = (s.consumer_stats + [None] * n)[:n]
+            s.staleness_by_rank = (s.staleness_by_rank + [deque(maxlen=1000) for _ in range(n)])[:n]
             s.cond.notify_all()

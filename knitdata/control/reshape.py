@@ -25,6 +25,7 @@ the pure planning steps.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -408,6 +409,8 @@ class Reshaping(Part):
         s.fps = [{0: FP_EMPTY} for _ in range(n)]
         s.verify_at = [None] * n
         s.consumer_stats = [None] * n
+        s.staleness_by_rank = [deque(maxlen=1000) for _ in range(n)]
+        s.replicas = None  # the new ranks' replicas register again (their first dataset does)
 
     def _check_live(self, merged: Mapping[str, Any]) -> None:
         s = self.s
