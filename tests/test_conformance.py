@@ -57,6 +57,9 @@ def run_on(engine: str, request: pytest.FixtureRequest, name: str, timeout_s: fl
 
 
 ENGINES = ["embedded", pytest.param("ray", marks=pytest.mark.ray)]
+#: The newer features' Ray runs go to make test-slow (CI runs it after make test): this file runs on one xdist
+#: worker, so its Ray cases are the critical path of make test.
+ENGINES_RAY_SLOW = ["embedded", pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])]
 
 
 def _check_resume(res: dict[str, Any], case: str) -> None:
@@ -218,7 +221,8 @@ def test_a_producer_that_dies_without_close_does_not_stall_consumers(engine, req
 
 
 # --- replica ---
-@pytest.mark.parametrize("engine,num_workers", [("embedded", 0), pytest.param("ray", 0, marks=pytest.mark.ray),
+@pytest.mark.parametrize("engine,num_workers", [("embedded", 0), pytest.param("ray", 0, marks=[pytest.mark.ray,
+                                                                                                 pytest.mark.slow]),
                                                 pytest.param("ray", 2, marks=[pytest.mark.ray, pytest.mark.slow])])
 def test_replicas_see_identical_streams_exactly_once(engine, num_workers, request):
     """Issue 25.2: dp=2 x 2 replicas. The replicas of each rank get byte-identical streams, equal to the rank's
@@ -244,7 +248,7 @@ def test_replicas_see_identical_streams_exactly_once(engine, num_workers, reques
 
 
 # --- stale ---
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINES_RAY_SLOW)
 def test_staleness_bound_keeps_quotas(engine, request):
     """Issue 26.3 on every engine: random arrival orders and versions, max_staleness=1 with drop and wait: nothing
     trained is staler than the bound (trainer version - gen_version), every train batch holds its exact quotas, and
@@ -291,7 +295,7 @@ def test_reshape_resumes_onto_another_number_of_ranks(engine, request):
     _check_reshape(run_on(engine, request, "reshape", cases=cases))
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINES_RAY_SLOW)
 def test_reshape_a_live_pipeline(engine, request):
     """Issue 25.1, case 2: the live pipeline is reshaped (pipe.reshape) and new ranks continue in it."""
     cases = [[2, 0, 3, 0, 2], [3, 0, 1, 0, 4]] if engine == "embedded" else [[2, 0, 3, 0, 2]]
