@@ -608,6 +608,7 @@ def simulate(sc: Scenario, policy: str, seed: int = 0, max_staleness: int | None
     }
     if bound:
         bs = pol.bound_stats()
+        assert bs is not None  # the policy was built with the bound
         raw = [t.train_version - t.gen_version for t in admitted if t.train_version >= 0]
         out.metrics.update({
             "max_staleness": max_staleness, "on_stale": on_stale,
