@@ -167,10 +167,11 @@ class Positions(Part):
         e = s.queues[rank].get(j)
         if e is not None and (reps is None or replica == 0):  # staleness counts each micro-batch once
             v = version if version >= 0 else s.version
-            s.staleness.extend([v - g for g in e["info"]["gen_versions"]])
+            values = [v - g for g in e["info"]["gen_versions"]]
+            s.staleness.extend(values)
+            s.staleness_by_rank[rank].extend(values)
             metas = [s.live[x[0]] for x in e["items"] if x[0] in s.live]
             s.token_staleness.record(v, metas)
-            s.staleness_by_rank[rank].extend([v - g for g in e["info"]["gen_versions"]])
             for m in metas:
                 by_src = s.staleness_by_source.get(m.source)
                 if by_src is not None:
