@@ -61,6 +61,15 @@ def cluster() -> tuple[Any, Any, list[str]]:
     return c, workers[i - 1], [here, ids[i]]
 
 
+def coordinator_node(name: str) -> str:
+    """The node id the coordinator of pipeline ``name`` runs on."""
+    import ray
+
+    from knitdata.engines.ray import coordinator_name
+
+    return str(ray.get(ray.get_actor(coordinator_name(name), namespace="knitdata").info.remote())["node"])
+
+
 def stop(c: Any) -> None:
     import ray
 
@@ -178,7 +187,8 @@ def node_loss(d: str) -> dict[str, Any]:
         put.append("p8-0")
         held = {u: pipe._engine.control.lost_on([u])["groups"] for u in pipe.units}  # what each unit holds
         out[mode] = {"put": put, "on_unit": {u: {g: v["trajectories"] for g, v in gs.items()} for u, gs in held.items()},
-                     "unit_nodes": {u: unit.node for u, unit in pipe.units.items()}}
+                     "unit_nodes": {u: unit.node for u, unit in pipe.units.items()},
+                     "coordinator_node": coordinator_node(f"nl-{mode}"), "driver_node": nodes[0]}
     c.remove_node(worker)
     out["dead_after_s"] = wait_dead(nodes[1])
     for mode, pipe in pipes.items():

@@ -227,10 +227,11 @@ class RayEngine(Engine):
         handles = {u: [unit.actor, unit.handle_info()] for u, unit in units.items()}
         restarts = -1 if journal is not None else 0  # without a journal a restarted coordinator would be empty
         # an ActorClass (ray's stubs keep the class)
-        # on the creator's node: the pipeline survives the loss of another node (its units' payloads aside)
+        # pinned to the creator's node: the pipeline survives the loss of another node (its units' payloads aside).
+        # Hard: Ray 2.x placed a zero-CPU actor with soft affinity on any node (and so on a node later lost).
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        here = NodeAffinitySchedulingStrategy(current_node(), soft=True)
+        here = NodeAffinitySchedulingStrategy(current_node(), soft=False)
         actor = CoordinatorActor.options(name=coordinator_name(name), namespace=NAMESPACE,  # type: ignore[attr-defined]
                                          lifetime="detached" if detached else None, max_restarts=restarts,
                                          max_task_retries=restarts, scheduling_strategy=here).remote(setup, handles)

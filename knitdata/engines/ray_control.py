@@ -133,6 +133,7 @@ class CoordinatorBase:
                 "spill_dir": self._setup.get("spill_dir"), "capacity_bytes": self._setup["capacity_bytes"],
                 "journal": self._setup.get("journal"), "restarted": self.restarted,
                 "replayed": self._plane.replayed, "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id(),
                 "creator_hosts": bool(self._setup.get("creator_hosts")), "trace": self._setup.get("trace")}
 
     def unit_handles(self) -> dict[str, Any]:
