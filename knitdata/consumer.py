@@ -92,11 +92,15 @@ class ConsumerSession:
         else:
             self.engine.control.seek(self.rank, j)
 
-    def commit(self, upto: int, *, wait: bool) -> int | None:
-        """Release the rank's payloads before ``upto``: queued for the sender, or sent now (``wait``: the count)."""
+    def commit(self, upto: int, *, wait: bool, relayed: bool = False) -> int | None:
+        """Release the rank's payloads before ``upto``: queued for the sender, or sent now (``wait``: the count).
+
+        ``relayed``: a live iterator of the rank relays the sender's wake (see
+        :meth:`~knitdata.handoff.ControlSender.request`), so the caller's thread makes no system call.
+        """
         sender = self.engine.sender
         if not wait:
-            sender.commit(self.rank, upto, self.replica)
+            sender.commit(self.rank, upto, self.replica, relayed=relayed)
             return None
         sender.flush()
         if self.replica:
@@ -134,6 +138,7 @@ class PlanStage:
         self.engine = engine
         self.rank = rank
         self.lease = lease
+        self.sender = lease.sender
         self.stop = stop
         self.j = j
         self.nw = nw
@@ -149,6 +154,8 @@ class PlanStage:
         At the first micro-batch of a mini-batch it waits (up to the dataset's timeout, in :data:`POLL_S` slices) for
         the entries from there to the end of the mini-batch.
         """
+        if self.sender.due:  # the trainer's hand-outs and commits asked for a report: it goes now (off its thread)
+            self.sender.relay()
         j, cache = self.j, self.cache
         if j not in cache:
             if self.end is not None and self.last_step is not None and self.last_step + 1 >= self.end:

@@ -173,6 +173,8 @@ class TrajectoryDataset(IterableDataset):
         self._cap: int | None = None  # release="step" never releases past the last state taken or loaded
         self._active: weakref.ref[_ConsumerIterator] | None = None
         self._layout: dict[str, Any] | None = None  # what states carry about the layout (elastic resume)
+        # the part of state_dict() that changes only with the layout or the worker: (layout, (w, nw), the keys)
+        self._static: tuple[Any, tuple[int, int], dict[str, Any]] | None = None
         self.session = ConsumerSession(self.engine, self.rank, self.replica or 0)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -272,9 +274,9 @@ class TrajectoryDataset(IterableDataset):
         a job can always roll back to the last state it saved.
         """
         it = self._active() if self._active is not None else None
-        if it is not None:
-            it.sync()
         with self._lock:
+            if it is not None:
+                it.sync()
             w, nw = self._worker
             if self._next is None:
                 wi = get_worker_info()
@@ -289,17 +291,33 @@ class TrajectoryDataset(IterableDataset):
             lay = self._layout
             if lay is None or (lay["history"] is not None and lay["remainder"] is None):
                 lay = self._layout = self.engine.control.layout_history(self.rank)
-            extra: dict[str, Any] = {"layout": lay["layout"]}
-            if lay["history"] is not None:
-                extra["layout_history"], extra["layout_remainder"] = lay["history"], lay["remainder"]
-            return {**extra,
-                "format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name, "rank": self.rank,
-                "num_consumers": self.engine.num_consumers, "worker": w, "num_workers": nw, "next": nxt,
-                "minibatch": mb, "microbatch": micro, "end_minibatch": self._end_step, "epoch": self._epoch,
-                "handed_out": self._handed_out,
-                "fingerprint": None if fp is None else fp[1], "fingerprint_length": None if fp is None else fp[0],
-                **({} if self.replica is None else {"replica": self.replica, "num_replicas": self.num_replicas}),
-            }
+                self._static = None
+            layout = self.engine.layout
+            static = self._static
+            if static is None or static[0] is not layout or static[1] != (w, nw):
+                self._static = static = (layout, (w, nw), self._static_state(lay, w, nw))
+            # once per step on the trainer's thread: a copy of the fixed keys and the position's
+            state = static[2].copy()
+            state["next"] = nxt
+            state["minibatch"] = mb
+            state["microbatch"] = micro
+            state["end_minibatch"] = self._end_step
+            state["epoch"] = self._epoch
+            state["handed_out"] = self._handed_out
+            state["fingerprint"] = None if fp is None else fp[1]
+            state["fingerprint_length"] = None if fp is None else fp[0]
+            return state
+
+    def _static_state(self, lay: Mapping[str, Any], w: int, nw: int) -> dict[str, Any]:
+        """The keys of :meth:`state_dict` that change only with the layout or the worker."""
+        out: dict[str, Any] = {"layout": lay["layout"]}
+        if lay["history"] is not None:
+            out["layout_history"], out["layout_remainder"] = lay["history"], lay["remainder"]
+        out.update({"format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name,
+                    "rank": self.rank, "num_consumers": self.engine.num_consumers, "worker": w, "num_workers": nw})
+        if self.replica is not None:
+            out["replica"], out["num_replicas"] = self.replica, self.num_replicas
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue after the micro-batch ``state`` was taken at; payloads before it are released.
@@ -381,7 +399,12 @@ class TrajectoryDataset(IterableDataset):
         """
         if state is None:
             state = self.state_dict()
-        # a state of this dataset as is (the common case), else every state nested in it (a loader's)
+        if type(state) is dict and state.get("format") == STATE_FORMAT and state.get("num_workers") == 1:
+            upto = state.get("next")  # the common case, once per step: this rank's own state, one worker
+            if state.get("rank") == self.rank and type(upto) is int:
+                it = self._active() if self._active is not None else None
+                return self.session.commit(upto, wait=wait, relayed=it is not None and not it.done)
+        # a state of this dataset as is, else every state nested in it (a loader's)
         states = [state] if type(state) is dict and state.get("format") == STATE_FORMAT else find_states(state)
         mine = [s for s in states if s.get("rank") == self.rank]
         if not mine:
@@ -490,6 +513,8 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         source = produce(plan, reader, ds.collate, media, ds.metrics, self._stop)
         self._inner, set_depth = mode.prepare(source, depth=ds.prefetch_depth, device=ds.device,
                                               pin_memory=ds.pin_memory)
+        if hasattr(self._inner, "on_wait"):  # the trainer about to wait for data relays queued reports
+            self._inner.on_wait = self._lease.sender.relay  # type: ignore[union-attr]
         if media is not None and set_depth is not None:  # the prefetch thread reads a whole share ahead
             media.grow = weakref.WeakMethod(set_depth)  # weakly: the stages must not hold the prefetcher
 

@@ -24,6 +24,7 @@ renewing first, and the control plane refuses its renewals once a newer iterator
 
 from __future__ import annotations
 
+import collections
 import os
 import socket
 import threading
@@ -87,19 +88,32 @@ class ConsumerLease:
         self.auto_step = False
         self.cap: int | None = None
         self._version = sender.local_version
-        self.taken = 0
-        self.last: dict[str, Any] | None = None
+        self._pos: tuple[dict[str, Any] | None, int] = (None, 0)  # (last entry taken out, how many): one assignment
         self._fence_message: str | None = None
         self._sender = sender
+        #: The process's :class:`ControlSender` (the stage that prepares micro-batches relays its wakes).
+        self.sender = sender
         self._ttl_s = ttl_s
-        self._lock = threading.Lock()
-        self._out: list[Any] = []  # entries taken out (and cap/version changes), not yet turned into records
+        self._lock = threading.Lock()  # the records and the deadline (never taken by take_out)
+        # entries taken out (and cap/version changes), not yet turned into records: appended without a lock by the
+        # trainer (take_out) and by set_cap()/set_version(), popped under the lock by _seal (deque ops are atomic)
+        self._out: collections.deque[Any] = collections.deque()
         self._records: list[list[int]] = []
         self._deadline = time.perf_counter() + _LOCAL_SHARE * ttl_s - (time.monotonic() - sent_at)
         self._ended = False
 
+    @property
+    def taken(self) -> int:
+        """Entries taken out since the lease began."""
+        return self._pos[1]
+
+    @property
+    def last(self) -> dict[str, Any] | None:
+        """The last entry taken out (``None``: none yet)."""
+        return self._pos[0]
+
     def take_out(self, entry: dict[str, Any], now: float) -> None:
-        """Hand micro-batch ``entry`` out to the trainer (its thread; no control call).
+        """Hand micro-batch ``entry`` out to the trainer (its thread; no control call, no lock).
 
         Args:
             entry: The plan entry (``j``, ``minibatch``, ``microbatch``, ``info``, ``fp``).
@@ -109,26 +123,31 @@ class ConsumerLease:
             FencedError: A newer iterator holds the rank: nothing is handed out.
             EngineError: This process could not report to the control plane (its last report failed again).
         """
-        if now > self._deadline or self.fenced is not None or self._sender.last_error is not None:
+        # one comparison while all is well: fence() and a failed report move the deadline to the past
+        if now > self._deadline or self.fenced is not None:
             self._renew_now()
-        with self._lock:
-            if self.fenced is not None:
-                raise FencedError(self._message())
-            self._out.append(entry)
-            self.last = entry
-            self.taken += 1
+        self._out.append(entry)
+        self._pos = (entry, self._pos[1] + 1)
         if self.send_each or (self.auto_step and entry["microbatch"] == 0):
-            self._sender.wake()  # this hand-out frees storage: send soon (the rest rides along, or the heartbeat)
+            # this hand-out frees storage: sent soon, the wake relayed by the stage that prepares the next one
+            self._sender.request()
+
+    def relay(self) -> None:
+        """Wake the process's sender if a hand-out or commit requested it (see :meth:`ControlSender.request`)."""
+        if self.sender.due:
+            self.sender.relay()
 
     def _seal(self) -> None:
         """Turn what was taken out into records, in order (the lock is held): a hand-out's auto-commit bound and
         version are those in force when it happened (cap and version changes are queued between hand-outs)."""
-        if not self._out:
+        out = self._out
+        if not out:
             return
         version = self._version
         cap, auto = self.cap, self.auto_step
         recs = self._records
-        for e in self._out:
+        while out:
+            e = out.popleft()
             if type(e) is tuple:  # a change queued by set_cap() or the sender's report_version()
                 if e[0] == "cap":
                     cap = e[1]
@@ -139,22 +158,18 @@ class ConsumerLease:
             recs.append([j, e["minibatch"], e["microbatch"], 0 if not auto else j if cap is None else min(j, cap),
                          version])
         self.cap, self._version = cap, version
-        self._out.clear()
 
     def position(self) -> tuple[dict[str, Any] | None, int]:
         """``(last entry taken out, how many)``."""
-        with self._lock:
-            return self.last, self.taken
+        return self._pos
 
     def set_cap(self, cap: int) -> None:
         """A state was taken at ``cap``: later hand-outs auto-commit (``release="step"``) up to it at most."""
-        with self._lock:
-            self._out.append(("cap", cap))
+        self._out.append(("cap", cap))
 
     def set_version(self, version: int) -> None:
         """The process reported ``version``: later hand-outs were taken under it."""
-        with self._lock:
-            self._out.append(("version", version))
+        self._out.append(("version", version))
 
     def _renew_now(self) -> None:
         """Past the local deadline (the sender did not renew in time), fenced, or the sender's last report failed:
@@ -204,6 +219,11 @@ class ConsumerLease:
         with self._lock:
             if self.fenced is None:
                 self._deadline = sent_at + _LOCAL_SHARE * self._ttl_s
+
+    def expire(self) -> None:
+        """A report failed: the next hand-out reports synchronously first (its error reaches the trainer)."""
+        with self._lock:
+            self._deadline = float("-inf")
 
     def end(self) -> None:
         """The iterator ended or was closed: send what it handed out, then let the lease go (waits for it).
@@ -283,6 +303,8 @@ class ControlSender:
         self._wake = threading.Lock()  # held while nothing is due: wake() releases it, the thread takes it
         self._wake.acquire()
         self._thread: threading.Thread | None = None
+        #: Records were requested (:meth:`request`) and not relayed yet: the next :meth:`relay` wakes the thread.
+        self.due = False
         self.reports = 0
         self.last_error: BaseException | None = None
 
@@ -308,12 +330,27 @@ class ControlSender:
             self._leases.pop(lease.token, None)
 
     # ------------------------------------------------------------------ commits
-    def commit(self, rank: int, upto: int, replica: int = 0) -> None:
-        """Queue a commit of ``rank`` (its ``replica``) up to ``upto`` (coalesced with others of it; sent soon)."""
+    def commit(self, rank: int, upto: int, replica: int = 0, *, relayed: bool = False) -> None:
+        """Queue a commit of ``rank`` (its ``replica``) up to ``upto`` (coalesced with others of it; sent soon).
+
+        Args:
+            rank: The consumer.
+            upto: Its payloads before this micro-batch index are released.
+            replica: The rank's replica.
+            relayed: A live iterator of this process relays (:meth:`request`): do not wake the thread here.
+        """
+        key = (rank, replica)
         with self._lock:
-            self._commits[(rank, replica)] = max(upto, self._commits.get((rank, replica), 0))
-        self._ensure_thread()
-        self.wake()  # frees storage: soon (the version and the next mini-batch's first hand-out ride along)
+            commits = self._commits
+            if upto > commits.get(key, 0) or key not in commits:
+                commits[key] = max(upto, 0)
+            running = self._thread is not None
+        if not running:
+            self._ensure_thread()
+        if relayed:  # frees storage: soon (with the next mini-batch's first hand-out, or when the trainer waits)
+            self.due = True
+        else:
+            self.wake()
 
     def add_producer(self, presence: ProducerPresence) -> None:
         """Report ``presence`` with every heartbeat while it lives (held weakly)."""
@@ -343,6 +380,26 @@ class ControlSender:
         self._ensure_thread()
 
     # ------------------------------------------------------------------ sending
+    def request(self) -> None:
+        """Records are due: the next :meth:`relay` wakes the thread (a flag; no system call on the caller's thread).
+
+        The trainer's thread requests; the stage that prepares its micro-batches relays (the prefetch thread in
+        ``iter`` mode, which each hand-out wakes anyway), and so does the trainer when it is about to wait for
+        data. Waking a sleeping thread from the trainer's thread costs it a system call and an inter-processor
+        interrupt (about 15 µs on a virtual machine): once per step for the commit and once for the first hand-out.
+        """
+        self.due = True
+
+    def relay(self) -> None:
+        """Wake the thread if records were requested since the last relay (any thread; callers check :attr:`due`
+        first, so that nothing is called while nothing is due)."""
+        if self.due:
+            self.due = False
+            try:
+                self._wake.release()
+            except RuntimeError:  # already signalled
+                pass
+
     def wake(self) -> None:
         """Send soon (records are due). Cheap: releases a lock the thread waits on."""
         try:
@@ -366,6 +423,14 @@ class ControlSender:
                 self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # however it ends, the next caller starts another (``_thread is None`` is all commit() checks)
+            with self._lock:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
+    def _loop(self) -> None:
         idle = 0
         while True:
             if self._wake.acquire(timeout=self.heartbeat_s):
@@ -375,6 +440,10 @@ class ControlSender:
                 self.last_error = None
             except Exception as e:  # noqa: BLE001 - kept and retried; the caller sees it on flush()
                 self.last_error = e
+                with self._lock:
+                    leases = list(self._leases.values())
+                for lease in leases:  # their next hand-out reports on the trainer's thread and raises if it fails
+                    lease.expire()
                 if self._on_error is not None:
                     self._on_error(e)
             with self._lock:

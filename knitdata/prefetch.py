@@ -38,6 +38,7 @@ on the CUDA path those are on the device, plus one pinned staging copy.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import statistics
 import threading
@@ -351,12 +352,13 @@ class Prefetcher(Iterator[T], Generic[T]):
         self.device = dev
         self.pin_memory = bool(pin_memory)
         self.pool = pool
-        self.stats = PrefetchStats()
+        self._stats = PrefetchStats()
+        self._unwaited = 0  # items handed out by the fast path since the stats were last folded (waits of 0)
         transfer: Callable[[Any], tuple[Any, Any]] | None = None
         self._cuda_device: torch.device | None = None
         if cuda:
             assert dev is not None
-            transfer = CudaTransfer(dev, self.pin_memory, pool, self.stats)
+            transfer = CudaTransfer(dev, self.pin_memory, pool, self._stats)
             self._cuda_device = transfer.device
         elif dev is not None and dev.type not in ("cpu", "meta"):
             def transfer(item: Any, _d: torch.device = dev) -> tuple[Any, Any]:  # other accelerators: plain copy
@@ -366,9 +368,12 @@ class Prefetcher(Iterator[T], Generic[T]):
         self.last_wait_s = 0.0
         self._index = 0
         self._done = False
+        #: Called on the consumer's thread when ``__next__`` is about to block until the thread queues an item (not
+        #: when it produces one itself; ``None``: nothing). The dataset relays its queued control reports there.
+        self.on_wait: Callable[[], None] | None = None
         self.inline_below_s = float(inline_below_s) if transfer is None else 0.0
         self._away: collections.deque = collections.deque(maxlen=_INLINE_WINDOW)  # consumer time per item
-        self._shared = _Shared(iter(source), state_fn, depth, transfer, self.pin_memory and transfer is None, self.stats,
+        self._shared = _Shared(iter(source), state_fn, depth, transfer, self.pin_memory and transfer is None, self._stats,
                                inline=self.inline_below_s > 0)
         self._thread = threading.Thread(target=_produce, args=(self._shared,), name="knitdata-prefetch", daemon=True)
         self._finalizer = weakref.finalize(self, _shutdown, self._shared)
@@ -378,40 +383,45 @@ class Prefetcher(Iterator[T], Generic[T]):
         return self
 
     def __next__(self) -> T:
-        if self._done:
-            raise StopIteration
         sh = self._shared
-        cond = sh.cond
-        t0 = time.perf_counter()
-        if not sh.inline and sh.items and t0 - sh.left_at >= self.inline_below_s:
+        items = sh.items
+        if items and not sh.inline and not self._done:
             # the fast path: the thread prepared the item while the consumer computed (nothing to decide: a long
-            # absence keeps the threaded mode)
+            # absence keeps the threaded mode). It runs on the trainer's thread once per micro-batch, right after
+            # its compute (cold caches): as few objects touched as the bookkeeping allows.
             # without the lock: the deque's popleft is atomic, the thread sets ``parked`` before it checks for room
             # (so a pop either makes the room it sees, or finds it parked and signals), and only the consumer
             # writes ``taken`` and ``left_at``
-            try:
-                entry = sh.items.popleft()
-            except IndexError:
-                entry = None
-            if entry is not None:
-                sh.taken = entry[1] + 1
-                parked = sh.parked
-                if parked == "room":  # the thread prepares the next one
-                    _signal(sh.room)
-                elif parked == "handoff":  # rare: it queued this one for a consumer that was waiting
-                    with cond:
-                        cond.notify_all()
-                if self.inline_below_s > 0:
-                    self._away.append(t0 - sh.left_at)
-                sh.left_at = t0
-                if entry[0] == "item" and entry[3] is None and entry[4] is None:  # no state, no device copy
-                    self._index += 1
-                    self.last_wait_s = 0.0
-                    st = self.stats
-                    st.items += 1
-                    st.recent_wait_s.append(0.0)
-                    return entry[2]  # type: ignore[no-any-return]
-                return self._hand_out(entry, t0, 0.0)
+            t0 = time.perf_counter()
+            if t0 - sh.left_at >= self.inline_below_s:
+                try:
+                    entry = items.popleft()
+                except IndexError:
+                    entry = None
+                if entry is not None:
+                    sh.taken = entry[1] + 1
+                    parked = sh.parked
+                    if parked == "room":  # the thread prepares the next one
+                        try:
+                            sh.room.release()
+                        except RuntimeError:  # already signalled
+                            pass
+                    elif parked == "handoff":  # rare: it queued this one for a consumer that was waiting
+                        with sh.cond:
+                            sh.cond.notify_all()
+                    if self.inline_below_s > 0:
+                        self._away.append(t0 - sh.left_at)
+                    sh.left_at = t0
+                    if entry[0] == "item" and entry[3] is None and entry[4] is None:  # no state, no device copy
+                        self._index += 1
+                        self._unwaited += 1  # a zero wait: folded into the stats when they are read
+                        self.last_wait_s = 0.0
+                        return entry[2]  # type: ignore[no-any-return]
+                    return self._hand_out(entry, t0, 0.0)
+        if self._done:
+            raise StopIteration
+        cond = sh.cond
+        t0 = time.perf_counter()
         entry = None
         steal = False
         blocked = 0.0
@@ -443,6 +453,8 @@ class Prefetcher(Iterator[T], Generic[T]):
                     if not self._thread.is_alive():
                         self._done = True
                         raise StateError("the prefetch thread stopped (closed?); build a new Prefetcher")
+                    if blocked == 0.0 and self.on_wait is not None:  # about to block: once per __next__
+                        self.on_wait()
                     sh.waiting = True
                     tb = time.perf_counter()
                     cond.wait(_POLL_S)
@@ -460,7 +472,7 @@ class Prefetcher(Iterator[T], Generic[T]):
             tb = time.perf_counter()
             try:
                 entry, last = _make(sh, index)
-                self.stats.inline += not last
+                self._stats.inline += not last
             finally:
                 blocked += time.perf_counter() - tb
                 with cond:
@@ -478,7 +490,7 @@ class Prefetcher(Iterator[T], Generic[T]):
         """The tail of ``__next__``: end, error or item (made visible to the current CUDA stream), counted."""
         self.last_wait_s = blocked
         kind, index, payload, snap, event = entry
-        st = self.stats
+        st = self.stats  # folds the fast path's items first: the recent waits stay in order
         if kind == "end":
             self._finish()
             raise StopIteration
@@ -506,6 +518,17 @@ class Prefetcher(Iterator[T], Generic[T]):
         if snap is not None:
             self._state = snap
         return payload
+
+    @property
+    def stats(self) -> PrefetchStats:
+        """What this prefetcher measured (consumer-side fields as of the last item handed out)."""
+        st = self._stats
+        n = self._unwaited
+        if n:
+            self._unwaited = 0
+            st.items += n
+            st.recent_wait_s.extend(itertools.repeat(0.0, n))
+        return st
 
     def set_depth(self, depth: int) -> None:
         """Queue up to ``depth`` items ahead from now on (the thread checks at its next item; any thread).
