@@ -53,12 +53,12 @@ from knitdata.control.rankstates import MERGED_FORMAT, collect_states
 from knitdata.engines.base import Engine
 from knitdata.errors import ConfigError, EngineError, KnitdataError, StateError
 from knitdata.fetch import FETCH_MODES, FetchMode, fetch_mode
+from knitdata.metrics import PENDING_LIMIT, ConsumerMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from knitdata.collate import MicroBatch
-    from knitdata.metrics import ConsumerMetrics
 
 __all__ = ["TrajectoryDataset", "FETCH_MODES", "STATE_FORMAT", "find_states"]
 
@@ -274,6 +274,29 @@ class TrajectoryDataset(IterableDataset):
         a job can always roll back to the last state it saved.
         """
         it = self._active() if self._active is not None else None
+        static = self._static
+        if it is not None and static is not None and static[0] is self.engine.layout and static[1] == self._worker:
+            # the common case, once per step on the trainer's thread: the position after the last hand-out, read
+            # from the lease without a lock (a cold lock costs more than the rest); the dataset's fields follow at
+            # the next sync
+            last, taken = it._lease.position()
+            if last is not None and last.get("fp") is not None and not it._done:
+                j = last["j"]
+                nxt = j + static[1][1]
+                self._cap = nxt
+                it._lease.set_cap(nxt)
+                state = static[2].copy()
+                state["next"] = nxt
+                if last["info"]["is_last"]:
+                    state["minibatch"], state["microbatch"] = last["minibatch"] + 1, 0
+                else:
+                    state["minibatch"], state["microbatch"] = last["minibatch"], last["microbatch"] + 1
+                state["end_minibatch"] = self._end_step if self._end_step is not None else it._plan.end
+                state["epoch"] = self._epoch
+                state["handed_out"] = self._handed_out + taken - it._synced
+                state["fingerprint"] = last["fp"]
+                state["fingerprint_length"] = j + 1
+                return state
         with self._lock:
             if it is not None:
                 it.sync()
@@ -339,6 +362,7 @@ class TrajectoryDataset(IterableDataset):
             with self._lock:
                 self._close_active()
                 self._next, self._fp, self._pos, self._end_step, self._layout = None, None, None, None, None
+                self._static = None
                 self._epoch = int(state.get("epoch") or 0)
                 self._handed_out = 0
                 self._cap = None
@@ -503,6 +527,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         if ds._next is None:  # after the last micro-batch handed out to the rank (by the iterator fenced, too)
             ds._next, ds._fp = nxt, fp
         self._synced = 0
+        self._waits = ds.metrics.pending
         self._handed_at: float | None = None  # trace clock of the last hand-out (the trainer computes from there)
         self._metrics = ds.metrics
         engine, mode = ds.engine, ds.fetch_mode
@@ -513,14 +538,16 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         source = produce(plan, reader, ds.collate, media, ds.metrics, self._stop)
         self._inner, set_depth = mode.prepare(source, depth=ds.prefetch_depth, device=ds.device,
                                               pin_memory=ds.pin_memory)
+        self._timed = hasattr(self._inner, "last_wait_s")  # the prefetcher says how long next() was blocked
         if hasattr(self._inner, "on_wait"):  # the trainer about to wait for data relays queued reports
             self._inner.on_wait = self._lease.sender.relay  # type: ignore[union-attr]
         if media is not None and set_depth is not None:  # the prefetch thread reads a whole share ahead
             media.grow = weakref.WeakMethod(set_depth)  # weakly: the stages must not hold the prefetcher
 
     def __next__(self) -> MicroBatch:
+        # once per micro-batch on the trainer's thread, right after its compute (cold caches): few objects, few calls
         inner = self._inner
-        if self._done or inner is None:
+        if inner is None:
             raise StopIteration
         t0 = time.perf_counter()
         try:
@@ -541,11 +568,14 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         except KnitdataError:
             self.close()  # a newer iterator holds the rank (or the control plane is gone): nothing more
             raise
-        self._metrics.note_wait(t1 - t0, getattr(inner, "last_wait_s", t1 - t0), entry["info"]["is_last"],
-                                not entry["items"])
-        tr = tracing.tracer
-        if tr is not None:
-            self._trace(tr, entry, t0, t1)
+        waits = self._waits  # the rank's ConsumerMetrics.pending: one append, folded by readers
+        waits.append((t1 - t0, inner.last_wait_s if self._timed else t1 - t0,  # type: ignore[attr-defined]
+                      entry["info"]["is_last"],
+                      not entry["items"]))
+        if len(waits) > PENDING_LIMIT:
+            self._metrics.fold()
+        if tracing.tracer is not None:
+            self._trace(tracing.tracer, entry, t0, t1)
         return mb
 
     def _trace(self, tr: tracing.Tracer, entry: Mapping[str, Any], t0: float, t1: float) -> None:

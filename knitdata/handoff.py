@@ -292,6 +292,7 @@ class ControlSender:
         self._on_error = on_error
         self._leases: dict[str, ConsumerLease] = {}
         self._commits: dict[tuple[int, int], int] = {}  # (rank, replica) -> upto
+        self._queued: collections.deque[tuple[int, int, int]] = collections.deque()  # commits not merged yet
         self._version: int | None = None
         self._producers: weakref.WeakValueDictionary[str, ProducerPresence] = weakref.WeakValueDictionary()
         self._gone: list[list[Any]] = []  # producers whose handle was dropped: reported not alive once
@@ -339,6 +340,12 @@ class ControlSender:
             replica: The rank's replica.
             relayed: A live iterator of this process relays (:meth:`request`): do not wake the thread here.
         """
+        if relayed and self._thread is not None:
+            # the trainer's thread, once per step: a deque append (atomic; no lock, no system call), merged into the
+            # table by the sender; sent soon (with the next mini-batch's first hand-out, or when the trainer waits)
+            self._queued.append((rank, replica, upto))
+            self.due = True
+            return
         key = (rank, replica)
         with self._lock:
             commits = self._commits
@@ -347,10 +354,7 @@ class ControlSender:
             running = self._thread is not None
         if not running:
             self._ensure_thread()
-        if relayed:  # frees storage: soon (with the next mini-batch's first hand-out, or when the trainer waits)
-            self.due = True
-        else:
-            self.wake()
+        self.wake()
 
     def add_producer(self, presence: ProducerPresence) -> None:
         """Report ``presence`` with every heartbeat while it lives (held weakly)."""
@@ -447,8 +451,8 @@ class ControlSender:
                 if self._on_error is not None:
                     self._on_error(e)
             with self._lock:
-                busy = bool(self._leases or self._commits or self._version is not None or self._producers
-                            or self._gone)
+                busy = bool(self._leases or self._commits or self._queued or self._version is not None
+                            or self._producers or self._gone)
                 idle = 0 if busy else idle + 1
                 if idle >= 4:  # nothing to do for a few heartbeats: the thread ends (started again on demand)
                     self._thread = None
@@ -459,8 +463,18 @@ class ControlSender:
         with self._send_lock:
             self._send_locked()
 
+    def _merge_queued(self) -> None:
+        """Merge the commits queued without the lock into the table (the lock is held)."""
+        queued, commits = self._queued, self._commits
+        while queued:
+            rank, replica, upto = queued.popleft()
+            key = (rank, replica)
+            if upto > commits.get(key, 0) or key not in commits:
+                commits[key] = max(upto, 0)
+
     def _send_locked(self) -> None:
         with self._lock:
+            self._merge_queued()
             leases = list(self._leases.values())
             commits = sorted(self._commits.items())
             self._commits.clear()

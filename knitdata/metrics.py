@@ -11,7 +11,10 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["TransferMeter", "ConsumerMetrics", "summarize"]
+__all__ = ["TransferMeter", "ConsumerMetrics", "summarize", "PENDING_LIMIT"]
+
+#: Waits a :class:`ConsumerMetrics` holds unfolded before the appender folds them (bounds memory when nobody reads).
+PENDING_LIMIT = 1024
 
 
 def summarize(values: Iterable[float]) -> dict[str, float]:
@@ -40,6 +43,10 @@ class ConsumerMetrics:
         self.rank = rank
         self.window = window
         self._lock = threading.Lock()
+        #: Waits recorded on the trainer's thread and not folded in yet: ``(seconds, data_wait, is_last, empty)``
+        #: tuples. The rank's iterator appends to it directly (one append, no call, no lock); readers fold it
+        #: (:meth:`fold`), and so does the appender past :data:`PENDING_LIMIT`. Never replaced.
+        self.pending: deque[tuple[float, float, bool, bool]] = deque()
         self.reset()
 
     def reset(self) -> None:
@@ -53,7 +60,7 @@ class ConsumerMetrics:
             self._steps = 0
             self._fetch: deque[float] = deque(maxlen=self.window)
             self._cur_step = 0.0
-            self._pending: deque[tuple[float, float, bool, bool]] = deque()  # waits not folded in yet
+            self.pending.clear()
             self._microbatches = 0
             self._empty = 0
             self._wait_total = 0.0
@@ -80,15 +87,15 @@ class ConsumerMetrics:
 
     def note_wait(self, seconds: float, data_wait: float, is_last: bool, empty: bool) -> None:
         """:meth:`record_wait` with positional arguments (the dataset's hot path): one append, folded by readers."""
-        pending = self._pending
+        pending = self.pending
         pending.append((seconds, data_wait, is_last, empty))
-        if len(pending) > 1024:  # folded by readers; this bounds it when nobody reads
-            self._fold()
+        if len(pending) > PENDING_LIMIT:  # folded by readers; this bounds it when nobody reads
+            self.fold()
 
-    def _fold(self) -> None:
-        """Fold the waits recorded since the last fold into the series and totals (any thread)."""
+    def fold(self) -> None:
+        """Fold the waits recorded since the last fold (:attr:`pending`) into the series and totals (any thread)."""
         with self._lock:
-            pending = self._pending
+            pending = self.pending
             while pending:
                 seconds, dw, is_last, empty = pending.popleft()
                 self._wait.append(seconds)
@@ -108,25 +115,25 @@ class ConsumerMetrics:
     @property
     def microbatches(self) -> int:
         """Micro-batches handed out."""
-        self._fold()
+        self.fold()
         return self._microbatches
 
     @property
     def empty_microbatches(self) -> int:
         """Empty micro-batches handed out (a rank with nothing in a mini-batch, kept in step)."""
-        self._fold()
+        self.fold()
         return self._empty
 
     @property
     def wait_s_total(self) -> float:
         """Seconds the trainer spent inside ``next()``."""
-        self._fold()
+        self.fold()
         return self._wait_total
 
     @property
     def data_wait_s_total(self) -> float:
         """Of :attr:`wait_s_total`, the seconds ``next()`` was blocked until the micro-batch was ready."""
-        self._fold()
+        self.fold()
         return self._data_wait_total
 
     def record_fetch(self, seconds: float, *, nbytes: int, local_bytes: int, requests: int, trajectories: int) -> None:
@@ -143,28 +150,28 @@ class ConsumerMetrics:
     @property
     def wait_per_microbatch_s(self) -> list[float]:
         """Exposed latency of the last micro-batches (seconds in ``next()``)."""
-        self._fold()
+        self.fold()
         with self._lock:
             return list(self._wait)
 
     @property
     def wait_per_step_s(self) -> list[float]:
         """Exposed latency per optimizer step (sum over the step's micro-batches)."""
-        self._fold()
+        self.fold()
         with self._lock:
             return list(self._step_wait)
 
     @property
     def data_wait_per_step_s(self) -> list[float]:
         """Of :attr:`wait_per_step_s`, the seconds each step was blocked until its micro-batches were ready."""
-        self._fold()
+        self.fold()
         with self._lock:
             return list(self._step_data_wait)
 
     @property
     def steps(self) -> int:
         """Steps (mini-batches) whose last micro-batch was handed out."""
-        self._fold()
+        self.fold()
         return self._steps
 
     @property
@@ -175,7 +182,7 @@ class ConsumerMetrics:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-serializable summary."""
-        self._fold()
+        self.fold()
         with self._lock:
             return {
                 "rank": self.rank,
