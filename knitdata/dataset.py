@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from knitdata.collate import MicroBatch
 
-__all__ = ["TrajectoryDataset", "FETCH_MODES", "STATE_FORMAT", "find_states"]
+__all__ = ["TrajectoryDataset", "FETCH_MODES", "STATE_FORMAT", "find_states", "commit_point"]
 
 #: ``format of a :class:`TrajectoryDataset` state.
 STATE_FORMAT = "knitdata.TrajectoryDataset"
@@ -71,6 +71,41 @@ _OLD_STATE_VERSIONS = (2,)  # read too (no fingerprint: a refill cannot be check
 def find_states(obj: Any, out: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Every dataset state nested in ``obj`` (itself, or a ``StatefulDataLoader`` state with worker snapshots)."""
     return collect_states(obj, (STATE_FORMAT,), out)
+
+
+def commit_point(state: Any, rank: int) -> int:
+    """Where a commit of ``state`` releases rank ``rank`` up to: the state of a :class:`TrajectoryDataset`, or any
+    object holding such states (a ``StatefulDataLoader``'s, one per worker).
+
+    Raises:
+        StateError: ``state`` holds no state of rank ``rank``, or a malformed one.
+    """
+    # a state of a dataset as is, else every state nested in it (a loader's)
+    states = [state] if type(state) is dict and state.get("format") == STATE_FORMAT else find_states(state)
+    mine = [s for s in states if s.get("rank") == rank]
+    if not mine:
+        raise StateError(f"commit() needs a state of rank {rank} from state_dict(), got {state!r:.200}")
+    try:
+        nw = int(mine[0]["num_workers"])
+        nexts = {int(s["worker"]): int(s["next"]) for s in mine}
+    except (KeyError, TypeError, ValueError) as e:
+        raise StateError(f"bad {STATE_FORMAT} state: {e}") from e
+    # handed out so far: a prefix of the rank's micro-batches (the DataLoader's round robin), ending at the
+    # smallest next index; a worker without a snapshot lies at most nw - 1 below the others' smallest
+    upto = min(nexts.values())
+    if len(nexts) < nw:
+        upto = max(0, upto - (nw - 1))
+    return upto
+
+
+def _fixed_keys(lay: Mapping[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
+    """The keys of a dataset state that change only with the layout or the worker (``lay``: the layout as the
+    control plane describes it for the rank)."""
+    out: dict[str, Any] = {"layout": lay["layout"]}
+    if lay["history"] is not None:
+        out["layout_history"], out["layout_remainder"] = lay["history"], lay["remainder"]
+    out.update(fixed)
+    return out
 
 
 def _count(state: Mapping[str, Any], key: str, *, optional: bool = False) -> Any:
@@ -318,7 +353,11 @@ class TrajectoryDataset(IterableDataset):
             layout = self.engine.layout
             static = self._static
             if static is None or static[0] is not layout or static[1] != (w, nw):
-                self._static = static = (layout, (w, nw), self._static_state(lay, w, nw))
+                fixed = {"format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name, "rank": self.rank,
+                         "num_consumers": self.engine.num_consumers, "worker": w, "num_workers": nw}
+                if self.replica is not None:
+                    fixed.update(replica=self.replica, num_replicas=self.num_replicas)
+                self._static = static = (layout, (w, nw), _fixed_keys(lay, fixed))
             # once per step on the trainer's thread: a copy of the fixed keys and the position's
             state = static[2].copy()
             state["next"] = nxt
@@ -330,17 +369,6 @@ class TrajectoryDataset(IterableDataset):
             state["fingerprint"] = None if fp is None else fp[1]
             state["fingerprint_length"] = None if fp is None else fp[0]
             return state
-
-    def _static_state(self, lay: Mapping[str, Any], w: int, nw: int) -> dict[str, Any]:
-        """The keys of :meth:`state_dict` that change only with the layout or the worker."""
-        out: dict[str, Any] = {"layout": lay["layout"]}
-        if lay["history"] is not None:
-            out["layout_history"], out["layout_remainder"] = lay["history"], lay["remainder"]
-        out.update({"format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name,
-                    "rank": self.rank, "num_consumers": self.engine.num_consumers, "worker": w, "num_workers": nw})
-        if self.replica is not None:
-            out["replica"], out["num_replicas"] = self.replica, self.num_replicas
-        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue after the micro-batch ``state`` was taken at; payloads before it are released.
@@ -428,22 +456,7 @@ class TrajectoryDataset(IterableDataset):
             if state.get("rank") == self.rank and type(upto) is int:
                 it = self._active() if self._active is not None else None
                 return self.session.commit(upto, wait=wait, relayed=it is not None and not it.done)
-        # a state of this dataset as is, else every state nested in it (a loader's)
-        states = [state] if type(state) is dict and state.get("format") == STATE_FORMAT else find_states(state)
-        mine = [s for s in states if s.get("rank") == self.rank]
-        if not mine:
-            raise StateError(f"commit() needs a state of rank {self.rank} from state_dict(), got {state!r:.200}")
-        try:
-            nw = int(mine[0]["num_workers"])
-            nexts = {int(s["worker"]): int(s["next"]) for s in mine}
-        except (KeyError, TypeError, ValueError) as e:
-            raise StateError(f"bad {STATE_FORMAT} state: {e}") from e
-        # handed out so far: a prefix of the rank's micro-batches (the DataLoader's round robin), ending at the
-        # smallest next index; a worker without a snapshot lies at most nw - 1 below the others' smallest
-        upto = min(nexts.values())
-        if len(nexts) < nw:
-            upto = max(0, upto - (nw - 1))
-        return self.session.commit(upto, wait=wait)
+        return self.session.commit(commit_point(state, self.rank), wait=wait)
 
     def flush(self) -> None:
         """Send this process's queued hand-out records and commits to the control plane now, and wait for it.

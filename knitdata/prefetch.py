@@ -420,6 +420,10 @@ class Prefetcher(Iterator[T], Generic[T]):
                     return self._hand_out(entry, t0, 0.0)
         if self._done:
             raise StopIteration
+        return self._next_slow(sh)
+
+    def _next_slow(self, sh: _Shared) -> T:
+        """``__next__`` when no item was ready: wait for the thread, or produce one here (work stealing)."""
         cond = sh.cond
         t0 = time.perf_counter()
         entry = None
