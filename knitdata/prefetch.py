@@ -386,12 +386,9 @@ class Prefetcher(Iterator[T], Generic[T]):
         sh = self._shared
         items = sh.items
         if items and not sh.inline and not self._done:
-            # the fast path: the thread prepared the item while the consumer computed (nothing to decide: a long
-            # absence keeps the threaded mode). It runs on the trainer's thread once per micro-batch, right after
-            # its compute (cold caches): as few objects touched as the bookkeeping allows.
-            # without the lock: the deque's popleft is atomic, the thread sets ``parked`` before it checks for room
-            # (so a pop either makes the room it sees, or finds it parked and signals), and only the consumer
-            # writes ``taken`` and ``left_at``
+            # the fast path, right after the trainer's compute (cold caches: few objects touched): the thread prepared
+            # the item. No lock: popleft is atomic, the thread sets ``parked`` before it checks for room (a pop makes
+            # the room it sees, or finds it parked and signals), only the consumer writes ``taken`` and ``left_at``
             t0 = time.perf_counter()
             if t0 - sh.left_at >= self.inline_below_s:
                 try:
@@ -420,10 +417,6 @@ class Prefetcher(Iterator[T], Generic[T]):
                     return self._hand_out(entry, t0, 0.0)
         if self._done:
             raise StopIteration
-        return self._next_slow(sh)
-
-    def _next_slow(self, sh: _Shared) -> T:
-        """``__next__`` when no item was ready: wait for the thread, or produce one here (work stealing)."""
         cond = sh.cond
         t0 = time.perf_counter()
         entry = None
