@@ -748,9 +748,7 @@ def traced_run(trace: str, n_groups: int = 16, compute_s: float = 0.0, put_every
 
     offsets = []
     for part in tracing.parts(trace):
-        for line in open(part).read().splitlines():
-            if '"knitdata_clock"' in line:
-                offsets.append(json.loads(line.rstrip(","))["args"]["offset_us"])
+        offsets += [e["args"]["offset_us"] for e in tracing.read_part(part) if e["name"] == "knitdata_clock"]
     return {"seconds": seconds, "microbatches": sum(counts), "offsets_us": offsets}
 
 
