@@ -474,7 +474,7 @@ def measure_trace_overhead(*, quick: bool = False) -> dict[str, Any]:
         n = sum(mb.num_sequences for mb in pipe.dataset(0, fetch="iter", collate=collate))
         assert n == len(trajs)
 
-    return compare(once, repeats=7 if quick else 15, what=f"loader: put + iter of {len(trajs)} trajectories")
+    return compare(once, repeats=9 if quick else 41, what=f"loader: put + iter of {len(trajs)} trajectories")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -144,6 +144,9 @@ class Tracer:
     Attributes:
         merge_on_close: Merge the trace (:func:`merge`) when this tracer closes (:func:`stop`, the process's
             exit), if any part changed since this process last merged it. Set by the pipeline that started it.
+        recorded: Events recorded and flushed so far (each put counts, before bursts are joined).
+        written: Records written to the part file so far (bursts joined, metadata included).
+        write_cpu_s: CPU seconds spent writing (the flushes, on whichever thread ran them).
     """
 
     def __init__(self, path: str | os.PathLike[str], role: str, *, flush_s: float = FLUSH_S) -> None:
@@ -160,6 +163,9 @@ class Tracer:
         self._wake = threading.Event()
         self._closed = False
         self.offset_us = 0.0
+        self.recorded = 0
+        self.written = 0
+        self.write_cpu_s = 0.0
         with open(self.file, "w", encoding="utf-8") as f:
             f.write(json.dumps({"knitdata_trace_part": PART_FORMAT, "pid": self.pid, "role": role}) + "\n")
             f.write(_ENCODE([("M", "process_name", "", 0, 0, 0, {"name": f"knitdata {role} ({self.pid})"}),
@@ -213,6 +219,7 @@ class Tracer:
     def flush(self) -> None:
         """Append the events recorded so far to the part file (one line: the records, :data:`PART_FORMAT`)."""
         with self._flush_lock:
+            c0 = time.thread_time()
             buf = self._buf
             items = [buf.popleft() for _ in range(len(buf))]  # others may append meanwhile: those wait
             if not items:
@@ -226,6 +233,9 @@ class Tracer:
             line = _ENCODE(records) + "\n"
             with open(self.file, "a", encoding="utf-8") as f:
                 f.write(line)
+            self.recorded += len(items)
+            self.written += len(records)
+            self.write_cpu_s += time.thread_time() - c0
 
     def wake(self) -> None:
         """Have the background thread flush now (the caller does not wait: e.g. a rank's pass ended)."""

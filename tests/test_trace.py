@@ -292,6 +292,29 @@ def test_ray_two_node_trace(tmp_path: Path) -> None:
     check_one_clock(events, res["seconds"])
 
 
+@pytest.mark.slow
+def test_ray_coordinator_restart_is_traced(tmp_path: Path) -> None:
+    """A Ray job killed whole and started again (the same journal): the new coordinator records the replay of its
+    journal as ``restart`` in its own part, and the trace merged by the job's exit is valid."""
+    from tests._ray_helpers import ClusterProcess, run_scenario
+
+    spill = str(tmp_path / "spill")
+    path = tmp_path / "restart.json"
+    with ClusterProcess(nodes=1) as cluster:
+        first = run_scenario(cluster.address, "whole_job_first", timeout_s=240, spill_root=spill, pipeline="tr")
+        second = run_scenario(cluster.address, "whole_job_resume", timeout_s=240, spill_root=spill, pipeline="tr",
+                              state=first["state"], trace=str(path))
+    assert second["replayed"] > 0
+    data = json.loads(path.read_text())
+    assert check_trace(data) == []
+    events = data["traceEvents"]
+    coordinator = {e["pid"] for e in events if e["name"] == "process_name" and "coordinator" in e["args"]["name"]}
+    restarts = by_name(events, "restart")
+    assert len(restarts) == 1 and restarts[0]["pid"] in coordinator
+    assert restarts[0]["args"]["replayed"] == second["replayed"]
+    assert restarts[0]["args"]["journal"].endswith("tr.journal")
+
+
 def test_cli_without_parts_fails_naming_the_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from knitdata.cli import main
 
