@@ -447,14 +447,14 @@ class Pipeline:
                     self._put_waiting(unit_id, trajs, items, rest, timeout, out)
                     rest = rest[1:]
         tr = tracing.tracer
-        if tr is not None:  # one event per burst of puts (the writer thread joins them)
+        if tr is not None:  # one event per burst of puts of this thread
             if len(checked) == 1:
-                by_source = {checked[0][0]["source"]: 1}
+                tr.burst("put", "producer", t0, tracing.now_us(), checked[0][0]["source"])
             else:
-                by_source = {}
+                by_source: dict[str, int] = {}
                 for m, _n in checked:
                     by_source[m["source"]] = by_source.get(m["source"], 0) + 1
-            tr.burst("put", "producer", t0, tracing.now_us(), by_source)
+                tr.burst("put", "producer", t0, tracing.now_us(), by_source)
         return [m for m in out if m is not None]
 
     def _put_waiting(self, unit_id: str, trajs: Sequence[Trajectory], items: Sequence[Sequence[Any]], rest: Sequence[int],

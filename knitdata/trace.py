@@ -69,6 +69,17 @@ _ENCODE = json.JSONEncoder(default=str, check_circular=False, separators=(",", "
 #: This process's tracer (``None``: tracing is off). Recording points test it: ``if trace.tracer is not None``.
 tracer: Tracer | None = None
 _lock = threading.Lock()
+_INF = float("inf")
+#: Each thread's native id, cached (``threading.get_native_id()`` is a system call on Linux).
+_tls = threading.local()
+
+
+def _forget_tid() -> None:  # a forked child's thread has a new native id
+    _tls.__dict__.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_tid)
 #: What the last merge of each trace (in this process) read: the parts and their sizes.
 _merged: dict[str, list[tuple[str, int]]] = {}
 
@@ -88,43 +99,6 @@ def part_path(path: str | os.PathLike[str], role: str, pid: int | None = None) -
 def parts(path: str | os.PathLike[str]) -> list[str]:
     """The part files of the trace ``path`` (written by each process of the run), sorted."""
     return sorted(p for p in glob.glob(glob.escape(os.fspath(path)) + ".*.*.json"))
-
-
-def _coalesce(items: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """The records of ``items`` with each thread's bursts of puts (``"x"`` items) joined (see :meth:`Tracer.burst`).
-
-    A put joins the burst of its thread when it starts within :data:`BURST_GAP_US` of the burst's end, the burst
-    stays within :data:`BURST_MAX_US`, and no other span of that thread started in between (the joined span must
-    still nest with the thread's other spans)."""
-    out: list[tuple[Any, ...]] = []
-    open_: dict[int, list[Any]] = {}  # tid -> [name, cat, t0, t1, calls, busy, by_source, earliest other start]
-    for it in items:
-        ph = it[0]
-        if ph == "x":
-            _ph, name, cat, t0, dur, tid, counts = it
-            b = open_.get(tid)
-            if b is not None and b[0] == name and t0 - b[3] <= BURST_GAP_US and t0 + dur - b[2] <= BURST_MAX_US \
-                    and b[7] >= t0:
-                b[3] = t0 + dur
-                b[4] += 1
-                b[5] += dur
-                bs = b[6]
-                for k, n in counts.items():
-                    bs[k] = bs.get(k, 0) + n
-                b[7] = float("inf")
-                continue
-            if b is not None:
-                out.append(_burst_record(tid, b))
-            open_[tid] = [name, cat, t0, t0 + dur, 1, dur, dict(counts), float("inf")]
-            continue
-        if ph == "X" and open_:
-            b = open_.get(it[5])
-            if b is not None and it[3] < b[7]:
-                b[7] = it[3]
-        out.append(it)
-    for tid, b in open_.items():
-        out.append(_burst_record(tid, b))
-    return out
 
 
 def _burst_record(tid: int, b: list[Any]) -> tuple[Any, ...]:
@@ -166,6 +140,11 @@ class Tracer:
         self.recorded = 0
         self.written = 0
         self.write_cpu_s = 0.0
+        #: Each thread's open burst of puts: [name, cat, t0, t1, calls, busy, by_source, earliest start of another
+        #: span of the thread recorded since the burst's last put]
+        self._bursts: dict[int, list[Any]] = {}
+        self._burst_lock = threading.Lock()
+        self._joined = 0  # puts joined into a burst since the last flush
         with open(self.file, "w", encoding="utf-8") as f:
             f.write(json.dumps({"knitdata_trace_part": PART_FORMAT, "pid": self.pid, "role": role}) + "\n")
             f.write(_ENCODE([("M", "process_name", "", 0, 0, 0, {"name": f"knitdata {role} ({self.pid})"}),
@@ -176,21 +155,64 @@ class Tracer:
     # ------------------------------------------------------------------ recording (any thread)
     def span(self, name: str, cat: str, t0_us: float, t1_us: float, args: Mapping[str, Any] | None = None) -> None:
         """A complete event (``ph: X``) from ``t0_us`` to ``t1_us`` (:func:`now_us`) on the calling thread."""
-        self._buf.append(("X", name, cat, t0_us, t1_us - t0_us, threading.get_native_id(), args))
+        try:
+            tid = _tls.tid
+        except AttributeError:
+            tid = _tls.tid = threading.get_native_id()
+        if self._bursts:  # a later put of this thread joins its burst only if the burst still nests with this span
+            b = self._bursts.get(tid)
+            if b is not None and t0_us < b[7]:
+                b[7] = t0_us
+        self._buf.append(("X", name, cat, t0_us, t1_us - t0_us, tid, args))
 
-    def burst(self, name: str, cat: str, t0_us: float, t1_us: float, by_source: Mapping[str, int]) -> None:
-        """A span (``ph: X``) that joins the calling thread's previous one of ``name`` when it follows it closely
-        (:data:`BURST_GAP_US`, :data:`BURST_MAX_US`): one event per burst of puts, with args ``calls`` (spans
-        joined), ``busy_us`` (their summed length), ``trajectories`` and ``by_source`` (summed ``by_source``)."""
-        self._buf.append(("x", name, cat, t0_us, t1_us - t0_us, threading.get_native_id(), by_source))
+    def burst(self, name: str, cat: str, t0_us: float, t1_us: float, by_source: Mapping[str, int] | str) -> None:
+        """A span (``ph: X``) that joins the calling thread's open burst of ``name``: one event per burst of puts.
+
+        A span joins when it starts within :data:`BURST_GAP_US` of the burst's end, the burst stays within
+        :data:`BURST_MAX_US`, and no other span of the thread started in between (the joined span must still nest
+        with the thread's other spans). The event's args: ``calls`` (spans joined), ``busy_us`` (their summed
+        length), ``trajectories`` and ``by_source`` (the summed ``by_source``; a string: one of that source). A
+        burst is written when the next span of the thread does not join it, or at the next flush.
+        """
+        try:
+            tid = _tls.tid
+        except AttributeError:
+            tid = _tls.tid = threading.get_native_id()
+        with self._burst_lock:
+            b = self._bursts.get(tid)
+            if b is not None:
+                if b[0] == name and t0_us - b[3] <= BURST_GAP_US and t1_us - b[2] <= BURST_MAX_US and b[7] >= t0_us:
+                    b[3] = t1_us
+                    b[4] += 1
+                    b[5] += t1_us - t0_us
+                    bs = b[6]
+                    if isinstance(by_source, str):
+                        bs[by_source] = bs.get(by_source, 0) + 1
+                    else:
+                        for k, n in by_source.items():
+                            bs[k] = bs.get(k, 0) + n
+                    b[7] = _INF
+                    self._joined += 1
+                    return
+                self._buf.append(_burst_record(tid, b))
+            self._bursts[tid] = [name, cat, t0_us, t1_us, 1, t1_us - t0_us,
+                                 {by_source: 1} if isinstance(by_source, str) else dict(by_source), _INF]
 
     def instant(self, name: str, cat: str, args: Mapping[str, Any] | None = None, ts_us: float | None = None) -> None:
         """An instant event (``ph: i``) now (or at ``ts_us``) on the calling thread."""
-        self._buf.append(("i", name, cat, now_us() if ts_us is None else ts_us, 0.0, threading.get_native_id(), args))
+        try:
+            tid = _tls.tid
+        except AttributeError:
+            tid = _tls.tid = threading.get_native_id()
+        self._buf.append(("i", name, cat, now_us() if ts_us is None else ts_us, 0.0, tid, args))
 
     def counter(self, name: str, values: Mapping[str, float]) -> None:
         """A counter event (``ph: C``): ``values`` by series name, now."""
-        self._buf.append(("C", name, "counter", now_us(), 0.0, threading.get_native_id(), values))
+        try:
+            tid = _tls.tid
+        except AttributeError:
+            tid = _tls.tid = threading.get_native_id()
+        self._buf.append(("C", name, "counter", now_us(), 0.0, tid, values))
 
     # ------------------------------------------------------------------ clock and files
     def sync(self, clock: Callable[[], float], rounds: int = 3) -> float:
@@ -220,12 +242,17 @@ class Tracer:
         """Append the events recorded so far to the part file (one line: the records, :data:`PART_FORMAT`)."""
         with self._flush_lock:
             c0 = time.thread_time()
+            with self._burst_lock:  # the open bursts are written now (a later put starts a new one)
+                bursts, self._bursts = self._bursts, {}
+                joined, self._joined = self._joined, 0
             buf = self._buf
-            items = [buf.popleft() for _ in range(len(buf))]  # others may append meanwhile: those wait
-            if not items:
+            for tid, b in bursts.items():
+                buf.append(_burst_record(tid, b))
+            records = [buf.popleft() for _ in range(len(buf))]  # others may append meanwhile: those wait
+            if not records:
                 return
-            records = _coalesce(items)
-            new = {it[5] for it in items} - self._named - {0}
+            n = len(records) + joined  # each put joined into a burst counts
+            new = {it[5] for it in records} - self._named - {0}
             if new:
                 names = {t.native_id: t.name for t in threading.enumerate()}
                 records += [("M", "thread_name", "", 0, 0, t, {"name": names.get(t, f"thread {t}")}) for t in sorted(new)]
@@ -233,7 +260,7 @@ class Tracer:
             line = _ENCODE(records) + "\n"
             with open(self.file, "a", encoding="utf-8") as f:
                 f.write(line)
-            self.recorded += len(items)
+            self.recorded += n
             self.written += len(records)
             self.write_cpu_s += time.thread_time() - c0
 

@@ -497,3 +497,38 @@ def test_bursts_of_puts_join_and_still_nest(tmp_path_factory: pytest.TempPathFac
     assert all(e["dur"] <= tracing.BURST_MAX_US + 1e-3 and e["args"]["busy_us"] <= e["dur"] + 1e-3 for e in puts)
     others = [e for e in events if e["ph"] == "X" and e["name"] != "put"]
     assert len(others) == sum(name != "put" for rows in spans for name, *_ in rows)
+
+
+def test_bursts_from_threads_while_flushing_lose_nothing(tmp_path: Path, no_tracer: None) -> None:
+    """Producer threads put while the writer flushes (and takes their open bursts) over and over: every put is in
+    exactly one written event."""
+    path = tmp_path / "c.json"
+    t = tracing.start(path, "producer", flush_s=0.001)
+    stop = threading.Event()
+
+    def produce(k: int) -> None:
+        for i in range(500):
+            a = tracing.now_us()
+            t.burst("put", "producer", a, a + 1.0, "math" if i % 2 else {"code": 2})
+
+    def flusher() -> None:
+        while not stop.is_set():
+            t.flush()
+
+    f = threading.Thread(target=flusher)
+    f.start()
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    stop.set()
+    f.join()
+    tracing.stop()
+    tracing.merge(path)
+    puts = by_name(tracing.load(path), "put")
+    assert sum(e["args"]["calls"] for e in puts) == 2000
+    assert sum(e["args"]["by_source"].get("math", 0) for e in puts) == 1000
+    assert sum(e["args"]["by_source"].get("code", 0) for e in puts) == 2000
+    assert sum(e["args"]["trajectories"] for e in puts) == 3000
+    assert t.recorded == 2000  # each put counts once
