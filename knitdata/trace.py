@@ -436,7 +436,8 @@ def read_part(file: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def merge(path: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Join the part files of ``path`` into one trace on the coordinator's clock, written to ``out`` (default
-    ``path``). Timestamps start at 0 (the run's first event).
+    ``path``). Timestamps start at 0 (the run's first event). A part that records the trainer's waits (``wait``)
+    but no hand-outs gets a ``handout`` at the end of each wait (what a hand-out is), with the wait's args.
 
     Returns:
         ``{"path", "parts", "processes", "events", "span_us"}``.
@@ -454,6 +455,10 @@ def merge(path: str | os.PathLike[str], out: str | os.PathLike[str] | None = Non
     pids: set[int] = set()
     for file in files:
         evs = read_part(file)
+        if not any(e.get("name") == "handout" for e in evs):  # a hand-out is the end of its wait: derived here
+            evs += [{"ph": "i", "name": "handout", "cat": "trainer", "pid": e["pid"], "tid": e["tid"],
+                     "ts": float(e["ts"]) + float(e.get("dur", 0.0)), "s": "t", "args": e.get("args") or {}}
+                    for e in evs if e.get("name") == "wait" and e.get("ph") == "X"]
         offset = 0.0
         for ev in evs:
             if ev.get("ph") == "M" and ev.get("name") == "knitdata_clock":

@@ -532,3 +532,24 @@ def test_bursts_from_threads_while_flushing_lose_nothing(tmp_path: Path, no_trac
     assert sum(e["args"]["by_source"].get("code", 0) for e in puts) == 2000
     assert sum(e["args"]["trajectories"] for e in puts) == 3000
     assert t.recorded == 2000  # each put counts once
+
+
+def test_merge_derives_handouts_from_waits_when_a_part_has_none(tmp_path: Path, no_tracer: None) -> None:
+    """A hand-out is the end of the trainer's wait: a part that records waits only gets them at merge (one per
+    wait, its args), and a part that records them gets no second one."""
+    path = tmp_path / "h.json"
+    t = tracing.start(path, "trainer")
+    for j in range(3):
+        t.span("wait", "trainer", 100.0 * j, 100.0 * j + 40, {"rank": 1, "step": 0, "microbatch": j, "j": j})
+    tracing.stop()
+    tracing.merge(path)
+    events = tracing.load(path)
+    assert check_trace({"traceEvents": events}) == []
+    waits, handouts = by_name(events, "wait"), by_name(events, "handout")
+    assert [(h["ts"], h["args"]) for h in handouts] == [(w["ts"] + w["dur"], w["args"]) for w in waits]
+    t = tracing.start(path, "rank1")  # another part of the same trace, recording its hand-outs itself
+    t.span("wait", "trainer", 0.0, 10.0, {"rank": 0, "j": 0})
+    t.instant("handout", "trainer", {"rank": 0, "j": 0}, ts_us=10.0)
+    tracing.stop()
+    tracing.merge(path)
+    assert len(by_name(tracing.load(path), "handout")) == 3 + 1
