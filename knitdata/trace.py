@@ -284,7 +284,7 @@ class Tracer:
         self._stop.set()
         self._wake.set()
         self.flush()
-        if self.merge_on_close and not self._closed:
+        if self.merge_on_close and not self._closed and os.getpid() == self.pid:  # not in a forked child
             self._closed = True
             try:
                 if _merged.get(self.path) != _signature(parts(self.path)):
