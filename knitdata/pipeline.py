@@ -219,7 +219,8 @@ class Pipeline:
         opts.pop("cross_process", None)  # every Ray pipeline serves other processes now
         trace_path = os.fspath(trace) if trace is not None else os.environ.get(tracing.ENV) or None
         if trace_path is not None:
-            tracing.start(trace_path, "main" if cls_.in_process else "driver")
+            # this process merges the trace when its tracing ends too (its exit), with what every process wrote
+            tracing.start(trace_path, "main" if cls_.in_process else "driver").merge_on_close = True
             if not cls_.in_process:
                 opts["trace"] = trace_path  # the coordinator and the units trace too; attaching processes follow
         eng = cls_.build(layout, config, capacity_bytes, spill_dir=spill_dir, spill_bytes=spill_bytes, policy=policy,
@@ -446,11 +447,14 @@ class Pipeline:
                     self._put_waiting(unit_id, trajs, items, rest, timeout, out)
                     rest = rest[1:]
         tr = tracing.tracer
-        if tr is not None:
-            by_source: dict[str, int] = {}
-            for m, _n in checked:
-                by_source[m["source"]] = by_source.get(m["source"], 0) + 1
-            tr.span("put", "producer", t0, tracing.now_us(), {"trajectories": len(trajs), "by_source": by_source})
+        if tr is not None:  # one event per burst of puts of this thread
+            if len(checked) == 1:
+                tr.burst("put", "producer", t0, tracing.now_us(), checked[0][0]["source"])
+            else:
+                by_source: dict[str, int] = {}
+                for m, _n in checked:
+                    by_source[m["source"]] = by_source.get(m["source"], 0) + 1
+                tr.burst("put", "producer", t0, tracing.now_us(), by_source)
         return [m for m in out if m is not None]
 
     def _put_waiting(self, unit_id: str, trajs: Sequence[Trajectory], items: Sequence[Sequence[Any]], rest: Sequence[int],
@@ -634,10 +638,19 @@ class Pipeline:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """The creator's ``with`` block ended: shut the pipeline down (Ray) or close it (embedded); with a trace,
+        merge the parts written so far into :attr:`trace_path` (:meth:`write_trace`; the creator's process merges
+        again when it exits, with what was recorded after the block)."""
         if self._owner and self._engine.shutdown_on_exit:
             self.shutdown()
-        else:
-            self.close()
+            return
+        self.close()
+        if self._owner and self.trace_path is not None:
+            try:
+                self.write_trace()
+            except (KnitdataError, OSError):
+                if exc[0] is None:
+                    raise  # else the block's own error goes on (a merge error would hide it)
 
     # ------------------------------------------------------------------ consumer side
     def dataset(

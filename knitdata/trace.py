@@ -5,17 +5,21 @@ the run (the pipeline's process; on the Ray engine also the coordinator, every s
 attaches) appends its events to its own part file ``path.<role>.<pid>.json``; :func:`merge` (``knitdata trace
 PATH``) joins the parts into ``path``, one valid trace (``{"traceEvents": [...]}``) on the coordinator's clock:
 each process measures its offset to the coordinator when it attaches (a round trip, the midpoint; ``0`` on the
-embedded engine). :func:`plot` (``knitdata trace PATH --plot out.png``) draws admission, delivery and compute per
-rank over time from any trace.
+embedded engine). The process that created the pipeline merges by itself when the pipeline shuts down (or its
+``with`` block ends) and when its tracing ends (:func:`stop`, or the process's exit). :func:`plot` (``knitdata
+trace PATH --plot out.png``) draws admission, delivery and compute per rank over time from any trace.
 
-Recorded: puts (``put``, producer), admissions (``admit``: the mini-batch, its trajectories per source and
-``held_by``, the source whose quota filled last and so held it), plans (``plan``), fetches per rank (``fetch``),
-trainer waits (``wait``: time blocked in ``next()``) and compute (``compute``: time between ``next()`` calls),
-hand-outs (``handout``), commits (``commit``), releases (``release``), spills (``spill``), the trainer's version
-(a counter) and coordinator restarts (``restart``).
+Recorded: puts (``put``, producer; a burst of puts of one thread, each within :data:`BURST_GAP_US` of the previous
+one, is one event with ``calls`` and ``busy_us`` in its args), admissions (``admit``: the mini-batch, its
+trajectories per source and ``held_by``, the source whose quota filled last and so held it), plans (``plan``),
+fetches per rank (``fetch``), trainer waits (``wait``: time blocked in ``next()``) and compute (``compute``: time
+between ``next()`` calls), hand-outs (``handout``), commits (``commit``), releases (``release``), spills
+(``spill``), the trainer's version (a counter) and journal replays after a restart (``restart``).
 
-Cost: with tracing off each recording point is one ``if``; on, one ``deque.append`` of a tuple; a background
-thread of each process turns them into JSON lines every :data:`FLUSH_S` seconds (and at exit).
+Cost: with tracing off each recording point is one ``if``; on, one ``deque.append`` of a tuple. A background
+thread of each process writes what was recorded every :data:`FLUSH_S` seconds (and at exit) in a compact form,
+one JSON array of raw records per flush (:data:`PART_FORMAT`; a single encoder call, no per-event formatting);
+:func:`merge` turns the records into trace events.
 
 Example:
     >>> import os, tempfile
@@ -36,25 +40,48 @@ import collections
 import glob
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from knitdata.errors import ConfigError
+from knitdata.errors import CodecError, ConfigError
 
-__all__ = ["Tracer", "tracer", "start", "stop", "from_env", "now_us", "part_path", "parts", "merge", "load",
-           "timeline", "plot", "plot_timeline", "ENV", "FLUSH_S"]
+__all__ = ["Tracer", "tracer", "start", "stop", "from_env", "now_us", "part_path", "parts", "read_part", "merge",
+           "load", "timeline", "plot", "plot_timeline", "ENV", "FLUSH_S", "BURST_GAP_US", "BURST_MAX_US",
+           "PART_FORMAT"]
 
 #: The environment variable that turns tracing on (its value: the trace's path).
 ENV = "KNITDATA_TRACE"
 #: Seconds between the background flushes of a process's events to its part file.
 FLUSH_S = 1.0
+#: A put that starts within this many microseconds of the end of the previous put of its thread joins its burst.
+BURST_GAP_US = 1000.0
+#: The longest burst of puts recorded as one event, in microseconds (the resolution of the puts on the timeline).
+BURST_MAX_US = 10_000.0
+#: The format of the part files: a first line ``{"knitdata_trace_part": 2, "pid": ..., "role": ...}``, then per
+#: flush one line, a JSON array of records ``[ph, name, cat, ts_us, dur_us, tid, args]`` (local clock; ``args``
+#: an object or ``null``). Format 1, an array of trace events (one per line), is still read.
+PART_FORMAT = 2
 
-_ARGS = json.JSONEncoder(default=str)
+_ENCODE = json.JSONEncoder(default=str, check_circular=False, separators=(",", ":")).encode
 #: This process's tracer (``None``: tracing is off). Recording points test it: ``if trace.tracer is not None``.
 tracer: Tracer | None = None
 _lock = threading.Lock()
+_INF = float("inf")
+#: Each thread's native id, cached (``threading.get_native_id()`` is a system call on Linux).
+_tls = threading.local()
+
+
+def _forget_tid() -> None:  # a forked child's thread has a new native id
+    _tls.__dict__.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_tid)
+#: What the last merge of each trace (in this process) read: the parts and their sizes.
+_merged: dict[str, list[tuple[str, int]]] = {}
 
 
 def now_us() -> float:
@@ -74,6 +101,12 @@ def parts(path: str | os.PathLike[str]) -> list[str]:
     return sorted(p for p in glob.glob(glob.escape(os.fspath(path)) + ".*.*.json"))
 
 
+def _burst_record(tid: int, b: list[Any]) -> tuple[Any, ...]:
+    name, cat, t0, t1, calls, busy, by_source = b[:7]
+    return ("X", name, cat, t0, t1 - t0, tid, {"calls": calls, "busy_us": busy,
+                                                "trajectories": sum(by_source.values()), "by_source": by_source})
+
+
 class Tracer:
     """Records one process's events and appends them to its part file (thread-safe, buffered).
 
@@ -81,6 +114,13 @@ class Tracer:
         path: The trace's path (the part file is :func:`part_path` of it).
         role: What this process is (``"driver"``, ``"coordinator"``, ``"unit-node0"``, ``"trainer"``...).
         flush_s: Seconds between background flushes.
+
+    Attributes:
+        merge_on_close: Merge the trace (:func:`merge`) when this tracer closes (:func:`stop`, the process's
+            exit), if any part changed since this process last merged it. Set by the pipeline that started it.
+        recorded: Events recorded and flushed so far (each put counts, before bursts are joined).
+        written: Records written to the part file so far (bursts joined, metadata included).
+        write_cpu_s: CPU seconds spent writing (the flushes, on whichever thread ran them).
     """
 
     def __init__(self, path: str | os.PathLike[str], role: str, *, flush_s: float = FLUSH_S) -> None:
@@ -88,35 +128,91 @@ class Tracer:
         self.role = role
         self.pid = os.getpid()
         self.file = part_path(path, role, self.pid)
+        self.merge_on_close = False
         os.makedirs(os.path.dirname(os.path.abspath(self.file)), exist_ok=True)
         self._buf: collections.deque[tuple[Any, ...]] = collections.deque()
         self._named: set[int] = set()
         self._flush_lock = threading.Lock()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._closed = False
         self.offset_us = 0.0
+        self.recorded = 0
+        self.written = 0
+        self.write_cpu_s = 0.0
+        #: Each thread's open burst of puts: [name, cat, t0, t1, calls, busy, by_source, earliest start of another
+        #: span of the thread recorded since the burst's last put]
+        self._bursts: dict[int, list[Any]] = {}
+        self._burst_lock = threading.Lock()
+        self._joined = 0  # puts joined into a burst since the last flush
         with open(self.file, "w", encoding="utf-8") as f:
-            f.write("[\n")  # the JSON array format: a reader tolerates the missing "]" of a killed process
-            for ev in ({"ph": "M", "name": "process_name", "pid": self.pid, "tid": 0, "ts": 0,
-                        "args": {"name": f"knitdata {role} ({self.pid})"}},
-                       {"ph": "M", "name": "knitdata_clock", "pid": self.pid, "tid": 0, "ts": 0,
-                        "args": {"offset_us": 0.0, "role": role}}):
-                f.write(json.dumps(ev) + ",\n")
+            f.write(json.dumps({"knitdata_trace_part": PART_FORMAT, "pid": self.pid, "role": role}) + "\n")
+            f.write(_ENCODE([("M", "process_name", "", 0, 0, 0, {"name": f"knitdata {role} ({self.pid})"}),
+                             ("M", "knitdata_clock", "", 0, 0, 0, {"offset_us": 0.0, "role": role})]) + "\n")
         self._thread = threading.Thread(target=self._run, args=(flush_s,), name="knitdata-trace", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ recording (any thread)
     def span(self, name: str, cat: str, t0_us: float, t1_us: float, args: Mapping[str, Any] | None = None) -> None:
         """A complete event (``ph: X``) from ``t0_us`` to ``t1_us`` (:func:`now_us`) on the calling thread."""
-        self._buf.append(("X", name, cat, t0_us, t1_us - t0_us, threading.get_native_id(), args))
+        try:
+            tid = _tls.tid
+        except AttributeError:
+            tid = _tls.tid = threading.get_native_id()
+        if self._bursts:  # a later put of this thread joins its burst only if the burst still nests with this span
+            b = self._bursts.get(tid)
+            if b is not None and t0_us < b[7]:
+                b[7] = t0_us
+        self._buf.append(("X", name, cat, t0_us, t1_us - t0_us, tid, args))
+
+    def burst(self, name: str, cat: str, t0_us: float, t1_us: float, by_source: Mapping[str, int] | str) -> None:
+        """A span (``ph: X``) that joins the calling thread's open burst of ``name``: one event per burst of puts.
+
+        A span joins when it starts within :data:`BURST_GAP_US` of the burst's end, the burst stays within
+        :data:`BURST_MAX_US`, and no other span of the thread started in between (the joined span must still nest
+        with the thread's other spans). The event's args: ``calls`` (spans joined), ``busy_us`` (their summed
+        length), ``trajectories`` and ``by_source`` (the summed ``by_source``; a string: one of that source). A
+        burst is written when the next span of the thread does not join it, or at the next flush.
+        """
+        try:
+            tid = _tls.tid
+        except AttributeError:
+            tid = _tls.tid = threading.get_native_id()
+        with self._burst_lock:
+            b = self._bursts.get(tid)
+            if b is not None:
+                if b[0] == name and t0_us - b[3] <= BURST_GAP_US and t1_us - b[2] <= BURST_MAX_US and b[7] >= t0_us:
+                    b[3] = t1_us
+                    b[4] += 1
+                    b[5] += t1_us - t0_us
+                    bs = b[6]
+                    if isinstance(by_source, str):
+                        bs[by_source] = bs.get(by_source, 0) + 1
+                    else:
+                        for k, n in by_source.items():
+                            bs[k] = bs.get(k, 0) + n
+                    b[7] = _INF
+                    self._joined += 1
+                    return
+                self._buf.append(_burst_record(tid, b))
+            self._bursts[tid] = [name, cat, t0_us, t1_us, 1, t1_us - t0_us,
+                                 {by_source: 1} if isinstance(by_source, str) else dict(by_source), _INF]
 
     def instant(self, name: str, cat: str, args: Mapping[str, Any] | None = None, ts_us: float | None = None) -> None:
         """An instant event (``ph: i``) now (or at ``ts_us``) on the calling thread."""
-        self._buf.append(("i", name, cat, now_us() if ts_us is None else ts_us, 0.0, threading.get_native_id(), args))
+        try:
+            tid = _tls.tid
+        except AttributeError:
+            tid = _tls.tid = threading.get_native_id()
+        self._buf.append(("i", name, cat, now_us() if ts_us is None else ts_us, 0.0, tid, args))
 
     def counter(self, name: str, values: Mapping[str, float]) -> None:
         """A counter event (``ph: C``): ``values`` by series name, now."""
-        self._buf.append(("C", name, "counter", now_us(), 0.0, threading.get_native_id(), values))
+        try:
+            tid = _tls.tid
+        except AttributeError:
+            tid = _tls.tid = threading.get_native_id()
+        self._buf.append(("C", name, "counter", now_us(), 0.0, tid, values))
 
     # ------------------------------------------------------------------ clock and files
     def sync(self, clock: Callable[[], float], rounds: int = 3) -> float:
@@ -143,38 +239,30 @@ class Tracer:
         return self.offset_us
 
     def flush(self) -> None:
-        """Append the events recorded so far to the part file."""
+        """Append the events recorded so far to the part file (one line: the records, :data:`PART_FORMAT`)."""
         with self._flush_lock:
-            buf, lines = self._buf, []
-            pid = self.pid
-            tids: set[int] = set()
-            dumps = _ARGS.encode
-            while True:
-                try:
-                    ph, name, cat, ts, dur, tid, args = buf.popleft()
-                except IndexError:
-                    break
-                # formatted by hand (names, categories and phases are knitdata's own identifiers): the cost per
-                # event is mostly its args' encoding
-                head = f'{{"ph": "{ph}", "name": "{name}", "cat": "{cat}", "pid": {pid}, "tid": {tid}, "ts": {ts:.3f}'
-                if ph == "X":
-                    head += f', "dur": {max(dur, 0.0):.3f}'
-                elif ph == "i":
-                    head += ', "s": "t"'
-                if args is not None:
-                    head += ', "args": ' + dumps(args)
-                tids.add(tid)
-                lines.append(head + "}")
-            new = tids - self._named
+            c0 = time.thread_time()
+            with self._burst_lock:  # the open bursts are written now (a later put starts a new one)
+                bursts, self._bursts = self._bursts, {}
+                joined, self._joined = self._joined, 0
+            buf = self._buf
+            for tid, b in bursts.items():
+                buf.append(_burst_record(tid, b))
+            records = [buf.popleft() for _ in range(len(buf))]  # others may append meanwhile: those wait
+            if not records:
+                return
+            n = len(records) + joined  # each put joined into a burst counts
+            new = {it[5] for it in records} - self._named - {0}
             if new:
                 names = {t.native_id: t.name for t in threading.enumerate()}
-                for tid in sorted(new):
-                    lines.append(json.dumps({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "ts": 0,
-                                             "args": {"name": names.get(tid, f"thread {tid}")}}))
+                records += [("M", "thread_name", "", 0, 0, t, {"name": names.get(t, f"thread {t}")}) for t in sorted(new)]
                 self._named |= new
-            if lines:
-                with open(self.file, "a", encoding="utf-8") as f:
-                    f.write(",\n".join(lines) + ",\n")
+            line = _ENCODE(records) + "\n"
+            with open(self.file, "a", encoding="utf-8") as f:
+                f.write(line)
+            self.recorded += n
+            self.written += len(records)
+            self.write_cpu_s += time.thread_time() - c0
 
     def wake(self) -> None:
         """Have the background thread flush now (the caller does not wait: e.g. a rank's pass ended)."""
@@ -192,10 +280,19 @@ class Tracer:
                 return
 
     def close(self) -> None:
-        """Flush and stop the background thread (idempotent)."""
+        """Flush and stop the background thread (idempotent); merge the trace when :attr:`merge_on_close`."""
         self._stop.set()
         self._wake.set()
         self.flush()
+        if self.merge_on_close and not self._closed and os.getpid() == self.pid:  # not in a forked child
+            self._closed = True
+            try:
+                if _merged.get(self.path) != _signature(parts(self.path)):
+                    merge(self.path)
+            except (OSError, ValueError) as e:  # at exit: say what to run, do not fail the process's exit
+                print(f"knitdata: the trace {self.path!r} was not merged ({type(e).__name__}: {e}); run "
+                      f"`knitdata trace {self.path}`", file=sys.stderr)
+        self._closed = True
 
 
 def start(path: str | os.PathLike[str], role: str, *, flush_s: float = FLUSH_S) -> Tracer:
@@ -218,7 +315,8 @@ def start(path: str | os.PathLike[str], role: str, *, flush_s: float = FLUSH_S) 
 
 
 def stop() -> None:
-    """Flush and stop this process's tracer (no-op when off)."""
+    """Flush and stop this process's tracer (no-op when off); the pipeline that started it has it merge the trace
+    (:attr:`Tracer.merge_on_close`)."""
     global tracer
     with _lock:
         t, tracer = tracer, None
@@ -235,9 +333,19 @@ def from_env(role: str) -> Tracer | None:
 
 
 # ---------------------------------------------------------------------------------------------- merge
-def _read_part(file: str) -> list[dict[str, Any]]:
-    with open(file, encoding="utf-8") as f:
-        text = f.read().strip()
+def _signature(files: Sequence[str]) -> list[tuple[str, int]]:
+    out = []
+    for p in files:
+        try:
+            out.append((p, os.path.getsize(p)))
+        except OSError:
+            out.append((p, -1))
+    return out
+
+
+def _read_legacy(text: str) -> list[dict[str, Any]]:
+    """Format 1: a JSON array of trace events, one per line (the ``]`` of a killed process missing)."""
+    text = text.strip()
     if text.endswith(","):
         text = text[:-1]
     if not text.endswith("]"):
@@ -255,24 +363,102 @@ def _read_part(file: str) -> list[dict[str, Any]]:
         return out
 
 
+def _salvage(line: str) -> list[Any]:
+    """The complete records at the start of a torn line (a process killed while writing its last flush)."""
+    dec = json.JSONDecoder()
+    out: list[Any] = []
+    i = 1 if line.startswith("[") else len(line)
+    while i < len(line):
+        while i < len(line) and line[i] in ", \t":
+            i += 1
+        try:
+            rec, i = dec.raw_decode(line, i)
+        except json.JSONDecodeError:
+            break
+        out.append(rec)
+    return out
+
+
+def read_part(file: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The trace events of one part file, on its process's own clock (its ``knitdata_clock`` metadata event holds
+    the offset to the coordinator's). A torn last line (a process killed while writing) gives what is complete.
+
+    Raises:
+        CodecError: A damaged part (a line other than the last one is not records of :data:`PART_FORMAT`).
+    """
+    file = os.fspath(file)
+    with open(file, encoding="utf-8") as f:
+        text = f.read()
+    if not text.lstrip().startswith("{"):
+        return _read_legacy(text)
+    lines = text.split("\n")
+    try:
+        header = json.loads(lines[0])
+        pid = int(header["pid"])
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CodecError(f"trace part {file!r}: the first line is not a part header ({e})") from e
+    if header.get("knitdata_trace_part") != PART_FORMAT:
+        raise CodecError(f"trace part {file!r} has format {header.get('knitdata_trace_part')!r}; this version reads "
+                         f"{PART_FORMAT} (merge it with the knitdata version that wrote it)")
+    last = max((k for k, line in enumerate(lines) if line.strip()), default=0)
+    out: list[dict[str, Any]] = []
+    for k in range(1, last + 1):
+        line = lines[k].strip()
+        if not line:
+            continue
+        try:
+            records = json.loads(line)
+        except json.JSONDecodeError as e:
+            if k < last:
+                raise CodecError(f"trace part {file!r} line {k + 1} is damaged ({e})") from e
+            records = _salvage(line)
+        for rec in records:
+            try:
+                ph, name, cat, ts, dur, tid, args = rec
+                ev: dict[str, Any] = {"ph": str(ph), "name": str(name), "pid": pid, "tid": int(tid),
+                                      "ts": float(ts)}
+            except (TypeError, ValueError) as e:
+                raise CodecError(f"trace part {file!r} line {k + 1}: {str(rec)[:120]} is not a record "
+                                 "[ph, name, cat, ts, dur, tid, args]") from e
+            if cat:
+                ev["cat"] = cat
+            if ph == "X":
+                ev["dur"] = max(float(dur), 0.0)
+            elif ph == "i":
+                ev["s"] = "t"
+            elif ph == "M":
+                ev["ts"] = 0
+            if args is not None:
+                ev["args"] = args
+            out.append(ev)
+    return out
+
+
 def merge(path: str | os.PathLike[str], out: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Join the part files of ``path`` into one trace on the coordinator's clock, written to ``out`` (default
-    ``path``). Timestamps start at 0 (the run's first event).
+    ``path``). Timestamps start at 0 (the run's first event). A part that records the trainer's waits (``wait``)
+    but no hand-outs gets a ``handout`` at the end of each wait (what a hand-out is), with the wait's args.
 
     Returns:
         ``{"path", "parts", "processes", "events", "span_us"}``.
 
     Raises:
         ConfigError: No part file of ``path``.
+        CodecError: A damaged part file (:func:`read_part`).
     """
     files = parts(path)
     if not files:
         raise ConfigError(f"no trace parts at {os.fspath(path)}.<role>.<pid>.json: run with trace={os.fspath(path)!r} "
                           f"or {ENV}={os.fspath(path)} first")
+    signature = _signature(files)
     events: list[dict[str, Any]] = []
     pids: set[int] = set()
     for file in files:
-        evs = _read_part(file)
+        evs = read_part(file)
+        if not any(e.get("name") == "handout" for e in evs):  # a hand-out is the end of its wait: derived here
+            evs += [{"ph": "i", "name": "handout", "cat": "trainer", "pid": e["pid"], "tid": e["tid"],
+                     "ts": float(e["ts"]) + float(e.get("dur", 0.0)), "s": "t", "args": e.get("args") or {}}
+                    for e in evs if e.get("name") == "wait" and e.get("ph") == "X"]
         offset = 0.0
         for ev in evs:
             if ev.get("ph") == "M" and ev.get("name") == "knitdata_clock":
@@ -289,6 +475,8 @@ def merge(path: str | os.PathLike[str], out: str | os.PathLike[str] | None = Non
     end = max((e["ts"] + e.get("dur", 0.0) for e in timed), default=base)
     for e in timed:
         e["ts"] = round(e["ts"] - base, 3)
+        if "dur" in e:
+            e["dur"] = round(e["dur"], 3)
     meta = [e for e in events if e["ph"] == "M"]
     timed.sort(key=lambda e: (e["ts"], e["pid"], e["tid"]))
     target = os.fspath(out if out is not None else path)
@@ -297,6 +485,8 @@ def merge(path: str | os.PathLike[str], out: str | os.PathLike[str] | None = Non
         json.dump({"traceEvents": meta + timed, "displayTimeUnit": "ms",
                    "otherData": {"knitdata_parts": [os.path.basename(p) for p in files]}}, f)
     os.replace(tmp, target)
+    if out is None:
+        _merged[os.fspath(path)] = signature
     return {"path": target, "parts": len(files), "processes": len(pids), "events": len(timed), "span_us": end - base}
 
 

@@ -616,12 +616,13 @@ def whole_job_first(spill_root: str, pipeline: str, n_groups: int = 12, take: in
 
 
 @scenario
-def whole_job_resume(spill_root: str, pipeline: str, state: dict[str, Any]) -> dict[str, Any]:
-    """The restarted job: the same pipeline name and spill directory with resume=True; the consumer loads its state."""
+def whole_job_resume(spill_root: str, pipeline: str, state: dict[str, Any], trace: str | None = None) -> dict[str, Any]:
+    """The restarted job: the same pipeline name and spill directory with resume=True; the consumer loads its state
+    (``trace``: traced, so the coordinator records its journal's replay)."""
     from knitdata import Pipeline
 
     pipe = Pipeline(_spec(24), num_consumers=1, engine="ray", token_budget=128, capacity_bytes=64 << 20,
-                    release="commit", spill_dir=spill_root,
+                    release="commit", spill_dir=spill_root, trace=trace,
                     engine_options={"nodes": _nodes()[:1], "name": pipeline, "resume": True})
     ds = pipe.dataset(0, fetch="iter", timeout=120)
     ds.load_state_dict(state)
@@ -748,9 +749,7 @@ def traced_run(trace: str, n_groups: int = 16, compute_s: float = 0.0, put_every
 
     offsets = []
     for part in tracing.parts(trace):
-        for line in open(part).read().splitlines():
-            if '"knitdata_clock"' in line:
-                offsets.append(json.loads(line.rstrip(","))["args"]["offset_us"])
+        offsets += [e["args"]["offset_us"] for e in tracing.read_part(part) if e["name"] == "knitdata_clock"]
     return {"seconds": seconds, "microbatches": sum(counts), "offsets_us": offsets}
 
 

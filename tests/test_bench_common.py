@@ -102,3 +102,33 @@ def test_admission_script_runs_every_scenario_then_the_sweep(tmp_path, monkeypat
     assert [os.path.basename(r[3]) for r in runs] == [f"admission_{n}.json" for n in names]
     assert [r[0] for r in runs[:-1]] == list(admission.SCRIPT_SCENARIOS) and runs[-1][1] is True
     assert all(r[2] == 2 for r in runs)
+
+
+def test_trace_ab_compares_off_on_and_off_again_and_counts_the_tracers_work() -> None:
+    """compare() runs the measurement off, on and off again per round; the traced runs' events are the ones the
+    measurement recorded, and the tracer's own CPU is reported beside the ratios."""
+    import time
+
+    from benchmarks.common.trace_ab import compare, format_line
+    from knitdata import trace as tracing
+
+    seen: list[bool] = []
+
+    def measure() -> None:
+        tr = tracing.tracer
+        seen.append(tr is not None)
+        for i in range(25):
+            if tr is not None:
+                tr.span("work", "bench", tracing.now_us(), tracing.now_us(), {"i": i})
+        time.sleep(0.002)
+
+    doc = compare(measure, repeats=4, what="smoke")
+    assert len(seen) == 3 * 5 and sum(seen) == 5  # one traced run per round, the warm-up round included
+    assert len(doc["off_s"]) == len(doc["on_s"]) == len(doc["aa_s"]) == len(doc["ratio_per_repeat"]) == 4
+    assert doc["recorded_per_traced_run"] == 25 and doc["events_per_traced_run"] == 25
+    assert doc["write_cpu_ms_per_traced_run"] > 0 and 0 < doc["record_us_per_event"] < 1000
+    lo, hi = doc["median_ratio_ci90"]
+    assert lo <= doc["median_ratio"] <= hi and doc["met"] == (doc["median_ratio"] <= 1.03)
+    assert tracing.tracer is None
+    line = format_line(doc)
+    assert "A/A" in line and "load average" in line

@@ -292,9 +292,264 @@ def test_ray_two_node_trace(tmp_path: Path) -> None:
     check_one_clock(events, res["seconds"])
 
 
+@pytest.mark.slow
+def test_ray_coordinator_restart_is_traced(tmp_path: Path) -> None:
+    """A Ray job killed whole and started again (the same journal): the new coordinator records the replay of its
+    journal as ``restart`` in its own part, and the trace merged by the job's exit is valid."""
+    from tests._ray_helpers import ClusterProcess, run_scenario
+
+    spill = str(tmp_path / "spill")
+    path = tmp_path / "restart.json"
+    with ClusterProcess(nodes=1) as cluster:
+        first = run_scenario(cluster.address, "whole_job_first", timeout_s=240, spill_root=spill, pipeline="tr")
+        second = run_scenario(cluster.address, "whole_job_resume", timeout_s=240, spill_root=spill, pipeline="tr",
+                              state=first["state"], trace=str(path))
+    assert second["replayed"] > 0
+    data = json.loads(path.read_text())
+    assert check_trace(data) == []
+    events = data["traceEvents"]
+    coordinator = {e["pid"] for e in events if e["name"] == "process_name" and "coordinator" in e["args"]["name"]}
+    restarts = by_name(events, "restart")
+    assert len(restarts) == 1 and restarts[0]["pid"] in coordinator
+    assert restarts[0]["args"]["replayed"] == second["replayed"]
+    assert restarts[0]["args"]["journal"].endswith("tr.journal")
+
+
 def test_cli_without_parts_fails_naming_the_path(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from knitdata.cli import main
 
     assert main(["trace", str(tmp_path / "missing.json")]) == 1
     err = capsys.readouterr().err
     assert "no trace parts" in err and "missing.json" in err
+
+
+# ---------------------------------------------------------------------------------------------- restart
+def _plane_put(plane: Any, i: int) -> None:
+    from knitdata.control import fields_of
+
+    t = _trajs(i + 1)[i]
+    meta = {**t.meta().to_dict(), "fields": fields_of(t.scalars, {})}
+    plane.admit_many("node0", [[meta, 8, f"token-{t.id}"]])
+
+
+def test_restart_records_the_journal_replay(tmp_path: Path, no_tracer: None) -> None:
+    """A control plane recovered from its journal (what a restarted coordinator does) records a ``restart`` span
+    with the records replayed, on the thread that recovered, inside the run's trace."""
+    from knitdata import BatchSpec
+    from knitdata.control import ControlPlane
+    from knitdata.control.journal import Journal
+    from knitdata.placement import ConsumerLayout
+
+    spec = BatchSpec({"math": 4, "code": 4}, num_minibatches=2, group_size=2)
+    config = {"spec": spec.to_dict(), "layout": ConsumerLayout.uniform(1, 1).to_dict(), "token_budget": 64}
+    journal = tmp_path / "run.journal"
+    first = ControlPlane(config, {"node0": "node0"}, lambda u, ids, wait: None, journal=Journal(journal, fsync_every_s=0))
+    for i in range(12):
+        _plane_put(first, i)
+    records = len(list(Journal.read(journal)))
+    assert records >= 12
+    path = tmp_path / "restart.json"
+    tracing.start(path, "coordinator")
+    again = ControlPlane(config, {"node0": "node0"}, lambda u, ids, wait: None)
+    assert again.recover(str(journal)) == records
+    tracing.stop()
+    tracing.merge(path)
+    data = json.loads(path.read_text())
+    assert check_trace(data) == []
+    restarts = by_name(data["traceEvents"], "restart")
+    assert len(restarts) == 1
+    r = restarts[0]
+    assert r["ph"] == "X" and r["cat"] == "coordinator" and r["dur"] > 0
+    assert r["args"] == {"journal": str(journal), "replayed": records, "snapshot": False}
+    assert r["tid"] == threading.get_native_id()
+    # the admissions the replay redid lie inside the restart span
+    admits = by_name(data["traceEvents"], "admit")
+    assert len(admits) == 3  # 12 trajectories, mini-batches of 4
+    assert all(r["ts"] <= a["ts"] <= r["ts"] + r["dur"] for a in admits)
+
+
+# ---------------------------------------------------------------------------------------------- merge at exit
+EXIT_SCRIPT = """
+import sys, threading
+
+import torch
+from knitdata import BatchSpec, Pipeline, Trajectory
+
+spec = BatchSpec({"math": 4}, num_minibatches=2, group_size=2)
+with Pipeline(spec, num_consumers=1, trace=sys.argv[1]) as pipe:
+    for i in range(16):
+        pipe.put(Trajectory(id=f"t{i}", source="math", group=f"g{i // 2}", gen_version=0,
+                            prompt_ids=torch.arange(4), response_ids=torch.arange(8)))
+    first = iter(pipe.dataset(0))
+    next(first)
+print("after the block", flush=True)
+n = 1 + sum(1 for _ in first)  # consumed after the block: merged at the process's exit
+print("micro-batches", n)
+"""
+
+
+def test_with_block_merges_and_the_exit_merges_again(tmp_path: Path) -> None:
+    """An embedded ``with Pipeline(..., trace=path)`` block leaves the merged trace at ``path`` when it ends, and
+    the process merges again at its exit (hand-outs after the block included), without write_trace()."""
+    script = tmp_path / "run.py"
+    script.write_text(EXIT_SCRIPT)
+    path = tmp_path / "exit.json"
+    r = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    n = int(r.stdout.split("micro-batches")[1])
+    data = json.loads(path.read_text())
+    assert check_trace(data) == []
+    events = data["traceEvents"]
+    assert len(by_name(events, "handout")) == n > 1
+    assert sum(e["args"]["trajectories"] for e in by_name(events, "put")) == 16
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_with_block_merge_at_its_end(tmp_path: Path, no_tracer: None) -> None:
+    from knitdata import BatchSpec, Pipeline
+
+    path = tmp_path / "block.json"
+    with Pipeline(BatchSpec({"math": 2}, num_minibatches=1, group_size=2), trace=str(path)) as pipe:
+        for t in _trajs(2, ("math",)):
+            pipe.put(t)
+        assert not path.exists()
+    assert check_trace(json.loads(path.read_text())) == []
+    assert len(by_name(tracing.load(path), "admit")) == 1
+
+
+# ---------------------------------------------------------------------------------------------- part format
+def test_part_torn_in_its_last_flush_keeps_the_complete_records(tmp_path: Path, no_tracer: None) -> None:
+    from knitdata.errors import CodecError
+
+    path = tmp_path / "torn.json"
+    t = tracing.start(path, "unit-n0")
+    for k in range(3):
+        for i in range(4):
+            t.span("store", "storage", 1000.0 * k + 10 * i, 1000.0 * k + 10 * i + 5, {"k": k, "i": i})
+        t.flush()
+    tracing.stop()
+    text = Path(t.file).read_text()
+    assert len(text.splitlines()) == 5  # the header, the process's metadata, one line per flush
+    cut = text.rstrip("\n")
+    Path(t.file).write_text(cut[: cut.rindex('{"k":2,"i":2}') + 5])  # killed inside the last flush's third record
+    got = [e for e in tracing.read_part(t.file) if e["name"] == "store"]
+    assert [(e["args"]["k"], e["args"]["i"]) for e in got] == [(k, i) for k in range(3) for i in range(4)][:10]
+    assert tracing.merge(path)["events"] == 10
+    assert check_trace(json.loads(path.read_text())) == []
+    # damage before the last line is not a torn write: an error naming the part and the line
+    lines = text.splitlines()
+    lines[2] = lines[2][:-3]
+    Path(t.file).write_text("\n".join(lines) + "\n")
+    with pytest.raises(CodecError, match=r"torn\.json\.unit-n0\.\d+\.json.* line 3"):
+        tracing.merge(path)
+
+
+def _thread_spans(draw: Any) -> list[tuple[str, float, float, int]]:
+    """One thread's spans in recording order: puts (some with a plan inside, recorded first) and other spans,
+    one after another with random gaps."""
+    out: list[tuple[str, float, float, int]] = []
+    t = 0.0
+    for _ in range(draw(st.integers(0, 30))):
+        t += draw(st.sampled_from([0.0, 5.0, 200.0, 900.0, 1500.0, 20_000.0]))
+        dur = draw(st.sampled_from([0.0, 3.0, 40.0, 3000.0]))
+        kind = draw(st.sampled_from(["put", "put", "put", "put+plan", "fetch"]))
+        if kind == "put+plan":
+            out.append(("plan", t + dur / 4, t + dur / 2, 0))
+            kind = "put"
+        out.append((kind, t, t + dur, draw(st.integers(1, 3))))
+        t += dur
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_bursts_of_puts_join_and_still_nest(tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+    """Puts of a thread that follow each other closely become one event (``calls``, summed ``by_source``); no
+    trajectory is lost, a burst stays within BURST_MAX_US, and every thread's spans still nest (schema check)."""
+    spans = [_thread_spans(data.draw) for _ in range(2)]
+    path = tmp_path_factory.mktemp("b") / "b.json"
+    tracing.stop()
+    t = tracing.start(path, "producer")
+    try:
+        def record(rows: list[tuple[str, float, float, int]]) -> None:
+            for name, a, b, n in rows:
+                if name == "put":
+                    t.burst("put", "producer", a, b, {"math": n})
+                else:
+                    t.span(name, "x", a, b, None)
+
+        threads = [threading.Thread(target=record, args=(rows,)) for rows in spans]
+        for th in threads:
+            th.start()
+            th.join()  # one after the other: each thread's records stay in its order either way
+    finally:
+        tracing.stop()
+    if not any(spans):
+        return
+    tracing.merge(path)
+    events = tracing.load(path)
+    assert check_trace({"traceEvents": events}) == []
+    puts = by_name(events, "put")
+    want = [sum(n for name, _a, _b, n in rows if name == "put") for rows in spans]
+    assert sum(e["args"]["trajectories"] for e in puts) == sum(e["args"]["by_source"]["math"] for e in puts) == sum(want)
+    assert sum(e["args"]["calls"] for e in puts) == sum(name == "put" for rows in spans for name, *_ in rows)
+    assert all(e["dur"] <= tracing.BURST_MAX_US + 1e-3 and e["args"]["busy_us"] <= e["dur"] + 1e-3 for e in puts)
+    others = [e for e in events if e["ph"] == "X" and e["name"] != "put"]
+    assert len(others) == sum(name != "put" for rows in spans for name, *_ in rows)
+
+
+def test_bursts_from_threads_while_flushing_lose_nothing(tmp_path: Path, no_tracer: None) -> None:
+    """Producer threads put while the writer flushes (and takes their open bursts) over and over: every put is in
+    exactly one written event."""
+    path = tmp_path / "c.json"
+    t = tracing.start(path, "producer", flush_s=0.001)
+    stop = threading.Event()
+
+    def produce(k: int) -> None:
+        for i in range(500):
+            a = tracing.now_us()
+            t.burst("put", "producer", a, a + 1.0, "math" if i % 2 else {"code": 2})
+
+    def flusher() -> None:
+        while not stop.is_set():
+            t.flush()
+
+    f = threading.Thread(target=flusher)
+    f.start()
+    threads = [threading.Thread(target=produce, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    stop.set()
+    f.join()
+    tracing.stop()
+    tracing.merge(path)
+    puts = by_name(tracing.load(path), "put")
+    assert sum(e["args"]["calls"] for e in puts) == 2000
+    assert sum(e["args"]["by_source"].get("math", 0) for e in puts) == 1000
+    assert sum(e["args"]["by_source"].get("code", 0) for e in puts) == 2000
+    assert sum(e["args"]["trajectories"] for e in puts) == 3000
+    assert t.recorded == 2000  # each put counts once
+
+
+def test_merge_derives_handouts_from_waits_when_a_part_has_none(tmp_path: Path, no_tracer: None) -> None:
+    """A hand-out is the end of the trainer's wait: a part that records waits only gets them at merge (one per
+    wait, its args), and a part that records them gets no second one."""
+    path = tmp_path / "h.json"
+    t = tracing.start(path, "trainer")
+    for j in range(3):
+        t.span("wait", "trainer", 100.0 * j, 100.0 * j + 40, {"rank": 1, "step": 0, "microbatch": j, "j": j})
+    tracing.stop()
+    tracing.merge(path)
+    events = tracing.load(path)
+    assert check_trace({"traceEvents": events}) == []
+    waits, handouts = by_name(events, "wait"), by_name(events, "handout")
+    assert [(h["ts"], h["args"]) for h in handouts] == [(w["ts"] + w["dur"], w["args"]) for w in waits]
+    t = tracing.start(path, "rank1")  # another part of the same trace, recording its hand-outs itself
+    t.span("wait", "trainer", 0.0, 10.0, {"rank": 0, "j": 0})
+    t.instant("handout", "trainer", {"rank": 0, "j": 0}, ts_us=10.0)
+    tracing.stop()
+    tracing.merge(path)
+    assert len(by_name(tracing.load(path), "handout")) == 3 + 1

@@ -13,6 +13,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from knitdata import trace as tracing
 from knitdata.control.journal import Journal, dumps_strict, loads_strict, recovery_plan
 from knitdata.control.reshape import load_snapshot_part, snapshot_layout, snapshot_part
 from knitdata.control.snapshot import decode_snapshot
@@ -52,6 +53,9 @@ class Durability:
         replayed call makes, and after a snapshot the last :data:`~knitdata.control.state.RECENT_RELEASES` ids
         released before it.
 
+        With tracing on (:mod:`knitdata.trace`) the recovery is recorded as a ``restart`` span (args ``journal``,
+        ``replayed``, ``snapshot``).
+
         Returns:
             The number of journal records replayed (after the snapshot).
 
@@ -61,6 +65,7 @@ class Durability:
         """
         s = self.s
         n = 0
+        t0 = tracing.now_us()
         with s.cond:
             plan = recovery_plan(path)
             if plan.state is not None:
@@ -85,6 +90,9 @@ class Durability:
             finally:
                 s.replaying = False
             s.replayed = n
+        if tracing.tracer is not None:  # the restart: the journal replayed (on the thread that recovered)
+            tracing.tracer.span("restart", "coordinator", t0, tracing.now_us(),
+                                {"journal": str(path), "replayed": n, "snapshot": plan.state is not None})
         return n
 
     def _replay(self, path: str, k: int, op: str, args: list[Any]) -> None:

@@ -66,11 +66,7 @@ class CoordinatorBase:
             except Exception:  # noqa: BLE001 - a dead unit traces nothing
                 pass
         if path and os.path.exists(path):
-            t0 = tracing.now_us()
-            self._plane.recover(path)  # a restart: the state as of the last journaled call
-            if tracing.tracer is not None:
-                tracing.tracer.span("restart", "coordinator", t0, tracing.now_us(),
-                                    {"restarted": self.restarted, "replayed": self._plane.replayed})
+            self._plane.recover(path)  # a restart: the state as of the last journaled call (traced as "restart")
         self._recovery = SpillRecovery(setup["spill_dir"]) if setup.get("spill_dir") else None
         self._admit_lock = threading.Lock()
         self._admit_cpu = {"cpu_s": 0.0, "calls": 0, "trajectories": 0}  # this actor's CPU inside the plane's admits
