@@ -592,14 +592,13 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         return mb
 
     def _trace(self, tr: tracing.Tracer, entry: Mapping[str, Any], t0: float, t1: float) -> None:
-        """Record the trainer's wait in ``next()`` (``t0``..``t1``, perf_counter), the hand-out, and the compute
-        since the previous hand-out."""
+        """Record the trainer's wait in ``next()`` (``t0``..``t1``, perf_counter; the hand-out is at its end) and
+        the compute since the previous hand-out."""
         start, end = t0 * 1e6, t1 * 1e6  # perf_counter() is the trace clock (in seconds)
         args = {"rank": self._ds.rank, "step": entry["minibatch"], "microbatch": entry["microbatch"], "j": entry["j"]}
         if self._handed_at is not None:
             tr.span("compute", "trainer", self._handed_at, start, {"rank": self._ds.rank})
-        tr.span("wait", "trainer", start, end, args)
-        tr.instant("handout", "trainer", args, ts_us=end)
+        tr.span("wait", "trainer", start, end, args)  # the merge derives the hand-out at its end
         self._handed_at = end
 
     def set_cap(self, cap: int) -> None:
