@@ -357,7 +357,9 @@ class TrajectoryDataset(IterableDataset):
                          "num_consumers": self.engine.num_consumers, "worker": w, "num_workers": nw}
                 if self.replica is not None:
                     fixed.update(replica=self.replica, num_replicas=self.num_replicas)
-                self._static = static = (layout, (w, nw), _fixed_keys(lay, fixed))
+                static = (layout, (w, nw), _fixed_keys(lay, fixed))
+                # a layout history whose remainder is not known yet is asked for again next time: not cached
+                self._static = static if lay["history"] is None or lay["remainder"] is not None else None
             # once per step on the trainer's thread: a copy of the fixed keys and the position's
             state = static[2].copy()
             state["next"] = nxt

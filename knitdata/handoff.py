@@ -123,7 +123,7 @@ class ConsumerLease:
             FencedError: A newer iterator holds the rank: nothing is handed out.
             EngineError: This process could not report to the control plane (its last report failed again).
         """
-        # one comparison while all is well: fence() and a failed report move the deadline to the past
+        # two attribute checks while all is well (a failed report moves the deadline into the past)
         if now > self._deadline or self.fenced is not None:
             self._renew_now()
         self._out.append(entry)
@@ -131,11 +131,6 @@ class ConsumerLease:
         if self.send_each or (self.auto_step and entry["microbatch"] == 0):
             # this hand-out frees storage: sent soon, the wake relayed by the stage that prepares the next one
             self._sender.request()
-
-    def relay(self) -> None:
-        """Wake the process's sender if a hand-out or commit requested it (see :meth:`ControlSender.request`)."""
-        if self.sender.due:
-            self.sender.relay()
 
     def _seal(self) -> None:
         """Turn what was taken out into records, in order (the lock is held): a hand-out's auto-commit bound and
