@@ -310,6 +310,8 @@ class TrajectoryDataset(IterableDataset):
         """
         it = self._active() if self._active is not None else None
         static = self._static
+        last = None
+        fp: tuple[int, str] | None
         if it is not None and static is not None and static[0] is self.engine.layout and static[1] == self._worker:
             # the common case, once per step on the trainer's thread: the position after the last hand-out, read
             # from the lease without a lock (a cold lock costs more than the rest); the dataset's fields follow at
@@ -317,60 +319,58 @@ class TrajectoryDataset(IterableDataset):
             last, taken = it._lease.position()
             if last is not None and last.get("fp") is not None and not it._done:
                 j = last["j"]
-                nxt = j + static[1][1]
+                nxt, fp = j + static[1][1], (j + 1, last["fp"])
+                mb, micro = ((last["minibatch"] + 1, 0) if last["info"]["is_last"]
+                             else (last["minibatch"], last["microbatch"] + 1))
+                end = self._end_step if self._end_step is not None else it._plan.end
+                handed = self._handed_out + taken - it._synced
                 self._cap = nxt
                 it._lease.set_cap(nxt)
-                state = static[2].copy()
-                state["next"] = nxt
-                if last["info"]["is_last"]:
-                    state["minibatch"], state["microbatch"] = last["minibatch"] + 1, 0
-                else:
-                    state["minibatch"], state["microbatch"] = last["minibatch"], last["microbatch"] + 1
-                state["end_minibatch"] = self._end_step if self._end_step is not None else it._plan.end
-                state["epoch"] = self._epoch
-                state["handed_out"] = self._handed_out + taken - it._synced
-                state["fingerprint"] = last["fp"]
-                state["fingerprint_length"] = j + 1
-                return state
-        with self._lock:
-            if it is not None:
-                it.sync()
-            w, nw = self._worker
-            if self._next is None:
-                wi = get_worker_info()
-                w, nw = (wi.id, wi.num_workers) if wi is not None else (0, 1)
-            nxt, fp = self._next, self._fp
-            if nxt is None:
-                nxt, fp = self.session.start(w, nw)
-            mb, micro = self._pos if self._pos is not None else (None, None)
-            self._cap = nxt
-            if it is not None:
-                it.set_cap(nxt)
-            lay = self._layout
-            if lay is None or (lay["history"] is not None and lay["remainder"] is None):
-                lay = self._layout = self.engine.control.layout_history(self.rank)
-                self._static = None
-            layout = self.engine.layout
-            static = self._static
-            if static is None or static[0] is not layout or static[1] != (w, nw):
-                fixed = {"format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name, "rank": self.rank,
-                         "num_consumers": self.engine.num_consumers, "worker": w, "num_workers": nw}
-                if self.replica is not None:
-                    fixed.update(replica=self.replica, num_replicas=self.num_replicas)
-                static = (layout, (w, nw), _fixed_keys(lay, fixed))
-                # a layout history whose remainder is not known yet is asked for again next time: not cached
-                self._static = static if lay["history"] is None or lay["remainder"] is not None else None
-            # once per step on the trainer's thread: a copy of the fixed keys and the position's
-            state = static[2].copy()
-            state["next"] = nxt
-            state["minibatch"] = mb
-            state["microbatch"] = micro
-            state["end_minibatch"] = self._end_step
-            state["epoch"] = self._epoch
-            state["handed_out"] = self._handed_out
-            state["fingerprint"] = None if fp is None else fp[1]
-            state["fingerprint_length"] = None if fp is None else fp[0]
-            return state
+            else:
+                last = None
+        if last is None:
+            with self._lock:
+                if it is not None:
+                    it.sync()
+                w, nw = self._worker
+                if self._next is None:
+                    wi = get_worker_info()
+                    w, nw = (wi.id, wi.num_workers) if wi is not None else (0, 1)
+                nxt, fp = self._next, self._fp
+                if nxt is None:
+                    nxt, fp = self.session.start(w, nw)
+                mb, micro = self._pos if self._pos is not None else (None, None)
+                end, handed = self._end_step, self._handed_out
+                self._cap = nxt
+                if it is not None:
+                    it.set_cap(nxt)
+                lay = self._layout
+                if lay is None or (lay["history"] is not None and lay["remainder"] is None):
+                    lay = self._layout = self.engine.control.layout_history(self.rank)
+                    self._static = None
+                layout = self.engine.layout
+                static = self._static
+                if static is None or static[0] is not layout or static[1] != (w, nw):
+                    fixed = {"format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name,
+                             "rank": self.rank, "num_consumers": self.engine.num_consumers, "worker": w,
+                             "num_workers": nw}
+                    if self.replica is not None:
+                        fixed.update(replica=self.replica, num_replicas=self.num_replicas)
+                    static = (layout, (w, nw), _fixed_keys(lay, fixed))
+                    # a layout history whose remainder is not known yet is asked for again next time: not cached
+                    self._static = static if lay["history"] is None or lay["remainder"] is not None else None
+        # a copy of the fixed keys and the position's
+        assert static is not None  # found above, or built under the lock
+        state = static[2].copy()
+        state["next"] = nxt
+        state["minibatch"] = mb
+        state["microbatch"] = micro
+        state["end_minibatch"] = end
+        state["epoch"] = self._epoch
+        state["handed_out"] = handed
+        state["fingerprint"] = None if fp is None else fp[1]
+        state["fingerprint_length"] = None if fp is None else fp[0]
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue after the micro-batch ``state`` was taken at; payloads before it are released.
