@@ -107,6 +107,50 @@ def _burst_record(tid: int, b: list[Any]) -> tuple[Any, ...]:
                                                 "trajectories": sum(by_source.values()), "by_source": by_source})
 
 
+def _join_bursts(taken: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The records of ``taken`` with each thread's put spans (``"P"``, :meth:`Tracer.burst`) joined into bursts.
+
+    Each thread's records are in the order it recorded them, so a put joins the thread's open burst (same name,
+    within :data:`BURST_GAP_US` of its end and :data:`BURST_MAX_US` of its start) only if no other span of the
+    thread that starts before the put was recorded since the burst's last put. The bursts still open at the end
+    are written too (a put of the next flush starts a new one).
+    """
+    out: list[tuple[Any, ...]] = []
+    #: Each thread's open burst: [name, cat, t0, t1, calls, busy, by_source, earliest start of another span of the
+    #: thread recorded since the burst's last put]
+    open_: dict[int, list[Any]] = {}
+    for rec in taken:
+        ph = rec[0]
+        if ph == "P":
+            _ph, name, cat, t0_us, t1_us, tid, by_source = rec
+            b = open_.get(tid)
+            if b is not None:
+                if b[0] == name and t0_us - b[3] <= BURST_GAP_US and t1_us - b[2] <= BURST_MAX_US and b[7] >= t0_us:
+                    b[3] = t1_us
+                    b[4] += 1
+                    b[5] += t1_us - t0_us
+                    bs = b[6]
+                    if isinstance(by_source, str):
+                        bs[by_source] = bs.get(by_source, 0) + 1
+                    else:
+                        for k, m in by_source.items():
+                            bs[k] = bs.get(k, 0) + m
+                    b[7] = _INF
+                    continue
+                out.append(_burst_record(tid, b))
+            open_[tid] = [name, cat, t0_us, t1_us, 1, t1_us - t0_us,
+                          {by_source: 1} if isinstance(by_source, str) else dict(by_source), _INF]
+            continue
+        if ph == "X" and open_:  # a later put of this thread joins its burst only if the burst still nests
+            b = open_.get(rec[5])
+            if b is not None and rec[3] < b[7]:
+                b[7] = rec[3]
+        out.append(rec)
+    for tid, b in open_.items():
+        out.append(_burst_record(tid, b))
+    return out
+
+
 class Tracer:
     """Records one process's events and appends them to its part file (thread-safe, buffered).
 
@@ -140,11 +184,6 @@ class Tracer:
         self.recorded = 0
         self.written = 0
         self.write_cpu_s = 0.0
-        #: Each thread's open burst of puts: [name, cat, t0, t1, calls, busy, by_source, earliest start of another
-        #: span of the thread recorded since the burst's last put]
-        self._bursts: dict[int, list[Any]] = {}
-        self._burst_lock = threading.Lock()
-        self._joined = 0  # puts joined into a burst since the last flush
         with open(self.file, "w", encoding="utf-8") as f:
             f.write(json.dumps({"knitdata_trace_part": PART_FORMAT, "pid": self.pid, "role": role}) + "\n")
             f.write(_ENCODE([("M", "process_name", "", 0, 0, 0, {"name": f"knitdata {role} ({self.pid})"}),
@@ -159,10 +198,6 @@ class Tracer:
             tid = _tls.tid
         except AttributeError:
             tid = _tls.tid = threading.get_native_id()
-        if self._bursts:  # a later put of this thread joins its burst only if the burst still nests with this span
-            b = self._bursts.get(tid)
-            if b is not None and t0_us < b[7]:
-                b[7] = t0_us
         self._buf.append(("X", name, cat, t0_us, t1_us - t0_us, tid, args))
 
     def burst(self, name: str, cat: str, t0_us: float, t1_us: float, by_source: Mapping[str, int] | str) -> None:
@@ -171,32 +206,15 @@ class Tracer:
         A span joins when it starts within :data:`BURST_GAP_US` of the burst's end, the burst stays within
         :data:`BURST_MAX_US`, and no other span of the thread started in between (the joined span must still nest
         with the thread's other spans). The event's args: ``calls`` (spans joined), ``busy_us`` (their summed
-        length), ``trajectories`` and ``by_source`` (the summed ``by_source``; a string: one of that source). A
-        burst is written when the next span of the thread does not join it, or at the next flush.
+        length), ``trajectories`` and ``by_source`` (the summed ``by_source``; a string: one of that source). The
+        calling thread only appends the span (no lock; do not change ``by_source`` after): the flush joins each
+        thread's spans in the order the thread recorded them, and writes the bursts still open at its end.
         """
         try:
             tid = _tls.tid
         except AttributeError:
             tid = _tls.tid = threading.get_native_id()
-        with self._burst_lock:
-            b = self._bursts.get(tid)
-            if b is not None:
-                if b[0] == name and t0_us - b[3] <= BURST_GAP_US and t1_us - b[2] <= BURST_MAX_US and b[7] >= t0_us:
-                    b[3] = t1_us
-                    b[4] += 1
-                    b[5] += t1_us - t0_us
-                    bs = b[6]
-                    if isinstance(by_source, str):
-                        bs[by_source] = bs.get(by_source, 0) + 1
-                    else:
-                        for k, n in by_source.items():
-                            bs[k] = bs.get(k, 0) + n
-                    b[7] = _INF
-                    self._joined += 1
-                    return
-                self._buf.append(_burst_record(tid, b))
-            self._bursts[tid] = [name, cat, t0_us, t1_us, 1, t1_us - t0_us,
-                                 {by_source: 1} if isinstance(by_source, str) else dict(by_source), _INF]
+        self._buf.append(("P", name, cat, t0_us, t1_us, tid, by_source))
 
     def instant(self, name: str, cat: str, args: Mapping[str, Any] | None = None, ts_us: float | None = None) -> None:
         """An instant event (``ph: i``) now (or at ``ts_us``) on the calling thread."""
@@ -242,16 +260,12 @@ class Tracer:
         """Append the events recorded so far to the part file (one line: the records, :data:`PART_FORMAT`)."""
         with self._flush_lock:
             c0 = time.thread_time()
-            with self._burst_lock:  # the open bursts are written now (a later put starts a new one)
-                bursts, self._bursts = self._bursts, {}
-                joined, self._joined = self._joined, 0
             buf = self._buf
-            for tid, b in bursts.items():
-                buf.append(_burst_record(tid, b))
-            records = [buf.popleft() for _ in range(len(buf))]  # others may append meanwhile: those wait
-            if not records:
+            taken = [buf.popleft() for _ in range(len(buf))]  # others may append meanwhile: those wait
+            if not taken:
                 return
-            n = len(records) + joined  # each put joined into a burst counts
+            n = len(taken)  # each put joined into a burst counts
+            records = _join_bursts(taken)
             new = {it[5] for it in records} - self._named - {0}
             if new:
                 names = {t.native_id: t.name for t in threading.enumerate()}
