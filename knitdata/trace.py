@@ -39,6 +39,7 @@ import atexit
 import collections
 import glob
 import json
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -74,12 +75,42 @@ _INF = float("inf")
 _tls = threading.local()
 
 
-def _forget_tid() -> None:  # a forked child's thread has a new native id
-    _tls.__dict__.clear()
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker started by fork, ``os.fork``) traces into a part of its own.
+
+    The parent's tracer, copied into the child with the events it had not written yet, writes nothing here (the
+    parent writes those). If the parent traced, the child starts a tracer of its own on the same path, role
+    ``<role>-fork``, with the parent's clock offset (one host, one clock), flushed at the child's exit: ``atexit``,
+    or the exit of a ``multiprocessing`` child, which skips ``atexit``.
+    """
+    global tracer, _lock
+    _tls.__dict__.clear()  # the child's thread has a new native id
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    parent, tracer = tracer, None
+    if parent is None:
+        return
+    child = Tracer(parent.path, f"{parent.role}-fork", flush_s=parent.flush_s)
+    child.offset_us = parent.offset_us
+    child._buf.append(("M", "knitdata_clock", "", 0.0, 0.0, 0, {"offset_us": parent.offset_us, "role": child.role,
+                                                                 "forked_from": parent.pid}))
+    tracer = child
+    atexit.register(child.close)
 
 
+class _MpChildExit:
+    """A ``multiprocessing`` child (started by fork) leaves through its finalizers, not ``atexit``: register
+    :func:`stop` there (after ``multiprocessing`` cleared the finalizers it copied from the parent)."""
+
+    @staticmethod
+    def after_fork(_self: _MpChildExit) -> None:
+        if tracer is not None:
+            multiprocessing.util.Finalize(None, stop, exitpriority=100)
+
+
+_mp_child_exit = _MpChildExit()
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_tid)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+    multiprocessing.util.register_after_fork(_mp_child_exit, _MpChildExit.after_fork)
 #: What the last merge of each trace (in this process) read: the parts and their sizes.
 _merged: dict[str, list[tuple[str, int]]] = {}
 
@@ -165,12 +196,17 @@ class Tracer:
         recorded: Events recorded and flushed so far (each put counts, before bursts are joined).
         written: Records written to the part file so far (bursts joined, metadata included).
         write_cpu_s: CPU seconds spent writing (the flushes, on whichever thread ran them).
+        flush_s: Seconds between background flushes.
+
+    A process forked while it traces (a DataLoader worker started by fork) gets a tracer of its own, role
+    ``<role>-fork``; the copy of the parent's writes nothing in the child.
     """
 
     def __init__(self, path: str | os.PathLike[str], role: str, *, flush_s: float = FLUSH_S) -> None:
         self.path = os.fspath(path)
         self.role = role
         self.pid = os.getpid()
+        self.flush_s = flush_s
         self.file = part_path(path, role, self.pid)
         self.merge_on_close = False
         os.makedirs(os.path.dirname(os.path.abspath(self.file)), exist_ok=True)
@@ -258,6 +294,9 @@ class Tracer:
 
     def flush(self) -> None:
         """Append the events recorded so far to the part file (one line: the records, :data:`PART_FORMAT`)."""
+        if os.getpid() != self.pid:  # the parent's tracer in a forked child: the parent writes these events
+            self._buf.clear()
+            return
         with self._flush_lock:
             c0 = time.thread_time()
             buf = self._buf
@@ -295,6 +334,9 @@ class Tracer:
 
     def close(self) -> None:
         """Flush and stop the background thread (idempotent); merge the trace when :attr:`merge_on_close`."""
+        if os.getpid() != self.pid:  # the parent's tracer in a forked child (its thread is not here)
+            self._buf.clear()
+            return
         self._stop.set()
         self._wake.set()
         self.flush()

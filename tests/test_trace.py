@@ -553,3 +553,46 @@ def test_merge_derives_handouts_from_waits_when_a_part_has_none(tmp_path: Path, 
     tracing.stop()
     tracing.merge(path)
     assert len(by_name(tracing.load(path), "handout")) == 3 + 1
+
+
+class _Spans(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """Each worker records one ``item`` span per item it yields (in the worker process)."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        info = torch.utils.data.get_worker_info()
+        wid = 0 if info is None else info.id
+        for i in range(3):
+            tr = tracing.tracer
+            assert tr is not None, "the forked worker does not trace"
+            t0 = tracing.now_us()
+            tr.span("item", "worker", t0, t0 + 1.0, {"worker": wid, "i": i})
+            yield torch.tensor([wid, i])
+
+
+def test_forked_dataloader_workers_trace_into_parts_of_their_own(tmp_path: Path, no_tracer: None) -> None:
+    """DataLoader workers started by fork while the parent traces: each writes its own part (role ``<role>-fork``,
+    the parent's clock offset), flushed at the worker's exit; what the parent had recorded and not yet written
+    before the fork is written once, by the parent."""
+    path = tmp_path / "fork.json"
+    t = tracing.start(path, "main", flush_s=3600)  # nothing written before stop(): the fork copies the events
+    t0 = tracing.now_us()
+    t.span("before", "main", t0, t0 + 1.0, None)
+    dl = torch.utils.data.DataLoader(_Spans(), batch_size=None, num_workers=2, multiprocessing_context="fork")
+    got = sorted(tuple(x.tolist()) for x in dl)
+    assert got == sorted((w, i) for w in range(2) for i in range(3))
+    t.span("after", "main", t0 + 2.0, t0 + 3.0, None)
+    tracing.stop()
+    files = tracing.parts(path)
+    assert sorted(Path(f).name.split(".")[-3] for f in files) == ["main", "main-fork", "main-fork"], files
+    tracing.merge(path)
+    events = tracing.load(path)
+    assert check_trace({"traceEvents": events}) == []
+    assert len(by_name(events, "before")) == len(by_name(events, "after")) == 1
+    items = by_name(events, "item")
+    assert sorted((e["args"]["worker"], e["args"]["i"]) for e in items) == sorted((w, i) for w in range(2) for i in range(3))
+    pids = {e["pid"] for e in items}
+    assert len(pids) == 2 and t.pid not in pids
+    for f in files:
+        if ".main-fork." in f:  # the parent's clock offset, and where it came from
+            clock = [e for e in tracing.read_part(f) if e.get("name") == "knitdata_clock"][-1]
+            assert clock["args"] == {"offset_us": t.offset_us, "role": "main-fork", "forked_from": t.pid}
