@@ -15,6 +15,7 @@ import pytest
 #: seconds and keeps its collection order after these).
 SLOWEST_FIRST = (
     "test_conformance.py",
+    "test_conformance_resume.py",
     "test_ray_engine.py",
     "test_bench_transfer.py",
     "test_examples.py",

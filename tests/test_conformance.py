@@ -1,11 +1,11 @@
 """One conformance suite for every engine: the same scenarios (``tests/_conformance.py``) on the embedded
 engine (in this process) and on the Ray engine (a driver subprocess on a local 2-node ``ray.cluster_utils``
-cluster), with the same expectations.
+cluster), with the same expectations. The exactly-once resume cases are in ``tests/test_conformance_resume.py``
+(their own file: pytest-xdist runs each file on one worker), the runner in ``tests/_conformance_run.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -15,96 +15,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _conformance as cf  # noqa: E402
-from _ray_helpers import PY, ClusterProcess, run_json_subprocess  # noqa: E402
+from _conformance_run import ENGINES, ENGINES_RAY_SLOW, cluster, run_on  # noqa: E402,F401 - cluster: the module's fixture
 
 pytestmark = pytest.mark.timeout(600)
-
-FETCHES = ("sample", "eager", "iter")
-HERE = Path(__file__).resolve().parent
-
-
-def _ray_available() -> bool:
-    try:
-        import importlib.util
-
-        return importlib.util.find_spec("ray") is not None
-    except Exception:  # noqa: BLE001
-        return False
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    if not _ray_available():
-        pytest.skip("ray is not installed")
-    with ClusterProcess(nodes=2, cpus=8, store_mb=160) as c:
-        yield c
-
-
-_CACHE: dict[str, Any] = {}
-
-
-def run_on(engine: str, request: pytest.FixtureRequest, name: str, timeout_s: float = 300.0, **kwargs: Any) -> Any:
-    """Run a scenario on ``engine`` (Ray: in a subprocess attached to the module's cluster; cached)."""
-    if engine == "embedded":
-        return cf.run(name, engine="embedded", **kwargs)
-    key = json.dumps([name, kwargs], sort_keys=True)
-    if key in _CACHE:
-        return _CACHE[key]
-    c = request.getfixturevalue("cluster")
-    cmd = [PY, str(HERE / "_conformance.py"), name, "--address", c.address, "--args", json.dumps(kwargs)]
-    _CACHE[key] = run_json_subprocess(cmd, f"scenario {name}", timeout_s)
-    return _CACHE[key]
-
-
-ENGINES = ["embedded", pytest.param("ray", marks=pytest.mark.ray)]
-#: The newer features' Ray runs go to make test-slow (CI runs it after make test): this file runs on one xdist
-#: worker, so its Ray cases are the critical path of make test.
-ENGINES_RAY_SLOW = ["embedded", pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])]
-
-
-def _check_resume(res: dict[str, Any], case: str) -> None:
-    nodes = case.split("/")[0]
-    ref = res["ref"][nodes]
-    ids = [i for row in ref for ids, _pos in row for i in ids]
-    assert len(ids) == len(set(ids)), "the reference run delivered a trajectory twice"
-    assert res["cases"][case], case
-    for s, got_case in res["cases"][case].items():
-        for r, want in enumerate(ref):
-            got = got_case["taken"][r] + got_case["rest"][r]
-            assert got == want, f"{case}: rank {r}, saved after {s} micro-batches: stream differs from the uninterrupted run"
-
-
-#: Ray runs every case of one fetch mode in one driver process (each restore builds actors): a few save points.
-RAY_POINTS = [0, 3]
-ALL_CASES = [[n, r, "plain"] for n in (1, 2) for r in ("same", "fresh")]
-
-
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("fetch", FETCHES)
-@pytest.mark.parametrize("nodes", [1, 2])
-@pytest.mark.parametrize("restore", ["same", "fresh"])
-def test_exactly_once_at_every_save_point(engine, fetch, nodes, restore, request):
-    if engine == "ray":
-        # the fetch modes differ in the dataset (engine-neutral code): the whole matrix runs for "iter", one
-        # multi-node fresh restore for the others (each Ray restore starts actors: minutes on 2 cores)
-        if fetch != "iter" and [nodes, restore] != [2, "fresh"]:
-            pytest.skip("Ray: the full matrix runs with fetch='iter'")
-        cases = ALL_CASES if fetch == "iter" else [[2, "fresh", "plain"]]
-        res = run_on(engine, request, "resume", fetch=fetch, cases=cases, save_points=RAY_POINTS, n_groups=8)
-    else:  # every save point
-        res = run_on(engine, request, "resume", fetch=fetch, cases=[[nodes, restore, "plain"]])
-    _check_resume(res, f"{nodes}/{restore}/plain")
-
-
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("restore", ["same", "fresh"])
-def test_exactly_once_through_stateful_dataloader(engine, restore, request):
-    cases = [[2, r, "stateful"] for r in ("same", "fresh")]
-    if engine == "ray":
-        res = run_on(engine, request, "resume", fetch="iter", cases=cases, save_points=[2], n_groups=8)
-    else:
-        res = run_on(engine, request, "resume", fetch="iter", cases=[[2, restore, "stateful"]])
-    _check_resume(res, f"2/{restore}/stateful")
 
 
 @pytest.mark.parametrize("engine", ENGINES)
