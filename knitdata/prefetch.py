@@ -16,7 +16,12 @@ sleeps until the consumer took it (one clean switch); (2) when the queue is empt
 inside the source, the consumer pulls the next item itself (work stealing); (3) when the consumer spends
 less than ``inline_below_s`` between ``__next__`` calls (25th percentile of the last 8 items; nothing to
 overlap), the thread stays parked and only refills the queue once the consumer has been away for 5 ms.
-The source is only ever run by one thread at a time, items come out in order, exactly once.
+(4) A pop that leaves items queued wakes no thread: a wake-up costs the consumer about 15 µs right after its
+compute, and the woken thread then competes with the consumer's next calls. The thread, parked on a full queue,
+checks for room on its own every quarter of the consumer's time per item (0.5 ms at least, less often while the
+consumer is away longer than usual), so it refills during the consumer's compute; a pop that empties the
+queue wakes it at once. The source is only ever run by one thread at a time, items come out in order, exactly
+once.
 
 Paths:
 
@@ -68,6 +73,9 @@ __all__ = ["Prefetcher", "PrefetchStats", "PinnedBufferPool", "map_tensors", "ho
 T = TypeVar("T")
 
 _POLL_S = 0.05  # how often a blocked producer checks for close()
+_ROOM_CHECK_FRACTION = 0.25  # a thread parked on a full queue checks for room each this share of the consumer's period
+_ROOM_CHECK_MIN_S = 0.0005  # ... but not more often than this
+_ROOM_CHECK_START_S = 0.005  # ... and this often before the consumer's period is known
 _IDLE_S = 0.005  # in inline mode the thread refills the queue once the consumer has been away this long
 _INLINE_WINDOW = 8  # consumer times (between __next__ calls) whose median picks inline or threaded mode
 
@@ -163,6 +171,7 @@ class _Shared:
         self.inline = inline
         self.in_next = False  # the consumer is inside __next__
         self.left_at = time.perf_counter()  # when the consumer last left __next__
+        self.period = 0.0  # the consumer's time per item at its last pop (0: not known yet)
         self.waiting = False  # the consumer is blocked in __next__ until an entry is queued
         self.taken = 0  # entries before this index have been taken by the consumer
         self.parked: str | None = None  # what the thread waits for: "turn", "room" or "handoff"
@@ -215,6 +224,20 @@ def _may_produce(sh: _Shared, now: float) -> bool:
     return not sh.in_next and now - sh.left_at >= _IDLE_S
 
 
+def _room_check_s(sh: _Shared) -> float:
+    """How long a thread parked on a full queue sleeps before it checks for room again (a pop that leaves items
+    queued does not wake it): a quarter of the consumer's time per item, longer while the consumer is away for
+    more than twice that (an optimizer step, an evaluation), at most :data:`_POLL_S`."""
+    period = sh.period
+    if period <= 0.0:
+        return _ROOM_CHECK_START_S
+    wait = max(_ROOM_CHECK_MIN_S, period * _ROOM_CHECK_FRACTION)
+    away = time.perf_counter() - sh.left_at
+    if away > 2.0 * period:
+        wait = max(wait, away * _ROOM_CHECK_FRACTION)
+    return min(wait, _POLL_S)
+
+
 def _produce(sh: _Shared) -> None:
     cond = sh.cond
     while True:
@@ -237,14 +260,15 @@ def _produce(sh: _Shared) -> None:
         cond.acquire()
         try:
             if not sh.stop and len(sh.items) >= sh.depth:
-                # wait for room on a lock the consumer releases after a pop (a C-level signal: the consumer's pop
-                # takes no lock). ``parked`` is set before the check below: a pop either comes first (and the check
-                # sees the room) or sees ``parked`` and signals.
+                # wait for room: check again every _room_check_s(), or when the consumer releases the lock (a
+                # C-level signal: the consumer's pop takes no lock) after a pop that emptied the queue.
+                # ``parked`` is set before the check below: a pop either comes first (and the check sees the
+                # room) or sees ``parked`` and signals when it empties the queue.
                 sh.parked = "room"
                 while not sh.stop and len(sh.items) >= sh.depth:
                     cond.release()
                     try:
-                        sh.room.acquire(timeout=_POLL_S)
+                        sh.room.acquire(timeout=_room_check_s(sh))
                     finally:
                         cond.acquire()
                 sh.parked = None
@@ -398,16 +422,19 @@ class Prefetcher(Iterator[T], Generic[T]):
                 if entry is not None:
                     sh.taken = entry[1] + 1
                     parked = sh.parked
-                    if parked == "room":  # the thread prepares the next one
-                        try:
-                            sh.room.release()
-                        except RuntimeError:  # already signalled
-                            pass
+                    if parked == "room":
+                        if not items:  # the queue ran dry: the thread prepares the next one now
+                            try:
+                                sh.room.release()
+                            except RuntimeError:  # already signalled
+                                pass
+                        # else no wake-up here: the thread finds the room at its next check (_room_check_s)
                     elif parked == "handoff":  # rare: it queued this one for a consumer that was waiting
                         with sh.cond:
                             sh.cond.notify_all()
+                    sh.period = away = t0 - sh.left_at
                     if self.inline_below_s > 0:
-                        self._away.append(t0 - sh.left_at)
+                        self._away.append(away)
                     sh.left_at = t0
                     if entry[0] == "item" and entry[3] is None and entry[4] is None:  # no state, no device copy
                         self._index += 1
@@ -424,6 +451,7 @@ class Prefetcher(Iterator[T], Generic[T]):
         blocked = 0.0
         with cond:
             sh.in_next = True
+            sh.period = t0 - sh.left_at
             if self.inline_below_s > 0:
                 self._away.append(t0 - sh.left_at)
                 # a low quantile: time slices lost to other processes only ever lengthen a sample

@@ -217,6 +217,66 @@ def test_overlap_hides_producer_latency() -> None:
     assert st.median_wait_s < 0.5 * t, st.to_dict()
 
 
+class _CountingRoom:
+    """The prefetcher's room lock (a binary semaphore), counting the consumer's signals."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.releases = 0
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self.lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self.lock.release()
+        self.releases += 1
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_pop_that_leaves_items_queued_wakes_no_thread(depth: int) -> None:
+    """The consumer's pop signals the thread only when it empties the queue; otherwise the thread, parked on the
+    full queue, finds the room at its own next check (a quarter of the consumer's time per item), so it still
+    refills during the consumer's compute and the consumer does not wait."""
+    n, compute = 30, 0.02
+    src = CountingSource(n, delay=0.001, f=lambda i: i)
+    pf = Prefetcher(src, depth=depth, inline_below_s=0.0)
+    room = _CountingRoom()
+    pf._shared.room = room  # the thread reads it at its next check (it starts parked on the full queue)
+    assert _wait_until(lambda: src.i == depth + 1)
+    got = []
+    refills = []
+    for x in pf:
+        got.append(x)
+        ahead = src.i - len(got)
+        time.sleep(compute)  # the consumer's compute: the thread refills meanwhile, unwoken
+        refills.append(src.i - len(got) - ahead)
+    assert got == list(range(n))
+    # a pop that left items queued did not signal (signalling every pop would be about n); on a quiet machine none
+    # of the pops empties the queue, on a loaded one a late thread lets a few do it
+    assert room.releases <= n // 3, room.releases
+    # the room of a pop was refilled during the compute that followed it (but at the tail of the source)
+    assert sum(r >= 1 for r in refills[: n - depth - 1]) >= (n - depth - 1) // 2, refills
+    assert pf.stats.median_wait_s == 0.0, pf.stats.to_dict()
+
+
+def test_a_pop_that_empties_the_queue_wakes_the_thread() -> None:
+    """A consumer faster than the thread empties the queue at each pop: the pop signals the thread at once."""
+    n = 12
+    src = CountingSource(n, delay=0.01, f=lambda i: i)
+    pf = Prefetcher(src, depth=2, inline_below_s=0.0)
+    room = _CountingRoom()
+    pf._shared.room = room
+    assert _wait_until(lambda: src.i == 3)
+    time.sleep(0.02)  # the thread parked on the full queue has checked for room since: it now waits on ours
+    t0 = time.perf_counter()
+    assert [next(pf), next(pf)] == [0, 1]  # the second pop empties the queue: the thread is woken for item 3
+    assert _wait_until(lambda: src.i >= 4, timeout=1.0)
+    assert room.releases >= 1
+    assert time.perf_counter() - t0 < 1.0
+    assert list(pf) == list(range(2, n))
+
+
 def test_config_errors() -> None:
     with pytest.raises(ConfigError):
         Prefetcher(iter([]), depth=0)
