@@ -887,7 +887,10 @@ def render_loader(d: dict) -> str:
              f"{ov.get('repeats', '-')} interleaved repeats" + (f"; target ratio <= {tgt}" if tgt is not None else "") + ":",
              table(["loader", "median s", "ratio", "cpu ratio"], rows, "lrrr"),
              f"Bandwidth over {f(r.get('bandwidth_bytes'), '.0f', 1 / MiB)} MiB of 1 MiB payloads: memcpy "
-             f"{f(r.get('memcpy_GBps'))} GB/s, local fetch (one copy per byte) {f(r.get('local_fetch_GBps'))} GB/s."]
+             f"{f(r.get('memcpy_GBps'))} GB/s, local fetch (one copy per byte) {f(r.get('local_fetch_GBps'))} GB/s"
+             + (f" ({f(r.get('local_fetch_over_memcpy'), '.0f', 100)}% of memcpy; the same copying collate without "
+                f"knitdata {f(r.get('plain_collate_GBps'))} GB/s, interleaved)." if r.get('plain_collate_GBps') is not None
+                else ".")]
     mp = g(r, "modes", "params") or {}
     mrows = []
     eager = _num(g(r, "modes", "eager", "exposed_latency_s"))
