@@ -95,11 +95,8 @@ class EmbeddedEngine(Engine):
         if len(by_unit) == 1:
             ((u, ids),) = by_unit.items()
             return self._units[u].get(ids)
-        out: dict[str, Trajectory] = {}
-        for u, ids in by_unit.items():
-            for t in self._units[u].get(ids):
-                out[t.id] = t
-        return [out[tid] for tid, _u, _n in items]
+        got = {u: iter(self._units[u].get(ids)) for u, ids in by_unit.items()}
+        return [next(got[u]) for _tid, u, _n in items]  # each unit's answer is in the order it was asked
 
     def on_close(self) -> None:
         """Close the units: producers waiting for room wake up and fail."""

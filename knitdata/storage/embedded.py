@@ -148,18 +148,32 @@ class EmbeddedStorageUnit(StorageUnit):
 
     def get(self, ids: Sequence[str]) -> list[Trajectory]:
         """Return the stored objects for ``ids`` (no copy; spilled ones are read back); see :meth:`StorageUnit.get`."""
+        out: list[Trajectory | None] = []
+        nbytes = 0
+        spilled_any = False
         with self._cond:
-            missing = [i for i in ids if i not in self._items and i not in self._spilled]
-            if missing:
-                raise TrajectoryLostError(
-                    f"storage unit {self.unit_id!r} does not hold the requested payloads (already released after "
-                    "their consumer moved past them, withdrawn, or never stored here)",
-                    trajectory_ids=missing,
-                )
-            out: list[Trajectory | None] = [self._items[i][0] if i in self._items else None for i in ids]
+            items, spilled = self._items, self._spilled
+            for i in ids:  # one pass (a micro-batch's read): held, spilled, or missing
+                e = items.get(i)
+                if e is not None:
+                    out.append(e[0])
+                    nbytes += e[1]
+                elif i in spilled:
+                    out.append(None)
+                    nbytes += spilled[i]
+                    spilled_any = True
+                else:
+                    missing = [j for j in ids if j not in items and j not in spilled]
+                    raise TrajectoryLostError(
+                        f"storage unit {self.unit_id!r} does not hold the requested payloads (already released "
+                        "after their consumer moved past them, withdrawn, or never stored here)",
+                        trajectory_ids=missing,
+                    )
             self._gets += len(out)
             self._get_requests += 1
-            self._bytes_fetched += sum(self._items[i][1] if i in self._items else self._spilled[i] for i in ids)
+            self._bytes_fetched += nbytes
+        if not spilled_any:
+            return out  # type: ignore[return-value]
         for k, i in enumerate(ids):
             if out[k] is None:
                 try:
