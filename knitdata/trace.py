@@ -50,6 +50,7 @@ from typing import Any
 from knitdata.errors import CodecError, ConfigError
 
 __all__ = ["Tracer", "tracer", "start", "stop", "from_env", "now_us", "part_path", "parts", "read_part", "merge",
+           "part_sizes", "parts_missing_from", "write_parts",
            "load", "timeline", "plot", "plot_timeline", "ENV", "FLUSH_S", "BURST_GAP_US", "BURST_MAX_US",
            "PART_FORMAT"]
 
@@ -386,6 +387,60 @@ def from_env(role: str) -> Tracer | None:
         return tracer
     path = os.environ.get(ENV)
     return start(path, role) if path else None
+
+
+# ---------------------------------------------------------------------------------------------- other hosts
+def part_sizes(path: str | os.PathLike[str]) -> dict[str, int]:
+    """The part files of ``path`` visible here, ``{file name: size in bytes}``."""
+    out = {}
+    for p in parts(path):
+        try:
+            out[os.path.basename(p)] = os.path.getsize(p)
+        except OSError:  # removed meanwhile
+            continue
+    return out
+
+
+def parts_missing_from(path: str | os.PathLike[str], known: Mapping[str, int]) -> dict[str, bytes]:
+    """The part files of ``path`` on this host that ``known`` (another host's :func:`part_sizes`) lacks or holds
+    shorter, ``{file name: content}``: run where the parts were written (on the Ray engine, by each node's storage
+    unit), then :func:`write_parts` on the host that merges."""
+    out = {}
+    for name, size in part_sizes(path).items():
+        if size > known.get(name, -1):
+            try:
+                with open(os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), name), "rb") as f:
+                    out[name] = f.read()
+            except OSError:  # removed meanwhile
+                continue
+    return out
+
+
+def write_parts(path: str | os.PathLike[str], found: Mapping[str, bytes]) -> list[str]:
+    """Write part files of ``path`` gathered on other hosts (:func:`parts_missing_from`) next to ``path``, each
+    unless a file here is as long already (atomic: a temporary file renamed); returns the files written.
+
+    Raises:
+        ValueError: A name that is not a part file of ``path`` (``<name of path>.<role>.<pid>.json``).
+    """
+    base = os.path.basename(os.fspath(path))
+    folder = os.path.dirname(os.path.abspath(os.fspath(path)))
+    written = []
+    for name, data in sorted(found.items()):
+        if os.path.basename(name) != name or not name.startswith(base + ".") or not name.endswith(".json"):
+            raise ValueError(f"{name!r} is not a part file of the trace {os.fspath(path)!r}")
+        dest = os.path.join(folder, name)
+        try:
+            if os.path.getsize(dest) >= len(data):
+                continue
+        except OSError:
+            pass
+        tmp = f"{dest}.tmp{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, dest)
+        written.append(dest)
+    return written
 
 
 # ---------------------------------------------------------------------------------------------- merge

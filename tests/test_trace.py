@@ -596,3 +596,28 @@ def test_forked_dataloader_workers_trace_into_parts_of_their_own(tmp_path: Path,
         if ".main-fork." in f:  # the parent's clock offset, and where it came from
             clock = [e for e in tracing.read_part(f) if e.get("name") == "knitdata_clock"][-1]
             assert clock["args"] == {"offset_us": t.offset_us, "role": "main-fork", "forked_from": t.pid}
+
+
+def test_parts_written_on_other_hosts_are_copied_next_to_the_trace(tmp_path: Path, no_tracer: None) -> None:
+    """What the Ray engine does at ``flush_trace``/``shutdown``: each node's unit sends the parts its host holds and
+    the merging host lacks (or holds shorter); they are written next to the trace, once, and merge with the rest."""
+    here, there = tmp_path / "a" / "run.json", tmp_path / "b" / "run.json"  # one path, two hosts' filesystems
+    for path, role in ((here, "driver"), (there, "unit-n1"), (there, "process")):
+        t = tracing.Tracer(path, role, flush_s=3600)
+        t0 = tracing.now_us()
+        t.span(f"work-{role}", "x", t0, t0 + 5.0, {"role": role})
+        t.close()
+    known = tracing.part_sizes(here)
+    assert list(known) == [Path(tracing.part_path(here, "driver")).name]
+    found = tracing.parts_missing_from(there, known)
+    assert sorted(found) == sorted(Path(tracing.part_path(there, r)).name for r in ("unit-n1", "process"))
+    written = tracing.write_parts(here, found)
+    assert len(written) == 2 and all(Path(w).parent == here.parent for w in written)
+    assert tracing.parts_missing_from(there, tracing.part_sizes(here)) == {}  # nothing more to copy
+    assert tracing.write_parts(here, found) == []  # as long here already: not written again
+    summary = tracing.merge(here)
+    assert summary["parts"] == 3
+    events = tracing.load(here)
+    assert {e["name"] for e in events if e["ph"] == "X"} == {"work-driver", "work-unit-n1", "work-process"}
+    with pytest.raises(ValueError, match="not a part file"):
+        tracing.write_parts(here, {"../evil.json": b"{}"})

@@ -24,6 +24,7 @@ when the Ray the creator started is gone, calls of the pipeline raise :class:`~k
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -299,9 +300,25 @@ class RayEngine(Engine):
         self._control.call("kill_unit", unit_id)
 
     def flush_trace(self) -> None:
-        """Write the trace events recorded so far by this process, the coordinator and the units."""
+        """Write the trace events recorded so far by this process, the coordinator and the units; then copy the
+        part files written on other hosts (each node's unit sends what this host lacks) next to the trace."""
         super().flush_trace()
         self._control.call("flush_trace")
+        path = self.info.get("trace")
+        if not path:
+            return
+        known = tracing.part_sizes(path)
+        for unit_id, unit in self._units.items():
+            try:
+                found = ray.get(unit.actor.trace_parts.remote(str(path), known), timeout=self.timeout_s)
+            except Exception as e:  # noqa: BLE001 - a dead unit: its node's parts stay there
+                warnings.warn(f"trace parts on the node of storage unit {unit_id!r} were not copied ({type(e).__name__}: "
+                              f"{e}); copy {path}.* from that host next to {path} and run `knitdata trace {path}`",
+                              stacklevel=2)
+                continue
+            if found:
+                tracing.write_parts(str(path), found)
+                known = tracing.part_sizes(path)
 
     def shutdown(self) -> None:
         """Close the pipeline and kill its actors."""

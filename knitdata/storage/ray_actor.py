@@ -246,6 +246,11 @@ class StorageUnitActor:
         if tracing.tracer is not None:
             tracing.tracer.flush()
 
+    def trace_parts(self, path: str, known: dict[str, int]) -> dict[str, bytes]:
+        """The part files of the trace ``path`` on this unit's node that ``known`` (the merging host's
+        :func:`knitdata.trace.part_sizes`) lacks or holds shorter: every process of this node traces there."""
+        return tracing.parts_missing_from(path, known)
+
     def put_admit(self, recs: list[tuple[str, np.ndarray, int]], items: list[Any]) -> dict[str, Any]:
         """The one-round-trip put: store the records that fit now, then admit them with one coordinator call.
 
