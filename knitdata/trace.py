@@ -90,7 +90,9 @@ def _after_fork_in_child() -> None:
     parent, tracer = tracer, None
     if parent is None:
         return
-    child = Tracer(parent.path, f"{parent.role}-fork", flush_s=parent.flush_s)
+    # no file and no thread yet: a child that runs exec next (subprocess with preexec_fn) must not start threads;
+    # a multiprocessing child starts them (_MpChildExit), any other one writes its events at exit
+    child = Tracer(parent.path, f"{parent.role}-fork", flush_s=parent.flush_s, start=False)
     child.offset_us = parent.offset_us
     child._buf.append(("M", "knitdata_clock", "", 0.0, 0.0, 0, {"offset_us": parent.offset_us, "role": child.role,
                                                                  "forked_from": parent.pid}))
@@ -105,6 +107,7 @@ class _MpChildExit:
     @staticmethod
     def after_fork(_self: _MpChildExit) -> None:
         if tracer is not None:
+            tracer.activate()  # its part file and background thread (the at-fork handler made it without)
             multiprocessing.util.Finalize(None, stop, exitpriority=100)
 
 
@@ -190,6 +193,8 @@ class Tracer:
         path: The trace's path (the part file is :func:`part_path` of it).
         role: What this process is (``"driver"``, ``"coordinator"``, ``"unit-node0"``, ``"trainer"``...).
         flush_s: Seconds between background flushes.
+        start: Write the part file's first lines and start the background thread now; ``False``: at
+            :meth:`activate`, or the part file at the first flush (what a forked child's tracer does).
 
     Attributes:
         merge_on_close: Merge the trace (:func:`merge`) when this tracer closes (:func:`stop`, the process's
@@ -203,7 +208,7 @@ class Tracer:
     ``<role>-fork``; the copy of the parent's writes nothing in the child.
     """
 
-    def __init__(self, path: str | os.PathLike[str], role: str, *, flush_s: float = FLUSH_S) -> None:
+    def __init__(self, path: str | os.PathLike[str], role: str, *, flush_s: float = FLUSH_S, start: bool = True) -> None:
         self.path = os.fspath(path)
         self.role = role
         self.pid = os.getpid()
@@ -221,12 +226,27 @@ class Tracer:
         self.recorded = 0
         self.written = 0
         self.write_cpu_s = 0.0
+        self._header = False  # the part file is written (its first lines) at construction or first flush
+        self._thread: threading.Thread | None = None
+        if start:
+            self.activate()
+
+    def activate(self) -> None:
+        """Write the part file's first lines and start the background thread (idempotent; done at construction
+        unless ``start=False``)."""
+        self._write_header()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, args=(self.flush_s,), name="knitdata-trace", daemon=True)
+            self._thread.start()
+
+    def _write_header(self) -> None:
+        if self._header:
+            return
+        self._header = True
         with open(self.file, "w", encoding="utf-8") as f:
-            f.write(json.dumps({"knitdata_trace_part": PART_FORMAT, "pid": self.pid, "role": role}) + "\n")
-            f.write(_ENCODE([("M", "process_name", "", 0, 0, 0, {"name": f"knitdata {role} ({self.pid})"}),
-                             ("M", "knitdata_clock", "", 0, 0, 0, {"offset_us": 0.0, "role": role})]) + "\n")
-        self._thread = threading.Thread(target=self._run, args=(flush_s,), name="knitdata-trace", daemon=True)
-        self._thread.start()
+            f.write(json.dumps({"knitdata_trace_part": PART_FORMAT, "pid": self.pid, "role": self.role}) + "\n")
+            f.write(_ENCODE([("M", "process_name", "", 0, 0, 0, {"name": f"knitdata {self.role} ({self.pid})"}),
+                             ("M", "knitdata_clock", "", 0, 0, 0, {"offset_us": 0.0, "role": self.role})]) + "\n")
 
     # ------------------------------------------------------------------ recording (any thread)
     def span(self, name: str, cat: str, t0_us: float, t1_us: float, args: Mapping[str, Any] | None = None) -> None:
@@ -304,6 +324,7 @@ class Tracer:
             taken = [buf.popleft() for _ in range(len(buf))]  # others may append meanwhile: those wait
             if not taken:
                 return
+            self._write_header()  # a tracer made with start=False (a forked child) writes its file now
             n = len(taken)  # each put joined into a burst counts
             records = _join_bursts(taken)
             new = {it[5] for it in records} - self._named - {0}

@@ -577,6 +577,9 @@ def test_forked_dataloader_workers_trace_into_parts_of_their_own(tmp_path: Path,
     t = tracing.start(path, "main", flush_s=3600)  # nothing written before stop(): the fork copies the events
     t0 = tracing.now_us()
     t.span("before", "main", t0, t0 + 1.0, None)
+    # a child that runs exec right after the fork (subprocess with preexec_fn, as Ray starts its processes) gets
+    # no part and no thread
+    subprocess.run([sys.executable, "-c", "pass"], preexec_fn=lambda: None, check=True, timeout=60)
     dl = torch.utils.data.DataLoader(_Spans(), batch_size=None, num_workers=2, multiprocessing_context="fork")
     got = sorted(tuple(x.tolist()) for x in dl)
     assert got == sorted((w, i) for w in range(2) for i in range(3))
