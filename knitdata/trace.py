@@ -442,14 +442,14 @@ def write_parts(path: str | os.PathLike[str], found: Mapping[str, bytes]) -> lis
     unless a file here is as long already (atomic: a temporary file renamed); returns the files written.
 
     Raises:
-        ValueError: A name that is not a part file of ``path`` (``<name of path>.<role>.<pid>.json``).
+        CodecError: A name that is not a part file of ``path`` (``<name of path>.<role>.<pid>.json``).
     """
     base = os.path.basename(os.fspath(path))
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
     written = []
     for name, data in sorted(found.items()):
         if os.path.basename(name) != name or not name.startswith(base + ".") or not name.endswith(".json"):
-            raise ValueError(f"{name!r} is not a part file of the trace {os.fspath(path)!r}")
+            raise CodecError(f"{name!r} is not a part file of the trace {os.fspath(path)!r}")
         dest = os.path.join(folder, name)
         try:
             if os.path.getsize(dest) >= len(data):

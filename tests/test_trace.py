@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knitdata import trace as tracing
+from knitdata.errors import CodecError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -622,5 +623,5 @@ def test_parts_written_on_other_hosts_are_copied_next_to_the_trace(tmp_path: Pat
     assert summary["parts"] == 3
     events = tracing.load(here)
     assert {e["name"] for e in events if e["ph"] == "X"} == {"work-driver", "work-unit-n1", "work-process"}
-    with pytest.raises(ValueError, match="not a part file"):
+    with pytest.raises(CodecError, match="not a part file"):
         tracing.write_parts(here, {"../evil.json": b"{}"})
