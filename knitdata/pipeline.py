@@ -127,7 +127,7 @@ class Pipeline:
             every process died from its journal and spill shards; consumers load their saved states, producers
             put again what was not acknowledged). The embedded engine takes none.
         trace: Record a trace of the run into this path (default: the environment variable ``KNITDATA_TRACE``;
-            ``None``: none): every process of the pipeline writes a part file ``<trace>.<role>.<pid>.json``
+            ``None``: none): every process of the pipeline writes a part file ``<trace>.<role>.<host>-<pid>.json``
             (on Ray the coordinator, the units and each process that attaches, too), merged into ``trace`` by
             :meth:`shutdown` or ``knitdata trace PATH`` (Chrome trace-event JSON; :mod:`knitdata.trace`).
 

@@ -2,7 +2,7 @@
 
 Turn it on with ``Pipeline(..., trace=path)`` or the environment variable ``KNITDATA_TRACE=path``. Each process of
 the run (the pipeline's process; on the Ray engine also the coordinator, every storage unit and every process that
-attaches) appends its events to its own part file ``path.<role>.<pid>.json``; :func:`merge` (``knitdata trace
+attaches) appends its events to its own part file ``path.<role>.<host>-<pid>.json``; :func:`merge` (``knitdata trace
 PATH``) joins the parts into ``path``, one valid trace (``{"traceEvents": [...]}``) on the coordinator's clock:
 each process measures its offset to the coordinator when it attaches (a round trip, the midpoint; ``0`` on the
 embedded engine). The process that created the pipeline merges by itself when the pipeline shuts down (or its
@@ -41,6 +41,7 @@ import glob
 import json
 import multiprocessing.util
 import os
+import socket
 import sys
 import threading
 import time
@@ -50,7 +51,7 @@ from typing import Any
 from knitdata.errors import CodecError, ConfigError
 
 __all__ = ["Tracer", "tracer", "start", "stop", "from_env", "now_us", "part_path", "parts", "read_part", "merge",
-           "part_sizes", "parts_missing_from", "write_parts",
+           "part_sizes", "parts_missing_from", "write_parts", "HOST",
            "load", "timeline", "plot", "plot_timeline", "ENV", "FLUSH_S", "BURST_GAP_US", "BURST_MAX_US",
            "PART_FORMAT"]
 
@@ -125,10 +126,19 @@ def now_us() -> float:
     return time.perf_counter_ns() / 1000.0
 
 
-def part_path(path: str | os.PathLike[str], role: str, pid: int | None = None) -> str:
-    """The part file of a process: ``path.<role>.<pid>.json``."""
-    role = "".join(c if c.isalnum() or c in "-_" else "-" for c in role) or "process"
-    return f"{os.fspath(path)}.{role}.{os.getpid() if pid is None else pid}.json"
+def _name_part(text: str, default: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in text) or default
+
+
+#: This host's name as part file names hold it (process ids repeat across hosts, and containers).
+HOST = _name_part(socket.gethostname(), "host").replace("_", "-")
+
+
+def part_path(path: str | os.PathLike[str], role: str, pid: int | None = None, host: str | None = None) -> str:
+    """The part file of a process: ``path.<role>.<host>-<pid>.json`` (this host, this process by default)."""
+    return (f"{os.fspath(path)}.{_name_part(role, 'process')}."
+            f"{HOST if host is None else _name_part(host, 'host').replace('_', '-')}-"
+            f"{os.getpid() if pid is None else pid}.json")
 
 
 def parts(path: str | os.PathLike[str]) -> list[str]:
@@ -442,7 +452,7 @@ def write_parts(path: str | os.PathLike[str], found: Mapping[str, bytes]) -> lis
     unless a file here is as long already (atomic: a temporary file renamed); returns the files written.
 
     Raises:
-        CodecError: A name that is not a part file of ``path`` (``<name of path>.<role>.<pid>.json``).
+        CodecError: A name that is not a part file of ``path`` (``<name of path>.<role>.<host>-<pid>.json``).
     """
     base = os.path.basename(os.fspath(path))
     folder = os.path.dirname(os.path.abspath(os.fspath(path)))
@@ -580,7 +590,7 @@ def merge(path: str | os.PathLike[str], out: str | os.PathLike[str] | None = Non
     """
     files = parts(path)
     if not files:
-        raise ConfigError(f"no trace parts at {os.fspath(path)}.<role>.<pid>.json: run with trace={os.fspath(path)!r} "
+        raise ConfigError(f"no trace parts at {os.fspath(path)}.<role>.<host>-<pid>.json: run with trace={os.fspath(path)!r} "
                           f"or {ENV}={os.fspath(path)} first")
     signature = _signature(files)
     events: list[dict[str, Any]] = []
