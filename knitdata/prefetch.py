@@ -422,13 +422,9 @@ class Prefetcher(Iterator[T], Generic[T]):
                 if entry is not None:
                     sh.taken = entry[1] + 1
                     parked = sh.parked
-                    if parked == "room":
-                        if not items:  # the queue ran dry: the thread prepares the next one now
-                            try:
-                                sh.room.release()
-                            except RuntimeError:  # already signalled
-                                pass
-                        # else no wake-up here: the thread finds the room at its next check (_room_check_s)
+                    if parked == "room":  # the queue ran dry: the thread prepares the next one now (else no
+                        if not items:  # wake-up here: it finds the room at its next check, _room_check_s)
+                            _signal(sh.room)
                     elif parked == "handoff":  # rare: it queued this one for a consumer that was waiting
                         with sh.cond:
                             sh.cond.notify_all()
