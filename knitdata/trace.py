@@ -423,13 +423,7 @@ def from_env(role: str) -> Tracer | None:
 # ---------------------------------------------------------------------------------------------- other hosts
 def part_sizes(path: str | os.PathLike[str]) -> dict[str, int]:
     """The part files of ``path`` visible here, ``{file name: size in bytes}``."""
-    out = {}
-    for p in parts(path):
-        try:
-            out[os.path.basename(p)] = os.path.getsize(p)
-        except OSError:  # removed meanwhile
-            continue
-    return out
+    return {os.path.basename(p): n for p, n in _signature(parts(path)) if n >= 0}  # -1: removed meanwhile
 
 
 def parts_missing_from(path: str | os.PathLike[str], known: Mapping[str, int]) -> dict[str, bytes]:
@@ -437,10 +431,11 @@ def parts_missing_from(path: str | os.PathLike[str], known: Mapping[str, int]) -
     shorter, ``{file name: content}``: run where the parts were written (on the Ray engine, by each node's storage
     unit), then :func:`write_parts` on the host that merges."""
     out = {}
-    for name, size in part_sizes(path).items():
-        if size > known.get(name, -1):
+    for p, n in _signature(parts(path)):
+        name = os.path.basename(p)
+        if n > known.get(name, -1):
             try:
-                with open(os.path.join(os.path.dirname(os.path.abspath(os.fspath(path))), name), "rb") as f:
+                with open(p, "rb") as f:
                     out[name] = f.read()
             except OSError:  # removed meanwhile
                 continue
