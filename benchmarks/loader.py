@@ -12,12 +12,13 @@
    compute to overlap (see 3); with none, as here, :class:`knitdata.prefetch.Prefetcher` lets the consumer
    pull the micro-batches itself instead of paying a thread hand-off per micro-batch. CPU-time ratios are
    reported beside (robust on a shared machine); so is the load average (at start and end).
-2. ``memcpy_GBps``: ``torch.Tensor.copy_`` of the payload bytes of 1 MiB trajectories into a warm buffer;
-   ``local_fetch_GBps``: those bytes handed out per second by the embedded loader (``iter``) with a collate
-   that copies each micro-batch's payloads into one new buffer (one copy per byte); ``plain_collate_GBps``:
-   the same collate in a plain loop over the same micro-batches, without knitdata. Interleaved in each repeat
-   (:func:`measure_bandwidth`); ``local_fetch_over_memcpy`` and ``local_fetch_over_plain_collate`` are the
-   ratios of the medians.
+2. ``memcpy_GBps``: ``torch.Tensor.copy_`` of as many bytes as the payloads of 512 trajectories of 1 MiB hold,
+   in 128 MiB pieces between warm buffers; ``local_fetch_GBps``: those bytes handed out per second by the embedded
+   loader (``iter``, timed from ``iter()`` to the end) with a collate that copies each micro-batch's payloads into
+   one new buffer (one copy per byte); ``plain_collate_GBps``: the same collate in a plain loop over the same
+   micro-batches, without knitdata. Both loops hold a micro-batch until the next arrives, as a training loop does.
+   Interleaved in each repeat after a warm-up (:func:`measure_bandwidth`); ``local_fetch_over_memcpy`` and
+   ``local_fetch_over_plain_collate`` are the ratios of the medians; page faults per pass are reported beside.
 3. ``modes``: exposed latency per training step for ``sample`` / ``eager`` / ``iter``. Each trajectory holds
    one PNG image; the fetch of a micro-batch includes decoding its images with pillow
    (:func:`knitdata.media.load_image`) and token collate. A step is ``K = 4`` micro-batches; compute per
@@ -266,40 +267,66 @@ def measure_local_fetch(trajs: Sequence[Trajectory], *, repeats: int = 5, miniba
 
 
 def measure_bandwidth(trajs: Sequence[Trajectory], *, repeats: int = 7, minibatches: int = 4,
-                      token_budget: int = 64) -> dict[str, Any]:
+                      token_budget: int = 64, chunk_bytes: int = 128 << 20) -> dict[str, Any]:
     """Local fetch against memcpy and against the same collate without knitdata, interleaved in each repeat.
 
-    Per repeat: ``copy_`` of every payload byte into a warm buffer (memcpy), a plain loop running the copying
-    collate of :func:`measure_local_fetch` over the same micro-batches of the same in-memory trajectories (what
-    any loader pays for that collate: its output buffers are new allocations, whose pages are first touched
-    there), and a pass of the embedded loader (``iter``) with that collate. Returns GB/s medians, the per-repeat
-    seconds and the ratios ``local_fetch_over_memcpy`` and ``local_fetch_over_plain_collate``.
+    Per repeat: ``copy_`` of as many bytes as the payloads hold, in ``chunk_bytes`` pieces between two warm buffers
+    larger than any cache (memcpy); a plain loop running the copying collate of :func:`measure_local_fetch` over the
+    same micro-batches of the same in-memory trajectories (what any loader pays for that collate); and a pass of the
+    embedded loader (``iter``) with that collate, timed from ``iter()`` to the end (lease, thread start and the last
+    report included). Both loops consume alike (``for buf in ...``: a micro-batch is held until the next one
+    arrives, as in a training loop). One untimed warm-up repeat first. Returns GB/s medians, the per-repeat seconds,
+    the median minor page faults per pass (first touches of new collate buffers), and the ratios
+    ``local_fetch_over_memcpy`` and ``local_fetch_over_plain_collate``.
     """
+    import resource
+
     plans: list = []
     _fed_pipeline(trajs, minibatches, token_budget, plans)
     index = {t.id: i for i, t in enumerate(trajs)}
     batches = [[index[i] for i in mb.trajectory_ids] for p in plans for mb in p.microbatches[0]]
     nbytes = sum(t.nbytes for t in trajs)
-    src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
+    chunk = max(1, min(chunk_bytes, nbytes))
+    copies = max(1, round(nbytes / chunk))
+    src = torch.empty(chunk, dtype=torch.uint8).random_(0, 255)
     dst = torch.empty_like(src)
     dst.copy_(src)
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+    def consume(bufs: Iterable[torch.Tensor]) -> int:
+        n = 0
+        for buf in bufs:
+            n += int(buf.numel())
+        return n
+
     secs: dict[str, list[float]] = {"memcpy": [], "plain_collate": [], "local_fetch": []}
-    for _ in range(repeats):
+    flts: dict[str, list[int]] = {"plain_collate": [], "local_fetch": []}
+    for r in range(repeats + 1):  # the first is a warm-up
         t0 = time.perf_counter()
-        dst.copy_(src)
-        secs["memcpy"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        n = sum(int(_concat_payloads([trajs[i] for i in b]).numel()) for b in batches)
-        secs["plain_collate"].append(time.perf_counter() - t0)
+        for _ in range(copies):
+            dst.copy_(src)
+        t_memcpy = (time.perf_counter() - t0) * nbytes / (copies * chunk)
+        f0, t0 = faults(), time.perf_counter()
+        n = consume(_concat_payloads([trajs[i] for i in b]) for b in batches)
+        t_plain, f_plain = time.perf_counter() - t0, faults() - f0
         assert n == nbytes
         pipe = _fed_pipeline(trajs, minibatches, token_budget)
-        t0 = time.perf_counter()
-        bufs = cast("Iterable[torch.Tensor]", pipe.dataset(0, fetch="iter", collate=_concat_payloads))
-        n = sum(int(buf.numel()) for buf in bufs)
-        secs["local_fetch"].append(time.perf_counter() - t0)
+        f0, t0 = faults(), time.perf_counter()
+        n = consume(cast("Iterable[torch.Tensor]", pipe.dataset(0, fetch="iter", collate=_concat_payloads)))
+        t_fetch, f_fetch = time.perf_counter() - t0, faults() - f0
         assert n == nbytes
+        if r == 0:
+            continue
+        secs["memcpy"].append(t_memcpy)
+        secs["plain_collate"].append(t_plain)
+        secs["local_fetch"].append(t_fetch)
+        flts["plain_collate"].append(f_plain)
+        flts["local_fetch"].append(f_fetch)
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in secs.items()}
-    return {"repeats": repeats, "bytes": nbytes, "microbatches": len(batches), "seconds": secs,
+    return {"repeats": repeats, "bytes": nbytes, "microbatches": len(batches), "memcpy_chunk_bytes": chunk,
+            "seconds": secs, "page_faults": {k: statistics.median(v) for k, v in flts.items()},
             "GBps": gbps, "local_fetch_over_memcpy": gbps["local_fetch"] / gbps["memcpy"],
             "local_fetch_over_plain_collate": gbps["local_fetch"] / gbps["plain_collate"]}
 
@@ -481,7 +508,7 @@ def run_all(*, quick: bool = False, progress: bool = True) -> dict[str, Any]:
     n_img = (3 + 6) * 16 if quick else (3 + 12) * 16
     text = make_token_trajectories(n_text)
     overhead = measure_overhead(text, repeats=11 if quick else 31, progress=progress)
-    big = make_payload_trajectories(32 if quick else 96)
+    big = make_payload_trajectories(64 if quick else 512)
     big_bytes = sum(t.nbytes for t in big)
     bandwidth = measure_bandwidth(big, repeats=5 if quick else 9)
     modes = measure_modes(make_image_trajectories(n_img), rounds=2 if quick else 3)

@@ -255,10 +255,12 @@ class ReadStage:
 
     def _count(self, items: Sequence[Sequence[Any]], fetch: FetchMode) -> None:
         nbytes = local = 0
+        local_units = self.local_units
         for _tid, unit, n in items:
-            nbytes += int(n)
-            if unit in self.local_units:
-                local += int(n)
+            n = int(n)
+            nbytes += n
+            if unit in local_units:
+                local += n
         self.nbytes, self.local = nbytes, local
         self.requests = fetch.requests(items)
 

@@ -141,15 +141,31 @@ class TokenStaleness:
     def record(self, train_version: int, metas: Iterable[Any]) -> None:
         """Record trajectories (anything with ``gen_version``, ``version_mean``, ``version_span``) trained at
         ``train_version``."""
-        for m in metas:
+        count = partial = span_sum = 0
+        mean_sum = 0.0
+        span_max = self.span_max
+        oldest: int | None = None
+        for m in metas:  # one pass, sums kept in locals: this runs once per micro-batch handed out
             span = int(getattr(m, "version_span", 0))
-            worst = train_version - int(m.gen_version)
-            self.count += 1
-            self._mean_sum += train_version - float(m.version_mean)
-            self._span_sum += span
-            self.partial += span > 0
-            self.span_max = max(self.span_max, span)
-            self.worst = worst if self.worst is None else max(self.worst, worst)
+            gen = int(m.gen_version)
+            count += 1
+            mean_sum += float(m.version_mean)
+            span_sum += span
+            if span > 0:
+                partial += 1
+                if span > span_max:
+                    span_max = span
+            if oldest is None or gen < oldest:
+                oldest = gen
+        if oldest is None:
+            return
+        self.count += count
+        self._mean_sum += train_version * count - mean_sum
+        self._span_sum += span_sum
+        self.partial += partial
+        self.span_max = span_max
+        worst = train_version - oldest
+        self.worst = worst if self.worst is None else max(self.worst, worst)
 
     def summary(self) -> dict[str, Any]:
         """``{count, token_mean, span_mean, span_max, worst, partial_share}`` (``nan`` / ``None`` when empty):

@@ -330,3 +330,43 @@ def test_stats_report_sources_admission_delay_and_the_journal(tmp_path):
     j = st_["journal"]
     assert j["records"] >= 1 and j["segment"] == 0 and j["bytes"] == (tmp_path / "j").stat().st_size > 0
     assert f"journal: {j['records']} records in segment 0" in status_table(st_)
+
+
+# ---------------------------------------------------------------------------------------------- release bookkeeping
+
+
+def test_released_ids_are_remembered_newest_last_and_fingerprints_pruned_oldest_first(monkeypatch):
+    """Handing out and committing a stream releases each trajectory once from its unit; the plane remembers the
+    newest DELIVERED_MEMORY released ids in release order (a retry of an older one is no longer recognized) and
+    keeps the prefix fingerprints of the last FP_KEEP micro-batches below the committed position only."""
+    from knitdata.control import state as plane_state
+
+    monkeypatch.setattr(plane_state, "DELIVERED_MEMORY", 5)
+    monkeypatch.setattr(plane_state, "FP_KEEP", 2)
+    released: list = []
+    p = _plane(released)
+    prod = Producer(p)
+    trajs = [_traj(i) for i in range(32)]
+    assert not prod.put_many(trajs)["errors"]
+    p.close()
+    order: list[str] = []
+    ends = []
+    for rank in range(3):
+        j = 0
+        while True:
+            ans = p.next_entries(rank, j, 1.0)
+            if "entries" not in ans:
+                break
+            for e in ans["entries"]:
+                p.handed(rank, e["j"], e["minibatch"], e["microbatch"])
+                order += [it[0] for it in e["items"]]
+                j = e["j"] + 1
+        p.commit(rank, j)
+        ends.append(j)
+    ids = [i for _u, batch in released for i in batch]
+    assert sorted(ids) == sorted(order) == sorted(t.id for t in trajs)  # each released once
+    assert list(p.state.delivered) == ids[-5:]  # the newest five, oldest first
+    for rank, j in enumerate(ends):
+        fps = p.state.fps[rank]
+        assert list(fps) == sorted(fps) and min(fps) >= j - 2  # nothing far below the committed position
+    assert not p.state.live

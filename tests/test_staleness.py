@@ -207,3 +207,28 @@ def test_pipeline_reports_token_staleness_and_the_bound() -> None:
 
     with pytest.raises(ConfigError, match="by name"):
         Pipeline(spec, admission=make_policy("fifo", spec), max_staleness=2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.tuples(st.integers(0, 9), st.floats(0.0, 9.0), st.integers(0, 4)), max_size=6),
+                max_size=6), st.integers(0, 12))
+def test_token_staleness_batches_equal_one_at_a_time(batches: list, version: int) -> None:
+    """TokenStaleness.record sums a batch in one pass: the summary equals recording its trajectories one by one
+    (per-trajectory sums, the oldest token, the widest span), whatever the batching."""
+    from knitdata.staleness import TokenStaleness
+
+    metas = [[TrajectoryMeta(f"t{i}.{k}", "s", "g", gen_version=g, version_mean=g + f, version_span=s)
+              for k, (g, f, s) in enumerate(b)] for i, b in enumerate(batches)]
+    batched, single = TokenStaleness(), TokenStaleness()
+    for b in metas:
+        batched.record(version, b)
+        for m in b:
+            single.record(version, [m])
+    a, z = batched.summary(), single.summary()
+    assert (a["count"], a["span_max"], a["worst"]) == (z["count"], z["span_max"], z["worst"])
+    for key in ("token_mean", "span_mean", "partial_share"):
+        assert (math.isnan(a[key]) and math.isnan(z[key])) or a[key] == pytest.approx(z[key])
+    every = [m for b in metas for m in b]
+    if every:
+        assert a["worst"] == version - min(m.gen_version for m in every)
+        assert a["token_mean"] == pytest.approx(sum(version - m.version_mean for m in every) / len(every))

@@ -166,16 +166,7 @@ class Positions(Part):
         reps = s.replicas
         e = s.queues[rank].get(j)
         if e is not None and (reps is None or replica == 0):  # staleness counts each micro-batch once
-            v = version if version >= 0 else s.version
-            values = [v - g for g in e["info"]["gen_versions"]]
-            s.staleness.extend(values)
-            s.staleness_by_rank[rank].extend(values)
-            metas = [s.live[x[0]] for x in e["items"] if x[0] in s.live]
-            s.token_staleness.record(v, metas)
-            for m in metas:
-                by_src = s.staleness_by_source.get(m.source)
-                if by_src is not None:
-                    by_src.append(v - m.gen_version)
+            s.record_handout(rank, e, version if version >= 0 else s.version)
         if reps is not None:
             if s.release_mode == "handout" and j >= s.committed[rank]:
                 reps.handed[rank][j] = reps.handed[rank].get(j, 0) | (1 << replica)

@@ -254,17 +254,26 @@ class PlaneState:
     # ------------------------------------------------------------------------------------ release
     def release_metas(self, metas: Sequence[TrajectoryMeta], delivered: bool = False) -> None:
         """Forget ``metas`` and ask their units to drop the payloads (``delivered``: remember their ids)."""
+        if delivered:  # remembered in order; the oldest beyond DELIVERED_MEMORY forgotten
+            remember = self.delivered
+            for m in metas:
+                remember[m.id] = None
+            for _ in range(len(remember) - DELIVERED_MEMORY):
+                remember.popitem(last=False)
         by_unit: dict[str, list[str]] = {}
-        for m in metas:
-            if delivered:
-                self.delivered[m.id] = None
-                while len(self.delivered) > DELIVERED_MEMORY:
-                    self.delivered.popitem(last=False)
-            live = self.live.pop(m.id, None)
-            self.loss.pop(m.id, None)
-            self.put_tokens.pop(m.id, None)
-            if m.location is not None and live is not None:
-                by_unit.setdefault(m.location, []).append(m.id)
+        live_pop, loss_pop, token_pop = self.live.pop, self.loss.pop, self.put_tokens.pop
+        for m in metas:  # one pass, no per-item helper calls: this runs once per micro-batch handed out
+            mid = m.id
+            live = live_pop(mid, None)
+            loss_pop(mid, None)
+            token_pop(mid, None)
+            u = m.location
+            if u is not None and live is not None:
+                ids = by_unit.get(u)
+                if ids is None:
+                    by_unit[u] = [mid]
+                else:
+                    ids.append(mid)
         tr = tracing.tracer
         for u, ids in by_unit.items():
             if tr is not None:
@@ -276,6 +285,25 @@ class PlaneState:
             while self.recent_ids > RECENT_RELEASES and len(self.recent_releases) > 1:
                 self.recent_ids -= len(self.recent_releases.popleft()[1])
 
+    def live_metas(self, items: Iterable[Sequence[Any]]) -> list[TrajectoryMeta]:
+        """The metas of the queue items ``[id, unit, nbytes]`` still held (released ones left out), in order."""
+        get = self.live.get
+        return [m for m in map(get, [it[0] for it in items]) if m is not None]
+
+    def record_handout(self, rank: int, e: Mapping[str, Any], version: int) -> None:
+        """Staleness of entry ``e`` of ``rank`` handed out to a trainer at policy ``version``: per trajectory,
+        overall, per rank, per source and per token."""
+        values = [version - g for g in e["info"]["gen_versions"]]
+        self.staleness.extend(values)
+        self.staleness_by_rank[rank].extend(values)
+        metas = self.live_metas(e["items"])
+        self.token_staleness.record(version, metas)
+        by_source = self.staleness_by_source
+        for m in metas:
+            dq = by_source.get(m.source)
+            if dq is not None:
+                dq.append(version - m.gen_version)
+
     def drop_entry(self, rank: int, j: int) -> None:
         """Release entry ``j`` of ``rank`` (if still queued) and advance the committed position over gaps."""
         e = self.queues[rank].pop(j, None)
@@ -285,7 +313,7 @@ class PlaneState:
                 rec[4] -= 1
                 if rec[4] <= 0:
                     del self.mb_records[e["minibatch"]]
-            self.release_metas([self.live[tid] for tid, _u, _n in e["items"] if tid in self.live], delivered=True)
+            self.release_metas(self.live_metas(e["items"]), delivered=True)
         while self.committed[rank] < self.planned[rank] and self.committed[rank] not in self.queues[rank]:
             self.committed[rank] += 1
         self.prune_fps(rank)
@@ -350,9 +378,11 @@ class PlaneState:
         """Forget the prefix fingerprints of ``rank`` far below its committed position (no state lies there)."""
         fps = self.fps[rank]
         floor = min(self.committed[rank], self.planned[rank]) - FP_KEEP
-        if fps and next(iter(fps)) < floor:  # lengths are inserted in increasing order
-            for k in [k for k in fps if k < floor]:
-                del fps[k]
+        while fps:  # lengths are inserted in increasing order: the oldest first, one at a time
+            k = next(iter(fps))
+            if k >= floor:
+                break
+            del fps[k]
 
     def fp(self, rank: int, length: int) -> str | None:
         """The fingerprint of ``rank``'s first ``length`` micro-batches, if known here."""

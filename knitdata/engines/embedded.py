@@ -89,12 +89,12 @@ class EmbeddedEngine(Engine):
         return [t for group in groups for t in self._get(group)]
 
     def _get(self, items: Sequence[Sequence[Any]]) -> list[Trajectory]:
+        units = {it[1] for it in items}
+        if len(units) == 1:  # the common case (one unit per node): one get, no regrouping
+            return self._units[units.pop()].get([it[0] for it in items])
         by_unit: dict[str, list[str]] = {}
         for tid, u, _n in items:
             by_unit.setdefault(u, []).append(tid)
-        if len(by_unit) == 1:
-            ((u, ids),) = by_unit.items()
-            return self._units[u].get(ids)
         got = {u: iter(self._units[u].get(ids)) for u, ids in by_unit.items()}
         return [next(got[u]) for _tid, u, _n in items]  # each unit's answer is in the order it was asked
 
