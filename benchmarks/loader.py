@@ -6,7 +6,9 @@
    timed) against ``torch.utils.data.DataLoader(num_workers=0)`` over the same in-memory trajectories, with
    the same micro-batches (the plan's index lists as ``batch_sampler``) and the same collate
    (:class:`~knitdata.collate.TokenCollator`); interleaved repeats (alternating order, GC off inside each
-   timed pass); the median of the per-repeat wall-time ratios. ``overhead_ratio_vs_torch`` is the
+   timed pass); the median of the per-repeat wall-time ratios, in each of 5 fresh processes run one after
+   another, and the median across the processes (:func:`measure_overhead_processes`: one process's figure
+   moves between runs by more than its repeats do). ``overhead_ratio_vs_torch`` is the
    synchronous path (``fetch="eager"``, no background thread, like ``num_workers=0``);
    ``overhead_ratio_vs_torch_iter`` is ``fetch="iter"``: its background thread only pays off when there is
    compute to overlap (see 3); with none, as here, :class:`knitdata.prefetch.Prefetcher` lets the consumer
@@ -65,6 +67,7 @@ __all__ = [
     "make_payload_trajectories",
     "DecodingCollator",
     "measure_overhead",
+    "measure_overhead_processes",
     "measure_memcpy",
     "measure_local_fetch",
     "measure_bandwidth",
@@ -244,6 +247,55 @@ def measure_overhead(trajs: Sequence[Trajectory], *, repeats: int = 5, minibatch
         "cpu_ratio_vs_torch": {m: statistics.median(v) for m, v in cpu_ratios.items()},
         "ratio_per_repeat": ratios,
     }
+
+
+def measure_overhead_processes(n: int = 1024, *, processes: int = 5, repeats: int = 31, minibatches: int = 4,
+                               token_budget: int = 4096, progress: bool = True) -> dict[str, Any]:
+    """:func:`measure_overhead` in ``processes`` fresh interpreters, one after another; medians across them.
+
+    One process's ratio moves between runs by more than its repeats' spread (heap layout, where the threads land):
+    the median over fresh processes is the figure reported. Each child builds the same ``n`` trajectories
+    (:func:`make_token_trajectories`) and prints its result as JSON.
+
+    Returns:
+        The keys of :func:`measure_overhead` (``median_s``, ``ratio_vs_torch``, ``cpu_ratio_vs_torch``: medians of the
+        per-process medians), ``processes`` and ``per_process`` (each child's result).
+    """
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import json, torch; torch.set_num_threads(1)\n"
+            "from benchmarks.loader import make_token_trajectories, measure_overhead\n"
+            f"d = measure_overhead(make_token_trajectories({int(n)}), repeats={int(repeats)}, "
+            f"minibatches={int(minibatches)}, token_budget={int(token_budget)}, progress=False)\n"
+            "print(json.dumps(d))")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=processes, desc="loader overhead", unit="process", leave=False)
+    for _ in range(processes):
+        out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                             timeout=600)
+        if out.returncode != 0:
+            raise RuntimeError(f"overhead child failed ({out.returncode}): {out.stderr[-2000:]}")
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+
+    def across(key: str) -> dict[str, float]:
+        return {k: statistics.median(r[key][k] for r in runs) for k in runs[0][key]}
+
+    first = runs[0]
+    return {"processes": processes, "repeats": repeats, "trajectories": first["trajectories"],
+            "microbatches": first["microbatches"], "payload_bytes": first["payload_bytes"],
+            "median_s": across("median_s"), "ratio_vs_torch": across("ratio_vs_torch"),
+            "cpu_ratio_vs_torch": across("cpu_ratio_vs_torch"), "per_process": runs}
 
 
 def measure_local_fetch(trajs: Sequence[Trajectory], *, repeats: int = 5, minibatches: int = 4,
@@ -444,14 +496,16 @@ def format_table(doc: dict[str, Any]) -> str:
     ov = doc["overhead"]
     lines = [
         f"loader overhead vs torch DataLoader (num_workers=0, same collate, {ov['trajectories']} trajectories, "
-        f"{ov['microbatches']} micro-batches, {ov['repeats']} interleaved repeats):",
+        f"{ov['microbatches']} micro-batches, {ov['repeats']} interleaved repeats in each of {ov.get('processes', 1)} "
+        "fresh processes):",
         f"  {'loader':<22}{'median s':>10}{'ratio':>8}{'cpu ratio':>11}",
         f"  {'torch DataLoader':<22}{ov['median_s']['torch']:>10.4f}{1.0:>8.3f}{1.0:>11.3f}",
         f"  {'knitdata iter':<22}{ov['median_s']['iter']:>10.4f}{ov['ratio_vs_torch']['iter']:>8.3f}"
         f"{ov['cpu_ratio_vs_torch']['iter']:>11.3f}",
         f"  {'knitdata eager':<22}{ov['median_s']['eager']:>10.4f}{ov['ratio_vs_torch']['eager']:>8.3f}"
         f"{ov['cpu_ratio_vs_torch']['eager']:>11.3f}",
-        "  (ratio: median over repeats of wall-time ratios; cpu ratio: the same with process CPU time)",
+        "  (ratio: median over processes of the median over repeats of wall-time ratios; cpu ratio: the same with "
+        "process CPU time)",
         f"  load average at start {_fmt_load(doc.get('load_average_start'))}, at end {_fmt_load(doc.get('load_average'))} "
         f"({doc['machine']['cpus']} CPUs)",
         f"bandwidth over {doc['bandwidth_bytes'] / 2**20:.0f} MiB of 1 MiB payloads (interleaved, medians): memcpy "
@@ -506,8 +560,8 @@ def run_all(*, quick: bool = False, progress: bool = True) -> dict[str, Any]:
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     n_text = 512 if quick else 1024
     n_img = (3 + 6) * 16 if quick else (3 + 12) * 16
-    text = make_token_trajectories(n_text)
-    overhead = measure_overhead(text, repeats=11 if quick else 31, progress=progress)
+    overhead = measure_overhead_processes(n_text, processes=3 if quick else 5, repeats=11 if quick else 31,
+                                          progress=progress)
     big = make_payload_trajectories(64 if quick else 512)
     big_bytes = sum(t.nbytes for t in big)
     bandwidth = measure_bandwidth(big, repeats=5 if quick else 9)

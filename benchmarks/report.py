@@ -884,7 +884,9 @@ def render_loader(d: dict) -> str:
     tgt = g(r, "targets", "overhead_ratio_vs_torch_max")
     parts = [run_text(r),
              f"{ov.get('trajectories', '-')} trajectories, {ov.get('microbatches', '-')} micro-batches, "
-             f"{ov.get('repeats', '-')} interleaved repeats" + (f"; target ratio <= {tgt}" if tgt is not None else "") + ":",
+             f"{ov.get('repeats', '-')} interleaved repeats"
+             + (f" in each of {ov['processes']} fresh processes (medians across them)" if ov.get("processes") else "")
+             + (f"; target ratio <= {tgt}" if tgt is not None else "") + ":",
              table(["loader", "median s", "ratio", "cpu ratio"], rows, "lrrr"),
              f"Bandwidth over {f(r.get('bandwidth_bytes'), '.0f', 1 / MiB)} MiB of 1 MiB payloads: memcpy "
              f"{f(r.get('memcpy_GBps'))} GB/s, local fetch (one copy per byte) {f(r.get('local_fetch_GBps'))} GB/s"

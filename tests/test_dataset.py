@@ -280,6 +280,12 @@ def test_loader_benchmark_functions_smoke():
     bw = bench.measure_bandwidth(bench.make_payload_trajectories(8, payload_bytes=4096), repeats=1)
     assert set(bw["GBps"]) == {"memcpy", "plain_collate", "local_fetch"} and min(bw["GBps"].values()) > 0
     assert bw["local_fetch_over_memcpy"] == bw["GBps"]["local_fetch"] / bw["GBps"]["memcpy"]
+    assert set(bw["page_faults"]) == {"plain_collate", "local_fetch"}
+    ovp = bench.measure_overhead_processes(24, processes=2, repeats=2, progress=False)  # fresh interpreters
+    assert ovp["processes"] == len(ovp["per_process"]) == 2 and ovp["trajectories"] == 24
+    for key in ("ratio_vs_torch", "cpu_ratio_vs_torch", "median_s"):  # the median across the processes
+        for mode, v in ovp[key].items():
+            assert min(r[key][mode] for r in ovp["per_process"]) <= v <= max(r[key][mode] for r in ovp["per_process"])
     modes = bench.measure_modes(bench.make_image_trajectories(4 * 4 * 4, tokens=40, side=16), per_microbatch=4, k=4,
                                 warmup=3)
     assert all(modes[m]["exposed_latency_s"] >= 0 for m in bench.MODES)
