@@ -130,14 +130,18 @@ def _name_part(text: str, default: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "-" for c in text) or default
 
 
+def _host_part(host: str) -> str:
+    return _name_part(host, "host").replace("_", "-")
+
+
 #: This host's name as part file names hold it (process ids repeat across hosts, and containers).
-HOST = _name_part(socket.gethostname(), "host").replace("_", "-")
+HOST = _host_part(socket.gethostname())
 
 
 def part_path(path: str | os.PathLike[str], role: str, pid: int | None = None, host: str | None = None) -> str:
     """The part file of a process: ``path.<role>.<host>-<pid>.json`` (this host, this process by default)."""
     return (f"{os.fspath(path)}.{_name_part(role, 'process')}."
-            f"{HOST if host is None else _name_part(host, 'host').replace('_', '-')}-"
+            f"{HOST if host is None else _host_part(host)}-"
             f"{os.getpid() if pid is None else pid}.json")
 
 

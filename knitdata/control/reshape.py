@@ -449,7 +449,7 @@ class Reshaping(Part):
                         if e is None:
                             raise StateError(f"rank {r}: micro-batch {j} after its state's position {pos[r]} was "
                                              "already released; it cannot be resumed here")
-                        rest.extend(s.live[tid] for tid, _u, _n in e["items"] if tid in s.live)
+                        rest.extend(s.live_metas(e["items"]))
             work.append((mb, _canonical(rest)) if rest else (mb, ()))
         for r, p in enumerate(pos):  # the handed-out micro-batches leave storage now
             s.commit_upto(r, p)
@@ -564,7 +564,7 @@ def _records_from_queues(s: PlaneState) -> dict[int, list[Any]]:
             info = e["info"]
             rec = found.setdefault(int(e["minibatch"]), [info, [], int(e["j"]) - int(info["microbatch"]),
                                                         int(info["num_microbatches"]), 0])
-            rec[1].extend(s.live[tid] for tid, _u, _n in e["items"] if tid in s.live)
+            rec[1].extend(s.live_metas(e["items"]))
             rec[4] += 1
     return {m: [AdmittedMiniBatch(int(info["train_batch"]), int(info["minibatch_in_batch"]), m, _canonical(metas)), None, off,
                 k, refs] for m, (info, metas, off, k, refs) in found.items()}

@@ -316,9 +316,9 @@ class RayEngine(Engine):
                               f"{e}); copy {path}.* from that host next to {path} and run `knitdata trace {path}`",
                               stacklevel=2)
                 continue
-            if found:
+            if found:  # written here now, at these sizes: the next unit is not asked for them again
                 tracing.write_parts(str(path), found)
-                known = tracing.part_sizes(path)
+                known.update((name, len(data)) for name, data in found.items())
 
     def shutdown(self) -> None:
         """Close the pipeline and kill its actors."""
