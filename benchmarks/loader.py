@@ -68,8 +68,6 @@ __all__ = [
     "DecodingCollator",
     "measure_overhead",
     "measure_overhead_processes",
-    "measure_memcpy",
-    "measure_local_fetch",
     "measure_bandwidth",
     "measure_modes",
     "format_table",
@@ -298,34 +296,14 @@ def measure_overhead_processes(n: int = 1024, *, processes: int = 5, repeats: in
             "cpu_ratio_vs_torch": across("cpu_ratio_vs_torch"), "per_process": runs}
 
 
-def measure_local_fetch(trajs: Sequence[Trajectory], *, repeats: int = 5, minibatches: int = 4,
-                        token_budget: int = 4096) -> float:
-    """GB/s of payload handed out by the embedded loader (``iter``) when each micro-batch is copied once.
-
-    The collate concatenates every payload tensor of the micro-batch into one contiguous buffer (one copy of
-    each byte), so the figure compares with :func:`measure_memcpy`.
-    """
-    concat = _concat_payloads
-    times = []
-    nbytes = 0
-    for _ in range(repeats):
-        pipe = _fed_pipeline(trajs, minibatches, token_budget)
-        t0 = time.perf_counter()
-        bufs = cast("Iterable[torch.Tensor]", pipe.dataset(0, fetch="iter", collate=concat))  # what `concat` returns
-        nbytes = sum(int(buf.numel()) for buf in bufs)
-        times.append(time.perf_counter() - t0)
-    assert nbytes == sum(t.nbytes for t in trajs)
-    return nbytes / statistics.median(times) / 1e9
-
-
 def measure_bandwidth(trajs: Sequence[Trajectory], *, repeats: int = 7, minibatches: int = 4,
                       token_budget: int = 64, chunk_bytes: int = 128 << 20) -> dict[str, Any]:
     """Local fetch against memcpy and against the same collate without knitdata, interleaved in each repeat.
 
     Per repeat: ``copy_`` of as many bytes as the payloads hold, in ``chunk_bytes`` pieces between two warm buffers
-    larger than any cache (memcpy); a plain loop running the copying collate of :func:`measure_local_fetch` over the
-    same micro-batches of the same in-memory trajectories (what any loader pays for that collate); and a pass of the
-    embedded loader (``iter``) with that collate, timed from ``iter()`` to the end (lease, thread start and the last
+    larger than any cache (memcpy); a plain loop running a copying collate (every payload tensor of a micro-batch
+    concatenated into one new buffer: one copy of each byte) over the same micro-batches of the same in-memory
+    trajectories (what any loader pays for that collate); and a pass of the embedded loader (``iter``) with that collate, timed from ``iter()`` to the end (lease, thread start and the last
     report included). Both loops consume alike (``for buf in ...``: a micro-batch is held until the next one
     arrives, as in a training loop). One untimed warm-up repeat first. Returns GB/s medians, the per-repeat seconds,
     the median minor page faults per pass (first touches of new collate buffers), and the ratios
@@ -388,19 +366,6 @@ def _concat_payloads(batch: Sequence[Trajectory], info: Any = None) -> torch.Ten
     parts = [x.reshape(-1).view(torch.uint8) for t in batch
              for x in (t.prompt_ids, t.response_ids, t.loss_mask, *t.tensors.values()) if x is not None]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-
-
-def measure_memcpy(nbytes: int, repeats: int = 5) -> float:
-    """Median GB/s of a ``copy_`` of ``nbytes`` bytes (one thread)."""
-    src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
 
 
 def _matmul_size_for(seconds: float) -> int:

@@ -217,6 +217,7 @@ class ReadStage:
         self.share_fetch = fetch if fetch.whole_share else fetch_mode("eager")  # how a share is read
         self.local_units = engine.local_units(rank)
         self.share: dict[str, Any] = {}
+        self.share_js: set[int] = set()  # the entries (j) of the share read last
         self.rows: list[dict[str, Any]] | None = None
         self.nbytes = self.local = self.requests = self.trajectories = 0
 
@@ -230,14 +231,10 @@ class ReadStage:
             self._count(items, self.fetch)
             return batch
         share = self.share
-        new = False
-        for it in items:  # loops, not comprehensions (each a frame on the path)
-            if it[0] not in share:
-                new = True
-                break
-        if new:
+        j = e["j"]
+        if items and j not in self.share_js:  # a micro-batch of a share not read yet (padding reads nothing)
             rows = [e]
-            nw, j = self.plan.nw, e["j"]
+            nw = self.plan.nw
             for k in sorted(self.plan.cache):
                 if (k - j) % nw == 0:
                     rows.append(self.plan.cache[k])
@@ -246,6 +243,7 @@ class ReadStage:
                 every += x["items"]
             trajs = self.engine.read(every, fetch=self.share_fetch, step=e["minibatch"]) if every else []
             self.share = share = {t.id: t for t in trajs}
+            self.share_js = {x["j"] for x in rows}
             self.trajectories = len(trajs)
             self.rows = rows
             self._count(every, self.share_fetch)
@@ -254,13 +252,15 @@ class ReadStage:
         return [share.pop(it[0]) for it in items]
 
     def _count(self, items: Sequence[Sequence[Any]], fetch: FetchMode) -> None:
-        nbytes = local = 0
+        nbytes = int(sum([it[2] for it in items]))
+        units = {it[1] for it in items}
         local_units = self.local_units
-        for _tid, unit, n in items:
-            n = int(n)
-            nbytes += n
-            if unit in local_units:
-                local += n
+        if units <= local_units:  # the common case: every unit read is on this node
+            local = nbytes
+        elif units.isdisjoint(local_units):
+            local = 0
+        else:
+            local = int(sum([it[2] for it in items if it[1] in local_units]))
         self.nbytes, self.local = nbytes, local
         self.requests = fetch.requests(items)
 
@@ -311,7 +311,7 @@ def produce(plan: PlanStage, reader: ReadStage, collate: Callable[..., Any], med
             return
         t0 = time.perf_counter()
         batch = reader.read(e)
-        info = MicroBatchInfo(**e["info"])  # written by the control plane (MicroBatchInfo.to_dict): trusted
+        info = MicroBatchInfo.from_plan_entry(e["info"])  # written by the control plane: trusted
         mb = collate(batch, info)
         if media is not None:
             media.attach(mb, e, reader.rows, reader.share, batch, info)

@@ -141,31 +141,23 @@ class TokenStaleness:
     def record(self, train_version: int, metas: Iterable[Any]) -> None:
         """Record trajectories (anything with ``gen_version``, ``version_mean``, ``version_span``) trained at
         ``train_version``."""
-        count = partial = span_sum = 0
-        mean_sum = 0.0
-        span_max = self.span_max
-        oldest: int | None = None
-        for m in metas:  # one pass, sums kept in locals: this runs once per micro-batch handed out
-            span = int(getattr(m, "version_span", 0))
-            gen = int(m.gen_version)
-            count += 1
-            mean_sum += float(m.version_mean)
-            span_sum += span
-            if span > 0:
-                partial += 1
-                if span > span_max:
-                    span_max = span
-            if oldest is None or gen < oldest:
-                oldest = gen
-        if oldest is None:
+        metas = metas if isinstance(metas, (list, tuple)) else list(metas)
+        if not metas:
             return
+        # a column per field, then the sums in C: this runs once per micro-batch handed out
+        gens = [m.gen_version for m in metas]
+        spans = [getattr(m, "version_span", 0) for m in metas]
+        count = len(gens)
         self.count += count
-        self._mean_sum += train_version * count - mean_sum
-        self._span_sum += span_sum
-        self.partial += partial
-        self.span_max = span_max
-        worst = train_version - oldest
-        self.worst = worst if self.worst is None else max(self.worst, worst)
+        self._mean_sum += train_version * count - sum([float(m.version_mean) for m in metas])
+        wide = max(spans)
+        if wide > 0:  # partial rollouts continued under newer weights (rare): counted one by one
+            self._span_sum += int(sum(spans))
+            self.partial += sum(1 for s in spans if s > 0)
+            if wide > self.span_max:
+                self.span_max = int(wide)
+        worst = train_version - int(min(gens))
+        self.worst = worst if self.worst is None or worst > self.worst else self.worst
 
     def summary(self) -> dict[str, Any]:
         """``{count, token_mean, span_mean, span_max, worst, partial_share}`` (``nan`` / ``None`` when empty):

@@ -370,3 +370,79 @@ def test_released_ids_are_remembered_newest_last_and_fingerprints_pruned_oldest_
         fps = p.state.fps[rank]
         assert list(fps) == sorted(fps) and min(fps) >= j - 2  # nothing far below the committed position
     assert not p.state.live
+
+
+def _stream_entries(p: ControlPlane) -> list[list[dict[str, Any]]]:
+    """Every planned entry of each rank, in order (the stream is closed)."""
+    out = []
+    for rank in range(3):
+        entries, j = [], 0
+        while True:
+            ans = p.next_entries(rank, j, 1.0)
+            if "entries" not in ans:
+                break
+            entries += ans["entries"]
+            j = entries[-1]["j"] + 1
+        out.append(entries)
+    return out
+
+
+def _handout_view(p: ControlPlane, released: list) -> dict[str, Any]:
+    s = p.state
+    by_unit: dict[str, list[str]] = {}
+    for u, ids in released:
+        by_unit.setdefault(u, []).extend(ids)
+    return {"released": by_unit, "delivered": list(s.delivered), "committed": list(s.committed),
+            "position": list(s.position), "live": sorted(s.live), "staleness": list(s.staleness),
+            "by_rank": [list(d) for d in s.staleness_by_rank],
+            "by_source": {k: list(d) for k, d in s.staleness_by_source.items()},
+            "tokens": s.token_staleness.summary(), "counts": dict(s.counts)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.booleans(), min_size=64, max_size=64), st.lists(st.booleans(), min_size=64, max_size=64),
+       st.integers(0, 2))
+def test_hand_outs_reported_in_any_batches_leave_the_plane_as_one_at_a_time(cuts, bumps, gen_mod):
+    """A report applies a batch of hand-outs (``handed_many``): the staleness of consecutive ones is recorded
+    together and the entries an automatic commit releases go to their units together. Whatever the batching and
+    wherever the trainer's version changes, the plane ends as with each hand-out applied on its own (``handed``):
+    the same payloads released per unit in the same order, the same ids remembered, positions, staleness per
+    trajectory, rank, source and token."""
+    import torch
+
+    trajs = [Trajectory(id=f"t{i}", source="ab"[(i // 2) % 2], group=f"g{i // 2}", gen_version=i % (gen_mod + 1),
+                        prompt_ids=torch.arange(4), response_ids=torch.arange(4 + (i * 7) % 11), scalars={"r": 1.0})
+             for i in range(48)]
+    planes, sinks = [], []
+    for _ in range(2):
+        sink: list = []
+        p = _plane(sink)
+        assert not Producer(p).put_many(trajs)["errors"]
+        p.close()
+        planes.append(p)
+        sinks.append(sink)
+    one, batched = planes
+    entries = _stream_entries(one)
+    assert entries == _stream_entries(batched)
+    k = 0
+    version = 0
+    for rank, rows in enumerate(entries):
+        chunk: list[list[int]] = []
+        for e in rows:
+            if bumps[k % len(bumps)]:
+                version += 1
+                one.report_version(version)
+            one.handed(rank, e["j"], e["minibatch"], e["microbatch"])
+            chunk.append([e["j"], e["minibatch"], e["microbatch"], e["j"], version])
+            if cuts[k % len(cuts)]:
+                batched.handed_many(rank, chunk)
+                chunk = []
+            k += 1
+        if chunk:
+            batched.handed_many(rank, chunk)
+        if rows:
+            one.commit(rank, rows[-1]["j"] + 1)
+            batched.commit(rank, rows[-1]["j"] + 1)
+    a, b = _handout_view(one, sinks[0]), _handout_view(batched, sinks[1])
+    assert a == b
+    assert sorted(i for ids in a["released"].values() for i in ids) == sorted(t.id for t in trajs)

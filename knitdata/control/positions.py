@@ -154,11 +154,31 @@ class Positions(Part):
         handed them out (see :meth:`register_replicas`).
         """
         self.check_replica(rank, replica)
-        with self.s.cond:
+        s = self.s
+        if s.replicas is not None or s.release_mode != "step":
+            with s.cond:
+                for rec in records:
+                    j, microbatch, auto_upto = int(rec[0]), int(rec[2]), int(rec[3])
+                    v = int(rec[4]) if len(rec) > 4 else -1
+                    self._handed(rank, j, microbatch, min(j, auto_upto), v, replica)
+            return
+        # the common case (no replicas, release="step"): the staleness of consecutive hand-outs is recorded
+        # together, before each release (which forgets the released trajectories) and at the end
+        with s.cond:
+            queue, pending = s.queues[rank], []
             for rec in records:
-                j, microbatch, auto_upto = int(rec[0]), int(rec[2]), int(rec[3])
+                j, microbatch, auto_upto = int(rec[0]), int(rec[2]), min(int(rec[0]), int(rec[3]))
                 v = int(rec[4]) if len(rec) > 4 else -1
-                self._handed(rank, j, microbatch, min(j, auto_upto), v, replica)
+                if auto_upto > 0 and microbatch == 0:  # releases the entries below j (not j itself)
+                    s.record_handouts(rank, pending)
+                    pending = []
+                    s.commit_upto(rank, auto_upto)
+                e = queue.get(j)
+                if e is not None:
+                    pending.append((e, v if v >= 0 else s.version))
+                if j + 1 > s.position[rank]:
+                    s.position[rank] = j + 1
+            s.record_handouts(rank, pending)
 
     def _handed(self, rank: int, j: int, microbatch: int, auto_upto: int, version: int = -1,
                 replica: int = 0) -> None:

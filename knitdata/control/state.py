@@ -293,12 +293,30 @@ class PlaneState:
     def record_handout(self, rank: int, e: Mapping[str, Any], version: int) -> None:
         """Staleness of entry ``e`` of ``rank`` handed out to a trainer at policy ``version``: per trajectory,
         overall, per rank, per source and per token."""
-        values = [version - g for g in e["info"]["gen_versions"]]
+        self.record_handouts(rank, [(e, version)])
+
+    def record_handouts(self, rank: int, handouts: Sequence[tuple[Mapping[str, Any], int]]) -> None:
+        """:meth:`record_handout` of several ``(entry, version)`` of ``rank`` at once (a report's hand-outs before
+        its next release), in order."""
+        if not handouts:
+            return
+        version = handouts[0][1]
+        for _e, v in handouts:
+            if v != version:  # the trainer's version changed within these: one at a time
+                for e, v2 in handouts:
+                    self.record_handouts(rank, [(e, v2)])
+                return
+        values = [version - g for e, _v in handouts for g in e["info"]["gen_versions"]]
         self.staleness.extend(values)
         self.staleness_by_rank[rank].extend(values)
-        metas = self.live_metas(e["items"])
+        metas = self.live_metas([it for e, _v in handouts for it in e["items"]])
         self.token_staleness.record(version, metas)
         by_source = self.staleness_by_source
+        if len(by_source) == 1 and len(metas) == len(values):
+            # one source (puts of others are refused), every trajectory held: ``values`` are theirs, in order
+            for only in by_source.values():
+                only.extend(values)
+            return
         for m in metas:
             dq = by_source.get(m.source)
             if dq is not None:
@@ -322,10 +340,29 @@ class PlaneState:
         """Release ``rank``'s entries below ``upto`` (the ones not planned yet when they are); returns how many."""
         top = min(upto, self.planned[rank])
         q = self.queues[rank]
+        start = self.committed[rank]
         n = 0
-        for j in range(self.committed[rank], top):
-            n += j in q
-            self.drop_entry(rank, j)
+        if top > start:
+            # the entries' payloads are released together (one release per unit), in entry order
+            records, get = self.mb_records, self.live.get
+            metas: list[TrajectoryMeta] = []
+            for j in range(start, top):
+                e = q.pop(j, None)
+                if e is None:
+                    continue
+                n += 1
+                rec = records.get(e["minibatch"])
+                if rec is not None:
+                    rec[4] -= 1
+                    if rec[4] <= 0:
+                        del records[e["minibatch"]]
+                metas += [m for m in map(get, [it[0] for it in e["items"]]) if m is not None]
+            if metas:
+                self.release_metas(metas, delivered=True)
+            committed, planned = top, self.planned[rank]
+            while committed < planned and committed not in q:  # past the gaps, as drop_entry moves it
+                committed += 1
+            self.committed[rank] = committed
         # positions past what is planned yet (a restore before the refill): released as they are planned
         if upto > self.committed[rank]:
             self.committed[rank] = upto

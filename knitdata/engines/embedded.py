@@ -89,13 +89,17 @@ class EmbeddedEngine(Engine):
         return [t for group in groups for t in self._get(group)]
 
     def _get(self, items: Sequence[Sequence[Any]]) -> list[Trajectory]:
-        units = {it[1] for it in items}
-        if len(units) == 1:  # the common case (one unit per node): one get, no regrouping
-            return self._units[units.pop()].get([it[0] for it in items])
+        units = self._units
+        if len(units) == 1:  # one node: every payload is on its unit
+            for unit in units.values():
+                return unit.get([it[0] for it in items])
+        held = {it[1] for it in items}
+        if len(held) == 1:  # the common case (one unit per node): one get, no regrouping
+            return units[held.pop()].get([it[0] for it in items])
         by_unit: dict[str, list[str]] = {}
         for tid, u, _n in items:
             by_unit.setdefault(u, []).append(tid)
-        got = {u: iter(self._units[u].get(ids)) for u, ids in by_unit.items()}
+        got = {u: iter(units[u].get(ids)) for u, ids in by_unit.items()}
         return [next(got[u]) for _tid, u, _n in items]  # each unit's answer is in the order it was asked
 
     def on_close(self) -> None:

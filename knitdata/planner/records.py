@@ -109,6 +109,26 @@ class MicroBatchInfo:
         return d
 
     @classmethod
+    def from_plan_entry(cls, d: Mapping[str, Any]) -> MicroBatchInfo:
+        """Build from the ``info`` of a control plane's queue entry (:meth:`to_dict` output written by knitdata).
+
+        Unlike :meth:`from_dict` nothing is converted or checked (the plane wrote the fields from an info that
+        was): this runs once per micro-batch on the data path.
+
+        Example:
+            >>> info = MicroBatchInfo(0, 0, 0, 0, 0, 1, True, 10, 1, trajectory_ids=("t0",), gen_versions=(3,))
+            >>> MicroBatchInfo.from_plan_entry(info.to_dict()) == info
+            True
+        """
+        info = object.__new__(cls)
+        fields = info.__dict__
+        fields["global_loss_tokens"] = 0  # the defaults, for an entry of a plane that left them out
+        fields.update(d)
+        fields["trajectory_ids"] = tuple(fields.get("trajectory_ids", ()))
+        fields["gen_versions"] = tuple(fields.get("gen_versions", ()))
+        return info
+
+    @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MicroBatchInfo:
         """Build from :meth:`to_dict` output.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from knitdata.errors import ConfigError, EngineError, StoreFull, TrajectoryLostError, ValidationError
 from knitdata.record import Trajectory
@@ -153,7 +153,14 @@ class EmbeddedStorageUnit(StorageUnit):
         spilled_any = False
         with self._cond:
             items, spilled = self._items, self._spilled
-            for i in ids:  # one pass (a micro-batch's read): held, spilled, or missing
+            found = [items.get(i) for i in ids]
+            if None not in found:  # the common case: every payload held in memory (comprehensions, no loop)
+                held = cast("list[tuple[Trajectory, int]]", found)
+                self._gets += len(held)
+                self._get_requests += 1
+                self._bytes_fetched += sum([e[1] for e in held])
+                return [e[0] for e in held]
+            for i in ids:  # one pass: held, spilled, or missing
                 e = items.get(i)
                 if e is not None:
                     out.append(e[0])
