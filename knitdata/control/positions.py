@@ -165,7 +165,8 @@ class Positions(Part):
         # the common case (no replicas, release="step"): the staleness of consecutive hand-outs is recorded
         # together, before each release (which forgets the released trajectories) and at the end
         with s.cond:
-            queue, pending = s.queues[rank], []
+            queue = s.queues[rank]
+            pending: list[tuple[dict[str, Any], int]] = []
             for rec in records:
                 j, microbatch, auto_upto = int(rec[0]), int(rec[2]), min(int(rec[0]), int(rec[3]))
                 v = int(rec[4]) if len(rec) > 4 else -1
