@@ -140,8 +140,10 @@ class Positions(Part):
         """Entry ``j`` of ``rank`` was handed out to the trainer (staleness; release per ``release``: with
         ``"step"`` and ``auto_commit`` the entries before a mini-batch's first micro-batch are released)."""
         self.s.check_rank(rank)
+        pending: list[tuple[dict[str, Any], int]] = []
         with self.s.cond:
-            self._handed(rank, j, microbatch, j if auto_commit else 0)
+            self._handed(rank, j, microbatch, j if auto_commit else 0, -1, 0, pending)
+            self.s.record_handouts(rank, pending)
 
     @control_call(journaled=True)
     def handed_many(self, rank: int, records: Sequence[Sequence[Any]], replica: int = 0) -> None:
@@ -155,53 +157,47 @@ class Positions(Part):
         """
         self.check_replica(rank, replica)
         s = self.s
-        if s.replicas is not None or s.release_mode != "step":
-            with s.cond:
-                for rec in records:
-                    j, microbatch, auto_upto = int(rec[0]), int(rec[2]), int(rec[3])
-                    v = int(rec[4]) if len(rec) > 4 else -1
-                    self._handed(rank, j, microbatch, min(j, auto_upto), v, replica)
-            return
-        # the common case (no replicas, release="step"): the staleness of consecutive hand-outs is recorded
-        # together, before each release (which forgets the released trajectories) and at the end
+        pending: list[tuple[dict[str, Any], int]] = []  # hand-outs whose staleness is not recorded yet
         with s.cond:
-            queue = s.queues[rank]
-            pending: list[tuple[dict[str, Any], int]] = []
             for rec in records:
-                j, microbatch, auto_upto = int(rec[0]), int(rec[2]), min(int(rec[0]), int(rec[3]))
+                j, microbatch, auto_upto = int(rec[0]), int(rec[2]), int(rec[3])
                 v = int(rec[4]) if len(rec) > 4 else -1
-                if auto_upto > 0 and microbatch == 0:  # releases the entries below j (not j itself)
-                    s.record_handouts(rank, pending)
-                    pending = []
-                    s.commit_upto(rank, auto_upto)
-                e = queue.get(j)
-                if e is not None:
-                    pending.append((e, v if v >= 0 else s.version))
-                if j + 1 > s.position[rank]:
-                    s.position[rank] = j + 1
+                self._handed(rank, j, microbatch, min(j, auto_upto), v, replica, pending)
             s.record_handouts(rank, pending)
 
-    def _handed(self, rank: int, j: int, microbatch: int, auto_upto: int, version: int = -1,
-                replica: int = 0) -> None:
+    def _handed(self, rank: int, j: int, microbatch: int, auto_upto: int, version: int, replica: int,
+                pending: list[tuple[dict[str, Any], int]]) -> None:
+        """Apply one hand-out. Its staleness joins ``pending``, recorded together before the next release (which
+        forgets the trajectories released) or by the caller at the end."""
         s = self.s
         reps = s.replicas
         e = s.queues[rank].get(j)
         if e is not None and (reps is None or replica == 0):  # staleness counts each micro-batch once
-            s.record_handout(rank, e, version if version >= 0 else s.version)
+            pending.append((e, version if version >= 0 else s.version))
+        auto = s.release_mode == "step" and auto_upto > 0 and microbatch == 0
         if reps is not None:
             if s.release_mode == "handout" and j >= s.committed[rank]:
                 reps.handed[rank][j] = reps.handed[rank].get(j, 0) | (1 << replica)
+                self._record(rank, pending)
                 self._sweep(rank)
-            elif s.release_mode == "step" and auto_upto > 0 and microbatch == 0:
+            elif auto:
+                self._record(rank, pending)
                 self._advance(rank, replica, auto_upto)
         elif s.release_mode == "handout":
+            self._record(rank, pending)
             s.drop_entry(rank, j)
-        elif s.release_mode == "step" and auto_upto > 0 and microbatch == 0:
+        elif auto:
+            self._record(rank, pending)
             s.commit_upto(rank, auto_upto)
         if reps is not None and j + 1 > reps.position[rank][replica]:
             reps.position[rank][replica] = j + 1
         if j + 1 > s.position[rank]:
             s.position[rank] = j + 1
+
+    def _record(self, rank: int, pending: list[tuple[dict[str, Any], int]]) -> None:
+        """Record the staleness of the ``pending`` hand-outs now (a release follows) and empty it."""
+        self.s.record_handouts(rank, pending)
+        pending.clear()
 
     @control_call(journaled=True)
     def commit(self, rank: int, upto: int, replica: int = 0) -> int:

@@ -290,14 +290,10 @@ class PlaneState:
         get = self.live.get
         return [m for m in map(get, [it[0] for it in items]) if m is not None]
 
-    def record_handout(self, rank: int, e: Mapping[str, Any], version: int) -> None:
-        """Staleness of entry ``e`` of ``rank`` handed out to a trainer at policy ``version``: per trajectory,
-        overall, per rank, per source and per token."""
-        self.record_handouts(rank, [(e, version)])
-
     def record_handouts(self, rank: int, handouts: Sequence[tuple[Mapping[str, Any], int]]) -> None:
-        """:meth:`record_handout` of several ``(entry, version)`` of ``rank`` at once (a report's hand-outs before
-        its next release), in order."""
+        """Staleness of entries of ``rank`` handed out to a trainer, ``(entry, policy version)`` in hand-out order
+        (a report's hand-outs up to its next release, recorded together): per trajectory, overall, per rank, per
+        source and per token."""
         if not handouts:
             return
         version = handouts[0][1]
@@ -322,8 +318,8 @@ class PlaneState:
             if dq is not None:
                 dq.append(version - m.gen_version)
 
-    def drop_entry(self, rank: int, j: int) -> None:
-        """Release entry ``j`` of ``rank`` (if still queued) and advance the committed position over gaps."""
+    def unqueue(self, rank: int, j: int) -> dict[str, Any] | None:
+        """Take entry ``j`` out of ``rank``'s queue (``None``: not queued), keeping its mini-batch's record count."""
         e = self.queues[rank].pop(j, None)
         if e is not None:
             rec = self.mb_records.get(e["minibatch"])
@@ -331,38 +327,40 @@ class PlaneState:
                 rec[4] -= 1
                 if rec[4] <= 0:
                     del self.mb_records[e["minibatch"]]
+        return e
+
+    def skip_gaps(self, rank: int) -> None:
+        """Move ``rank``'s committed position past the planned entries no longer queued."""
+        committed, planned, q = self.committed[rank], self.planned[rank], self.queues[rank]
+        while committed < planned and committed not in q:
+            committed += 1
+        self.committed[rank] = committed
+
+    def drop_entry(self, rank: int, j: int) -> None:
+        """Release entry ``j`` of ``rank`` (if still queued) and advance the committed position over gaps."""
+        e = self.unqueue(rank, j)
+        if e is not None:
             self.release_metas(self.live_metas(e["items"]), delivered=True)
-        while self.committed[rank] < self.planned[rank] and self.committed[rank] not in self.queues[rank]:
-            self.committed[rank] += 1
+        self.skip_gaps(rank)
         self.prune_fps(rank)
 
     def commit_upto(self, rank: int, upto: int) -> int:
         """Release ``rank``'s entries below ``upto`` (the ones not planned yet when they are); returns how many."""
         top = min(upto, self.planned[rank])
-        q = self.queues[rank]
         start = self.committed[rank]
         n = 0
         if top > start:
             # the entries' payloads are released together (one release per unit), in entry order
-            records, get = self.mb_records, self.live.get
             metas: list[TrajectoryMeta] = []
             for j in range(start, top):
-                e = q.pop(j, None)
-                if e is None:
-                    continue
-                n += 1
-                rec = records.get(e["minibatch"])
-                if rec is not None:
-                    rec[4] -= 1
-                    if rec[4] <= 0:
-                        del records[e["minibatch"]]
-                metas += [m for m in map(get, [it[0] for it in e["items"]]) if m is not None]
+                e = self.unqueue(rank, j)
+                if e is not None:
+                    n += 1
+                    metas += self.live_metas(e["items"])
             if metas:
                 self.release_metas(metas, delivered=True)
-            committed, planned = top, self.planned[rank]
-            while committed < planned and committed not in q:  # past the gaps, as drop_entry moves it
-                committed += 1
-            self.committed[rank] = committed
+            self.committed[rank] = top
+            self.skip_gaps(rank)
         # positions past what is planned yet (a restore before the refill): released as they are planned
         if upto > self.committed[rank]:
             self.committed[rank] = upto

@@ -90,9 +90,6 @@ class EmbeddedEngine(Engine):
 
     def _get(self, items: Sequence[Sequence[Any]]) -> list[Trajectory]:
         units = self._units
-        if len(units) == 1:  # one node: every payload is on its unit
-            for unit in units.values():
-                return unit.get([it[0] for it in items])
         held = {it[1] for it in items}
         if len(held) == 1:  # the common case (one unit per node): one get, no regrouping
             return units[held.pop()].get([it[0] for it in items])
