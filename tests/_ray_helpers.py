@@ -585,7 +585,8 @@ def coordinator_killed(journal_root: str, n_groups: int = 24, kills: int = 2, co
     stats = pipe.stats()
     pipe.shutdown()
     return {"got": got, "all_ids": [t.id for t in trajs], "errors": errors, "killed": killed,
-            "restarted": info["restarted"], "replayed": info["replayed"], "held": stats["held_trajectories"],
+            "restarted": info["restarted"], "replayed": info["replayed"],
+            "snapshot_loaded": info["snapshot_loaded"], "held": stats["held_trajectories"],
             "committed": stats["committed"], "planned": stats["planned"], "seconds": time.perf_counter() - t0,
             "journal_exists": os.path.exists(os.path.join(journal_root, f"{name}.journal")),
             "snapshot_exists": os.path.exists(os.path.join(journal_root, f"{name}.journal.snapshot"))}

@@ -31,20 +31,34 @@ def _check_resume(res: dict[str, Any], case: str) -> None:
 
 #: Ray runs every case of one fetch mode in one driver process (each restore builds actors): a few save points.
 RAY_POINTS = [0, 3]
-ALL_CASES = [[n, r, "plain"] for n in (1, 2) for r in ("same", "fresh")]
+#: The Ray case of every fetch mode in make test: a fresh pipeline restored across two nodes. The fetch modes differ
+#: in the dataset (engine-neutral code, run at every save point on the embedded engine); the other Ray restores of
+#: fetch='iter' (one driver run: minutes on 2 cores) go to make test-slow.
+RAY_FAST = (2, "fresh")
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("fetch", FETCHES)
-@pytest.mark.parametrize("nodes", [1, 2])
-@pytest.mark.parametrize("restore", ["same", "fresh"])
+def _save_point_cases() -> list[Any]:
+    out: list[Any] = []
+    for restore in ("same", "fresh"):
+        for nodes in (1, 2):
+            for fetch in FETCHES:
+                out.append(pytest.param("embedded", fetch, nodes, restore, id=f"{restore}-{nodes}-{fetch}-embedded"))
+                if (nodes, restore) == RAY_FAST:
+                    out.append(pytest.param("ray", fetch, nodes, restore, marks=pytest.mark.ray,
+                                            id=f"{restore}-{nodes}-{fetch}-ray"))
+                elif fetch == "iter":
+                    out.append(pytest.param("ray", fetch, nodes, restore, marks=[pytest.mark.ray, pytest.mark.slow],
+                                            id=f"{restore}-{nodes}-{fetch}-ray"))
+    return out
+
+
+RAY_SLOW_CASES = [[n, r, "plain"] for n in (1, 2) for r in ("same", "fresh") if (n, r) != RAY_FAST]
+
+
+@pytest.mark.parametrize(("engine", "fetch", "nodes", "restore"), _save_point_cases())
 def test_exactly_once_at_every_save_point(engine, fetch, nodes, restore, request):
     if engine == "ray":
-        # the fetch modes differ in the dataset (engine-neutral code): the whole matrix runs for "iter", one
-        # multi-node fresh restore for the others (each Ray restore starts actors: minutes on 2 cores)
-        if fetch != "iter" and [nodes, restore] != [2, "fresh"]:
-            pytest.skip("Ray: the full matrix runs with fetch='iter'")
-        cases = ALL_CASES if fetch == "iter" else [[2, "fresh", "plain"]]
+        cases = [[nodes, restore, "plain"]] if (nodes, restore) == RAY_FAST else RAY_SLOW_CASES
         res = run_on(engine, request, "resume", fetch=fetch, cases=cases, save_points=RAY_POINTS, n_groups=8)
     else:  # every save point
         res = run_on(engine, request, "resume", fetch=fetch, cases=[[nodes, restore, "plain"]])

@@ -277,8 +277,9 @@ def test_automatic_compaction_keeps_the_journal_short_and_recovers(tmp_path):
     assert j.segment >= 8 and len(list(Journal.read(path))) == j.records < 10
     assert Journal.read_header(path) == (j.run, j.segment)
     b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
-    assert b.recover(str(path)) == j.records
-    assert b.state_dict() == a.state_dict()
+    assert not b.snapshot_loaded
+    assert b.recover(str(path)) == j.records == b.replayed
+    assert b.snapshot_loaded and b.state_dict() == a.state_dict()
     # a restarted coordinator opens the journal again: it goes on counting from the segment's records
     j.close()
     j2 = Journal(path, compact_every=10)
@@ -301,6 +302,7 @@ def test_a_snapshot_left_by_a_deleted_journal_is_ignored(tmp_path):
     d2.step(b, "put", 2)
     c = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
     assert c.recover(str(path)) == 2
+    assert not c.snapshot_loaded  # the other run's snapshot is ignored
     assert c.state_dict() == b.state_dict() != a.state_dict()
 
 

@@ -90,6 +90,7 @@ class Durability:
             finally:
                 s.replaying = False
             s.replayed = n
+            s.snapshot_loaded = plan.state is not None
         if tracing.tracer is not None:  # the restart: the journal replayed (on the thread that recovered)
             tracing.tracer.span("restart", "coordinator", t0, tracing.now_us(),
                                 {"journal": str(path), "replayed": n, "snapshot": plan.state is not None})

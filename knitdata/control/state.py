@@ -227,6 +227,7 @@ class PlaneState:
         self.replaying = False
         self.log: Callable[[str, Sequence[Any]], None] | None = None
         self.replayed = 0
+        self.snapshot_loaded = False
 
     # ------------------------------------------------------------------------------------ checks
     def check_rank(self, rank: int) -> None:

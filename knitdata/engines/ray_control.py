@@ -124,11 +124,13 @@ class CoordinatorBase:
             pass
 
     def info(self) -> dict[str, Any]:
-        """Name, config, units' nodes, spill directory, journal, and whether this actor was restarted."""
+        """Name, config, units' nodes, spill directory, journal, whether this actor was restarted, and its last
+        recovery (``replayed``: journal records replayed after the snapshot; ``snapshot_loaded``)."""
         return {"name": self._setup["name"], "config": self._plane.config, "nodes": self._setup["nodes"],
                 "spill_dir": self._setup.get("spill_dir"), "capacity_bytes": self._setup["capacity_bytes"],
                 "journal": self._setup.get("journal"), "restarted": self.restarted,
-                "replayed": self._plane.replayed, "pid": os.getpid(),
+                "replayed": self._plane.replayed,
+                "snapshot_loaded": self._plane.snapshot_loaded, "pid": os.getpid(),
                 "node": ray.get_runtime_context().get_node_id(),
                 "creator_hosts": bool(self._setup.get("creator_hosts")), "trace": self._setup.get("trace")}
 
