@@ -197,7 +197,9 @@ def _check_reshape(res: dict[str, Any]) -> None:
 
 #: [N, W, N', W', save point(, N'')]: ranks take (point + 3 r) % 7 micro-batches before their states are saved.
 RESHAPE_CASES = [[2, 0, 3, 0, 2], [4, 0, 1, 0, 1], [1, 0, 2, 0, 3, 2], [3, 0, 2, 0, 4, 3]]
-RESHAPE_CASES_RAY = [[4, 0, 1, 0, 1], [1, 0, 2, 2, 3]]
+#: Ray in make test: one reshape, two DataLoader workers on the resumed side (every (N, N') runs in make test-slow:
+#: test_reshape_full_matrix)
+RESHAPE_CASES_RAY = [[1, 0, 2, 2, 3]]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
