@@ -255,7 +255,7 @@ def _headline_transfer(tr: Any, seed: Any) -> list[str]:
         f"ms driven synchronously ({_x(r.get('exposed_transferqueue_over_iter'), '.0f')}). Step time iter / "
         f"transferqueue at its best: {f(g(e2e, 'iter_dup', 'step_s'), '.3f')} / {f(g(e2e, 'tq_dup', 'step_s'), '.3f')} s "
         f"(duplicated encoding), {f(g(e2e, 'iter_shared', 'step_s'), '.3f')} / {f(g(e2e, 'tq_shared', 'step_s'), '.3f')} "
-        "s (shared encoding)."
+        "s (shared encoding)." + _floor_sentence(acc)
     ]
     if isinstance(seed, dict) and isinstance(seed.get("accel"), dict):
         rs = g(seed, "accel", "ratios") or {}
@@ -273,6 +273,19 @@ def _headline_transfer(tr: Any, seed: Any) -> list[str]:
     return out
 
 
+
+
+def _floor_sentence(acc: dict) -> str:
+    """The floor of the same run (no data system), when it ran: what any design could expose on this machine."""
+    fl = g(acc, "alone", "floor") or {}
+    if not isinstance(fl.get("exposed_ms"), (int, float)):
+        return ""
+    r = acc.get("ratios") or {}
+    return (f" With no data system at all (`floor`: a queue pop per micro-batch, a small state and an enqueued "
+            f"commit, the micro-batches built ahead by a thread from memory) the same run exposes "
+            f"{f(fl.get('exposed_ms'))} ms per step: transferqueue at its best / floor is "
+            f"{_x(r.get('exposed_transferqueue_best_over_floor'))}, the most any design could lead by here, and "
+            f"iter / floor {_x(r.get('exposed_iter_over_floor'))}.")
 
 
 @block("headline", "admission_skewed.json", "encode.json",
@@ -484,7 +497,7 @@ def render_transfer_result(tr: dict) -> str:
 
 
 # The accel mode (``--compute accel``): the summary under the JSON's ``accel`` key.
-_ACCEL_MODES = ("transferqueue", "transferqueue_best", "sample", "eager", "iter", "iter_embedded")
+_ACCEL_MODES = ("transferqueue", "transferqueue_best", "sample", "eager", "iter", "iter_embedded", "floor")
 
 
 def _accel_table(section: Any) -> str:

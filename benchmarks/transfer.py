@@ -19,7 +19,10 @@ gets an audio encoder. It is delivered by
 * ``sample`` / ``eager`` / ``iter`` -- knitdata's fetch modes with consumers as separate processes: the Ray
   engine (:mod:`knitdata.engines.ray`); with ``shared`` encoding the rank's
   :class:`~knitdata.dataset.TrajectoryDataset` takes a ``media_collator``,
-* ``iter_embedded`` -- ``iter`` on the embedded engine (consumers are threads of one process), a reference.
+* ``iter_embedded`` -- ``iter`` on the embedded engine (consumers are threads of one process), a reference,
+* ``floor`` -- no data system: each consumer's share of the trajectories in its own memory, its micro-batches built
+  ahead by a thread with knitdata's collators, the trainer's calls a ``deque`` pop, a two-key state and an enqueued
+  commit (:mod:`benchmarks.common.floor`): the least any prefetching design exposes on this machine under this load.
 
 The process-mode sources are prepared first, then run interleaved step by step in the same 4 consumer
 processes (step ``s`` of every source, then step ``s + 1``), so the drifting load of a shared machine hits
@@ -61,6 +64,7 @@ import torch
 from benchmarks.common.baselines import TQServer
 from benchmarks.common.consumer import calibrate_compute, tq_patience
 from benchmarks.common.engines import PROCESS_MODES_ENGINE, RayCluster, run_embedded
+from benchmarks.common.floor import floor_ids
 from benchmarks.common.harness import WorkerPool, job_base
 from benchmarks.common.models import DEFAULT_GPU_TFLOPS, OMNI_SMOKE_VLM, OMNI_VLM, SMOKE_VLM, TINY_VLM, VLMConfig
 from benchmarks.common.output import command_line, write_json
@@ -135,8 +139,9 @@ def run_transfer_benchmark(
         w: The workload (default: the fixed image one).
         modes: Subset of :data:`MODES` (run in that order).
         shared_modes: Modes also run with :class:`~knitdata.encoder.SharedEncoding`.
-        controls: Process modes (``transferqueue``, ``transferqueue_best``, ``sample``, ``eager``, ``iter``) also
-            run alone afterwards, each with the encodings it ran with (default: every process mode that ran).
+        controls: Process modes (``transferqueue``, ``transferqueue_best``, ``sample``, ``eager``, ``iter``,
+            ``floor``) also run alone afterwards, each with the encodings it ran with (default: every process mode
+            that ran).
         control_encodings: The encodings the controls run with (when the mode ran with them).
         tq_best_variants: How ``transferqueue_best`` drives transferqueue (subset of :data:`TQ_BEST_VARIANTS`);
             the variant with the lower exposed latency is reported per encoding.
@@ -173,7 +178,7 @@ def run_transfer_benchmark(
     if bad or not tq_best_variants:
         raise ConfigError(f"tq_best_variants must be a non-empty subset of {TQ_BEST_VARIANTS}, got {list(tq_best_variants)}")
     modes = [m for m in MODES if m in modes]
-    process_modes = ("transferqueue", "transferqueue_best", "sample", "eager", "iter")
+    process_modes = ("transferqueue", "transferqueue_best", "sample", "eager", "iter", "floor")
     controls = [m for m in (controls if controls is not None else process_modes) if m in modes]
     bad = [m for m in controls if m not in process_modes]
     if bad:
@@ -286,6 +291,9 @@ def run_transfer_benchmark(
                  "task": f"{prefix}{v}_{enc}", "mode": mode, "variant": v, "num_workers": loader_workers}
                 for v in tq_best_variants]
 
+    def floor_source(enc: str) -> dict[str, Any]:
+        return {"name": f"floor/{enc}", "kind": "floor", "encoding": enc, "mode": "floor"}
+
     def run_sources(sources: list[dict[str, Any]], label: str, control: bool) -> None:
         assert pool is not None
         before_measuring()
@@ -305,6 +313,9 @@ def run_transfer_benchmark(
                 record(x["fetch"], enc, recs[name], ex, expected_of[x["fetch"]], "ray (consumer processes; "
                        "knitdata.engines.ray)", control=control, interleaved=not control, via="ray_engine",
                        prepare_s=x.get("prepare_s"))
+            elif x["kind"] == "floor":
+                record("floor", enc, recs[name], ex, floor_ids(w), "none (a thread and a deque in each consumer "
+                       "process: benchmarks/common/floor.py)", control=control, interleaved=not control)
             else:
                 record(x["mode"], enc, recs[name], ex, expected_of["transferqueue"],
                        "transferqueue (Ray actors, ZMQ on loopback)", control=control, variant=x.get("variant"),
@@ -360,14 +371,16 @@ def run_transfer_benchmark(
                                     "prepare_s": prep_s})
                     expected_of[mode] = expected
                     mark(f"prepare {mode}/{enc} (ray_engine)")
+            if interleave:
+                sources += [floor_source(enc) for m, enc in runs if m == "floor"]
             if sources:
                 run_sources(sources, "interleaved", control=False)
                 mark("run process modes (interleaved)")
             cluster.finish_runs()  # frees the object store before the controls
             # Controls: each process mode alone (same consumer processes, nothing interleaved); transferqueue's
-            # first, then its servers stop (their memory back) before knitdata's pipelines fill.
+            # first, then its servers stop (their memory back) before knitdata's pipelines fill; the floor last.
             ctl = [r for r in runs if r[0] in controls and r[1] in control_encodings]
-            ctl.sort(key=lambda r: r[0] not in ("transferqueue", "transferqueue_best"))
+            ctl.sort(key=lambda r: (r[0] not in ("transferqueue", "transferqueue_best"), r[0] == "floor"))
             if ctl:
                 result["controls_note"] = (
                     ("each mode alone in the same consumer processes after the interleaved run" if interleave else
@@ -376,6 +389,8 @@ def run_transfer_benchmark(
             for mode, enc in ctl:
                 if mode in ("transferqueue", "transferqueue_best"):
                     srcs = tq_sources(mode, enc, "ctl_")
+                elif mode == "floor":
+                    srcs = [floor_source(enc)]
                 else:
                     if server is not None:
                         server.close()
@@ -592,8 +607,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shared-modes", nargs="*", choices=MODES, default=None,
                         help="modes also run with SharedEncoding (default: transferqueue_best, iter, iter_embedded)")
     parser.add_argument("--controls", nargs="*", default=None,
-                        choices=("transferqueue", "transferqueue_best", "sample", "eager", "iter"),
-                        help="process modes also run alone (default: all that ran; smoke: iter, dup encoding)")
+                        choices=("transferqueue", "transferqueue_best", "sample", "eager", "iter", "floor"),
+                        help="process modes also run alone (default: all that ran; smoke: transferqueue, "
+                             "transferqueue_best, iter and floor, dup encoding)")
     parser.add_argument("--tq-best-variants", nargs="+", choices=TQ_BEST_VARIANTS, default=list(TQ_BEST_VARIANTS),
                         help="how transferqueue_best drives transferqueue (the better is reported)")
     parser.add_argument("--loader-workers", type=int, default=None,
@@ -641,7 +657,8 @@ def run(args: argparse.Namespace) -> int:
         shared = args.shared_modes if args.shared_modes is not None else ["transferqueue_best", "iter",
                                                                           "iter_embedded"]
         # smoke: the alone runs the ratios need (transferqueue sync and at its best, knitdata iter), dup only
-        smoke_controls = ["transferqueue", "transferqueue_best", "iter"] if compute == "accel" else ["iter"]
+        smoke_controls = (["transferqueue", "transferqueue_best", "iter", "floor"] if compute == "accel"
+                          else ["iter"])
         controls = args.controls if args.controls is not None else (smoke_controls if args.smoke else None)
         interleave = getattr(args, "interleave", None)
         interleave = (not seed) if interleave is None else bool(interleave)

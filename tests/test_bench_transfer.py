@@ -212,12 +212,16 @@ def test_smoke_run_every_mode(tmp_path):
     acc = res["accel"]
     for enc in workload.ENCODINGS:
         assert res["calibration"][enc]["step_s"] > 0 and acc["calibration"][enc]["microbatch_s"]
-    alone = ["iter", "iter_embedded"] + (["transferqueue", "transferqueue_best"] if have_tq else [])
+    alone = ["iter", "iter_embedded", "floor"] + (["transferqueue", "transferqueue_best"] if have_tq else [])
     for m in alone:
         assert acc["alone"][m]["exposed_ms"] >= 0 and acc["alone"][m]["step_s"] > 0, m
         b = acc["breakdown"][m]
         assert all(b[k] >= 0 for k in ("wait_ms", "own_ms", "state_dict_ms", "commit_ms")), m
     assert acc["breakdown"]["iter"]["state_dict_ms"] > 0 and acc["breakdown"]["iter"]["commit_ms"] > 0
+    # the floor (no data system) beside them: its calls are a pop, a two-key state and an enqueued commit
+    assert acc["ratios"]["exposed_iter_over_floor"] > 0 and res["controls"]["floor"]["interleaved"] is False
+    if have_tq:
+        assert acc["ratios"]["exposed_transferqueue_best_over_floor"] > 0
     for m in ("sample", "eager", "iter"):
         assert acc["interleaved"][m]["step_s"] > 0, m
     assert acc["end_to_end_alone"]["iter_dup"]["step_s"] > 0

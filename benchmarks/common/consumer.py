@@ -483,6 +483,7 @@ WAIT_SOURCES: dict[str, str] = {
     "transferqueue": "all of next(): get_meta, get_data and the rows' processing run on the trainer's thread",
     "tq_async": "the time blocked on the prefetch thread's queue",
     "tq_loader": "the time inside the streaming loader's next()",
+    "floor": "the time blocked on the floor's deque (no data system: see benchmarks/common/floor.py)",
 }
 
 

@@ -23,6 +23,7 @@ from benchmarks.common.consumer import (
     pin_threads,
 )
 from benchmarks.common.engines import attach_dataset
+from benchmarks.common.floor import FloorSource
 from benchmarks.common.models import VLMConfig
 from benchmarks.common.workload import TransferWorkload
 from knitdata.errors import ConfigError, EngineError
@@ -83,6 +84,18 @@ def _run_worker_job(rank: int, job: Mapping[str, Any], barrier: Any, res_q: Any,
                 # transferqueue's controller records consumption at get_meta: no per-step state call is needed
                 sources.append(StepSource(name, trainers[enc], nxt))
                 extra[name]["wait_source"] = spec["kind"]
+            elif spec["kind"] == "floor":
+                fl = FloorSource(rank, w, cfg, enc)
+                closers.append(fl.close)
+
+                def nxt_floor(fl: FloorSource = fl) -> tuple[StepItem, float, float | None]:
+                    t0 = time.perf_counter()
+                    item = fl.fetch()
+                    return item, time.perf_counter() - t0, fl.last_wait
+
+                # the least a prefetching design can do: a pop per micro-batch, a small state, an enqueued commit
+                sources.append(StepSource(name, trainers[enc], nxt_floor, fl.state, fl.commit))
+                extra[name]["wait_source"] = "floor"
             elif spec["kind"] == "knitdata":
                 ds = attach_dataset(spec, rank, w, cfg)
                 it = iter(ds)

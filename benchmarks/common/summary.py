@@ -308,6 +308,10 @@ RATIO_MEANING: dict[str, str] = {
     "end_to_end_transferqueue_best_shared_over_iter_shared": "step time, transferqueue_best + shared / iter + shared",
     "exposed_iter_embedded_over_iter": "exposed ms per step, iter on the embedded engine / iter on the Ray engine, "
                                        "dup",
+    "exposed_iter_over_floor": "exposed ms per step, knitdata iter (Ray) / floor (no data system: a deque pop, a "
+                               "small state, an enqueued commit), dup: what knitdata adds to the least possible",
+    "exposed_transferqueue_best_over_floor": "exposed ms per step, transferqueue_best / floor, dup: the largest "
+                                             "transferqueue_best / iter ratio any design could reach on this machine",
 }
 
 
@@ -393,6 +397,8 @@ def _ratios(section: Mapping[str, Any]) -> dict[str, float | None]:
         "end_to_end_transferqueue_best_shared_over_iter_shared": _ratio(get("transferqueue_best", st, "shared"),
                                                                         get("iter", st, "shared")),
         "exposed_iter_embedded_over_iter": _ratio(get("iter_embedded", ex), get("iter", ex)),
+        "exposed_iter_over_floor": _ratio(get("iter", ex), get("floor", ex)),
+        "exposed_transferqueue_best_over_floor": _ratio(get("transferqueue_best", ex), get("floor", ex)),
     }
 
 

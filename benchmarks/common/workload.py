@@ -33,7 +33,7 @@ __all__ = [
 
 
 #: Delivery modes, in the order they run.
-MODES: tuple[str, ...] = ("transferqueue", "transferqueue_best", "sample", "eager", "iter", "iter_embedded")
+MODES: tuple[str, ...] = ("transferqueue", "transferqueue_best", "sample", "eager", "iter", "iter_embedded", "floor")
 #: The ways ``transferqueue_best`` drives transferqueue; the better one (lower exposed latency) is reported.
 TQ_BEST_VARIANTS: tuple[str, ...] = ("async", "loader")
 #: Workloads: one image per group, or a short video (frames) and a 30 s audio clip per group (``omni``).
