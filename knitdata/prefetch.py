@@ -73,12 +73,11 @@ __all__ = ["Prefetcher", "PrefetchStats", "PinnedBufferPool", "map_tensors", "ho
 T = TypeVar("T")
 
 _POLL_S = 0.05  # how often a blocked producer checks for close()
-#: A thread parked on a full queue checks for room each this share of the consumer's period: it then makes the next
-#: item right after the pop, done well before the trainer comes back for it (a thread making an item when the trainer
-#: wakes makes it wait for the GIL). Three interleaved pairs of ``bench transfer`` (Ray ``iter``, accel compute, 4
-#: consumer processes on 2 cores): the trainer's own work per step 0.167 / 0.169 / 0.153 ms at 0.25, 0.151 / 0.134 /
-#: 0.141 ms at 0.02.
-_ROOM_CHECK_FRACTION = 0.02
+#: A thread parked on a full queue checks for room each this share of the consumer's period. 0.02 was measured
+#: against it (interleaved pairs of ``bench transfer``, Ray ``iter``, accel compute, 2 cores): the image workload's
+#: trainer-thread work per step fell by about 0.02 ms, but the omni workload at the seed's size (CPU-bound consumers)
+#: stepped 0.71 -> 0.88 s and 0.49 -> 0.73 s with shared encoding; kept at 0.25.
+_ROOM_CHECK_FRACTION = 0.25
 _ROOM_CHECK_MIN_S = 0.0005  # ... but not more often than this
 _ROOM_CHECK_START_S = 0.005  # ... and this often before the consumer's period is known
 _IDLE_S = 0.005  # in inline mode the thread refills the queue once the consumer has been away this long
@@ -231,8 +230,8 @@ def _may_produce(sh: _Shared, now: float) -> bool:
 
 def _room_check_s(sh: _Shared) -> float:
     """How long a thread parked on a full queue sleeps before it checks for room again (a pop that leaves items
-    queued does not wake it): :data:`_ROOM_CHECK_FRACTION` of the consumer's time per item, longer while the
-    consumer is away for more than twice that (an optimizer step, an evaluation), at most :data:`_POLL_S`."""
+    queued does not wake it): a quarter of the consumer's time per item, longer while the consumer is away for
+    more than twice that (an optimizer step, an evaluation), at most :data:`_POLL_S`."""
     period = sh.period
     if period <= 0.0:
         return _ROOM_CHECK_START_S
