@@ -6,8 +6,12 @@ thread builds its micro-batches with knitdata's own collators, the work ``iter``
 with shared encoding the step's media table), at most a few ahead. The trainer's data calls are the least any
 prefetching design can make: a ``deque`` pop per micro-batch (no lock and no signal: the thread polls for room), a
 two-key state after the optimizer step and that state appended to a ``deque`` the thread drains (the enqueued
-commit). No storage, no control plane, no hand-out record, no metric: what remains is the cost, on this host and under the same load, of passing an object between two threads of a
-busy Python process (waking from the compute, taking the GIL back from a thread that collates).
+commit). No storage, no control plane, no hand-out record, no metric: what remains is the cost, on this host and
+under the same load, of passing an object between two threads of a busy Python process (waking from the compute,
+taking the GIL back from a thread that collates).
+
+A first version had the trainer signal the thread (under a ``Condition``) after each pop; it exposed 0.62 ms per step
+on the image workload, more than knitdata's ``iter``: the signal hands the GIL to a thread that goes on collating.
 """
 
 from __future__ import annotations
