@@ -16,7 +16,7 @@ import torch
 from benchmarks.common.consumer import StepItem
 from benchmarks.common.engines import LoopbackError, RayCluster
 from benchmarks.common.models import VLMConfig, preprocess
-from benchmarks.common.workload import TransferWorkload, group_id, make_step_groups
+from benchmarks.common.workload import TransferWorkload, make_step_groups, trajectory_id
 from knitdata.errors import EngineError
 from knitdata.record import MediaItem, Trajectory
 
@@ -40,7 +40,7 @@ def _tq_partition(rank: int) -> str:
 
 def _tq_id(w: TransferWorkload, idx: int) -> str:
     per_step = w.groups_per_step * w.group_size
-    return f"{group_id(idx // per_step, (idx // w.group_size) % w.groups_per_step)}t{idx % w.group_size}"
+    return trajectory_id(idx // per_step, (idx // w.group_size) % w.groups_per_step, idx % w.group_size)
 
 
 def _is_loopback(ip: str) -> bool:

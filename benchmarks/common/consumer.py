@@ -30,6 +30,7 @@ __all__ = [
     "consume",
     "consume_interleaved",
     "dataset_kwargs",
+    "step_item",
     "WAIT_SOURCES",
     "metrics_wait_key",
     "knitdata_source",
@@ -461,15 +462,21 @@ def _knitdata_next(it: Iterator[Any], kinds: Sequence[str] = ("image",)
         mb = next(it)
         waited = time.perf_counter() - t0
         info = mb.info
-        nbytes = sum(t.numel() * t.element_size() for t in mb.iter_tensors())
-        if mb.media is not None and info.microbatch == 0:
-            nbytes += int(getattr(mb.media, "nbytes", 0))
-        inputs = {k: mb.tensors[f"{k}_inputs"] for k in kinds if f"{k}_inputs" in mb.tensors} or None
-        item = StepItem(tuple(info.trajectory_ids), mb.input_ids, inputs, mb.media,
-                     info.microbatch, info.num_microbatches, info.is_last, nbytes)
+        item = step_item(mb, tuple(info.trajectory_ids), info.microbatch, info.num_microbatches, info.is_last, kinds)
         return item, waited, None
 
     return nxt
+
+
+def step_item(mb: Any, ids: tuple[str, ...], index: int, num_microbatches: int, is_last: bool,
+              kinds: Sequence[str]) -> StepItem:
+    """The trainer's view of knitdata micro-batch ``mb``: its tensors' bytes (the media table's once, with the first
+    micro-batch of its share), the per-kind encoder inputs of duplicated encoding (``{kind}_inputs``), its media."""
+    nbytes = sum(t.numel() * t.element_size() for t in mb.iter_tensors())
+    if mb.media is not None and index == 0:
+        nbytes += int(getattr(mb.media, "nbytes", 0))
+    inputs = {k: mb.tensors[f"{k}_inputs"] for k in kinds if f"{k}_inputs" in mb.tensors} or None
+    return StepItem(ids, mb.input_ids, inputs, mb.media, index, num_microbatches, is_last, nbytes)
 
 
 #: Where a run's "waiting for data" (``wait_ms``) comes from: the code stored per run as ``wait_source``.

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.common.consumer import StepItem, dataset_kwargs
+from benchmarks.common.consumer import StepItem, dataset_kwargs, step_item
 from benchmarks.common.models import VLMConfig
-from benchmarks.common.workload import TransferWorkload, group_id, make_group
+from benchmarks.common.workload import TransferWorkload, make_group, trajectory_id
 from knitdata.errors import EngineError
 from knitdata.record import Trajectory
 
@@ -34,7 +34,7 @@ __all__ = ["FloorSource", "floor_ids"]
 
 def floor_ids(w: TransferWorkload) -> set[str]:
     """Every trajectory id of the run (what the floor's consumers deliver together, each once)."""
-    return {f"{group_id(step, g)}t{j}" for step in range(w.total_steps) for g in range(w.groups_per_step)
+    return {trajectory_id(step, g, j) for step in range(w.total_steps) for g in range(w.groups_per_step)
             for j in range(w.group_size)}
 
 
@@ -79,12 +79,8 @@ class FloorSource:
         mb = self.collate(trajs, None)
         if media is not None:
             mb.media = media
-        nbytes = sum(t.numel() * t.element_size() for t in mb.iter_tensors())
-        if media is not None and index == 0:
-            nbytes += int(getattr(media, "nbytes", 0))
-        inputs = {k: mb.tensors[f"{k}_inputs"] for k in self.kinds if f"{k}_inputs" in mb.tensors} or None
         k = self.w.microbatches_per_step
-        return StepItem(tuple(t.id for t in trajs), mb.input_ids, inputs, media, index, k, index == k - 1, nbytes)
+        return step_item(mb, tuple(t.id for t in trajs), index, k, index == k - 1, self.kinds)
 
     def _run(self) -> None:
         torch.set_num_threads(1)

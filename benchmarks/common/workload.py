@@ -26,6 +26,7 @@ __all__ = [
     "TransferWorkload",
     "omni_workload",
     "group_id",
+    "trajectory_id",
     "make_audio_flac",
     "make_group",
     "make_step_groups",
@@ -243,6 +244,11 @@ def group_id(step: int, g: int) -> str:
     return f"s{step:05d}g{g:03d}"
 
 
+def trajectory_id(step: int, g: int, j: int) -> str:
+    """The id of member ``j`` of group ``g`` of step ``step`` (what :func:`make_group` gives it)."""
+    return f"{group_id(step, g)}t{j}"
+
+
 def make_audio_flac(w: TransferWorkload, seed: int) -> bytes:
     """A deterministic mono clip of ``w.audio_seconds`` at ``w.audio_rate`` Hz (tones plus noise), as FLAC bytes
     written by soundfile."""
@@ -292,7 +298,7 @@ def make_group(w: TransferWorkload, step: int, g: int) -> list[Trajectory]:
         resp = torch.randint(0, w.vocab, (w.response_tokens,), dtype=torch.int64, generator=gen)
         out.append(
             Trajectory(
-                id=f"{gid}t{j}",
+                id=trajectory_id(step, g, j),
                 source="mm",
                 group=gid,
                 prompt_ids=prompt,

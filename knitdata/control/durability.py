@@ -93,7 +93,7 @@ class Durability:
             s.snapshot_loaded = plan.state is not None
         if tracing.tracer is not None:  # the restart: the journal replayed (on the thread that recovered)
             tracing.tracer.span("restart", "coordinator", t0, tracing.now_us(),
-                                {"journal": str(path), "replayed": n, "snapshot": plan.state is not None})
+                                {"journal": str(path), "replayed": n, "snapshot": s.snapshot_loaded})
         return n
 
     def _replay(self, path: str, k: int, op: str, args: list[Any]) -> None:
