@@ -23,6 +23,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 from knitdata import trace as tracing
@@ -40,6 +41,8 @@ __all__ = ["ConsumerSession", "PlanStage", "ReadStage", "MediaStage", "produce",
 
 #: Seconds each wait for the next entries lasts before checking for a stop (and the dataset's timeout).
 POLL_S = 1.0
+
+_unit, _nbytes = itemgetter(1), itemgetter(2)  # of a plan entry's item ``[id, unit, nbytes]``
 
 
 class ConsumerSession:
@@ -206,6 +209,7 @@ class ReadStage:
 
     Attributes:
         rows: The entries of the share read by the last :meth:`read` (``None``: it read no new share).
+        row_batches: The trajectories of each of :attr:`rows`, in order (``None`` with it).
         nbytes, local, requests, trajectories: What the last :meth:`read` fetched.
     """
 
@@ -215,45 +219,56 @@ class ReadStage:
         self.plan = plan
         self.whole_share = whole_share
         self.share_fetch = fetch if fetch.whole_share else fetch_mode("eager")  # how a share is read
+        # the requests of a read: one per unit unless the mode counts its own (``sample``: one per trajectory)
+        self.per_unit = type(self.share_fetch).requests is FetchMode.requests
         self.local_units = engine.local_units(rank)
-        self.share: dict[str, Any] = {}
-        self.share_js: set[int] = set()  # the entries (j) of the share read last
+        self.share: dict[int, list[Any]] = {}  # the trajectories of each entry (j) of the share read last
         self.rows: list[dict[str, Any]] | None = None
+        self.row_batches: list[list[Any]] | None = None
         self.nbytes = self.local = self.requests = self.trajectories = 0
 
     def read(self, e: dict[str, Any]) -> list[Any]:
         """The trajectories of entry ``e``, in order."""
         items = e["items"]
-        self.rows = None
+        self.rows = self.row_batches = None
         if not self.whole_share:
             batch = self.engine.read(items, fetch=self.fetch, step=e["minibatch"]) if items else []
             self.trajectories = len(batch)
             self._count(items, self.fetch)
             return batch
-        share = self.share
         j = e["j"]
-        if items and j not in self.share_js:  # a micro-batch of a share not read yet (padding reads nothing)
-            rows = [e]
-            nw = self.plan.nw
-            for k in sorted(self.plan.cache):
-                if (k - j) % nw == 0:
-                    rows.append(self.plan.cache[k])
-            every: list[Sequence[Any]] = []
-            for x in rows:
-                every += x["items"]
-            trajs = self.engine.read(every, fetch=self.share_fetch, step=e["minibatch"]) if every else []
-            self.share = share = {t.id: t for t in trajs}
-            self.share_js = {x["j"] for x in rows}
-            self.trajectories = len(trajs)
-            self.rows = rows
-            self._count(every, self.share_fetch)
-        else:
+        if not items:  # padding: reads nothing
             self.nbytes = self.local = self.requests = self.trajectories = 0
-        return [share.pop(it[0]) for it in items]
+            return []
+        read = self.share.pop(j, None)
+        if read is not None:  # a later micro-batch of the share read at its first
+            self.nbytes = self.local = self.requests = self.trajectories = 0
+            return read
+        rows = [e]
+        nw = self.plan.nw
+        cache = self.plan.cache
+        for k in sorted(cache):
+            if (k - j) % nw == 0:
+                rows.append(cache[k])
+        every: list[Sequence[Any]] = []
+        for x in rows:
+            every += x["items"]
+        trajs = self.engine.read(every, fetch=self.share_fetch, step=e["minibatch"])
+        # each entry's trajectories, sliced from the one read in entry order
+        batches, k = [], 0
+        for x in rows:
+            n = k + len(x["items"])
+            batches.append(trajs[k:n])
+            k = n
+        self.share = dict(zip([x["j"] for x in rows[1:]], batches[1:]))
+        self.trajectories = len(trajs)
+        self.rows, self.row_batches = rows, batches
+        self._count(every, self.share_fetch)
+        return batches[0]
 
     def _count(self, items: Sequence[Sequence[Any]], fetch: FetchMode) -> None:
-        nbytes = int(sum([it[2] for it in items]))
-        units = {it[1] for it in items}
+        nbytes = int(sum(map(_nbytes, items)))
+        units = set(map(_unit, items))
         local_units = self.local_units
         if units <= local_units:  # the common case: every unit read is on this node
             local = nbytes
@@ -262,7 +277,7 @@ class ReadStage:
         else:
             local = int(sum([it[2] for it in items if it[1] in local_units]))
         self.nbytes, self.local = nbytes, local
-        self.requests = fetch.requests(items)
+        self.requests = len(units) if fetch is self.share_fetch and self.per_unit else fetch.requests(items)
 
 
 class MediaStage:
@@ -283,14 +298,12 @@ class MediaStage:
         self.grow: weakref.WeakMethod[Any] | None = None
         self.media: Any = None
 
-    def attach(self, mb: Any, e: dict[str, Any], rows: list[dict[str, Any]] | None, share: Mapping[str, Any],
-               batch: list[Any], info: MicroBatchInfo) -> None:
-        """Give ``mb`` the share's media table (built when a new share was read: ``rows``)."""
-        if rows is not None:
-            by_id = {t.id: t for t in batch}
-            by_id.update(share)
+    def attach(self, mb: Any, e: dict[str, Any], row_batches: list[list[Any]] | None, info: MicroBatchInfo) -> None:
+        """Give ``mb`` the share's media table (built when a new share was read: the trajectories of each of its
+        entries, ``row_batches``, from entry ``e`` on)."""
+        if row_batches is not None:
             groups: list[list[Any]] = [[] for _ in range(int(e["microbatch"]))]
-            groups += [[by_id[it[0]] for it in x["items"]] for x in rows]
+            groups += row_batches
             self.media = self.collator(groups)
             set_depth = self.grow() if self.grow is not None else None
             if set_depth is not None and int(info.num_microbatches) + 1 > self.depth:
@@ -314,7 +327,7 @@ def produce(plan: PlanStage, reader: ReadStage, collate: Callable[..., Any], med
         info = MicroBatchInfo.from_plan_entry(e["info"])  # written by the control plane: trusted
         mb = collate(batch, info)
         if media is not None:
-            media.attach(mb, e, reader.rows, reader.share, batch, info)
+            media.attach(mb, e, reader.row_batches, info)
         t1 = time.perf_counter()
         metrics.record_fetch(t1 - t0, nbytes=reader.nbytes, local_bytes=reader.local,
                              requests=reader.requests, trajectories=reader.trajectories)

@@ -38,6 +38,7 @@ every replica is past them.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import warnings
@@ -555,7 +556,8 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
                                               pin_memory=ds.pin_memory)
         self._timed = hasattr(self._inner, "last_wait_s")  # the prefetcher says how long next() was blocked
         if hasattr(self._inner, "on_wait"):  # the trainer about to wait for data relays queued reports
-            self._inner.on_wait = self._lease.sender.relay  # type: ignore[union-attr]
+            # (by waking the sender's thread: the trainer does not make the report itself)
+            self._inner.on_wait = functools.partial(self._lease.sender.relay, False)  # type: ignore[union-attr]
         if media is not None and set_depth is not None:  # the prefetch thread reads a whole share ahead
             media.grow = weakref.WeakMethod(set_depth)  # weakly: the stages must not hold the prefetcher
 

@@ -278,11 +278,18 @@ class ControlSender:
             :meth:`~knitdata.control.ControlPlane.lease`, :meth:`~knitdata.control.ControlPlane.unlease`).
         heartbeat_s: Seconds between reports while an iterator is live.
         on_error: Called with an exception a report raised (it is retried at the next heartbeat).
+        inline: :meth:`relay` sends on the calling thread instead of waking the sender's: for a control plane in
+            this process, where a report is a function call. Handing it to another thread costs more than the
+            call (a wake-up, the interpreter lock handed back and forth, the plane's state read from the other
+            core's cache): measured with ``bench loader``, a pass of ``fetch="eager"`` took 1.17-1.20x a plain
+            DataLoader with the thread relaying and 1.12x inline. The thread still sends heartbeats and commits
+            nobody relays, and retries a report that failed inline.
     """
 
     def __init__(self, control: Any, *, heartbeat_s: float = HEARTBEAT_S,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
+                 on_error: Callable[[BaseException], None] | None = None, inline: bool = False) -> None:
         self._control = control
+        self.inline = bool(inline)
         self.heartbeat_s = float(heartbeat_s)
         self._on_error = on_error
         self._leases: dict[str, ConsumerLease] = {}
@@ -389,11 +396,18 @@ class ControlSender:
         """
         self.due = True
 
-    def relay(self) -> None:
-        """Wake the thread if records were requested since the last relay (any thread; callers check :attr:`due`
-        first, so that nothing is called while nothing is due)."""
+    def relay(self, inline: bool = True) -> None:
+        """Send the records requested since the last relay: on this thread with :attr:`inline` (and ``inline``),
+        else by waking the thread (any thread; callers check :attr:`due` first, so that nothing is called while
+        nothing is due). A report that fails here is left to the thread (it retries and keeps the error)."""
         if self.due:
             self.due = False
+            if inline and self.inline:
+                try:
+                    self._send()
+                    return
+                except Exception:  # noqa: BLE001 - the records are queued again; the thread retries and reports it
+                    pass
             try:
                 self._wake.release()
             except RuntimeError:  # already signalled

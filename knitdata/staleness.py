@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 from knitdata.errors import StateError, ValidationError
@@ -115,6 +116,11 @@ def staleness_reduction(arch_policy: float, arch_train_batch: float) -> float | 
     return 1.0 - arch_policy / arch_train_batch
 
 
+_gen_version = attrgetter("gen_version")
+_version_span = attrgetter("version_span")
+_version_mean = attrgetter("version_mean")
+
+
 class TokenStaleness:
     """Running per-token staleness figures of trained trajectories in O(1) memory.
 
@@ -145,11 +151,14 @@ class TokenStaleness:
         if not metas:
             return
         # a column per field, then the sums in C: this runs once per micro-batch handed out
-        gens = [m.gen_version for m in metas]
-        spans = [getattr(m, "version_span", 0) for m in metas]
+        gens = list(map(_gen_version, metas))
+        try:
+            spans = list(map(_version_span, metas))
+        except AttributeError:
+            spans = [getattr(m, "version_span", 0) for m in metas]
         count = len(gens)
         self.count += count
-        self._mean_sum += train_version * count - sum([float(m.version_mean) for m in metas])
+        self._mean_sum += train_version * count - float(sum(map(_version_mean, metas)))
         wide = max(spans)
         if wide > 0:  # partial rollouts continued under newer weights (rare): counted one by one
             self._span_sum += int(sum(spans))

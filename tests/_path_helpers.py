@@ -12,6 +12,9 @@ micro-batch. Every Python thread is profiled (``sys.setprofile`` and ``threading
 * a frame in ``knitdata/engines/`` or ``knitdata/control/`` entered from outside them is one stop (the engine's
   business: the Ray forwarder's or the control plane's own frames are not counted), so that both engines are
   measured on the same footing;
+* the sender's relay (``ControlSender.relay``, once per mini-batch, after the plan stage) is one stop too: for a
+  control plane in this process it makes the report itself (the hand-outs and commit since the last: a function
+  call of the plane's, cheaper than waking the sender's thread), which is the control plane's business, as above;
 * ``trainer``: the frames entered by each ``next(it)`` on the trainer's thread when it did not read (``iter``:
   popping the prefetched item and recording its hand-out), counted apart.
 
@@ -68,7 +71,7 @@ class StopCounter:
                 del self._skip[tid]
                 self.events.setdefault(tid, []).append(("return", _key(code), id(frame)))
             return
-        if event == "call" and code.co_filename.startswith(BOUNDARY):
+        if event == "call" and (code.co_filename.startswith(BOUNDARY) or code.co_qualname == "ControlSender.relay"):
             self._skip[tid] = id(frame)
         self.events.setdefault(tid, []).append((event, _key(code), id(frame)))
 

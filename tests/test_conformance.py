@@ -20,7 +20,7 @@ from _conformance_run import ENGINES, ENGINES_RAY_SLOW, cluster, run_on  # noqa:
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINES_RAY_SLOW)  # Ray's run (28-31 s) in make test-slow
 def test_concurrent_first_puts_cannot_mix_schemas(engine, request):
     res = run_on(engine, request, "schema_race", rounds=3 if engine == "ray" else 6)
     for outcome in res["results"]:
@@ -99,7 +99,7 @@ def test_a_replaced_but_alive_consumer_is_fenced(engine, request):
 
 
 # ------------------------------------------------------------------------------------------------ replays
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINES_RAY_SLOW)  # Ray's run (28-31 s) in make test-slow
 def test_a_reordered_refill_is_refused(engine, request):
     """Issue 23.3: a new job refilled in another order than the run that saved the state: an error naming the
     rank and the mismatch, never a silent duplicate or skip."""

@@ -13,7 +13,9 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from itertools import repeat
+from operator import attrgetter, itemgetter
+from typing import Any, cast
 
 from knitdata import trace as tracing
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
@@ -28,6 +30,10 @@ from knitdata.staleness import TokenStaleness
 __all__ = ["PlaneState", "Lease", "RELEASE_MODES", "PLANE_DEFAULTS", "LEASE_TTL_S", "PRODUCER_TTL_S",
            "DELIVERED_MEMORY", "WITHDRAWN_MEMORY", "FP_KEEP", "FP_EMPTY", "RECENT_RELEASES", "SNAPSHOT_FORMAT",
            "fields_of", "entry_fingerprint", "fenced_message", "Replicas"]
+
+_first = itemgetter(0)  # the trajectory id of a queue item ``[id, unit, nbytes]``
+_location = attrgetter("location")
+_drain: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend  # runs an iterator of C calls to its end, keeping nothing
 
 #: When payloads leave storage (see :mod:`knitdata.control.plane`).
 RELEASE_MODES: tuple[str, ...] = ("step", "commit", "handout")
@@ -254,42 +260,58 @@ class PlaneState:
 
     # ------------------------------------------------------------------------------------ release
     def release_metas(self, metas: Sequence[TrajectoryMeta], delivered: bool = False) -> None:
-        """Forget ``metas`` and ask their units to drop the payloads (``delivered``: remember their ids)."""
+        """Forget ``metas`` (those still held) and ask their units to drop the payloads (see :meth:`release_ids`)."""
+        self.release_ids([m.id for m in metas], delivered)
+
+    def release_ids(self, ids: list[str], delivered: bool = False) -> None:
+        """Forget the trajectories ``ids`` still held and ask their units to drop the payloads (``delivered``:
+        remember their ids, to refuse a retried put). Ids not held are skipped. ``ids``: a new list (kept).
+
+        This runs once per micro-batch handed out: each pass over the ids is a ``map`` of a C function (no
+        bytecode per trajectory) while every id is held by one unit, as on the embedded engine and on a node.
+        """
+        popped: list[TrajectoryMeta | None] = list(map(self.live.pop, ids, repeat(None)))
+        metas: list[TrajectoryMeta]
+        if None in popped:  # some already released (a restore, a withdrawn group): only the held ones
+            held = [i for i, m in zip(ids, popped) if m is not None]
+            metas = [m for m in popped if m is not None]
+        else:
+            held, metas = ids, cast("list[TrajectoryMeta]", popped)
+        _drain(map(self.loss.pop, ids, repeat(None)))
+        _drain(map(self.put_tokens.pop, ids, repeat(None)))
+        if not held:
+            return
         if delivered:  # remembered in order; the oldest beyond DELIVERED_MEMORY forgotten
             remember = self.delivered
-            for m in metas:
-                remember[m.id] = None
-            for _ in range(len(remember) - DELIVERED_MEMORY):
-                remember.popitem(last=False)
-        by_unit: dict[str, list[str]] = {}
-        live_pop, loss_pop, token_pop = self.live.pop, self.loss.pop, self.put_tokens.pop
-        for m in metas:  # one pass, no per-item helper calls: this runs once per micro-batch handed out
-            mid = m.id
-            live = live_pop(mid, None)
-            loss_pop(mid, None)
-            token_pop(mid, None)
-            u = m.location
-            if u is not None and live is not None:
-                ids = by_unit.get(u)
-                if ids is None:
-                    by_unit[u] = [mid]
-                else:
-                    ids.append(mid)
+            remember.update(zip(held, repeat(None)))
+            excess = len(remember) - DELIVERED_MEMORY
+            if excess > 0:
+                _drain(map(remember.popitem, repeat(False, excess)))
+        units = set(map(_location, metas))
+        if len(units) == 1:  # the common case: one unit
+            u = units.pop()
+            by_unit = {} if u is None else {u: held}
+        else:
+            by_unit = {}
+            for mid, m in zip(held, metas):
+                u = m.location
+                if u is not None:
+                    by_unit.setdefault(u, []).append(mid)
         tr = tracing.tracer
-        for u, ids in by_unit.items():
+        for u, uids in by_unit.items():
             if tr is not None:
-                tr.instant("release", "storage", {"unit": u, "trajectories": len(ids), "delivered": delivered})
-            self.releaser(u, ids, False)
-            self.counts["released"] += len(ids)
-            self.recent_releases.append((u, ids))
-            self.recent_ids += len(ids)
+                tr.instant("release", "storage", {"unit": u, "trajectories": len(uids), "delivered": delivered})
+            self.releaser(u, uids, False)
+            self.counts["released"] += len(uids)
+            self.recent_releases.append((u, uids))
+            self.recent_ids += len(uids)
             while self.recent_ids > RECENT_RELEASES and len(self.recent_releases) > 1:
                 self.recent_ids -= len(self.recent_releases.popleft()[1])
 
     def live_metas(self, items: Iterable[Sequence[Any]]) -> list[TrajectoryMeta]:
         """The metas of the queue items ``[id, unit, nbytes]`` still held (released ones left out), in order."""
-        get = self.live.get
-        return [m for m in map(get, [it[0] for it in items]) if m is not None]
+        found = list(map(self.live.get, map(_first, items)))
+        return cast("list[TrajectoryMeta]", found) if None not in found else [m for m in found if m is not None]
 
     def record_handouts(self, rank: int, handouts: Sequence[tuple[Mapping[str, Any], int]]) -> None:
         """Staleness of entries of ``rank`` handed out to a trainer, ``(entry, policy version)`` in hand-out order
@@ -303,10 +325,16 @@ class PlaneState:
                 for e, v2 in handouts:
                     self.record_handouts(rank, [(e, v2)])
                 return
-        values = [version - g for e, _v in handouts for g in e["info"]["gen_versions"]]
+        gens: list[int] = []
+        ids: list[str] = []
+        for e, _v in handouts:
+            gens += e["info"]["gen_versions"]
+            ids += map(_first, e["items"])
+        values = list(map(version.__sub__, gens))
         self.staleness.extend(values)
         self.staleness_by_rank[rank].extend(values)
-        metas = self.live_metas([it for e, _v in handouts for it in e["items"]])
+        found = list(map(self.live.get, ids))
+        metas = cast("list[TrajectoryMeta]", found) if None not in found else [m for m in found if m is not None]
         self.token_staleness.record(version, metas)
         by_source = self.staleness_by_source
         if len(by_source) == 1 and len(metas) == len(values):
@@ -341,7 +369,7 @@ class PlaneState:
         """Release entry ``j`` of ``rank`` (if still queued) and advance the committed position over gaps."""
         e = self.unqueue(rank, j)
         if e is not None:
-            self.release_metas(self.live_metas(e["items"]), delivered=True)
+            self.release_ids(list(map(_first, e["items"])), delivered=True)
         self.skip_gaps(rank)
         self.prune_fps(rank)
 
@@ -352,14 +380,14 @@ class PlaneState:
         n = 0
         if top > start:
             # the entries' payloads are released together (one release per unit), in entry order
-            metas: list[TrajectoryMeta] = []
+            ids: list[str] = []
             for j in range(start, top):
                 e = self.unqueue(rank, j)
                 if e is not None:
                     n += 1
-                    metas += self.live_metas(e["items"])
-            if metas:
-                self.release_metas(metas, delivered=True)
+                    ids += map(_first, e["items"])
+            if ids:
+                self.release_ids(ids, delivered=True)
             self.committed[rank] = top
             self.skip_gaps(rank)
         # positions past what is planned yet (a restore before the refill): released as they are planned
@@ -383,7 +411,7 @@ class PlaneState:
                 chain = entry_fingerprint(chain, info)
                 fps[j + 1] = chain
             if j < self.committed[rank]:  # the rank restored past it: release at once
-                self.release_metas([self.live[m.id] for m in pmb.trajectories if m.id in self.live], delivered=True)
+                self.release_ids([m.id for m in pmb.trajectories], delivered=True)
                 continue
             self.queues[rank][j] = {
                 "j": j, "minibatch": info["minibatch"], "microbatch": info["microbatch"], "info": info,

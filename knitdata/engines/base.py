@@ -125,7 +125,7 @@ class Engine(abc.ABC):
     def sender(self) -> ControlSender:
         """This process's :class:`~knitdata.handoff.ControlSender` of the pipeline (made on first use)."""
         if self._sender is None:
-            self._sender = ControlSender(self.control, heartbeat_s=self.heartbeat_s)
+            self._sender = ControlSender(self.control, heartbeat_s=self.heartbeat_s, inline=self.in_process)
         return self._sender
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch
@@ -18,6 +19,8 @@ from knitdata.storage.base import StorageUnit
 from knitdata.storage.embedded import EmbeddedStorageUnit
 
 __all__ = ["EmbeddedEngine"]
+
+_first, _unit = itemgetter(0), itemgetter(1)  # of a plan entry's item ``[id, unit, nbytes]``
 
 
 class EmbeddedEngine(Engine):
@@ -90,9 +93,9 @@ class EmbeddedEngine(Engine):
 
     def _get(self, items: Sequence[Sequence[Any]]) -> list[Trajectory]:
         units = self._units
-        held = {it[1] for it in items}
+        held = set(map(_unit, items))
         if len(held) == 1:  # the common case (one unit per node): one get, no regrouping
-            return units[held.pop()].get([it[0] for it in items])
+            return units[held.pop()].get(list(map(_first, items)))
         by_unit: dict[str, list[str]] = {}
         for tid, u, _n in items:
             by_unit.setdefault(u, []).append(tid)

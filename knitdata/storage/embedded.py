@@ -5,11 +5,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from itertools import repeat
+from operator import itemgetter
 from typing import Any, cast
 
 from knitdata.errors import ConfigError, EngineError, StoreFull, TrajectoryLostError, ValidationError
 from knitdata.record import Trajectory
 from knitdata.storage.base import StorageStats, StorageUnit
+
+_first, _second = itemgetter(0), itemgetter(1)  # of a held ``(trajectory, nbytes)``
 
 __all__ = ["EmbeddedStorageUnit"]
 
@@ -153,13 +157,13 @@ class EmbeddedStorageUnit(StorageUnit):
         spilled_any = False
         with self._cond:
             items, spilled = self._items, self._spilled
-            found = [items.get(i) for i in ids]
-            if None not in found:  # the common case: every payload held in memory (comprehensions, no loop)
+            found = list(map(items.get, ids))
+            if None not in found:  # the common case: every payload held in memory (C maps, no loop)
                 held = cast("list[tuple[Trajectory, int]]", found)
                 self._gets += len(held)
                 self._get_requests += 1
-                self._bytes_fetched += sum([e[1] for e in held])
-                return [e[0] for e in held]
+                self._bytes_fetched += sum(map(_second, held))
+                return list(map(_first, held))
             for i in ids:  # one pass: held, spilled, or missing
                 e = items.get(i)
                 if e is not None:
@@ -197,9 +201,16 @@ class EmbeddedStorageUnit(StorageUnit):
         """Drop ``ids`` (unknown ids ignored) and wake producers waiting for room."""
         freed = 0
         with self._cond:
+            popped = list(map(self._items.pop, ids, repeat(None)))
+            if None not in popped:  # the common case: every payload held in memory (C maps, no loop)
+                freed = sum(map(_second, cast("list[tuple[Trajectory, int]]", popped)))
+                self._releases += len(popped)
+                if freed:
+                    self._used -= freed
+                    self._cond.notify_all()
+                return freed
             spilled = []
-            for i in ids:
-                item = self._items.pop(i, None)
+            for i, item in zip(ids, popped):
                 if item is not None:
                     freed += item[1]
                     self._releases += 1
