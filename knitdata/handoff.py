@@ -281,9 +281,8 @@ class ControlSender:
         inline: :meth:`relay` sends on the calling thread instead of waking the sender's: for a control plane in
             this process, where a report is a function call. Handing it to another thread costs more than the
             call (a wake-up, the interpreter lock handed back and forth, the plane's state read from the other
-            core's cache): measured with ``bench loader``, a pass of ``fetch="eager"`` took 1.17-1.20x a plain
-            DataLoader with the thread relaying and 1.12x inline. The thread still sends heartbeats and commits
-            nobody relays, and retries a report that failed inline.
+            core's cache; see ``docs/concepts.md``). The thread still sends heartbeats and commits nobody relays,
+            and retries a report that failed inline.
     """
 
     def __init__(self, control: Any, *, heartbeat_s: float = HEARTBEAT_S,
