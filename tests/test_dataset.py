@@ -414,8 +414,10 @@ def test_close_from_another_thread_ends_a_blocked_pass_cleanly(fetch):
 
 
 # ------------------------------------------------------------------ the path of a micro-batch (issue 24)
-#: The producing stage relays the wake of this process's report sender when the trainer's hand-out or commit asked
-#: for one (once per mini-batch: a system call kept off the trainer's thread); not a stop of the read path.
+#: The producing stage relays this process's report when the trainer's hand-out or commit asked for one (once per
+#: mini-batch, kept off the trainer's thread in iter mode): it wakes the sender's thread, or, for a control plane in
+#: this process, makes the report itself (the plane's business, like an engine call: one stop); not a stop of the
+#: read path.
 RELAY = "handoff.py:ControlSender.relay"
 
 

@@ -310,7 +310,11 @@ class PlaneState:
 
     def live_metas(self, items: Iterable[Sequence[Any]]) -> list[TrajectoryMeta]:
         """The metas of the queue items ``[id, unit, nbytes]`` still held (released ones left out), in order."""
-        found = list(map(self.live.get, map(_first, items)))
+        return self.held_metas(map(_first, items))
+
+    def held_metas(self, ids: Iterable[str]) -> list[TrajectoryMeta]:
+        """The metas of the trajectories ``ids`` still held (released ones left out), in order."""
+        found = list(map(self.live.get, ids))
         return cast("list[TrajectoryMeta]", found) if None not in found else [m for m in found if m is not None]
 
     def record_handouts(self, rank: int, handouts: Sequence[tuple[Mapping[str, Any], int]]) -> None:
@@ -333,8 +337,7 @@ class PlaneState:
         values = list(map(version.__sub__, gens))
         self.staleness.extend(values)
         self.staleness_by_rank[rank].extend(values)
-        found = list(map(self.live.get, ids))
-        metas = cast("list[TrajectoryMeta]", found) if None not in found else [m for m in found if m is not None]
+        metas = self.held_metas(ids)
         self.token_staleness.record(version, metas)
         by_source = self.staleness_by_source
         if len(by_source) == 1 and len(metas) == len(values):
