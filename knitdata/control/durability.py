@@ -17,7 +17,7 @@ from knitdata import trace as tracing
 from knitdata.control.journal import Journal, dumps_strict, loads_strict, recovery_plan
 from knitdata.control.reshape import load_snapshot_part, snapshot_layout, snapshot_part
 from knitdata.control.snapshot import decode_snapshot
-from knitdata.control.state import SNAPSHOT_FORMAT, PlaneState
+from knitdata.control.state import SNAPSHOT_FORMAT, PlaneState, RecentIds
 from knitdata.errors import CodecError, ConfigError, KnitdataError, StateError
 from knitdata.placement import ConsumerLayout, make_placement
 
@@ -207,7 +207,7 @@ class Durability:
             s.seq = d["seq"]
             s.schema = d["schema"]
             s.withdrawn = OrderedDict.fromkeys(d["withdrawn"])
-            s.delivered = OrderedDict.fromkeys(d["delivered"])
+            s.delivered = RecentIds(s.delivered.limit, d["delivered"])
             s.live = {m.id: m for m in d["live"]}
             s.put_tokens = d["put_tokens"]
             s.pending = {m.id: s.live.get(m.id, m) for m in d["pending"]}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, itemgetter
@@ -29,7 +29,7 @@ from knitdata.staleness import TokenStaleness
 
 __all__ = ["PlaneState", "Lease", "RELEASE_MODES", "PLANE_DEFAULTS", "LEASE_TTL_S", "PRODUCER_TTL_S",
            "DELIVERED_MEMORY", "WITHDRAWN_MEMORY", "FP_KEEP", "FP_EMPTY", "RECENT_RELEASES", "SNAPSHOT_FORMAT",
-           "fields_of", "entry_fingerprint", "fenced_message", "Replicas"]
+           "fields_of", "entry_fingerprint", "fenced_message", "Replicas", "RecentIds"]
 
 _first = itemgetter(0)  # the trajectory id of a queue item ``[id, unit, nbytes]``
 _location = attrgetter("location")
@@ -136,6 +136,70 @@ def fields_of(scalars: Iterable[str], tensors: Mapping[str, str]) -> dict[str, A
     return {"scalars": sorted(scalars), "tensors": {k: str(v) for k, v in sorted(tensors.items())}}
 
 
+class RecentIds:
+    """The last ``limit`` distinct ids added, oldest first: a bounded ordered set.
+
+    Ids come and go a batch at a time (a micro-batch's released trajectories): a batch is one C ``set.update`` and
+    a list kept for the order, and the oldest are forgotten a batch at a time. At its bound, where a long run
+    stays, this costs less per id than an ``OrderedDict`` (whose linked nodes are allocated, then freed, one per
+    id). An id added again keeps its first place.
+
+    Args:
+        limit: How many ids are remembered.
+        ids: The first ids, oldest first.
+
+    Example:
+        >>> r = RecentIds(3, ["a", "b"])
+        >>> r.add_many(["c", "a", "d"])
+        >>> list(r), "a" in r, len(r)
+        (['b', 'c', 'd'], False, 3)
+    """
+
+    def __init__(self, limit: int, ids: Iterable[str] = ()) -> None:
+        self.limit = int(limit)
+        self._set: set[str] = set()
+        self._chunks: deque[list[str]] = deque()
+        self._n = 0
+        self.add_many(list(ids))
+
+    def add_many(self, ids: Sequence[str]) -> None:
+        """Remember ``ids`` (those not remembered already, in order); forget the oldest beyond the limit."""
+        seen = self._set
+        if seen.isdisjoint(ids):
+            before = len(seen)
+            seen.update(ids)
+            chunk = list(ids) if len(seen) - before == len(ids) else list(dict.fromkeys(ids))
+        else:
+            chunk = [i for i in dict.fromkeys(ids) if i not in seen]
+            seen.update(chunk)
+        if not chunk:
+            return
+        self._chunks.append(chunk)
+        self._n += len(chunk)
+        while self._n > self.limit:
+            old = self._chunks[0]
+            excess = self._n - self.limit
+            if len(old) <= excess:
+                self._chunks.popleft()
+                seen.difference_update(old)
+                self._n -= len(old)
+            else:
+                seen.difference_update(old[:excess])
+                self._chunks[0] = old[excess:]
+                self._n -= excess
+
+    def __contains__(self, tid: object) -> bool:
+        return tid in self._set
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[str]:
+        """The ids, oldest first."""
+        for chunk in list(self._chunks):
+            yield from chunk
+
+
 class PlaneState:
     """Everything one control plane knows, shared by its parts (use it under :attr:`cond`).
 
@@ -178,7 +242,7 @@ class PlaneState:
         self.seq = 0
         self.schema: dict[str, Any] | None = None
         self.withdrawn: OrderedDict[str, None] = OrderedDict()
-        self.delivered: OrderedDict[str, None] = OrderedDict()  # released after planning (DELIVERED_MEMORY)
+        self.delivered = RecentIds(DELIVERED_MEMORY)  # released after planning
         self.live: dict[str, TrajectoryMeta] = {}  # stored and not released
         self.put_tokens: dict[str, str] = {}  # live id -> token of the admit_many call that put it (retries)
         self.pending: dict[str, TrajectoryMeta] = {}  # admitted to the policy, not in a mini-batch yet
@@ -282,11 +346,7 @@ class PlaneState:
         if not held:
             return
         if delivered:  # remembered in order; the oldest beyond DELIVERED_MEMORY forgotten
-            remember = self.delivered
-            remember.update(zip(held, repeat(None)))
-            excess = len(remember) - DELIVERED_MEMORY
-            if excess > 0:
-                _drain(map(remember.popitem, repeat(False, excess)))
+            self.delivered.add_many(held)
         units = set(map(_location, metas))
         if len(units) == 1:  # the common case: one unit
             u = units.pop()
