@@ -219,8 +219,6 @@ class ReadStage:
         self.plan = plan
         self.whole_share = whole_share
         self.share_fetch = fetch if fetch.whole_share else fetch_mode("eager")  # how a share is read
-        # the requests of a read: one per unit unless the mode counts its own (``sample``: one per trajectory)
-        self.per_unit = type(self.share_fetch).requests is FetchMode.requests
         self.local_units = engine.local_units(rank)
         self.share: dict[int, list[Any]] = {}  # the trajectories of each entry (j) of the share read last
         self.rows: list[dict[str, Any]] | None = None
@@ -277,7 +275,7 @@ class ReadStage:
         else:
             local = int(sum([it[2] for it in items if it[1] in local_units]))
         self.nbytes, self.local = nbytes, local
-        self.requests = len(units) if fetch is self.share_fetch and self.per_unit else fetch.requests(items)
+        self.requests = fetch.requests(items)
 
 
 class MediaStage:

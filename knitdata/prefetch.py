@@ -230,8 +230,8 @@ def _may_produce(sh: _Shared, now: float) -> bool:
 
 def _room_check_s(sh: _Shared) -> float:
     """How long a thread parked on a full queue sleeps before it checks for room again (a pop that leaves items
-    queued does not wake it): a quarter of the consumer's time per item, longer while the consumer is away for
-    more than twice that (an optimizer step, an evaluation), at most :data:`_POLL_S`."""
+    queued does not wake it): :data:`_ROOM_CHECK_FRACTION` of the consumer's time per item, longer while the
+    consumer is away for more than twice that (an optimizer step, an evaluation), at most :data:`_POLL_S`."""
     period = sh.period
     if period <= 0.0:
         return _ROOM_CHECK_START_S
