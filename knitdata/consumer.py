@@ -141,7 +141,6 @@ class PlanStage:
         self.engine = engine
         self.rank = rank
         self.lease = lease
-        self.sender = lease.sender
         self.stop = stop
         self.j = j
         self.nw = nw
@@ -157,8 +156,7 @@ class PlanStage:
         At the first micro-batch of a mini-batch it waits (up to the dataset's timeout, in :data:`POLL_S` slices) for
         the entries from there to the end of the mini-batch.
         """
-        if self.sender.due:  # the trainer's hand-outs and commits asked for a report: it goes now (off its thread)
-            self.sender.relay()
+        self.lease.relay()  # hand-outs that free storage, or a commit, ask for a report: it goes now (off the trainer)
         j, cache = self.j, self.cache
         if j not in cache:
             if self.end is not None and self.last_step is not None and self.last_step + 1 >= self.end:
@@ -314,8 +312,16 @@ class MediaStage:
 
 
 def produce(plan: PlanStage, reader: ReadStage, collate: Callable[..., Any], media: MediaStage | None,
-            metrics: ConsumerMetrics, stop: threading.Event) -> Iterator[tuple[dict[str, Any], Any]]:
-    """``(entry, micro-batch)`` of each of the plan's entries: read, collate, media, metrics."""
+            metrics: ConsumerMetrics, stop: threading.Event
+            ) -> Iterator[tuple[dict[str, Any], Any, bool, bool, tuple[dict[str, Any], int]]]:
+    """``(entry, micro-batch, is_last, empty, position)`` of each of the plan's entries: read, collate, media,
+    metrics.
+
+    ``is_last`` (the micro-batch ends its mini-batch), ``empty`` (it holds no trajectory) and ``position``
+    (``(entry, n)``: the n-th entry of this plan, the consumer's position once it handed this one out) are made
+    here, so that the trainer's thread does not look into the entry for its metrics or build its position.
+    """
+    n = 0
     while True:
         e = plan.next()
         if e is None:
@@ -334,6 +340,7 @@ def produce(plan: PlanStage, reader: ReadStage, collate: Callable[..., Any], med
             tr.span("fetch", "consumer", t0 * 1e6, t1 * 1e6,
                     {"rank": plan.rank, "step": e["minibatch"], "microbatch": e["microbatch"], "bytes": reader.nbytes,
                      "local_bytes": reader.local, "requests": reader.requests})
-        yield e, mb
+        n += 1
+        yield e, mb, info.is_last, not e["items"], (e, n)
         if stop.is_set():
             return

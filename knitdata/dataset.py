@@ -214,10 +214,7 @@ class TrajectoryDataset(IterableDataset):
         self.session = ConsumerSession(self.engine, self.rank, self.replica or 0)
 
     def __getstate__(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        for k in ("_lock", "_active"):
-            d.pop(k, None)
-        return d
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_active")}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
@@ -314,10 +311,8 @@ class TrajectoryDataset(IterableDataset):
         last = None
         fp: tuple[int, str] | None
         if it is not None and static is not None and static[0] is self.engine.layout and static[1] == self._worker:
-            # the common case, once per step on the trainer's thread: the position after the last hand-out, read
-            # from the lease without a lock (a cold lock costs more than the rest); the dataset's fields follow at
-            # the next sync
-            last, taken = it._lease.position()
+            # once per step: the position next() set (no lock); the dataset's fields follow at the next sync
+            last, taken = it.position
             if last is not None and last.get("fp") is not None and not it._done:
                 j = last["j"]
                 nxt, fp = j + static[1][1], (j + 1, last["fp"])
@@ -458,7 +453,10 @@ class TrajectoryDataset(IterableDataset):
             upto = state.get("next")  # the common case, once per step: this rank's own state, one worker
             if state.get("rank") == self.rank and type(upto) is int:
                 it = self._active() if self._active is not None else None
-                return self.session.commit(upto, wait=wait, relayed=it is not None and not it.done)
+                if it is not None and not it._done and not wait:  # queued for the sender, whose wake the
+                    # iterator's stages relay: no system call on the trainer's thread
+                    it._lease.sender.commit(self.rank, upto, it._lease.replica, relayed=True)
+                    return None
         return self.session.commit(commit_point(state, self.rank), wait=wait)
 
     def flush(self) -> None:
@@ -537,7 +535,9 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         self._stop = threading.Event()
         self._done = False
         self._nw = num_workers
-        self._inner: Iterator[tuple[dict[str, Any], Any]] | None = None
+        self._inner: Iterator[tuple[dict[str, Any], Any, bool, bool, tuple[dict[str, Any], int]]] | None = None
+        #: ``(last entry handed out, how many)`` since the lease began (``produce`` built it; set by ``__next__``).
+        self.position: tuple[dict[str, Any] | None, int] = (None, 0)
         self._session = ds.session
         self._lease, (nxt, fp) = ds.session.lease(worker, num_workers, ds._cap)
         if ds._next is None:  # after the last micro-batch handed out to the rank (by the iterator fenced, too)
@@ -557,7 +557,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         self._timed = hasattr(self._inner, "last_wait_s")  # the prefetcher says how long next() was blocked
         if hasattr(self._inner, "on_wait"):  # the trainer about to wait for data relays queued reports
             # (by waking the sender's thread: the trainer does not make the report itself)
-            self._inner.on_wait = functools.partial(self._lease.sender.relay, False)  # type: ignore[union-attr]
+            self._inner.on_wait = functools.partial(self._lease.relay, False)  # type: ignore[union-attr]
         if media is not None and set_depth is not None:  # the prefetch thread reads a whole share ahead
             media.grow = weakref.WeakMethod(set_depth)  # weakly: the stages must not hold the prefetcher
 
@@ -568,7 +568,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             raise StopIteration
         t0 = time.perf_counter()
         try:
-            entry, mb = next(inner)
+            entry, mb, is_last, empty, position = next(inner)
         except StopIteration:
             self._finish()
             raise
@@ -580,15 +580,19 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         if self._done:  # closed by another thread while this item was prepared: not handed out
             raise StopIteration
         t1 = time.perf_counter()
-        try:
-            self._lease.take_out(entry, t1)
-        except KnitdataError:
-            self.close()  # a newer iterator holds the rank (or the control plane is gone): nothing more
-            raise
+        lease = self._lease
+        if t1 > lease.deadline:  # renew first (the sender is late, a report failed), or fenced: take_out raises
+            try:
+                lease.take_out(entry, t1)
+            except KnitdataError:
+                self.close()  # a newer iterator holds the rank (or the control plane is gone): nothing more
+                raise
+        else:
+            lease.hand_out(entry)  # a deque append: what it frees and reports is derived off this thread
+        self.position = position
         waits = self._waits  # the rank's ConsumerMetrics.pending: one append, folded by readers
         waits.append((t1 - t0, inner.last_wait_s if self._timed else t1 - t0,  # type: ignore[attr-defined]
-                      entry["info"]["is_last"],
-                      not entry["items"]))
+                      is_last, empty))
         if len(waits) > PENDING_LIMIT:
             self._metrics.fold()
         if tracing.tracer is not None:
@@ -613,7 +617,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         """Bring the dataset's position up to the last micro-batch this iterator handed out."""
         ds = self._ds
         with ds._lock:
-            last, taken = self._lease.position()
+            last, taken = self.position
             if last is None or taken == self._synced:
                 return
             ds._handed_out += taken - self._synced

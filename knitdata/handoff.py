@@ -1,7 +1,7 @@
 """What a consumer process tells the control plane, sent off the trainer's thread; and the lease that fences it.
 
 The trainer's thread pays for a queue pop and nothing else: each micro-batch it takes is recorded in its
-iterator's :class:`ConsumerLease` (a list append under an uncontended lock), and a :class:`ControlSender` (one
+iterator's :class:`ConsumerLease` (a ``deque`` append, no lock), and a :class:`ControlSender` (one
 background thread per engine handle and process) sends the records of every iterator of the process, the commits,
 the versions, the producers' presence and the lease renewals in one control call
 (:meth:`knitdata.control.ControlPlane.report`). It sends when something frees storage (a commit; the first
@@ -56,10 +56,11 @@ def holder_name() -> str:
 class ConsumerLease:
     """The lease of one (rank, worker) iterator: the gate of every hand-out, and its hand-outs until they are sent.
 
-    Build it with :meth:`ControlSender.acquire`. The trainer's thread calls :meth:`take_out` once per micro-batch:
-    a check and a list append under an uncontended lock. Everything else (the records the control plane needs,
-    the position) is derived from the entries taken out, later and elsewhere: when the sender sends, or when the
-    dataset's position is read.
+    Build it with :meth:`ControlSender.acquire`. The trainer's thread records each micro-batch it takes: a check of
+    :attr:`deadline` and a ``deque`` append (:meth:`take_out`, or :attr:`hand_out` once the check passed), no lock
+    and no other call. Everything else is derived from the entries taken out, later and elsewhere: whether they free
+    storage and a report is due (:meth:`relay`, by the stage that prepares the micro-batches), the records the
+    control plane needs (when the sender sends), the position (when the dataset's position is read).
 
     Attributes:
         rank: The consumer.
@@ -74,6 +75,10 @@ class ConsumerLease:
         cap: The position of the last state taken or loaded, as of the last records made (``None``: none).
         taken: Entries taken out since the lease began.
         last: The last entry taken out (``None``: none yet).
+        deadline: ``time.perf_counter()`` past which the next hand-out reports first (:meth:`take_out`): the last
+            renewal plus most of the lease's time to live; ``-inf`` once fenced or after a failed report.
+        hand_out: Record an entry taken out (a ``deque`` append; the trainer's thread, no lock), once ``now <=``
+            :attr:`deadline` was checked: :meth:`take_out` without the check's call.
     """
 
     def __init__(self, sender: ControlSender, rank: int, worker: int, token: str, epoch: int, ttl_s: float,
@@ -88,29 +93,31 @@ class ConsumerLease:
         self.auto_step = False
         self.cap: int | None = None
         self._version = sender.local_version
-        self._pos: tuple[dict[str, Any] | None, int] = (None, 0)  # (last entry taken out, how many): one assignment
+        self._pos: tuple[dict[str, Any] | None, int] = (None, 0)  # (last entry taken out, how many), as of _seal
         self._fence_message: str | None = None
         self._sender = sender
         #: The process's :class:`ControlSender` (the stage that prepares micro-batches relays its wakes).
         self.sender = sender
         self._ttl_s = ttl_s
-        self._lock = threading.Lock()  # the records and the deadline (never taken by take_out)
+        self._lock = threading.Lock()  # the records, the position and the deadline (never taken by a hand-out)
         # entries taken out (and cap/version changes), not yet turned into records: appended without a lock by the
-        # trainer (take_out) and by set_cap()/set_version(), popped under the lock by _seal (deque ops are atomic)
+        # trainer (hand_out) and by set_cap()/set_version(), popped under the lock by _seal (deque ops are atomic)
         self._out: collections.deque[Any] = collections.deque()
+        self.hand_out: Callable[[dict[str, Any]], None] = self._out.append
+        self._checked = 0  # the first entries of _out that relay() looked at (reset when _seal empties it)
         self._records: list[list[int]] = []
-        self._deadline = time.perf_counter() + _LOCAL_SHARE * ttl_s - (time.monotonic() - sent_at)
+        self.deadline = time.perf_counter() + _LOCAL_SHARE * ttl_s - (time.monotonic() - sent_at)
         self._ended = False
 
     @property
     def taken(self) -> int:
         """Entries taken out since the lease began."""
-        return self._pos[1]
+        return self.position()[1]
 
     @property
     def last(self) -> dict[str, Any] | None:
         """The last entry taken out (``None``: none yet)."""
-        return self._pos[0]
+        return self.position()[0]
 
     def take_out(self, entry: dict[str, Any], now: float) -> None:
         """Hand micro-batch ``entry`` out to the trainer (its thread; no control call, no lock).
@@ -123,14 +130,34 @@ class ConsumerLease:
             FencedError: A newer iterator holds the rank: nothing is handed out.
             EngineError: This process could not report to the control plane (its last report failed again).
         """
-        # two attribute checks while all is well (a failed report moves the deadline into the past)
-        if now > self._deadline or self.fenced is not None:
+        if now > self.deadline:  # one comparison while all is well (a fence or a failed report moves it to -inf)
             self._renew_now()
         self._out.append(entry)
-        self._pos = (entry, self._pos[1] + 1)
-        if self.send_each or (self.auto_step and entry["microbatch"] == 0):
-            # this hand-out frees storage: sent soon, the wake relayed by the stage that prepares the next one
-            self._sender.request()
+
+    def relay(self, inline: bool = True) -> None:
+        """Send a report if one is due (:meth:`ControlSender.relay`): the stage that prepares the micro-batches calls
+        it before each one, and the trainer when it is about to wait for data.
+
+        Hand-outs taken out since the last call are due when they free storage: each one with :attr:`send_each`, a
+        mini-batch's first with :attr:`auto_step`. So the trainer's thread records a hand-out and nothing else.
+        """
+        if len(self._out) > self._checked and (self.send_each or self.auto_step):
+            each = self.send_each
+            with self._lock:  # nothing pops meanwhile; the trainer's appends only extend the right (no iterator:
+                out = self._out  # a deque's iterator refuses a concurrent append, indexing does not)
+                n = len(out)
+                due = False
+                for i in range(self._checked, n):
+                    e = out[i]
+                    if type(e) is not tuple and (each or e["microbatch"] == 0):
+                        due = True
+                        break
+                self._checked = n
+            if due:
+                self._sender.request()
+        sender = self._sender
+        if sender.due:
+            sender.relay(inline)
 
     def _seal(self) -> None:
         """Turn what was taken out into records, in order (the lock is held): a hand-out's auto-commit bound and
@@ -141,6 +168,7 @@ class ConsumerLease:
         version = self._version
         cap, auto = self.cap, self.auto_step
         recs = self._records
+        last, taken = self._pos
         while out:
             e = out.popleft()
             if type(e) is tuple:  # a change queued by set_cap() or the sender's report_version()
@@ -152,11 +180,24 @@ class ConsumerLease:
             j = e["j"]
             recs.append([j, e["minibatch"], e["microbatch"], 0 if not auto else j if cap is None else min(j, cap),
                          version])
+            last = e
+            taken += 1
+        self._checked = 0
         self.cap, self._version = cap, version
+        self._pos = (last, taken)
 
     def position(self) -> tuple[dict[str, Any] | None, int]:
-        """``(last entry taken out, how many)``."""
-        return self._pos
+        """``(last entry taken out, how many)``: the hand-outs not yet sent are counted, not turned into records
+        (that is the sender's work). The dataset's iterator keeps its own copy for ``state_dict()`` (no lock)."""
+        with self._lock:  # nothing pops meanwhile; appends (the sender's set_version) only ever extend the right
+            last, taken = self._pos
+            out = self._out
+            for i in range(len(out)):
+                e = out[i]
+                if type(e) is not tuple:
+                    last = e
+                    taken += 1
+            return last, taken
 
     def set_cap(self, cap: int) -> None:
         """A state was taken at ``cap``: later hand-outs auto-commit (``release="step"``) up to it at most."""
@@ -194,6 +235,7 @@ class ConsumerLease:
             if self.fenced is None:
                 self.fenced = by
                 self._fence_message = message
+            self.deadline = float("-inf")  # the next hand-out raises FencedError
         self._sender.wake()
 
     def give_back(self, records: list[list[int]]) -> None:
@@ -213,12 +255,12 @@ class ConsumerLease:
         """The control plane renewed the lease in a report sent at ``sent_at`` (``time.perf_counter()``)."""
         with self._lock:
             if self.fenced is None:
-                self._deadline = sent_at + _LOCAL_SHARE * self._ttl_s
+                self.deadline = sent_at + _LOCAL_SHARE * self._ttl_s
 
     def expire(self) -> None:
         """A report failed: the next hand-out reports synchronously first (its error reaches the trainer)."""
         with self._lock:
-            self._deadline = float("-inf")
+            self.deadline = float("-inf")
 
     def end(self) -> None:
         """The iterator ended or was closed: send what it handed out, then let the lease go (waits for it).
@@ -386,12 +428,13 @@ class ControlSender:
 
     # ------------------------------------------------------------------ sending
     def request(self) -> None:
-        """Records are due: the next :meth:`relay` wakes the thread (a flag; no system call on the caller's thread).
+        """Records are due: the next :meth:`relay` sends them (a flag; no system call on the caller's thread).
 
-        The trainer's thread requests; the stage that prepares its micro-batches relays (the prefetch thread in
-        ``iter`` mode, which each hand-out wakes anyway), and so does the trainer when it is about to wait for
-        data. Waking a sleeping thread from the trainer's thread costs it a system call and an inter-processor
-        interrupt (about 15 µs on a virtual machine): once per step for the commit and once for the first hand-out.
+        A lease requests when the stage that prepares its micro-batches finds hand-outs that free storage
+        (:meth:`ConsumerLease.relay`); that stage relays (the prefetch thread in ``iter`` mode), and so does the
+        trainer when it is about to wait for data. Waking a sleeping thread from the trainer's thread costs it a
+        system call and an inter-processor interrupt (about 15 µs on a virtual machine); the trainer's commit only
+        sets this flag too (:meth:`commit` with ``relayed``).
         """
         self.due = True
 

@@ -215,7 +215,8 @@ def _make(sh: _Shared, index: int) -> tuple[tuple, bool]:
             st.pin_s += time.perf_counter() - t1
     except BaseException as e:  # noqa: BLE001
         return ("error", index, e, None, None), True
-    return ("item", index, item, snap, event), False
+    # "plain": nothing for the consumer to do but return it (no state, no device copy): its fast path checks one field
+    return ("plain" if snap is None and event is None else "item", index, item, snap, event), False
 
 
 def _may_produce(sh: _Shared, now: float) -> bool:
@@ -436,7 +437,7 @@ class Prefetcher(Iterator[T], Generic[T]):
                     if self.inline_below_s > 0:
                         self._away.append(away)
                     sh.left_at = t0
-                    if entry[0] == "item" and entry[3] is None and entry[4] is None:  # no state, no device copy
+                    if entry[0] == "plain":  # no state, no device copy
                         self._index += 1
                         self._unwaited += 1  # a zero wait: folded into the stats when they are read
                         self.last_wait_s = 0.0

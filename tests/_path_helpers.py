@@ -12,11 +12,13 @@ micro-batch. Every Python thread is profiled (``sys.setprofile`` and ``threading
 * a frame in ``knitdata/engines/`` or ``knitdata/control/`` entered from outside them is one stop (the engine's
   business: the Ray forwarder's or the control plane's own frames are not counted), so that both engines are
   measured on the same footing;
-* the sender's relay (``ControlSender.relay``, once per mini-batch, after the plan stage) is one stop too: for a
-  control plane in this process it makes the report itself (the hand-outs and commit since the last: a function
-  call of the plane's, cheaper than waking the sender's thread), which is the control plane's business, as above;
+* the lease's relay (``ConsumerLease.relay``, after the plan stage: it looks at the hand-outs since its last call
+  and, once per mini-batch, has the sender report them) is one stop too: for a control plane in this process the
+  report is made there (the hand-outs and commit since the last: a function call of the plane's, cheaper than
+  waking the sender's thread), which is the control plane's business, as above;
 * ``trainer``: the frames entered by each ``next(it)`` on the trainer's thread when it did not read (``iter``:
-  popping the prefetched item and recording its hand-out), counted apart.
+  popping the prefetched item and recording its hand-out), counted apart; ``trainer_waited``: those of them that
+  found nothing prepared and waited (the prefetcher's ``on_wait`` relays the hand-outs before it blocks).
 
 Run as a script (``python tests/_path_helpers.py ray``) it measures the Ray engine in a fresh process (a local Ray
 on loopback) and prints one JSON line.
@@ -38,6 +40,8 @@ import knitdata  # noqa: E402
 
 PKG = os.path.dirname(os.path.abspath(knitdata.__file__)) + os.sep
 BOUNDARY = (PKG + "engines" + os.sep, PKG + "control" + os.sep)
+#: The relay of a report (one stop, its callees not counted): the lease's, and the sender's when the trainer calls it.
+_RELAYS = ("ConsumerLease.relay", "ControlSender.relay")
 
 
 def _key(code: Any) -> str:
@@ -71,7 +75,7 @@ class StopCounter:
                 del self._skip[tid]
                 self.events.setdefault(tid, []).append(("return", _key(code), id(frame)))
             return
-        if event == "call" and (code.co_filename.startswith(BOUNDARY) or code.co_qualname == "ControlSender.relay"):
+        if event == "call" and (code.co_filename.startswith(BOUNDARY) or code.co_qualname in _RELAYS):
             self._skip[tid] = id(frame)
         self.events.setdefault(tid, []).append((event, _key(code), id(frame)))
 
@@ -92,7 +96,8 @@ class StopCounter:
         return item
 
     def paths(self) -> dict[str, Any]:
-        """``{"paths": [stops of each read], "trainer": [stops of each next(it) without a read]}``."""
+        """``{"paths": [stops of each read], "trainer": [...], "trainer_waited": [...]}``: the stops of each ``next(it)``
+        without a read, split by whether it waited for the prefetcher."""
         paths: list[list[str]] = []
         for tid, evs in self.events.items():
             base = 0 if tid == self.main else 1  # another thread's first frame is its loop (the prefetcher's)
@@ -116,11 +121,12 @@ class StopCounter:
                 prev_ret = i
         main = self.events.get(self.main, [])
         trainer = []  # in iter mode: the trainer pops prefetched micro-batches
+        waited = []  # ... or waits for the next one
         for a, b in self.next_marks:
             keys = [k for e, k, _f in main[a:b] if e == "call"]
             if not any("produce" in k or k == "engine.read" for k in keys):  # it only handed out
-                trainer.append(keys)
-        return {"paths": paths, "trainer": trainer}
+                (waited if any(k.endswith(_RELAYS) for k in keys) else trainer).append(keys)
+        return {"paths": paths, "trainer": trainer, "trainer_waited": waited}
 
 
 def measure(pipe: Any, fetch: str, n: int = 12) -> dict[str, Any]:
@@ -144,6 +150,7 @@ def measure(pipe: Any, fetch: str, n: int = 12) -> dict[str, Any]:
     out["max_stops"] = max((len(p) for p in out["paths"]), default=0)
     out["files"] = sorted({k.split(":")[0] for p in out["paths"] for k in p})
     out["max_trainer_stops"] = max((len(p) for p in out["trainer"]), default=0)
+    out["max_trainer_waited_stops"] = max((len(p) for p in out["trainer_waited"]), default=0)
     return out
 
 

@@ -86,3 +86,122 @@ def test_a_report_that_fails_inline_is_sent_again_by_the_thread_in_order():
     assert [r[0] for r in control.records()] == [0, 1, 2, 3]  # each once, in hand-out order
     assert all(t != threading.get_ident() for t, _recs in control.reports)
     lease.end()
+
+
+def _entry(j: int, minibatch: int, microbatch: int) -> dict[str, int]:
+    return {"j": j, "minibatch": minibatch, "microbatch": microbatch}
+
+
+@pytest.mark.parametrize("mode", ["auto_step", "send_each", "neither"])
+def test_the_relay_derives_from_the_hand_outs_whether_a_report_is_due(mode):
+    """The trainer's thread only appends; the relay (the stage that prepares the next micro-batch) finds whether a
+    hand-out frees storage: with ``auto_step`` a mini-batch's first, with ``send_each`` any, else none."""
+    control = FakeControl()
+    sender = ControlSender(control, heartbeat_s=30.0, inline=True)
+    lease, _ = sender.acquire(0, 0, "tok", wait_s=1.0)
+    lease.auto_step = mode == "auto_step"
+    lease.send_each = mode == "send_each"
+    sent = []
+    for j, (mb, mbi) in enumerate([(0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]):
+        lease.hand_out(_entry(j, mb, mbi))
+        assert not sender.due  # a hand-out alone asks for nothing
+        lease.relay()
+        sent.append(len(control.records()))
+    if mode == "auto_step":  # nothing until the next mini-batch's first micro-batch, then everything so far
+        assert sent == [0, 0, 0, 4, 4]
+    elif mode == "send_each":
+        assert sent == [1, 2, 3, 4, 5]
+    else:
+        assert sent == [0, 0, 0, 0, 0]
+    lease.relay()  # nothing new: no second report
+    assert len(control.reports) == {"auto_step": 1, "send_each": 5, "neither": 0}[mode]
+    lease.end()
+    assert [r[0] for r in control.records()] == [0, 1, 2, 3, 4]  # each once, in order
+
+
+def test_the_position_counts_hand_outs_not_yet_reported():
+    control = FakeControl()
+    sender = ControlSender(control, heartbeat_s=30.0, inline=True)
+    lease, _ = sender.acquire(0, 0, "tok", wait_s=1.0)
+    assert lease.position() == (None, 0) and lease.taken == 0 and lease.last is None
+    entries = [_entry(j, 0, j) for j in range(3)]
+    for e in entries:
+        lease.hand_out(e)
+    assert lease.taken == 3 and lease.last is entries[-1]
+    assert control.records() == []  # read without a report
+    lease.hand_out(_entry(3, 1, 0))
+    assert lease.position() == ({"j": 3, "minibatch": 1, "microbatch": 0}, 4)
+    lease.end()
+    assert [r[0] for r in control.records()] == [0, 1, 2, 3]
+
+
+def test_reading_the_position_between_a_hand_out_and_the_relay_changes_nothing_sent():
+    """``state_dict()`` reads the position between a hand-out and the next relay: it counts, makes no records, and
+    the relay still finds the hand-out that frees storage."""
+    control = FakeControl()
+    sender = ControlSender(control, heartbeat_s=30.0, inline=True)
+    lease, _ = sender.acquire(0, 0, "tok", wait_s=1.0)
+    lease.auto_step = True
+    lease.hand_out(_entry(0, 0, 0))
+    assert lease.taken == 1 and lease.pending == 1 and control.records() == []  # counted, not sent
+    lease.relay()
+    assert [r[0] for r in control.records()] == [0]
+    assert lease.taken == 1
+    lease.end()
+
+
+def test_auto_commit_bounds_follow_the_cap_in_force_at_each_hand_out():
+    control = FakeControl()
+    sender = ControlSender(control, heartbeat_s=30.0, inline=True)
+    lease, _ = sender.acquire(0, 0, "tok", wait_s=1.0)
+    lease.auto_step = True
+    lease.hand_out(_entry(0, 0, 0))  # no state taken: up to itself
+    lease.set_cap(1)  # a state at 1: later hand-outs auto-commit up to 1 at most
+    lease.hand_out(_entry(1, 0, 1))
+    lease.hand_out(_entry(2, 0, 2))
+    lease.set_cap(2)
+    lease.hand_out(_entry(3, 1, 0))
+    lease.end()
+    assert [(r[0], r[3]) for r in control.records()] == [(0, 0), (1, 1), (2, 1), (3, 2)]
+
+
+def test_a_fenced_lease_refuses_the_next_hand_out():
+    from knitdata.errors import FencedError
+
+    control = FakeControl()
+    sender = ControlSender(control, heartbeat_s=30.0, inline=True)
+    lease, _ = sender.acquire(0, 0, "tok", wait_s=1.0)
+    lease.take_out(_entry(0, 0, 0), time.perf_counter())
+    assert lease.deadline > time.perf_counter()  # the trainer's check passes: a plain append
+    lease.fence("host:1234:newer")
+    assert lease.deadline == float("-inf")
+    with pytest.raises(FencedError, match="rank 0"):
+        lease.take_out(_entry(1, 0, 1), time.perf_counter())
+    assert lease.taken == 1  # nothing handed out past the fence
+    lease.end()
+
+
+def test_the_relay_reads_hand_outs_while_the_trainer_appends():
+    """The trainer appends without a lock while the producing stage relays and the position is read: nothing
+    raises, and each hand-out is reported once, in order."""
+    control = FakeControl()
+    sender = ControlSender(control, heartbeat_s=30.0, inline=True)
+    lease, _ = sender.acquire(0, 0, "tok", wait_s=1.0)
+    lease.send_each = True
+    n = 20_000
+    done = threading.Event()
+
+    def trainer() -> None:
+        for j in range(n):
+            lease.hand_out(_entry(j, j // 4, j % 4))
+        done.set()
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    while not done.is_set():
+        lease.relay()
+        lease.position()
+    t.join()
+    lease.relay()
+    lease.end()
+    assert [r[0] for r in control.records()] == list(range(n))
