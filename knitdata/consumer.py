@@ -312,14 +312,16 @@ class MediaStage:
 
 
 def produce(plan: PlanStage, reader: ReadStage, collate: Callable[..., Any], media: MediaStage | None,
-            metrics: ConsumerMetrics, stop: threading.Event
-            ) -> Iterator[tuple[dict[str, Any], Any, bool, bool, tuple[dict[str, Any], int]]]:
+            metrics: ConsumerMetrics, stop: threading.Event,
+            stamp: Callable[[dict[str, Any], int], tuple[Any, ...]] | None = None,
+            ) -> Iterator[tuple[dict[str, Any], Any, bool, bool, tuple[Any, ...]]]:
     """``(entry, micro-batch, is_last, empty, position)`` of each of the plan's entries: read, collate, media,
     metrics.
 
     ``is_last`` (the micro-batch ends its mini-batch), ``empty`` (it holds no trajectory) and ``position``
-    (``(entry, n)``: the n-th entry of this plan, the consumer's position once it handed this one out) are made
-    here, so that the trainer's thread does not look into the entry for its metrics or build its position.
+    (``stamp(entry, n)`` for the n-th entry of this plan, ``(entry, n)`` without ``stamp``: the consumer's position
+    once it handed this one out) are made here, so that the trainer's thread does not look into the entry for its
+    metrics or build its position.
     """
     n = 0
     while True:
@@ -341,6 +343,6 @@ def produce(plan: PlanStage, reader: ReadStage, collate: Callable[..., Any], med
                     {"rank": plan.rank, "step": e["minibatch"], "microbatch": e["microbatch"], "bytes": reader.nbytes,
                      "local_bytes": reader.local, "requests": reader.requests})
         n += 1
-        yield e, mb, info.is_last, not e["items"], (e, n)
+        yield e, mb, info.is_last, not e["items"], (e, n) if stamp is None else stamp(e, n)
         if stop.is_set():
             return

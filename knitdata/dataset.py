@@ -60,6 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from knitdata.collate import MicroBatch
+    from knitdata.prefetch import PrefetchQueue
 
 __all__ = ["TrajectoryDataset", "FETCH_MODES", "STATE_FORMAT", "find_states", "commit_point"]
 
@@ -97,6 +98,26 @@ def commit_point(state: Any, rank: int) -> int:
     if len(nexts) < nw:
         upto = max(0, upto - (nw - 1))
     return upto
+
+
+def _stamper(cell: list[Any]) -> Callable[[dict[str, Any], int], tuple[Any, ...]]:
+    """The position :func:`~knitdata.consumer.produce` gives each entry on the producing thread, ``(entry, n, pre)``:
+    ``pre = (static, state)`` is the state once it is handed out but for end, epoch and count (``state_dict`` sets
+    them: a copy and three keys on the trainer's thread, while ``static`` is the dataset's fixed keys ``cell[0]``)."""
+
+    def stamp(e: dict[str, Any], n: int) -> tuple[Any, ...]:
+        static, fp = cell[0], e.get("fp")
+        if static is None or fp is None:
+            return e, n, None
+        j, mb = e["j"], e["minibatch"]
+        state = static[2].copy()
+        state["next"] = j + static[1][1]
+        state["minibatch"], state["microbatch"] = (mb + 1, 0) if e["info"]["is_last"] else (mb, e["microbatch"] + 1)
+        state["end_minibatch"] = state["epoch"] = state["handed_out"] = None
+        state["fingerprint"], state["fingerprint_length"] = fp, j + 1
+        return e, n, (static, state)
+
+    return stamp
 
 
 def _fixed_keys(lay: Mapping[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
@@ -211,6 +232,7 @@ class TrajectoryDataset(IterableDataset):
         self._layout: dict[str, Any] | None = None  # what states carry about the layout (elastic resume)
         # the part of state_dict() that changes only with the layout or the worker: (layout, (w, nw), the keys)
         self._static: tuple[Any, tuple[int, int], dict[str, Any]] | None = None
+        self._static_cell: list[Any] = [None]  # the same, for the producing thread's states (_stamper)
         self.session = ConsumerSession(self.engine, self.rank, self.replica or 0)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -308,53 +330,50 @@ class TrajectoryDataset(IterableDataset):
         """
         it = self._active() if self._active is not None else None
         static = self._static
-        last = None
         fp: tuple[int, str] | None
         if it is not None and static is not None and static[0] is self.engine.layout and static[1] == self._worker:
-            # once per step: the position next() set (no lock); the dataset's fields follow at the next sync
-            last, taken = it.position
-            if last is not None and last.get("fp") is not None and not it._done:
-                j = last["j"]
-                nxt, fp = j + static[1][1], (j + 1, last["fp"])
-                mb, micro = ((last["minibatch"] + 1, 0) if last["info"]["is_last"]
-                             else (last["minibatch"], last["microbatch"] + 1))
-                end = self._end_step if self._end_step is not None else it._plan.end
-                handed = self._handed_out + taken - it._synced
-                self._cap = nxt
-                it._lease.set_cap(nxt)
-            else:
-                last = None
-        if last is None:
-            with self._lock:
-                if it is not None:
-                    it.sync()
-                w, nw = self._worker
-                if self._next is None:
-                    wi = get_worker_info()
-                    w, nw = (wi.id, wi.num_workers) if wi is not None else (0, 1)
-                nxt, fp = self._next, self._fp
-                if nxt is None:
-                    nxt, fp = self.session.start(w, nw)
-                mb, micro = self._pos if self._pos is not None else (None, None)
-                end, handed = self._end_step, self._handed_out
-                self._cap = nxt
-                if it is not None:
-                    it.set_cap(nxt)
-                lay = self._layout
-                if lay is None or (lay["history"] is not None and lay["remainder"] is None):
-                    lay = self._layout = self.engine.control.layout_history(self.rank)
-                    self._static = None
-                layout = self.engine.layout
-                static = self._static
-                if static is None or static[0] is not layout or static[1] != (w, nw):
-                    fixed = {"format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name,
-                             "rank": self.rank, "num_consumers": self.engine.num_consumers, "worker": w,
-                             "num_workers": nw}
-                    if self.replica is not None:
-                        fixed.update(replica=self.replica, num_replicas=self.num_replicas)
-                    static = (layout, (w, nw), _fixed_keys(lay, fixed))
-                    # a layout history whose remainder is not known yet is asked for again next time: not cached
-                    self._static = static if lay["history"] is None or lay["remainder"] is not None else None
+            # once per step: the state the producing thread made with the entry next() handed out last (no lock;
+            # the dataset's fields follow at the next sync)
+            _last, taken, pre = it.position
+            if pre is not None and pre[0] is static and not it._done:
+                state = pre[1].copy()
+                state["end_minibatch"] = self._end_step if self._end_step is not None else it._plan.end
+                state["epoch"] = self._epoch
+                state["handed_out"] = self._handed_out + taken - it._synced
+                self._cap = state["next"]
+                it._lease.set_cap(self._cap)
+                return state
+        with self._lock:
+            if it is not None:
+                it.sync()
+            w, nw = self._worker
+            if self._next is None:
+                wi = get_worker_info()
+                w, nw = (wi.id, wi.num_workers) if wi is not None else (0, 1)
+            nxt, fp = self._next, self._fp
+            if nxt is None:
+                nxt, fp = self.session.start(w, nw)
+            mb, micro = self._pos if self._pos is not None else (None, None)
+            end, handed = self._end_step, self._handed_out
+            self._cap = nxt
+            if it is not None:
+                it.set_cap(nxt)
+            lay = self._layout
+            if lay is None or (lay["history"] is not None and lay["remainder"] is None):
+                lay = self._layout = self.engine.control.layout_history(self.rank)
+                self._static = self._static_cell[0] = None
+            layout = self.engine.layout
+            static = self._static
+            if static is None or static[0] is not layout or static[1] != (w, nw):
+                fixed = {"format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name,
+                         "rank": self.rank, "num_consumers": self.engine.num_consumers, "worker": w,
+                         "num_workers": nw}
+                if self.replica is not None:
+                    fixed.update(replica=self.replica, num_replicas=self.num_replicas)
+                static = (layout, (w, nw), _fixed_keys(lay, fixed))
+                # a layout history whose remainder is not known yet is asked for again next time: not cached
+                self._static = self._static_cell[0] = (
+                    static if lay["history"] is None or lay["remainder"] is not None else None)
         # a copy of the fixed keys and the position's
         assert static is not None  # found above, or built under the lock
         state = static[2].copy()
@@ -388,7 +407,7 @@ class TrajectoryDataset(IterableDataset):
             with self._lock:
                 self._close_active()
                 self._next, self._fp, self._pos, self._end_step, self._layout = None, None, None, None, None
-                self._static = None
+                self._static = self._static_cell[0] = None
                 self._epoch = int(state.get("epoch") or 0)
                 self._handed_out = 0
                 self._cap = None
@@ -535,9 +554,10 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         self._stop = threading.Event()
         self._done = False
         self._nw = num_workers
-        self._inner: Iterator[tuple[dict[str, Any], Any, bool, bool, tuple[dict[str, Any], int]]] | None = None
-        #: ``(last entry handed out, how many)`` since the lease began (``produce`` built it; set by ``__next__``).
-        self.position: tuple[dict[str, Any] | None, int] = (None, 0)
+        self._inner: Iterator[tuple[dict[str, Any], Any, bool, bool, tuple[Any, ...]]] | None = None
+        #: ``(last entry handed out, how many since the lease began, its state)`` (:func:`_stamper` built it on the
+        #: producing thread; set by ``__next__``).
+        self.position: tuple[Any, ...] = (None, 0, None)
         self._session = ds.session
         self._lease, (nxt, fp) = ds.session.lease(worker, num_workers, ds._cap)
         if ds._next is None:  # after the last micro-batch handed out to the rank (by the iterator fenced, too)
@@ -551,10 +571,12 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
                                       ds.max_minibatches, ds._end_step)
         media = MediaStage(ds.media_collator, ds.prefetch_depth) if ds.media_collator is not None else None
         reader = ReadStage(engine, ds.rank, mode, plan, whole_share=mode.whole_share or media is not None)
-        source = produce(plan, reader, ds.collate, media, ds.metrics, self._stop)
+        source = produce(plan, reader, ds.collate, media, ds.metrics, self._stop, _stamper(ds._static_cell))
         self._inner, set_depth = mode.prepare(source, depth=ds.prefetch_depth, device=ds.device,
                                               pin_memory=ds.pin_memory)
         self._timed = hasattr(self._inner, "last_wait_s")  # the prefetcher says how long next() was blocked
+        #: The prefetcher's queue (iter mode): ``__next__`` pops prepared micro-batches itself.
+        self._queue: PrefetchQueue | None = getattr(self._inner, "queue", None)
         if hasattr(self._inner, "on_wait"):  # the trainer about to wait for data relays queued reports
             # (by waking the sender's thread: the trainer does not make the report itself)
             self._inner.on_wait = functools.partial(self._lease.relay, False)  # type: ignore[union-attr]
@@ -562,24 +584,37 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             media.grow = weakref.WeakMethod(set_depth)  # weakly: the stages must not hold the prefetcher
 
     def __next__(self) -> MicroBatch:
-        # once per micro-batch on the trainer's thread, right after its compute (cold caches): few objects, few calls
-        inner = self._inner
-        if inner is None:
-            raise StopIteration
-        t0 = time.perf_counter()
-        try:
-            entry, mb, is_last, empty, position = next(inner)
-        except StopIteration:
-            self._finish()
-            raise
-        except BaseException:
-            if self._done:  # closed by another thread while waiting: the pass ends
-                raise StopIteration from None
-            self.close()
-            raise
-        if self._done:  # closed by another thread while this item was prepared: not handed out
-            raise StopIteration
-        t1 = time.perf_counter()
+        # once per micro-batch on the trainer's thread, right after its compute (cold caches): one frame, few objects.
+        # In iter mode a prepared micro-batch is popped here, from the prefetcher's queue (PrefetchQueue's protocol)
+        q = self._queue
+        if (q is not None and q.fast and (items := q.items) and items[0][0] == "plain"
+                and (t1 := time.perf_counter()) - q.left_at >= q.inline_below_s):
+            entry, mb, is_last, empty, position = items.popleft()[2]
+            q.period = t1 - q.left_at
+            q.left_at = t1
+            q.popped += 1
+            if not items or q.parked == "handoff":
+                q.poke()
+            t0, blocked = t1, 0.0
+        else:
+            inner = self._inner
+            if inner is None:
+                raise StopIteration
+            t0 = time.perf_counter()
+            try:
+                entry, mb, is_last, empty, position = next(inner)
+            except StopIteration:
+                self._finish()
+                raise
+            except BaseException:
+                if self._done:  # closed by another thread while waiting: the pass ends
+                    raise StopIteration from None
+                self.close()
+                raise
+            if self._done:  # closed by another thread while this item was prepared: not handed out
+                raise StopIteration
+            t1 = time.perf_counter()
+            blocked = inner.last_wait_s if self._timed else t1 - t0  # type: ignore[attr-defined]
         lease = self._lease
         if t1 > lease.deadline:  # renew first (the sender is late, a report failed), or fenced: take_out raises
             try:
@@ -591,8 +626,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             lease.hand_out(entry)  # a deque append: what it frees and reports is derived off this thread
         self.position = position
         waits = self._waits  # the rank's ConsumerMetrics.pending: one append, folded by readers
-        waits.append((t1 - t0, inner.last_wait_s if self._timed else t1 - t0,  # type: ignore[attr-defined]
-                      is_last, empty))
+        waits.append((t1 - t0, blocked, is_last, empty))
         if len(waits) > PENDING_LIMIT:
             self._metrics.fold()
         if tracing.tracer is not None:
@@ -617,7 +651,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         """Bring the dataset's position up to the last micro-batch this iterator handed out."""
         ds = self._ds
         with ds._lock:
-            last, taken = self.position
+            last, taken, _pre = self.position
             if last is None or taken == self._synced:
                 return
             ds._handed_out += taken - self._synced
@@ -648,7 +682,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             return
         self._done = True
         self._stop.set()
-        inner, self._inner = self._inner, None
+        inner, self._inner, self._queue = self._inner, None, None
         close = getattr(inner, "close", None)
         if close is not None:
             try:

@@ -36,6 +36,7 @@ from typing import Any
 
 from knitdata.control.plane import fenced_message
 from knitdata.errors import EngineError, FencedError, KnitdataError
+from knitdata.threads import Job, spawn
 
 __all__ = ["ConsumerLease", "ControlSender", "ProducerPresence", "HEARTBEAT_S", "holder_name"]
 
@@ -346,7 +347,7 @@ class ControlSender:
         self._send_lock = threading.Lock()  # one report at a time, in order
         self._wake = threading.Lock()  # held while nothing is due: wake() releases it, the thread takes it
         self._wake.acquire()
-        self._thread: threading.Thread | None = None
+        self._thread: Job | None = None  # the sender's (see knitdata.threads)
         #: Records were requested (:meth:`request`) and not relayed yet: the next :meth:`relay` wakes the thread.
         self.due = False
         self.reports = 0
@@ -474,15 +475,14 @@ class ControlSender:
     def _ensure_thread(self) -> None:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="knitdata-sender", daemon=True)
-                self._thread.start()
+                self._thread = spawn(self._run, "knitdata-sender")
 
     def _run(self) -> None:
         try:
             self._loop()
         finally:  # however it ends, the next caller starts another (``_thread is None`` is all commit() checks)
             with self._lock:
-                if self._thread is threading.current_thread():
+                if self._thread is not None and self._thread.is_current():
                     self._thread = None
 
     def _loop(self) -> None:

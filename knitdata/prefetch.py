@@ -43,6 +43,7 @@ on the CUDA path those are on the device, plus one pinned staging copy.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import json
 import statistics
@@ -66,9 +67,10 @@ from knitdata.staging import (
     move_tensors,
     pin_tensors,
 )
+from knitdata.threads import Job, spawn
 
 # PinnedBufferPool, map_tensors and host_memory_stats live in knitdata.staging; also here as before the split
-__all__ = ["Prefetcher", "PrefetchStats", "PinnedBufferPool", "map_tensors", "host_memory_stats"]
+__all__ = ["Prefetcher", "PrefetchQueue", "PrefetchStats", "PinnedBufferPool", "map_tensors", "host_memory_stats"]
 
 T = TypeVar("T")
 
@@ -146,16 +148,38 @@ class PrefetchStats:
 
 
 # ---------------------------------------------------------------------------------------------- thread
-class _Shared:
-    """What the background thread needs; deliberately not the Prefetcher (so it can be collected).
+class PrefetchQueue:
+    """The hand-off between a :class:`Prefetcher`'s thread and its consumer (``Prefetcher.queue``); deliberately
+    not the Prefetcher, so that an abandoned one can be collected while its thread runs.
 
-    Every field below the source is guarded by ``cond`` (its lock is reentrant: a finalizer run by the garbage
-    collector on a thread that holds it must not deadlock).
+    A consumer on a hot path may take a prepared item itself instead of calling ``next(prefetcher)`` (one Python
+    frame fewer, which right after a trainer's compute is most of the cost of a pop):
+
+    * while :attr:`fast` is true, the oldest of :attr:`items` is ``("plain", index, payload, None, None)`` (nothing
+      to do but return ``payload``; any other kind goes through ``next(prefetcher)``), and the consumer came back
+      at least :attr:`inline_below_s` after :attr:`left_at`, it ``popleft()``-s that item (only the consumer pops;
+      the thread only appends, so the item peeked at is the one popped);
+    * then sets ``period = now - left_at``, ``left_at = now``, adds one to :attr:`popped`, and calls :meth:`poke`
+      when the queue is now empty or :attr:`parked` is ``"handoff"``.
+
+    ``knitdata``'s dataset iterator does this (:mod:`knitdata.dataset`); the prefetcher's own ``__next__`` does the
+    same. Everything else is the prefetcher's: fields below ``items`` are guarded by ``cond`` (its lock is
+    reentrant: a finalizer run by the garbage collector on a thread that holds it must not deadlock), except the
+    ones the consumer writes as above.
+
+    Attributes:
+        items: Items produced and not yet handed out, in order: ``(kind, index, payload, state, event)``.
+        fast: A consumer may pop plain items itself (threaded mode, not closed).
+        inline_below_s: The prefetcher's ``inline_below_s`` (a consumer back sooner goes through ``next()``).
+        left_at: ``time.perf_counter()`` when the consumer last took an item.
+        period: The consumer's time per item at its last pop (0: not known yet).
+        popped: Items the consumer popped itself (counted as handed out with a zero wait).
+        parked: What the thread waits for: ``"turn"``, ``"room"`` or ``"handoff"`` (``None``: it runs).
     """
 
     def __init__(self, source: Iterator[Any], state_fn: Callable[[], dict] | None, depth: int,
                  transfer: Callable[[Any], tuple[Any, Any]] | None, pin: bool, stats: PrefetchStats,
-                 inline: bool = False):
+                 inline: bool = False, inline_below_s: float = 0.0):
         self.source = source
         self.state_fn = state_fn
         self.depth = depth
@@ -165,7 +189,7 @@ class _Shared:
         self.cond = threading.Condition(threading.RLock())
         self.room = threading.Lock()  # a binary semaphore: released by the consumer after a pop (room to produce)
         self.room.acquire()
-        self.items: collections.deque = collections.deque()  # entries produced and not yet handed out, in order
+        self.items: collections.deque = collections.deque()
         self.index = 0  # index of the next entry to produce
         self.stop = False  # close(): the thread exits, nothing more is produced
         self.finished = False  # the end or an error was produced: the source is not touched again
@@ -173,12 +197,30 @@ class _Shared:
         # the consumer runs the source itself; the thread refills only while it is away. Starts inline: a
         # consumer that asks at once gets its first item without a thread hand-off.
         self.inline = inline
+        self.fast = not inline
+        self.inline_below_s = inline_below_s
         self.in_next = False  # the consumer is inside __next__
-        self.left_at = time.perf_counter()  # when the consumer last left __next__
-        self.period = 0.0  # the consumer's time per item at its last pop (0: not known yet)
+        self.left_at = time.perf_counter()
+        self.period = 0.0
+        self.popped = 0
         self.waiting = False  # the consumer is blocked in __next__ until an entry is queued
-        self.taken = 0  # entries before this index have been taken by the consumer
-        self.parked: str | None = None  # what the thread waits for: "turn", "room" or "handoff"
+        self.parked: str | None = None
+        self.job: Job | None = None  # the thread's (see knitdata.threads): done once it no longer touches the source
+
+    def poke(self) -> None:
+        """After a pop: a thread parked on a full queue refills now if the pop emptied it (else at its next check,
+        :func:`_room_check_s`: no wake-up right after the consumer's compute), and one waiting for the consumer to
+        take the item it queued (``"handoff"``) goes on."""
+        parked = self.parked
+        if parked == "room":
+            if not self.items:
+                try:  # (_signal, inlined: this runs on the trainer's thread)
+                    self.room.release()
+                except RuntimeError:  # already signalled
+                    pass
+        elif parked == "handoff":
+            with self.cond:
+                self.cond.notify_all()
 
 
 def _snapshot(state_fn: Callable[[], dict]) -> Any:
@@ -189,7 +231,7 @@ def _snapshot(state_fn: Callable[[], dict]) -> Any:
         raise StateError(f"state_fn() must return a JSON-serializable dict, got {state!r}: {e}") from e
 
 
-def _make(sh: _Shared, index: int) -> tuple[tuple, bool]:
+def _make(sh: PrefetchQueue, index: int) -> tuple[tuple, bool]:
     """Pull one item from the source and prepare it; returns ``(entry, last)`` (``last``: end or error).
 
     The caller holds the source (``sh.producing``), so only one thread runs this at a time.
@@ -219,7 +261,7 @@ def _make(sh: _Shared, index: int) -> tuple[tuple, bool]:
     return ("plain" if snap is None and event is None else "item", index, item, snap, event), False
 
 
-def _may_produce(sh: _Shared, now: float) -> bool:
+def _may_produce(sh: PrefetchQueue, now: float) -> bool:
     """Whether the thread may take the source now (called with ``sh.cond`` held)."""
     if sh.producing or sh.finished:
         return False
@@ -229,7 +271,7 @@ def _may_produce(sh: _Shared, now: float) -> bool:
     return not sh.in_next and now - sh.left_at >= _IDLE_S
 
 
-def _room_check_s(sh: _Shared) -> float:
+def _room_check_s(sh: PrefetchQueue) -> float:
     """How long a thread parked on a full queue sleeps before it checks for room again (a pop that leaves items
     queued does not wake it): :data:`_ROOM_CHECK_FRACTION` of the consumer's time per item, longer while the
     consumer is away for more than twice that (an optimizer step, an evaluation), at most :data:`_POLL_S`."""
@@ -243,7 +285,9 @@ def _room_check_s(sh: _Shared) -> float:
     return min(wait, _POLL_S)
 
 
-def _produce(sh: _Shared) -> None:
+def _produce(sh: PrefetchQueue) -> None:
+    # a pooled thread (knitdata.threads) keeps thread-local torch state between jobs: start from a new thread's
+    torch.set_grad_enabled(True)
     cond = sh.cond
     while True:
         with cond:
@@ -289,7 +333,7 @@ def _produce(sh: _Shared) -> None:
                 # makes the woken consumer wait for the GIL while this thread drops and retakes it in every
                 # torch call of the next item, paying a thread wake-up each time.
                 sh.parked = "handoff"
-                while sh.taken <= index and not sh.stop:
+                while sh.items and not sh.stop:  # taken: the queue holds nothing after it
                     cond.wait(_POLL_S)
                 sh.parked = None
         finally:
@@ -299,9 +343,10 @@ def _produce(sh: _Shared) -> None:
             return
 
 
-def _shutdown(sh: _Shared) -> None:
+def _shutdown(sh: PrefetchQueue) -> None:
     with sh.cond:
         sh.stop = True
+        sh.fast = False
         sh.items.clear()
         sh.cond.notify_all()
     _signal(sh.room)
@@ -402,11 +447,13 @@ class Prefetcher(Iterator[T], Generic[T]):
         self.on_wait: Callable[[], None] | None = None
         self.inline_below_s = float(inline_below_s) if transfer is None else 0.0
         self._away: collections.deque = collections.deque(maxlen=_INLINE_WINDOW)  # consumer time per item
-        self._shared = _Shared(iter(source), state_fn, depth, transfer, self.pin_memory and transfer is None, self._stats,
-                               inline=self.inline_below_s > 0)
-        self._thread = threading.Thread(target=_produce, args=(self._shared,), name="knitdata-prefetch", daemon=True)
+        self._popped_seen = 0  # the queue's ``popped`` as of the last stats fold
+        #: The hand-off with the thread: a consumer may pop prepared items itself (see :class:`PrefetchQueue`).
+        self.queue = PrefetchQueue(iter(source), state_fn, depth, transfer, self.pin_memory and transfer is None,
+                                   self._stats, inline=self.inline_below_s > 0, inline_below_s=self.inline_below_s)
+        self._shared = self.queue
         self._finalizer = weakref.finalize(self, _shutdown, self._shared)
-        self._thread.start()
+        self._shared.job = spawn(functools.partial(_produce, self._shared), "knitdata-prefetch")
 
     def __iter__(self) -> Prefetcher[T]:
         return self
@@ -414,10 +461,11 @@ class Prefetcher(Iterator[T], Generic[T]):
     def __next__(self) -> T:
         sh = self._shared
         items = sh.items
-        if items and not sh.inline and not self._done:
+        if sh.fast and items:
             # the fast path, right after the trainer's compute (cold caches: few objects touched): the thread prepared
             # the item. No lock: popleft is atomic, the thread sets ``parked`` before it checks for room (a pop makes
-            # the room it sees, or finds it parked and signals), only the consumer writes ``taken`` and ``left_at``
+            # the room it sees, or finds it parked and is poked), only the consumer writes ``left_at`` (see
+            # PrefetchQueue for the protocol, which a consumer may also follow itself)
             t0 = time.perf_counter()
             if t0 - sh.left_at >= self.inline_below_s:
                 try:
@@ -425,14 +473,8 @@ class Prefetcher(Iterator[T], Generic[T]):
                 except IndexError:
                     entry = None
                 if entry is not None:
-                    sh.taken = entry[1] + 1
-                    parked = sh.parked
-                    if parked == "room":  # the queue ran dry: the thread prepares the next one now (else no
-                        if not items:  # wake-up here: it finds the room at its next check, _room_check_s)
-                            _signal(sh.room)
-                    elif parked == "handoff":  # rare: it queued this one for a consumer that was waiting
-                        with sh.cond:
-                            sh.cond.notify_all()
+                    if not items or sh.parked == "handoff":
+                        sh.poke()
                     sh.period = away = t0 - sh.left_at
                     if self.inline_below_s > 0:
                         self._away.append(away)
@@ -459,25 +501,25 @@ class Prefetcher(Iterator[T], Generic[T]):
                 inline = sorted(self._away)[len(self._away) // 4] < self.inline_below_s
                 if inline != sh.inline:
                     sh.inline = inline
+                    sh.fast = not inline
                     if sh.parked == "turn":
                         cond.notify_all()
             try:
                 while True:
                     if sh.items:
                         entry = sh.items.popleft()
-                        sh.taken = entry[1] + 1
                         if sh.parked == "room":
                             _signal(sh.room)
                         break
                     if sh.stop:
-                        self._done = True
+                        self._done, sh.fast = True, False
                         raise StateError("the prefetch thread stopped (closed?); build a new Prefetcher")
                     if self.inline_below_s > 0 and not sh.producing and not sh.finished:
                         sh.producing = steal = True  # work stealing: nothing queued, the thread idle: run it here
                         index = sh.index
                         break
-                    if not self._thread.is_alive():
-                        self._done = True
+                    if sh.job is None or sh.job.done.is_set():
+                        self._done, sh.fast = True, False
                         raise StateError("the prefetch thread stopped (closed?); build a new Prefetcher")
                     if blocked == 0.0 and self.on_wait is not None:  # about to block: once per __next__
                         self.on_wait()
@@ -523,7 +565,8 @@ class Prefetcher(Iterator[T], Generic[T]):
         if kind == "error":
             self._finish()
             raise payload
-        assert index == self._index, f"prefetch out of order: got {index}, expected {self._index}"
+        expected = self._index + self._shared.popped
+        assert index == expected, f"prefetch out of order: got {index}, expected {expected}"
         self._index += 1
         if event is not None:
             t1 = time.perf_counter()
@@ -549,9 +592,10 @@ class Prefetcher(Iterator[T], Generic[T]):
     def stats(self) -> PrefetchStats:
         """What this prefetcher measured (consumer-side fields as of the last item handed out)."""
         st = self._stats
-        n = self._unwaited
+        popped = self._shared.popped
+        n = self._unwaited + popped - self._popped_seen
         if n:
-            self._unwaited = 0
+            self._unwaited, self._popped_seen = 0, popped
             st.items += n
             st.recent_wait_s.extend(itertools.repeat(0.0, n))
         return st
@@ -578,8 +622,8 @@ class Prefetcher(Iterator[T], Generic[T]):
 
     @property
     def items_handed_out(self) -> int:
-        """Number of items returned by ``__next__`` so far."""
-        return self._index
+        """Number of items handed out so far (returned by ``__next__`` or popped by the consumer itself)."""
+        return self._index + self._shared.popped
 
     def _finish(self) -> None:
         # The source ended (or failed): the thread no longer touches it. Signal it without waiting for it to
@@ -595,10 +639,16 @@ class Prefetcher(Iterator[T], Generic[T]):
                 (the thread is a daemon and exits after that call returns).
         """
         self._done = True
+        sh = self._shared
+        job = sh.job
+        with sh.cond:
+            busy = sh.producing and job is not None and job.is_alive()  # the thread (or a consumer) in the source
         self._finalizer()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-            _shutdown(self._shared)  # anything put while we joined
+        # a thread parked (not in the source) sees the stop flag when it wakes and never takes the source again:
+        # nothing to wait for. One inside the source finishes that item first.
+        if busy and job is not None and not job.is_current():
+            job.join(timeout)
+            _shutdown(sh)  # anything put while we waited
 
     @property
     def closed(self) -> bool:

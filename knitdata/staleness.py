@@ -147,25 +147,49 @@ class TokenStaleness:
     def record(self, train_version: int, metas: Iterable[Any]) -> None:
         """Record trajectories (anything with ``gen_version``, ``version_mean``, ``version_span``) trained at
         ``train_version``."""
+        sums = self.sums(metas)
+        if sums is not None:
+            self.record_sums(train_version, sums)
+
+    @staticmethod
+    def sums(metas: Iterable[Any]) -> tuple[int, float, int, int, int, int] | None:
+        """What :meth:`record_sums` takes of ``metas``, computed once where they are at hand (the control plane
+        does it when it plans a micro-batch, so that a hand-out records it without visiting the trajectories):
+        ``(count, sum of version_mean, oldest gen_version, sum of version_span, how many span versions, widest
+        span)``; ``None`` for no metas.
+
+        Example:
+            >>> from knitdata.record import TrajectoryMeta
+            >>> TokenStaleness.sums([TrajectoryMeta("a", "s", "g", gen_version=2, version_mean=3.0, version_span=2)])
+            (1, 3.0, 2, 2, 1, 2)
+        """
         metas = metas if isinstance(metas, (list, tuple)) else list(metas)
         if not metas:
-            return
-        # a column per field, then the sums in C: this runs once per micro-batch handed out
+            return None
+        # a column per field, then the sums in C
         gens = list(map(_gen_version, metas))
         try:
             spans = list(map(_version_span, metas))
         except AttributeError:
             spans = [getattr(m, "version_span", 0) for m in metas]
-        count = len(gens)
-        self.count += count
-        self._mean_sum += train_version * count - float(sum(map(_version_mean, metas)))
-        wide = max(spans)
+        wide = int(max(spans))
         if wide > 0:  # partial rollouts continued under newer weights (rare): counted one by one
-            self._span_sum += int(sum(spans))
-            self.partial += sum(1 for s in spans if s > 0)
+            span_sum, partial = int(sum(spans)), sum(1 for s in spans if s > 0)
+        else:
+            span_sum = partial = 0
+        return len(gens), float(sum(map(_version_mean, metas))), int(min(gens)), span_sum, partial, wide
+
+    def record_sums(self, train_version: int, sums: Sequence[Any]) -> None:
+        """Record trajectories trained at ``train_version`` by their :meth:`sums`."""
+        count, mean_sum, oldest, span_sum, partial, wide = sums
+        self.count += count
+        self._mean_sum += train_version * count - mean_sum
+        if wide > 0:
+            self._span_sum += span_sum
+            self.partial += partial
             if wide > self.span_max:
-                self.span_max = int(wide)
-        worst = train_version - int(min(gens))
+                self.span_max = wide
+        worst = train_version - oldest
         self.worst = worst if self.worst is None or worst > self.worst else self.worst
 
     def summary(self) -> dict[str, Any]:

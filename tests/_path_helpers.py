@@ -37,6 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import knitdata  # noqa: E402
+from knitdata.threads import release_parked  # noqa: E402
 
 PKG = os.path.dirname(os.path.abspath(knitdata.__file__)) + os.sep
 BOUNDARY = (PKG + "engines" + os.sep, PKG + "control" + os.sep)
@@ -100,7 +101,8 @@ class StopCounter:
         without a read, split by whether it waited for the prefetcher."""
         paths: list[list[str]] = []
         for tid, evs in self.events.items():
-            base = 0 if tid == self.main else 1  # another thread's first frame is its loop (the prefetcher's)
+            # another thread's first frames are its loop: the pooled thread's (knitdata.threads), then the prefetcher's
+            base = 0 if tid == self.main else 1 + sum(1 for ev, key, _f in evs[:8] if ev == "call" and key.startswith("threads.py:"))
             stack: list[tuple[int, int]] = []  # (frame id, index of its last (re)entry)
             prev_ret = -1
             for i, (ev, key, fid) in enumerate(evs):
@@ -133,6 +135,7 @@ def measure(pipe: Any, fetch: str, n: int = 12) -> dict[str, Any]:
     """Stops of the micro-batches of rank 0 (``n`` at most) of a filled and closed ``pipe``."""
     ds = pipe.dataset(0, fetch=fetch)
     got = 0
+    release_parked()  # a parked thread started before the profiler would run the prefetch job unseen
     with StopCounter() as sc:
         it = iter(ds)  # the prefetch thread starts here: profiled from its start
         for _ in range(n):

@@ -443,9 +443,11 @@ def _check_stops(res: dict) -> None:
         # was 8-10 embedded, 9-11 Ray (13 eager) before issue 24; 9 since the lease's relay (issue 22) looks at the
         # hand-outs on the producing side, which the trainer's thread no longer does
         assert r["max_stops"] <= 9, (fetch, r["paths"])
-        # the trainer's own next() in iter mode: the iterator and the prefetcher's pop, nothing else (4 before: the
-        # lease's take_out and the sender's request)
+        # the trainer's own next() in iter mode: the iterator, which pops the prefetcher's queue itself, nothing else
+        # (4 before issue 22: the lease's take_out and the sender's request; 2 before the iterator popped the queue);
+        # a pop that empties the queue pokes the thread parked on it
         assert r["max_trainer_stops"] <= 2, (fetch, r["trainer"])
+        assert sum(len(p) == 1 for p in r["trainer"]) >= len(r["trainer"]) // 2, (fetch, r["trainer"])
         # one that found nothing prepared relays the hand-outs before it blocks (the prefetcher's on_wait), then
         # counts its wait: iterator, pop, relay, hand-out, stats
         assert r["max_trainer_waited_stops"] <= 5, (fetch, r["trainer_waited"])

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from knitdata.collate import MicroBatch, MicroBatchInfo, TokenCollator
 from knitdata.errors import ConfigError, StateError
-from knitdata.prefetch import PinnedBufferPool, Prefetcher, map_tensors
+from knitdata.prefetch import PinnedBufferPool, Prefetcher, PrefetchQueue, map_tensors
 from knitdata.record import Trajectory
 from knitdata.staging import staged_copy as _staged_copy
 
@@ -553,3 +553,69 @@ def test_inline_below_s_validated() -> None:
     for bad in (-1.0, float("nan"), "0.1"):
         with pytest.raises(ConfigError, match="inline_below_s"):
             Prefetcher(iter([]), inline_below_s=bad)
+
+
+def _pop_as_consumer(q: PrefetchQueue) -> tuple[bool, object]:
+    """One pop by the PrefetchQueue protocol (as the dataset iterator does it); ``(False, None)``: not allowed now."""
+    items = q.items
+    now = time.perf_counter()
+    if not (q.fast and items and items[0][0] == "plain" and now - q.left_at >= q.inline_below_s):
+        return False, None
+    item = items.popleft()
+    q.period = now - q.left_at
+    q.left_at = now
+    q.popped += 1
+    if not items or q.parked == "handoff":
+        q.poke()
+    return True, item[2]
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 40), depth=st.integers(1, 4), plan=st.lists(st.booleans(), min_size=60, max_size=60),
+       inline=st.sampled_from([0.0, 2e-4]))
+def test_a_consumer_popping_the_queue_itself_gets_every_item_once_in_order(n: int, depth: int, plan: list[bool],
+                                                                          inline: float) -> None:
+    """Pops by the queue's protocol mixed with next(): every item once, in order; both counted as handed out."""
+    pf = Prefetcher(CountingSource(n), depth=depth, inline_below_s=inline)
+    got: list[int] = []
+    own = 0
+    k = 0
+    while True:
+        if plan[k % len(plan)]:
+            time.sleep(0.0005)  # away long enough for the thread to queue ahead
+            ok, item = _pop_as_consumer(pf.queue)
+            if ok:
+                got.append(int(item))  # type: ignore[call-overload]
+                own += 1
+                k += 1
+                continue
+        k += 1
+        try:
+            got.append(next(pf))
+        except StopIteration:
+            break
+    assert got == [i * 10 for i in range(n)]
+    assert pf.items_handed_out == n and pf.queue.popped == own
+    assert pf.stats.items == n  # the consumer's own pops are counted, with a zero wait
+    assert not pf.queue.fast  # ended: nothing more to pop by the protocol
+    pf.close()
+
+
+def test_a_pop_by_the_protocol_that_empties_the_queue_wakes_the_thread() -> None:
+    src = CountingSource(100)
+    with Prefetcher(src, depth=1, inline_below_s=0.0) as pf:
+        assert _wait_until(lambda: src.i == 2 and pf.queue.parked == "room")  # one queued, one held for room
+        ok, item = _pop_as_consumer(pf.queue)
+        assert ok and item == 0
+        # poked: it queues the item it held and makes the next without waiting for its room check
+        assert _wait_until(lambda: src.i == 3, timeout=0.5)
+        assert next(pf) == 10 and pf.items_handed_out == 2
+
+
+def test_close_stops_pops_by_the_protocol() -> None:
+    src = CountingSource(100)
+    pf = Prefetcher(src, depth=3, inline_below_s=0.0)
+    assert _wait_until(lambda: len(pf.queue.items) == 3)
+    pf.close()
+    assert not pf.queue.fast and not pf.queue.items
+    assert _pop_as_consumer(pf.queue) == (False, None)

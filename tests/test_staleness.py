@@ -232,3 +232,60 @@ def test_token_staleness_batches_equal_one_at_a_time(batches: list, version: int
     if every:
         assert a["worst"] == version - min(m.gen_version for m in every)
         assert a["token_mean"] == pytest.approx(sum(version - m.version_mean for m in every) / len(every))
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.lists(st.tuples(st.integers(0, 20), st.floats(0, 5), st.integers(0, 4)), min_size=0, max_size=6),
+                     min_size=1, max_size=6),
+       version=st.integers(0, 30))
+def test_token_staleness_by_sums_equals_by_metas(rows, version: int) -> None:
+    """What the control plane records from the sums planned with each entry is what the metas give."""
+    from knitdata.staleness import TokenStaleness
+
+    by_metas, by_sums = TokenStaleness(), TokenStaleness()
+    for r, row in enumerate(rows):
+        metas = [TrajectoryMeta(f"t{r}-{k}", "s", "g", gen_version=g, version_mean=g + m, version_span=span)
+                 for k, (g, m, span) in enumerate(row)]
+        by_metas.record(version, metas)
+        sums = TokenStaleness.sums(metas)
+        assert (sums is None) == (not metas)
+        if sums is not None:
+            by_sums.record_sums(version, json.loads(json.dumps(sums)))  # as a queued entry may carry them
+    a, b = by_metas.summary(), by_sums.summary()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] == b[k]) or (isinstance(a[k], float) and math.isclose(a[k], b[k], rel_tol=1e-12, abs_tol=1e-12)) \
+            or (a[k] != a[k] and b[k] != b[k]), (k, a, b)
+
+
+def test_a_handout_records_token_staleness_from_the_sums_planned_with_its_entry(monkeypatch) -> None:
+    """One source: the control plane records a hand-out's token staleness from the sums it made when it planned the
+    entry (no trajectory visited); the figures equal those of the trajectories, partial rollouts included."""
+    import torch
+
+    from knitdata import Pipeline, Trajectory
+    from knitdata.admission import BatchSpec
+    from knitdata.control.state import PlaneState
+    from knitdata.staleness import TokenStaleness
+
+    trajs = [Trajectory(id=f"t{i}", source="a", group=f"g{i}", prompt_ids=torch.arange(2),
+                        response_ids=torch.arange(4), gen_version=i % 3,
+                        token_versions=torch.tensor([i % 3] * 2 + [i % 3 + i % 2] * 2)) for i in range(12)]
+    expected = TokenStaleness()
+    expected.record(0, [t.meta() for t in trajs])
+
+    def no_visit(self: PlaneState, ids: object) -> list:
+        raise AssertionError("a hand-out of a planned entry visited its trajectories")
+
+    with Pipeline(BatchSpec({"a": 6}, num_minibatches=3), token_budget=12) as pipe:
+        for t in trajs:
+            pipe.put(t)
+        pipe.close()
+        monkeypatch.setattr(PlaneState, "held_metas", no_visit)
+        assert sum(mb.num_sequences for mb in pipe.dataset(0, fetch="iter")) == 12
+        monkeypatch.undo()
+        got = pipe.stats()["token_staleness"]
+    want = expected.summary()
+    assert got["count"] == 12 and got["partial_share"] == pytest.approx(want["partial_share"])
+    assert got["token_mean"] == pytest.approx(want["token_mean"]) and got["span_max"] == want["span_max"]
+    assert got["worst"] == want["worst"] and got["span_mean"] == pytest.approx(want["span_mean"])

@@ -213,6 +213,7 @@ class Durability:
             s.pending = {m.id: s.live.get(m.id, m) for m in d["pending"]}
             s.loss = d["loss"]
             s.queues = [{e["j"]: e for e in q} for q in d["queues"]]
+            s.entry_sums = [{} for _ in s.queues]
             s.planned, s.committed, s.position = d["planned"], d["committed"], d["position"]
             s.closed, s.close_report, s.error = d["closed"], d["close_report"], d["error"]
             s.version = d["version"]

@@ -404,6 +404,7 @@ class Reshaping(Part):
         s.planner = _planner_like(s.planner, layout)
         n = layout.num_consumers
         s.queues = [{} for _ in range(n)]
+        s.entry_sums = [{} for _ in range(n)]
         s.planned, s.committed, s.position = [0] * n, [0] * n, [0] * n
         s.chain = [FP_EMPTY] * n
         s.fps = [{0: FP_EMPTY} for _ in range(n)]

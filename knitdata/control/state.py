@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter, is_, itemgetter
 from typing import Any, cast
 
 from knitdata import trace as tracing
@@ -248,6 +248,10 @@ class PlaneState:
         self.pending: dict[str, TrajectoryMeta] = {}  # admitted to the policy, not in a mini-batch yet
         self.loss: dict[str, int] = {}
         self.queues: list[dict[int, dict[str, Any]]] = [{} for _ in range(n)]
+        #: The token staleness sums of each queued entry (:meth:`~knitdata.staleness.TokenStaleness.sums`), made when
+        #: it is planned, so that its hand-out does not visit its trajectories; not in snapshots (an entry restored
+        #: or reshaped has none: its hand-out visits them).
+        self.entry_sums: list[dict[int, Any]] = [{} for _ in range(n)]
         self.planned = [0] * n  # entries appended per rank
         self.committed = [0] * n  # entries below are released
         self.position = [0] * n  # next entry of the rank's iterator (handed out below)
@@ -336,7 +340,7 @@ class PlaneState:
         """
         popped: list[TrajectoryMeta | None] = list(map(self.live.pop, ids, repeat(None)))
         metas: list[TrajectoryMeta]
-        if None in popped:  # some already released (a restore, a withdrawn group): only the held ones
+        if any(map(is_, popped, repeat(None))):  # some already released (a restore, a withdrawn group): held ones
             held = [i for i, m in zip(ids, popped) if m is not None]
             metas = [m for m in popped if m is not None]
         else:
@@ -375,7 +379,9 @@ class PlaneState:
     def held_metas(self, ids: Iterable[str]) -> list[TrajectoryMeta]:
         """The metas of the trajectories ``ids`` still held (released ones left out), in order."""
         found = list(map(self.live.get, ids))
-        return cast("list[TrajectoryMeta]", found) if None not in found else [m for m in found if m is not None]
+        if any(map(is_, found, repeat(None))):  # (``None in found`` would call each meta's ``__eq__``)
+            return [m for m in found if m is not None]
+        return cast("list[TrajectoryMeta]", found)
 
     def record_handouts(self, rank: int, handouts: Sequence[tuple[Mapping[str, Any], int]]) -> None:
         """Staleness of entries of ``rank`` handed out to a trainer, ``(entry, policy version)`` in hand-out order
@@ -390,18 +396,30 @@ class PlaneState:
                     self.record_handouts(rank, [(e, v2)])
                 return
         gens: list[int] = []
-        ids: list[str] = []
         for e, _v in handouts:
             gens += e["info"]["gen_versions"]
-            ids += map(_first, e["items"])
         values = list(map(version.__sub__, gens))
         self.staleness.extend(values)
         self.staleness_by_rank[rank].extend(values)
+        by_source = self.staleness_by_source
+        planned = self.entry_sums[rank]
+        sums = [planned.get(e["j"], False) for e, _v in handouts]
+        if len(by_source) == 1 and False not in sums:
+            # one source (puts of others are refused), the sums planned with the entries: no trajectory visited
+            token = self.token_staleness
+            for x in sums:
+                if x is not None:
+                    token.record_sums(version, x)
+            for only in by_source.values():
+                only.extend(values)
+            return
+        ids: list[str] = []
+        for e, _v in handouts:
+            ids += map(_first, e["items"])
         metas = self.held_metas(ids)
         self.token_staleness.record(version, metas)
-        by_source = self.staleness_by_source
         if len(by_source) == 1 and len(metas) == len(values):
-            # one source (puts of others are refused), every trajectory held: ``values`` are theirs, in order
+            # one source, every trajectory held: ``values`` are theirs, in order
             for only in by_source.values():
                 only.extend(values)
             return
@@ -413,6 +431,7 @@ class PlaneState:
     def unqueue(self, rank: int, j: int) -> dict[str, Any] | None:
         """Take entry ``j`` out of ``rank``'s queue (``None``: not queued), keeping its mini-batch's record count."""
         e = self.queues[rank].pop(j, None)
+        self.entry_sums[rank].pop(j, None)
         if e is not None:
             rec = self.mb_records.get(e["minibatch"])
             if rec is not None:
@@ -476,10 +495,12 @@ class PlaneState:
             if j < self.committed[rank]:  # the rank restored past it: release at once
                 self.release_ids([m.id for m in pmb.trajectories], delivered=True)
                 continue
+            metas = pmb.trajectories
             self.queues[rank][j] = {
                 "j": j, "minibatch": info["minibatch"], "microbatch": info["microbatch"], "info": info,
-                "items": [[m.id, m.location, m.nbytes] for m in pmb.trajectories], "fp": chain,
+                "items": [[m.id, m.location, m.nbytes] for m in metas], "fp": chain,
             }
+            self.entry_sums[rank][j] = TokenStaleness.sums(metas)
             rec = self.mb_records.get(info["minibatch"])
             if rec is not None:
                 rec[4] += 1
