@@ -101,9 +101,8 @@ def commit_point(state: Any, rank: int) -> int:
 
 
 def _stamper(cell: list[Any]) -> Callable[[dict[str, Any], int], tuple[Any, ...]]:
-    """The position :func:`~knitdata.consumer.produce` gives each entry on the producing thread, ``(entry, n, pre)``:
-    ``pre = (static, state)`` is the state once it is handed out but for end, epoch and count (``state_dict`` sets
-    them: a copy and three keys on the trainer's thread, while ``static`` is the dataset's fixed keys ``cell[0]``)."""
+    """Each entry's position, made on the producing thread: ``(entry, n, (static, state))``, ``state`` as ``state_dict``
+    returns it but for end, epoch and count (it sets them while ``static`` is still its fixed keys, ``cell[0]``)."""
 
     def stamp(e: dict[str, Any], n: int) -> tuple[Any, ...]:
         static, fp = cell[0], e.get("fp")
@@ -595,6 +594,8 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             q.popped += 1
             if not items or q.parked == "handoff":
                 q.poke()
+            if self._done:  # closed by another thread meanwhile: not handed out
+                raise StopIteration
             t0, blocked = t1, 0.0
         else:
             inner = self._inner

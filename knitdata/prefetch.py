@@ -501,7 +501,7 @@ class Prefetcher(Iterator[T], Generic[T]):
                 inline = sorted(self._away)[len(self._away) // 4] < self.inline_below_s
                 if inline != sh.inline:
                     sh.inline = inline
-                    sh.fast = not inline
+                    sh.fast = not inline and not sh.stop
                     if sh.parked == "turn":
                         cond.notify_all()
             try:
