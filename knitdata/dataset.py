@@ -574,8 +574,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         self._inner, set_depth = mode.prepare(source, depth=ds.prefetch_depth, device=ds.device,
                                               pin_memory=ds.pin_memory)
         self._timed = hasattr(self._inner, "last_wait_s")  # the prefetcher says how long next() was blocked
-        #: The prefetcher's queue (iter mode): ``__next__`` pops prepared micro-batches itself.
-        self._queue: PrefetchQueue | None = getattr(self._inner, "queue", None)
+        self._queue: PrefetchQueue | None = getattr(self._inner, "queue", None)  # iter mode: next() pops it itself
         if hasattr(self._inner, "on_wait"):  # the trainer about to wait for data relays queued reports
             # (by waking the sender's thread: the trainer does not make the report itself)
             self._inner.on_wait = functools.partial(self._lease.relay, False)  # type: ignore[union-attr]

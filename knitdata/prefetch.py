@@ -451,15 +451,14 @@ class Prefetcher(Iterator[T], Generic[T]):
         #: The hand-off with the thread: a consumer may pop prepared items itself (see :class:`PrefetchQueue`).
         self.queue = PrefetchQueue(iter(source), state_fn, depth, transfer, self.pin_memory and transfer is None,
                                    self._stats, inline=self.inline_below_s > 0, inline_below_s=self.inline_below_s)
-        self._shared = self.queue
-        self._finalizer = weakref.finalize(self, _shutdown, self._shared)
-        self._shared.job = spawn(functools.partial(_produce, self._shared), "knitdata-prefetch")
+        self._finalizer = weakref.finalize(self, _shutdown, self.queue)
+        self.queue.job = spawn(functools.partial(_produce, self.queue), "knitdata-prefetch")
 
     def __iter__(self) -> Prefetcher[T]:
         return self
 
     def __next__(self) -> T:
-        sh = self._shared
+        sh = self.queue
         items = sh.items
         if sh.fast and items:
             # the fast path, right after the trainer's compute (cold caches: few objects touched): the thread prepared
@@ -565,7 +564,7 @@ class Prefetcher(Iterator[T], Generic[T]):
         if kind == "error":
             self._finish()
             raise payload
-        expected = self._index + self._shared.popped
+        expected = self._index + self.queue.popped
         assert index == expected, f"prefetch out of order: got {index}, expected {expected}"
         self._index += 1
         if event is not None:
@@ -592,7 +591,7 @@ class Prefetcher(Iterator[T], Generic[T]):
     def stats(self) -> PrefetchStats:
         """What this prefetcher measured (consumer-side fields as of the last item handed out)."""
         st = self._stats
-        popped = self._shared.popped
+        popped = self.queue.popped
         n = self._unwaited + popped - self._popped_seen
         if n:
             self._unwaited, self._popped_seen = 0, popped
@@ -608,7 +607,7 @@ class Prefetcher(Iterator[T], Generic[T]):
         """
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
             raise ConfigError(f"depth must be an int >= 1, got {depth!r}")
-        sh = self._shared
+        sh = self.queue
         with sh.cond:
             self.depth = sh.depth = depth
         _signal(sh.room)
@@ -623,7 +622,7 @@ class Prefetcher(Iterator[T], Generic[T]):
     @property
     def items_handed_out(self) -> int:
         """Number of items handed out so far (returned by ``__next__`` or popped by the consumer itself)."""
-        return self._index + self._shared.popped
+        return self._index + self.queue.popped
 
     def _finish(self) -> None:
         # The source ended (or failed): the thread no longer touches it. Signal it without waiting for it to
@@ -639,7 +638,7 @@ class Prefetcher(Iterator[T], Generic[T]):
                 (the thread is a daemon and exits after that call returns).
         """
         self._done = True
-        sh = self._shared
+        sh = self.queue
         job = sh.job
         with sh.cond:
             busy = sh.producing and job is not None and job.is_alive()  # the thread (or a consumer) in the source

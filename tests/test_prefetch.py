@@ -242,7 +242,7 @@ def test_a_pop_that_leaves_items_queued_wakes_no_thread(depth: int) -> None:
     src = CountingSource(n, delay=0.001, f=lambda i: i)
     pf = Prefetcher(src, depth=depth, inline_below_s=0.0)
     room = _CountingRoom()
-    pf._shared.room = room  # the thread reads it at its next check (it starts parked on the full queue)
+    pf.queue.room = room  # the thread reads it at its next check (it starts parked on the full queue)
     assert _wait_until(lambda: src.i == depth + 1)
     got = []
     refills = []
@@ -266,7 +266,7 @@ def test_a_pop_that_empties_the_queue_wakes_the_thread() -> None:
     src = CountingSource(n, delay=0.01, f=lambda i: i)
     pf = Prefetcher(src, depth=2, inline_below_s=0.0)
     room = _CountingRoom()
-    pf._shared.room = room
+    pf.queue.room = room
     assert _wait_until(lambda: src.i == 3)
     time.sleep(0.02)  # the thread parked on the full queue has checked for room since: it now waits on ours
     t0 = time.perf_counter()
