@@ -18,7 +18,8 @@ micro-batch. Every Python thread is profiled (``sys.setprofile`` and ``threading
   waking the sender's thread), which is the control plane's business, as above;
 * ``trainer``: the frames entered by each ``next(it)`` on the trainer's thread when it did not read (``iter``:
   popping the prefetched item and recording its hand-out), counted apart; ``trainer_waited``: those of them that
-  found nothing prepared and waited (the prefetcher's ``on_wait`` relays the hand-outs before it blocks).
+  found nothing prepared at their first look and so went through the prefetcher's ``next()`` (most wait there: its
+  ``on_wait`` relays the hand-outs before it blocks; on a busy machine the item may arrive before it blocks).
 
 Run as a script (``python tests/_path_helpers.py ray``) it measures the Ray engine in a fresh process (a local Ray
 on loopback) and prints one JSON line.
@@ -127,7 +128,8 @@ class StopCounter:
         for a, b in self.next_marks:
             keys = [k for e, k, _f in main[a:b] if e == "call"]
             if not any("produce" in k or k == "engine.read" for k in keys):  # it only handed out
-                (waited if any(k.endswith(_RELAYS) for k in keys) else trainer).append(keys)
+                slow = any(k.endswith(_RELAYS) or k == "prefetch.py:Prefetcher.__next__" for k in keys)
+                (waited if slow else trainer).append(keys)
         return {"paths": paths, "trainer": trainer, "trainer_waited": waited}
 
 

@@ -447,9 +447,11 @@ def _check_stops(res: dict) -> None:
         # (4 before issue 22: the lease's take_out and the sender's request; 2 before the iterator popped the queue);
         # a pop that empties the queue pokes the thread parked on it
         assert r["max_trainer_stops"] <= 2, (fetch, r["trainer"])
-        assert sum(len(p) == 1 for p in r["trainer"]) >= len(r["trainer"]) // 2, (fetch, r["trainer"])
-        # one that found nothing prepared relays the hand-outs before it blocks (the prefetcher's on_wait), then
-        # counts its wait: iterator, pop, relay, hand-out, stats
+        it_next = "dataset.py:_ConsumerIterator.__next__"
+        assert all(p in ([it_next], [it_next, "prefetch.py:PrefetchQueue.poke"]) for p in r["trainer"]), r["trainer"]
+        # one that found nothing prepared at its first look goes through the prefetcher's next(), which relays the
+        # hand-outs before it blocks (its on_wait), then counts its wait: iterator, pop, relay, hand-out, stats (no
+        # relay when the item came before it blocked: a race a busy CI machine wins sometimes)
         assert r["max_trainer_waited_stops"] <= 5, (fetch, r["trainer_waited"])
         # the stages, then the engine: one control call at a mini-batch's first micro-batch, one read
         assert _suffixes(r) == {
