@@ -202,7 +202,7 @@ class PlanStage:
 class ReadStage:
     """The payloads of each entry, read through the engine as the fetch mode groups them.
 
-    With ``whole_share`` (``eager``, or a media collator) the worker's share of a mini-batch (the entry and the
+    With ``whole_share`` (``eager``, ``iter`` on the embedded engine, or a media collator) the worker's share of a mini-batch (the entry and the
     rest of its mini-batch in the plan stage's cache) is read at its first micro-batch and served from here.
 
     Attributes:

@@ -569,7 +569,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         self._plan = plan = PlanStage(engine, ds.rank, self._lease, self._stop, ds._next, num_workers, ds.timeout,
                                       ds.max_minibatches, ds._end_step)
         media = MediaStage(ds.media_collator, ds.prefetch_depth) if ds.media_collator is not None else None
-        reader = ReadStage(engine, ds.rank, mode, plan, whole_share=mode.whole_share or media is not None)
+        reader = ReadStage(engine, ds.rank, mode, plan, whole_share=mode.reads_share(engine) or media is not None)
         source = produce(plan, reader, ds.collate, media, ds.metrics, self._stop, _stamper(ds._static_cell))
         self._inner, set_depth = mode.prepare(source, depth=ds.prefetch_depth, device=ds.device,
                                               pin_memory=ds.pin_memory)

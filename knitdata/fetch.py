@@ -9,7 +9,8 @@ requests (:meth:`FetchMode.groups`, used by every engine's ``read``), how those 
 * ``sample``: one storage request per trajectory, when the micro-batch is asked for (baseline);
 * ``eager``: the consumer's whole share of the mini-batch before its first micro-batch;
 * ``iter``: the next micro-batches are fetched, decoded, collated (and pinned / copied to a device) on a
-  background thread (:class:`knitdata.prefetch.Prefetcher`) while the current one computes.
+  background thread (:class:`knitdata.prefetch.Prefetcher`) while the current one computes; from an engine
+  whose reads copy nothing (the embedded engine) the share is read at once, as ``eager`` does.
 
 >>> fetch_mode("sample").requests([["t0", "u0", 10], ["t1", "u0", 20]])
 2
@@ -40,6 +41,11 @@ class FetchMode:
 
     name: str = ""
     whole_share: bool = False
+
+    def reads_share(self, engine: Any) -> bool:
+        """Whether a worker reads its whole share of a mini-batch at its first micro-batch from ``engine``
+        (default: :attr:`whole_share`)."""
+        return self.whole_share
 
     def groups(self, items: Items) -> Sequence[Items]:
         """``items`` grouped into reads: each group is read with one request per unit (default: one group)."""
@@ -86,6 +92,12 @@ class IterFetch(FetchMode):
     """``iter``: micro-batches prepared ahead on a background thread (:class:`~knitdata.prefetch.Prefetcher`)."""
 
     name = "iter"
+
+    def reads_share(self, engine: Any) -> bool:
+        """The whole share at once from an engine whose reads hand over stored objects
+        (:attr:`~knitdata.engines.base.Engine.copy_free_reads`: the embedded engine), one read per micro-batch
+        otherwise (a copy that the prefetch thread overlaps with compute, micro-batch by micro-batch)."""
+        return bool(getattr(engine, "copy_free_reads", False))
 
     def prepare(self, source: Iterator[Any], *, depth: int, device: Any, pin_memory: bool | None,
                 ) -> tuple[Iterator[Any], Callable[[int], None] | None]:

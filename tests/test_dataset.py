@@ -54,7 +54,22 @@ def test_fetch_modes_yield_the_same_microbatches(workload):
         assert m.microbatches == len(per_rank[0]) and m.bytes_fetched > 0
         if fetch == "sample":
             assert m.requests == m.trajectories  # one request per trajectory
+        else:  # eager, and iter on the embedded engine (its reads copy nothing): one read per mini-batch's share
+            assert m.requests == m.steps, (fetch, m.requests, m.steps)
     assert outs["sample"] == outs["eager"] == outs["iter"]
+
+
+def test_iter_reads_per_microbatch_from_an_engine_whose_reads_copy():
+    from knitdata.fetch import fetch_mode
+
+    class Copying:
+        copy_free_reads = False
+
+    class CopyFree:
+        copy_free_reads = True
+
+    assert fetch_mode("iter").reads_share(CopyFree()) and not fetch_mode("iter").reads_share(Copying())
+    assert fetch_mode("eager").reads_share(Copying()) and not fetch_mode("sample").reads_share(CopyFree())
 
 
 def test_infos_is_last_and_global_counts(workload):
@@ -287,7 +302,7 @@ def test_loader_benchmark_functions_smoke():
     modes = bench.measure_modes(bench.make_image_trajectories(4 * 4 * 4, tokens=40, side=16), per_microbatch=4, k=4,
                                 warmup=3)
     assert all(modes[m]["exposed_latency_s"] >= 0 for m in bench.MODES)
-    assert modes["sample"]["requests"] == 64 and modes["eager"]["requests"] == 4
+    assert modes["sample"]["requests"] == 64 and modes["eager"]["requests"] == modes["iter"]["requests"] == 4
 
 
 def test_break_and_continue_in_same_pipeline_loses_nothing(workload):
@@ -436,7 +451,14 @@ def _suffixes(res: dict) -> set[tuple[str, ...]]:
     return out
 
 
-def _check_stops(res: dict) -> None:
+#: A micro-batch's read path: the stages, then the engine (one control call at a mini-batch's first micro-batch).
+SHARE_READ = ("consumer.py:produce", "consumer.py:PlanStage.next", "engine.next_entries", "consumer.py:ReadStage.read",
+              "engine.read")
+MICROBATCH_READ = ("consumer.py:produce", "consumer.py:PlanStage.next", "consumer.py:ReadStage.read", "engine.read")
+
+
+def _check_stops(res: dict, copy_free: bool = True) -> None:
+    """``copy_free``: the engine's reads hand over stored objects (``iter`` then reads a share at once)."""
     for fetch in ("sample", "iter"):
         r = res[fetch]
         assert r["microbatches"] == 8 and r["paths"], r
@@ -453,12 +475,10 @@ def _check_stops(res: dict) -> None:
         # hand-outs before it blocks (its on_wait), then counts its wait: iterator, pop, relay, hand-out, stats (no
         # relay when the item came before it blocked: a race a busy CI machine wins sometimes)
         assert r["max_trainer_waited_stops"] <= 5, (fetch, r["trainer_waited"])
-        # the stages, then the engine: one control call at a mini-batch's first micro-batch, one read
-        assert _suffixes(r) == {
-            ("consumer.py:produce", "consumer.py:PlanStage.next", "consumer.py:ReadStage.read", "engine.read"),
-            ("consumer.py:produce", "consumer.py:PlanStage.next", "engine.next_entries", "consumer.py:ReadStage.read",
-             "engine.read"),
-        }, (fetch, r["paths"])
+        # the stages, then the engine: one control call at a mini-batch's first micro-batch, one read (iter on an
+        # engine whose reads copy nothing: one read per share, at its first micro-batch)
+        want = {SHARE_READ} if fetch == "iter" and copy_free else {SHARE_READ, MICROBATCH_READ}
+        assert _suffixes(r) == want, (fetch, r["paths"])
     assert max(len(p) for p in res["eager"]["paths"]) <= 8, res["eager"]["paths"]
 
 
@@ -485,7 +505,8 @@ def test_a_microbatch_path_is_the_same_on_the_ray_engine():
 
     ray_res = run_json_subprocess([PY, os.path.join(os.path.dirname(__file__), "_path_helpers.py"), "ray"],
                                   "micro-batch path on the Ray engine", timeout_s=300)
-    _check_stops(ray_res)
+    _check_stops(ray_res, copy_free=False)
     emb = _embedded_stops()
-    for fetch in ("sample", "iter"):
-        assert _suffixes(ray_res[fetch]) == _suffixes(emb[fetch])
+    assert _suffixes(ray_res["sample"]) == _suffixes(emb["sample"])
+    # iter: the embedded engine reads a share at once (its reads copy nothing), the Ray engine micro-batch by one
+    assert _suffixes(emb["iter"]) < _suffixes(ray_res["iter"])

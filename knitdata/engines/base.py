@@ -84,6 +84,9 @@ class Engine(abc.ABC):
             process, so that a pipeline may hand it objects and show it.
         shutdown_on_exit: Whether the pipeline's creator shuts the engine down when its ``with`` block ends (the
             engine holds resources beyond the process: actors), rather than only closing the pipeline.
+        copy_free_reads: Whether :meth:`read` hands over the stored objects themselves (no copy, no request to
+            another process): reading a worker's share of a mini-batch at once then costs no more than reading it
+            micro-batch by micro-batch, and saves a read per micro-batch (see :meth:`FetchMode.reads_share`).
     """
 
     kind: str = ""
@@ -91,6 +94,7 @@ class Engine(abc.ABC):
     supports_worker_processes: bool = False
     in_process: bool = False
     shutdown_on_exit: bool = False
+    copy_free_reads: bool = False
     #: Seconds between the lease renewals of this process's consumers (how fast an older iterator lets go).
     heartbeat_s: float = HEARTBEAT_S
 
