@@ -202,8 +202,9 @@ class PlanStage:
 class ReadStage:
     """The payloads of each entry, read through the engine as the fetch mode groups them.
 
-    With ``whole_share`` (``eager``, ``iter`` on the embedded engine, or a media collator) the worker's share of a mini-batch (the entry and the
-    rest of its mini-batch in the plan stage's cache) is read at its first micro-batch and served from here.
+    With ``whole_share`` (``eager``, ``iter`` on the embedded engine, or a media collator) the worker's share of a
+    mini-batch (the entry and the rest of its mini-batch in the plan stage's cache) is read at its first micro-batch
+    and served from here.
 
     Attributes:
         rows: The entries of the share read by the last :meth:`read` (``None``: it read no new share).

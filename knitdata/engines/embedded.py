@@ -38,7 +38,7 @@ class EmbeddedEngine(Engine):
 
     kind = "embedded"
     in_process = True
-    copy_free_reads = True  # a read is a lookup of the producer's own objects
+    copy_free_reads = True  # a read is a lookup of the producer's own objects (a spilled one is decoded, as in eager)
     heartbeat_s = 0.1  # in-process reports are cheap: an older iterator lets go within 0.1 s
 
     def __init__(
