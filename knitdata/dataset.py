@@ -229,9 +229,9 @@ class TrajectoryDataset(IterableDataset):
         self._cap: int | None = None  # release="step" never releases past the last state taken or loaded
         self._active: weakref.ref[_ConsumerIterator] | None = None
         self._layout: dict[str, Any] | None = None  # what states carry about the layout (elastic resume)
-        # the part of state_dict() that changes only with the layout or the worker: (layout, (w, nw), the keys)
-        self._static: tuple[Any, tuple[int, int], dict[str, Any]] | None = None
-        self._static_cell: list[Any] = [None]  # the same, for the producing thread's states (_stamper)
+        # the part of state_dict() that changes only with the layout or the worker: (layout, (w, nw), the keys) or
+        # None, in a cell that the producing thread's states read too (_stamper)
+        self._static_cell: list[tuple[Any, tuple[int, int], dict[str, Any]] | None] = [None]
         self.session = ConsumerSession(self.engine, self.rank, self.replica or 0)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -328,7 +328,7 @@ class TrajectoryDataset(IterableDataset):
         a job can always roll back to the last state it saved.
         """
         it = self._active() if self._active is not None else None
-        static = self._static
+        static = self._static_cell[0]
         fp: tuple[int, str] | None
         if it is not None and static is not None and static[0] is self.engine.layout and static[1] == self._worker:
             # once per step: the state the producing thread made with the entry next() handed out last (no lock;
@@ -360,9 +360,9 @@ class TrajectoryDataset(IterableDataset):
             lay = self._layout
             if lay is None or (lay["history"] is not None and lay["remainder"] is None):
                 lay = self._layout = self.engine.control.layout_history(self.rank)
-                self._static = self._static_cell[0] = None
+                self._static_cell[0] = None
             layout = self.engine.layout
-            static = self._static
+            static = self._static_cell[0]
             if static is None or static[0] is not layout or static[1] != (w, nw):
                 fixed = {"format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name,
                          "rank": self.rank, "num_consumers": self.engine.num_consumers, "worker": w,
@@ -371,8 +371,7 @@ class TrajectoryDataset(IterableDataset):
                     fixed.update(replica=self.replica, num_replicas=self.num_replicas)
                 static = (layout, (w, nw), _fixed_keys(lay, fixed))
                 # a layout history whose remainder is not known yet is asked for again next time: not cached
-                self._static = self._static_cell[0] = (
-                    static if lay["history"] is None or lay["remainder"] is not None else None)
+                self._static_cell[0] = static if lay["history"] is None or lay["remainder"] is not None else None
         # a copy of the fixed keys and the position's
         assert static is not None  # found above, or built under the lock
         state = static[2].copy()
@@ -406,7 +405,7 @@ class TrajectoryDataset(IterableDataset):
             with self._lock:
                 self._close_active()
                 self._next, self._fp, self._pos, self._end_step, self._layout = None, None, None, None, None
-                self._static = self._static_cell[0] = None
+                self._static_cell[0] = None
                 self._epoch = int(state.get("epoch") or 0)
                 self._handed_out = 0
                 self._cap = None
