@@ -1,4 +1,5 @@
-"""Per-consumer metrics: time blocked waiting for data, bytes fetched, fetch latency per micro-batch.
+"""Per-consumer metrics: time blocked waiting for data, bytes fetched, fetch latency per micro-batch; what a
+prefetcher measured (:class:`PrefetchStats`).
 
 Memory is bounded: per-event series keep the last ``window`` values; totals are counters.
 """
@@ -9,9 +10,10 @@ import statistics
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["TransferMeter", "ConsumerMetrics", "summarize", "PENDING_LIMIT"]
+__all__ = ["TransferMeter", "ConsumerMetrics", "PrefetchStats", "summarize", "PENDING_LIMIT"]
 
 #: Waits a :class:`ConsumerMetrics` holds unfolded before the appender folds them (bounds memory when nobody reads).
 PENDING_LIMIT = 1024
@@ -314,3 +316,63 @@ class TransferMeter:
         prefix = f"{placement}/{mode}/"
         with self._lock:
             return {int(k[len(prefix) :]): v["cross_bytes"] for k, v in self._steps.items() if k.startswith(prefix)}
+
+
+@dataclass
+class PrefetchStats:
+    """What a :class:`~knitdata.prefetch.Prefetcher` measured. Consumer-side fields are updated in ``__next__``; producer-side
+    ones on the background thread.
+
+    Attributes:
+        items: Items handed out.
+        wait_s: Total time the consumer spent blocked in ``__next__`` waiting for an item (exposed latency).
+        max_wait_s: Longest single wait.
+        recent_wait_s: Per-item waits of the last 4096 items (bounded).
+        h2d_wait_s: Host time in ``__next__`` spent making device copies visible to the current stream.
+        produced: Items pulled from the source.
+        produce_s: Time the background thread spent inside ``next(source)``.
+        pin_s: Background time spent pinning / staging into pinned memory.
+        copy_s: Background time from issuing a host-to-device copy to its completion.
+        bytes_copied: Bytes of tensors copied host-to-device.
+        inline: Items the consumer pulled from the source itself (queue empty and the thread idle), counted
+            in ``produced`` too.
+    """
+
+    items: int = 0
+    wait_s: float = 0.0
+    max_wait_s: float = 0.0
+    recent_wait_s: deque = field(default_factory=lambda: deque(maxlen=4096))
+    h2d_wait_s: float = 0.0
+    produced: int = 0
+    produce_s: float = 0.0
+    pin_s: float = 0.0
+    copy_s: float = 0.0
+    bytes_copied: int = 0
+    inline: int = 0
+
+    @property
+    def mean_wait_s(self) -> float:
+        """Mean wait per handed-out item."""
+        return self.wait_s / self.items if self.items else 0.0
+
+    @property
+    def median_wait_s(self) -> float:
+        """Median of the recent per-item waits."""
+        return statistics.median(self.recent_wait_s) if self.recent_wait_s else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able summary (per-item waits summarized, not listed)."""
+        return {
+            "items": self.items,
+            "wait_s": self.wait_s,
+            "mean_wait_s": self.mean_wait_s,
+            "median_wait_s": self.median_wait_s,
+            "max_wait_s": self.max_wait_s,
+            "h2d_wait_s": self.h2d_wait_s,
+            "produced": self.produced,
+            "produce_s": self.produce_s,
+            "pin_s": self.pin_s,
+            "copy_s": self.copy_s,
+            "bytes_copied": self.bytes_copied,
+            "inline": self.inline,
+        }

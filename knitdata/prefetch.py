@@ -46,18 +46,17 @@ import collections
 import functools
 import itertools
 import json
-import statistics
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
 
 from knitdata.errors import ConfigError, StateError
+from knitdata.metrics import PrefetchStats
 from knitdata.staging import (
     CudaTransfer,
     PinnedBufferPool,
@@ -69,7 +68,8 @@ from knitdata.staging import (
 )
 from knitdata.threads import Job, spawn
 
-# PinnedBufferPool, map_tensors and host_memory_stats live in knitdata.staging; also here as before the split
+# PinnedBufferPool, map_tensors and host_memory_stats live in knitdata.staging, PrefetchStats in knitdata.metrics;
+# also here as before those splits
 __all__ = ["Prefetcher", "PrefetchQueue", "PrefetchStats", "PinnedBufferPool", "map_tensors", "host_memory_stats"]
 
 T = TypeVar("T")
@@ -84,67 +84,8 @@ _ROOM_CHECK_MIN_S = 0.0005  # ... but not more often than this
 _ROOM_CHECK_START_S = 0.005  # ... and this often before the consumer's period is known
 _IDLE_S = 0.005  # in inline mode the thread refills the queue once the consumer has been away this long
 _INLINE_WINDOW = 8  # consumer times (between __next__ calls) whose median picks inline or threaded mode
-
-
-# ---------------------------------------------------------------------------------------------- stats
-@dataclass
-class PrefetchStats:
-    """What a :class:`Prefetcher` measured. Consumer-side fields are updated in ``__next__``; producer-side
-    ones on the background thread.
-
-    Attributes:
-        items: Items handed out.
-        wait_s: Total time the consumer spent blocked in ``__next__`` waiting for an item (exposed latency).
-        max_wait_s: Longest single wait.
-        recent_wait_s: Per-item waits of the last 4096 items (bounded).
-        h2d_wait_s: Host time in ``__next__`` spent making device copies visible to the current stream.
-        produced: Items pulled from the source.
-        produce_s: Time the background thread spent inside ``next(source)``.
-        pin_s: Background time spent pinning / staging into pinned memory.
-        copy_s: Background time from issuing a host-to-device copy to its completion.
-        bytes_copied: Bytes of tensors copied host-to-device.
-        inline: Items the consumer pulled from the source itself (queue empty and the thread idle), counted
-            in ``produced`` too.
-    """
-
-    items: int = 0
-    wait_s: float = 0.0
-    max_wait_s: float = 0.0
-    recent_wait_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
-    h2d_wait_s: float = 0.0
-    produced: int = 0
-    produce_s: float = 0.0
-    pin_s: float = 0.0
-    copy_s: float = 0.0
-    bytes_copied: int = 0
-    inline: int = 0
-
-    @property
-    def mean_wait_s(self) -> float:
-        """Mean wait per handed-out item."""
-        return self.wait_s / self.items if self.items else 0.0
-
-    @property
-    def median_wait_s(self) -> float:
-        """Median of the recent per-item waits."""
-        return statistics.median(self.recent_wait_s) if self.recent_wait_s else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able summary (per-item waits summarized, not listed)."""
-        return {
-            "items": self.items,
-            "wait_s": self.wait_s,
-            "mean_wait_s": self.mean_wait_s,
-            "median_wait_s": self.median_wait_s,
-            "max_wait_s": self.max_wait_s,
-            "h2d_wait_s": self.h2d_wait_s,
-            "produced": self.produced,
-            "produce_s": self.produce_s,
-            "pin_s": self.pin_s,
-            "copy_s": self.copy_s,
-            "bytes_copied": self.bytes_copied,
-            "inline": self.inline,
-        }
+_FOLD_AT = 256  # waits of items pulled inline kept before they are folded into the stats
+_BUSY = object()  # Prefetcher._pull: not pulled
 
 
 # ---------------------------------------------------------------------------------------------- thread
@@ -186,7 +127,8 @@ class PrefetchQueue:
         self.transfer = transfer
         self.pin = pin
         self.stats = stats
-        self.cond = threading.Condition(threading.RLock())
+        self.lock = threading.RLock()  # ``cond``'s lock (a ``with`` on it makes no Python call)
+        self.cond = threading.Condition(self.lock)
         self.room = threading.Lock()  # a binary semaphore: released by the consumer after a pop (room to produce)
         self.room.acquire()
         self.items: collections.deque = collections.deque()
@@ -428,6 +370,7 @@ class Prefetcher(Iterator[T], Generic[T]):
         self.pool = pool
         self._stats = PrefetchStats()
         self._unwaited = 0  # items handed out by the fast path since the stats were last folded (waits of 0)
+        self._pulled: list[float] = []  # waits of items pulled inline since then (each its production time)
         transfer: Callable[[Any], tuple[Any, Any]] | None = None
         self._cuda_device: torch.device | None = None
         if cuda:
@@ -446,6 +389,7 @@ class Prefetcher(Iterator[T], Generic[T]):
         #: when it produces one itself; ``None``: nothing). The dataset relays its queued control reports there.
         self.on_wait: Callable[[], None] | None = None
         self.inline_below_s = float(inline_below_s) if transfer is None else 0.0
+        self._plain = state_fn is None and transfer is None and not self.pin_memory  # items need nothing but a pull
         self._away: collections.deque = collections.deque(maxlen=_INLINE_WINDOW)  # consumer time per item
         self._popped_seen = 0  # the queue's ``popped`` as of the last stats fold
         #: The hand-off with the thread: a consumer may pop prepared items itself (see :class:`PrefetchQueue`).
@@ -462,9 +406,7 @@ class Prefetcher(Iterator[T], Generic[T]):
         items = sh.items
         if sh.fast and items:
             # the fast path, right after the trainer's compute (cold caches: few objects touched): the thread prepared
-            # the item. No lock: popleft is atomic, the thread sets ``parked`` before it checks for room (a pop makes
-            # the room it sees, or finds it parked and is poked), only the consumer writes ``left_at`` (see
-            # PrefetchQueue for the protocol, which a consumer may also follow itself)
+            # the item. No lock (PrefetchQueue's protocol, which a consumer may also follow itself)
             t0 = time.perf_counter()
             if t0 - sh.left_at >= self.inline_below_s:
                 try:
@@ -486,11 +428,15 @@ class Prefetcher(Iterator[T], Generic[T]):
                     return self._hand_out(entry, t0, 0.0)
         if self._done:
             raise StopIteration
-        cond = sh.cond
         t0 = time.perf_counter()
-        entry = None
-        steal = False
-        blocked = 0.0
+        if sh.inline and not items and self._plain:  # nothing to overlap, nothing queued: the short path
+            window = self._away
+            window.append(t0 - sh.left_at)
+            if sorted(window)[len(window) // 4] < self.inline_below_s and (item := self._pull(sh, t0)) is not _BUSY:
+                return item  # type: ignore[no-any-return]
+            window.pop()  # counted again below
+        cond = sh.cond
+        entry, steal, blocked = None, False, 0.0
         with cond:
             sh.in_next = True
             sh.period = t0 - sh.left_at
@@ -553,11 +499,44 @@ class Prefetcher(Iterator[T], Generic[T]):
         assert entry is not None  # taken from the queue or made by _make above
         return self._hand_out(entry, t0, time.perf_counter() - t0, blocked)
 
+    def _pull(self, sh: PrefetchQueue, t0: float) -> Any:
+        """Inline, nothing queued, items that need nothing but a pull (called at ``t0``): take the next one from the
+        source on this thread with the least bookkeeping (about 5 µs less per item than a pull by the general path,
+        with the caches cold); :data:`_BUSY` when the thread holds the source, or the end was reached."""
+        with sh.lock:
+            mine = not (sh.producing or sh.finished or sh.stop or sh.items)
+            if mine:
+                sh.producing = sh.in_next = True
+                sh.period = t0 - sh.left_at
+        if not mine:
+            return _BUSY
+        try:
+            item = next(sh.source)
+        except BaseException:  # the end, or an error: re-raised in order (nothing is queued after it)
+            with sh.lock:
+                sh.producing = sh.in_next = False
+                sh.finished = True
+                sh.left_at = time.perf_counter()
+            self._finish()
+            raise
+        t1 = time.perf_counter()
+        with sh.lock:
+            sh.producing = sh.in_next = False
+            sh.index += 1
+            sh.left_at = t1
+        self._index += 1
+        self.last_wait_s = wait = t1 - t0
+        pulled = self._pulled
+        pulled.append(wait)  # folded into the stats when they are read, or when many
+        if len(pulled) >= _FOLD_AT:
+            self._fold()
+        return item
+
     def _hand_out(self, entry: tuple, t0: float, wait: float, blocked: float = 0.0) -> T:
         """The tail of ``__next__``: end, error or item (made visible to the current CUDA stream), counted."""
         self.last_wait_s = blocked
         kind, index, payload, snap, event = entry
-        st = self.stats  # folds the fast path's items first: the recent waits stay in order
+        st = self._fold()  # folds the fast path's items first: the recent waits stay in order
         if kind == "end":
             self._finish()
             raise StopIteration
@@ -590,6 +569,9 @@ class Prefetcher(Iterator[T], Generic[T]):
     @property
     def stats(self) -> PrefetchStats:
         """What this prefetcher measured (consumer-side fields as of the last item handed out)."""
+        return self._fold()
+
+    def _fold(self) -> PrefetchStats:
         st = self._stats
         popped = self.queue.popped
         n = self._unwaited + popped - self._popped_seen
@@ -597,6 +579,17 @@ class Prefetcher(Iterator[T], Generic[T]):
             self._unwaited, self._popped_seen = 0, popped
             st.items += n
             st.recent_wait_s.extend(itertools.repeat(0.0, n))
+        pulled = self._pulled
+        if pulled:
+            self._pulled = []
+            total = sum(pulled)
+            st.items += len(pulled)
+            st.produced += len(pulled)
+            st.inline += len(pulled)
+            st.produce_s += total
+            st.wait_s += total
+            st.max_wait_s = max(st.max_wait_s, *pulled)
+            st.recent_wait_s.extend(pulled)
         return st
 
     def set_depth(self, depth: int) -> None:

@@ -280,7 +280,7 @@ class CudaTransfer:
         device: The CUDA device.
         pin: Pin items first.
         pool: Stage into this pool's pinned buffers instead.
-        stats: The prefetcher's :class:`~knitdata.prefetch.PrefetchStats` (``pin_s``, ``copy_s``,
+        stats: The prefetcher's :class:`~knitdata.metrics.PrefetchStats` (``pin_s``, ``copy_s``,
             ``bytes_copied`` are added to).
     """
 

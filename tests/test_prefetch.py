@@ -498,18 +498,19 @@ class GuardedSource(CountingSource):
 @given(n=st.integers(0, 25), depth=st.integers(1, 4), fail_at=st.one_of(st.none(), st.integers(0, 25)),
        inline_below_s=st.sampled_from([0.0, 2e-4, 10.0]),
        pauses=st.lists(st.sampled_from([0.0, 0.0, 0.003, 0.008]), min_size=1, max_size=6),
-       work=st.sampled_from([0.0, 0.001]))
-def test_handoff_order_exactly_once_and_errors(n, depth, fail_at, inline_below_s, pauses, work) -> None:
+       work=st.sampled_from([0.0, 0.001]), with_state=st.booleans())
+def test_handoff_order_exactly_once_and_errors(n, depth, fail_at, inline_below_s, pauses, work, with_state) -> None:
     """Whatever mix of inline pulls, thread pulls and hand-offs the consumer's pace causes: every item once,
-    in order; the state is the one of the item handed out; an error surfaces in place with its own type."""
+    in order; the state is the one of the item handed out; an error surfaces in place with its own type.
+    Without a ``state_fn`` the items are plain (an inline pull takes the short path)."""
     src = GuardedSource(n, work=work, fail_at=fail_at)
-    pf = Prefetcher(src, state_fn=src.state_dict, depth=depth, inline_below_s=inline_below_s)
+    pf = Prefetcher(src, state_fn=src.state_dict if with_state else None, depth=depth, inline_below_s=inline_below_s)
     got = []
     err = None
     try:
         for k, x in enumerate(pf):
             got.append(x)
-            assert pf.state_dict() == {"i": len(got)}
+            assert pf.state_dict() == ({"i": len(got)} if with_state else {})
             assert src.i - len(got) <= depth + 1  # bounded lead
             if pauses[k % len(pauses)]:
                 time.sleep(pauses[k % len(pauses)])
@@ -547,6 +548,26 @@ def test_inline_when_nothing_to_overlap_thread_when_compute() -> None:
         next(pf)
     assert _wait_until(lambda: src.i == 10 + 3 + 1)
     assert list(pf) == [i * 10 for i in range(10, 40)]
+
+
+def test_stats_count_items_pulled_inline() -> None:
+    """Items the consumer pulled itself count as handed out, produced and inline, each waited for as long as it
+    took to make (folded into the stats when they are read, and every few hundred items)."""
+    src = GuardedSource(700, work=0.0)
+    pf = Prefetcher(src, depth=2, inline_below_s=10.0)  # every item is pulled inline
+    t0 = time.perf_counter()
+    assert sum(1 for _ in pf) == 700
+    elapsed = time.perf_counter() - t0
+    st = pf.stats
+    main = threading.get_ident()
+    # (the thread refills only while the consumer is away for 5 ms: a time slice lost on a busy machine)
+    assert st.items == st.produced == 700 and st.inline == src.threads.count(main) >= 600
+    assert len(st.recent_wait_s) == 700 and 0 < st.wait_s < elapsed
+    assert st.max_wait_s == max(st.recent_wait_s) and st.mean_wait_s == pytest.approx(st.wait_s / 700)
+    slow = GuardedSource(5, work=0.002)
+    pf = Prefetcher(slow, depth=2, inline_below_s=10.0)
+    assert list(pf) == [i * 10 for i in range(5)] and pf.stats.inline == slow.threads.count(main)
+    assert pf.stats.wait_s >= 0.002 * pf.stats.inline
 
 
 def test_inline_below_s_validated() -> None:
