@@ -488,6 +488,22 @@ def test_loading_a_crafted_state_raises_only_state_error_and_changes_nothing(whe
     json.dumps(p.state_dict())
 
 
+@pytest.mark.parametrize("name", ["train_batch", "constraint_preserving"])
+def test_a_state_whose_quotas_cannot_be_completed_is_refused(name) -> None:
+    """Admitted counts no run of the policy reaches (what is left of the quotas cannot fill the mini-batches left)
+    are refused on load, naming them, instead of failing an internal check (train_batch) or never admitting
+    again (constraint_preserving)."""
+    spec = BatchSpec({"a": 4, "b": 4}, num_minibatches=2, group_size=2)
+    p = make_policy(name, spec)
+    before = p.state_dict()
+    for admitted, index in (({"a": 1, "b": 0}, 0), ({"a": 2, "b": 2}, 0), ({"a": 0, "b": 0}, 1)):
+        with pytest.raises(StateError, match="cannot complete"):
+            p.load_state_dict({**_STATES[name], "admitted": admitted, "index": index})
+        assert p.state_dict() == before
+    p.load_state_dict({**_STATES[name], "admitted": {"a": 1, "b": 1}, "index": 1})  # one mini-batch of a and b
+    assert p.state_dict()["admitted"] == {"a": 1, "b": 1}
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(scenario(with_bounds=True), st.data())
 def test_policies_state_harness(case, data) -> None:

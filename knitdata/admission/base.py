@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from knitdata.admission.bound import StalenessBound, check_counts, check_settings
+from knitdata.admission.composition import completion_exists
 from knitdata.admission.spec import AdmittedMiniBatch, BatchSpec
 from knitdata.errors import ConfigError, KnitdataError, QuotaInfeasibleError, StateError, ValidationError
 from knitdata.record import TrajectoryMeta
@@ -165,6 +166,9 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
 
     name: str = ""
     preserves_quotas: bool = True
+    #: Every state keeps the train batch completable: what is left of each quota fills the mini-batches left
+    #: within the bounds (a loaded state that does not is refused; :meth:`load_state_dict`).
+    keeps_completable: bool = False
 
     def __init__(self, spec: BatchSpec, *, continuous: bool = False, max_staleness: int | None = None,
                  on_stale: str = "drop", version_offset: int = 0) -> None:
@@ -509,6 +513,12 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
             if not isinstance(adm, Mapping) or set(adm) != set(self._Q):
                 raise StateError(f"admitted must name the sources {sorted(self._Q)}, got {str(adm)[:100]}")
             fresh._admitted = {s: _count(adm[s], f"admitted.{s}") for s in self._Q}
+            if self.keeps_completable and not completion_exists(fresh._remaining(), self._M - fresh._k, self._mm,
+                                                                self._bounds):
+                raise StateError(
+                    f"admitted {fresh._admitted} (groups of {self._g}) after {fresh._k} of {self._M} mini-batches "
+                    f"leaves quotas {self._Q} that {self._M - fresh._k} mini-batches of {self._mm} groups cannot "
+                    f"complete within the bounds {self._bounds}: not a state of this policy")
             inf = state["in_flight"]
             if inf is not None and (not isinstance(inf, Mapping) or not set(inf) <= set(self._Q)):
                 raise StateError(f"in_flight must be null or counts of sources {sorted(self._Q)}, got {str(inf)[:100]}")

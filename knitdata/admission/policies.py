@@ -28,6 +28,7 @@ class TrainBatchAdmission(AdmissionPolicy):
     """
 
     name = "train_batch"
+    keeps_completable = True
 
     def __init__(self, spec: BatchSpec, *, continuous: bool = False, max_staleness: int | None = None,
                  on_stale: str = "drop", version_offset: int = 0) -> None:
@@ -143,6 +144,7 @@ class ConstraintPreservingAdmission(AdmissionPolicy):
     """
 
     name = "constraint_preserving"
+    keeps_completable = True
 
     def _choose(self) -> dict[str, int] | list[ReadyGroup] | None:
         rem = self._remaining()
