@@ -142,6 +142,17 @@ class BoundedAdmission:
             self._drop(grp)
 
 
+def _check_completable(p: AdmissionPolicy) -> None:
+    """Raise :class:`~knitdata.errors.StateError` unless what is left of ``p``'s quotas fills its mini-batches left
+    within the bounds: every state of a policy that keeps its train batch completable does (``keeps_completable``)."""
+    left = p._M - p._k
+    if not completion_exists(p._remaining(), left, p._mm, p._bounds):
+        raise StateError(
+            f"admitted {p._admitted} (groups of {p._g}) after {p._k} of {p._M} mini-batches leaves quotas {p._Q} that "
+            f"{left} mini-batches of {p._mm} groups cannot complete within the bounds {p._bounds}: not a state of the "
+            f"{p.name} policy")
+
+
 class AdmissionPolicy(BoundedAdmission, abc.ABC):
     """Base class of the admission policies: holds ready groups and emits mini-batches in order.
 
@@ -166,9 +177,7 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
 
     name: str = ""
     preserves_quotas: bool = True
-    #: Every state keeps the train batch completable: what is left of each quota fills the mini-batches left
-    #: within the bounds (a loaded state that does not is refused; :meth:`load_state_dict`).
-    keeps_completable: bool = False
+    keeps_completable: bool = False  #: a loaded state must leave its train batch completable (see _check_completable)
 
     def __init__(self, spec: BatchSpec, *, continuous: bool = False, max_staleness: int | None = None,
                  on_stale: str = "drop", version_offset: int = 0) -> None:
@@ -513,12 +522,8 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
             if not isinstance(adm, Mapping) or set(adm) != set(self._Q):
                 raise StateError(f"admitted must name the sources {sorted(self._Q)}, got {str(adm)[:100]}")
             fresh._admitted = {s: _count(adm[s], f"admitted.{s}") for s in self._Q}
-            if self.keeps_completable and not completion_exists(fresh._remaining(), self._M - fresh._k, self._mm,
-                                                                self._bounds):
-                raise StateError(
-                    f"admitted {fresh._admitted} (groups of {self._g}) after {fresh._k} of {self._M} mini-batches "
-                    f"leaves quotas {self._Q} that {self._M - fresh._k} mini-batches of {self._mm} groups cannot "
-                    f"complete within the bounds {self._bounds}: not a state of this policy")
+            if self.keeps_completable:
+                _check_completable(fresh)
             inf = state["in_flight"]
             if inf is not None and (not isinstance(inf, Mapping) or not set(inf) <= set(self._Q)):
                 raise StateError(f"in_flight must be null or counts of sources {sorted(self._Q)}, got {str(inf)[:100]}")
