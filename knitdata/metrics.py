@@ -320,8 +320,8 @@ class TransferMeter:
 
 @dataclass
 class PrefetchStats:
-    """What a :class:`~knitdata.prefetch.Prefetcher` measured. Consumer-side fields are updated in ``__next__``; producer-side
-    ones on the background thread.
+    """What a :class:`~knitdata.prefetch.Prefetcher` measured. Consumer-side fields are updated in ``__next__`` (items
+    the consumer pulled itself are folded in when the stats are read); producer-side ones on the background thread.
 
     Attributes:
         items: Items handed out.
@@ -330,7 +330,7 @@ class PrefetchStats:
         recent_wait_s: Per-item waits of the last 4096 items (bounded).
         h2d_wait_s: Host time in ``__next__`` spent making device copies visible to the current stream.
         produced: Items pulled from the source.
-        produce_s: Time the background thread spent inside ``next(source)``.
+        produce_s: Time spent inside ``next(source)`` (by the background thread, or by the consumer inline).
         pin_s: Background time spent pinning / staging into pinned memory.
         copy_s: Background time from issuing a host-to-device copy to its completion.
         bytes_copied: Bytes of tensors copied host-to-device.
