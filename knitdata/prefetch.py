@@ -429,12 +429,13 @@ class Prefetcher(Iterator[T], Generic[T]):
         if self._done:
             raise StopIteration
         t0 = time.perf_counter()
-        if sh.inline and not items and self._plain:  # nothing to overlap, nothing queued: the short path
-            window = self._away
-            window.append(t0 - sh.left_at)
-            if sorted(window)[len(window) // 4] < self.inline_below_s and (item := self._pull(sh, t0)) is not _BUSY:
+        if sh.inline and not items and self._plain and t0 - sh.left_at < self.inline_below_s:
+            # nothing to overlap, nothing queued: the short path. A short time away keeps inline mode (it cannot
+            # raise the window's low quantile); a long one goes below, where the mode is picked
+            self._away.append(t0 - sh.left_at)
+            if (item := self._pull(sh, t0)) is not _BUSY:
                 return item  # type: ignore[no-any-return]
-            window.pop()  # counted again below
+            self._away.pop()  # counted again below
         cond = sh.cond
         entry, steal, blocked = None, False, 0.0
         with cond:
