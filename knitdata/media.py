@@ -432,6 +432,14 @@ class MediaProcessor:
         self.video_sampling = video_sampling or VideoSampling()
         self.decodes: dict[str, int] = {}
 
+    def raw_key(self, item: MediaItem) -> str:
+        """The key of a raw item for this processor: items with one key give the same processed input (its kind,
+        sample rate and content digest; a video's :func:`video_key`, which covers the sampling). Nothing is hashed:
+        the digest was computed when the item was made."""
+        if item.kind == "video" and item.data is not None:
+            return video_key(item, self.video_sampling)
+        return f"{item.kind}:{item.sample_rate or 0}:{item.digest}"
+
     def key_of(self, item: MediaItem, processed: ProcessedMedia) -> str:
         """The content key of an item (``key="digest"``): a video's :func:`video_key` (container bytes and
         sampling: no hashing of its frames), else :func:`processed_digest`."""

@@ -33,10 +33,15 @@ from knitdata.media import MediaProcessor, ProcessedMedia, provenance_key
 from knitdata.record import Trajectory
 from knitdata.video import VideoSampling
 
-__all__ = ["MediaTable", "MediaOccurrences", "MultimodalBatch", "MultimodalCollator", "KEY_MODES", "segment_rows"]
+__all__ = ["MediaTable", "MediaOccurrences", "MultimodalBatch", "MultimodalCollator", "EqualInputs", "KEY_MODES",
+           "segment_rows"]
 
-#: How media items are keyed: by ``(group, media index)`` or by a digest of the processed encoder input.
+#: How media items are keyed: by their processed encoder input (equal inputs share a row) or by ``(group, media index)``.
 KEY_MODES: tuple[str, ...] = ("digest", "provenance")
+
+#: Values of a processed input compared before the rest (evenly spaced): an input is compared in full only with
+#: those that agree on them (:class:`EqualInputs`).
+_SAMPLED = 64
 
 
 def segment_rows(offsets: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
@@ -67,7 +72,9 @@ class MediaTable:
         kind: ``"image"``, ``"audio"`` or ``"video"``.
         values: ``[sum of lengths, *feature_shape]``: item ``u`` is ``values[offsets[u]:offsets[u + 1]]``.
         offsets: ``int64 [U + 1]``, starting at 0.
-        keys: The ``U`` keys (a digest string or a ``(group, index)`` tuple).
+        keys: The ``U`` keys: with ``key="digest"`` the raw key of the row's first item
+            (:meth:`~knitdata.media.MediaProcessor.raw_key`: its kind, sample rate and content digest; a video's
+            :func:`~knitdata.video.video_key`), with ``key="provenance"`` its ``(group, index)``.
         sample_rates: ``int64 [U]`` for audio, else ``None``.
         meta: Per-item metadata the model's processor returned with each item, stacked per name: each tensor
             has ``U`` rows (e.g. Qwen2-VL's ``image_grid_thw`` ``int64 [U, 3]``, an audio clip's valid
@@ -269,6 +276,59 @@ class MultimodalBatch:
         return self._moved[key]
 
 
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a 1-D ``uint8`` tensor (a view when ``t`` is contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _signature(pm: ProcessedMedia) -> tuple[Any, ...]:
+    """What equal processed inputs share: kind, sample rate, dtype, shape, metadata (whole: it is small) and
+    :data:`_SAMPLED` evenly spaced values."""
+    t = pm.tensor.detach()
+    flat = t.reshape(-1)
+    sample = flat[:: max(1, flat.numel() // _SAMPLED)][:_SAMPLED].cpu()
+    meta = tuple((name, str(m.dtype), tuple(m.shape), _flat_bytes(m.cpu()).numpy().tobytes())
+                 for name, m in sorted((pm.meta or {}).items()))
+    return (pm.kind, pm.sample_rate or 0, str(t.dtype), tuple(t.shape), meta,
+            _flat_bytes(sample).numpy().tobytes())
+
+
+class EqualInputs:
+    """The processed inputs seen so far, each under a key: finds the one equal to a new input, if any.
+
+    Equal means what :func:`~knitdata.media.processed_digest` identifies (kind, sample rate, dtype, shape, bytes and
+    metadata), found by comparing instead of hashing: inputs are grouped by their signature (those fields but the
+    bytes, plus :data:`_SAMPLED` evenly spaced values), so a new input is compared in full (a byte comparison) only
+    with the inputs that agree on it. Equal inputs always agree on it: none is missed.
+
+    Example:
+        >>> import torch
+        >>> from knitdata.media import ProcessedMedia
+        >>> same = EqualInputs()
+        >>> same.key(ProcessedMedia("image", torch.ones(4, 8)), "a")
+        'a'
+        >>> same.key(ProcessedMedia("image", torch.ones(4, 8)), "b")  # equal to the first: its key
+        'a'
+        >>> same.key(ProcessedMedia("image", torch.zeros(4, 8)), "c")
+        'c'
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[Any, ...], list[tuple[ProcessedMedia, Any]]] = {}
+
+    def key(self, pm: ProcessedMedia, new: Any) -> Any:
+        """The key of an input equal to ``pm`` seen before; else ``pm`` is kept under ``new``, which is returned."""
+        sig = _signature(pm)
+        peers = self._seen.setdefault(sig, [])
+        if peers:
+            mine = _flat_bytes(pm.tensor)
+            for other, k in peers:
+                if torch.equal(mine, _flat_bytes(other.tensor).to(mine.device)):
+                    return k
+        peers.append((pm, new))
+        return new
+
+
 def _meta_sig(meta: Mapping[str, torch.Tensor]) -> str:
     return "{" + ", ".join(f"{k}: {str(v.dtype).removeprefix('torch.')}{list(v.shape)}" for k, v in sorted(meta.items())) + "}"
 
@@ -344,19 +404,22 @@ class MultimodalCollator:
             MediaError: An item cannot be decoded or processed, processed items of one kind cannot be packed
                 (trailing shapes or dtypes differ), or (provenance keys) a group's members disagree.
         """
-        by_raw: dict[str, ProcessedMedia] = {}  # raw item digest -> processed (each distinct item processed once)
-        processed_key: dict[str, str] = {}  # raw item digest -> digest of its processed input (hashed once)
+        by_raw: dict[str, ProcessedMedia] = {}  # raw key -> processed (each distinct raw item processed once)
+        processed_key: dict[str, Any] = {}  # raw key -> key of the row of its processed input
+        same = EqualInputs()  # digest keys: an equal input of another raw item shares its row (compared, not hashed)
         key_to_row: dict[str, dict[Any, int]] = {}
         rows: dict[str, list[ProcessedMedia]] = {}
         prov_digest: dict[Any, str] = {}
         first_where: dict[str, tuple[str, int]] = {}
         occ: list[dict[str, tuple[list[int], list[int], list[int]]]] = []
         ids: list[tuple[str, ...]] = []
+        raw_key = self.processor.raw_key
         for mb in micro_batches:
             cur: dict[str, tuple[list[int], list[int], list[int]]] = {}
             ids.append(tuple(t.id for t in mb))
             for j, traj in enumerate(mb):
                 for n, item in enumerate(traj.media):
+                    rk = raw_key(item)
                     if self.key == "provenance":
                         k: Any = provenance_key(traj.group, n)
                         seen = prov_digest.setdefault(k, item.digest)
@@ -369,16 +432,15 @@ class MultimodalCollator:
                             )
                         kind_rows = key_to_row.setdefault(item.kind, {})
                         if k not in kind_rows:
-                            pm = by_raw.get(item.digest) or self.processor.process(item, trajectory_id=traj.id, index=n)
-                            by_raw[item.digest] = pm
+                            pm = by_raw.get(rk) or self.processor.process(item, trajectory_id=traj.id, index=n)
+                            by_raw[rk] = pm
                     else:
-                        cached = by_raw.get(item.digest)
+                        cached = by_raw.get(rk)
                         if cached is None:
-                            cached = self.processor.process(item, trajectory_id=traj.id, index=n)
-                            by_raw[item.digest] = cached
-                            processed_key[item.digest] = self.processor.key_of(item, cached)  # hashed once per raw item
+                            cached = by_raw[rk] = self.processor.process(item, trajectory_id=traj.id, index=n)
+                            processed_key[rk] = same.key(cached, rk)
                         pm = cached
-                        k = processed_key[item.digest]
+                        k = processed_key[rk]
                         kind_rows = key_to_row.setdefault(item.kind, {})
                     if k not in kind_rows:
                         lst = rows.setdefault(item.kind, [])

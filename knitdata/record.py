@@ -85,7 +85,7 @@ def tensor_digest(t: torch.Tensor) -> str:
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
     if t.numel():
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # the buffer itself: no copy of the bytes
     return h.hexdigest()
 
 

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _multimodal_helpers import make_layout  # noqa: E402
 
 from knitdata.errors import MediaError  # noqa: E402
-from knitdata.media import MediaProcessor, image_item, patchify  # noqa: E402
-from knitdata.multimodal import MediaTable, MultimodalCollator  # noqa: E402
+from knitdata.media import MediaProcessor, ProcessedMedia, audio_item, image_item, patchify, processed_digest  # noqa: E402
+from knitdata.multimodal import EqualInputs, MediaTable, MultimodalCollator  # noqa: E402
 from knitdata.record import MediaItem, Trajectory  # noqa: E402
 
 
@@ -73,6 +73,64 @@ def test_digest_finds_shared_images_provenance_does_not():
     assert p.tables["image"].keys == (("g0", 0), ("g1", 0), ("g1", 1))
     assert d.for_microbatch(2)["image"].index.tolist() == [0, 1]
     assert p.for_microbatch(2)["image"].index.tolist() == [1, 2]
+
+
+@st.composite
+def _processed_inputs(draw):
+    """Processed inputs that are often equal, or differ in one value anywhere (sampled or not), in dtype, shape,
+    sample rate, kind or metadata: what processed_digest tells apart."""
+    base = torch.arange(draw(st.integers(1, 300)), dtype=torch.float32)
+    out = []
+    for _ in range(draw(st.integers(1, 8))):
+        t, kind, rate, meta = base.clone(), "audio", 16000, None
+        change = draw(st.sampled_from(["none", "none", "value", "dtype", "shape", "rate", "kind", "meta", "nan"]))
+        if change == "value":
+            t[draw(st.integers(0, t.numel() - 1))] += 1
+        elif change == "dtype":
+            t = t.to(torch.bfloat16)
+        elif change == "shape" and t.numel() % 2 == 0:
+            t = t.reshape(2, -1)
+        elif change == "rate":
+            rate = 8000
+        elif change == "kind":
+            kind, rate = "image", None
+        elif change == "meta":
+            meta = {"grid": torch.tensor([1, draw(st.integers(0, 2)), 3])}
+        elif change == "nan":
+            t[0] = float("nan")  # equal bytes are equal inputs, NaN or not
+        out.append(ProcessedMedia(kind, t if t.dim() > 1 else t[:, None], rate, meta))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(inputs=_processed_inputs())
+def test_equal_inputs_are_found_exactly_when_their_digests_are_equal(inputs):
+    same = EqualInputs()
+    keys = [same.key(pm, i) for i, pm in enumerate(inputs)]
+    digests = [processed_digest(pm) for pm in inputs]
+    for i in range(len(inputs)):
+        first = digests.index(digests[i])  # the first input equal to this one keeps its key
+        assert keys[i] == first
+
+
+def test_equal_inputs_compare_beyond_the_sampled_values():
+    a = torch.zeros(10_000)
+    b = a.clone()
+    b[1] = 1.0  # 10_000 // 64 = 156: index 1 is not among the sampled values
+    same = EqualInputs()
+    assert same.key(ProcessedMedia("image", a[:, None]), "a") == "a"
+    assert same.key(ProcessedMedia("image", b[:, None]), "b") == "b"
+    assert same.key(ProcessedMedia("image", a.clone()[:, None]), "c") == "a"
+
+
+def test_digest_keys_keep_raw_items_of_another_kind_or_rate_apart():
+    samples = torch.rand(1600, 1)
+    a16, a8 = audio_item(samples, sample_rate=16000), audio_item(samples, sample_rate=8000)  # one digest (the samples), two rates
+    assert a16.digest == a8.digest
+    batch = MultimodalCollator()([[_traj(0, "g", [a16]), _traj(1, "h", [a8])]])
+    table = batch.tables["audio"]
+    assert table.num_items == 2 and table.sample_rates.tolist() == [16000, 8000]
+    assert batch.for_microbatch(0)["audio"].index.tolist() == [0, 1]
 
 
 def test_each_distinct_item_processed_once():
