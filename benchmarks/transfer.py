@@ -124,7 +124,7 @@ def run_transfer_benchmark(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     compute: str = "accel",
-    calibration_reps: int = 3,
+    calibration_reps: int = 5,
     interleave: bool = True,
 ) -> dict[str, Any]:
     """Run every requested mode side by side on one workload and return the JSON-serializable result.
@@ -593,7 +593,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "measured; cpu: the tiny model trains on the CPU beside the data path (on 2 cores this "
                              "mostly measures CPU contention)")
     parser.add_argument("--calibration-reps", type=int, default=None,
-                        help="accel: timed steps per encoding when calibrating the compute (default 3; smoke 1)")
+                        help="accel: timed steps per encoding when calibrating the compute, the encodings alternating "
+                             "(default 5; smoke 1)")
     parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                         help="run the process modes interleaved step by step before each alone (default: yes; "
                              "--omni-seed-size: no)")
@@ -663,7 +664,7 @@ def run(args: argparse.Namespace) -> int:
         interleave = getattr(args, "interleave", None)
         interleave = (not seed) if interleave is None else bool(interleave)
         reps = getattr(args, "calibration_reps", None)
-        reps = reps if reps is not None else (1 if args.smoke else 3)
+        reps = reps if reps is not None else (1 if args.smoke else 5)
         w, cfg = _workload_of(args, steps, warmup)
         timeout = args.timeout if args.timeout is not None else (150.0 if args.smoke else 900.0)
         workers = args.loader_workers if args.loader_workers is not None else (0 if args.smoke else 1)

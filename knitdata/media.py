@@ -441,8 +441,10 @@ class MediaProcessor:
         return f"{item.kind}:{item.sample_rate or 0}:{item.digest}"
 
     def key_of(self, item: MediaItem, processed: ProcessedMedia) -> str:
-        """The content key of an item (``key="digest"``): a video's :func:`video_key` (container bytes and
-        sampling: no hashing of its frames), else :func:`processed_digest`."""
+        """The content key of an item, the same in every process: a video's :func:`video_key` (container bytes and
+        sampling: no hashing of its frames), else :func:`processed_digest` (its processed input hashed). The
+        collator's ``key="digest"`` finds equal inputs by comparing them instead
+        (:class:`~knitdata.multimodal.EqualInputs`)."""
         if item.kind == "video" and item.data is not None:
             return video_key(item, self.video_sampling)
         return processed_digest(processed)

@@ -30,7 +30,7 @@ import torch
 
 from knitdata.errors import MediaError
 from knitdata.media import MediaProcessor, ProcessedMedia, provenance_key
-from knitdata.record import Trajectory
+from knitdata.record import Trajectory, tensor_digest
 from knitdata.video import VideoSampling
 
 __all__ = ["MediaTable", "MediaOccurrences", "MultimodalBatch", "MultimodalCollator", "EqualInputs", "KEY_MODES",
@@ -40,8 +40,11 @@ __all__ = ["MediaTable", "MediaOccurrences", "MultimodalBatch", "MultimodalColla
 KEY_MODES: tuple[str, ...] = ("digest", "provenance")
 
 #: Values of a processed input compared before the rest (evenly spaced): an input is compared in full only with
-#: those that agree on them (:class:`EqualInputs`).
-_SAMPLED = 64
+#: those that agree on them (:class:`EqualInputs`) ...
+_SAMPLED = 256
+#: ... and with at most this many: past it, inputs that agree on them are told apart by their digests (each input
+#: hashed once), so that many near-equal inputs cost no more than hashing them.
+_COMPARED = 8
 
 
 def segment_rows(offsets: torch.Tensor, items: torch.Tensor) -> torch.Tensor:
@@ -299,7 +302,9 @@ class EqualInputs:
     Equal means what :func:`~knitdata.media.processed_digest` identifies (kind, sample rate, dtype, shape, bytes and
     metadata), found by comparing instead of hashing: inputs are grouped by their signature (those fields but the
     bytes, plus :data:`_SAMPLED` evenly spaced values), so a new input is compared in full (a byte comparison) only
-    with the inputs that agree on it. Equal inputs always agree on it: none is missed.
+    with the inputs that agree on it. Equal inputs always agree on it: none is missed. Should more than
+    :data:`_COMPARED` inputs agree on one signature (near-equal inputs, e.g. mostly padding), the later ones of it are
+    told apart by their :func:`~knitdata.record.tensor_digest` instead, each hashed once.
 
     Example:
         >>> import torch
@@ -315,18 +320,26 @@ class EqualInputs:
 
     def __init__(self) -> None:
         self._seen: dict[tuple[Any, ...], list[tuple[ProcessedMedia, Any]]] = {}
+        self._hashed: dict[tuple[Any, ...], dict[str, Any]] = {}  # per signature past _COMPARED: digest -> key
 
     def key(self, pm: ProcessedMedia, new: Any) -> Any:
         """The key of an input equal to ``pm`` seen before; else ``pm`` is kept under ``new``, which is returned."""
         sig = _signature(pm)
         peers = self._seen.setdefault(sig, [])
-        if peers:
-            mine = _flat_bytes(pm.tensor)
+        if len(peers) < _COMPARED:
+            if peers:
+                mine = _flat_bytes(pm.tensor)
+                for other, k in peers:
+                    if torch.equal(mine, _flat_bytes(other.tensor).to(mine.device)):
+                        return k
+            peers.append((pm, new))
+            return new
+        hashed = self._hashed.get(sig)
+        if hashed is None:  # the first input past the limit: the peers are hashed once, first key kept
+            hashed = self._hashed[sig] = {}
             for other, k in peers:
-                if torch.equal(mine, _flat_bytes(other.tensor).to(mine.device)):
-                    return k
-        peers.append((pm, new))
-        return new
+                hashed.setdefault(tensor_digest(other.tensor), k)
+        return hashed.setdefault(tensor_digest(pm.tensor), new)
 
 
 def _meta_sig(meta: Mapping[str, torch.Tensor]) -> str:

@@ -441,6 +441,27 @@ def test_calibration_times_each_microbatch_of_each_encoding():
         consumer.calibrate_compute(SMALL, SMALL_VLM, reps=0)
 
 
+def test_calibration_alternates_the_encodings_steps(monkeypatch):
+    order = []
+
+    class Trainer:
+        def __init__(self, w, cfg, enc):
+            self.enc = enc
+
+        def microbatch(self, item):
+            pass
+
+        def optimizer_step(self):
+            order.append(self.enc)
+
+    monkeypatch.setattr(consumer, "_Trainer", Trainer)
+    monkeypatch.setattr(consumer, "_calibration_items", lambda w, cfg, enc: [None] * w.microbatches_per_step)
+    cal = consumer.calibrate_compute(SMALL, SMALL_VLM, reps=3, warmup=1)
+    # a drifting load weighs on both encodings alike: their steps alternate, and so does their order
+    assert order == ["dup", "shared", "shared", "dup", "dup", "shared", "shared", "dup"]
+    assert all(len(v) == 3 for enc in workload.ENCODINGS for v in cal[enc]["samples"]["microbatch_s"])
+
+
 def _entry(ex, step, **kw):
     return {"exposed_latency_s": ex / 1e3, "exposed_latency_max_s": ex / 1e3, "step_s": step, "compute_s": step / 2,
             "breakdown_ms": {"next_ms": ex / 2, "wait_ms": ex / 4, "own_ms": ex / 4, "state_dict_ms": ex / 4,

@@ -123,6 +123,18 @@ def test_equal_inputs_compare_beyond_the_sampled_values():
     assert same.key(ProcessedMedia("image", a.clone()[:, None]), "c") == "a"
 
 
+def test_many_inputs_equal_on_the_sampled_values_are_told_apart_by_digest():
+    inputs = []
+    for i in [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 3, 11, 9, 0, 12, 12]:  # past the compared limit, with repeats
+        t = torch.zeros(10_000)
+        t[1] = float(i)  # never sampled: every input agrees on the signature
+        inputs.append(ProcessedMedia("image", t[:, None]))
+    same = EqualInputs()
+    keys = [same.key(pm, n) for n, pm in enumerate(inputs)]
+    digests = [processed_digest(pm) for pm in inputs]
+    assert keys == [digests.index(d) for d in digests]
+
+
 def test_digest_keys_keep_raw_items_of_another_kind_or_rate_apart():
     samples = torch.rand(1600, 1)
     a16, a8 = audio_item(samples, sample_rate=16000), audio_item(samples, sample_rate=8000)  # one digest (the samples), two rates

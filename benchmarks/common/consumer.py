@@ -231,11 +231,13 @@ def _calibration_items(w: TransferWorkload, cfg: VLMConfig, encoding: str) -> li
 
 
 def calibrate_compute(w: TransferWorkload, cfg: VLMConfig, encodings: Sequence[str] = ENCODINGS, *,
-                      reps: int = 3, warmup: int = 1) -> dict[str, Any]:
+                      reps: int = 5, warmup: int = 1) -> dict[str, Any]:
     """Time one consumer's training compute alone in this process (one torch thread), for ``--compute accel``.
 
     Runs the tiny VLM of :class:`_Trainer` on one consumer's micro-batches of step 0 (collated as knitdata's
-    dataset collates them; the collation is not timed): ``warmup`` untimed steps, then ``reps`` timed ones.
+    dataset collates them; the collation is not timed): ``warmup`` untimed steps, then ``reps`` timed ones, the
+    encodings' steps alternating (``a, b, b, a, a, b, ...``) so that a load drifting during the calibration weighs
+    on each alike (the end-to-end figures compare ``dup`` with ``shared``).
     Every micro-batch of the workload has the same shape (``microbatch_size`` trajectories of ``tokens`` tokens
     and their media), but with ``shared`` encoding micro-batch 0 also encodes the step's unique media and the
     last one runs the encoder's backward, so the cost is kept per micro-batch index: the median over the timed
@@ -276,12 +278,14 @@ def calibrate_compute(w: TransferWorkload, cfg: VLMConfig, encodings: Sequence[s
     except OSError:
         pass
     try:
-        for enc in encodings:
-            items = _calibration_items(w, cfg, enc)
-            tr = _Trainer(w, cfg, enc)
-            per: list[list[float]] = [[] for _ in items]
-            opt: list[float] = []
-            for r in range(warmup + reps):
+        prepared = {enc: (_calibration_items(w, cfg, enc), _Trainer(w, cfg, enc)) for enc in encodings}
+        per: dict[str, list[list[float]]] = {enc: [[] for _ in prepared[enc][0]] for enc in encodings}
+        opt: dict[str, list[float]] = {enc: [] for enc in encodings}
+        for r in range(warmup + reps):
+            # the encodings' steps alternate (and their order too: a, b, b, a, ...), so that a drifting load
+            # hits them alike: the end-to-end figures compare them
+            for enc in (encodings if r % 2 == 0 else list(reversed(encodings))):
+                items, tr = prepared[enc]
                 times = []
                 for item in items:
                     t0 = time.perf_counter()
@@ -292,14 +296,15 @@ def calibrate_compute(w: TransferWorkload, cfg: VLMConfig, encodings: Sequence[s
                 o = time.perf_counter() - t0
                 if r >= warmup:
                     for i, x in enumerate(times):
-                        per[i].append(x)
-                    opt.append(o)
-            classes = _work_classes(enc, len(items))
-            pooled = {c: [x for i, v in enumerate(per) if classes[i] == c for x in v] for c in set(classes)}
+                        per[enc][i].append(x)
+                    opt[enc].append(o)
+        for enc in encodings:
+            classes = _work_classes(enc, len(per[enc]))
+            pooled = {c: [x for i, v in enumerate(per[enc]) if classes[i] == c for x in v] for c in set(classes)}
             mb = [float(statistics.median(pooled[c])) for c in classes]
-            o_s = float(statistics.median(opt))
+            o_s = float(statistics.median(opt[enc]))
             out[enc] = {"microbatch_s": mb, "optimizer_step_s": o_s, "step_s": sum(mb) + o_s, "classes": classes,
-                        "samples": {"microbatch_s": per, "optimizer_step_s": opt}}
+                        "samples": {"microbatch_s": per[enc], "optimizer_step_s": opt[enc]}}
     finally:
         torch.set_num_threads(threads)
     try:
