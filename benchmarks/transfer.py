@@ -593,8 +593,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "measured; cpu: the tiny model trains on the CPU beside the data path (on 2 cores this "
                              "mostly measures CPU contention)")
     parser.add_argument("--calibration-reps", type=int, default=None,
-                        help="accel: timed steps per encoding when calibrating the compute, the encodings alternating "
-                             "(default 5; smoke 1)")
+                        help="accel: timed steps per encoding when calibrating the compute, in blocks ordered dup, "
+                             "shared, shared, dup (default 5; smoke 1)")
     parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
                         help="run the process modes interleaved step by step before each alone (default: yes; "
                              "--omni-seed-size: no)")

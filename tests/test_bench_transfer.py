@@ -441,7 +441,7 @@ def test_calibration_times_each_microbatch_of_each_encoding():
         consumer.calibrate_compute(SMALL, SMALL_VLM, reps=0)
 
 
-def test_calibration_alternates_the_encodings_steps(monkeypatch):
+def test_calibration_runs_the_encodings_in_blocks_a_b_b_a(monkeypatch):
     order = []
 
     class Trainer:
@@ -457,9 +457,12 @@ def test_calibration_alternates_the_encodings_steps(monkeypatch):
     monkeypatch.setattr(consumer, "_Trainer", Trainer)
     monkeypatch.setattr(consumer, "_calibration_items", lambda w, cfg, enc: [None] * w.microbatches_per_step)
     cal = consumer.calibrate_compute(SMALL, SMALL_VLM, reps=3, warmup=1)
-    # a drifting load weighs on both encodings alike: their steps alternate, and so does their order
-    assert order == ["dup", "shared", "shared", "dup", "dup", "shared", "shared", "dup"]
+    # a drifting load weighs on both encodings alike: blocks a b b a, each block's first step a warm-up
+    assert order == ["dup"] * 3 + ["shared"] * 3 + ["shared"] * 2 + ["dup"] * 2
     assert all(len(v) == 3 for enc in workload.ENCODINGS for v in cal[enc]["samples"]["microbatch_s"])
+    order.clear()
+    cal = consumer.calibrate_compute(SMALL, SMALL_VLM, reps=1, warmup=0)  # one step each: no second block
+    assert order == ["dup", "shared"] and all(len(cal[e]["samples"]["optimizer_step_s"]) == 1 for e in ("dup", "shared"))
 
 
 def _entry(ex, step, **kw):

@@ -235,9 +235,10 @@ def calibrate_compute(w: TransferWorkload, cfg: VLMConfig, encodings: Sequence[s
     """Time one consumer's training compute alone in this process (one torch thread), for ``--compute accel``.
 
     Runs the tiny VLM of :class:`_Trainer` on one consumer's micro-batches of step 0 (collated as knitdata's
-    dataset collates them; the collation is not timed): ``warmup`` untimed steps, then ``reps`` timed ones, the
-    encodings' steps alternating (``a, b, b, a, a, b, ...``) so that a load drifting during the calibration weighs
-    on each alike (the end-to-end figures compare ``dup`` with ``shared``).
+    dataset collates them; the collation is not timed): ``reps`` timed steps per encoding, in two blocks per
+    encoding in the order ``a b b a`` (so that a load drifting during the calibration weighs on each alike: the
+    end-to-end figures compare ``dup`` with ``shared``), each block's steps back to back, as a consumer runs them,
+    after ``warmup`` untimed ones.
     Every micro-batch of the workload has the same shape (``microbatch_size`` trajectories of ``tokens`` tokens
     and their media), but with ``shared`` encoding micro-batch 0 also encodes the step's unique media and the
     last one runs the encoder's backward, so the cost is kept per micro-batch index: the median over the timed
@@ -281,11 +282,16 @@ def calibrate_compute(w: TransferWorkload, cfg: VLMConfig, encodings: Sequence[s
         prepared = {enc: (_calibration_items(w, cfg, enc), _Trainer(w, cfg, enc)) for enc in encodings}
         per: dict[str, list[list[float]]] = {enc: [[] for _ in prepared[enc][0]] for enc in encodings}
         opt: dict[str, list[float]] = {enc: [] for enc in encodings}
-        for r in range(warmup + reps):
-            # the encodings' steps alternate (and their order too: a, b, b, a, ...), so that a drifting load
-            # hits them alike: the end-to-end figures compare them
-            for enc in (encodings if r % 2 == 0 else list(reversed(encodings))):
-                items, tr = prepared[enc]
+        # two blocks per encoding, in the order a b b a: a load drifting during the calibration weighs on each
+        # alike (the end-to-end figures compare them); within a block the steps are back to back, as a consumer
+        # runs them, the first ``warmup`` untimed
+        first = (reps + 1) // 2
+        blocks = [(enc, first) for enc in encodings] + [(enc, reps - first) for enc in reversed(encodings)]
+        for enc, timed in blocks:
+            if timed == 0:
+                continue
+            items, tr = prepared[enc]
+            for r in range(warmup + timed):
                 times = []
                 for item in items:
                     t0 = time.perf_counter()
