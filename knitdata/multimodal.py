@@ -422,7 +422,7 @@ class MultimodalCollator:
         same = EqualInputs()  # digest keys: an equal input of another raw item shares its row (compared, not hashed)
         key_to_row: dict[str, dict[Any, int]] = {}
         rows: dict[str, list[ProcessedMedia]] = {}
-        prov_digest: dict[Any, str] = {}
+        prov_key: dict[Any, str] = {}
         first_where: dict[str, tuple[str, int]] = {}
         occ: list[dict[str, tuple[list[int], list[int], list[int]]]] = []
         ids: list[tuple[str, ...]] = []
@@ -435,8 +435,8 @@ class MultimodalCollator:
                     rk = raw_key(item)
                     if self.key == "provenance":
                         k: Any = provenance_key(traj.group, n)
-                        seen = prov_digest.setdefault(k, item.digest)
-                        if seen != item.digest:
+                        seen = prov_key.setdefault(k, rk)  # the raw key: an audio clip's rate counts too
+                        if seen != rk:
                             raise MediaError(
                                 f"group {traj.group!r} carries different media under index {n}; provenance keys "
                                 "need every member of a group to share its media: use key='digest'",

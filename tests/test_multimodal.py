@@ -143,6 +143,8 @@ def test_digest_keys_keep_raw_items_of_another_kind_or_rate_apart():
     table = batch.tables["audio"]
     assert table.num_items == 2 and table.sample_rates.tolist() == [16000, 8000]
     assert batch.for_microbatch(0)["audio"].index.tolist() == [0, 1]
+    with pytest.raises(MediaError, match="different media under index 0"):  # one group, two rates: not one item
+        MultimodalCollator(key="provenance")([[_traj(0, "g", [a16]), _traj(1, "g", [a8])]])
 
 
 def test_each_distinct_item_processed_once():
