@@ -149,3 +149,54 @@ def ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     except BaseException:  # report, never hang the parent
         result["error"] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def two_loaders_phase(ckpt: str, phase: str, out: str) -> None:
+    """Issue 45.4, as a user runs it: one Accelerator, a train and an eval loader (``prepare_loader`` with default
+    names, in that order), a prepared model and optimizer. ``phase="save"``: train 2 of 3 optimizer steps, evaluate
+    1 of 2 eval steps, ``accelerator.save_state(ckpt)``. ``phase="load"`` (a new process): the same setup,
+    ``accelerator.load_state(ckpt)``, then the rest of both loaders. Writes the trajectory ids each loader handed
+    out (and an error, if any) to ``out`` as JSON."""
+    result: dict[str, Any] = {"phase": phase}
+    try:
+        torch.set_num_threads(1)
+        from accelerate import Accelerator
+
+        from knitdata.integrations.accelerate import prepare_loader
+        from knitdata.pipeline import Pipeline
+
+        acc = Accelerator(cpu=True)
+        model, opt = acc.prepare(TinyLM(), torch.optim.SGD(TinyLM().parameters(), lr=0.1))
+        pipes = {}
+        for role, batches, seed in (("train", 3, 0), ("eval", 2, 1)):
+            pipe = Pipeline(SPEC, num_consumers=1, token_budget=24)
+            for t in make_trajs(batches, seed=seed):
+                pipe.put(t)
+            pipe.close()
+            pipes[role] = pipe
+        train = prepare_loader(acc, pipes["train"], fetch="eager")
+        evals = prepare_loader(acc, pipes["eval"], fetch="eager")
+        result["names"] = [train.name, evals.name]
+        seen: dict[str, list[str]] = {"train": [], "eval": []}
+        stop = {"train": 1, "eval": 0} if phase == "save" else {"train": None, "eval": None}
+        if phase == "load":
+            acc.load_state(ckpt)
+        for role, loader in (("train", train), ("eval", evals)):
+            for mb in loader:
+                if role == "train":
+                    with loader.accumulate(model, mb):
+                        acc.backward(token_loss_sum(model, mb) * loader.loss_scale(mb))
+                        opt.step()
+                        opt.zero_grad()
+                seen[role] += list(mb.info.trajectory_ids)
+                if mb.info.is_last and mb.info.minibatch == stop[role]:
+                    break
+        if phase == "save":
+            acc.save_state(ckpt)
+        result["seen"] = seen
+        result["files"] = sorted(p.name for p in Path(ckpt).glob("*.json"))
+        train.close()
+        evals.close()
+    except BaseException:  # report, never hang the parent
+        result["error"] = traceback.format_exc()
+    Path(out).write_text(json.dumps(result))

@@ -355,3 +355,46 @@ def test_example_logs_knitdata_metrics_to_tensorboard(tmp_path):
     assert [e.step for e in fill] == list(range(steps))  # one point per optimizer step
     assert all(0.0 <= e.value <= 1.0 for e in fill)
     assert acc_.Scalars("knitdata/steps")[-1].value == steps
+
+
+# ---------------------------------------------------------------------------------------------- several loaders
+def _run_phase(ckpt: Path, phase: str, out: Path) -> dict:
+    import subprocess
+
+    # os._exit once the result is written: a rare C++ abort in interpreter teardown ("terminate called without an
+    # active exception", torch's threads) is not what this test checks
+    code = ("import os, sys; sys.path.insert(0, sys.argv[1]); from _accelerate_helpers import two_loaders_phase; "
+            "two_loaders_phase(*sys.argv[2:]); os._exit(0)")
+    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(ckpt), phase, str(out)],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert "error" not in result, result["error"]
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_train_and_eval_loaders_resume_each_their_own_state(tmp_path):
+    """Issue 45.4: a train and an eval loader built with default names on one Accelerator keep two state files;
+    after accelerator.load_state in a new process each continues where it stopped: nothing trained twice, none lost."""
+    ckpt = tmp_path / "ckpt"
+    before = _run_phase(ckpt, "save", tmp_path / "save.json")
+    after = _run_phase(ckpt, "load", tmp_path / "load.json")
+    assert before["names"] == after["names"] and len(set(before["names"])) == 2
+    assert len(before["files"]) == 2, before["files"]  # one file per loader (rank 0 each)
+    for role, batches in (("train", 3), ("eval", 2)):
+        ids = before["seen"][role] + after["seen"][role]
+        assert before["seen"][role] and after["seen"][role], role
+        assert len(ids) == len(set(ids)), f"{role}: handed out twice: {sorted(i for i in ids if ids.count(i) > 1)}"
+        assert sorted(ids) == sorted(t.id for t in make_trajs(batches)), role
+
+
+def test_two_hooked_loaders_with_one_name_are_refused(acc):
+    """Issue 45.4: two loaders hooked to one Accelerator under the same explicit name would write one file."""
+    train = prepare_loader(acc, _filled_pipeline(), name="loader")
+    with pytest.raises(ConfigError, match=r"'loader'.*already"):
+        prepare_loader(acc, _filled_pipeline(), name="loader")
+    train.close()  # its hooks and name are released
+    again = prepare_loader(acc, _filled_pipeline(), name="loader")
+    assert again.name == "loader"
+    again.close()

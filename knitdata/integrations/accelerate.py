@@ -23,6 +23,10 @@ you do not need to pass it to ``prepare()`` at all. What it does the Accelerate 
   ``gradient_accumulation_steps=1`` (``accelerator.backward`` would divide again otherwise).
 * **Per-rank state**: :meth:`AcceleratedLoader.save_state` writes ``<dir>/knitdata_loader_rank{r}.json``
   (one JSON file per rank, written atomically) and :meth:`AcceleratedLoader.load_state` reads it back.
+  Several loaders on one Accelerator (a train and an eval loader) keep distinct files: without ``name=``, the
+  loaders hooked to one Accelerator are named in the order they are built, as Accelerate numbers its own
+  dataloaders (``knitdata_loader``, ``knitdata_loader_1``, ...), so build them in the same order when resuming
+  (or give each a ``name=``); two hooked loaders with one explicit name are refused.
   By default both are hooked into ``accelerator.save_state`` / ``accelerator.load_state`` through
   ``register_save_state_pre_hook`` / ``register_load_state_pre_hook``, which Accelerate runs on *every*
   process with the resolved checkpoint directory. (Accelerate's ``register_for_checkpointing`` objects
@@ -63,6 +67,7 @@ import contextlib
 import json
 import os
 import tempfile
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -87,6 +92,17 @@ STATE_FILE_PREFIX = "knitdata_loader"
 
 _FORMAT = "knitdata.AcceleratedLoader"
 _VERSION = 1
+
+# accelerator -> {state file name prefix: loader hooked under it}: the names taken on each Accelerator
+_HOOKED: weakref.WeakKeyDictionary[Any, dict[str, AcceleratedLoader]] = weakref.WeakKeyDictionary()
+
+
+def _hooked_names(accelerator: Any) -> dict[str, AcceleratedLoader]:
+    try:
+        return _HOOKED.setdefault(accelerator, {})
+    except TypeError:  # not weakly referenceable: keep the table on the object itself
+        table: dict[str, AcceleratedLoader] = accelerator.__dict__.setdefault("_knitdata_loader_names", {})
+        return table
 
 
 def state_path(directory: str | os.PathLike[str], rank: int, name: str = STATE_FILE_PREFIX) -> Path:
@@ -139,7 +155,9 @@ class AcceleratedLoader:
             accelerator was built with ``non_blocking`` in its dataloader config.
         register_hooks: Hook :meth:`save_state`/:meth:`load_state` into ``accelerator.save_state`` /
             ``accelerator.load_state`` (on every process).
-        name: File name prefix of the per-rank state files.
+        name: File name prefix of the per-rank state files. ``None``: ``knitdata_loader`` for the first loader
+            hooked to this Accelerator, ``knitdata_loader_1`` for the second, and so on in the order they are
+            built (the first free one; a closed loader frees its name); without hooks, ``knitdata_loader``.
         commit_on_save: After :meth:`save_state` wrote the file, :meth:`commit` the saved state.
         log_every: Every this many optimizer steps, when the step's last micro-batch (``info.is_last``) is handed
             out, log the dataset's ``step_metrics()`` with ``accelerator.log(..., step=info.minibatch)`` (see
@@ -147,8 +165,9 @@ class AcceleratedLoader:
 
     Raises:
         ConfigError: The dataset belongs to another rank or a pipeline with another number of consumers,
-            the accelerator accumulates gradients itself (``gradient_accumulation_steps != 1``), or the
-            dataset exposes a ``generator`` attribute.
+            the accelerator accumulates gradients itself (``gradient_accumulation_steps != 1``), the
+            dataset exposes a ``generator`` attribute, or another loader is hooked to this Accelerator under
+            the same explicit ``name`` (both would write one state file).
 
     Attributes:
         dataset: The wrapped dataset.
@@ -165,7 +184,7 @@ class AcceleratedLoader:
         device_placement: bool = True,
         non_blocking: bool | None = None,
         register_hooks: bool = True,
-        name: str = STATE_FILE_PREFIX,
+        name: str | None = None,
         commit_on_save: bool = True,
         log_every: int | None = None,
     ) -> None:
@@ -197,8 +216,8 @@ class AcceleratedLoader:
                 "the dataset has a 'generator' attribute, which Accelerate would try to synchronize across ranks; "
                 "remove it (knitdata's plan order does not depend on a random generator)"
             )
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ConfigError(f"name must be a non-empty file name prefix, got {name!r}")
+        if name is not None and (not isinstance(name, str) or not name or "/" in name):
+            raise ConfigError(f"name must be a non-empty file name prefix or None, got {name!r}")
         if non_blocking is None:
             cfg = getattr(accelerator, "dataloader_config", None)
             non_blocking = bool(getattr(cfg, "non_blocking", False))
@@ -208,7 +227,8 @@ class AcceleratedLoader:
         self.world = world
         self.device_placement = bool(device_placement)
         self.non_blocking = bool(non_blocking)
-        self.name = name
+        self._auto_name = name is None
+        self.name: str = STATE_FILE_PREFIX if name is None else name
         self.commit_on_save = bool(commit_on_save)
         self.log_every = log_every
         self._epoch = 0
@@ -401,7 +421,9 @@ class AcceleratedLoader:
                 return self._load_reshaped(directory)
             raise StateError(
                 f"no knitdata loader state for rank {self.rank} in {str(directory)!r} (expected {path.name}); was the "
-                f"checkpoint written with {self.world} processes and an AcceleratedLoader on every rank?"
+                f"checkpoint written with {self.world} processes and an AcceleratedLoader on every rank? (Loaders "
+                "without name= are numbered in the order they are built on the Accelerator: build them in the same "
+                "order as the run that saved, or give each a name=.)"
             ) from e
         except json.JSONDecodeError as e:
             raise StateError(f"{path} is not valid JSON ({e}); the checkpoint is damaged") from e
@@ -434,7 +456,14 @@ class AcceleratedLoader:
 
     # ------------------------------------------------------------------ hooks
     def register_hooks(self) -> None:
-        """Save/load this rank's state inside ``accelerator.save_state`` / ``load_state`` (idempotent)."""
+        """Save/load this rank's state inside ``accelerator.save_state`` / ``load_state`` (idempotent).
+
+        Takes this loader's state file name on the Accelerator (see ``name`` in :class:`AcceleratedLoader`).
+
+        Raises:
+            ConfigError: The accelerator has no save/load hooks, or another loader is hooked to it under this
+                loader's explicit name.
+        """
         if self._handles:
             return
         acc = self.accelerator
@@ -443,6 +472,20 @@ class AcceleratedLoader:
                 f"{type(acc).__name__} has no register_save_state_pre_hook (accelerate >= 0.20 needed); call "
                 "loader.save_state(dir) / loader.load_state(dir) next to accelerator.save_state / load_state instead"
             )
+        taken = _hooked_names(acc)
+        if self._auto_name:
+            k, auto = 0, STATE_FILE_PREFIX
+            while auto in taken:
+                k += 1
+                auto = f"{STATE_FILE_PREFIX}_{k}"
+            self.name = auto
+        elif self.name in taken:
+            raise ConfigError(
+                f"two loaders hooked to one Accelerator under name={self.name!r}: {taken[self.name]!r} is already "
+                f"saved as {self.name}_rank{{r}}.json and this one would overwrite it in accelerator.save_state; give "
+                "each loader its own name= (or leave name unset: loaders are then numbered in the order they are built)"
+            )
+        taken[self.name] = self
 
         def _save_hook(models: Any, weights: Any, output_dir: str) -> None:
             self.save_state(output_dir)
@@ -453,9 +496,13 @@ class AcceleratedLoader:
         self._handles = [acc.register_save_state_pre_hook(_save_hook), acc.register_load_state_pre_hook(_load_hook)]
 
     def remove_hooks(self) -> None:
-        """Undo :meth:`register_hooks`."""
+        """Undo :meth:`register_hooks` (and free this loader's state file name on the Accelerator)."""
         for h in self._handles:
             h.remove()
+        if self._handles:
+            taken = _hooked_names(self.accelerator)
+            if taken.get(self.name) is self:
+                del taken[self.name]
         self._handles = []
 
     def __repr__(self) -> str:
@@ -469,7 +516,7 @@ def prepare_loader(
     device_placement: bool = True,
     non_blocking: bool | None = None,
     register_hooks: bool = True,
-    name: str = STATE_FILE_PREFIX,
+    name: str | None = None,
     log_every: int | None = None,
     **dataset_kwargs: Any,
 ) -> AcceleratedLoader:
@@ -484,7 +531,9 @@ def prepare_loader(
         device_placement: See :class:`AcceleratedLoader`.
         non_blocking: See :class:`AcceleratedLoader`.
         register_hooks: See :class:`AcceleratedLoader`.
-        name: See :class:`AcceleratedLoader`.
+        name: See :class:`AcceleratedLoader`: by default the loaders of one Accelerator are numbered in the order
+            they are built (``knitdata_loader``, ``knitdata_loader_1``, ...), so a train and an eval loader keep
+            distinct state files.
         log_every: See :class:`AcceleratedLoader`: log knitdata's metrics through ``accelerator.log`` every this
             many optimizer steps (build the Accelerator with ``log_with=...`` and call ``init_trackers`` first).
         **dataset_kwargs: Passed to ``source.dataset`` (``fetch``, ``prefetch_depth``, ``collate``...). With
@@ -492,7 +541,8 @@ def prepare_loader(
             the prefetch thread's side stream).
 
     Raises:
-        ConfigError: The pipeline's consumer count differs from the number of processes.
+        ConfigError: The pipeline's consumer count differs from the number of processes, or another loader is
+            hooked to this Accelerator under the same explicit ``name``.
     """
     rank, world = rank_and_world(accelerator)
     dataset_fn: Callable[..., Any] | None = getattr(source, "dataset", None)
