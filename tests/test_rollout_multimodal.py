@@ -114,3 +114,44 @@ def test_engine_expanded_prompt_goes_through_the_models_collate_unchanged(family
     for j in range(2):
         n = int(inputs["attention_mask"][j].sum())
         assert inputs["input_ids"][j, :n - 2].tolist() == engine_prompt  # exactly the engine's expanded prompt
+
+
+def test_an_expansion_other_than_the_trainers_is_refused() -> None:
+    """Issue 45.6: the engine expanded image 1 to 63 tokens while the trainer's processor makes 60: collapsing and
+    re-expanding to 60 would shift every later position. The error names the trajectory, the media index and both
+    counts; expansions that agree pass."""
+    img, other = np.zeros((8, 8, 3), dtype=np.uint8), np.ones((8, 8, 3), dtype=np.uint8)
+    trainer_rows = {media_item(img).digest: 4, media_item(other).digest: 60}
+
+    def rows(item: MediaItem) -> int:  # the trainer's processor: img -> 4 rows, other -> 60
+        return trainer_rows[item.digest]
+
+    prompt = [1, VS, *[IMAGE] * 4, VE, 9, VS, *[IMAGE] * 63, VE, 8]
+    group = RolloutGroup("mm", [_sample(prompt, 0), _sample(prompt, 1)])
+    with pytest.raises(RolloutOutputError, match=r"request 'mm': sample 0: .*trajectory 'mm-0'.*media item 1.*"
+                                                 r"63 .*60") as ei:
+        attach_media(group, [img, other], placeholder_ids={"image": IMAGE}, expected_rows=rows)
+    assert ei.value.field == "prompt_ids" and ei.value.sample == 0
+    ok = [1, VS, *[IMAGE] * 4, VE, 9, VS, *[IMAGE] * 60, VE, 8]
+    out = attach_media(_sample(ok), [img, other], placeholder_ids={"image": IMAGE}, expected_rows=rows)
+    assert out.prompt_ids.tolist() == [1, VS, IMAGE, VE, 9, VS, IMAGE, VE, 8]
+
+
+def test_the_adapters_placeholder_rows_catch_a_mismatched_engine_expansion() -> None:
+    """Issue 45.6 with a real model's processor (tiny Qwen2.5-VL): HFMultimodalAdapter.placeholder_rows is the
+    number of tokens the trainer's collate expands an image to; an engine prompt with 3 more is refused."""
+    pytest.importorskip("transformers")
+    from _hf_helpers import tiny_image_processor, tiny_qwen2_5_vl
+
+    from knitdata.integrations.transformers import qwen2_5_vl
+
+    adapter = qwen2_5_vl(tiny_qwen2_5_vl(dtype=torch.float32), tiny_image_processor())
+    raw = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    n = _engine_rows(adapter, "qwen2_5_vl", raw)
+    assert adapter.placeholder_rows(media_item(raw)) == n > 1
+    good = attach_media(_sample([1, VS, *[IMAGE] * n, VE]), [raw], placeholder_ids={"image": IMAGE},
+                        expected_rows=adapter.placeholder_rows)
+    assert good.prompt_ids.tolist() == [1, VS, IMAGE, VE]
+    with pytest.raises(RolloutOutputError, match=rf"media item 0.*{n + 3} .*{n}"):
+        attach_media(_sample([1, VS, *[IMAGE] * (n + 3), VE]), [raw], placeholder_ids={"image": IMAGE},
+                     expected_rows=adapter.placeholder_rows)

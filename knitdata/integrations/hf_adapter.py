@@ -17,7 +17,7 @@ from knitdata.collate import MicroBatch, MicroBatchInfo
 from knitdata.encoder import SharedEncoding
 from knitdata.errors import ConfigError, MediaError, OptionalDependencyError, ValidationError
 from knitdata.multimodal import MediaTable, MultimodalBatch, MultimodalCollator
-from knitdata.record import Trajectory
+from knitdata.record import MediaItem, Trajectory
 
 try:
     import transformers  # noqa: F401
@@ -109,6 +109,22 @@ class HFMultimodalAdapter:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ knitdata glue
+    def placeholder_rows(self, item: MediaItem) -> int:
+        """How many placeholder tokens the collate expands ``item`` to: its rows under this model's processor.
+
+        Pass it to :func:`knitdata.rollout.attach_media` (``expected_rows=adapter.placeholder_rows``) to refuse an
+        engine prompt whose processor expanded the item to another number of tokens.
+
+        Raises:
+            MediaError: The item cannot be decoded or processed.
+        """
+        pm = self.media_collator().processor.process(item)
+        meta = {k: torch.as_tensor(v)[None] for k, v in (pm.meta or {}).items()}
+        rates = None if pm.sample_rate is None else torch.tensor([pm.sample_rate], dtype=torch.long)
+        table = MediaTable(pm.kind, pm.tensor, torch.tensor([0, pm.tensor.shape[0]], dtype=torch.long), (item.digest,),
+                           rates, meta)
+        return int(self.out_rows(table)[0])
+
     def media_collator(self, key: str = "provenance") -> MultimodalCollator:
         """A :class:`~knitdata.multimodal.MultimodalCollator` processing with the model's processor.
 

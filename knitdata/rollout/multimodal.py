@@ -13,6 +13,12 @@ placeholder token into one, checking that the prompt holds one run per item of e
 follow each other without a token between them cannot be told apart this way (Qwen models put vision start/end
 tokens around each image): such a prompt is refused.
 
+The collate expands each placeholder to the number of rows the *trainer's* processor makes. When the engine's
+processor expanded an item to another number (another resize, another patch or merge size, another audio frame
+rate), re-expanding would shift every later position: pass ``expected_rows`` (e.g.
+:meth:`knitdata.integrations.hf_adapter.HFMultimodalAdapter.placeholder_rows`) and :func:`attach_media` checks each
+run of the engine's prompt against it, refusing a mismatch with the trajectory, the media index and both counts.
+
 Example:
     >>> import numpy as np
     >>> s = RolloutSample("v1", 0, prompt_ids=[1, 122, 120, 120, 120, 123, 7], response_ids=[5], logprobs=[-1.0],
@@ -26,7 +32,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -73,19 +79,27 @@ def collapse_placeholders(prompt_ids: torch.Tensor, placeholder_id: int) -> tupl
     Returns:
         ``(collapsed prompt, number of runs)``.
     """
+    out, lengths = _collapse(prompt_ids, placeholder_id)
+    return out, len(lengths)
+
+
+def _collapse(prompt_ids: torch.Tensor, placeholder_id: int) -> tuple[torch.Tensor, list[int]]:
+    """``(collapsed prompt, length of each run in prompt order)``."""
     ids = prompt_ids.tolist()
     out: list[int] = []
-    runs = 0
+    lengths: list[int] = []
     for i, tok in enumerate(ids):
         if tok == placeholder_id:
             if i and ids[i - 1] == placeholder_id:
+                lengths[-1] += 1
                 continue
-            runs += 1
+            lengths.append(1)
         out.append(tok)
-    return torch.tensor(out, dtype=prompt_ids.dtype), runs
+    return torch.tensor(out, dtype=prompt_ids.dtype), lengths
 
 
-def attach_media(target: T, media: Sequence[Any], *, placeholder_ids: Mapping[str, int]) -> T:
+def attach_media(target: T, media: Sequence[Any], *, placeholder_ids: Mapping[str, int],
+                 expected_rows: Callable[[MediaItem], int] | None = None) -> T:
     """Return the sample (or every sample of the group) with its prompt's media attached.
 
     Args:
@@ -95,10 +109,16 @@ def attach_media(target: T, media: Sequence[Any], *, placeholder_ids: Mapping[st
         media: The prompt's raw media, in prompt order (see :func:`media_item`).
         placeholder_ids: The model's placeholder token per kind (:data:`knitdata.record.MEDIA_KINDS`), e.g.
             ``{"image": image_token_id}``; every item's kind needs one.
+        expected_rows: The number of placeholder tokens the trainer's processor expands an item to (what the
+            collate will expand it to again), e.g. ``adapter.placeholder_rows``; each run in the engine's prompt
+            must be that long. ``None``: run lengths are not checked (an engine whose processor differs from the
+            trainer's then shifts the positions silently).
 
     Raises:
-        RolloutOutputError: An unreadable item, an unknown kind in ``placeholder_ids``, or a prompt whose runs of a
-            placeholder do not match the number of items of that kind.
+        RolloutOutputError: An unreadable item, an unknown kind in ``placeholder_ids``, a prompt whose runs of a
+            placeholder do not match the number of items of that kind, or (with ``expected_rows``) a run whose
+            length differs from what the trainer's processor makes for its item (naming the trajectory, the
+            media index and both counts).
     """
     rid = target.request_id
     items = [media_item(m, request_id=rid, index=i) for i, m in enumerate(media)]
@@ -111,16 +131,36 @@ def attach_media(target: T, media: Sequence[Any], *, placeholder_ids: Mapping[st
             raise RolloutOutputError(f"media item {i} is {m.kind!r} but placeholder_ids names no {m.kind} placeholder",
                                      request_id=rid, field="media")
 
+    rows: list[int] | None = None
+    if expected_rows is not None:
+        rows = []
+        for i, m in enumerate(items):
+            try:
+                rows.append(int(expected_rows(m)))
+            except (MediaError, KeyError, TypeError, ValueError) as e:
+                raise RolloutOutputError(f"media item {i}: the trainer's processor cannot take it ({e})",
+                                         request_id=rid, field="media") from e
+
     def one(s: RolloutSample) -> RolloutSample:
         prompt = s.prompt_ids
         for kind, pid in placeholder_ids.items():
-            prompt, runs = collapse_placeholders(prompt, int(pid))
-            want = sum(1 for m in items if m.kind == kind)
-            if runs != want:
+            prompt, lengths = _collapse(prompt, int(pid))
+            of_kind = [i for i, m in enumerate(items) if m.kind == kind]
+            if len(lengths) != len(of_kind):
                 raise RolloutOutputError(
-                    f"the prompt holds {runs} run(s) of the {kind} placeholder {pid} for {want} {kind} item(s)",
+                    f"the prompt holds {len(lengths)} run(s) of the {kind} placeholder {pid} for {len(of_kind)} "
+                    f"{kind} item(s)",
                     request_id=rid, sample=s.index, field="prompt_ids",
                 )
+            for i, got in zip(of_kind, lengths):
+                if rows is not None and got != rows[i]:
+                    raise RolloutOutputError(
+                        f"trajectory {s.trajectory_id!r}: media item {i} ({kind}) was expanded by the engine to {got} "
+                        f"placeholder tokens but the trainer's processor makes {rows[i]}: re-expanded to {rows[i]}, "
+                        "every later position would shift; give the engine and the trainer the same processor "
+                        "settings (resize, patch and merge size, audio frame rate)",
+                        request_id=rid, sample=s.index, field="prompt_ids",
+                    )
         return dataclasses.replace(s, prompt_ids=prompt, media=list(items))
 
     if isinstance(target, RolloutGroup):
