@@ -64,6 +64,10 @@ def flat_metrics(stats: Mapping[str, Any], *, rank: int | None = None, consumer:
 
     * ``staleness/{s}``, ``staleness/<source>/{s}``: policy versions between generation and training, of the
       trajectories handed out (the last 10,000; per source likewise); ``max`` is the worst.
+    * ``staleness_generating/{mean,max}``, ``staleness_queued/{mean,max}``, ``staleness_queued_s/{mean,max}``,
+      ``staleness_split/count``: staleness split into the versions that passed while a trajectory was generated
+      (its oldest token's version to its put) and the versions and seconds it then waited in the pipeline (put to
+      hand-out); the two version parts add up to its staleness (:class:`knitdata.staleness.StalenessSplit`).
     * ``rank_staleness/{s}`` (with ``rank``): of the micro-batches handed out to that rank (the last 1,000).
     * ``data_wait_s`` (with ``rank`` or ``consumer``): seconds the rank's last step was blocked until its
       micro-batches were ready (exposed data wait); ``wait_s``: its whole time in ``next()``; ``data_wait_s_total``,
@@ -91,6 +95,12 @@ def flat_metrics(stats: Mapping[str, Any], *, rank: int | None = None, consumer:
     _summary(out, "staleness", stats.get("staleness"))
     for src, summ in (stats.get("staleness_by_source") or {}).items():
         _summary(out, f"staleness/{src}", summ)
+    split = stats.get("staleness_split")
+    if isinstance(split, Mapping):
+        out["staleness_split/count"] = _num(split.get("count"))
+        for part in ("generating", "queued", "queued_s"):
+            for f in ("mean", "max"):
+                out[f"staleness_{part}/{f}"] = _num(split.get(f"{part}_{f}"))
     by_rank = stats.get("staleness_by_rank") or []
     if rank is not None and 0 <= rank < len(by_rank):
         _summary(out, "rank_staleness", by_rank[rank])
@@ -154,7 +164,8 @@ def status_rows(stats: Mapping[str, Any]) -> dict[str, Any]:
         ``ready`` (waiting for admission), ``quota`` (per train batch); a rank row ``rank``, ``position`` (micro-batches
         handed out), ``planned``, ``ahead`` (planned, not handed out yet), ``committed``, ``waiting`` (nothing
         planned ahead of it while the pipeline is open: the rank waits for admission), ``data_wait_s`` (total),
-        ``staleness_mean`` and ``staleness_max``.
+        ``staleness_mean`` and ``staleness_max``; ``"staleness_split"`` (when ``stats`` has one): ``count``, and the
+        mean and max of versions generating and queued and of seconds queued (``generating_mean``, ...).
     """
     sources = [{"source": src, "finished": int(_num(row.get("puts"))), "admitted": int(_num(row.get("admitted"))),
                 "ready": int(_num(row.get("ready"))), "quota": int(_num(row.get("quota")))}
@@ -182,9 +193,14 @@ def status_rows(stats: Mapping[str, Any]) -> dict[str, Any]:
              "items": sum(_num(u.get("num_items")) for u in units),
              "spilled_items": sum(_num(u.get("spilled_items")) for u in units),
              "held_trajectories": int(_num(stats.get("held_trajectories")))}
-    return {"name": stats.get("name"), "engine": stats.get("engine"), "closed": closed,
-            "version": int(_num(stats.get("version"))), "train_batch": int(_num(stats.get("train_batch"))),
-            "sources": sources, "ranks": ranks, "store": store, "journal": stats.get("journal")}
+    out = {"name": stats.get("name"), "engine": stats.get("engine"), "closed": closed,
+           "version": int(_num(stats.get("version"))), "train_batch": int(_num(stats.get("train_batch"))),
+           "sources": sources, "ranks": ranks, "store": store, "journal": stats.get("journal")}
+    split = stats.get("staleness_split")
+    if isinstance(split, Mapping):
+        out["staleness_split"] = {k: _num(split.get(k)) for k in (
+            "count", "generating_mean", "generating_max", "queued_mean", "queued_max", "queued_s_mean", "queued_s_max")}
+    return out
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
@@ -217,6 +233,11 @@ def status_table(stats: Mapping[str, Any]) -> str:
                     [[r["rank"], r["position"], r["ahead"], r["committed"], "yes" if r["waiting"] else "no",
                       f"{r['data_wait_s']:.3f}", f"{r['staleness_mean']:.2f}/{r['staleness_max']:.0f}"]
                      for r in d["ranks"]])
+    sp = d.get("staleness_split")
+    if sp is not None:
+        lines.append(f"staleness split (mean/max, {sp['count']} trajectories): generating {sp['generating_mean']:.2f}/"
+                     f"{sp['generating_max']:.0f}, queued {sp['queued_mean']:.2f}/{sp['queued_max']:.0f} versions, "
+                     f"{sp['queued_s_mean']:.3f}/{sp['queued_s_max']:.3f} s")
     st = d["store"]
     lines.append(f"store: {st['units']} units, {_fmt_bytes(st['used_bytes'])} of {_fmt_bytes(st['capacity_bytes'])} "
                  f"({100 * st['fill']:.1f}%), {st['items']} items, {st['spilled_items']} spilled; "

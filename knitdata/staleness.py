@@ -11,12 +11,19 @@ oldest, ``version_mean`` the token-weighted mean, ``version_span`` newest minus 
 staleness is the trajectory's staleness ``v - gen_version`` (what a bound ``max_staleness`` limits), its *mean*
 token staleness ``v - version_mean`` and its *span* ``version_span``; :class:`TokenStaleness` accumulates them.
 
+Generating and queued. A trajectory's staleness ``v - gen_version`` splits into the versions that passed while it
+was generated, ``put_version - gen_version`` (from its oldest token's version to the trainer's version when it was
+put into the pipeline), and the versions it then waited in the pipeline, ``v - put_version`` (admission, planning,
+delivery), the split Prime-RL reports; :class:`PutLog` remembers each put's version and time, :class:`StalenessSplit`
+accumulates both parts and the seconds queued.
+
 Pure metadata: nothing here imports torch payload code, storage or engines.
 """
 
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from operator import attrgetter
 from typing import Any
@@ -27,6 +34,8 @@ __all__ = [
     "VersionClock",
     "StalenessTracker",
     "TokenStaleness",
+    "PutLog",
+    "StalenessSplit",
     "summarize",
     "percentile",
     "staleness_reduction",
@@ -119,6 +128,7 @@ def staleness_reduction(arch_policy: float, arch_train_batch: float) -> float | 
 _gen_version = attrgetter("gen_version")
 _version_span = attrgetter("version_span")
 _version_mean = attrgetter("version_mean")
+_seq = attrgetter("seq")
 
 
 class TokenStaleness:
@@ -200,6 +210,159 @@ class TokenStaleness:
         return {"count": n, "token_mean": self._mean_sum / n if n else math.nan,
                 "span_mean": self._span_sum / n if n else math.nan, "span_max": self.span_max, "worst": self.worst,
                 "partial_share": self.partial / n if n else math.nan}
+
+
+class PutLog:
+    """The trainer's version and the time at each put, by arrival sequence number (``TrajectoryMeta.seq``).
+
+    A control plane stamps every accepted put (:meth:`stamp`, in ``seq`` order) and forgets the stamps of
+    trajectories no longer held (:meth:`forget_below`); :meth:`sums` reads them for a planned micro-batch. Memory:
+    12 bytes per stamp kept (two typed arrays).
+
+    Example:
+        >>> from knitdata.record import TrajectoryMeta
+        >>> log = PutLog()
+        >>> log.stamp(0, 3, 10.0)
+        >>> log.sums([TrajectoryMeta("a", "s", "g", gen_version=1, seq=0)])
+        (1, 1, 3, 10.0, 3, 2, 10.0)
+    """
+
+    def __init__(self) -> None:
+        self.base = 0  # seq of the first stamp kept
+        self._versions = array("q")
+        self._times = array("d")
+
+    def __len__(self) -> int:
+        return len(self._versions)
+
+    def stamp(self, seq: int, version: int, t: float) -> None:
+        """Record that the put of sequence number ``seq`` happened at trainer ``version``, monotonic time ``t``.
+
+        Stamps are expected in ``seq`` order; any other ``seq`` (a plane restored from a snapshot) starts the log
+        again from it: the trajectories put before are not stamped (:meth:`sums` leaves them out).
+        """
+        if seq != self.base + len(self._versions):
+            self.base = seq
+            del self._versions[:], self._times[:]
+        self._versions.append(int(version))
+        self._times.append(float(t))
+
+    def restart(self, seq: int) -> None:
+        """Forget every stamp: the next put has sequence number ``seq`` (a plane restored from a snapshot)."""
+        self.base = seq
+        del self._versions[:], self._times[:]
+
+    def forget_below(self, seq: int) -> None:
+        """Forget the stamps of sequence numbers below ``seq`` (no trajectory held has one)."""
+        k = min(len(self._versions), seq - self.base)
+        if k > 0:
+            del self._versions[:k], self._times[:k]
+            self.base += k
+
+    def sums(self, metas: Iterable[Any]) -> tuple[int, int, int, float, int, int, float] | None:
+        """What :meth:`StalenessSplit.record_sums` takes of ``metas`` (anything with ``seq``, ``gen_version``,
+        ``version_span``): ``(count, sum of gen_version, sum of put versions, sum of put times, oldest put version,
+        largest generating part, earliest put time)`` over the ones stamped; ``None`` for none.
+
+        A put version below the trajectory's newest token version (``gen_version + version_span``: the trainer's
+        report had not reached the plane yet) counts as that version, so that both parts are at least 0 for a
+        trajectory trained at or after its newest token's version.
+        """
+        versions, times, base, n = self._versions, self._times, self.base, len(self._versions)
+        count = gen_sum = put_sum = 0
+        time_sum = 0.0
+        oldest = widest = 0
+        first = math.inf
+        for m in metas:
+            i = m.seq - base
+            if i < 0 or i >= n:
+                continue
+            gv = m.gen_version
+            pv = versions[i]
+            newest = gv + getattr(m, "version_span", 0)
+            if pv < newest:
+                pv = newest
+            t = times[i]
+            if count == 0 or pv < oldest:
+                oldest = pv
+            if count == 0 or pv - gv > widest:
+                widest = pv - gv
+            if t < first:
+                first = t
+            count += 1
+            gen_sum += gv
+            put_sum += pv
+            time_sum += t
+        if count == 0:
+            return None
+        return count, gen_sum, put_sum, time_sum, oldest, widest, first
+
+
+class StalenessSplit:
+    """Staleness split into versions generating and versions (and seconds) queued, in O(1) memory.
+
+    For a trajectory put at trainer version ``p`` (:class:`PutLog`; at least its newest token's version) and
+    trained at ``v``: *generating* ``p - gen_version`` (its oldest token's version to its put: the generation, and
+    the weight sync's lag before it) and *queued* ``v - p`` (put to training); they add up to its staleness
+    ``v - gen_version``. *Queued seconds*: from its put to the plane's record of its hand-out.
+
+    Example:
+        >>> from knitdata.record import TrajectoryMeta
+        >>> log, split = PutLog(), StalenessSplit()
+        >>> log.stamp(0, 3, 10.0)
+        >>> split.record_sums(5, 12.5, log.sums([TrajectoryMeta("a", "s", "g", gen_version=1, seq=0)]))
+        >>> {k: split.summary()[k] for k in ("generating_mean", "queued_mean", "queued_s_mean")}
+        {'generating_mean': 2.0, 'queued_mean': 2.0, 'queued_s_mean': 2.5}
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._gen = 0  # sum of put version - gen_version
+        self._queued = 0  # sum of train version - put version
+        self._queued_s = 0.0
+        self.generating_max: int | None = None
+        self.queued_max: int | None = None
+        self.queued_s_max: float | None = None
+
+    def record_sums(self, train_version: int, now: float, sums: Sequence[Any] | None) -> None:
+        """Record trajectories trained at ``train_version``, handed out at monotonic time ``now``, by their
+        :meth:`PutLog.sums` (``None``: nothing to record)."""
+        if sums is None:
+            return
+        count, gen_sum, put_sum, time_sum, oldest, widest, first = sums
+        self.count += count
+        self._gen += put_sum - gen_sum
+        self._queued += train_version * count - put_sum
+        self._queued_s += now * count - time_sum
+        if self.generating_max is None or widest > self.generating_max:
+            self.generating_max = widest
+        q = train_version - oldest
+        if self.queued_max is None or q > self.queued_max:
+            self.queued_max = q
+        qs = now - first
+        if self.queued_s_max is None or qs > self.queued_s_max:
+            self.queued_s_max = qs
+
+    def totals(self) -> tuple[int, int, int, float]:
+        """``(count, versions generating, versions queued, seconds queued)`` summed so far."""
+        return self.count, self._gen, self._queued, self._queued_s
+
+    def means_since(self, before: Sequence[Any]) -> dict[str, float] | None:
+        """``{"generating", "queued", "queued_s"}``: the means over the trajectories recorded since :meth:`totals`
+        returned ``before`` (``None`` if none were)."""
+        n = self.count - before[0]
+        if n <= 0:
+            return None
+        return {"generating": (self._gen - before[1]) / n, "queued": (self._queued - before[2]) / n,
+                "queued_s": (self._queued_s - before[3]) / n}
+
+    def summary(self) -> dict[str, Any]:
+        """``{count, generating_mean, generating_max, queued_mean, queued_max, queued_s_mean, queued_s_max}``
+        (means ``nan`` and maxima ``None`` when empty)."""
+        n = self.count
+        return {"count": n, "generating_mean": self._gen / n if n else math.nan, "generating_max": self.generating_max,
+                "queued_mean": self._queued / n if n else math.nan, "queued_max": self.queued_max,
+                "queued_s_mean": self._queued_s / n if n else math.nan, "queued_s_max": self.queued_s_max}
 
 
 class StalenessTracker:

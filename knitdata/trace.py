@@ -14,7 +14,8 @@ one, is one event with ``calls`` and ``busy_us`` in its args), admissions (``adm
 trajectories per source and ``held_by``, the source whose quota filled last and so held it), plans (``plan``),
 fetches per rank (``fetch``), trainer waits (``wait``: time blocked in ``next()``) and compute (``compute``: time
 between ``next()`` calls), hand-outs (``handout``), commits (``commit``), releases (``release``), spills
-(``spill``), the trainer's version (a counter) and journal replays after a restart (``restart``).
+(``spill``), the trainer's version (a counter), the staleness split of each report of hand-outs (a counter
+``staleness``: mean versions generating and queued, mean seconds queued) and journal replays (``restart``).
 
 Cost: with tracing off each recording point is one ``if``; on, one ``deque.append`` of a tuple. A background
 thread of each process writes what was recorded every :data:`FLUSH_S` seconds (and at exit) in a compact form,

@@ -53,6 +53,10 @@ def test_scrape_on_loopback_parses_and_tracks_the_run() -> None:
         assert per_src == {"math": 2.0, "code": 2.0}
         assert after["knitdata_steps"][0].value == 1
         assert after["knitdata_admission_delay_s_count"][0].value == 4
+        assert after["knitdata_staleness_split_count"][0].value == 4  # generating / queued (issue 45)
+        for part in ("generating", "queued", "queued_s"):
+            assert after[f"knitdata_staleness_{part}_mean"][0].value >= 0
+            assert after[f"knitdata_staleness_{part}_max"][0].value >= 0
         pipe.close()
     with pytest.raises(OSError):  # closed: nothing listens there any more
         socket.create_connection(("127.0.0.1", server.port), timeout=2).close()
@@ -72,6 +76,12 @@ def test_names_and_labels() -> None:
                    "staleness_bound": {"dropped_groups": {"a-b": 2}}})
     assert got["knitdata_staleness_max"] == [({"source": "a-b"}, 1.0)]
     assert got["knitdata_stale_dropped_dropped_groups"] == [({}, 2.0), ({"source": "a-b"}, 2.0)]
+    split = collect({"staleness_split": {"count": 3, "generating_mean": 1.5, "generating_max": 2, "queued_mean": 0.5,
+                                         "queued_max": 1, "queued_s_mean": 0.25, "queued_s_max": None}})
+    assert split["knitdata_staleness_generating_mean"] == [({}, 1.5)]
+    assert split["knitdata_staleness_queued_max"] == [({}, 1.0)]
+    assert split["knitdata_staleness_queued_s_max"] == [({}, 0.0)]  # none yet reads 0
+    assert split["knitdata_staleness_split_count"] == [({}, 3.0)]
 
 
 def test_bad_arguments() -> None:

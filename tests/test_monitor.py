@@ -69,6 +69,11 @@ def test_dataset_step_metrics_per_step_of_an_embedded_run() -> None:
     assert last["knitdata/rank_staleness/max"] == 2
     assert logged[0]["knitdata/staleness/max"] == 0
     assert last["knitdata/admission_delay_s/count"] == n and last["knitdata/admission_delay_s/max"] >= 0
+    # staleness split: generating + queued = staleness, per trajectory, so the means add up
+    assert last["knitdata/staleness_split/count"] == n
+    assert last["knitdata/staleness_generating/mean"] + last["knitdata/staleness_queued/mean"] == \
+        pytest.approx(last["knitdata/staleness/mean"])
+    assert last["knitdata/staleness_queued/max"] <= 2 and last["knitdata/staleness_queued_s/max"] >= 0
     assert last["knitdata/bytes_local"] + last["knitdata/bytes_remote"] > 0
     assert last["knitdata/data_wait_s_total"] >= sum(m["knitdata/data_wait_s"] for m in logged) - 1e-9
     # the store empties as steps commit (release="handout" by default): the last read holds at most the last step
@@ -90,6 +95,10 @@ def test_pipeline_step_metrics_and_status_table_match_stats() -> None:
     assert "closed" in table and "math" in table and "code" in table
     assert table.splitlines()[1].split() == ["source", "finished", "admitted", "ready", "quota"]
     assert "journal: none" in table  # the embedded engine keeps no journal
+    split = rows["staleness_split"]
+    assert split["count"] == n and split["generating_mean"] + split["queued_mean"] == pytest.approx(
+        pipe.stats()["staleness"]["mean"])
+    assert f"staleness split (mean/max, {n} trajectories): generating " in table
     with pytest.raises(Exception, match="rank must be"):
         pipe.step_metrics(3)
 
@@ -138,7 +147,9 @@ finite_summary = st.fixed_dictionaries({"count": st.integers(0, 10), "mean": st.
                           max_size=3), rank=st.one_of(st.none(), st.integers(0, 3)))
 def test_flat_metrics_values_are_always_finite_numbers(stale: Any, by_src: Any, units: Any, consumers: Any,
                                                        rank: Any) -> None:
-    stats = {"staleness": stale, "staleness_by_source": by_src, "units": units, "consumers": consumers}
+    stats = {"staleness": stale, "staleness_by_source": by_src, "units": units, "consumers": consumers,
+             "staleness_split": {"count": stale["count"], "generating_mean": stale["mean"], "generating_max": None,
+                                 "queued_mean": stale["p95"], "queued_max": 3, "queued_s_mean": stale["max"]}}
     m = flat_metrics(stats, rank=rank)
     assert all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in m.values())
     assert all(k.startswith("knitdata/") for k in m)

@@ -289,3 +289,139 @@ def test_a_handout_records_token_staleness_from_the_sums_planned_with_its_entry(
     assert got["count"] == 12 and got["partial_share"] == pytest.approx(want["partial_share"])
     assert got["token_mean"] == pytest.approx(want["token_mean"]) and got["span_max"] == want["span_max"]
     assert got["worst"] == want["worst"] and got["span_mean"] == pytest.approx(want["span_mean"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Staleness split into generating and queued (issue 45)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 3), st.integers(0, 25), st.floats(0, 100)),
+                     min_size=0, max_size=12),
+       chunk=st.integers(1, 5), version=st.integers(25, 40), now=st.floats(100, 200))
+def test_split_sums_equal_per_trajectory_figures(rows, chunk: int, version: int, now: float) -> None:
+    """PutLog.sums + StalenessSplit.record_sums, over any batching, give per trajectory: generating = put version
+    (at least its newest token's version) - gen_version, queued = train version - that, seconds = now - put time;
+    generating + queued = the staleness the pipeline reports."""
+    from knitdata.staleness import PutLog, StalenessSplit
+
+    log = PutLog()
+    metas = []
+    for q, (g, span, pv, t) in enumerate(rows):
+        log.stamp(q, pv, t)
+        metas.append(TrajectoryMeta(f"t{q}", "s", "g", gen_version=g, version_span=span, seq=q))
+    split = StalenessSplit()
+    for i in range(0, len(metas), chunk):
+        split.record_sums(version, now, log.sums(metas[i:i + chunk]))
+    got = split.summary()
+    puts = [max(pv, g + span) for g, span, pv, _t in rows]
+    gen = [p - g for p, (g, *_r) in zip(puts, rows)]
+    queued = [version - p for p in puts]
+    secs = [now - t for *_r, t in rows]
+    assert got["count"] == len(rows)
+    if not rows:
+        assert math.isnan(got["generating_mean"]) and got["queued_max"] is None
+        return
+    assert got["generating_mean"] == pytest.approx(np.mean(gen)) and got["generating_max"] == max(gen)
+    assert got["queued_mean"] == pytest.approx(np.mean(queued)) and got["queued_max"] == max(queued)
+    assert got["queued_s_mean"] == pytest.approx(np.mean(secs)) and got["queued_s_max"] == pytest.approx(max(secs))
+    assert min(gen) >= 0
+    staleness = [version - g for g, *_r in rows]
+    assert got["generating_mean"] + got["queued_mean"] == pytest.approx(np.mean(staleness))
+
+
+def test_put_log_restarts_forgets_and_skips_unknown_puts() -> None:
+    """A put log keeps stamps in seq order: out of order (a snapshot loaded) it starts again; forget_below drops the
+    oldest; a meta whose seq has no stamp (-1, forgotten, or before a restart) is left out of the sums."""
+    from knitdata.staleness import PutLog, StalenessSplit
+
+    log = PutLog()
+    for q in range(5):
+        log.stamp(q, 10 + q, float(q))
+    assert len(log) == 5
+    log.forget_below(3)
+    assert (log.base, len(log)) == (3, 2)
+    metas = [TrajectoryMeta(f"t{q}", "s", "g", gen_version=9, seq=q) for q in (-1, 0, 2, 3, 4, 5)]
+    assert log.sums(metas) == (2, 18, 27, 7.0, 13, 5, 3.0)  # seqs 3 and 4 only
+    assert log.sums(metas[:3]) is None
+    log.stamp(9, 30, 9.0)  # not the next seq: restarted from 9
+    assert (log.base, len(log)) == (9, 1)
+    log.restart(4)
+    assert (log.base, len(log)) == (4, 0)
+    split = StalenessSplit()
+    split.record_sums(3, 1.0, None)
+    assert split.summary()["count"] == 0 and split.means_since(split.totals()) is None
+
+
+@pytest.mark.parametrize("sources", [("a",), ("a", "b")])
+def test_pipeline_splits_staleness_into_generating_and_queued(sources: tuple[str, ...]) -> None:
+    """pipe.stats()["staleness_split"]: a trajectory generated with version 1 and put at trainer version 3, trained
+    at 4, spent 2 versions generating and 1 queued; the parts add up to the staleness the pipeline reports; seconds
+    queued run from the put to the hand-out. One source (sums planned with the entries) and two (metas visited)."""
+    import time
+
+    import torch
+
+    from knitdata import Pipeline, Trajectory
+    from knitdata.admission import BatchSpec
+
+    def wait_version(pipe: Pipeline, v: int) -> None:
+        deadline = time.monotonic() + 10
+        while pipe.stats()["version"] != v:
+            assert time.monotonic() < deadline, "report_version never reached the plane"
+            time.sleep(0.01)
+
+    spec = BatchSpec({s: 2 for s in sources}, num_minibatches=1)
+    n = 2 * len(sources)
+    with Pipeline(spec) as pipe:
+        it = iter(pipe.dataset(0, timeout=10))
+        pipe.report_version(3)
+        wait_version(pipe, 3)
+        t_put = time.monotonic()
+        for i in range(n):
+            pipe.put(Trajectory(id=f"t{i}", source=sources[i % len(sources)], group=f"g{i}",
+                                prompt_ids=torch.arange(2), response_ids=torch.arange(3), gen_version=1))
+        time.sleep(0.05)
+        pipe.report_version(4)
+        wait_version(pipe, 4)
+        mb = next(it)
+        assert mb.num_sequences == n
+        deadline = time.monotonic() + 10
+        while pipe.stats()["staleness_split"]["count"] < n:  # hand-outs are reported in the background
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        st_ = pipe.stats()
+        split = st_["staleness_split"]
+        assert split["count"] == n
+        assert (split["generating_mean"], split["generating_max"], split["queued_mean"], split["queued_max"]) == \
+            (2.0, 2, 1.0, 1)
+        assert split["generating_mean"] + split["queued_mean"] == st_["staleness"]["mean"] == 3
+        assert 0.05 <= split["queued_s_mean"] <= split["queued_s_max"] <= time.monotonic() - t_put
+
+
+def test_plane_forgets_put_stamps_of_released_trajectories(monkeypatch) -> None:
+    """The control plane's put log keeps stamps only back to the oldest trajectory it holds (pruned when it
+    doubles), so a long run's memory stays bounded; the split still covers every hand-out."""
+    import torch
+
+    import knitdata.control.state as state_mod
+    from knitdata import Pipeline, Trajectory
+    from knitdata.admission import BatchSpec
+
+    monkeypatch.setattr(state_mod, "PUT_LOG_PRUNE", 8)
+    with Pipeline(BatchSpec({"a": 2}, num_minibatches=1), release="handout") as pipe:
+        plane = pipe._engine.control.state
+        plane.put_log_prune_at = 8
+        it = iter(pipe.dataset(0, timeout=10))
+        longest = 0
+        for i in range(60):
+            pipe.put(Trajectory(id=f"t{i}", source="a", group=f"g{i}", prompt_ids=torch.arange(2),
+                                response_ids=torch.arange(2), gen_version=0))
+            if i % 2:
+                next(it)
+            longest = max(longest, len(plane.put_log))
+        assert longest <= 16 and plane.put_log.base > 0
+        pipe.close()
+        assert sum(1 for _ in it) == 0
+    assert pipe.stats()["staleness_split"]["count"] == 60

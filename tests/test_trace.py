@@ -176,6 +176,10 @@ def test_embedded_run_trace_is_valid_and_plots(tmp_path: Path, no_tracer: None) 
     assert {e["args"]["rank"] for e in by_name(events, "wait")} == {0, 1}
     assert len(by_name(events, "handout")) == n
     check_one_clock(events, seconds)
+    # the staleness split of the hand-outs as a counter (issue 45): versions generating and queued, seconds queued
+    split = by_name(events, "staleness")
+    assert split and all(e["ph"] == "C" and set(e["args"]) == {"generating", "queued", "queued_s"} for e in split)
+    assert all(e["args"]["generating"] >= 0 and e["args"]["queued_s"] >= 0 for e in split)
     # the command users run: merge again (idempotent on the same parts) and draw the figure
     out = tmp_path / "fig.png"
     r = subprocess.run([sys.executable, "-m", "knitdata", "trace", str(path), "--plot", str(out)],

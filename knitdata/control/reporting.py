@@ -157,6 +157,7 @@ class Reporting(Part):
                 "planned": list(s.planned), "committed": list(s.committed), "positions": list(s.position),
                 "held_microbatches": [len(q) for q in s.queues],
                 "staleness": summarize(s.staleness), "token_staleness": s.token_staleness.summary(),
+                "staleness_split": s.staleness_split.summary(),
                 "staleness_bound": s.policy.bound_stats(),
                 "version_interval_s": summarize(b - a for a, b in zip(times, times[1:])),
                 "close_report": s.close_report, "consumers": list(s.consumer_stats),

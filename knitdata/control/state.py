@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,14 +26,18 @@ from knitdata.metrics import TransferMeter
 from knitdata.placement import ConsumerLayout, make_placement
 from knitdata.planner import MiniBatchPlan, Planner
 from knitdata.record import TrajectoryMeta
-from knitdata.staleness import TokenStaleness
+from knitdata.staleness import PutLog, StalenessSplit, TokenStaleness
 
 __all__ = ["PlaneState", "Lease", "RELEASE_MODES", "PLANE_DEFAULTS", "LEASE_TTL_S", "PRODUCER_TTL_S",
-           "DELIVERED_MEMORY", "WITHDRAWN_MEMORY", "FP_KEEP", "FP_EMPTY", "RECENT_RELEASES", "SNAPSHOT_FORMAT",
+           "DELIVERED_MEMORY", "WITHDRAWN_MEMORY", "PUT_LOG_PRUNE", "FP_KEEP", "FP_EMPTY", "RECENT_RELEASES", "SNAPSHOT_FORMAT",
            "fields_of", "entry_fingerprint", "fenced_message", "Replicas", "RecentIds"]
 
 _first = itemgetter(0)  # the trajectory id of a queue item ``[id, unit, nbytes]``
 _location = attrgetter("location")
+_seq = attrgetter("seq")
+#: The put log is pruned (stamps of trajectories no longer held forgotten) when it holds this many stamps, or twice
+#: as many as after the last pruning.
+PUT_LOG_PRUNE = 4096
 _drain: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend  # runs an iterator of C calls to its end, keeping nothing
 
 #: When payloads leave storage (see :mod:`knitdata.control.plane`).
@@ -239,6 +244,9 @@ class PlaneState:
         self.on_plan = on_plan
         self.cond = threading.Condition(threading.RLock())
         n = self.layout.num_consumers
+        self.put_log = PutLog()  # each put's trainer version and time, by seq (staleness split; not in snapshots)
+        self.put_log_prune_at = PUT_LOG_PRUNE
+        self._seq = 0
         self.seq = 0
         self.schema: dict[str, Any] | None = None
         self.withdrawn: OrderedDict[str, None] = OrderedDict()
@@ -277,6 +285,7 @@ class PlaneState:
         self.version_times: deque[float] = deque(maxlen=1024)
         self.staleness: deque[int] = deque(maxlen=10_000)
         self.token_staleness = TokenStaleness()  # per token, since this plane started (not in snapshots)
+        self.staleness_split = StalenessSplit()  # generating / queued, since this plane started (not in snapshots)
         # observation (knitdata.observe; since this plane started, not in snapshots): per source trajectories put
         # and admitted, staleness per source and per rank, seconds from put to admission
         self.source_counts: dict[str, dict[str, int]] = {src: {"puts": 0, "admitted": 0} for src in self.spec.sources}
@@ -302,6 +311,24 @@ class PlaneState:
         self.log: Callable[[str, Sequence[Any]], None] | None = None
         self.replayed = 0
         self.snapshot_loaded = False
+
+    @property
+    def seq(self) -> int:
+        """The next put's arrival sequence number. An accepted put raises it by one, which stamps the put's
+        trainer version and time in :attr:`put_log`; any other change (a snapshot loaded) restarts the log."""
+        return self._seq
+
+    @seq.setter
+    def seq(self, value: int) -> None:
+        log = self.put_log
+        if value == self._seq + 1:
+            log.stamp(self._seq, self.version, time.monotonic())
+            if len(log) >= self.put_log_prune_at:  # amortized: a pass over the held trajectories per doubling
+                log.forget_below(min(map(_seq, self.live.values()), default=self._seq))
+                self.put_log_prune_at = max(PUT_LOG_PRUNE, 2 * len(log))
+        else:
+            log.restart(value)
+        self._seq = value
 
     # ------------------------------------------------------------------------------------ checks
     def check_rank(self, rank: int) -> None:
@@ -404,20 +431,29 @@ class PlaneState:
         by_source = self.staleness_by_source
         planned = self.entry_sums[rank]
         sums = [planned.get(e["j"], False) for e, _v in handouts]
+        now = time.monotonic()
+        split = self.staleness_split
+        before = split.totals() if tracing.tracer is not None else None
         if len(by_source) == 1 and False not in sums:
             # one source (puts of others are refused), the sums planned with the entries: no trajectory visited
             token = self.token_staleness
             for x in sums:
                 if x is not None:
-                    token.record_sums(version, x)
+                    token.record_sums(version, x[0])
+                    split.record_sums(version, now, x[1])
             for only in by_source.values():
                 only.extend(values)
+            if before is not None:
+                self.trace_split(before)
             return
         ids: list[str] = []
         for e, _v in handouts:
             ids += map(_first, e["items"])
         metas = self.held_metas(ids)
         self.token_staleness.record(version, metas)
+        split.record_sums(version, now, self.put_log.sums(metas))
+        if before is not None:
+            self.trace_split(before)
         if len(by_source) == 1 and len(metas) == len(values):
             # one source, every trajectory held: ``values`` are theirs, in order
             for only in by_source.values():
@@ -427,6 +463,14 @@ class PlaneState:
             dq = by_source.get(m.source)
             if dq is not None:
                 dq.append(version - m.gen_version)
+
+    def trace_split(self, before: tuple[int, int, int, float]) -> None:
+        """Trace the staleness split of the hand-outs recorded since :meth:`StalenessSplit.totals` was ``before``
+        (a ``staleness`` counter: mean versions generating and queued, mean seconds queued)."""
+        tr = tracing.tracer
+        means = self.staleness_split.means_since(before)
+        if tr is not None and means is not None:
+            tr.counter("staleness", means)
 
     def unqueue(self, rank: int, j: int) -> dict[str, Any] | None:
         """Take entry ``j`` out of ``rank``'s queue (``None``: not queued), keeping its mini-batch's record count."""
@@ -500,7 +544,8 @@ class PlaneState:
                 "j": j, "minibatch": info["minibatch"], "microbatch": info["microbatch"], "info": info,
                 "items": [[m.id, m.location, m.nbytes] for m in metas], "fp": chain,
             }
-            self.entry_sums[rank][j] = TokenStaleness.sums(metas)
+            token_sums = TokenStaleness.sums(metas)
+            self.entry_sums[rank][j] = None if token_sums is None else (token_sums, self.put_log.sums(metas))
             rec = self.mb_records.get(info["minibatch"])
             if rec is not None:
                 rec[4] += 1
