@@ -5,6 +5,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # torch first, pinned, so pip does not pick a newer multi-GB build by itself; override with TORCH_SPEC=...
 TORCH_SPEC ?= torch==2.13.0
+# verl (range in pyproject.toml's verl extra) goes in with --no-deps; these are what its V1 trainer modules import
+# beyond our dev extra (tests/test_integrations_verl.py loads the sampler through them); torch stays as installed
+VERL_TEST_DEPS := codetiming orjson cachetools uvicorn fastapi starlette peft
 
 .PHONY: demo test test-slow lint typecheck docs bench clean install install-dev
 
@@ -21,6 +24,8 @@ $(VENV)/.installed-base: pyproject.toml $(VENV)/.torch
 
 $(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
 	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q --no-deps "$$(sed -n 's/^verl = \["\([^"]*\)".*/\1/p' pyproject.toml)"
+	$(PIP) install -q $(VERL_TEST_DEPS) "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $@ $(VENV)/.installed-base
 
 install: $(VENV)/.installed-base
