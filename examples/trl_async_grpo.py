@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
                 line = {"step": state.global_step, "ids": rec.trajectory_ids, "per_source": rec.per_source,
                         "staleness": rec.max_staleness, "trained_version": rec.trained_version,
                         "read_staleness": max(v - g for v, g in zip(rec.read_versions, rec.gen_versions)),
-                        "token_versions_span": rec.gen_versions, "pid": os.getpid(),
+                        "gen_versions": rec.gen_versions, "spans": rec.token_version_spans, "pid": os.getpid(),
                         "trl_groups": sorted(trainer._trained_groups),  # TRL's own count (a private set, read only)
                         "groups": sorted({worker_group(t) for t in rec.trajectory_ids})}
                 with open(args.record, "a", encoding="utf-8") as f:

@@ -81,6 +81,8 @@ class StepRecord:
         trained_version: TRL's ``model_version`` while the step trains (weights before the step).
         gen_versions: Each sample's oldest token version (its ``model_version`` in TRL).
         read_versions: TRL's version when each sample was read (TRL's drop check uses it).
+        token_version_spans: Per sample, its newest minus its oldest token version (> 0: a partial rollout
+            continued across weight updates).
     """
 
     step: int
@@ -89,6 +91,7 @@ class StepRecord:
     trained_version: int = 0
     gen_versions: list[int] = field(default_factory=list)
     read_versions: list[int] = field(default_factory=list)
+    token_version_spans: list[int] = field(default_factory=list)
 
     @property
     def max_staleness(self) -> int:
@@ -212,7 +215,7 @@ class KnitdataRolloutWorker:
         self._last_progress = time.monotonic()
         self._group_ids: dict[str, int] = {}
         self._group_prompt: dict[str, tuple[str, int]] = {}  # knitdata group -> (source, prompt index)
-        self._traj_meta: dict[str, tuple[str, int, int]] = {}  # trajectory id -> (source, prompt, gen_version)
+        self._traj_meta: dict[str, tuple[str, int, int]] = {}  # trajectory id -> (source, prompt, token span)
         self._reads: list[str] = []
         self._sample_ids: dict[int, str] = {}  # id(RolloutSample in the queue) -> trajectory id
         self._trajectory_group: dict[str, int] = {}
@@ -427,7 +430,9 @@ class KnitdataRolloutWorker:
                    for r, a in zip(rewards, adv)]
         trajs = group.trajectories(source, scalars=scalars)
         for t in trajs:
-            self._traj_meta[t.id] = (source, index, int(t.gen_version))
+            tv = t.token_versions
+            span = 0 if tv is None or tv.numel() == 0 else int(tv.max()) - int(tv.min())
+            self._traj_meta[t.id] = (source, index, span)
         assert self.pipeline is not None
         self.pipeline.put_many(trajs)
 
@@ -481,8 +486,9 @@ class KnitdataRolloutWorker:
             self.history.append(StepRecord(step=self._start_step + j + 1, trained_version=self._version0 + j))
         rec = self.history[j]
         rec.trajectory_ids.append(tid)
-        source = self._traj_meta[tid][0]
+        source, _, span = self._traj_meta[tid]
         rec.per_source[source] = rec.per_source.get(source, 0) + 1
+        rec.token_version_spans.append(span)
         rec.gen_versions.append(int(sample.model_version))
         rec.read_versions.append(self._version)
         if len(rec.trajectory_ids) == self.minibatch_size:
