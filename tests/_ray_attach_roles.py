@@ -7,6 +7,9 @@
 * ``producer NAME ADDRESS N``: attaches, puts ``N`` trajectories (groups of 2), closes the pipeline.
 * ``trickle NAME ADDRESS``: attaches and puts one trajectory every 0.2 s until a put raises.
 * ``rank NAME ADDRESS RANK``: attaches and iterates ``pipe.dataset(RANK)`` to the end.
+* ``paused_attach NAME ADDRESS WHERE``: ``Pipeline.attach`` stopped inside, right before its lookup of the pipeline
+  (``WHERE="get_actor"``) or its first call to the coordinator (``"info"``): prints ``{"paused": WHERE}`` and
+  goes on when a line arrives on stdin (so that the test can kill the creator while the process is inside attach).
 
 Every role prints JSON lines: ``{"attached": seconds}`` once attached, ``{"ids": [...]}`` per micro-batch (ranks),
 and at the end ``{"done": ...}`` or ``{"error": class name, "message": ..., "t": time.time()}``.
@@ -94,6 +97,41 @@ def rank(name: str, address: str, r: int) -> None:
         _say(error=type(e).__name__, message=str(e), t=time.time(), after=time.perf_counter() - t0)
 
 
+def paused_attach(name: str, address: str, where: str) -> None:
+    import ray
+
+    from knitdata import Pipeline
+    from knitdata.engines.ray_control import RayControl
+
+    def pause() -> None:
+        _say(paused=where)
+        sys.stdin.readline()
+
+    if where == "get_actor":
+        real_get_actor = ray.get_actor
+
+        def get_actor(*args: Any, **kwargs: Any) -> Any:
+            pause()
+            return real_get_actor(*args, **kwargs)
+
+        ray.get_actor = get_actor
+    else:
+        real_call = RayControl.call
+
+        def call(self: Any, op: str, *args: Any, **kwargs: Any) -> Any:
+            if op == where:
+                pause()
+            return real_call(self, op, *args, **kwargs)
+
+        RayControl.call = call  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    try:
+        Pipeline.attach(name, address=address)
+        _say(attached=time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        _say(error=type(e).__name__, message=str(e), t=time.time(), after=time.perf_counter() - t0)
+
+
 def main(argv: list[str]) -> None:
     role, args = argv[0], argv[1:]
     if role == "creator":
@@ -104,6 +142,8 @@ def main(argv: list[str]) -> None:
         trickle(args[0], args[1])
     elif role == "rank":
         rank(args[0], args[1], int(args[2]))
+    elif role == "paused_attach":
+        paused_attach(args[0], args[1], args[2])
     else:
         raise SystemExit(f"unknown role {role!r}")
 

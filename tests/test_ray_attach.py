@@ -194,6 +194,43 @@ def test_attached_processes_get_a_knitdata_error_when_the_creator_dies(creator: 
             p.kill()
 
 
+@pytest.mark.slow  # a Ray of its own: about 30 s
+def test_a_process_inside_attach_gets_a_knitdata_error_when_the_creator_dies() -> None:
+    """Issue 45.7: the creator dies while a process is inside Pipeline.attach (stopped at its lookup of the
+    pipeline, and at its first call to the coordinator): an EngineError naming the pipeline and the address within
+    seconds, instead of Ray terminating the process after 60 s. Its own creator (the module's is killed last)."""
+    name = "attach-death-demo"
+    owner = Proc("creator", name, stdin=True)
+    paused: list[Proc] = []
+    try:
+        address = owner.next("address", 180)["address"]
+        assert "error" not in owner.seen[-1], owner.seen[-1]
+        paused = [Proc("paused_attach", name, address, where, stdin=True) for where in ("get_actor", "info")]
+        for p in paused:
+            msg = p.next("paused", 120)
+            assert "error" not in msg, f"{p.args}: {msg}"
+        killed_at = time.time()
+        owner.kill()
+        for p in paused:  # go on inside attach, on a dead cluster
+            assert p.p.stdin is not None
+            p.p.stdin.write("go\n")
+            p.p.stdin.flush()
+        for p in paused:
+            msg = p.next("attached", 60)
+            assert msg.get("error") == "EngineError", f"{p.args}: {msg}"
+            text = msg["message"]
+            assert f"pipeline {name!r} is gone" in text and address in text, text
+            delay = msg["t"] - killed_at
+            print(f"inside attach at {p.args[-1]}: EngineError {delay:.1f} s after the kill")
+            assert delay < HOST_GONE_BOUND_S, f"{p.args}: the error came {delay:.1f} s after the kill"
+        for p in paused:
+            p.wait(55)
+            assert "within 60 seconds" not in p.stderr(), p.stderr()[-2000:]
+    finally:
+        for p in (*paused, owner):
+            p.kill()
+
+
 # ------------------------------------------------------------------------- the decision, without a cluster
 def _stub_probe(monkeypatch: pytest.MonkeyPatch, answer: str) -> tuple[Any, list[bool]]:
     """``ray_connect`` with ``probe_gcs`` answering ``answer``; the list records whether each probe sent a token."""

@@ -18,7 +18,9 @@ token authentication) or fails within seconds naming what to set (:func:`~knitda
 
 Host watch: every attached process watches the cluster's GCS port (:func:`~knitdata.storage.ray_connect.watch_host`);
 when the Ray the creator started is gone, calls of the pipeline raise :class:`~knitdata.errors.EngineError`
-("the host of knitdata pipeline ... is gone") within seconds instead of hanging until Ray ends the process.
+("the host of knitdata pipeline ... is gone") within seconds instead of hanging until Ray ends the process; a
+process still inside :meth:`RayEngine.attach` when the creator dies gets that error too, within
+:data:`~knitdata.storage.ray_connect.HOST_GONE_S` seconds of the cluster refusing connections.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ from knitdata.storage.base import StorageUnit
 from knitdata.storage.ray_connect import (
     NAMESPACE,
     alive_nodes,
+    attaching,
+    call_watched,
     check_host,
     connect,
     current_address,
@@ -118,29 +122,30 @@ class RayEngine(Engine):
     def __init__(self, name: str, *, address: str | None = None, loopback_only: bool = True,
                  timeout_s: float = 60.0) -> None:
         connect(address, loopback_only=loopback_only)
-        watch_host(name, creator_hosts=False)  # from here on a dead cluster raises instead of hanging
-        check_host()
-        try:
-            actor = ray.get_actor(coordinator_name(name), namespace=NAMESPACE)
-        except ValueError as e:
-            raise EngineError(
-                f"no knitdata pipeline named {name!r} runs on the Ray cluster at {current_address()}; create it with "
-                "Pipeline(..., engine='ray', engine_options={'name': ...}) first, and pass the creator's cluster "
-                "address (knitdata.ray_address() in the creating process) to every other process") from e
-        self.name = name
-        self.address = current_address()
-        self.loopback_only = loopback_only
-        self.timeout_s = timeout_s
-        self._actor = actor
-        self._control = RayControl(actor, name, timeout_s)
-        info = self._control.call("info")
-        super().__init__(ConsumerLayout.from_dict(info["config"]["layout"]), info["config"])
-        self.info = info
-        watch_host(name, creator_hosts=bool(info.get("creator_hosts")))
-        if info.get("trace"):  # the pipeline is traced: this process too, on the coordinator's clock
-            tracing.start(str(info["trace"]), "process").sync(lambda: self._control.call("clock"))
+        # from here on a dead cluster raises instead of hanging; while attaching, after HOST_GONE_S seconds
+        with attaching(name):
+            check_host()
+            try:
+                actor = call_watched(ray.get_actor, coordinator_name(name), namespace=NAMESPACE)
+            except ValueError as e:
+                raise EngineError(
+                    f"no knitdata pipeline named {name!r} runs on the Ray cluster at {current_address()}; create it "
+                    "with Pipeline(..., engine='ray', engine_options={'name': ...}) first, and pass the creator's "
+                    "cluster address (knitdata.ray_address() in the creating process) to every other process") from e
+            self.name = name
+            self.address = current_address()
+            self.loopback_only = loopback_only
+            self.timeout_s = timeout_s
+            self._actor = actor
+            self._control = RayControl(actor, name, timeout_s)
+            info = self._control.call("info")
+            super().__init__(ConsumerLayout.from_dict(info["config"]["layout"]), info["config"])
+            self.info = info
+            watch_host(name, creator_hosts=bool(info.get("creator_hosts")))
+            if info.get("trace"):  # the pipeline is traced: this process too, on the coordinator's clock
+                tracing.start(str(info["trace"]), "process").sync(lambda: self._control.call("clock"))
+            handles = self._control.call("unit_handles")
         self.meter = TransferMeter()
-        handles = self._control.call("unit_handles")
         placement = str(info["config"].get("placement", ""))
         self._units = {u: RayStorageUnit.from_handle(actor, desc, meter=self.meter, placement=placement)
                        for u, (actor, desc) in handles.items()}

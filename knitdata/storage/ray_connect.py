@@ -6,7 +6,9 @@
   this user's Ray token for a Ray of this user on this machine (:func:`prepare_auth`, :func:`probe_gcs`).
 * Host watch (:func:`watch_host`, :func:`check_host`, :func:`host_gone_error`): every attached process watches the
   cluster's GCS port, so that calls raise :class:`~knitdata.errors.EngineError` within seconds when the Ray the
-  pipeline's creator started is gone, instead of hanging; :func:`ray_get` waits in slices and checks it.
+  pipeline's creator started is gone, instead of hanging; :func:`ray_get` waits in slices and checks it, and
+  :func:`call_watched` does the same for a Ray call without a timeout (``ray.get_actor``). While a process attaches
+  (:func:`attaching`) a GCS that refuses connections for :data:`HOST_GONE_S` seconds counts as gone.
 * :func:`alive_nodes`, :func:`current_node`, :func:`current_address`, :func:`hosts_cluster`: where this process is.
 
 Used by the storage units (:mod:`knitdata.storage.ray_unit`) and the Ray engine; imports no engine.
@@ -15,13 +17,15 @@ Importing this module without Ray installed raises :class:`~knitdata.errors.Opti
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from knitdata.errors import EngineError, OptionalDependencyError
 
@@ -45,6 +49,8 @@ __all__ = [
     "check_host",
     "host_gone_error",
     "ray_get",
+    "call_watched",
+    "attaching",
     "alive_nodes",
     "current_node",
 ]
@@ -63,7 +69,8 @@ _log = logging.getLogger(__name__)
 #: that process) may refuse connections before an attached process reports the pipeline's host gone.
 HOST_GONE_S = 3.0
 #: The same for a cluster that outlives its drivers (``ray start``), whose GCS may be restarted by Ray's fault
-#: tolerance; Ray itself terminates an attached process after 60 s without its GCS.
+#: tolerance; Ray itself terminates an attached process after 60 s without its GCS. A process still inside
+#: :func:`attaching` (it does not know yet who hosts the cluster) waits :data:`HOST_GONE_S` instead.
 CLUSTER_GONE_S = 30.0
 _AUTH_ENV = "RAY_AUTH_MODE"
 _AUTH_DOCS = "https://docs.ray.io/en/latest/ray-security/token-auth.html"
@@ -356,6 +363,7 @@ class _HostWatch:
         self._hp = (host, port)
         self._lock = threading.Lock()
         self._pipelines: dict[str, bool] = {}  # name -> its creator hosts the cluster
+        self._attaching = 0  # attaches in progress (the short grace applies)
         self._gone: str | None = None
         self._thread = threading.Thread(target=self._run, name="knitdata-host-watch", daemon=True)
         self._thread.start()
@@ -366,7 +374,11 @@ class _HostWatch:
 
     def grace_s(self) -> float:
         with self._lock:
-            return HOST_GONE_S if any(self._pipelines.values()) else CLUSTER_GONE_S
+            return HOST_GONE_S if self._attaching or any(self._pipelines.values()) else CLUSTER_GONE_S
+
+    def set_attaching(self, delta: int) -> None:
+        with self._lock:
+            self._attaching += delta
 
     def _alive(self) -> bool:
         try:
@@ -412,6 +424,8 @@ class _HostWatch:
     def _message(self, what: str) -> str:
         names = ", ".join(repr(n) for n in sorted(self._pipelines)) or "?"
         hosted = any(self._pipelines.values())
+        if self._attaching:
+            what += " while this process was attaching to the pipeline"
         why = (" That Ray was started by the process that created the pipeline (Pipeline(..., engine='ray') without "
                "an address), which has most likely exited or been killed: such a Ray ends with its creator, "
                "detached or not." if hosted else " Its head node, or the process that started it, is down.")
@@ -467,6 +481,56 @@ def host_gone_error(wait_s: float = 1.0) -> EngineError | None:
     ``wait_s`` seconds), to raise instead of the actor's error; ``None`` if it is up or nothing is watched."""
     watch = _WATCH
     return watch.confirm(wait_s) if watch is not None else None
+
+
+@contextlib.contextmanager
+def attaching(name: str) -> Iterator[None]:
+    """Attach to pipeline ``name`` inside this block: :func:`watch_host` starts (if this process watches at all)
+    and, until the block ends, a GCS that refuses connections for :data:`HOST_GONE_S` seconds counts as gone,
+    whoever started the cluster (this process does not know yet). The calls of an attach (:func:`call_watched`,
+    :func:`ray_get`) then raise the watch's :class:`~knitdata.errors.EngineError` within seconds of the
+    creator's death, instead of Ray terminating the process after 60 s."""
+    watch_host(name, creator_hosts=False)
+    watch = _WATCH
+    if watch is not None:
+        watch.set_attaching(+1)
+    try:
+        yield
+    finally:
+        if watch is not None:
+            watch.set_attaching(-1)
+
+
+_R = TypeVar("_R")
+
+
+def call_watched(fn: Callable[..., _R], *args: Any, **kwargs: Any) -> _R:
+    """``fn(*args, **kwargs)`` for a Ray call that has no timeout of its own (``ray.get_actor``: Ray retries a GCS
+    that is gone for 60 s, then terminates the process): run on a daemon thread, waited for in slices, raising the
+    host watch's :class:`~knitdata.errors.EngineError` (:func:`check_host`) as soon as it finds the cluster gone.
+    Without a watch (the process hosting the cluster, a Ray worker) it is a plain call. ``fn``'s own exception is
+    raised as is."""
+    watch = _WATCH
+    if watch is None:
+        return fn(*args, **kwargs)
+    box: list[Any] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box.append((True, fn(*args, **kwargs)))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box.append((False, e))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="knitdata-watched-call", daemon=True).start()
+    while not done.wait(_GET_SLICE_S / 2):
+        check_host()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 def ray_get(refs: Any, timeout: float | None = None) -> Any:
