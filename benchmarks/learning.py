@@ -127,6 +127,8 @@ __all__ = [
     "run_regime",
     "run_learning",
     "run_two_speed",
+    "compare",
+    "update_report",
     "format_table",
     "plot",
     "add_arguments",
@@ -174,6 +176,10 @@ class LearningConfig:
         eval_prompts: Size of the held-out prompt set (decoded greedily).
         eval_every: Evaluate after every this many steps (and at step 0).
         seeds: Seeds (each runs every regime).
+        wait_in_order: ``bound_<eta>_wait`` regimes: rollout puts each source's groups in the order it started them
+            (a group that finishes before an older one of its source is held until that one is put), the
+            condition under which wait mode drops nothing; ``False``: as they finish (a slow group overtaken by
+            newer ones of its source can expire; the log-normal tails make that common).
     """
 
     scenario: str = "skewed"
@@ -190,6 +196,7 @@ class LearningConfig:
     eval_prompts: int = 256
     eval_every: int = 2
     seeds: tuple[int, ...] = (0, 1, 2)
+    wait_in_order: bool = True
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS and self.scenario != TWO_SPEED.name:
@@ -209,6 +216,8 @@ class LearningConfig:
             )
         if not self.seeds:
             raise ConfigError("LearningConfig.seeds must name at least one seed")
+        if not isinstance(self.wait_in_order, bool):
+            raise ConfigError(f"LearningConfig.wait_in_order must be a bool, got {self.wait_in_order!r}")
         if not (self.train_time >= 0 and self.lr > 0 and 0 < self.clip < 1):
             raise ConfigError("LearningConfig: need train_time >= 0, lr > 0 and 0 < clip < 1")
         self.spec()  # validates the quotas
@@ -516,6 +525,7 @@ class RegimeRun:
         generated_tokens: Tokens (prompt + response) of every trajectory rollout put.
         dropped_tokens: Of those, the tokens the staleness bound dropped (rollout work wasted).
         trained_by_source: Trajectories the trainer received, per source.
+        started_groups: Group ids in the order rollout started them.
     """
 
     regime: str
@@ -535,6 +545,7 @@ class RegimeRun:
     generated_tokens: int = 0
     dropped_tokens: int = 0
     trained_by_source: dict[str, int] = field(default_factory=dict)
+    started_groups: list[str] = field(default_factory=list)
 
 
 def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
@@ -593,6 +604,9 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
     works: dict[str, GroupWork] = {}  # bound regimes: the groups put, to regenerate a dropped one
     source_of: dict[str, str] = {}
     digest = hashlib.blake2b(digest_size=16)
+    in_order = bound and on_stale == "wait" and cfg.wait_in_order
+    started: dict[str, deque[str]] = {}  # in order: per source, the groups started and not put yet, in start order
+    held: dict[str, Any] = {}  # in order: finished groups held until the older ones of their source are put
 
     def evaluate(step: int) -> None:
         with torch.no_grad():
@@ -662,13 +676,27 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
         rewards = sort_reward(prompts, resp).reshape(len(starting), g)
         adv = group_advantages(rewards)
         for i, w in enumerate(starting):
+            out.started_groups.append(w.group)
+            if in_order:
+                started.setdefault(w.source, deque()).append(w.group)
             push(now + w.duration, FINISH, (w, version, resp[i * g : (i + 1) * g], lps[i * g : (i + 1) * g],
                                             rewards[i], adv[i]))
 
     def finish(payload: Any) -> None:
+        """A group's generation ended: its slot is free; it is put now, or (in order) once the older groups of its
+        source are."""
         nonlocal running
-        w, gen_version, resp, lps, rewards, adv = payload
         running -= 1
+        if not in_order:
+            put_group(payload)
+            return
+        held[payload[0].group] = payload
+        q = started[payload[0].source]
+        while q and q[0] in held:
+            put_group(held.pop(q.popleft()))
+
+    def put_group(payload: Any) -> None:
+        w, gen_version, resp, lps, rewards, adv = payload
         for i in range(g):
             tid = f"{w.group}m{i}"
             pipe.put(
@@ -796,6 +824,12 @@ def _steps_to(steps: Sequence[int], rewards: Sequence[float], threshold: float) 
     return None
 
 
+def _split_mean(r: RegimeRun, key: str) -> float:
+    """A mean of the pipeline's staleness split (versions generating / queued; ``nan`` if the pipeline had none)."""
+    v = (r.pipeline_stats.get("staleness_split") or {}).get(key)
+    return float(v) if isinstance(v, (int, float)) else math.nan
+
+
 def _run_figures(r: RegimeRun) -> dict[str, Any]:
     rw = r.rewards
     tail = max(1, len(rw) // 10)
@@ -812,6 +846,8 @@ def _run_figures(r: RegimeRun) -> dict[str, Any]:
         "raw_staleness_mean": float(np.mean(r.raw_staleness)) if r.raw_staleness else math.nan,
         "worst_staleness": max(r.raw_staleness) if r.raw_staleness else None,
         "wasted_token_share": r.dropped_tokens / r.generated_tokens if r.generated_tokens else 0.0,
+        "staleness_generating_mean": _split_mean(r, "generating_mean"),
+        "staleness_queued_mean": _split_mean(r, "queued_mean"),
         "virtual_time": r.virtual_time,
         "wall_s": r.wall_s,
     }
@@ -858,6 +894,7 @@ def run_learning(cfg: LearningConfig, regimes: Sequence[str] = REGIMES, progress
         "load_average_start": list(load0),
         "load_average_end": list(os.getloadavg()),
         "wall_s": time.perf_counter() - t0,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "regimes": {},
     }
     for name, rs in runs.items():
@@ -872,7 +909,8 @@ def run_learning(cfg: LearningConfig, regimes: Sequence[str] = REGIMES, progress
             "reached_0_8": sum(f["steps_to_0_8"] is not None for f in per_seed),
         }
         for k in ("arch_staleness_positive_mean", "arch_staleness_mean", "arch_staleness_p95",
-                  "arch_staleness_negative_share", "raw_staleness_mean", "wasted_token_share", "virtual_time"):
+                  "arch_staleness_negative_share", "raw_staleness_mean", "wasted_token_share",
+                  "staleness_generating_mean", "staleness_queued_mean", "virtual_time"):
             row[k] = float(np.mean([f[k] for f in per_seed]))
         worst = [f["worst_staleness"] for f in per_seed if f["worst_staleness"] is not None]
         row["worst_staleness"] = max(worst) if worst else None
@@ -885,26 +923,67 @@ def run_learning(cfg: LearningConfig, regimes: Sequence[str] = REGIMES, progress
         row["per_seed"] = {str(x.seed): f for x, f in zip(rs, per_seed)}
         row["pipeline"] = {str(x.seed): {k: x.pipeline_stats.get(k) for k in
                                          ("puts", "admitted_minibatches", "admitted_trajectories", "version",
-                                          "staleness", "token_staleness", "staleness_bound")} for x in rs}
+                                          "staleness", "token_staleness", "staleness_split", "staleness_bound")}
+                           for x in rs}
         report["regimes"][name] = row
-    if {"colocated", "train_batch", "constraint_preserving"} <= set(runs):
-        per = {}
-        for c, t, p in zip(runs["colocated"], runs["train_batch"], runs["constraint_preserving"]):
-            a_c, a_t, a_p = (float(np.mean(x.rewards)) for x in (c, t, p))
-            per[str(c.seed)] = (a_p - a_t) / (a_c - a_t) if a_c != a_t else None
+    compare(report)
+    return report, runs
+
+
+def compare(report: dict[str, Any]) -> None:
+    """Add (or replace) the comparisons of ``report``'s regimes: ``gap_closed`` (with colocated, train_batch and
+    constraint_preserving; per seed from each row's ``per_seed`` AUCs) and ``bound_vs_colocated`` (with colocated)."""
+    reg = report["regimes"]
+    report.pop("gap_closed", None)
+    report.pop("bound_vs_colocated", None)
+    if {"colocated", "train_batch", "constraint_preserving"} <= set(reg):
+        per: dict[str, float | None] = {}
+        for seed, c in reg["colocated"]["per_seed"].items():
+            t, p = reg["train_batch"]["per_seed"].get(seed), reg["constraint_preserving"]["per_seed"].get(seed)
+            if t is None or p is None:
+                continue
+            a_c, a_t, a_p = c["auc"], t["auc"], p["auc"]
+            per[seed] = (a_p - a_t) / (a_c - a_t) if a_c != a_t else None
         vals = [v for v in per.values() if v is not None]
         report["gap_closed"] = {
             "definition": "(AUC(constraint_preserving) - AUC(train_batch)) / (AUC(colocated) - AUC(train_batch))",
             "per_seed": per,
             "median": statistics.median(vals) if vals else None,
-            "of_mean_auc": _ratio(report["regimes"]),
+            "of_mean_auc": _ratio(reg),
         }
-    if "colocated" in runs:
-        co = report["regimes"]["colocated"]["auc"]
+    if "colocated" in reg:
+        co = reg["colocated"]["auc"]
         report["bound_vs_colocated"] = {
             "definition": "AUC(regime) / AUC(colocated) - 1 (mean AUCs over seeds)",
-            **{n: report["regimes"][n]["auc"] / co - 1.0 for n in runs if n.startswith("bound_") and co}}
-    return report, runs
+            **{n: reg[n]["auc"] / co - 1.0 for n in reg if n.startswith("bound_") and co}}
+
+
+def _regime_params(p: dict[str, Any]) -> dict[str, Any]:
+    """Parameters that every regime's figures depend on (``wait_in_order`` concerns the wait regimes only)."""
+    return {k: v for k, v in p.items() if k != "wait_in_order"}
+
+
+def update_report(old: dict[str, Any], new: dict[str, Any], note: str = "") -> dict[str, Any]:
+    """``old`` with the regimes of ``new`` (a run of some regimes with the same parameters) in place of its own, the
+    comparisons recomputed, and ``updated`` recording per regime replaced when and how it was re-run.
+
+    Raises:
+        ConfigError: ``new`` was run with other parameters than ``old``.
+    """
+    a, b = (_regime_params(x.get("params") or {}) for x in (old, new))
+    if a != b:
+        diff = sorted(k for k in {*a, *b} if a.get(k) != b.get(k))
+        raise ConfigError(f"cannot update a learning report run with other parameters (differ: {diff}); run every "
+                          "regime instead")
+    out = {**old, "params": new["params"], "regimes": {**old["regimes"], **new["regimes"]}}
+    updated = dict(old.get("updated") or {})
+    for name in new["regimes"]:
+        updated[name] = {"wall_s": new["wall_s"], "load_average_start": new["load_average_start"],
+                         "load_average_end": new["load_average_end"], "date_utc": new.get("date_utc"),
+                         **({"note": note} if note else {})}
+    out["updated"] = updated
+    compare(out)
+    return out
 
 
 def run_two_speed(cfg: LearningConfig, progress: bool = True) -> dict[str, Any]:
@@ -942,6 +1021,10 @@ def _fmt(v: Any, nd: int = 3) -> str:
     return str(v)
 
 
+def _pct(v: Any) -> str:
+    return "-" if not isinstance(v, (int, float)) or math.isnan(v) else f"{100 * v:.1f}%"
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The printed table of a report."""
     p = report["params"]
@@ -956,18 +1039,19 @@ def format_table(report: dict[str, Any]) -> str:
                     f"sigma={s['sigma']})" for s in p["sources"]),
         f"  seeds={p['seeds']}, held-out {p['eval_prompts']} prompts every {p['eval_every']} steps; "
         f"load average at start {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}; wall {report['wall_s']:.0f} s",
-        f"{'regime':<22}{'AUC':>8}{'+-':>7}{'final':>8}{'+-':>7}{'steps->0.8':>12}{'reached':>9}"
-        f"{'arch+':>8}{'arch':>8}{'arch_p95':>9}{'neg':>6}{'raw':>7}{'worst':>7}{'wasted':>8}",
+        f"{'regime':<22}{'AUC':>8}{'+-':>7}{'discarded':>10}{'final':>8}{'+-':>7}{'steps->0.8':>12}{'reached':>9}"
+        f"{'arch+':>8}{'arch':>8}{'arch_p95':>9}{'neg':>6}{'raw':>7}{'worst':>7}{'gen':>6}{'queued':>7}",
     ]
     n = len(p["seeds"])
     for name, r in report["regimes"].items():
         lines.append(
-            f"{name:<22}{_fmt(r['auc']):>8}{_fmt(r['auc_std']):>7}{_fmt(r['final_reward']):>8}"
+            f"{name:<22}{_fmt(r['auc']):>8}{_fmt(r['auc_std']):>7}{_pct(r.get('wasted_token_share')):>10}"
+            f"{_fmt(r['final_reward']):>8}"
             f"{_fmt(r['final_reward_std']):>7}{_fmt(r['steps_to_0_8'], 0):>12}{r['reached_0_8']:>6}/{n:<2}"
             f"{_fmt(r['arch_staleness_positive_mean'], 2):>8}{_fmt(r['arch_staleness_mean'], 2):>8}"
             f"{_fmt(r['arch_staleness_p95'], 1):>9}{_fmt(r['arch_staleness_negative_share'], 2):>6}"
             f"{_fmt(r['raw_staleness_mean'], 2):>7}{_fmt(r.get('worst_staleness')):>7}"
-            f"{_fmt(r.get('wasted_token_share'), 3):>8}"
+            f"{_fmt(r.get('staleness_generating_mean'), 2):>6}{_fmt(r.get('staleness_queued_mean'), 2):>7}"
         )
     gc = report.get("gap_closed")
     if gc:
@@ -988,10 +1072,15 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{cp} {_fmt(med[cp])} vs {fifo} {_fmt(med[fifo])}; hard source's share of trained "
                      f"trajectories {_fmt(share[cp], 2)} vs {_fmt(share[fifo], 2)}; constraint-preserving beats FIFO: "
                      f"{two['cp_beats_fifo']}")
-    lines.append("(AUC, final: mean +- std over seeds; steps->0.8: median over seeds, '-' if the median seed never "
+    upd = report.get("updated")
+    if upd:
+        lines.append("re-run on newer code: " + ", ".join(f"{k} ({v.get('date_utc') or '?'})" for k, v in upd.items()))
+    lines.append("(AUC, final: mean +- std over seeds; discarded: share of the generated tokens the staleness bound "
+                 "dropped (JSON wasted_token_share); steps->0.8: median over seeds, '-' if the median seed never "
                  "reached it; arch+: mean positive part of architectural staleness, arch: signed mean, neg: share "
-                 "< 0, raw: trainer version - gen_version; worst: largest staleness trained; wasted: share of "
-                 "generated tokens the bound dropped)")
+                 "< 0, raw: trainer version - gen_version; worst: largest staleness trained; gen / queued: of the "
+                 "raw staleness, the versions that passed while a group was generated / while it waited in the "
+                 "pipeline, pipe.stats()['staleness_split'])")
     return "\n".join(lines)
 
 
@@ -1008,7 +1097,9 @@ def plot(report: dict[str, Any], path: str) -> None:
     for name in names:
         r = report["regimes"][name]
         xs = r["eval_steps"]
-        ax.plot(xs, r["reward_mean"], label=f"{name} (AUC {r['auc']:.3f})", lw=1.4)
+        share = r.get("wasted_token_share")
+        waste = f", {100 * share:.1f}% discarded" if name.startswith("bound_") and share is not None else ""
+        ax.plot(xs, r["reward_mean"], label=f"{name} (AUC {r['auc']:.3f}{waste})", lw=1.4)
         ax.fill_between(xs, r["reward_min"], r["reward_max"], alpha=0.15)
     ax.axhline(_THRESHOLD, color="grey", lw=0.6, ls=":")
     ax.set_xlabel("optimizer step")
@@ -1037,6 +1128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON")
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot")
     parser.add_argument("--no-progress", action="store_true", help="no tqdm bar")
+    parser.add_argument("--update", default=None, metavar="PATH",
+                        help="a report of the same parameters: replace its regimes by the ones run now, keep the "
+                             "others (and its two-speed part unless run again), recompute the comparisons")
     parser.add_argument("--no-two-speed", action="store_true",
                         help="skip the two-source comparison (constraint-preserving vs FIFO under the same bound)")
 
@@ -1051,7 +1145,13 @@ def run(args: argparse.Namespace) -> int:
     regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
     for r in regimes:
         parse_regime(r)
+    old = None
+    if args.update:
+        with open(args.update) as f:
+            old = json.load(f)
     report, _ = run_learning(cfg, regimes, progress=not args.no_progress)
+    if old is not None:
+        report = update_report(old, report)
     if not args.no_two_speed:
         report["two_speed"] = run_two_speed(cfg, progress=not args.no_progress)
     print(format_table(report))
