@@ -81,6 +81,9 @@ def flat_metrics(stats: Mapping[str, Any], *, rank: int | None = None, consumer:
       ``sources/<source>/puts`` and ``/admitted``.
     * ``stale_dropped/<counter>`` and ``stale_dropped/<counter>/<source>`` (with a staleness bound): the groups,
       trajectories and tokens the bound dropped.
+    * ``starved/<source>`` (1 or 0), ``starved_sources`` and ``drop_streak/<source>`` (with a staleness bound that
+      reports starvation): whether the source is starved (its groups dropped in a row while its quota waited for
+      them: its quota cannot be met within the bound), how many sources are, and its current streak of drops.
 
     Args:
         stats: A stats dict (missing parts are skipped).
@@ -144,6 +147,15 @@ def flat_metrics(stats: Mapping[str, Any], *, rank: int | None = None, consumer:
                 out[f"stale_dropped/{counter}"] = sum(_num(v) for v in per.values())
                 for src, v in per.items():
                     out[f"stale_dropped/{counter}/{src}"] = _num(v)
+        starved = bound.get("starved")
+        if isinstance(starved, Mapping):
+            out["starved_sources"] = sum(1 for v in starved.values() if v)
+            for src, v in starved.items():
+                out[f"starved/{src}"] = int(bool(v))
+        streak = bound.get("drop_streak")
+        if isinstance(streak, Mapping):
+            for src, v in streak.items():
+                out[f"drop_streak/{src}"] = _num(v)
     return {prefix + k: v for k, v in out.items()}
 
 
@@ -165,7 +177,9 @@ def status_rows(stats: Mapping[str, Any]) -> dict[str, Any]:
         handed out), ``planned``, ``ahead`` (planned, not handed out yet), ``committed``, ``waiting`` (nothing
         planned ahead of it while the pipeline is open: the rank waits for admission), ``data_wait_s`` (total),
         ``staleness_mean`` and ``staleness_max``; ``"staleness_split"`` (when ``stats`` has one): ``count``, and the
-        mean and max of versions generating and queued and of seconds queued (``generating_mean``, ...).
+        mean and max of versions generating and queued and of seconds queued (``generating_mean``, ...); ``"bound"``
+        (with a staleness bound): ``max_staleness``, ``on_stale``, ``dropped_groups`` (total), ``starved`` (the
+        sources starved, sorted; ``None`` if the bound does not report it) and ``drop_streak`` (per source).
     """
     sources = [{"source": src, "finished": int(_num(row.get("puts"))), "admitted": int(_num(row.get("admitted"))),
                 "ready": int(_num(row.get("ready"))), "quota": int(_num(row.get("quota")))}
@@ -196,6 +210,15 @@ def status_rows(stats: Mapping[str, Any]) -> dict[str, Any]:
     out = {"name": stats.get("name"), "engine": stats.get("engine"), "closed": closed,
            "version": int(_num(stats.get("version"))), "train_batch": int(_num(stats.get("train_batch"))),
            "sources": sources, "ranks": ranks, "store": store, "journal": stats.get("journal")}
+    bound = stats.get("staleness_bound")
+    if isinstance(bound, Mapping):
+        starved = bound.get("starved") if isinstance(bound.get("starved"), Mapping) else None
+        streak = bound.get("drop_streak") if isinstance(bound.get("drop_streak"), Mapping) else {}
+        dropped = bound.get("dropped_groups") if isinstance(bound.get("dropped_groups"), Mapping) else {}
+        out["bound"] = {"max_staleness": bound.get("max_staleness"), "on_stale": bound.get("on_stale"),
+                        "dropped_groups": sum(_num(v) for v in dropped.values()),
+                        "starved": None if starved is None else sorted(str(k) for k, v in starved.items() if v),
+                        "drop_streak": {str(k): int(_num(v)) for k, v in streak.items()}}
     split = stats.get("staleness_split")
     if isinstance(split, Mapping):
         out["staleness_split"] = {k: _num(split.get(k)) for k in (
@@ -238,6 +261,14 @@ def status_table(stats: Mapping[str, Any]) -> str:
         lines.append(f"staleness split (mean/max, {sp['count']} trajectories): generating {sp['generating_mean']:.2f}/"
                      f"{sp['generating_max']:.0f}, queued {sp['queued_mean']:.2f}/{sp['queued_max']:.0f} versions, "
                      f"{sp['queued_s_mean']:.3f}/{sp['queued_s_max']:.3f} s")
+    b = d.get("bound")
+    if b is not None:
+        line = (f"staleness bound: max_staleness {b['max_staleness']} ({b['on_stale']}), "
+                f"{b['dropped_groups']:.0f} groups dropped")
+        if b["starved"] is not None:
+            line += "; starved: " + (", ".join(f"{s} ({b['drop_streak'].get(s, 0)} dropped in a row)"
+                                               for s in b["starved"]) or "none")
+        lines.append(line)
     st = d["store"]
     lines.append(f"store: {st['units']} units, {_fmt_bytes(st['used_bytes'])} of {_fmt_bytes(st['capacity_bytes'])} "
                  f"({100 * st['fill']:.1f}%), {st['items']} items, {st['spilled_items']} spilled; "

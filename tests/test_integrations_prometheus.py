@@ -82,6 +82,11 @@ def test_names_and_labels() -> None:
     assert split["knitdata_staleness_queued_max"] == [({}, 1.0)]
     assert split["knitdata_staleness_queued_s_max"] == [({}, 0.0)]  # none yet reads 0
     assert split["knitdata_staleness_split_count"] == [({}, 3.0)]
+    starved = collect({"staleness_bound": {"starved": {"math": False, "agent": True},
+                                           "drop_streak": {"math": 0, "agent": 3}}})
+    assert starved["knitdata_starved"] == [({"source": "math"}, 0.0), ({"source": "agent"}, 1.0)]
+    assert starved["knitdata_starved_sources"] == [({}, 1.0)]
+    assert starved["knitdata_drop_streak"] == [({"source": "math"}, 0.0), ({"source": "agent"}, 3.0)]
 
 
 def test_bad_arguments() -> None:

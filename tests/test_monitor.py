@@ -234,3 +234,23 @@ def test_knitdata_status_against_a_running_ray_pipeline() -> None:
             except subprocess.TimeoutExpired:
                 pass
         creator.kill()
+
+
+def test_starvation_signal_in_metrics_and_the_status_table() -> None:
+    """A staleness bound's per-source starvation (issue 45): ``starved/<source>`` 1/0, ``starved_sources``,
+    ``drop_streak/<source>`` in the flat metrics, and a status line naming the starved source; a bound that does
+    not report starvation gets no starvation figures (not a false 'none')."""
+    bound = {"max_staleness": 2, "on_stale": "wait", "dropped_groups": {"math": 0, "agent": 5},
+             "starved": {"math": False, "agent": True}, "drop_streak": {"math": 0, "agent": 4}}
+    m = flat_metrics({"staleness_bound": bound})
+    assert m["knitdata/starved/agent"] == 1 and m["knitdata/starved/math"] == 0
+    assert m["knitdata/starved_sources"] == 1 and m["knitdata/drop_streak/agent"] == 4
+    rows = status_rows({"staleness_bound": bound})
+    assert rows["bound"]["starved"] == ["agent"] and rows["bound"]["dropped_groups"] == 5
+    table = status_table({"staleness_bound": bound})
+    assert "staleness bound: max_staleness 2 (wait), 5 groups dropped; starved: agent (4 dropped in a row)" in table
+    calm = {**bound, "starved": {"math": False, "agent": False}, "drop_streak": {"math": 0, "agent": 0}}
+    assert "; starved: none" in status_table({"staleness_bound": calm})
+    old = {k: v for k, v in bound.items() if k not in ("starved", "drop_streak")}
+    assert "starved" not in status_table({"staleness_bound": old})
+    assert not any("starved" in k for k in flat_metrics({"staleness_bound": old}))

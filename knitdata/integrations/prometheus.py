@@ -3,7 +3,8 @@
 :func:`serve` starts an HTTP server (``prometheus_client``'s, on a daemon thread) whose ``/metrics`` reads the
 pipeline's :meth:`~knitdata.Pipeline.stats` at every scrape and exposes :func:`knitdata.monitor.flat_metrics` as
 gauges: ``knitdata/staleness/math/p95`` becomes ``knitdata_staleness_p95{source="math"}``, ``knitdata/store/fill``
-``knitdata_store_fill``. It listens on the loopback interface unless told otherwise (``addr="0.0.0.0"`` exposes
+``knitdata_store_fill``, ``knitdata/starved/agent`` (a staleness bound's starvation signal)
+``knitdata_starved{source="agent"}``. It listens on the loopback interface unless told otherwise (``addr="0.0.0.0"`` exposes
 the pipeline's figures to the network: put it behind your cluster's access rules).
 
 Example (a pipeline of any engine; a Ray-engine one from any process, with ``Pipeline.attach``):
@@ -45,7 +46,9 @@ def collect(stats: Mapping[str, Any], *, rank: int | None = None) -> dict[str, l
     A path component of a :func:`~knitdata.monitor.flat_metrics` key that names a source becomes the label
     ``source``; the rest, joined by ``_``, the name (characters Prometheus does not allow become ``_``).
     """
-    sources = set(stats.get("sources") or {}) | set(stats.get("staleness_by_source") or {})
+    bound = stats.get("staleness_bound")
+    sources = set(stats.get("sources") or {}) | set(stats.get("staleness_by_source") or {}) | set(
+        (bound.get("starved") or {}) if isinstance(bound, Mapping) else {})
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for key, value in flat_metrics(stats, rank=rank, prefix="").items():
         parts = key.split("/")
@@ -53,6 +56,8 @@ def collect(stats: Mapping[str, Any], *, rank: int | None = None) -> dict[str, l
         if len(parts) > 2 and parts[1] in sources and parts[0] in ("staleness", "sources"):
             labels["source"] = parts.pop(1)
         elif len(parts) > 2 and parts[-1] in sources and parts[0] == "stale_dropped":
+            labels["source"] = parts.pop()
+        elif len(parts) == 2 and parts[1] in sources and parts[0] in ("starved", "drop_streak"):
             labels["source"] = parts.pop()
         out.setdefault(_name(parts), []).append((labels, float(value)))
     return out
