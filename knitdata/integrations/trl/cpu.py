@@ -17,9 +17,9 @@ skips the MFU metrics, as it does for an unknown GPU). Nothing else of the train
 
 Example::
 
-    >>> from knitdata.integrations.trl.cpu import cpu_stand_ins
-    >>> with cpu_stand_ins():
-    ...     pass  # trainer = AsyncGRPOTrainer(...) here; docs/trl.md runs a whole one
+    from knitdata.integrations.trl.cpu import cpu_stand_ins
+    with cpu_stand_ins():
+        pass  # trainer = AsyncGRPOTrainer(...) here; docs/trl.md runs a whole one
 """
 
 from __future__ import annotations

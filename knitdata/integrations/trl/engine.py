@@ -11,13 +11,12 @@ over vLLM with :func:`knitdata.rollout.from_vllm`.
 
 Example::
 
-    >>> import transformers
-    >>> cfg = transformers.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-    ...                                num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=0)
-    >>> engine = HFGenerationEngine(transformers.Qwen2ForCausalLM(cfg), pad_token_id=0)
-    >>> [group] = engine.generate([[1, 5, 6]], n=2, max_new_tokens=4, request_ids=["q0"])
-    >>> len(group.samples), group.samples[0].version
-    (2, 0)
+    import transformers
+    cfg = transformers.Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=0)
+    engine = HFGenerationEngine(transformers.Qwen2ForCausalLM(cfg), pad_token_id=0)
+    [group] = engine.generate([[1, 5, 6]], n=2, max_new_tokens=4, request_ids=["q0"])
+    assert len(group.samples) == 2 and group.samples[0].version == 0  # no weight sync yet
 """
 
 from __future__ import annotations
