@@ -163,3 +163,20 @@ def test_bad_segments_are_refused() -> None:
         buf.load_state_dict({"format": "other"})
     with pytest.raises(StateError):
         buf.load_state_dict({"format": SegmentBuffer().state_dict()["format"], "requests": [[{"request_id": "q"}]]})
+
+
+def test_the_documented_from_state_dict_restores_a_buffer() -> None:
+    """Issue 45.8: the module documents ``from_state_dict``: SegmentBuffer.from_state_dict builds the restarted
+    worker's buffer from the JSON state (as load_state_dict does into an empty one), and refuses another format."""
+    import knitdata.rollout.partial as partial
+
+    assert "from_state_dict" in (partial.__doc__ or "")
+    buf = SegmentBuffer()
+    buf.add_group(RolloutGroup("q", [_seg("q", [1, 2], [7], [-0.5], 3, "aborted", 0),
+                                     _seg("q", [1, 2], [8, 2], [-0.5, -0.5], 3, "completed", 1)]))
+    state = json.loads(json.dumps(buf.state_dict()))
+    restored = SegmentBuffer.from_state_dict(state)
+    assert isinstance(restored, SegmentBuffer) and restored.state_dict() == state
+    assert [(c.request_id, c.index, c.input_ids) for c in restored.pending()] == [("q", 0, [1, 2, 7])]
+    with pytest.raises(StateError, match="segment buffer"):
+        SegmentBuffer.from_state_dict({"format": "other"})

@@ -7,8 +7,10 @@ followed by the tokens generated so far. Each piece is a *segment*, generated un
 yields one sample whose ``token_versions`` give each response token's version; its trajectory's
 ``gen_version`` is the oldest. :class:`SegmentBuffer` does the bookkeeping for many requests of ``n`` samples:
 it says what to resubmit (:meth:`SegmentBuffer.pending`) and hands back a request's group once every one of its
-samples has finished. Both keep their state as JSON (``state_dict`` / ``from_state_dict``), so a rollout worker
-that restarts continues where it stopped.
+samples has finished. Both keep their state as JSON (:meth:`PartialRollout.to_dict` /
+:meth:`PartialRollout.from_dict`; :meth:`SegmentBuffer.state_dict` / :meth:`SegmentBuffer.from_state_dict`, or
+:meth:`SegmentBuffer.load_state_dict` into an existing buffer), so a rollout worker that restarts continues where it
+stopped.
 
 Refused, with :class:`~knitdata.errors.RolloutOutputError` naming the request, sample and field: a segment whose
 prompt is not the request's prompt followed by the tokens generated so far (``prompt_ids``), a segment after the
@@ -326,6 +328,17 @@ class SegmentBuffer:
         """JSON-serializable state (:meth:`load_state_dict` restores it)."""
         return {"format": _STATE_FORMAT,
                 "requests": [[p.to_dict() for p in parts] for parts in self._requests.values()]}
+
+    @classmethod
+    def from_state_dict(cls, state: Mapping[str, Any]) -> SegmentBuffer:
+        """A new buffer holding ``state`` (a :meth:`state_dict`, e.g. read back from JSON after a restart).
+
+        Raises:
+            StateError: Another format, or a malformed entry.
+        """
+        buf = cls()
+        buf.load_state_dict(state)
+        return buf
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace the buffer's content with ``state``.
