@@ -297,3 +297,17 @@ def _fill_tolerant(plane: ControlPlane, order: list[int]) -> None:
                 "num_tokens": 4 + (i * 7) % 30, "nbytes": 10, "fields": fields_of(["r"], {})}
         if plane.admit_many("node0", [[meta, 0, f"tok{i}"]])["errors"]:
             return
+
+
+def test_a_state_newer_than_the_live_pipeline_is_called_newer() -> None:
+    """Issue 45.8: a state of this run taken further than this live pipeline has planned (it was refilled with
+    fewer puts so far) is not "of another run": the message says it is newer and what to do."""
+    plane = _plane(2)
+    _fill(plane, 8)  # one train batch: a few micro-batches per rank
+    far = plane.planned[0] + 3
+    with pytest.raises(StateError) as ei:
+        plane.reshape(_merged(2, [far, 0]))
+    text = str(ei.value)
+    assert "another run" not in text, text
+    assert f"rank 0: its state lies at micro-batch {far}" in text and "newer than this pipeline" in text, text
+    assert "before the refill" in text, text

@@ -417,8 +417,12 @@ class Reshaping(Part):
         s = self.s
         for r, p in enumerate(merged["positions"]):
             if p > s.planned[r]:
-                raise StateError(f"rank {r}: its state lies at micro-batch {p} but this pipeline planned only "
-                                 f"{s.planned[r]} for it: a state of another run")
+                raise StateError(f"rank {r}: its state lies at micro-batch {p} but this pipeline has planned only "
+                                 f"{s.planned[r]} for it so far: the state is newer than this pipeline (saved later "
+                                 "in the run than this pipeline has got: beyond the puts it has received, or after "
+                                 "the checkpoint it was restored from). Load the states into a fresh pipeline before "
+                                 "the refill (it plans from them), reshape this one once it has planned that far, or "
+                                 "restore a checkpoint with the rank states saved with it")
             if p < s.committed[r]:
                 raise StateError(f"rank {r}: its state lies at micro-batch {p}, before micro-batch {s.committed[r]} "
                                  "up to which its payloads were released (committed); it cannot be resumed here")
