@@ -116,8 +116,13 @@ class Pipeline:
             ``None``: wait (up to the dataset's ``timeout``). A handle counts as a producer from its first put.
         check_media: Decode every encoded media item once at :meth:`put` (in the producer) and refuse bad ones.
         on_plan: Called as ``on_plan(admitted, plan)`` for each planned mini-batch (embedded engine; keep it cheap).
-        max_staleness: Admit nothing staler than this many versions (``None``: no bound; docs/concepts.md).
-        on_stale: ``"drop"`` (:meth:`dropped` lists what to regenerate) or ``"wait"`` (also :meth:`acquire_rollout`).
+        max_staleness: Admit nothing staler than this many versions, as the trainer reports them
+            (:meth:`report_version`); an int or ``{source: int}`` (every source); ``None``: no bound
+            (docs/concepts.md, "A hard staleness bound").
+        on_stale: ``"drop"`` (:meth:`dropped` lists what to regenerate) or ``"wait"`` (also :meth:`acquire_rollout`;
+            needs ``max_staleness``).
+        version_offset: The trainer's version at its first step, for the bound; ``None`` (default): learned from
+            the first :meth:`report_version` (see docs/concepts.md).
         engine_options: Ray: ``name`` (default ``"knitdata"``; other processes attach with it), ``address``
             (``None``: this process's Ray, else a new local loopback-only one), ``nodes`` (layout node -> Ray node
             id), ``loopback_only`` (default ``True``), ``detached`` (keep the actors after this process exits),
@@ -158,9 +163,10 @@ class Pipeline:
         check_media: bool = True,
         on_plan: Callable[[AdmittedMiniBatch, MiniBatchPlan], None] | None = None,
         engine_options: Mapping[str, Any] | None = None,
-        max_staleness: int | None = None,
+        max_staleness: int | Mapping[str, int] | None = None,
         on_stale: str = "drop",
         trace: str | os.PathLike[str] | None = None,
+        version_offset: int | None = None,
     ) -> None:
         if not isinstance(spec, BatchSpec):
             raise ConfigError(f"spec must be a knitdata.admission.BatchSpec, got {type(spec).__name__}")
@@ -189,10 +195,14 @@ class Pipeline:
         elif num_consumers is not None and num_consumers != layout.num_consumers:
             raise ConfigError(f"num_consumers={num_consumers} disagrees with the layout's {layout.num_consumers} ranks")
         policy: AdmissionPolicy | None = None
-        if max_staleness is not None or on_stale != "drop":
+        if max_staleness is not None or on_stale != "drop" or version_offset is not None:
             if isinstance(admission, AdmissionPolicy):
-                raise ConfigError("max_staleness / on_stale apply to an admission given by name (or build the policy with them)")
-            admission_options = {**dict(admission_options or {}), "max_staleness": max_staleness, "on_stale": on_stale}
+                raise ConfigError("max_staleness / on_stale / version_offset apply to an admission given by name (or "
+                                  "build the policy with them)")
+            opts_ = dict(admission_options or {})
+            admission_options = {**opts_, "max_staleness": dict(max_staleness) if isinstance(max_staleness, Mapping)
+                                 else max_staleness, "on_stale": on_stale,
+                                 "version_offset": opts_.get("version_offset", version_offset)}
         if isinstance(admission, AdmissionPolicy):
             if admission_options:
                 raise ConfigError("admission_options only apply when admission is given by name")

@@ -640,7 +640,7 @@ def run_bound_sim(p, spec, eta, offset, data, mode, batches=3):
             s = data.draw(st.sampled_from(sorted(Q)))
             lag = data.draw(st.integers(0, eta + 3)) if mode == "drop" else 0
             v = max(0, version() - lag)
-            if mode == "wait" and not p.reserve({s: 1}, v):
+            if mode == "wait" and (not Q[s] or not p.reserve({s: 1}, v)):  # a quota of 0 can never be reserved
                 continue
             start(s, v)
         else:

@@ -10,8 +10,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from knitdata.admission.bound import StalenessBound, check_counts, check_settings
-from knitdata.admission.composition import completion_exists
+from knitdata.admission.bound import FUTURE_SLACK, StalenessBound, check_counts, check_settings
+from knitdata.admission.composition import completion_exists, even_completion
 from knitdata.admission.spec import AdmittedMiniBatch, BatchSpec
 from knitdata.errors import ConfigError, KnitdataError, QuotaInfeasibleError, StateError, ValidationError
 from knitdata.record import TrajectoryMeta
@@ -53,6 +53,9 @@ class BoundedAdmission:
     _ready_groups: dict[str, ReadyGroup]
     _pending_groups: dict[str, int]
     _in_flight: dict[str, int] | None
+    _M: int
+    _mm: int
+    _k: int
     spec: BatchSpec
 
     @property
@@ -60,15 +63,20 @@ class BoundedAdmission:
         """Global index of the next mini-batch (:class:`AdmissionPolicy` defines it)."""
         raise NotImplementedError
 
-    def _init_bound(self, max_staleness: int | None, on_stale: str, version_offset: int, oldest_first: bool) -> None:
-        check_settings(max_staleness, on_stale, version_offset)
+    def _init_bound(self, max_staleness: Any, on_stale: str, version_offset: int | None, oldest_first: bool) -> None:
+        check_settings(max_staleness, on_stale, version_offset, self.spec.sources)
+        per_step = {s: self.spec.group_bounds(s)[1] for s in self._Q}
         self._bound = None if max_staleness is None else StalenessBound(max_staleness, on_stale, version_offset,
-                                                                        self._Q, self.spec.num_minibatches)
-        self.max_staleness, self.on_stale, self.version_offset = max_staleness, on_stale, version_offset
-        # with a bound, quota-preserving policies take each source's oldest ready group first (heaps per source)
-        self._oldest_first = self._bound is not None and oldest_first
+                                                                        self._Q, self.spec.num_minibatches, per_step)
+        self.max_staleness = self._bound.eta if self._bound is not None else None
+        self.on_stale, self.version_offset = on_stale, version_offset
+        # with a bound, quota-preserving policies (and fifo in wait mode) take each source's oldest group first
+        self._oldest_first = self._bound is not None and (oldest_first or on_stale == "wait")
         self._by_version: dict[str, list[tuple[int, int, ReadyGroup]]] = {s: [] for s in self._Q}
         self._loading = False
+        self._max_reported: int | None = None  # the newest version the trainer reported (note_version)
+        self._plan_key: tuple[int, int] | None = None
+        self._plan_cache: list[dict[str, int]] = []
 
     def _track(self, grp: ReadyGroup) -> None:
         if self._bound is not None:
@@ -86,21 +94,76 @@ class BoundedAdmission:
         return bound
 
     def rollout_capacity(self, version: int) -> dict[str, int]:
-        """Groups per source that may still start with policy ``version`` within the bound
-        (:meth:`StalenessBound.capacity <knitdata.admission.bound.StalenessBound.capacity>`).
+        """Groups per source that may still start with policy ``version`` and be admitted within the bound, on the
+        schedule this policy will admit: a group of source ``s`` started now may join the next ``W_s = version +
+        eta_s + 1 - offset - step`` steps (:meth:`StalenessBound.window
+        <knitdata.admission.bound.StalenessBound.window>`); the capacity is what the policy's plan of those steps
+        holds of ``s`` minus the groups of ``s`` ready, in incomplete groups or reserved. The plan: the rest of the
+        current train batch as the policy will take it (linear-target: its fixed schedule; the others: the even
+        completion of what is left of each quota, :func:`~knitdata.admission.even_completion`, whose first column
+        the policy admits as soon as it is ready), then the even schedule of the quotas for each later train batch
+        (AReaL's rule, at most ``(eta + v + 1) * batch`` started by version ``v``, per source). Fifo ignores quotas:
+        one room of ``m / g`` groups per step, shared by the sources. So while admission waits for a step and every
+        reservation was delivered, a producer at the trainer's version gets room for what that step needs.
 
         Raises:
             ConfigError: No bound (``max_staleness`` is ``None``).
         """
         bound = self._need_bound()
-        used = {s: self._b * Q + self._admitted[s] + self._ready_n[s] + self._pending_groups[s] for s, Q in self._Q.items()}
-        return bound.capacity(version, used)
+        t = self.step
+        if not self.preserves_quotas:  # fifo: one shared room
+            occ = sum(self._ready_n.values()) + sum(self._pending_groups.values()) + sum(bound.reserved.values())
+            return {s: max(0, bound.window(version, s, t) * self._mm - occ) for s in self._Q}
+        cum = self._plan_cum()
+        K = len(cum) - 1
+        out: dict[str, int] = {}
+        for s, Q in self._Q.items():
+            W = bound.window(version, s, t)
+            if W <= K:
+                p = cum[W][s]
+            else:
+                n, r = divmod(W - K, self._M)
+                p = cum[K][s] + Q * n + bound.schedule_cum[r][s]
+            out[s] = max(0, p - self._ready_n[s] - self._pending_groups[s] - bound.reserved[s])
+        return out
+
+    def _plan_cum(self) -> list[dict[str, int]]:
+        """Cumulative groups per source of the rest of the current train batch as the policy plans it (cached)."""
+        key = (self._b, self._k)
+        if self._plan_key != key:
+            cum = [dict.fromkeys(self._Q, 0)]
+            for col in self._plan_columns():
+                cum.append({s: cum[-1][s] + col[s] for s in self._Q})
+            self._plan_cache, self._plan_key = cum, key
+        return self._plan_cache
+
+    def _plan_columns(self) -> list[dict[str, int]]:
+        """The compositions the policy plans for the rest of the current train batch (default: the even completion
+        of what is left of each quota; its first column is always admissible)."""
+        return even_completion(self._remaining(), self._M - self._k)
+
+    def _remaining(self) -> dict[str, int]:
+        return {s: self._Q[s] - self._admitted[s] for s in self._Q}
 
     def reserve(self, counts: Mapping[str, int], version: int) -> bool:
         """Reserve ``counts`` groups per source to start with ``version`` if :meth:`rollout_capacity` has room for all
-        (all or nothing); a reservation ends when a new group of that source arrives, or with :meth:`unreserve`."""
-        return self._need_bound().reserve(check_counts(counts, self.spec.sources, "reserve"),
-                                          self.rollout_capacity(version))
+        (all or nothing); a reservation ends when a new group of that source arrives, or with :meth:`unreserve`.
+
+        Raises:
+            ValidationError: A bad count, or more groups of a source than the bound could ever give at once (its
+                window of ``eta_s + 1`` steps never holds that many: waiting would be in vain).
+        """
+        bound = self._need_bound()
+        want = check_counts(counts, self.spec.sources, "reserve")
+        for s, n in want.items():
+            most = bound.most(s, self._mm) if self.preserves_quotas else (bound.etas[s] + 1) * self._mm
+            if n > most or (not self.preserves_quotas and sum(want.values()) > most):
+                raise ValidationError(
+                    f"reserve: {sum(want.values()) if not self.preserves_quotas else n} groups of {s!r} can never fit "
+                    f"within max_staleness {bound.etas[s]}: its window of {bound.etas[s] + 1} steps holds at most "
+                    f"{most} (quota {self._Q[s]} per train batch of {self._M} mini-batches); reserve fewer at a time",
+                    field=f"counts.{s}")
+        return bound.reserve(want, self.rollout_capacity(version), not self.preserves_quotas, version)
 
     def unreserve(self, counts: Mapping[str, int]) -> None:
         """Give back reservations of prompts that will not be generated (floored at 0)."""
@@ -114,22 +177,57 @@ class BoundedAdmission:
         """The members of groups dropped since the last call (the caller frees their payloads)."""
         return [] if self._bound is None else self._bound.pop_released()
 
+    def note_version(self, version: int, done_lo: int = 0, done_hi: int | None = None) -> str | None:
+        """The trainer reported ``version`` after finishing ``done_lo`` (its slowest rank) to ``done_hi`` (its fastest)
+        steps. With a staleness bound, later trajectories newer than it (beyond
+        :data:`~knitdata.admission.bound.FUTURE_SLACK`) are refused as versions from the future, and the first report learns the bound's offset (``version_offset=None``: the
+        trainer's version at step 0 is ``version - done_lo``) or checks the given one.
+
+        Returns:
+            The message when a mini-batch admitted before the report broke the bound under the trainer's real
+            versions, or ``version_offset`` understates them (the caller stops the pipeline with it); else ``None``.
+        """
+        self._max_reported = version if self._max_reported is None else max(self._max_reported, version)
+        if self._bound is None:
+            return None
+        return self._bound.note_version(version, done_lo, done_lo if done_hi is None else done_hi)
+
+    def note_planned(self, microbatches: int) -> None:
+        """The mini-batch just admitted was planned into ``microbatches`` micro-batches per rank (the bound counts
+        the steps a trainer finished from its hand-outs until its first version report)."""
+        if self._bound is not None:
+            self._bound.note_planned(microbatches)
+
+    def steps_done(self, position: int) -> int:
+        """Admitted steps wholly before a rank's hand-out ``position`` (until the first report; else 0)."""
+        return 0 if self._bound is None else self._bound.steps_done(position)
+
     def bound_stats(self) -> dict[str, Any] | None:
         """The bound's settings and drops per source (``None`` without a bound)."""
         return None if self._bound is None else self._bound.stats()
+
+    def _due(self) -> bool:
+        """Wait mode: a source with room in this step has a reserved or incomplete group that must join it."""
+        b = self._bound
+        if b is None or b.on_stale != "wait":
+            return False
+        t = self.step
+        return any((not self.preserves_quotas or self._Q[s] > self._admitted[s]) and b.due(t, s) for s in self._Q)
 
     def _need_bound(self) -> StalenessBound:
         if self._bound is None:
             raise ConfigError("this needs a staleness bound: build the policy (or Pipeline) with max_staleness=eta")
         return self._bound
 
-    def _expired(self, version: int) -> bool:
-        return self._bound is not None and not self._loading and self._bound.expired(version, self.step)
+    def _expired(self, version: int, source: str) -> bool:
+        return self._bound is not None and not self._loading and self._bound.expired(version, self.step, source)
 
     def _drop(self, grp: ReadyGroup) -> None:
         grp.gone = True
         assert self._bound is not None
-        self._bound.drop(grp.group, grp.source, grp.version, grp.metas, self.step)
+        s = grp.source
+        self._bound.drop(grp.group, s, grp.version, grp.metas, self.step,
+                         self._ready_n[s] == 0 and self._Q[s] > self._admitted[s])
         if self._in_flight is not None:  # regeneration is coming: the supply check counts it
             self._in_flight[grp.source] = self._in_flight.get(grp.source, 0) + len(grp.metas)
 
@@ -164,11 +262,14 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
             :class:`~knitdata.errors.QuotaInfeasibleError` is raised as soon as a source's ready plus
             in-flight trajectories (see :meth:`set_in_flight`) cannot cover its remaining quota. Surplus
             ready groups carry over in both modes.
-        max_staleness: ``eta``: never admit a trajectory staler than this many versions (``None``: no bound; see
+        max_staleness: ``eta``: never admit a trajectory staler than this many versions, as the trainer reports
+            them (``None``: no bound; an int, or ``{source: int}`` naming every source; see
             :mod:`knitdata.admission.bound`). A complete group past it is dropped whole (:meth:`take_dropped`);
             quota-preserving policies then take each source's oldest groups first.
-        on_stale: ``"drop"`` or ``"wait"`` (producers also :meth:`reserve` within :meth:`rollout_capacity`).
-        version_offset: The trainer's version before the first mini-batch (step 0).
+        on_stale: ``"drop"`` or ``"wait"`` (producers also :meth:`reserve` within :meth:`rollout_capacity`; needs
+            ``max_staleness``).
+        version_offset: The trainer's version at the first mini-batch (step 0); ``None``: learned from the
+            trainer's first report (:meth:`note_version`; :class:`~knitdata.Pipeline` does this by default).
 
     Protocol: call :meth:`offer` with finished trajectories (a group becomes admissible once all its
     ``group_size`` members arrived), optionally :meth:`set_in_flight`, :meth:`withdraw` dropped groups,
@@ -179,8 +280,9 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
     preserves_quotas: bool = True
     keeps_completable: bool = False  #: a loaded state must leave its train batch completable (see _check_completable)
 
-    def __init__(self, spec: BatchSpec, *, continuous: bool = False, max_staleness: int | None = None,
-                 on_stale: str = "drop", version_offset: int = 0) -> None:
+    def __init__(self, spec: BatchSpec, *, continuous: bool = False,
+                 max_staleness: int | Mapping[str, int] | None = None, on_stale: str = "drop",
+                 version_offset: int | None = 0) -> None:
         if not isinstance(spec, BatchSpec):
             raise ConfigError(f"{type(self).__name__} needs a BatchSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -257,13 +359,19 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
                 raise ValidationError(
                     f"group {t.group!r} is already complete with {g} members", trajectory_id=t.id, field="group"
                 )
+            if self._bound is not None and self._max_reported is not None and not self._loading and \
+                    t.gen_version > self._max_reported + FUTURE_SLACK:
+                raise ValidationError(
+                    f"gen_version {t.gen_version} is newer than any version the trainer reported (newest "
+                    f"{self._max_reported}): a version from the future (does the producer count versions as the "
+                    "trainer's report_version does?)", trajectory_id=t.id, field="gen_version")
             members = self._pending.get(t.group)
             if members is None:
                 members = self._pending[t.group] = []
                 ids = self._pending_ids[t.group] = set()
                 self._pending_groups[t.source] += 1
                 if self._bound is not None:
-                    self._bound.arrived(t.source)
+                    self._bound.arrived(t.source, t.gen_version)
             elif members[0].source != t.source:
                 raise ValidationError(
                     f"group {t.group!r} mixes sources {members[0].source!r} and {t.source!r}",
@@ -286,7 +394,11 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
                 self._pending_groups[t.source] -= 1
                 grp = ReadyGroup(self._seq, t.group, t.source, tuple(members), min(x.gen_version for x in members))
                 self._seq += 1
-                if self._expired(grp.version):
+                if self._bound is not None:
+                    self._bound.settled(t.source, members[0].gen_version)
+                if self._bound is not None and not self._loading:
+                    self._bound.offered(grp.version, self.step)
+                if self._expired(grp.version, grp.source):
                     self._drop(grp)
                     continue
                 self._ready[t.source].append(grp)
@@ -330,6 +442,8 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
         """
         members = self._pending.pop(group, None)
         if members is not None:
+            if self._bound is not None:
+                self._bound.settled(members[0].source, members[0].gen_version)
             del self._pending_ids[group]
             self._pending_members[members[0].source] -= len(members)
             self._pending_groups[members[0].source] -= 1
@@ -357,6 +471,8 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
         while True:
             self._expire()
             self._check_supply()
+            if self._bound is not None and (self._bound.holds(self.step) or self._due()):
+                break  # the trainer's version offset is unknown, or a committed group must join this step
             counts = self._choose()
             if counts is None:
                 break
@@ -391,9 +507,6 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
         del self._ready_groups[grp.group]
         return grp
 
-    def _remaining(self) -> dict[str, int]:
-        return {s: self._Q[s] - self._admitted[s] for s in self._Q}
-
     def _check_supply(self) -> None:
         if self.continuous or not self.preserves_quotas or self._in_flight is None:
             return
@@ -413,9 +526,11 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
     def _compose(self, lo: Mapping[str, int], hi: Mapping[str, int]) -> list[ReadyGroup]:
         """Take ``lo_s`` groups of every source, then fill by preference up to ``hi_s``.
 
-        Preference: oldest ``gen_version`` at the head of the source's queue, then the source furthest
-        behind its linear target ``(k+1) q_s / M``, then arrival order.
+        Preference: oldest ``gen_version`` at the head of the source's queue (with a bound: the earliest to expire,
+        ``gen_version + eta_s``), then the source furthest behind its linear target ``(k+1) q_s / M``, then arrival
+        order.
         """
+        etas = self._bound.etas if self._bound is not None else dict.fromkeys(self._Q, 0)
         taken: list[ReadyGroup] = []
         x = dict.fromkeys(self._Q, 0)
         for s, n in lo.items():
@@ -431,7 +546,7 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
                 h = self._head(s)
                 if h is not None:
                     behind = k1 * self._Q[s] / M - (self._admitted[s] + x[s])
-                    heapq.heappush(heap, (h.version, -behind, h.seq, s))
+                    heapq.heappush(heap, (h.version + etas[s], -behind, h.seq, s))
 
         for s in self._Q:
             push(s)
@@ -449,9 +564,12 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
         else:
             groups = choice
         trajs: list[TrajectoryMeta] = []
+        bound, step = self._bound, self.step
         for grp in groups:
             self._admitted[grp.source] += 1
             trajs.extend(grp.metas)
+            if bound is not None:
+                bound.note_admitted(step, grp.metas, grp.source)
         mb = AdmittedMiniBatch(self._b, self._k, self._b * self._M + self._k, tuple(trajs), now,
                                tuple(len(grp.metas) for grp in groups))
         self._k += 1
@@ -530,6 +648,8 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
             fresh._in_flight = None if inf is None else {s: _count(inf.get(s, 0), f"in_flight.{s}") for s in self._Q}
             if bound is not None and fresh._bound is not None:
                 fresh._bound.load_state_dict(bound)
+            # the newest reported version: kept by the bound (without one, the next report sets it again)
+            fresh._max_reported = None if fresh._bound is None else fresh._bound.max_reported
             fresh._loading = False
         except StateError:
             raise
@@ -549,6 +669,7 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
             "_in_flight",
             "_b",
             "_k",
-            "_seq", "_bound", "_by_version", "_pending_groups",
+            "_seq", "_bound", "_by_version", "_pending_groups", "_max_reported",
         ):
             setattr(self, attr, getattr(fresh, attr))
+        self._plan_key = None

@@ -1,15 +1,20 @@
 """The hard staleness bound of admission: expiry, dropped groups listed for regeneration, the rollout throttle.
 
-An :class:`~knitdata.admission.AdmissionPolicy` built with ``max_staleness=eta`` holds one :class:`StalenessBound`.
-The mini-batch of global step ``t`` is trained with trainer version ``version_offset + t`` (one optimizer step per
-mini-batch, as :mod:`knitdata.staleness` counts), so a group whose oldest token has version ``v`` may join steps up
-to ``v + eta - version_offset``; a complete group past that is dropped whole (never admitted), counted per source and
-listed for regeneration. Quotas are untouched: the policy's feasibility check counts only groups still admissible.
+Units. Every bound is in **versions as the trainer reports them** (:meth:`knitdata.Pipeline.report_version`: one
+optimizer step per mini-batch, as :mod:`knitdata.staleness` counts). The mini-batch of global step ``t`` is trained
+with version ``offset + t``, where ``offset`` is the trainer's version at step 0: given as ``version_offset``, or
+(``version_offset=None``) learned from the trainer's first report (:meth:`StalenessBound.note_version`). A group
+whose oldest token has version ``v`` may join steps up to ``v + eta_s - offset`` (``eta_s``: the bound of its source;
+``max_staleness`` is an int or ``{source: int}``); a complete group past that is dropped whole (never admitted),
+counted per source and listed for regeneration. Quotas are untouched: the policy's feasibility check counts only
+groups still admissible.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import warnings
 from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -17,14 +22,21 @@ from typing import Any
 from knitdata.admission.composition import even_completion
 from knitdata.errors import ConfigError, StateError, ValidationError
 
-__all__ = ["ON_STALE", "REGENERATE_MEMORY", "StalenessBound", "check_counts", "check_settings"]
+__all__ = ["ON_STALE", "REGENERATE_MEMORY", "FUTURE_SLACK", "StalenessBound", "check_counts", "check_settings",
+           "check_etas"]
 
 #: How to keep a staleness bound: drop what expired (producers run free) or also throttle producers.
 ON_STALE: tuple[str, ...] = ("drop", "wait")
 #: Most dropped groups kept for the producer to regenerate (:meth:`StalenessBound.take_dropped`); older ones are
 #: forgotten (counted as ``regenerate_overflow``).
 REGENERATE_MEMORY = 100_000
+#: How many versions a ``gen_version`` may be ahead of the newest reported one (a weight sync can reach a producer
+#: before the trainer's report reaches the pipeline); newer is refused as a version from the future.
+FUTURE_SLACK = 1
 _COUNTERS = ("dropped_groups", "dropped_trajectories", "dropped_tokens")
+#: Offset states: given (``version_offset`` int), assumed (learn mode, 0 while the versions agree), unknown (learn
+#: mode, a version showed that 0 is wrong: admission holds until the first report), learned (from the first report).
+_GIVEN, _ASSUMED, _UNKNOWN, _LEARNED = "given", "assumed", "unknown", "learned"
 
 
 def check_counts(counts: Any, sources: Sequence[str], what: str) -> dict[str, int]:
@@ -41,112 +53,319 @@ def check_counts(counts: Any, sources: Sequence[str], what: str) -> dict[str, in
     return out
 
 
-def check_settings(max_staleness: int | None, on_stale: str, version_offset: int) -> None:
-    """Refuse a bad ``max_staleness`` (``None`` or an int >= 0), ``on_stale`` or ``version_offset`` (ConfigError)."""
-    if max_staleness is not None and (isinstance(max_staleness, bool) or not isinstance(max_staleness, int)
-                                      or max_staleness < 0):
-        raise ConfigError(f"max_staleness must be None or an int >= 0 (versions), got {max_staleness!r}")
+def _eta(x: Any, what: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+        raise ConfigError(f"{what} must be an int >= 0 (versions as the trainer reports them), got {x!r}")
+    return x
+
+
+def check_etas(max_staleness: Any, sources: Sequence[str]) -> dict[str, int] | None:
+    """``max_staleness`` (``None``, an int >= 0 or ``{source: int >= 0}`` naming every source) per source.
+
+    Raises:
+        ConfigError: Anything else (a mapping must name exactly the batch spec's sources).
+    """
+    if max_staleness is None:
+        return None
+    if isinstance(max_staleness, Mapping):
+        unknown = sorted(set(map(str, max_staleness)) - set(sources))
+        missing = [s for s in sources if s not in max_staleness]
+        if unknown or missing:
+            raise ConfigError(f"max_staleness {{source: eta}} must name every source of the batch spec {list(sources)}"
+                              f" and no other (unknown {unknown}, missing {missing})")
+        return {s: _eta(max_staleness[s], f"max_staleness[{s!r}]") for s in sources}
+    e = _eta(max_staleness, "max_staleness")
+    return dict.fromkeys(sources, e)
+
+
+def check_settings(max_staleness: Any, on_stale: str, version_offset: int | None,
+                   sources: Sequence[str] = ()) -> None:
+    """Refuse a bad ``max_staleness`` (``None``, an int >= 0 or ``{source: int >= 0}``), ``on_stale`` (``"wait"``
+    needs a bound) or ``version_offset`` (``None`` or an int >= 0) with :class:`~knitdata.errors.ConfigError`."""
+    if isinstance(max_staleness, Mapping) and not sources:
+        sources = [str(s) for s in max_staleness]
+    check_etas(max_staleness, sources)
     if on_stale not in ON_STALE:
         raise ConfigError(f"on_stale must be one of {ON_STALE}, got {on_stale!r}")
-    if isinstance(version_offset, bool) or not isinstance(version_offset, int) or version_offset < 0:
-        raise ConfigError(f"version_offset must be an int >= 0, got {version_offset!r}")
+    if on_stale == "wait" and max_staleness is None:
+        raise ConfigError("on_stale='wait' throttles producers to a staleness bound, but max_staleness is None: pass "
+                          "max_staleness=eta (versions) or leave on_stale='drop'")
+    if version_offset is not None and (isinstance(version_offset, bool) or not isinstance(version_offset, int)
+                                       or version_offset < 0):
+        raise ConfigError(f"version_offset must be None (learn it from the trainer's first report_version) or the "
+                          f"trainer's version at step 0, an int >= 0; got {version_offset!r}")
 
 
-def _int(x: Any, what: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < 0:
-        raise StateError(f"{what} must be an int >= 0, got {str(x)[:50]}")
+def _int(x: Any, what: str, lo: int | None = 0) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or (lo is not None and x < lo):
+        raise StateError(f"{what} must be an int{'' if lo is None else f' >= {lo}'}, got {str(x)[:50]}")
     return x
 
 
 class StalenessBound:
-    """The bound's state: settings, reservations, the expiry heap and what it dropped.
+    """The bound's state: settings, the trainer's version offset, reservations, the expiry heap, drops, starvation.
 
     Args:
-        max_staleness: ``eta`` in versions (int >= 0).
-        on_stale: ``"drop"`` or ``"wait"`` (see :meth:`capacity`).
-        version_offset: The trainer's version before step 0.
+        max_staleness: ``eta`` in versions: an int >= 0, or ``{source: int >= 0}`` (every source).
+        on_stale: ``"drop"`` or ``"wait"`` (producers also reserve within the policy's ``rollout_capacity``).
+        version_offset: The trainer's version at step 0, or ``None``: learned from its first report
+            (:meth:`note_version`).
         quotas: Groups per source per train batch.
         num_minibatches: ``M``.
+        per_step: Most groups of each source in one mini-batch (the spec's upper bounds); default: the quota.
 
     Raises:
         ConfigError: A bad setting.
     """
 
-    def __init__(self, max_staleness: int, on_stale: str, version_offset: int, quotas: Mapping[str, int],
-                 num_minibatches: int) -> None:
-        check_settings(max_staleness, on_stale, version_offset)
-        self.eta, self.on_stale, self.version_offset = max_staleness, on_stale, version_offset
+    def __init__(self, max_staleness: Any, on_stale: str, version_offset: int | None, quotas: Mapping[str, int],
+                 num_minibatches: int, per_step: Mapping[str, int] | None = None) -> None:
+        check_settings(max_staleness, on_stale, version_offset, tuple(quotas))
+        etas = check_etas(max_staleness, tuple(quotas))
+        assert etas is not None
+        self.eta: Any = dict(max_staleness) if isinstance(max_staleness, Mapping) else max_staleness
+        self.etas: dict[str, int] = etas
+        self.on_stale, self.version_offset = on_stale, version_offset
         self.sources = tuple(quotas)
         self._Q, self._M = dict(quotas), num_minibatches
+        self._per_step = dict(per_step) if per_step is not None else dict(quotas)
         self.reserved: dict[str, int] = dict.fromkeys(quotas, 0)
         self.counts: dict[str, dict[str, int]] = {k: dict.fromkeys(quotas, 0) for k in _COUNTERS}
         self.overflow = 0
         self.regenerate: deque[dict[str, Any]] = deque()
         self.released: list[Any] = []  # members of groups dropped since pop_released (payloads to free)
-        self.expiry: list[tuple[int, int, Any]] = []  # (version, seq, ready group) of ready groups
+        self.expiry: list[tuple[int, int, Any]] = []  # (version + eta of its source, seq, ready group)
         self.schedule_cum = [dict.fromkeys(quotas, 0)]  # groups of each source in the first r mini-batches
         for col in even_completion(self._Q, num_minibatches):
             self.schedule_cum.append({s: self.schedule_cum[-1][s] + col[s] for s in quotas})
+        # the trainer's version at step 0 (see _GIVEN ...); until the first report: micro-batches per rank planned
+        # before each step (to count the steps a trainer finished) and per source the stalest admitted group
+        self.offset: int | None = 0 if version_offset is None else version_offset
+        self.mode = _GIVEN if version_offset is not None else _ASSUMED
+        self.hold: int | None = None  # mode unknown: no step >= hold is admitted until the first report
+        self.max_reported: int | None = None
+        self.entries: list[int] | None = [0]
+        self.worst: dict[str, list[Any]] = {}  # source -> [step - version, trajectory id] admitted before a report
+        self.streak: dict[str, int] = dict.fromkeys(quotas, 0)  # groups dropped since the source's last admission
+        # wait mode: per source the versions of the groups committed and not ready (reserved or incomplete), sorted
+        self.outstanding: dict[str, list[int]] = {s: [] for s in quotas}
 
+    # -- settings and versions ---------------------------------------------------------------------------------
     def settings(self) -> list[Any]:
-        """``[max_staleness, on_stale, version_offset]``."""
+        """``[max_staleness, on_stale, version_offset]`` (as given)."""
         return [self.eta, self.on_stale, self.version_offset]
 
-    def expired(self, version: int, step: int) -> bool:
-        """Whether a group of oldest version ``version`` is staler than the bound at global step ``step``."""
-        return self.version_offset + step - version > self.eta
+    def expired(self, version: int, step: int, source: str) -> bool:
+        """Whether a group of ``source`` of oldest version ``version`` is staler than its bound at global step ``step``
+        (never while the offset is unknown)."""
+        return self.offset is not None and self.mode != _UNKNOWN and \
+            self.offset + step - version > self.etas[source]
 
+    def holds(self, step: int) -> bool:
+        """Whether admission of ``step`` waits for the trainer's first version report (offset unknown)."""
+        return self.mode == _UNKNOWN and self.hold is not None and step >= self.hold
+
+    def offered(self, version: int, step: int) -> None:
+        """A group of oldest version ``version`` is offered while admission is at ``step``: in learn mode before any
+        report, a version newer than ``step`` (``0 + step`` + slack) shows that the trainer did not start at 0, and
+        admission holds after what is admitted until the trainer reports its version."""
+        if self.mode == _ASSUMED and version > step + FUTURE_SLACK:
+            self.mode, self.offset, self.hold = _UNKNOWN, None, max(step, 1)
+            warnings.warn(
+                f"staleness bound: a trajectory of version {version} arrived at step {step} before the trainer "
+                f"reported any version, so its versions do not start at 0; admission holds after step "
+                f"{self.hold - 1} until pipe.report_version() tells the trainer's version (or pass "
+                f"version_offset=<the trainer's version at step 0>)", RuntimeWarning, stacklevel=2)
+
+    def note_planned(self, microbatches: int) -> None:
+        """The next admitted step was planned with ``microbatches`` micro-batches per rank (kept until the first
+        report, to count the steps the trainer finished)."""
+        if self.entries is not None:
+            self.entries.append(self.entries[-1] + int(microbatches))
+
+    def steps_done(self, position: int) -> int:
+        """How many admitted steps lie wholly before hand-out ``position`` of a rank (before the first report)."""
+        if self.entries is None:
+            return 0
+        return max(0, bisect.bisect_right(self.entries, position) - 1)
+
+    def note_admitted(self, step: int, metas: Sequence[Any], source: str) -> None:
+        """A group of ``source`` was admitted at ``step`` (resets its starvation streak; before the first report,
+        keeps the stalest group per source for the check at the report)."""
+        self.streak[source] = 0
+        if self.mode in (_GIVEN, _LEARNED):
+            return
+        m = min(metas, key=lambda x: x.gen_version)
+        w = self.worst.get(source)
+        if w is None or step - m.gen_version > w[0]:
+            self.worst[source] = [step - m.gen_version, m.id]
+
+    def note_version(self, version: int, done_lo: int, done_hi: int) -> str | None:
+        """The trainer reported ``version`` having finished ``done_lo..done_hi`` steps (the fewest and most of its
+        ranks' hand-outs): the first report learns the offset ``version - done_lo`` (learn mode) or checks the given
+        one. Returns the error message when a mini-batch already admitted broke the bound under the trainer's real
+        versions, or ``version_offset`` understates them (the pipeline stops with it), else ``None``."""
+        self.max_reported = version if self.max_reported is None else max(self.max_reported, version)
+        if self.entries is None:
+            return None
+        self.entries = None
+        err = None
+        if self.mode == _GIVEN:
+            off = version - done_hi
+            if self.offset is not None and off > self.offset:
+                err = (f"the trainer reported version {version} after {done_hi} steps, so it trained step 0 with "
+                       f"version {off}, not version_offset={self.offset}: the staleness bound would count "
+                       f"{off - self.offset} version(s) too few; pass version_offset={off} (or leave it None to learn "
+                       "it from the first report)")
+        else:
+            off = version - done_lo
+            for s, (gap, tid) in self.worst.items():
+                if off + gap > self.etas[s]:
+                    err = (f"trajectory {tid!r} (source {s!r}) was admitted {off + gap} versions stale > "
+                           f"max_staleness {self.etas[s]}: it was admitted before the trainer's first report_version "
+                           f"({version} after {done_lo} steps) showed that it trained step 0 with version {off}; "
+                           f"pass version_offset={off}, or report the version before the first step")
+                    break
+            self.offset, self.mode, self.hold = off, _LEARNED, None
+        self.worst = {}
+        return err
+
+    def check_future(self, version: int) -> str | None:
+        """The message when ``version`` is newer than every version the trainer reported (beyond
+        :data:`FUTURE_SLACK`), else ``None``."""
+        if self.max_reported is not None and version > self.max_reported + FUTURE_SLACK:
+            return (f"gen_version {version} is newer than any version the trainer reported (newest "
+                    f"{self.max_reported}): a version from the future (a producer that counts versions otherwise "
+                    "than the trainer's report_version?)")
+        return None
+
+    # -- expiry ------------------------------------------------------------------------------------------------
     def push(self, grp: Any) -> None:
-        """Track a ready group (``version``, ``seq``, ``gone``) for expiry."""
-        heapq.heappush(self.expiry, (grp.version, grp.seq, grp))
+        """Track a ready group (``version``, ``source``, ``seq``, ``gone``) for expiry."""
+        heapq.heappush(self.expiry, (grp.version + self.etas[grp.source], grp.seq, grp))
 
     def expiring(self, step: int) -> Iterator[Any]:
-        """Pop and yield each tracked group (not ``gone``) that is staler than the bound at ``step``."""
+        """Pop and yield each tracked group (not ``gone``) that is staler than its bound at ``step``."""
         h = self.expiry
-        while h and (h[0][2].gone or self.expired(h[0][0], step)):
+        if self.offset is None or self.mode == _UNKNOWN:
+            while h and h[0][2].gone:
+                heapq.heappop(h)
+            return
+        while h and (h[0][2].gone or self.offset + step > h[0][0]):
             grp = heapq.heappop(h)[2]
             if not grp.gone:
                 yield grp
 
-    def capacity(self, version: int, used: Mapping[str, int]) -> dict[str, int]:
-        """Groups per source that may still start with policy ``version``: AReaL's rule (at most ``(eta + v + 1) *
-        batch`` started by version ``v``) on the quota schedule.
+    # -- the throttle ------------------------------------------------------------------------------------------
+    def window(self, version: int, source: str, step: int) -> int:
+        """How many steps from ``step`` on a group of ``source`` started now with ``version`` may still join: ``version
+        + eta_s + 1 - offset - step`` (offset unknown: ``eta_s + 1``, the version taken as the trainer's now)."""
+        if self.offset is None or self.mode == _UNKNOWN:
+            return self.etas[source] + 1
+        return max(0, int(version) + self.etas[source] + 1 - self.offset - step)
 
-        The first ``T = version + eta + 1 - version_offset`` steps hold ``C_s(T) = Q_s * (T // M) + c_s(T % M)``
-        groups of source ``s`` on the even schedule of the quotas (``c_s(r)``: the first ``r`` mini-batches of
-        :func:`~knitdata.admission.even_completion`, the schedule :class:`~knitdata.admission.LinearTargetAdmission`
-        admits; ``T * m / g`` groups in all). The capacity is ``C_s(T)`` minus ``used[s]`` (admitted since step 0,
-        ready, in incomplete groups) minus what is reserved and has not arrived. A producer that keeps to it and
-        delivers each source's groups in the order it started them has every started group admitted within the
-        bound under linear-target admission (the ``k``-th started group of a source is its ``k``-th admitted) and,
-        property-tested, under constraint-preserving admission; a slow group overtaken by newer ones of its source
-        can still expire, and is then dropped and listed as in ``"drop"`` mode. The current step always has room:
-        the capacities sum to at least a mini-batch beyond what is admitted, ready or reserved.
-        """
-        full, r = divmod(max(0, int(version) + self.eta + 1 - self.version_offset), self._M)
-        cum = self.schedule_cum[r]
-        return {s: max(0, Q * full + cum[s] - used[s] - self.reserved[s]) for s, Q in self._Q.items()}
+    def most(self, source: str, mm: int) -> int:
+        """The most groups of ``source`` any window of the bound can hold (``eta_s + 1`` steps; fifo: of ``mm``
+        groups each): a reservation of more can never be granted."""
+        w = self.etas[source] + 1
+        if source not in self._per_step:
+            return w * mm
+        batches = -(-w // self._M) + 1
+        return min(w * self._per_step[source], batches * self._Q[source])
 
-    def reserve(self, want: Mapping[str, int], cap: Mapping[str, int]) -> bool:
-        """Reserve ``want`` if ``cap`` (from :meth:`capacity`) has room for all of it (all or nothing)."""
+    def reserve(self, want: Mapping[str, int], cap: Mapping[str, int], shared: bool = False,
+                version: int = 0) -> bool:
+        """Reserve ``want`` groups to start with ``version`` if ``cap`` (the policy's capacity) has room for all of
+        it (all or nothing; ``shared``: the capacities are one room, so their sum must fit too)."""
         if any(n > cap[s] for s, n in want.items()):
+            return False
+        if shared and want and sum(want.values()) > min(cap[s] for s in want):
             return False
         for s, n in want.items():
             self.reserved[s] += n
+            for _ in range(n):
+                bisect.insort(self.outstanding[s], int(version))
         return True
 
     def unreserve(self, want: Mapping[str, int]) -> None:
-        """Give back reservations (floored at 0)."""
+        """Give back reservations (floored at 0; the newest first)."""
         for s, n in want.items():
-            self.reserved[s] = max(0, self.reserved[s] - n)
+            n = min(n, self.reserved[s])
+            self.reserved[s] -= n
+            del self.outstanding[s][len(self.outstanding[s]) - n:]
 
-    def arrived(self, source: str) -> None:
-        """A new group of ``source`` arrived (its first member): it ends one reservation, if any."""
+    def arrived(self, source: str, version: int = 0) -> None:
+        """A new group of ``source`` arrived (its first member, of ``version``): it ends one reservation, if any (the
+        group keeps its place among the committed groups), else it joins them."""
         if self.reserved[source]:
             self.reserved[source] -= 1
+        elif self.on_stale == "wait":
+            bisect.insort(self.outstanding[source], int(version))
 
-    def drop(self, group: str, source: str, version: int, metas: Sequence[Any], step: int) -> None:
-        """Record a dropped group: counted, listed for regeneration, its members to release."""
+    def settled(self, source: str, version: int) -> None:
+        """A committed group of ``source`` and ``version`` became ready, was dropped at arrival or withdrawn: its
+        entry leaves (that version's, else the newest older one: a producer that got newer weights, else the
+        oldest)."""
+        out = self.outstanding[source]
+        if not out or len(out) <= self.reserved[source]:
+            return
+        i = bisect.bisect_right(out, version) - 1
+        del out[max(i, 0)]
+
+    def due(self, step: int, source: str) -> bool:
+        """Wait mode: whether a committed group of ``source`` that is not ready yet must join ``step`` (its version
+        is ``offset + step - eta_s``): admitting ``step`` without it would drop it."""
+        out = self.outstanding[source]
+        if not out or self.offset is None or self.mode == _UNKNOWN:
+            return False
+        v = self.offset + step - self.etas[source]
+        i = bisect.bisect_left(out, v)
+        return i < len(out) and out[i] == v
+
+    def least(self, source: str, step: int, ready: Sequence[int], after: int, left: int, per_step: int) -> int:
+        """Wait mode: the fewest groups of ``source`` that ``step`` must take so that every committed group of it
+        (``ready`` versions, and the reserved or incomplete ones) can still join by its last step, given at most
+        ``per_step`` groups a step, ``left`` of its quota in this train batch and ``after`` steps left in it after
+        ``step`` (later train batches: its quota each)."""
+        if self.offset is None or self.mode == _UNKNOWN:
+            return 0
+        eta, off, Q, M = self.etas[source], self.offset, self._Q[source], self._M
+        last = sorted(d for d in (v + eta - off for v in (*ready, *self.outstanding[source])) if d >= step)
+        low = 0
+        for i, d in enumerate(last):
+            n = d - step
+            n1 = min(n, after)
+            nb, r = divmod(n - n1, M)
+            later = nb * Q + min(r * per_step, Q)
+            low = max(low, i + 1 - later - min(n1 * per_step, max(0, left)))
+        return low
+
+    def short(self, step: int, ready: Mapping[str, Sequence[int]], size: int) -> bool:
+        """Wait mode, one room of ``size`` groups a step (fifo): whether ``step`` must wait for a reserved or
+        incomplete group, because the committed groups (``ready`` versions per source, and the others) that must
+        join by some step cannot all make it unless this step takes some of those not ready yet."""
+        if self.offset is None or self.mode == _UNKNOWN:
+            return False
+        off = self.offset
+        have = sorted(d for s, vs in ready.items() for d in (v + self.etas[s] - off for v in vs) if d >= step)
+        every = sorted([*have, *(d for s, vs in self.outstanding.items() for d in (v + self.etas[s] - off for v in vs)
+                                 if d >= step)])
+        for i, d in enumerate(every):
+            req = i + 1 - (d - step) * size
+            if 0 < req <= size and bisect.bisect_right(have, d) < req:
+                return True
+        return False
+
+    # -- drops and starvation ----------------------------------------------------------------------------------
+    def starve_after(self, source: str) -> int:
+        """Groups of ``source`` dropped in a row (none admitted) after which it counts as starved."""
+        return max(2, self._Q[source])
+
+    def drop(self, group: str, source: str, version: int, metas: Sequence[Any], step: int,
+             needy: bool = True) -> None:
+        """Record a dropped group: counted, listed for regeneration, its members to release. ``needy``: the source
+        still owes its quota and has no group ready: such drops in a row (none of its groups admitted in between)
+        flag it as starved, with a warning that names it."""
         tokens = sum(int(m.num_tokens) for m in metas)
         for key, n in zip(_COUNTERS, (1, len(metas), tokens)):
             self.counts[key][source] += n
@@ -156,6 +375,15 @@ class StalenessBound:
             self.regenerate.popleft()
             self.overflow += 1
         self.released.extend(metas)
+        if not needy:
+            return
+        self.streak[source] += 1
+        if self.streak[source] == self.starve_after(source):
+            warnings.warn(
+                f"staleness bound: source {source!r} is starved: {self.streak[source]} of its groups in a row arrived "
+                f"staler than max_staleness {self.etas[source]} (step {step}) while its quota waited for them, and "
+                f"were dropped; its quota cannot be met within the bound unless it delivers fresher groups (regenerate them under the "
+                "current weights, or raise its max_staleness)", RuntimeWarning, stacklevel=2)
 
     def take_dropped(self) -> list[dict[str, Any]]:
         """The groups dropped since the last call, oldest first: ``{"group", "source", "version", "trajectories",
@@ -170,19 +398,33 @@ class StalenessBound:
         return out
 
     def stats(self) -> dict[str, Any]:
-        """Settings, reservations and what was dropped per source, JSON-ready."""
-        return {"max_staleness": self.eta, "on_stale": self.on_stale, "version_offset": self.version_offset,
-                "reserved": dict(self.reserved), "to_regenerate": len(self.regenerate),
-                **{k: dict(v) for k, v in self.counts.items()}, "regenerate_overflow": self.overflow}
+        """Settings, the trainer's version offset, reservations, drops and starvation per source, JSON-ready.
 
+        ``starved``: ``{source: bool}``, whether ``max(2, quota)`` groups of the source in a row were dropped while
+        its quota waited for them (nothing of it ready; none admitted since); ``drop_streak``: those counts; ``offset``: the trainer's version at step 0 in use
+        (``None``: unknown, admission waits for the first report), ``offset_mode``: given, assumed, unknown or
+        learned; ``max_staleness_by_source``: each source's bound."""
+        return {"max_staleness": self.eta, "on_stale": self.on_stale, "version_offset": self.version_offset,
+                "max_staleness_by_source": dict(self.etas), "offset": self.offset, "offset_mode": self.mode,
+                "reserved": dict(self.reserved), "to_regenerate": len(self.regenerate),
+                **{k: dict(v) for k, v in self.counts.items()}, "regenerate_overflow": self.overflow,
+                "starved": {s: n >= self.starve_after(s) for s, n in self.streak.items()},
+                "drop_streak": dict(self.streak)}
+
+    # -- state -------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The JSON-serializable state (the expiry heap is rebuilt from the policy's ready groups)."""
         return {"max_staleness": self.eta, "on_stale": self.on_stale, "version_offset": self.version_offset,
                 "reserved": dict(self.reserved), "regenerate": list(self.regenerate),
-                "stale": {**{k: dict(v) for k, v in self.counts.items()}, "regenerate_overflow": self.overflow}}
+                "stale": {**{k: dict(v) for k, v in self.counts.items()}, "regenerate_overflow": self.overflow},
+                "versions": {"offset": self.offset, "mode": self.mode, "hold": self.hold,
+                             "max_reported": self.max_reported, "entries": self.entries,
+                             "worst": dict(self.worst), "streak": dict(self.streak),
+                             "outstanding": {s: list(v) for s, v in self.outstanding.items()}}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (settings already checked by the policy).
+        """Restore :meth:`state_dict` (settings already checked by the policy; a state without ``versions``, of an
+        older release, keeps the offset of the settings).
 
         Raises:
             StateError: A malformed state (nothing changes then).
@@ -196,6 +438,31 @@ class StalenessBound:
             st = state["stale"]
             counts = {k: {s: _int(st[k].get(s, 0), f"stale.{k}.{s}") for s in self.sources} for k in _COUNTERS}
             overflow = _int(st["regenerate_overflow"], "stale.regenerate_overflow")
-        except (KeyError, TypeError, AttributeError) as e:
+            v = state.get("versions")
+            if v is not None:
+                mode = v["mode"]
+                if mode not in (_GIVEN, _ASSUMED, _UNKNOWN, _LEARNED) or (mode == _GIVEN) != \
+                        (self.version_offset is not None):
+                    raise StateError(f"bound.versions.mode {str(mode)[:20]} does not fit version_offset "
+                                     f"{self.version_offset}")
+                offset = None if v["offset"] is None else _int(v["offset"], "versions.offset", None)
+                hold = None if v["hold"] is None else _int(v["hold"], "versions.hold")
+                top = None if v["max_reported"] is None else _int(v["max_reported"], "versions.max_reported")
+                ent = v["entries"]
+                entries = None if ent is None else [_int(x, "versions.entries") for x in ent]
+                worst = {str(s): [_int(w[0], "versions.worst", None), str(w[1])] for s, w in v["worst"].items()
+                         if s in self.etas}
+                streak = {s: _int(v["streak"].get(s, 0), f"versions.streak.{s}") for s in self.sources}
+                outstanding = {s: sorted(_int(x, f"versions.outstanding.{s}", None)
+                                         for x in v.get("outstanding", {}).get(s, [])) for s in self.sources}
+                if (offset is None) != (mode == _UNKNOWN) or (entries is not None and not entries):
+                    raise StateError(f"bound.versions is inconsistent: {str(v)[:100]}")
+        except (KeyError, TypeError, AttributeError, IndexError) as e:
             raise StateError(f"not a staleness-bound state: {e!r}") from e
         self.reserved, self.regenerate, self.counts, self.overflow = reserved, deque(regen), counts, overflow
+        if v is not None:
+            self.offset, self.mode, self.hold, self.max_reported = offset, mode, hold, top
+            self.entries, self.worst, self.streak = entries, worst, streak
+            self.outstanding = outstanding
+        else:  # an older release's state: its offset was given; no first report to check
+            self.entries = None

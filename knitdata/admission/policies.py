@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from typing import Any
 
 from knitdata.admission.base import AdmissionPolicy, ReadyGroup
@@ -30,11 +31,13 @@ class TrainBatchAdmission(AdmissionPolicy):
     name = "train_batch"
     keeps_completable = True
 
-    def __init__(self, spec: BatchSpec, *, continuous: bool = False, max_staleness: int | None = None,
-                 on_stale: str = "drop", version_offset: int = 0) -> None:
+    def __init__(self, spec: BatchSpec, *, continuous: bool = False,
+                 max_staleness: int | Mapping[str, int] | None = None, on_stale: str = "drop",
+                 version_offset: int | None = 0) -> None:
         super().__init__(spec, continuous=continuous, max_staleness=max_staleness, on_stale=on_stale,
                          version_offset=version_offset)
-        if max_staleness is not None and max_staleness < spec.num_minibatches - 1:
+        least = None if self._bound is None else min(self._bound.etas.values())
+        if least is not None and least < spec.num_minibatches - 1:
             raise ConfigError(
                 f"train_batch admission cannot keep max_staleness={max_staleness} with M={spec.num_minibatches} "
                 f"mini-batches: the whole train batch is generated before its first mini-batch, so its last one is "
@@ -54,7 +57,9 @@ class FifoAdmission(AdmissionPolicy):
     """Release the first ``m`` ready trajectories (whole groups, arrival order) as a mini-batch.
 
     Ignores quotas and bounds: lowest delay, but the source mix of a train batch drifts (the
-    benchmark counts the violations). It never raises :class:`~knitdata.errors.QuotaInfeasibleError`.
+    benchmark counts the violations). It never raises :class:`~knitdata.errors.QuotaInfeasibleError`. With
+    ``max_staleness`` and ``on_stale="wait"`` it takes the groups that expire first (``gen_version + eta_s``, then
+    arrival order), so that every group a producer reserved finds its slot.
     """
 
     name = "fifo"
@@ -63,19 +68,26 @@ class FifoAdmission(AdmissionPolicy):
     def _choose(self) -> dict[str, int] | list[ReadyGroup] | None:
         if sum(self._ready_n.values()) < self._mm:
             return None
+        b = self._bound
+        if b is not None and b.on_stale == "wait" and b.short(
+                self.step, {s: [g.version for _, _, g in self._by_version[s] if not g.gone] for s in self._Q},
+                self._mm):
+            return None  # a reserved group must join this step to meet its bound: wait for it
+        # wait mode with a bound: the group that expires first first (a producer's reserved groups keep their slots)
+        etas = self._bound.etas if self._bound is not None and self._oldest_first else None
         heap = []
         for s in self._Q:
             h = self._head(s)
             if h is not None:
-                heap.append((h.seq, s))
+                heap.append((0 if etas is None else h.version + etas[s], h.seq, s))
         heapq.heapify(heap)
         taken: list[ReadyGroup] = []
         while len(taken) < self._mm:
-            _, s = heapq.heappop(heap)
+            _, _, s = heapq.heappop(heap)
             taken.append(self._pop(s))
             h = self._head(s)
             if h is not None:
-                heapq.heappush(heap, (h.seq, s))
+                heapq.heappush(heap, (0 if etas is None else h.version + etas[s], h.seq, s))
         return taken
 
 
@@ -94,8 +106,9 @@ class LinearTargetAdmission(AdmissionPolicy):
 
     name = "linear_target"
 
-    def __init__(self, spec: BatchSpec, *, continuous: bool = False, max_staleness: int | None = None,
-                 on_stale: str = "drop", version_offset: int = 0) -> None:
+    def __init__(self, spec: BatchSpec, *, continuous: bool = False,
+                 max_staleness: int | Mapping[str, int] | None = None, on_stale: str = "drop",
+                 version_offset: int | None = 0) -> None:
         super().__init__(spec, continuous=continuous, max_staleness=max_staleness, on_stale=on_stale,
                          version_offset=version_offset)
         self._schedule = even_completion(self._Q, self._M)
@@ -105,6 +118,9 @@ class LinearTargetAdmission(AdmissionPolicy):
         if any(self._ready_n[s] < n for s, n in x.items()):
             return None
         return dict(x)
+
+    def _plan_columns(self) -> list[dict[str, int]]:
+        return self._schedule[self._k:]
 
 
 class ConstraintPreservingAdmission(AdmissionPolicy):
@@ -148,10 +164,26 @@ class ConstraintPreservingAdmission(AdmissionPolicy):
 
     def _choose(self) -> dict[str, int] | list[ReadyGroup] | None:
         rem = self._remaining()
-        lim = composition_limits(rem, self._ready_n, self._M - self._k - 1, self._mm, self._bounds)
+        K = self._M - self._k - 1
+        lim = composition_limits(rem, self._ready_n, K, self._mm, self._bounds)
         if lim is None:
             return None
-        return self._compose(*lim)
+        b = self._bound
+        if b is None or b.on_stale != "wait":
+            return self._compose(*lim)
+        # wait mode: take at least what the committed groups of each source need now to meet their last steps
+        lo, hi = dict(lim[0]), lim[1]
+        for s, R in rem.items():
+            H = self._bounds[s][1]
+            top = min(H, R - K * self._bounds[s][0])  # most of s this step may take, whatever is ready
+            ready = [g.version for _, _, g in self._by_version[s] if not g.gone]
+            need = min(b.least(s, self.step, ready, K, R, H), top)
+            if need > hi[s]:
+                return None  # the groups it needs are reserved or incomplete: wait for them
+            lo[s] = max(lo[s], need)
+        if sum(lo.values()) > self._mm:
+            return self._compose(*lim)  # not all of them can make it: as without commitments
+        return self._compose(lo, hi)
 
 
 #: Policy name -> class.

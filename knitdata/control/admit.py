@@ -122,6 +122,10 @@ def trace_admitted(tr: tracing.Tracer, mb: AdmittedMiniBatch, plan: MiniBatchPla
 class Admission(Part):
     """The producer side of one plane: puts, admission and planning, withdrawals, in-flight counts, close."""
 
+    def __init__(self, s: Any) -> None:
+        super().__init__(s)
+        s.admission_poll = self.poll  # a version report can free admission (the bound learned its offset)
+
     @control_call(journaled=True)
     def admit_many(self, unit: str, items: Sequence[Sequence[Any]]) -> dict[str, Any]:
         """The one-round-trip put: payloads already stored on ``unit`` are checked, placed there and admitted.
@@ -429,6 +433,7 @@ class Admission(Part):
                 s.placement.forget_group(m.group)
             if plan is None:  # handed out before an elastic resume: nothing left to plan
                 continue
+            s.policy.note_planned(plan.num_microbatches)
             s.counts["planned_local_bytes"] += plan.local_bytes
             s.counts["planned_remote_bytes"] += plan.remote_bytes
             note_planned(s, mb, plan, items, s.planned[0])

@@ -281,8 +281,14 @@ class Positions(Part):
     def report_version(self, version: int) -> None:
         """The trainer's new policy version (staleness of what is handed out afterwards is measured against it).
 
-        A version lower than the last one is a rollback (a job restored from a checkpoint): accepted and counted
-        (``version_rollbacks`` in :meth:`~knitdata.control.ControlPlane.stats`).
+        Report the version before the first step (the version step 0 is trained with) or after each optimizer step
+        (the version of the next). A version lower than the last one is a rollback (a job restored from a
+        checkpoint): accepted and counted (``version_rollbacks`` in :meth:`~knitdata.control.ControlPlane.stats`).
+        Admission hears it too (:meth:`~knitdata.admission.AdmissionPolicy.note_version`): later puts of a newer
+        ``gen_version`` are refused, and the first report sets the staleness bound's offset (the steps the trainer
+        finished are counted from the ranks' hand-outs). When a mini-batch admitted before that report turns out
+        staler than the bound, the pipeline stops with a :class:`~knitdata.errors.ConfigError` that says which
+        ``version_offset`` to pass.
 
         Raises:
             ValidationError: Not a non-negative int.
@@ -297,3 +303,12 @@ class Positions(Part):
             s.version_times.append(time.monotonic())
             if tracing.tracer is not None:
                 tracing.tracer.counter("version", {"version": version})
+            done = [s.policy.steps_done(p) for p in s.position] or [0]
+            msg = s.policy.note_version(version, min(done), max(done))
+            if msg is not None:
+                s.fail(ConfigError(msg))
+                s.cond.notify_all()
+                return
+            repoll = getattr(s, "admission_poll", None)
+            if repoll is not None and s.error is None and not s.closed:
+                repoll()  # admission may have held for this report
