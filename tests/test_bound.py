@@ -1,0 +1,249 @@
+"""Tests of knitdata.admission.bound (issue 45): the hard staleness bound in the trainer's own versions, per-source
+bounds, the starvation signal, the rollout throttle that follows each policy, and an independent randomized model
+(tests/_bound_model.py) over arrival orders, per-mini-batch bounds, producer lag, all four policies and both modes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from knitdata import Pipeline, Trajectory
+from knitdata.admission import BatchSpec, make_policy
+from knitdata.errors import ConfigError, StateError, ValidationError
+from knitdata.record import TrajectoryMeta
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _bound_model import ORDERS, POLICY_NAMES, draw_case, run_case  # noqa: E402
+
+
+def meta(gid: str, source: str, version: int) -> list[TrajectoryMeta]:
+    return [TrajectoryMeta(id=gid, source=source, group=gid, num_tokens=1, gen_version=version)]
+
+
+def traj(i: int, source: str, version: int) -> Trajectory:
+    return Trajectory(id=f"t{i}", source=source, group=f"g{i}", prompt_ids=torch.arange(2),
+                      response_ids=torch.arange(3), gen_version=version)
+
+
+# ------------------------------------------------------------------------------------ the trainer's own versions
+def test_the_bound_holds_when_the_trainers_versions_start_at_100() -> None:
+    """Issue 45.1: versions from 100, max_staleness=1, producers ran ahead: nothing trained is more than 1 stale (it
+    was 7-9); the first report (101 after step 0) sets the offset, and the pipeline's metric agrees."""
+    spec = BatchSpec({"a": 2}, num_minibatches=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with Pipeline(spec, max_staleness=1) as pipe:
+            it = iter(pipe.dataset(0, timeout=10))
+            for i in range(10):
+                pipe.put(traj(i, "a", 100))
+            worst = 0
+            for step in range(4):
+                mb = next(it)
+                worst = max(worst, *(100 + step - v for v in mb.info.gen_versions))
+                pipe.report_version(101 + step)
+                if step == 1:
+                    for i in range(10, 14):
+                        pipe.put(traj(i, "a", 102))
+            st_ = pipe.stats()
+    assert worst <= 1
+    assert st_["staleness"]["max"] <= 1
+    b = st_["staleness_bound"]
+    assert b["offset"] == 100 and b["offset_mode"] == "learned" and b["dropped_groups"]["a"] >= 8
+
+
+def test_versions_that_do_not_start_at_0_hold_admission_after_step_0_until_the_first_report() -> None:
+    p = make_policy("constraint_preserving", BatchSpec({"a": 2}, num_minibatches=2), max_staleness=1,
+                    version_offset=None)
+    with pytest.warns(RuntimeWarning, match="version_offset"):
+        for i in range(4):
+            p.offer(meta(f"g{i}", "a", 100))
+    assert [mb.step for mb in p.poll()] == [0]  # step 0 only: the trainer's version is not known yet
+    assert p.rollout_capacity(100) == {"a": 0}  # 3 ready fill the window of eta + 1 = 2 steps
+    assert p.note_version(101, 1, 1) is None  # after step 0: it trained step 0 with version 100
+    assert [mb.step for mb in p.poll()] == [1] and p.bound_stats()["offset"] == 100
+    assert [d["group"] for d in p.take_dropped()] == ["g2", "g3"]  # 2 stale at step 2
+
+
+def test_a_mini_batch_admitted_before_the_first_report_that_broke_the_bound_stops_the_pipeline() -> None:
+    """Versions that look like 0-based ones are admitted ahead; when the first report shows the trainer started at
+    50, the pipeline stops with an error that names the trajectory and the version_offset to pass."""
+    spec = BatchSpec({"a": 2}, num_minibatches=2)
+    with Pipeline(spec, max_staleness=1) as pipe:
+        it = iter(pipe.dataset(0, timeout=10))
+        for i in range(4):
+            pipe.put(traj(i, "a", 0))
+        next(it)
+        pipe.report_version(51)
+        with pytest.raises(ConfigError, match="version_offset=50") as e:
+            next(it)
+            next(it)
+    assert "'t" in str(e.value)
+
+
+def test_a_given_version_offset_lower_than_the_trainers_is_refused_at_the_first_report() -> None:
+    spec = BatchSpec({"a": 2}, num_minibatches=2)
+    with Pipeline(spec, max_staleness=1, version_offset=0) as pipe:
+        it = iter(pipe.dataset(0, timeout=10))
+        pipe.put(traj(0, "a", 0))
+        pipe.put(traj(1, "a", 0))
+        next(it)
+        pipe.report_version(101)
+        with pytest.raises(ConfigError, match="version_offset=100"):
+            next(it)
+
+
+def test_a_gen_version_from_the_future_is_refused_naming_the_trajectory() -> None:
+    spec = BatchSpec({"a": 2}, num_minibatches=2)
+    with Pipeline(spec, max_staleness=1, version_offset=5) as pipe:
+        pipe.report_version(5)
+        assert pipe.version == 5  # the report is sent (reports go through a background sender)
+        pipe.put(traj(0, "a", 6))  # one ahead: a weight sync may beat the report
+        with pytest.raises(ValidationError, match="t1.*gen_version 9.*future"):
+            pipe.put(traj(1, "a", 9))
+        assert pipe.stats()["staleness_bound"]["dropped_groups"] == {"a": 0}
+
+
+def test_wait_without_a_bound_is_a_config_error() -> None:
+    spec = BatchSpec({"a": 2}, num_minibatches=2)
+    with pytest.raises(ConfigError, match="max_staleness"):
+        make_policy("constraint_preserving", spec, on_stale="wait")
+    with pytest.raises(ConfigError, match="on_stale='wait'"):
+        Pipeline(spec, on_stale="wait")
+
+
+def test_the_learned_offset_survives_state_dict_and_an_older_state_loads() -> None:
+    spec = BatchSpec({"a": 2, "b": 2}, num_minibatches=2)
+    p = make_policy("constraint_preserving", spec, max_staleness={"a": 1, "b": 2}, version_offset=None)
+    with pytest.warns(RuntimeWarning):
+        p.offer(meta("a0", "a", 40) + meta("b0", "b", 40))
+    p.poll()
+    assert p.note_version(41, 1, 1) is None
+    p.offer(meta("a1", "a", 40))
+    st_ = json.loads(json.dumps(p.state_dict()))
+    q = make_policy("constraint_preserving", spec, max_staleness={"a": 1, "b": 2}, version_offset=None)
+    q.load_state_dict(st_)
+    assert q.state_dict() == p.state_dict() and q.bound_stats()["offset"] == 40
+    with pytest.raises(StateError, match="staleness bound"):
+        make_policy("constraint_preserving", spec, max_staleness=1, version_offset=None).load_state_dict(st_)
+    # a state of the release before (no "versions"): its offset was given
+    old = make_policy("constraint_preserving", spec, max_staleness=1)
+    old.offer(meta("a0", "a", 0))
+    state = json.loads(json.dumps(old.state_dict()))
+    del state["bound"]["versions"]
+    r = make_policy("constraint_preserving", spec, max_staleness=1)
+    r.load_state_dict(state)
+    assert r.note_version(57, 0, 0) is None  # no first-report check for a restored older run
+
+
+# ------------------------------------------------------------------------------------ per-source bounds, starvation
+def test_max_staleness_per_source_in_the_policy_the_capacity_and_the_pipeline() -> None:
+    spec = BatchSpec({"a": 2, "b": 2}, num_minibatches=2)
+    p = make_policy("constraint_preserving", spec, max_staleness={"a": 0, "b": 2}, on_stale="wait", continuous=True)
+    assert p.rollout_capacity(0) == {"a": 1, "b": 3}  # windows of 1 and 3 steps
+    p.offer(meta("a0", "a", 0) + meta("b0", "b", 0))
+    assert [mb.counts() for mb in p.poll()] == [{"a": 1, "b": 1}]
+    p.offer(meta("a1", "a", 0) + meta("b1", "b", 0))  # a: 1 stale at step 1 > 0, dropped; b: 1 <= 2
+    assert [d["group"] for d in p.take_dropped()] == ["a1"] and p.ready_counts() == {"a": 0, "b": 1}
+    with pytest.raises(ConfigError, match="every source"):
+        make_policy("constraint_preserving", spec, max_staleness={"a": 1})
+    with pytest.raises(ConfigError, match="max_staleness\\['b'\\]"):
+        make_policy("constraint_preserving", spec, max_staleness={"a": 1, "b": -1})
+    with Pipeline(spec, max_staleness={"a": 1, "b": 3}) as pipe:
+        assert pipe.stats()["staleness_bound"]["max_staleness_by_source"] == {"a": 1, "b": 3}
+
+
+def test_a_source_whose_groups_keep_arriving_stale_is_flagged_starved_with_a_warning() -> None:
+    spec = BatchSpec({"a": 2, "b": 2}, num_minibatches=2)
+    p = make_policy("constraint_preserving", spec, max_staleness=0, version_offset=5, continuous=True)
+    p.offer(meta("a0", "a", 5) + meta("b0", "b", 5))
+    p.poll()
+    assert p.bound_stats()["starved"] == {"a": False, "b": False}
+    p.offer(meta("b1", "b", 6))
+    with pytest.warns(RuntimeWarning, match="source 'a' is starved"):
+        for i in range(2):
+            p.offer(meta(f"a{i + 1}", "a", 5))  # 1 stale at step 1: dropped, while a's quota waits
+    st_ = p.bound_stats()
+    assert st_["starved"] == {"a": True, "b": False} and st_["drop_streak"]["a"] == 2
+    p.offer(meta("a9", "a", 6))
+    assert [mb.step for mb in p.poll()] == [1] and p.bound_stats()["starved"]["a"] is False
+
+
+# ------------------------------------------------------------------------------------ the throttle
+def test_capacity_follows_constraint_preserving_admission_issue_repro() -> None:
+    """Issue 45.2: quotas 1/1/4, M = 3, per-mini-batch bounds, eta = 1: two vision groups fill step 0; producers one
+    version behind the trainer must still get room for the vision group step 1 needs (it was 0 for every source)."""
+    spec = BatchSpec({"a": 1, "b": 1, "vision": 4}, num_minibatches=3,
+                     bounds={"vision": (1, 2), "a": (0, 1), "b": (0, 1)})
+    p = make_policy("constraint_preserving", spec, max_staleness=1, on_stale="wait", continuous=True)
+    assert p.reserve({"vision": 2, "a": 1, "b": 1}, 0)
+    p.offer(meta("v0", "vision", 0) + meta("v1", "vision", 0))
+    assert [mb.counts() for mb in p.poll()] == [{"vision": 2}]
+    p.offer(meta("a0", "a", 0) + meta("b0", "b", 0))
+    assert p.poll() == []  # step 1 needs a vision group (at least 1 a step)
+    assert p.rollout_capacity(0)["vision"] == 1  # 1 <= eta stale at step 1
+    assert p.reserve({"vision": 1}, 0)
+    p.offer(meta("v2", "vision", 0))
+    (mb,) = p.poll()
+    assert mb.step == 1 and all(1 - t.gen_version <= 1 for t in mb.trajectories)
+
+
+def test_acquire_rollout_of_more_than_can_ever_fit_fails_at_once() -> None:
+    spec = BatchSpec({"a": 2, "b": 2}, num_minibatches=2)
+    with Pipeline(spec, max_staleness=1, on_stale="wait") as pipe:
+        t0 = time.monotonic()
+        with pytest.raises(ValidationError, match="can never fit"):
+            pipe.acquire_rollout("a", 5, timeout=3)  # eta + 1 = 2 steps hold at most 2 groups of a
+        assert time.monotonic() - t0 < 1.0
+        pipe.acquire_rollout("a", 2, timeout=1)
+    p = make_policy("fifo", spec, max_staleness=0, on_stale="wait")
+    with pytest.raises(ValidationError, match="can never fit"):
+        p.reserve({"a": 2, "b": 1}, 0)  # one step of 2 groups, shared
+
+
+# ------------------------------------------------------------------------------------ the randomized model
+def _check(c, o) -> None:
+    assert not o.violations, (c, o.violations[:3])
+    assert not o.quota_errors, (c, o.quota_errors[:3])
+    assert o.deadlock is None, (c, o.deadlock)
+    if c.mode == "wait" and c.order != "shuffled":  # the documented promise
+        assert o.drops == 0, (c, o.drops)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**31), st.sampled_from(POLICY_NAMES), st.sampled_from(["drop", "wait"]),
+       st.sampled_from(ORDERS), st.booleans())
+def test_model_bound_holds_no_deadlock_and_wait_drops_nothing_in_start_order(seed, policy, mode, order, bounds):
+    """Against the independent model: nothing trained staler than its source's bound, exact quotas and per-mini-batch
+    bounds, progress whenever producers lagging by up to eta keep starting what the capacity allows, and in wait mode
+    no drop when each source's groups arrive in the order they started (global or per source)."""
+    c = draw_case(random.Random(seed), policy=policy, mode=mode, order=order, bounds=bounds)
+    _check(c, run_case(c))
+
+
+@pytest.mark.slow
+def test_model_ten_thousand_randomized_cases() -> None:
+    """>= 10,000 cases of the model (all policies, modes, orders, with and without bounds, lag up to eta): 0
+    deadlocks, 0 bound violations, exact quotas, no wait-mode drop in start order (about 20 s on one core)."""
+    rng = random.Random(45)
+    t0 = time.monotonic()
+    n = wait_drops_shuffled = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for i in range(10_200):
+            c = draw_case(rng, mode=("drop", "wait")[i % 2])
+            o = run_case(c)
+            _check(c, o)
+            n += 1
+            wait_drops_shuffled += bool(c.mode == "wait" and o.drops)
+    print(f"{n} cases in {time.monotonic() - t0:.1f} s; wait-mode cases with a drop (shuffled order): "
+          f"{wait_drops_shuffled}")
+    assert n >= 10_000
