@@ -7,6 +7,8 @@
 * :class:`~knitdata.integrations.trl.engine.HFGenerationEngine`: ``generate`` on a local policy copy that is also
   the trainer's ``weight_transfer`` (a CPU stand-in for the vLLM server);
 * :func:`~knitdata.integrations.trl.cpu.cpu_stand_ins`: the two stand-ins ``AsyncGRPOTrainer`` needs without CUDA.
+* :class:`~knitdata.integrations.trl.vlm.SharedEncodingGRPOTrainer`: ``trl.GRPOTrainer`` for vision-language
+  models with each prompt's image processed once and encoded once per step (no-grad passes and gradient pass).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ except ImportError as e:  # pragma: no cover - exercised by tests/test_integrati
 
 from knitdata.integrations.trl.cpu import cpu_stand_ins, reference_tree_attention  # noqa: E402
 from knitdata.integrations.trl.engine import HFGenerationEngine  # noqa: E402
+from knitdata.integrations.trl.vlm import DedupImageProcessor, SharedEncodingGRPOTrainer, SharedEncodingStats  # noqa: E402
 from knitdata.integrations.trl.worker import (  # noqa: E402
     STATE_FILE,
     GenerationEngine,
@@ -39,4 +42,7 @@ __all__: list[str] = [
     "trained_prompts",
     "cpu_stand_ins",
     "reference_tree_attention",
+    "SharedEncodingGRPOTrainer",
+    "SharedEncodingStats",
+    "DedupImageProcessor",
 ]
