@@ -254,3 +254,23 @@ def test_starvation_signal_in_metrics_and_the_status_table() -> None:
     old = {k: v for k, v in bound.items() if k not in ("starved", "drop_streak")}
     assert "starved" not in status_table({"staleness_bound": old})
     assert not any("starved" in k for k in flat_metrics({"staleness_bound": old}))
+
+
+def test_a_starved_source_shows_in_step_metrics_and_the_status_table_of_a_pipeline() -> None:
+    """End to end: a source whose groups keep arriving staler than the bound while its quota waits is starved in
+    ``pipe.step_metrics()`` and named in ``pipe.status_table()``; a fresh group of it clears the signal."""
+    spec = BatchSpec({"a": 2, "b": 2}, num_minibatches=2, group_size=1)
+    with Pipeline(spec, num_consumers=1, max_staleness=0, version_offset=5) as pipe:
+        pipe.put_many([_traj(0, "a", "a0", 5), _traj(1, "b", "b0", 5)])  # step 0
+        pipe.put(_traj(2, "b", "b1", 6))
+        with pytest.warns(RuntimeWarning, match="source 'a' is starved"):
+            for i in range(2):
+                pipe.put(_traj(3 + i, "a", f"a{i + 1}", 5))  # 1 stale at step 1 > 0: dropped while a's quota waits
+        m = pipe.step_metrics()
+        assert m["knitdata/starved/a"] == 1 and m["knitdata/starved/b"] == 0 and m["knitdata/starved_sources"] == 1
+        assert m["knitdata/drop_streak/a"] == 2
+        assert "starved: a (2 dropped in a row)" in pipe.status_table()
+        pipe.put(_traj(9, "a", "a9", 6))
+        assert pipe.step_metrics()["knitdata/starved/a"] == 0
+        assert "; starved: none" in pipe.status_table()
+        pipe.put(_traj(10, "b", "b2", 6))  # completes the train batch: nothing left unadmitted
