@@ -56,7 +56,7 @@ SAMPLER_KWARGS: dict[str, Any] = {
     "bounds": None,
     "policy": "constraint_preserving",
     "source_field": "data_source",
-    "refill_multiple": 1,
+    "refill_multiple": None,
     "poll_interval": None,
     "timeout_s": 3600.0,
 }
@@ -101,6 +101,56 @@ def _int_setting(kw: Mapping[str, Any], key: str, lo: int) -> int:
     return v
 
 
+def _settings(trainer_mode: str, trainer_config: Any, max_off_policy_threshold: Any, max_off_policy_strategy: Any,
+              sampler_kwargs: Any, poll_interval: float) -> dict[str, Any]:
+    """The sampler's settings from verl's constructor arguments, checked (ConfigError naming the config path)."""
+    kw = dict(SAMPLER_KWARGS)
+    given = _plain(sampler_kwargs) or {}
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"trainer.v1.sampler.sampler_kwargs must be a mapping, got {type(given).__name__}")
+    unknown = sorted(set(given) - set(SAMPLER_KWARGS))
+    if unknown:
+        raise ConfigError(f"trainer.v1.sampler.sampler_kwargs: unknown keys {unknown}; known {sorted(SAMPLER_KWARGS)}")
+    kw.update(given)
+    if not isinstance(kw["quotas"], Mapping) or not kw["quotas"]:
+        raise ConfigError("trainer.v1.sampler.sampler_kwargs.quotas must map each data_source to its prompt groups "
+                          f"per train batch (summing to data.train_batch_size), got {kw['quotas']!r}")
+    cfg = _plain(trainer_config) or {}
+    M = cfg.get("parameter_sync_step", 1) if isinstance(cfg, Mapping) else 1
+    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
+        raise ConfigError(f"trainer.v1.{trainer_mode}.parameter_sync_step must be an int >= 1, got {M!r}")
+    if max_off_policy_threshold is not None and (isinstance(max_off_policy_threshold, bool)
+                                                 or not isinstance(max_off_policy_threshold, int)
+                                                 or max_off_policy_threshold < 1):
+        raise ConfigError("trainer.v1.sampler.max_off_policy_threshold must be null or an int >= 1, got "
+                          f"{max_off_policy_threshold!r}")
+    if max_off_policy_strategy not in ("drop", "wait"):
+        raise ConfigError("trainer.v1.sampler.max_off_policy_strategy must be 'drop' or 'wait', got "
+                          f"{max_off_policy_strategy!r}")
+    bounds = kw["bounds"]
+    try:
+        spec = BatchSpec({str(s): q for s, q in kw["quotas"].items()}, num_minibatches=M, group_size=1,
+                         bounds=None if bounds is None else {str(s): (b[0], b[1]) for s, b in bounds.items()})
+    except (ConfigError, TypeError, IndexError, AttributeError) as e:
+        raise ConfigError(f"trainer.v1.sampler.sampler_kwargs (quotas, bounds) with parameter_sync_step={M}: {e}") from e
+    # knitdata's on_stale: verl ignores the strategy without a threshold, knitdata refuses "wait" without a bound
+    on_stale = max_off_policy_strategy if max_off_policy_threshold is not None else "drop"
+    # refuse an unknown policy (or one that cannot keep the bound) now, not at the first step
+    make_policy(str(kw["policy"]), spec, continuous=True,
+                max_staleness=staleness_in_minibatches(max_off_policy_threshold, M), on_stale=on_stale)
+    if kw["refill_multiple"] is None:  # verl's data.gen_batch_size defaults to data.train_batch_size
+        kw["refill_multiple"] = spec.batch_size
+    interval = kw["poll_interval"] if kw["poll_interval"] is not None else poll_interval
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
+        raise ConfigError(f"trainer.v1.sampler.sampler_kwargs.poll_interval must be seconds >= 0, got {interval!r}")
+    timeout = kw["timeout_s"]
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise ConfigError(f"trainer.v1.sampler.sampler_kwargs.timeout_s must be null or seconds > 0, got {timeout!r}")
+    return {**kw, "spec": spec, "num_minibatches": M, "on_stale": on_stale, "policy": str(kw["policy"]),
+            "source_field": str(kw["source_field"]), "refill_multiple": _int_setting(kw, "refill_multiple", 1),
+            "poll_interval": float(interval), "timeout_s": None if timeout is None else float(timeout)}
+
+
 class KnitdataSampler:
     """verl's V1 sampler plugin: admits finished groups by per-source quotas under a hard staleness bound.
 
@@ -111,9 +161,10 @@ class KnitdataSampler:
     - ``bounds``: optional ``{source: [lo, hi]}`` groups per mini-batch.
     - ``policy``: a knitdata admission policy name (default ``constraint_preserving``).
     - ``source_field``: the per-sample field naming the source (default ``data_source``).
-    - ``refill_multiple``: refills are requested in multiples of this (verl's ``refill_fn`` refuses counts that
-      are not multiples of ``data.gen_batch_size``, which defaults to ``data.train_batch_size``; set both to 1, or
-      this to ``${oc.select:data.gen_batch_size,1}``).
+    - ``refill_multiple``: refills are requested in multiples of this, the rest kept as credit (verl's
+      ``refill_fn`` refuses counts that are not multiples of ``data.gen_batch_size``); default ``null``: the sum of
+      the quotas (``data.train_batch_size``, verl's default ``gen_batch_size``). The docs' config passes
+      ``${oc.select:data.gen_batch_size,null}``.
     - ``poll_interval``: seconds between polls of the store (default: the constructor's, verl's 2.0).
     - ``timeout_s``: a ``sample`` call that has waited this long raises
       :class:`~knitdata.errors.DataTimeoutError` naming the sources short of their quota (``null``: wait forever).
@@ -151,56 +202,22 @@ class KnitdataSampler:
         if filter_groups_metric is not None:
             raise ConfigError("algorithm.filter_groups (DAPO) is not supported by KnitdataSampler: quotas count "
                               "every finished group; turn filter_groups off or use verl's built-in sampler")
-        kw = dict(SAMPLER_KWARGS)
-        given = _plain(sampler_kwargs) or {}
-        if not isinstance(given, Mapping):
-            raise ConfigError(f"trainer.v1.sampler.sampler_kwargs must be a mapping, got {type(given).__name__}")
-        unknown = sorted(set(given) - set(SAMPLER_KWARGS))
-        if unknown:
-            raise ConfigError(f"trainer.v1.sampler.sampler_kwargs: unknown keys {unknown}; known {sorted(SAMPLER_KWARGS)}")
-        kw.update(given)
-        if not isinstance(kw["quotas"], Mapping) or not kw["quotas"]:
-            raise ConfigError("trainer.v1.sampler.sampler_kwargs.quotas must map each data_source to its prompt groups "
-                              f"per train batch (summing to data.train_batch_size), got {kw['quotas']!r}")
-        cfg = _plain(trainer_config) or {}
-        M = cfg.get("parameter_sync_step", 1) if isinstance(cfg, Mapping) else 1
-        if isinstance(M, bool) or not isinstance(M, int) or M < 1:
-            raise ConfigError(f"trainer.v1.{trainer_mode}.parameter_sync_step must be an int >= 1, got {M!r}")
-        if max_off_policy_threshold is not None and (isinstance(max_off_policy_threshold, bool)
-                                                     or not isinstance(max_off_policy_threshold, int)
-                                                     or max_off_policy_threshold < 1):
-            raise ConfigError("trainer.v1.sampler.max_off_policy_threshold must be null or an int >= 1, got "
-                              f"{max_off_policy_threshold!r}")
-        if max_off_policy_strategy not in ("drop", "wait"):
-            raise ConfigError("trainer.v1.sampler.max_off_policy_strategy must be 'drop' or 'wait', got "
-                              f"{max_off_policy_strategy!r}")
-        bounds = kw["bounds"]
-        try:
-            self.spec = BatchSpec({str(s): q for s, q in kw["quotas"].items()}, num_minibatches=M, group_size=1,
-                                  bounds=None if bounds is None else {str(s): (b[0], b[1]) for s, b in bounds.items()})
-        except (ConfigError, TypeError, IndexError, AttributeError) as e:
-            raise ConfigError(f"trainer.v1.sampler.sampler_kwargs (quotas, bounds) with parameter_sync_step={M}: {e}") from e
-        self.policy_name = str(kw["policy"])
-        self.num_minibatches = M
-        self.max_staleness = staleness_in_minibatches(max_off_policy_threshold, M)
-        # refuse an unknown policy (or one that cannot keep the bound) now, not at the first step
-        make_policy(self.policy_name, self.spec, continuous=True, max_staleness=self.max_staleness,
-                    on_stale=max_off_policy_strategy)
-        self.source_field = str(kw["source_field"])
-        self.refill_multiple = _int_setting(kw, "refill_multiple", 1)
-        interval = kw["poll_interval"] if kw["poll_interval"] is not None else poll_interval
-        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or interval < 0:
-            raise ConfigError(f"trainer.v1.sampler.sampler_kwargs.poll_interval must be seconds >= 0, got {interval!r}")
-        timeout = kw["timeout_s"]
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise ConfigError(f"trainer.v1.sampler.sampler_kwargs.timeout_s must be null or seconds > 0, got {timeout!r}")
+        kw = _settings(trainer_mode, trainer_config, max_off_policy_threshold, max_off_policy_strategy,
+                       sampler_kwargs, poll_interval)
+        self.spec: BatchSpec = kw["spec"]
+        self.policy_name: str = kw["policy"]
+        self.num_minibatches: int = kw["num_minibatches"]
+        self.max_staleness = staleness_in_minibatches(max_off_policy_threshold, self.num_minibatches)
+        self.on_stale: str = kw["on_stale"]
+        self.source_field: str = kw["source_field"]
+        self.refill_multiple: int = kw["refill_multiple"]
+        self.poll_interval: float = kw["poll_interval"]
+        self.timeout_s: float | None = kw["timeout_s"]
         self.trainer_mode = trainer_mode
         self.trainer_config = trainer_config
         self.max_off_policy_threshold = max_off_policy_threshold
         self.max_off_policy_strategy = max_off_policy_strategy
         self.sampler_kwargs = sampler_kwargs
-        self.poll_interval = float(interval)
-        self.timeout_s = None if timeout is None else float(timeout)
         self.refill_fn = refill_fn
         self._policy: AdmissionPolicy | None = None
         self._first_step: int | None = None  # G0: the global step of the first train mini-batch
@@ -208,6 +225,8 @@ class KnitdataSampler:
         self._queue: deque[AdmittedMiniBatch] = deque()  # admitted ahead, not yet delivered
         self._offered: dict[str, str] = {}  # uid -> source of groups offered and not delivered or dropped
         self._refill_credit = 0
+        self._idle_refills = 0
+        self._refilled = False
         self._listing: dict[str, dict[str, Any]] = {}
         self._prompts: dict[str, dict[str, Any]] = {}
         self._trajs: dict[str, list[str]] = {}
@@ -243,6 +262,7 @@ class KnitdataSampler:
         metrics: dict[str, Any] = {}
         start = time.monotonic()
         starved: dict[str, int] | None = None
+        self._idle_refills = 0  # at most 4 train batches of prompts asked for per call while nothing generates
         while True:
             self._refresh(partition_id, metrics)
             if not self._queue and not self._must_wait(global_steps):
@@ -310,6 +330,7 @@ class KnitdataSampler:
             else:
                 trajs.setdefault(key.split("_")[0], []).append(key)
         self._listing, self._prompts, self._trajs = items, prompts, trajs
+        self._refilled = False  # refills since this listing are not in it yet
 
     def _clear(self, partition_id: str, uids: list[str]) -> None:
         """Remove whole groups (prompt key and trajectories) from the store."""
@@ -355,7 +376,7 @@ class KnitdataSampler:
         if self._policy is None:
             self._first_step = global_steps
             self._policy = make_policy(self.policy_name, self.spec, continuous=True, max_staleness=self.max_staleness,
-                                       on_stale=self.max_off_policy_strategy,
+                                       on_stale=self.on_stale,
                                        version_offset=global_steps * self.num_minibatches)
         return self._policy
 
@@ -426,14 +447,17 @@ class KnitdataSampler:
         k = self._refill_credit - self._refill_credit % self.refill_multiple
         if k > 0:
             self._refill_credit -= k
+            self._refilled = True
             self.refill_fn(k)
 
     def _refill_if_idle(self, policy: AdmissionPolicy, partition_id: str, metrics: dict[str, Any]) -> None:
-        """Nothing is generating and the mini-batch cannot be filled: ask for as many prompts as are missing."""
-        if any(t["status"] in ("pending", "running") for t in self._prompts.values()):
+        """Nothing is generating and the mini-batch cannot be filled: ask for as many prompts as are missing (at most 4
+        train batches per ``sample`` call: a source the data never supplies ends in ``timeout_s``, not a flood)."""
+        if self._refilled or any(t["status"] in ("pending", "running") for t in self._prompts.values()):
             return
-        short = sum(self._shortfall(policy).values())
+        short = min(sum(self._shortfall(policy).values()), 4 * self.spec.batch_size - self._idle_refills)
         if short > 0 and self.refill_fn is not None:
+            self._idle_refills += short
             metrics["training/knitdata/starvation_refills"] = metrics.get("training/knitdata/starvation_refills", 0) + short
             mult, credit = self.refill_multiple, self._refill_credit
             self._refill(-(-(credit + short) // mult) * mult - credit, partition_id)
