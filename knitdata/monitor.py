@@ -207,16 +207,18 @@ def status_rows(stats: Mapping[str, Any]) -> dict[str, Any]:
              "items": sum(_num(u.get("num_items")) for u in units),
              "spilled_items": sum(_num(u.get("spilled_items")) for u in units),
              "held_trajectories": int(_num(stats.get("held_trajectories")))}
-    out = {"name": stats.get("name"), "engine": stats.get("engine"), "closed": closed,
-           "version": int(_num(stats.get("version"))), "train_batch": int(_num(stats.get("train_batch"))),
-           "sources": sources, "ranks": ranks, "store": store, "journal": stats.get("journal")}
+    out: dict[str, Any] = {
+        "name": stats.get("name"), "engine": stats.get("engine"), "closed": closed,
+        "version": int(_num(stats.get("version"))), "train_batch": int(_num(stats.get("train_batch"))),
+        "sources": sources, "ranks": ranks, "store": store, "journal": stats.get("journal")}
     bound = stats.get("staleness_bound")
     if isinstance(bound, Mapping):
-        starved = bound.get("starved") if isinstance(bound.get("starved"), Mapping) else None
-        streak = bound.get("drop_streak") if isinstance(bound.get("drop_streak"), Mapping) else {}
-        dropped = bound.get("dropped_groups") if isinstance(bound.get("dropped_groups"), Mapping) else {}
+        raw_starved, raw_streak, raw_dropped = (bound.get(k) for k in ("starved", "drop_streak", "dropped_groups"))
+        starved: Mapping[str, Any] | None = raw_starved if isinstance(raw_starved, Mapping) else None
+        streak: Mapping[str, Any] = raw_streak if isinstance(raw_streak, Mapping) else {}
+        dropped: Mapping[str, Any] = raw_dropped if isinstance(raw_dropped, Mapping) else {}
         out["bound"] = {"max_staleness": bound.get("max_staleness"), "on_stale": bound.get("on_stale"),
-                        "dropped_groups": sum(_num(v) for v in dropped.values()),
+                        "dropped_groups": sum((_num(v) for v in dropped.values()), 0),
                         "starved": None if starved is None else sorted(str(k) for k, v in starved.items() if v),
                         "drop_streak": {str(k): int(_num(v)) for k, v in streak.items()}}
     split = stats.get("staleness_split")
