@@ -18,8 +18,9 @@ admits nothing costs O(S), and admitting a mini-batch costs O(m / g · log S). N
 
 Modules: :mod:`~knitdata.admission.spec` (:class:`BatchSpec`, :class:`AdmittedMiniBatch`),
 :mod:`~knitdata.admission.composition` (the feasibility check), :mod:`~knitdata.admission.base`
-(:class:`AdmissionPolicy`), :mod:`~knitdata.admission.policies` (the four policies, :func:`make_policy`) and
-:mod:`~knitdata.admission.bound` (the hard staleness bound ``max_staleness`` every policy can keep).
+(:class:`AdmissionPolicy`), :mod:`~knitdata.admission.bounded` (its staleness-bound part),
+:mod:`~knitdata.admission.policies` (the four policies, :func:`make_policy`) and :mod:`~knitdata.admission.bound`
+(the hard staleness bound ``max_staleness`` every policy can keep, in the trainer's reported versions).
 """
 
 from __future__ import annotations

@@ -7,16 +7,16 @@ import heapq
 import operator
 from collections import deque
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from knitdata.admission.bound import FUTURE_SLACK, StalenessBound, check_counts, check_settings
-from knitdata.admission.composition import completion_exists, even_completion
+from knitdata.admission.bound import FUTURE_SLACK
+from knitdata.admission.bounded import BoundedAdmission, ReadyGroup
+from knitdata.admission.composition import completion_exists
 from knitdata.admission.spec import AdmittedMiniBatch, BatchSpec
 from knitdata.errors import ConfigError, KnitdataError, QuotaInfeasibleError, StateError, ValidationError
 from knitdata.record import TrajectoryMeta
 
-__all__ = ["ReadyGroup", "AdmissionPolicy", "BoundedAdmission"]
+__all__ = ["ReadyGroup", "AdmissionPolicy", "BoundedAdmission", "StatefulAdmission"]
 
 
 def _count(x: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
@@ -24,220 +24,6 @@ def _count(x: Any, what: str, lo: int = 0, hi: int | None = None) -> int:
     if isinstance(x, bool) or not isinstance(x, int) or x < lo or (hi is not None and x > hi):
         raise StateError(f"{what} must be an int in {lo}..{'' if hi is None else hi}, got {str(x)[:50]}")
     return x
-
-
-@dataclass(slots=True)
-class ReadyGroup:
-    """A whole group that finished and waits for admission (``seq``: arrival order of its first member)."""
-
-    seq: int
-    group: str
-    source: str
-    metas: tuple[TrajectoryMeta, ...]
-    version: int = field(default=0)
-    gone: bool = field(default=False)  # admitted, withdrawn or dropped: lazily skipped in the queues
-
-
-
-class BoundedAdmission:
-    """The staleness-bound part of :class:`AdmissionPolicy` (:mod:`knitdata.admission.bound`): the rollout throttle
-    and the groups dropped for regeneration. Every policy has these methods; they raise
-    :class:`~knitdata.errors.ConfigError` (or return nothing) without ``max_staleness``."""
-
-    _bound: StalenessBound | None
-    _loading: bool
-    _Q: dict[str, int]
-    _b: int
-    _admitted: dict[str, int]
-    _ready_n: dict[str, int]
-    _ready_groups: dict[str, ReadyGroup]
-    _pending_groups: dict[str, int]
-    _in_flight: dict[str, int] | None
-    _M: int
-    _mm: int
-    _k: int
-    spec: BatchSpec
-
-    @property
-    def step(self) -> int:
-        """Global index of the next mini-batch (:class:`AdmissionPolicy` defines it)."""
-        raise NotImplementedError
-
-    def _init_bound(self, max_staleness: Any, on_stale: str, version_offset: int | None, oldest_first: bool) -> None:
-        check_settings(max_staleness, on_stale, version_offset, self.spec.sources)
-        per_step = {s: self.spec.group_bounds(s)[1] for s in self._Q}
-        self._bound = None if max_staleness is None else StalenessBound(max_staleness, on_stale, version_offset,
-                                                                        self._Q, self.spec.num_minibatches, per_step)
-        self.max_staleness = self._bound.eta if self._bound is not None else None
-        self.on_stale, self.version_offset = on_stale, version_offset
-        # with a bound, quota-preserving policies (and fifo in wait mode) take each source's oldest group first
-        self._oldest_first = self._bound is not None and (oldest_first or on_stale == "wait")
-        self._by_version: dict[str, list[tuple[int, int, ReadyGroup]]] = {s: [] for s in self._Q}
-        self._loading = False
-        self._max_reported: int | None = None  # the newest version the trainer reported (note_version)
-        self._plan_key: tuple[int, int] | None = None
-        self._plan_cache: list[dict[str, int]] = []
-
-    def _track(self, grp: ReadyGroup) -> None:
-        if self._bound is not None:
-            self._bound.push(grp)
-            if self._oldest_first:
-                heapq.heappush(self._by_version[grp.source], (grp.version, grp.seq, grp))
-
-    def _check_bound_state(self, state: Mapping[str, Any]) -> Any:
-        bound = state.get("bound")
-        mine = None if self._bound is None else self._bound.settings()
-        theirs = None if bound is None else [bound["max_staleness"], bound["on_stale"], bound["version_offset"]]
-        if mine != theirs:
-            raise StateError(f"state has staleness bound {theirs} (max_staleness, on_stale, version_offset), this "
-                             f"policy has {mine}")
-        return bound
-
-    def rollout_capacity(self, version: int) -> dict[str, int]:
-        """Groups per source that may still start with policy ``version`` and be admitted within the bound, on the
-        schedule this policy will admit: a group of source ``s`` started now may join the next ``W_s = version +
-        eta_s + 1 - offset - step`` steps (:meth:`StalenessBound.window
-        <knitdata.admission.bound.StalenessBound.window>`); the capacity is what the policy's plan of those steps
-        holds of ``s`` minus the groups of ``s`` ready, in incomplete groups or reserved. The plan: the rest of the
-        current train batch as the policy will take it (linear-target: its fixed schedule; the others: the even
-        completion of what is left of each quota, :func:`~knitdata.admission.even_completion`, whose first column
-        the policy admits as soon as it is ready), then the even schedule of the quotas for each later train batch
-        (AReaL's rule, at most ``(eta + v + 1) * batch`` started by version ``v``, per source). Fifo ignores quotas:
-        one room of ``m / g`` groups per step, shared by the sources. So while admission waits for a step and every
-        reservation was delivered, a producer at the trainer's version gets room for what that step needs.
-
-        Raises:
-            ConfigError: No bound (``max_staleness`` is ``None``).
-        """
-        bound = self._need_bound()
-        t = self.step
-        if not self.preserves_quotas:  # fifo: one shared room
-            occ = sum(self._ready_n.values()) + sum(self._pending_groups.values()) + sum(bound.reserved.values())
-            return {s: max(0, bound.window(version, s, t) * self._mm - occ) for s in self._Q}
-        cum = self._plan_cum()
-        K = len(cum) - 1
-        out: dict[str, int] = {}
-        for s, Q in self._Q.items():
-            W = bound.window(version, s, t)
-            if W <= K:
-                p = cum[W][s]
-            else:
-                n, r = divmod(W - K, self._M)
-                p = cum[K][s] + Q * n + bound.schedule_cum[r][s]
-            out[s] = max(0, p - self._ready_n[s] - self._pending_groups[s] - bound.reserved[s])
-        return out
-
-    def _plan_cum(self) -> list[dict[str, int]]:
-        """Cumulative groups per source of the rest of the current train batch as the policy plans it (cached)."""
-        key = (self._b, self._k)
-        if self._plan_key != key:
-            cum = [dict.fromkeys(self._Q, 0)]
-            for col in self._plan_columns():
-                cum.append({s: cum[-1][s] + col[s] for s in self._Q})
-            self._plan_cache, self._plan_key = cum, key
-        return self._plan_cache
-
-    def _plan_columns(self) -> list[dict[str, int]]:
-        """The compositions the policy plans for the rest of the current train batch (default: the even completion
-        of what is left of each quota; its first column is always admissible)."""
-        return even_completion(self._remaining(), self._M - self._k)
-
-    def _remaining(self) -> dict[str, int]:
-        return {s: self._Q[s] - self._admitted[s] for s in self._Q}
-
-    def reserve(self, counts: Mapping[str, int], version: int) -> bool:
-        """Reserve ``counts`` groups per source to start with ``version`` if :meth:`rollout_capacity` has room for all
-        (all or nothing); a reservation ends when a new group of that source arrives, or with :meth:`unreserve`.
-
-        Raises:
-            ValidationError: A bad count, or more groups of a source than the bound could ever give at once (its
-                window of ``eta_s + 1`` steps never holds that many: waiting would be in vain).
-        """
-        bound = self._need_bound()
-        want = check_counts(counts, self.spec.sources, "reserve")
-        for s, n in want.items():
-            most = bound.most(s, self._mm) if self.preserves_quotas else (bound.etas[s] + 1) * self._mm
-            if n > most or (not self.preserves_quotas and sum(want.values()) > most):
-                raise ValidationError(
-                    f"reserve: {sum(want.values()) if not self.preserves_quotas else n} groups of {s!r} can never fit "
-                    f"within max_staleness {bound.etas[s]}: its window of {bound.etas[s] + 1} steps holds at most "
-                    f"{most} (quota {self._Q[s]} per train batch of {self._M} mini-batches); reserve fewer at a time",
-                    field=f"counts.{s}")
-        return bound.reserve(want, self.rollout_capacity(version), not self.preserves_quotas, version)
-
-    def unreserve(self, counts: Mapping[str, int]) -> None:
-        """Give back reservations of prompts that will not be generated (floored at 0)."""
-        self._need_bound().unreserve(check_counts(counts, self.spec.sources, "unreserve"))
-
-    def take_dropped(self) -> list[dict[str, Any]]:
-        """The groups dropped by the bound since the last call, for the producer to regenerate (as new groups)."""
-        return [] if self._bound is None else self._bound.take_dropped()
-
-    def pop_released(self) -> list[TrajectoryMeta]:
-        """The members of groups dropped since the last call (the caller frees their payloads)."""
-        return [] if self._bound is None else self._bound.pop_released()
-
-    def note_version(self, version: int, done_lo: int = 0, done_hi: int | None = None) -> str | None:
-        """The trainer reported ``version`` after finishing ``done_lo`` (its slowest rank) to ``done_hi`` (its fastest)
-        steps. With a staleness bound, later trajectories newer than it (beyond
-        :data:`~knitdata.admission.bound.FUTURE_SLACK`) are refused as versions from the future, and the first report learns the bound's offset (``version_offset=None``: the
-        trainer's version at step 0 is ``version - done_lo``) or checks the given one.
-
-        Returns:
-            The message when a mini-batch admitted before the report broke the bound under the trainer's real
-            versions, or ``version_offset`` understates them (the caller stops the pipeline with it); else ``None``.
-        """
-        self._max_reported = version if self._max_reported is None else max(self._max_reported, version)
-        if self._bound is None:
-            return None
-        return self._bound.note_version(version, done_lo, done_lo if done_hi is None else done_hi)
-
-    def note_planned(self, microbatches: int) -> None:
-        """The mini-batch just admitted was planned into ``microbatches`` micro-batches per rank (the bound counts
-        the steps a trainer finished from its hand-outs until its first version report)."""
-        if self._bound is not None:
-            self._bound.note_planned(microbatches)
-
-    def steps_done(self, position: int) -> int:
-        """Admitted steps wholly before a rank's hand-out ``position`` (until the first report; else 0)."""
-        return 0 if self._bound is None else self._bound.steps_done(position)
-
-    def bound_stats(self) -> dict[str, Any] | None:
-        """The bound's settings and drops per source (``None`` without a bound)."""
-        return None if self._bound is None else self._bound.stats()
-
-    def _due(self) -> bool:
-        """Wait mode: a source with room in this step has a reserved or incomplete group that must join it."""
-        b = self._bound
-        if b is None or b.on_stale != "wait":
-            return False
-        t = self.step
-        return any((not self.preserves_quotas or self._Q[s] > self._admitted[s]) and b.due(t, s) for s in self._Q)
-
-    def _need_bound(self) -> StalenessBound:
-        if self._bound is None:
-            raise ConfigError("this needs a staleness bound: build the policy (or Pipeline) with max_staleness=eta")
-        return self._bound
-
-    def _expired(self, version: int, source: str) -> bool:
-        return self._bound is not None and not self._loading and self._bound.expired(version, self.step, source)
-
-    def _drop(self, grp: ReadyGroup) -> None:
-        grp.gone = True
-        assert self._bound is not None
-        s = grp.source
-        self._bound.drop(grp.group, s, grp.version, grp.metas, self.step,
-                         self._ready_n[s] == 0 and self._Q[s] > self._admitted[s])
-        if self._in_flight is not None:  # regeneration is coming: the supply check counts it
-            self._in_flight[grp.source] = self._in_flight.get(grp.source, 0) + len(grp.metas)
-
-    def _expire(self) -> None:
-        if self._bound is None:
-            return
-        for grp in list(self._bound.expiring(self.step)):
-            self._ready_n[grp.source] -= 1
-            del self._ready_groups[grp.group]
-            self._drop(grp)
 
 
 def _check_completable(p: AdmissionPolicy) -> None:
@@ -251,7 +37,125 @@ def _check_completable(p: AdmissionPolicy) -> None:
             f"{p.name} policy")
 
 
-class AdmissionPolicy(BoundedAdmission, abc.ABC):
+class StatefulAdmission(BoundedAdmission):
+    """The state of :class:`AdmissionPolicy` (:meth:`state_dict`, :meth:`load_state_dict`): JSON, no pickle."""
+
+    name: str
+    keeps_completable: bool
+    continuous: bool
+    _g: int
+    _b: int
+    _seq: int
+    _pending: dict[str, list[TrajectoryMeta]]
+    _pending_ids: dict[str, set[str]]
+    _pending_members: dict[str, int]
+    _ready: dict[str, deque[ReadyGroup]]
+    _by_version: dict[str, list[tuple[int, int, ReadyGroup]]]
+    _max_reported: int | None
+    _plan_key: tuple[int, int] | None
+    max_staleness: Any
+    on_stale: str
+    version_offset: int | None
+
+    def offer(self, metas: Iterable[TrajectoryMeta]) -> None:
+        """See :meth:`AdmissionPolicy.offer`."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return a JSON-serializable snapshot (pending and ready metadata included)."""
+        ready: list[list[Any]] = []
+        for s in self._Q:
+            for grp in self._ready[s]:
+                if not grp.gone:
+                    ready.append([grp.seq, grp.group, [t.to_dict() for t in grp.metas]])
+        ready.sort(key=lambda r: int(r[0]))
+        return {
+            **({} if self._bound is None else {"bound": self._bound.state_dict()}),
+            "policy": self.name,
+            "spec": self.spec.to_dict(),
+            "continuous": self.continuous,
+            "train_batch": self._b,
+            "index": self._k,
+            "seq": self._seq,
+            "admitted": dict(self._admitted),
+            "in_flight": None if self._in_flight is None else dict(self._in_flight),
+            "pending": [[grp, [t.to_dict() for t in ms]] for grp, ms in self._pending.items()],
+            "ready": ready,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a snapshot from :meth:`state_dict`.
+
+        Raises:
+            StateError: The snapshot belongs to another policy or another batch spec, or is malformed (any
+                malformed state raises it; nothing changes then).
+        """
+        try:
+            if state["policy"] != self.name:
+                raise StateError(f"state is for policy {state['policy']!r}, not {self.name!r}")
+            if BatchSpec.from_dict(state["spec"]) != self.spec:
+                raise StateError(f"state has batch spec {state['spec']}, this policy has {self.spec.to_dict()}")
+            bound = self._check_bound_state(state)
+            fresh: Any = type(self).__new__(type(self))
+            AdmissionPolicy.__init__(fresh, self.spec, continuous=bool(state["continuous"]),
+                                     max_staleness=self.max_staleness, on_stale=self.on_stale,
+                                     version_offset=self.version_offset)
+            fresh._loading = True
+            for _grp, ms in state["pending"]:
+                if not isinstance(ms, list) or not 0 < len(ms) < self._g:
+                    raise StateError(f"a pending group holds 1 to {self._g - 1} members, got {str(ms)[:100]}")
+                fresh.offer(TrajectoryMeta.from_dict(d) for d in ms)
+            last = -1
+            for seq, _grp, ms in state["ready"]:
+                if isinstance(seq, bool) or not isinstance(seq, int) or seq <= last or not isinstance(ms, list) \
+                        or len(ms) != self._g:
+                    raise StateError(f"a ready group is [seq (increasing), group, {self._g} members], got "
+                                     f"{str([seq, _grp, ms])[:100]}")
+                last = fresh._seq = seq
+                fresh.offer(TrajectoryMeta.from_dict(d) for d in ms)
+            fresh._seq = _count(state["seq"], "seq", last + 1)
+            fresh._b = _count(state["train_batch"], "train_batch")
+            fresh._k = _count(state["index"], "index", 0, self._M - 1)
+            adm = state["admitted"]
+            if not isinstance(adm, Mapping) or set(adm) != set(self._Q):
+                raise StateError(f"admitted must name the sources {sorted(self._Q)}, got {str(adm)[:100]}")
+            fresh._admitted = {s: _count(adm[s], f"admitted.{s}") for s in self._Q}
+            if self.keeps_completable:
+                _check_completable(fresh)
+            inf = state["in_flight"]
+            if inf is not None and (not isinstance(inf, Mapping) or not set(inf) <= set(self._Q)):
+                raise StateError(f"in_flight must be null or counts of sources {sorted(self._Q)}, got {str(inf)[:100]}")
+            fresh._in_flight = None if inf is None else {s: _count(inf.get(s, 0), f"in_flight.{s}") for s in self._Q}
+            if bound is not None and fresh._bound is not None:
+                fresh._bound.load_state_dict(bound)
+            # the newest reported version: kept by the bound (without one, the next report sets it again)
+            fresh._max_reported = None if fresh._bound is None else fresh._bound.max_reported
+            fresh._loading = False
+        except StateError:
+            raise
+        except KnitdataError as e:
+            raise StateError(f"not a {self.name} admission state: {e}") from e
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
+            raise StateError(f"not a {self.name} admission state: {e!r}") from e
+        for attr in (
+            "continuous",
+            "_pending",
+            "_pending_members",
+            "_ready",
+            "_ready_n",
+            "_ready_groups",
+            "_pending_ids",
+            "_admitted",
+            "_in_flight",
+            "_b",
+            "_k",
+            "_seq", "_bound", "_by_version", "_pending_groups", "_max_reported",
+        ):
+            setattr(self, attr, getattr(fresh, attr))
+        self._plan_key = None
+
+
+class AdmissionPolicy(StatefulAdmission, abc.ABC):
     """Base class of the admission policies: holds ready groups and emits mini-batches in order.
 
     Args:
@@ -403,6 +307,8 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
                     continue
                 self._ready[t.source].append(grp)
                 self._ready_n[t.source] += 1
+                if self._bound is not None:
+                    self._bound.readied(t.source, grp.version)
                 self._ready_groups[t.group] = grp
                 self._track(grp)
 
@@ -452,6 +358,8 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
         if grp is None:
             return []
         self._ready_n[grp.source] -= 1
+        if self._bound is not None:
+            self._bound.unready(grp.source, grp.version)
         out: list[TrajectoryMeta] = list(grp.metas)
         grp.metas = ()  # lazily skipped when it reaches the deque head
         grp.gone = True
@@ -504,6 +412,8 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
             self._ready[s].popleft()
         grp.gone = True
         self._ready_n[s] -= 1
+        if self._bound is not None:
+            self._bound.unready(s, grp.version)
         del self._ready_groups[grp.group]
         return grp
 
@@ -579,97 +489,3 @@ class AdmissionPolicy(BoundedAdmission, abc.ABC):
             self._admitted = dict.fromkeys(self._Q, 0)
             self._in_flight = None
         return mb
-
-    # -- state ----------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Return a JSON-serializable snapshot (pending and ready metadata included)."""
-        ready: list[list[Any]] = []
-        for s in self._Q:
-            for grp in self._ready[s]:
-                if not grp.gone:
-                    ready.append([grp.seq, grp.group, [t.to_dict() for t in grp.metas]])
-        ready.sort(key=lambda r: int(r[0]))
-        return {
-            **({} if self._bound is None else {"bound": self._bound.state_dict()}),
-            "policy": self.name,
-            "spec": self.spec.to_dict(),
-            "continuous": self.continuous,
-            "train_batch": self._b,
-            "index": self._k,
-            "seq": self._seq,
-            "admitted": dict(self._admitted),
-            "in_flight": None if self._in_flight is None else dict(self._in_flight),
-            "pending": [[grp, [t.to_dict() for t in ms]] for grp, ms in self._pending.items()],
-            "ready": ready,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore a snapshot from :meth:`state_dict`.
-
-        Raises:
-            StateError: The snapshot belongs to another policy or another batch spec, or is malformed (any
-                malformed state raises it; nothing changes then).
-        """
-        try:
-            if state["policy"] != self.name:
-                raise StateError(f"state is for policy {state['policy']!r}, not {self.name!r}")
-            if BatchSpec.from_dict(state["spec"]) != self.spec:
-                raise StateError(f"state has batch spec {state['spec']}, this policy has {self.spec.to_dict()}")
-            bound = self._check_bound_state(state)
-            fresh = type(self).__new__(type(self))
-            AdmissionPolicy.__init__(fresh, self.spec, continuous=bool(state["continuous"]),
-                                     max_staleness=self.max_staleness, on_stale=self.on_stale,
-                                     version_offset=self.version_offset)
-            fresh._loading = True
-            for _grp, ms in state["pending"]:
-                if not isinstance(ms, list) or not 0 < len(ms) < self._g:
-                    raise StateError(f"a pending group holds 1 to {self._g - 1} members, got {str(ms)[:100]}")
-                fresh.offer(TrajectoryMeta.from_dict(d) for d in ms)
-            last = -1
-            for seq, _grp, ms in state["ready"]:
-                if isinstance(seq, bool) or not isinstance(seq, int) or seq <= last or not isinstance(ms, list) \
-                        or len(ms) != self._g:
-                    raise StateError(f"a ready group is [seq (increasing), group, {self._g} members], got "
-                                     f"{str([seq, _grp, ms])[:100]}")
-                last = fresh._seq = seq
-                fresh.offer(TrajectoryMeta.from_dict(d) for d in ms)
-            fresh._seq = _count(state["seq"], "seq", last + 1)
-            fresh._b = _count(state["train_batch"], "train_batch")
-            fresh._k = _count(state["index"], "index", 0, self._M - 1)
-            adm = state["admitted"]
-            if not isinstance(adm, Mapping) or set(adm) != set(self._Q):
-                raise StateError(f"admitted must name the sources {sorted(self._Q)}, got {str(adm)[:100]}")
-            fresh._admitted = {s: _count(adm[s], f"admitted.{s}") for s in self._Q}
-            if self.keeps_completable:
-                _check_completable(fresh)
-            inf = state["in_flight"]
-            if inf is not None and (not isinstance(inf, Mapping) or not set(inf) <= set(self._Q)):
-                raise StateError(f"in_flight must be null or counts of sources {sorted(self._Q)}, got {str(inf)[:100]}")
-            fresh._in_flight = None if inf is None else {s: _count(inf.get(s, 0), f"in_flight.{s}") for s in self._Q}
-            if bound is not None and fresh._bound is not None:
-                fresh._bound.load_state_dict(bound)
-            # the newest reported version: kept by the bound (without one, the next report sets it again)
-            fresh._max_reported = None if fresh._bound is None else fresh._bound.max_reported
-            fresh._loading = False
-        except StateError:
-            raise
-        except KnitdataError as e:
-            raise StateError(f"not a {self.name} admission state: {e}") from e
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
-            raise StateError(f"not a {self.name} admission state: {e!r}") from e
-        for attr in (
-            "continuous",
-            "_pending",
-            "_pending_members",
-            "_ready",
-            "_ready_n",
-            "_ready_groups",
-            "_pending_ids",
-            "_admitted",
-            "_in_flight",
-            "_b",
-            "_k",
-            "_seq", "_bound", "_by_version", "_pending_groups", "_max_reported",
-        ):
-            setattr(self, attr, getattr(fresh, attr))
-        self._plan_key = None

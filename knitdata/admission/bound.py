@@ -149,6 +149,7 @@ class StalenessBound:
         self.streak: dict[str, int] = dict.fromkeys(quotas, 0)  # groups dropped since the source's last admission
         # wait mode: per source the versions of the groups committed and not ready (reserved or incomplete), sorted
         self.outstanding: dict[str, list[int]] = {s: [] for s in quotas}
+        self.ready_versions: dict[str, list[int]] = {s: [] for s in quotas}  # wait mode: of the ready groups, sorted
 
     # -- settings and versions ---------------------------------------------------------------------------------
     def settings(self) -> list[Any]:
@@ -322,37 +323,57 @@ class StalenessBound:
         i = bisect.bisect_left(out, v)
         return i < len(out) and out[i] == v
 
-    def least(self, source: str, step: int, ready: Sequence[int], after: int, left: int, per_step: int) -> int:
+    def readied(self, source: str, version: int) -> None:
+        """Wait mode: a group of ``source`` and ``version`` is ready (kept sorted, to count by deadline)."""
+        if self.on_stale == "wait":
+            bisect.insort(self.ready_versions[source], version)
+
+    def unready(self, source: str, version: int) -> None:
+        """Wait mode: a ready group of ``source`` and ``version`` was admitted, dropped or withdrawn."""
+        if self.on_stale == "wait":
+            vs = self.ready_versions[source]
+            i = bisect.bisect_left(vs, version)
+            if i < len(vs) and vs[i] == version:
+                del vs[i]
+
+    def _by(self, source: str, step: int, last: int, ready_only: bool = False) -> int:
+        """Committed groups of ``source`` (ready, or also reserved and incomplete) whose last step is in
+        ``step..last``."""
+        eta, off = self.etas[source], self.offset
+        assert off is not None
+        lo, hi = step + off - eta, last + off - eta  # the versions of those last steps
+        n = 0
+        for vs in (self.ready_versions[source],) if ready_only else (self.ready_versions[source],
+                                                                       self.outstanding[source]):
+            n += bisect.bisect_right(vs, hi) - bisect.bisect_left(vs, lo)
+        return n
+
+    def least(self, source: str, step: int, after: int, left: int, per_step: int) -> int:
         """Wait mode: the fewest groups of ``source`` that ``step`` must take so that every committed group of it
-        (``ready`` versions, and the reserved or incomplete ones) can still join by its last step, given at most
-        ``per_step`` groups a step, ``left`` of its quota in this train batch and ``after`` steps left in it after
-        ``step`` (later train batches: its quota each)."""
+        (ready, reserved or incomplete) can still join by its last step, given at most ``per_step`` groups a step,
+        ``left`` of its quota in this train batch and ``after`` steps left in it after ``step`` (later train batches:
+        its quota each). O(eta log n)."""
         if self.offset is None or self.mode == _UNKNOWN:
             return 0
-        eta, off, Q, M = self.etas[source], self.offset, self._Q[source], self._M
-        last = sorted(d for d in (v + eta - off for v in (*ready, *self.outstanding[source])) if d >= step)
+        Q, M = self._Q[source], self._M
         low = 0
-        for i, d in enumerate(last):
-            n = d - step
+        for n in range(self.etas[source] + FUTURE_SLACK + 1):  # last step d = step + n
             n1 = min(n, after)
             nb, r = divmod(n - n1, M)
             later = nb * Q + min(r * per_step, Q)
-            low = max(low, i + 1 - later - min(n1 * per_step, max(0, left)))
+            low = max(low, self._by(source, step, step + n) - later - min(n1 * per_step, max(0, left)))
         return low
 
-    def short(self, step: int, ready: Mapping[str, Sequence[int]], size: int) -> bool:
+    def short(self, step: int, size: int) -> bool:
         """Wait mode, one room of ``size`` groups a step (fifo): whether ``step`` must wait for a reserved or
-        incomplete group, because the committed groups (``ready`` versions per source, and the others) that must
-        join by some step cannot all make it unless this step takes some of those not ready yet."""
+        incomplete group, because the committed groups that must join by some step cannot all make it unless this
+        step takes some of those not ready yet. O(S eta log n)."""
         if self.offset is None or self.mode == _UNKNOWN:
             return False
-        off = self.offset
-        have = sorted(d for s, vs in ready.items() for d in (v + self.etas[s] - off for v in vs) if d >= step)
-        every = sorted([*have, *(d for s, vs in self.outstanding.items() for d in (v + self.etas[s] - off for v in vs)
-                                 if d >= step)])
-        for i, d in enumerate(every):
-            req = i + 1 - (d - step) * size
-            if 0 < req <= size and bisect.bisect_right(have, d) < req:
+        for n in range(max(self.etas.values()) + FUTURE_SLACK + 1):
+            every = sum(self._by(s, step, step + n) for s in self.sources)
+            req = every - n * size
+            if 0 < req <= size and sum(self._by(s, step, step + n, True) for s in self.sources) < req:
                 return True
         return False
 

@@ -69,9 +69,7 @@ class FifoAdmission(AdmissionPolicy):
         if sum(self._ready_n.values()) < self._mm:
             return None
         b = self._bound
-        if b is not None and b.on_stale == "wait" and b.short(
-                self.step, {s: [g.version for _, _, g in self._by_version[s] if not g.gone] for s in self._Q},
-                self._mm):
+        if b is not None and b.on_stale == "wait" and b.short(self.step, self._mm):
             return None  # a reserved group must join this step to meet its bound: wait for it
         # wait mode with a bound: the group that expires first first (a producer's reserved groups keep their slots)
         etas = self._bound.etas if self._bound is not None and self._oldest_first else None
@@ -176,8 +174,7 @@ class ConstraintPreservingAdmission(AdmissionPolicy):
         for s, R in rem.items():
             H = self._bounds[s][1]
             top = min(H, R - K * self._bounds[s][0])  # most of s this step may take, whatever is ready
-            ready = [g.version for _, _, g in self._by_version[s] if not g.gone]
-            need = min(b.least(s, self.step, ready, K, R, H), top)
+            need = min(b.least(s, self.step, K, R, H), top)
             if need > hi[s]:
                 return None  # the groups it needs are reserved or incomplete: wait for them
             lo[s] = max(lo[s], need)
