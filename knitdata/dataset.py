@@ -50,7 +50,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from knitdata import trace as tracing
 from knitdata.consumer import ConsumerSession, MediaStage, PlanStage, ReadStage, produce
-from knitdata.control.rankstates import MERGED_FORMAT, collect_states
+from knitdata.control.rankstates import MERGED_FORMAT, collect_states, planning_guard, planning_of
 from knitdata.engines.base import Engine
 from knitdata.errors import ConfigError, EngineError, KnitdataError, StateError
 from knitdata.fetch import FETCH_MODES, FetchMode, fetch_mode
@@ -366,7 +366,7 @@ class TrajectoryDataset(IterableDataset):
             if static is None or static[0] is not layout or static[1] != (w, nw):
                 fixed = {"format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name,
                          "rank": self.rank, "num_consumers": self.engine.num_consumers, "worker": w,
-                         "num_workers": nw}
+                         "num_workers": nw, "planning": planning_of(self.engine.config)}
                 if self.replica is not None:
                     fixed.update(replica=self.replica, num_replicas=self.num_replicas)
                 static = (layout, (w, nw), _fixed_keys(lay, fixed))
@@ -397,11 +397,12 @@ class TrajectoryDataset(IterableDataset):
         it positions this dataset's replica only.
 
         Raises:
-            StateError: Not a TrajectoryDataset state, one of another rank, layout or pipeline, or a merged state
-                the pipeline refuses.
+            StateError: Not a TrajectoryDataset state, one of another rank, layout, pipeline or planning (another
+                ``token_budget``, spec...: :func:`~knitdata.control.rankstates.planning_guard`), or a merged state refused.
         """
         if isinstance(state, Mapping) and state.get("format") == MERGED_FORMAT:
-            self.engine.control.reshape(dict(state), None)
+            with planning_guard(state, self.engine, self.rank):
+                self.engine.control.reshape(dict(state), None)
             with self._lock:
                 self._close_active()
                 self._next, self._fp, self._pos, self._end_step, self._layout = None, None, None, None, None
@@ -434,7 +435,8 @@ class TrajectoryDataset(IterableDataset):
         if fp is not None and fp_len is not None:
             where = (f"after mini-batch {mb} micro-batch {micro - 1}" if pos is not None and micro
                      else f"before mini-batch {mb}" if pos is not None else f"at micro-batch {nxt}")
-            self.session.verify(fp_len, fp, where)
+            with planning_guard(state, self.engine, self.rank):
+                self.session.verify(fp_len, fp, where)
         with self._lock:
             self._close_active()
             self._next, self._worker, self._end_step, self._pos = nxt, (w, nw), end, pos

@@ -391,3 +391,19 @@ def test_reissue_is_exactly_the_prompts_in_flight(plan: list[tuple[int, bool]]) 
     finally:
         new.close()
         pipe.close()
+
+
+@pytest.mark.filterwarnings("ignore:knitdata. pipeline closed with")
+def test_rank_states_load_into_a_restore_with_another_token_budget(saved: tuple[Path, dict]) -> None:
+    """Issue 45.8: the ranks' states record the planning they were saved under; a pipeline restored with another
+    token_budget (allow_config_change) keeps the checkpoint's plans, so the states saved with it still load."""
+    d, _out = saved
+    budget = int(read_manifest(d / "ckpt")["plane"]["config"]["token_budget"])
+    job = json.loads((d / "job.json").read_text())
+    assert job["states"]["0"]["planning"]["token_budget"] == budget
+    pipe = Pipeline.restore(d / "ckpt", token_budget=budget * 2, allow_config_change=True)
+    try:
+        for r in range(2):
+            pipe.dataset(r, timeout=30).load_state_dict(job["states"][str(r)])
+    finally:
+        pipe.shutdown()

@@ -510,3 +510,39 @@ def test_a_microbatch_path_is_the_same_on_the_ray_engine():
     assert _suffixes(ray_res["sample"]) == _suffixes(emb["sample"])
     # iter: the embedded engine reads a share at once (its reads copy nothing), the Ray engine micro-batch by one
     assert _suffixes(emb["iter"]) < _suffixes(ray_res["iter"])
+
+
+def _taken_state(workload, budget: int, steps: int = 2):
+    pipe = _fed(workload.spec, workload.trajs, num_consumers=2, token_budget=budget)
+    ds = pipe.dataset(0, fetch="sample")
+    for k, _ in enumerate(ds):
+        if k + 1 == steps:
+            break
+    state = json.loads(json.dumps(ds.state_dict()))
+    ds.close()
+    return state
+
+
+def test_a_state_loaded_into_a_pipeline_with_another_token_budget_names_it(workload):
+    """Issue 45.8: a restarted job that changed token_budget cuts other micro-batches: the saved position means
+    other trajectories. Loading the state (before the refill, as documented) names token_budget and both values at
+    once, instead of a refill error that blames the puts."""
+    budget = max(t.num_tokens for t in workload.trajs) + 8
+    state = _taken_state(workload, budget)
+    pipe = Pipeline(workload.spec, num_consumers=2, token_budget=budget * 2)
+    ds = pipe.dataset(0, fetch="sample")
+    with pytest.raises(StateError, match=rf"token_budget={budget}\b.*token_budget={budget * 2}\b") as ei:
+        ds.load_state_dict(state)
+    assert "order of puts" not in str(ei.value)
+    same = Pipeline(workload.spec, num_consumers=2, token_budget=budget)
+    same.dataset(0, fetch="sample").load_state_dict(state)  # the same planning: accepted
+
+
+def test_a_refilled_pipeline_with_another_token_budget_names_it_too(workload):
+    """Issue 45.8: the same when the new pipeline was refilled before the state is loaded (the fingerprint check
+    fails at once): the error names token_budget, not the puts."""
+    budget = max(t.num_tokens for t in workload.trajs) + 8
+    state = _taken_state(workload, budget)
+    pipe = _fed(workload.spec, workload.trajs, num_consumers=2, token_budget=budget * 2)
+    with pytest.raises(StateError, match=rf"token_budget={budget}\b.*token_budget={budget * 2}\b"):
+        pipe.dataset(0, fetch="sample").load_state_dict(state)

@@ -311,3 +311,31 @@ def test_a_state_newer_than_the_live_pipeline_is_called_newer() -> None:
     assert "another run" not in text, text
     assert f"rank 0: its state lies at micro-batch {far}" in text and "newer than this pipeline" in text, text
     assert "before the refill" in text, text
+
+
+def test_merge_refuses_the_states_of_two_runs_naming_both() -> None:
+    """Issue 45.8: rank 0's state from one run and rank 1's from another (the second with token_budget=48) are
+    refused by the merge, naming both ranks and both values; the run's own states merge and carry the planning."""
+    import torch
+
+    from knitdata import Pipeline, Trajectory
+
+    def run(budget: int) -> list[dict[str, Any]]:
+        pipe = Pipeline(SPEC, num_consumers=2, token_budget=budget)
+        for i in range(16):
+            pipe.put(Trajectory(id=f"t{i}", source="ab"[(i // 2) % 2], group=f"g{i // 2}", gen_version=0,
+                                prompt_ids=torch.arange(3), response_ids=torch.arange(2 + i % 5)))
+        pipe.close()
+        states = []
+        for r in range(2):
+            ds = pipe.dataset(r, fetch="sample")
+            next(iter(ds))
+            states.append(json.loads(json.dumps(ds.state_dict())))
+            ds.close()
+        return states
+
+    one, two = run(24), run(48)
+    with pytest.raises(StateError, match=r"rank 0 .*token_budget=24.* rank 1 .*token_budget=48.*different runs"):
+        merge_rank_states([one[0], two[1]])
+    merged = merge_rank_states(one)
+    assert merged["planning"]["token_budget"] == 24

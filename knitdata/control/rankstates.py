@@ -5,22 +5,76 @@ See :mod:`knitdata.control.reshape` for what a merged state makes the control pl
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from knitdata.control.state import FP_EMPTY
 from knitdata.errors import KnitdataError, StateError
 from knitdata.placement import ConsumerLayout
 
-__all__ = ["MERGED_FORMAT", "RANK_STATE_FORMAT", "merge_rank_states", "check_merged", "collect_states",
-           "layout_runs", "layout_from_runs", "canon"]
+__all__ = ["MERGED_FORMAT", "RANK_STATE_FORMAT", "PLANNING_KEYS", "merge_rank_states", "check_merged",
+           "collect_states", "layout_runs", "layout_from_runs", "canon", "planning_of", "planning_mismatch",
+           "planning_guard"]
 
 #: ``format`` of a merged state (:func:`merge_rank_states`).
 MERGED_FORMAT = "knitdata.MergedRankStates"
 #: ``format`` of the rank states it merges (:class:`knitdata.dataset.TrajectoryDataset` states).
 RANK_STATE_FORMAT = "knitdata.TrajectoryDataset"
 _MERGED_VERSION = 1
+#: The pipeline options that decide how admitted trajectories are cut into micro-batches: a rank state carries them
+#: (``"planning"``), since a position saved under other values means other trajectories.
+PLANNING_KEYS = ("spec", "token_budget", "admission", "admission_options", "placement", "allow_split_groups",
+                 "balance_tolerance")
+
+
+def planning_of(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The :data:`PLANNING_KEYS` of a pipeline's configuration (JSON)."""
+    return {k: config.get(k) for k in PLANNING_KEYS}
+
+
+def planning_mismatch(saved: Any, mine: Any) -> tuple[str, str] | None:
+    """What differs between two ``"planning"`` dicts: ``("token_budget=24", "token_budget=32")`` (the saved
+    values, then the others), or ``None`` when they agree or either is missing (a state saved before states
+    carried it)."""
+    if not isinstance(saved, Mapping) or not isinstance(mine, Mapping):
+        return None
+    diff = [k for k in PLANNING_KEYS if k in saved and k in mine and canon(saved[k]) != canon(mine[k])]
+    if not diff:
+        return None
+    return ", ".join(f"{k}={saved[k]!r}" for k in diff), ", ".join(f"{k}={mine[k]!r}" for k in diff)
+
+
+@contextlib.contextmanager
+def planning_guard(state: Any, engine: Any, rank: int) -> Iterator[None]:
+    """Around the checks of a rank state loaded by ``engine``'s rank ``rank``: name the real cause of a refusal when
+    the state was saved by a pipeline that cuts micro-batches differently (another ``token_budget``, spec,
+    admission...; see :data:`PLANNING_KEYS`).
+
+    On a pipeline that has planned nothing yet (a new job loading its states before the refill, as documented)
+    such a state is refused at once; on one that has (its fingerprints decide: a pipeline restored from a
+    checkpoint with another configuration keeps the checkpoint's plans, which the states match), a
+    :class:`~knitdata.errors.StateError` raised inside the block is replaced by one naming the planning.
+
+    Raises:
+        StateError: ``"rank R: the state was saved by a pipeline planning with token_budget=24; this pipeline has
+            token_budget=32: ..."``.
+    """
+    saved = state.get("planning") if isinstance(state, Mapping) else None
+    differs = planning_mismatch(saved, planning_of(engine.config))
+    err = None if differs is None else StateError(
+        f"rank {rank}: the state was saved by a pipeline planning with {differs[0]}; this pipeline has {differs[1]}: "
+        "it cuts other micro-batches, so the saved position would mean other trajectories here. Create the "
+        f"pipeline with {differs[0]} to resume from this state (or start without it)")
+    if err is not None and not any(engine.control.stats().get("planned") or ()):
+        raise err
+    try:
+        yield
+    except StateError as e:
+        if err is None:
+            raise
+        raise err from e
 
 
 def layout_runs(layout: ConsumerLayout) -> list[list[Any]]:
@@ -112,6 +166,10 @@ def _group(flat: list[dict[str, Any]]) -> tuple[int, dict[int, dict[int, dict[st
         if st.get("pipeline") != first.get("pipeline"):
             raise _bad(f"rank {r} comes from pipeline {st.get('pipeline')!r}, rank {first.get('rank')} from "
                        f"{first.get('pipeline')!r}: states of different runs")
+        differs = planning_mismatch(first.get("planning"), st.get("planning"))
+        if differs is not None:
+            raise _bad(f"rank {first.get('rank')} was saved by a pipeline planning with {differs[0]} and rank {r} by "
+                       f"one with {differs[1]}: states of different runs")
         if canon(st.get("layout")) != canon(first.get("layout")):
             raise _bad(f"ranks {first.get('rank')} and {r} were saved with different layouts (nodes of the ranks)")
         if canon(st.get("layout_history")) != canon(first.get("layout_history")):
@@ -162,9 +220,11 @@ def merge_rank_states(states: Iterable[Any]) -> dict[str, Any]:
         The merged state (format :data:`MERGED_FORMAT`).
 
     Raises:
-        StateError: No state, a missing rank or worker, one given twice, states of different runs, layouts or
-            layout histories, mixed fingerprinted and unfingerprinted states, or a malformed state. The message
-            names the ranks concerned.
+        StateError: No state, a missing rank or worker, one given twice, states of different runs (another
+            pipeline name, or another planning: ``token_budget``, spec, admission... of :data:`PLANNING_KEYS`),
+            layouts or layout histories, mixed fingerprinted and unfingerprinted states, or a malformed state. The
+            message names the ranks concerned and what differs. (Two runs that differ only in their puts cannot
+            be told apart here: the pipeline that loads their merged state refuses it by its fingerprints.)
 
     Example:
         >>> from knitdata import merge_rank_states
@@ -224,6 +284,7 @@ def merge_rank_states(states: Iterable[Any]) -> dict[str, Any]:
         "num_consumers": n, "layout": first.get("layout"), "num_workers": [nws[r] for r in range(n)], "positions": positions,
         "fingerprints": fingerprints, "history": hist, "remainder": remainder,
         "epoch": max(int(st.get("epoch") or 0) for st in flat),
+        **({"planning": first["planning"]} if "planning" in first else {}),
     }
 
 
