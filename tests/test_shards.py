@@ -825,3 +825,18 @@ def test_torchdata_end_of_epoch_behavior(ten, num_workers, batch_size):
     dataloader_sd_out.load_state_dict(sd_out)
     got = _count_items_yielded(dataloader_sd_out, batch_size)  # saved after the epoch's end: a full new epoch
     assert sorted(got) == ids and len(got) == len(ids)
+
+
+def test_a_broken_tar_is_reported_under_a_public_name(two_shards):
+    """Issue 45.8: the error of a shard whose tar stream breaks (the rest of the shard lost) is a public, documented
+    class (it was the private ``_BrokenShard`` in tracebacks and in what an on_error callable received)."""
+    from knitdata.shards import BrokenShardError
+
+    _trajs, paths = two_shards
+    _truncate_in(paths[0], "traj-00001.t_big.npy")
+    errors: list[Exception] = []
+    list(read_shards(paths, on_error=errors.append))
+    [err] = errors
+    assert type(err) is BrokenShardError and isinstance(err, CodecError)
+    assert not type(err).__name__.startswith("_") and "_BrokenShard" not in repr(err)
+    assert type(err).__module__.startswith("knitdata.") and paths[0] in str(err)

@@ -24,6 +24,7 @@ from knitdata.shards.format import (
 )
 from knitdata.shards.reader import (
     DEFAULT_MAX_MEMBER_BYTES,
+    BrokenShardError,
     count_samples,
     expand_urls,
     iter_shard_samples,
@@ -50,4 +51,5 @@ __all__ = [
     "count_samples",
     "expand_urls",
     "ShardDataset",
+    "BrokenShardError",
 ]

@@ -15,6 +15,7 @@ from knitdata.record import Trajectory
 from knitdata.shards.format import ReplayInfo, decode_sample
 
 __all__ = [
+    "BrokenShardError",
     "DEFAULT_MAX_MEMBER_BYTES",
     "OnError",
     "expand_urls",
@@ -46,8 +47,11 @@ def expand_urls(urls: str | Sequence[str]) -> list[str]:
     return out
 
 
-class _BrokenShard(CodecError):
-    """The tar stream itself is broken: nothing after this point in the shard can be read."""
+class BrokenShardError(CodecError):
+    """A shard's tar stream itself is broken (a truncated member or a corrupted header): nothing after that point in
+    the shard can be read. The message names the shard, the sample and the member; samples before it were intact.
+    With ``on_error="skip"`` (or a callable) the reader goes on with the next shard; a callable can tell this
+    (the rest of the shard lost) from a single bad sample (a plain :class:`~knitdata.errors.CodecError`)."""
 
 
 class _SafeReader:
@@ -116,7 +120,7 @@ def _check_tail(f: BinaryIO, offset: int, url: str) -> None:
         if not chunk:
             return
         if chunk.count(0) != len(chunk):
-            raise _BrokenShard(
+            raise BrokenShardError(
                 f"shard {url!r}: unreadable data after byte {offset} (a corrupted or truncated tar header); "
                 "samples after it are lost"
             )
@@ -131,15 +135,16 @@ def iter_shard_samples(
     members are considered; their bytes are not interpreted here.
 
     Raises:
-        CodecError: If the tar structure is broken (truncated member or header); samples yielded before
+        BrokenShardError: If the tar structure is broken (truncated member or header); samples yielded before
             it were intact.
+        CodecError: A member over ``max_member_bytes``.
     """
     f, seekable = _open(url)
     try:
         try:
             tf = tarfile.open(fileobj=f, mode="r:" if seekable else "r|*")
         except tarfile.TarError as e:
-            raise _BrokenShard(f"shard {url!r}: not a readable tar file: {e}") from e
+            raise BrokenShardError(f"shard {url!r}: not a readable tar file: {e}") from e
         index = -1
         key: str | None = None
         cur: dict[str, bytearray] = {}
@@ -147,7 +152,7 @@ def iter_shard_samples(
             try:
                 ti = tf.next()
             except (tarfile.TarError, OSError, EOFError) as e:
-                raise _BrokenShard(
+                raise BrokenShardError(
                     f"shard {url!r}: broken after sample {key!r} (truncated member?): {e}; later samples are lost"
                 ) from e
             tf.members = []  # type: ignore[attr-defined]  # do not accumulate TarInfos (typeshed omits `members`)
@@ -172,7 +177,7 @@ def iter_shard_samples(
                     f"{max_member_bytes}; refused (raise max_member_bytes if it is genuine)"
                 )
             if f.size is not None and ti.offset_data + ti.size > f.size:
-                raise _BrokenShard(
+                raise BrokenShardError(
                     f"shard {url!r}, sample {k!r}: member {name!r} is truncated "
                     f"({max(0, f.size - ti.offset_data)} of {ti.size} bytes in the file)"
                 )
@@ -191,11 +196,11 @@ def iter_shard_samples(
                         buf += chunk
                     n = len(buf)
             except (tarfile.TarError, OSError, EOFError) as e:
-                raise _BrokenShard(
+                raise BrokenShardError(
                     f"shard {url!r}, sample {k!r}: member {name!r} is truncated or unreadable: {e}"
                 ) from e
             if n != ti.size:
-                raise _BrokenShard(
+                raise BrokenShardError(
                     f"shard {url!r}, sample {k!r}: member {name!r} is truncated ({n} of {ti.size} bytes)"
                 )
             cur[suffix] = buf
