@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-staleness", type=int, default=1)
     ap.add_argument("--resume", default=None, help="a checkpoint-N folder of --output-dir")
     ap.add_argument("--record", default=None, help="append one JSON line per optimizer step")
+    ap.add_argument("--max-new-tokens", type=int, default=6)
+    ap.add_argument("--chunk-tokens", type=int, default=3, help="tokens per generation round (partial rollouts)")
+    ap.add_argument("--gen-delay", type=float, default=0.0, help="seconds added to each generation round")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep after each step")
     args = ap.parse_args(argv)
 
@@ -90,8 +93,16 @@ def main(argv: list[str] | None = None) -> None:
     spec = BatchSpec({"even": 8, "low": 4}, num_minibatches=2, group_size=2)  # knitdata: 6 samples per step, 4 + 2
     engine = HFGenerationEngine(transformers.AutoModelForCausalLM.from_pretrained(model_dir),  # knitdata
                                 pad_token_id=PAD, eos_token_id=EOS)
+    if args.gen_delay:  # a slower engine, as a real one is next to the trainer: weight syncs land mid-generation
+        generate = engine.generate
+
+        def slow_generate(*a: Any, **kw: Any) -> Any:
+            time.sleep(args.gen_delay)
+            return generate(*a, **kw)
+
+        engine.generate = slow_generate  # type: ignore[method-assign]
     worker = KnitdataRolloutWorker(spec, prompts, engine, reward, processing_class=tok,  # knitdata
-                                   max_new_tokens=6, chunk_tokens=3)
+                                   max_new_tokens=args.max_new_tokens, chunk_tokens=args.chunk_tokens)
 
     config = AsyncGRPOConfig(output_dir=args.output_dir, per_device_train_batch_size=3, gradient_accumulation_steps=2,
                              num_generations=2, max_steps=args.max_steps, max_staleness=args.max_staleness,

@@ -2,8 +2,8 @@
 
 The script trains on CPU with two sources in its own process; the test kills it (SIGKILL) after a checkpoint,
 restarts it with ``resume_from_checkpoint`` and checks, over both processes, what TRL trained: every optimizer
-step holds exactly each source's share (4 "even" + 2 "low" samples), no sample is staler than the bound in TRL's
-model versions, and the trajectories trained (the steps the first process made after its checkpoint are rolled
+step holds exactly each source's share (4 "even" + 2 "low" samples), no sample (its oldest token: responses are
+generated in chunks, continued after weight syncs) is staler than the bound in TRL's model versions, and the trajectories trained (the steps the first process made after its checkpoint are rolled
 back with the model) cover each source's prompts 0..K-1 exactly once: nothing trained twice, nothing lost.
 """
 
@@ -23,7 +23,7 @@ pytest.importorskip("trl")
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "trl_async_grpo.py"
-STEPS, SAVE, BOUND = 8, 2, 1
+STEPS, SAVE, BOUND = 8, 2, 2
 SHARE = {"even": 4, "low": 2}
 
 
@@ -31,7 +31,8 @@ def _run(out: Path, record: Path, *extra: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, str(SCRIPT), "--output-dir", str(out), "--max-steps", str(STEPS),
                              "--save-steps", str(SAVE), "--max-staleness", str(BOUND), "--record", str(record),
-                             *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             # chunks of 2 tokens on a slower engine: weight syncs land mid-generation
+                             "--chunk-tokens", "2", "--max-new-tokens", "8", "--gen-delay", "0.02", *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def _lines(record: Path) -> list[dict]:
@@ -53,7 +54,7 @@ def _stepped_past(record: Path, step: int) -> bool:
 
 def test_trains_two_sources_with_exact_shares_and_resumes_exactly_after_a_kill(tmp_path: Path) -> None:
     out, record = tmp_path / "out", tmp_path / "steps.jsonl"
-    first = _run(out, record, "--step-sleep", "0.4")
+    first = _run(out, record, "--step-sleep", "0.3")
     state_of = lambda n: out / f"checkpoint-{n}" / "knitdata_trl_worker.json"  # noqa: E731
     deadline = time.monotonic() + 120
     # kill once a step past the second checkpoint has trained: it must be rolled back and trained again
