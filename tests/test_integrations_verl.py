@@ -15,6 +15,7 @@ import random
 import re
 import shlex
 import types
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,15 @@ from hypothesis import strategies as st
 from knitdata.errors import ConfigError, DataTimeoutError, StateError, ValidationError
 
 try:
-    import transfer_queue
-    import verl
-    from transfer_queue import KVBatchMeta
-    from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
-    from verl.utils.import_utils import load_extern_type
-    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+    with warnings.catch_warnings():  # verl names each training engine it cannot load (megatron, ...): none is used
+        warnings.simplefilter("ignore", UserWarning)
+        import transfer_queue
+        import verl
+        from transfer_queue import KVBatchMeta
+        from verl.trainer.ppo.v1.replay_buffer import ReplayBufferAsync
+        from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+        from verl.utils.import_utils import load_extern_type
+        from verl.utils.tensordict_utils import list_of_dict_to_tensordict
 except ImportError as e:  # pragma: no cover - make install-dev installs verl (see the Makefile)
     pytest.skip(f"verl 0.9 is not importable here ({e!r}); `make install-dev` installs it", allow_module_level=True)
 
@@ -525,3 +528,24 @@ def test_staleness_in_minibatches_is_verls_rule() -> None:
                     knit = all(G * M + k - P * M <= eta for k in range(M))  # type: ignore[operator]
                     assert knit == (G - P + 1 <= T)
     assert staleness_in_minibatches(None, 3) is None
+
+
+@pytest.mark.slow
+def test_on_a_real_transferqueue() -> None:
+    """The fake store's answers are TransferQueue's: the same run on a real one (Ray on loopback, about 20 s to
+    start) delivers exact quotas per global step, drops the stale group, clears and refills the failed one."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _ray_helpers import run_json_subprocess
+
+    out = run_json_subprocess([sys.executable, str(ROOT / "tests" / "_verl_real_tq.py")], "verl on TransferQueue",
+                              timeout_s=240)
+    for step in out["steps"]:
+        assert [len(mb) for mb in step] == [2, 2]
+        assert sorted(s for mb in step for s in mb) == ["code", "math", "math", "math"]
+    metrics = out["metrics"]
+    assert sum(m.get("training/rollout_failure/evicted_samples", 0) for m in metrics) == 1
+    assert sum(m.get("training/off_policy/evicted_samples", 0) for m in metrics) >= 1
+    assert all(m["training/knitdata/off_policy_span/max"] <= 1 for m in metrics)
+    assert sum(out["refills"]) >= 2
