@@ -247,3 +247,43 @@ def test_model_ten_thousand_randomized_cases() -> None:
     print(f"{n} cases in {time.monotonic() - t0:.1f} s; wait-mode cases with a drop (shuffled order): "
           f"{wait_drops_shuffled}")
     assert n >= 10_000
+
+
+def test_a_journal_replay_learns_the_same_offset(tmp_path) -> None:
+    """The learned offset comes from journaled calls only (puts, hand-outs, the report): a coordinator that recovers
+    from the journal (or from a snapshot) holds the same bound state and admits the same."""
+    from knitdata.control import ControlPlane, fields_of
+    from knitdata.control.journal import Journal
+    from knitdata.placement import ConsumerLayout
+
+    spec = BatchSpec({"a": 4, "b": 4}, num_minibatches=2, group_size=2)
+    cfg = {"spec": spec.to_dict(), "layout": ConsumerLayout.uniform(2, 1).to_dict(), "token_budget": 40,
+           "admission_options": {"max_staleness": {"a": 1, "b": 2}, "on_stale": "drop", "version_offset": None}}
+    units = {"node0": "node0", "node1": "node1"}
+
+    def put(plane, i: int, version: int) -> None:
+        t = Trajectory(id=f"t{i}", source="ab"[(i // 2) % 2], group=f"g{i // 2}", gen_version=version,
+                       prompt_ids=torch.arange(4), response_ids=torch.arange(8))
+        plane.admit_many("node0", [[{**t.meta().to_dict(), "fields": fields_of({}, {})}, 8, f"k{i}"]])
+
+    path = tmp_path / "run.journal"
+    a = ControlPlane(cfg, units, lambda u, ids, wait: None, journal=Journal(path, fsync_every_s=0))
+    with pytest.warns(RuntimeWarning, match="version_offset"):
+        for i in range(16):
+            put(a, i, 100)
+    for rank in range(2):
+        for e in a.next_entries(rank, 0, 0.0).get("entries", []):
+            a.handed(rank, e["j"], e["minibatch"], e["microbatch"])
+    a.report_version(101)
+    assert a.stats()["staleness_bound"]["offset"] == 100
+    b = ControlPlane(cfg, units, lambda u, ids, wait: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        b.recover(str(path))
+    assert b.policy.state_dict() == a.policy.state_dict()
+    c = ControlPlane.from_state_dict(json.loads(json.dumps(a.state_dict())), lambda u, ids, wait: None)
+    assert c.policy.state_dict() == a.policy.state_dict()
+    for p in (a, b, c):
+        put(p, 16, 101)
+        put(p, 17, 101)
+    assert b.policy.state_dict() == a.policy.state_dict() == c.policy.state_dict()

@@ -8,6 +8,14 @@ whose oldest token has version ``v`` may join steps up to ``v + eta_s - offset``
 ``max_staleness`` is an int or ``{source: int}``); a complete group past that is dropped whole (never admitted),
 counted per source and listed for regeneration. Quotas are untouched: the policy's feasibility check counts only
 groups still admissible.
+
+Modes. ``on_stale="drop"``: producers run free; guaranteed: nothing admitted staler than its source's bound, exact
+quotas. ``on_stale="wait"`` (needs a bound): producers also reserve within the policy's ``rollout_capacity``, which
+follows the policy's own plan of the next steps; guaranteed besides: no deadlock (while admission waits for a step
+and every reservation was delivered, a producer at the trainer's version, or lagging by up to ``eta``, gets room
+for what the step needs) and nothing dropped when each source's groups arrive in the order they were started
+(admission takes them in the order they expire, and waits for a reserved group that must join the step being
+formed). Both are property-tested against an independent model (``tests/test_bound.py``).
 """
 
 from __future__ import annotations
@@ -147,6 +155,7 @@ class StalenessBound:
         self.entries: list[int] | None = [0]
         self.worst: dict[str, list[Any]] = {}  # source -> [step - version, trajectory id] admitted before a report
         self.streak: dict[str, int] = dict.fromkeys(quotas, 0)  # groups dropped since the source's last admission
+        self.warned: set[str] = set()  # sources a starvation warning named
         # wait mode: per source the versions of the groups committed and not ready (reserved or incomplete), sorted
         self.outstanding: dict[str, list[int]] = {s: [] for s in quotas}
         self.ready_versions: dict[str, list[int]] = {s: [] for s in quotas}  # wait mode: of the ready groups, sorted
@@ -386,7 +395,7 @@ class StalenessBound:
              needy: bool = True) -> None:
         """Record a dropped group: counted, listed for regeneration, its members to release. ``needy``: the source
         still owes its quota and has no group ready: such drops in a row (none of its groups admitted in between)
-        flag it as starved, with a warning that names it."""
+        flag it as starved, with a warning that names it (once per source)."""
         tokens = sum(int(m.num_tokens) for m in metas)
         for key, n in zip(_COUNTERS, (1, len(metas), tokens)):
             self.counts[key][source] += n
@@ -399,7 +408,8 @@ class StalenessBound:
         if not needy:
             return
         self.streak[source] += 1
-        if self.streak[source] == self.starve_after(source):
+        if self.streak[source] == self.starve_after(source) and source not in self.warned:
+            self.warned.add(source)  # once per source (the stats keep the live flag)
             warnings.warn(
                 f"staleness bound: source {source!r} is starved: {self.streak[source]} of its groups in a row arrived "
                 f"staler than max_staleness {self.etas[source]} (step {step}) while its quota waited for them, and "

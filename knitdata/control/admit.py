@@ -83,6 +83,8 @@ def acquire_rollout(engine: Any, want: Mapping[str, int], version: int | None = 
     Raises:
         RolloutThrottled: No room within ``timeout`` (the trainer has not advanced: it waits for other sources, or
             the consumers stopped); the message gives the capacity and what admission waits for.
+        ValidationError: At once, when ``want`` asks for more groups of a source than its bound's window of
+            ``eta_s + 1`` steps can ever hold (waiting would be in vain).
         ConfigError: The pipeline has no ``max_staleness``.
     """
     plane = engine.control
