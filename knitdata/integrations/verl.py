@@ -499,6 +499,9 @@ class KnitdataSampler:
             metrics[f"training/knitdata/starved/{s}"] = int(starved.get(s, 0))
         metrics["training/knitdata/off_policy_span/max"] = max(spans)
         metrics["training/knitdata/off_policy_span/mean"] = sum(spans) / len(spans)
+        starving = (self._policy.bound_stats() or {}).get("starved", {}) if self._policy is not None else {}
+        for s, flag in starving.items():  # knitdata's signal: max(2, quota) groups of s dropped in a row
+            metrics[f"training/knitdata/bound_starved/{s}"] = int(bool(flag))
         metrics["training/knitdata/wait_s"] = waited
         metrics["training/knitdata/ahead"] = self._sampleable()
 
