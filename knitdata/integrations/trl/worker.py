@@ -38,7 +38,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from functools import partial
+from typing import Any, Protocol, cast
 
 import numpy as np
 from transformers import TrainerCallback
@@ -439,12 +440,12 @@ class KnitdataRolloutWorker:
     def _feed(self) -> None:
         assert self.pipeline is not None
         ds = self.pipeline.dataset(0, fetch="eager", collate=_keep, timeout=self.timeout_s)
-        for trajs, info in ds:
+        for item in ds:
+            trajs, info = cast(tuple[list[Trajectory], Any], item)  # what _keep returned
             step = int(info.minibatch)
+            need = self._version0 + step - 1
             with self._cond:  # at most one step ahead of the trainer (its loader reads one micro-batch ahead)
-                need = self._version0 + step - 1
-                ok = self._cond.wait_for(lambda need=need: self._stop.is_set() or self._version >= need,
-                                         timeout=self.timeout_s)
+                ok = self._cond.wait_for(partial(self._reached, need), timeout=self.timeout_s)
             if self._stop.is_set():
                 return
             if not ok:
@@ -453,6 +454,9 @@ class KnitdataRolloutWorker:
             for t in trajs:
                 self.rollout_buffer.put(self._to_trl(t))
             self._last_progress = time.monotonic()
+
+    def _reached(self, version: int) -> bool:
+        return self._stop.is_set() or self._version >= version
 
     def _to_trl(self, t: Trajectory) -> RolloutSample:
         p, r = t.prompt_ids.numpy(), t.response_ids.numpy()

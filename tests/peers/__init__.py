@@ -1,0 +1,1 @@
+"""Tests vendored from other projects (each folder names its source and license)."""

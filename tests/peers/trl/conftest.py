@@ -1,0 +1,245 @@
+"""Offline shim for TRL's own GRPO tests (vendored from huggingface/trl, see README.md), run unchanged.
+
+No model hub is reachable here. TRL's tests load models, tokenizers and datasets by hub id; this conftest answers
+those ids with tiny random-init stand-ins built on first use in a session directory:
+
+* **models**: ``trl-internal-testing/tiny-<Architecture>[-suffix]`` -> that transformers architecture from a small
+  config of its family (2 layers, hidden 16, 4 heads), saved with ``save_pretrained``; ``from_pretrained`` of the
+  Auto classes, ``PreTrainedModel``, ``PreTrainedTokenizerBase`` and ``ProcessorMixin`` is wrapped (as TRL's own
+  conftest wraps it to inject revisions) so that a known id loads from that directory;
+* **tokenizers**: byte-level BPE without merges (any text encodes, 256 byte tokens) plus the family's special
+  tokens and TRL's own copy of the family's chat template (``trl/chat_templates/qwen2_5.jinja``, ...);
+* **datasets**: ``trl-internal-testing/zen`` (the Zen of Python split into prompt and completion, in the formats
+  the tests ask for: standard / conversational, prompt-only / prompt-completion; splits ``train`` and ``test``,
+  streaming too), by replacing the test module's ``load_dataset`` for the test's duration;
+* **CUDA-only parts of AsyncGRPOTrainer**: :func:`knitdata.integrations.trl.cpu_stand_ins` while a test runs, and
+  the Ampere-GPU ``skipif`` of ``TestAsyncGRPOTrainer`` lifted (what it guards is the FlashAttention kernel).
+
+Everything else (TRL's trainers, configs, losses, the tests' assertions) is TRL's. Tests that need what the shim
+does not provide are listed in ``EXCLUDED`` with the reason (README.md); all tests here are marked slow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import os
+import re
+import tempfile
+import threading
+from functools import wraps
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .trl_conftest import *  # noqa: F403 - TRL's own conftest (fixtures and hooks), vendored unchanged
+from .trl_conftest import pytest_runtest_makereport  # noqa: F401 - hooks are found by name
+
+HERE = Path(__file__).resolve().parent
+_CACHE = Path(os.environ.get("KNITDATA_TRL_SHIM_DIR") or tempfile.mkdtemp(prefix="trl-shim-"))
+_LOCK = threading.Lock()
+
+#: Reasons for the tests that cannot run here (substring of the test's node id -> why); see README.md.
+EXCLUDED: dict[str, str] = {}
+
+#: Vendored modules that cannot even be imported against TRL 1.16.0 (see README.md).
+collect_ignore = [
+    # imports trl.experimental.async_grpo.async_grpo_trainer._balance_by_squared_length, which 1.16.0 removed (its
+    # batchers balance rows with packing.TreeRow instead); the snapshot is older than 1.16 (README.md)
+    "experimental/test_async_grpo_trainer.py",
+]
+
+_FAMILY = {  # architecture prefix -> (config class, chat template shipped with TRL, special tokens)
+    "Qwen2": ("Qwen2Config", "qwen2_5.jinja"),
+    "Qwen3Moe": ("Qwen3MoeConfig", "qwen3.jinja"),
+    "Qwen3": ("Qwen3Config", "qwen3.jinja"),
+    "Llama": ("LlamaConfig", "qwen2_5.jinja"),
+    "Mistral": ("MistralConfig", "qwen2_5.jinja"),
+    "Gemma2": ("Gemma2Config", "qwen2_5.jinja"),
+    "Cohere2": ("Cohere2Config", "qwen2_5.jinja"),
+}
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>",
+             "<tool_response>", "</tool_response>"]
+_TINY = re.compile(r"^trl-internal-testing/tiny-(?P<arch>[A-Za-z0-9_]+?(ForCausalLM|ForSequenceClassification))"
+                   r"(-[\w.]+)?$")
+
+
+# ------------------------------------------------------------------------------------------------ models
+def _family(arch: str) -> tuple[str, str]:
+    for prefix, fam in _FAMILY.items():
+        if arch.startswith(prefix):
+            return fam
+    raise KeyError(arch)
+
+
+def _tokenizer(template: str) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  additional_special_tokens=_SPECIALS[1:])
+    tok.add_special_tokens({"pad_token": "<|endoftext|>", "eos_token": "<|im_end|>"})
+    tok.chat_template = (importlib.resources.files("trl") / "chat_templates" / template).read_text()
+    return tok
+
+
+def _build_model(hub_id: str, path: Path) -> None:
+    import torch
+    import transformers
+
+    arch = _TINY.match(hub_id).group("arch")  # type: ignore[union-attr]
+    config_cls, template = _family(arch)
+    tok = _tokenizer(template)
+    kw: dict[str, Any] = dict(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+                              head_dim=4, tie_word_embeddings=False)
+    if config_cls == "Qwen3MoeConfig":
+        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1)
+    if arch.endswith("ForSequenceClassification"):
+        kw["num_labels"] = 1
+    config = getattr(transformers, config_cls)(**kw)
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(config)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def _local(hub_id: Any) -> Any:
+    """The local directory standing in for a hub id the shim knows (built on first use), else the id unchanged."""
+    if not isinstance(hub_id, str) or not _TINY.match(hub_id):
+        return hub_id
+    try:
+        _family(_TINY.match(hub_id).group("arch"))  # type: ignore[union-attr]
+    except KeyError:
+        return hub_id
+    path = _CACHE / hub_id.replace("/", "--")
+    with _LOCK:
+        if not (path / "config.json").exists():
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            _build_model(hub_id, tmp)
+            with contextlib.suppress(OSError):
+                tmp.rename(path)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def offline_hub_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoProcessor,
+        AutoTokenizer,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        ProcessorMixin,
+    )
+
+    def wrap(cls: Any) -> None:
+        original = cls.from_pretrained.__func__
+
+        @wraps(original)
+        def from_pretrained(klass: Any, name: Any, *args: Any, **kwargs: Any) -> Any:
+            return original(klass, _local(name), *args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(from_pretrained))
+
+    for cls in (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoProcessor, AutoTokenizer,
+                PreTrainedModel, PreTrainedTokenizerBase, ProcessorMixin):
+        wrap(cls)
+
+
+# ------------------------------------------------------------------------------------------------ datasets
+_ZEN = [
+    ("Beautiful is better", " than ugly."), ("Explicit is better", " than implicit."),
+    ("Simple is better", " than complex."), ("Complex is better", " than complicated."),
+    ("Flat is better", " than nested."), ("Sparse is better", " than dense."), ("Readability", " counts."),
+    ("Special cases aren't special enough", " to break the rules."), ("Although practicality", " beats purity."),
+    ("Errors should never", " pass silently."), ("Unless explicitly", " silenced."),
+    ("In the face of ambiguity,", " refuse the temptation to guess."),
+    ("There should be one-- and preferably only one --", "obvious way to do it."),
+    ("Although that way may not be obvious at first", " unless you're Dutch."), ("Now is better", " than never."),
+    ("Although never is often better than", " *right* now."),
+    ("If the implementation is hard to explain,", " it's a bad idea."),
+    ("If the implementation is easy to explain,", " it may be a good idea."),
+    ("Namespaces are one honking great idea --", " let's do more of those!"),
+]
+
+
+def _zen(config: str, split: str) -> Any:
+    from datasets import Dataset
+
+    rows = _ZEN[:17] if split == "train" else _ZEN[17:]
+    conversational = config.startswith("conversational")
+    prompt = [[{"role": "user", "content": p}] if conversational else p for p, _ in rows]
+    data: dict[str, Any] = {"prompt": prompt}
+    if config.endswith("prompt_completion"):
+        data["completion"] = [[{"role": "assistant", "content": c}] if conversational else c for _, c in rows]
+    elif not config.endswith("prompt_only"):
+        raise KeyError(config)
+    return Dataset.from_dict(data)
+
+
+def offline_load_dataset(path: str, name: str | None = None, *args: Any, split: str | None = None,
+                         streaming: bool = False, **kwargs: Any) -> Any:
+    """``datasets.load_dataset`` for ``trl-internal-testing/zen``; other ids raise (no hub here)."""
+    from datasets import DatasetDict, IterableDatasetDict
+
+    if path != "trl-internal-testing/zen" or name is None:
+        raise ConnectionError(f"offline shim: no stand-in for dataset {path!r} ({name!r}); see tests/peers/trl")
+    if split is None:
+        d = DatasetDict({s: _zen(name, s) for s in ("train", "test")})
+        return IterableDatasetDict({k: v.to_iterable_dataset() for k, v in d.items()}) if streaming else d
+    ds = _zen(name, split)
+    return ds.to_iterable_dataset() if streaming else ds
+
+
+@pytest.fixture(autouse=True)
+def offline_datasets(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if hasattr(request.module, "load_dataset"):
+        monkeypatch.setattr(request.module, "load_dataset", offline_load_dataset)
+
+
+# ------------------------------------------------------------------------------------------------ AsyncGRPOTrainer on CPU
+@pytest.fixture(autouse=True)
+def async_grpo_on_cpu() -> Any:
+    import torch
+
+    from knitdata.integrations.trl import cpu_stand_ins
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models on a shared 2-core machine: threads only contend
+    try:
+        with cpu_stand_ins():
+            yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------------------ collection
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """``make test`` (``-m "not slow"``) would deselect every test here: skip importing them at all."""
+    if "not slow" in (config.getoption("markexpr") or "") and HERE in collection_path.resolve().parents:
+        return True
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE not in Path(str(item.fspath)).resolve().parents:
+            continue
+        item.add_marker(pytest.mark.slow)
+        for node in item.listchain():  # the FlashAttention GPU guard: the CPU stand-in replaces the kernel
+            node.own_markers[:] = [m for m in node.own_markers
+                                   if not (m.name == "skipif" and "Flash Attention" in str(m.kwargs.get("reason")))]
+        for key, reason in EXCLUDED.items():
+            if key in item.nodeid:
+                item.add_marker(pytest.mark.skip(reason=reason))
