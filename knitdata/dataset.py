@@ -122,7 +122,7 @@ def _stamper(cell: list[Any]) -> Callable[[dict[str, Any], int], tuple[Any, ...]
 def _fixed_keys(lay: Mapping[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
     """The keys of a dataset state that change only with the layout or the worker (``lay``: the layout as the
     control plane describes it for the rank)."""
-    out: dict[str, Any] = {"layout": lay["layout"]}
+    out: dict[str, Any] = {"layout": lay["layout"], "run": lay.get("run")}
     if lay["history"] is not None:
         out["layout_history"], out["layout_remainder"] = lay["history"], lay["remainder"]
     out.update(fixed)
@@ -358,7 +358,7 @@ class TrajectoryDataset(IterableDataset):
             if it is not None:
                 it.set_cap(nxt)
             lay = self._layout
-            if lay is None or (lay["history"] is not None and lay["remainder"] is None):
+            if lay is None or lay.get("run") is None or (lay["history"] is not None and lay["remainder"] is None):
                 lay = self._layout = self.engine.control.layout_history(self.rank)
                 self._static_cell[0] = None
             layout = self.engine.layout
@@ -370,8 +370,8 @@ class TrajectoryDataset(IterableDataset):
                 if self.replica is not None:
                     fixed.update(replica=self.replica, num_replicas=self.num_replicas)
                 static = (layout, (w, nw), _fixed_keys(lay, fixed))
-                # a layout history whose remainder is not known yet is asked for again next time: not cached
-                self._static_cell[0] = static if lay["history"] is None or lay["remainder"] is not None else None
+                known = lay.get("run") is not None and (lay["history"] is None or lay["remainder"] is not None)
+                self._static_cell[0] = static if known else None  # else asked for again: the run's mark, a remainder
         # a copy of the fixed keys and the position's
         assert static is not None  # found above, or built under the lock
         state = static[2].copy()

@@ -339,3 +339,41 @@ def test_merge_refuses_the_states_of_two_runs_naming_both() -> None:
         merge_rank_states([one[0], two[1]])
     merged = merge_rank_states(one)
     assert merged["planning"]["token_budget"] == 24
+
+
+def _run_states(order: list[int], budget: int = 24) -> list[dict[str, Any]]:
+    """Each rank's state after its first micro-batch, of a run fed ``order`` (trajectory numbers)."""
+    import torch
+
+    from knitdata import Pipeline, Trajectory
+
+    pipe = Pipeline(SPEC, num_consumers=2, token_budget=budget)
+    for i in order:
+        pipe.put(Trajectory(id=f"t{i}", source="ab"[(i // 2) % 2], group=f"g{i // 2}", gen_version=0,
+                            prompt_ids=torch.arange(3), response_ids=torch.arange(2 + i % 5)))
+    pipe.close()
+    states = []
+    for r in range(2):
+        ds = pipe.dataset(r, fetch="sample")
+        next(iter(ds))
+        states.append(json.loads(json.dumps(ds.state_dict())))
+        ds.close()
+    return states
+
+
+def test_merge_refuses_two_runs_with_other_puts_naming_both() -> None:
+    """Issue 45.8: two runs planned alike but fed other puts: every rank state carries the run's mark (its first
+    micro-batch's fingerprint), so the merge refuses rank 0 of one with rank 1 of the other, naming both; the
+    states of one run (or of two runs fed the same puts: one run for every purpose) merge."""
+    forward = list(range(16))
+    backward = [(7 - g) * 2 + k for g in range(8) for k in range(2)]
+    one, two, again = _run_states(forward), _run_states(backward), _run_states(forward)
+    assert one[0]["run"] and one[0]["run"] == one[1]["run"] != two[0]["run"]
+    with pytest.raises(StateError, match=r"rank 0 .*run .* rank 1 .*run .*different runs"):
+        merge_rank_states([one[0], two[1]])
+    assert merge_rank_states([one[0], again[1]])["run"] == one[0]["run"]
+    merged = merge_rank_states(one)
+    live = _plane(2)  # a live plane of another run refuses the merged state too
+    _fill(live, 16, backward)
+    with pytest.raises(StateError, match="another run"):
+        live.reshape(merged)

@@ -166,6 +166,10 @@ def _group(flat: list[dict[str, Any]]) -> tuple[int, dict[int, dict[int, dict[st
         if st.get("pipeline") != first.get("pipeline"):
             raise _bad(f"rank {r} comes from pipeline {st.get('pipeline')!r}, rank {first.get('rank')} from "
                        f"{first.get('pipeline')!r}: states of different runs")
+        if first.get("run") is not None and st.get("run") is not None and st["run"] != first["run"]:
+            raise _bad(f"rank {first.get('rank')} is of the run marked {first['run']} and rank {r} of the run marked "
+                       f"{st['run']} (their first micro-batches differ: other puts or planning): states of different "
+                       "runs")
         differs = planning_mismatch(first.get("planning"), st.get("planning"))
         if differs is not None:
             raise _bad(f"rank {first.get('rank')} was saved by a pipeline planning with {differs[0]} and rank {r} by "
@@ -221,10 +225,11 @@ def merge_rank_states(states: Iterable[Any]) -> dict[str, Any]:
 
     Raises:
         StateError: No state, a missing rank or worker, one given twice, states of different runs (another
-            pipeline name, or another planning: ``token_budget``, spec, admission... of :data:`PLANNING_KEYS`),
-            layouts or layout histories, mixed fingerprinted and unfingerprinted states, or a malformed state. The
-            message names the ranks concerned and what differs. (Two runs that differ only in their puts cannot
-            be told apart here: the pipeline that loads their merged state refuses it by its fingerprints.)
+            run mark: their first micro-batches differ; another pipeline name; another planning: ``token_budget``,
+            spec, admission... of :data:`PLANNING_KEYS`), layouts or layout histories, mixed fingerprinted and
+            unfingerprinted states, or a malformed state. The message names the ranks concerned and what differs.
+            (A state taken before its run's first micro-batch was planned has no mark; the pipeline that loads
+            the merged state still checks every rank's fingerprint.)
 
     Example:
         >>> from knitdata import merge_rank_states
@@ -285,6 +290,7 @@ def merge_rank_states(states: Iterable[Any]) -> dict[str, Any]:
         "fingerprints": fingerprints, "history": hist, "remainder": remainder,
         "epoch": max(int(st.get("epoch") or 0) for st in flat),
         **({"planning": first["planning"]} if "planning" in first else {}),
+        **({"run": run} if (run := next((st["run"] for st in flat if st.get("run") is not None), None)) else {}),
     }
 
 

@@ -245,15 +245,15 @@ class Reshaping(Part):
     def layout_history(self, rank: int) -> dict[str, Any]:
         """What the states of ``rank`` carry about the layout: ``{"layout": the ranks' nodes as runs
         (:func:`layout_runs`), "history": the static layout history or None (never reshaped), "remainder": see
-        :meth:`Segments.remainder`}``."""
+        :meth:`Segments.remainder`, "run": the run's mark or None before its first micro-batch is planned}``."""
         s = self.s
         s.check_rank(rank)
         with s.cond:
             seg: Segments | None = s.segments
             runs = layout_runs(s.layout)
             if seg is None:
-                return {"layout": runs, "history": None, "remainder": None}
-            return {"layout": runs, "history": seg.history(), "remainder": seg.remainder(rank)}
+                return {"layout": runs, "history": None, "remainder": None, "run": s.run_mark}
+            return {"layout": runs, "history": seg.history(), "remainder": seg.remainder(rank), "run": s.run_mark}
 
     @control_call(journaled=True)
     def install_history(self, history: Mapping[str, Any]) -> None:
@@ -314,6 +314,10 @@ class Reshaping(Part):
             n_old = int(merged["num_consumers"])
             hist = merged.get("history")
             fresh = seg is None and not s.counts["admitted_minibatches"] and not s.mb_records
+            run = merged.get("run")
+            if run is not None and s.run_mark is not None and run != s.run_mark:
+                raise StateError(f"the merged state's run (mark {run}) is not this pipeline's (mark {s.run_mark}): "
+                                 "states of another run (its first micro-batch differs: other puts or planning)")
             if hist is not None:
                 self._check_history(hist)
             old_current: dict[str, Any]
@@ -366,6 +370,8 @@ class Reshaping(Part):
             else:
                 replanned = self._reshape_live(merged, new_seg, new_layout, closes)
             new_seg.applied = key
+            if s.run_mark is None:  # the run goes on here: its states keep its mark
+                s.run_mark = run
             return {"num_consumers": new_layout.num_consumers, "replanned": replanned,
                     "segments": len(new_seg.closed) + 1}
 
@@ -500,7 +506,7 @@ def snapshot_part(s: PlaneState) -> dict[str, Any] | None:
     records = [[m, mb.train_batch, mb.index, [t.to_dict() for t in mb.trajectories],
                 list(getattr(mb, "group_sizes", ()) or ()), None if items is None else [t.id for t in items], off, k,
                 refs] for m, (mb, items, off, k, refs) in sorted(s.mb_records.items())]
-    out: dict[str, Any] = {"layout": s.layout.to_dict(), "records": records, "segments": None}
+    out: dict[str, Any] = {"layout": s.layout.to_dict(), "records": records, "segments": None, "run": s.run_mark}
     if seg is not None:
         out["segments"] = {
             "history": seg.history(), "counters": [[c.counter, list(c.chains)] for c in seg.closed],
@@ -556,6 +562,7 @@ def load_snapshot_part(s: PlaneState, part: Any) -> None:
         raise StateError(f"control-plane snapshot: bad reshape part ({type(e).__name__}: {e})") from e
     s.mb_records = records
     s.segments = seg
+    s.run_mark = part.get("run") if isinstance(part.get("run"), str) else None
     _adopt_layout(s, layout)
 
 

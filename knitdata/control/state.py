@@ -277,6 +277,10 @@ class PlaneState:
         # elastic resume (knitdata.control.reshape): the layout history once reshaped (a Segments), and per
         # mini-batch with queued entries [admitted, remainder planned or None, first entry, K, entries queued]
         self.segments: Any = None
+        #: The run's mark: the fingerprint of rank 0's first micro-batch (what its puts and planning made of the
+        #: run's start, the same in every replica of a deterministic pipeline); rank states carry it, so that
+        #: states of two runs are told apart. Kept through a reshape (from the merged state) and in snapshots.
+        self.run_mark: str | None = None
         self.mb_records: dict[int, list[Any]] = {}
         self.closed = False
         self.close_report: dict[str, Any] | None = None
@@ -536,6 +540,8 @@ class PlaneState:
             if chain is not None:
                 chain = entry_fingerprint(chain, info)
                 fps[j + 1] = chain
+                if j == 0 and rank == 0 and self.run_mark is None:
+                    self.run_mark = chain
             if j < self.committed[rank]:  # the rank restored past it: release at once
                 self.release_ids([m.id for m in pmb.trajectories], delivered=True)
                 continue
