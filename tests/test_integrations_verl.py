@@ -92,6 +92,11 @@ class FakeStore:
         entry["tag"].update(tag or {})
         entry["fields"].update(fields or {})
 
+    def kv_batch_put(self, keys: list[str], partition_id: str, fields: Any = None, tags: list[dict] | None = None) -> None:
+        assert fields is None, "the sampler writes tags only"
+        for key, tag in zip(keys, tags or [{}] * len(keys)):
+            self.kv_put(key, partition_id, tag=tag)
+
     def keys(self, partition_id: str = "train") -> set[str]:
         return set(self.parts.get(partition_id, {}))
 
@@ -99,7 +104,7 @@ class FakeStore:
 @pytest.fixture
 def store(monkeypatch: pytest.MonkeyPatch) -> FakeStore:
     fake = FakeStore()
-    for name in ("kv_list", "kv_batch_get", "kv_clear", "kv_put"):
+    for name in ("kv_list", "kv_batch_get", "kv_clear", "kv_put", "kv_batch_put"):
         monkeypatch.setattr(transfer_queue, name, getattr(fake, name))
     return fake
 
@@ -124,7 +129,8 @@ class Rollout:
         for s in sources:
             uid = f"p{self._next:05d}"
             self._next += 1
-            self.store.kv_put(uid, self.partition, tag={"is_prompt": True, "status": "pending", "global_steps": g})
+            self.store.kv_put(uid, self.partition, tag={"is_prompt": True, "status": "pending", "global_steps": g},
+                              fields={"uid": uid, "data_source": s, "index": self._next})  # async modes keep these
             self.source[uid], self.version[uid] = s, g
             self.inflight.append(uid)
             uids.append(uid)
@@ -150,12 +156,12 @@ class Rollout:
 
 
 def make(store: FakeStore, rollout: Rollout | None, *, quotas: dict[str, int], M: int = 1, T: int | None = None,
-         strategy: str = "drop", **kw: Any) -> KnitdataSampler:
+         strategy: str = "drop", refill_fn: Any = None, **kw: Any) -> KnitdataSampler:
     """The sampler as verl's trainer builds a custom one (``trainer_base._build_replay_buffer``)."""
     return KnitdataSampler(trainer_mode="separate_async", trainer_config={"parameter_sync_step": M},
                            max_off_policy_threshold=T, max_off_policy_strategy=strategy,
                            sampler_kwargs={"quotas": quotas, "poll_interval": 0, "timeout_s": 3, **kw},
-                           refill_fn=None if rollout is None else rollout.refill)
+                           refill_fn=refill_fn or (None if rollout is None else rollout.refill))
 
 
 def groups_of(batch: Any) -> list[str]:
@@ -476,6 +482,77 @@ def test_sampleable_counts_for_verls_hybrid_rollout_switch(store: FakeStore) -> 
     ready, metrics = sampler.wait_for_sampleable(1, "train", 3)
     assert ready == set(uids) and metrics == {}
     assert groups_of(sampler.sample(1, "train", 2)[0]) == uids[:2]
+
+
+# ---------------------------------------------------------------------- regenerate=same_prompt (a private verl path)
+class Trainer:
+    """What :func:`reissue` uses of verl's ``PPOTrainer``: ``_add_prompts_to_generate`` (passed as ``refill_fn``)
+    and ``agent_loop_manager.generate_sequences`` (here: the rollout starts the prompts again)."""
+
+    def __init__(self, rollout: Rollout) -> None:
+        self.rollout, self.generated = rollout, []
+        self.agent_loop_manager = types.SimpleNamespace(generate_sequences=self._generate)
+
+    def _add_prompts_to_generate(self, num_prompts: int) -> int:
+        return self.rollout.refill(num_prompts)
+
+    def _generate(self, batch: Any) -> None:
+        self.generated.append(batch)
+        for uid in batch["uid"]:
+            self.rollout.version[uid] = batch["global_steps"]
+            self.rollout.inflight.append(uid)
+
+
+def test_same_prompt_generates_a_dropped_group_again_instead_of_the_next_dataloader_prompt(store: FakeStore) -> None:
+    rollout = Rollout(store)
+    rollout.mix = ["a"]
+    trainer = Trainer(rollout)
+    sampler = make(store, None, quotas={"a": 1, "b": 1}, T=1, regenerate="same_prompt",
+                   refill_fn=trainer._add_prompts_to_generate)
+    (stale,) = rollout.dispatch(["b"], global_steps=0)
+    (fresh,) = rollout.dispatch(["a"])
+    rollout.finish(stale)
+    rollout.finish(fresh)
+    store.on_list.append(lambda: [rollout.finish(u) for u in list(rollout.inflight)] if trainer.generated else None)
+    batch, metrics = sampler.sample(1, "train", 2)
+    assert sorted(groups_of(batch)) == sorted([stale, fresh])  # the b prompt, generated again at step 1
+    assert rollout.refills == [] and metrics["training/knitdata/regenerated"] == 1
+    (again,) = trainer.generated
+    assert list(again["uid"]) == [stale] and list(again["data_source"]) == ["b"] and again["global_steps"] == 1
+    assert all(t["global_steps"] == 1 for k, t in zip(batch.keys, batch.tags) if k.startswith(stale))
+
+
+def test_the_reissue_copy_follows_the_pinned_verls_private_method() -> None:
+    """:func:`reissue` copies ``PPOTrainer._reissue_inflight_prompts`` of verl 0.9.1: the calls it makes are there."""
+    import inspect
+
+    src = inspect.getsource(PPOTrainer._reissue_inflight_prompts)
+    for line in ('batch = tq.kv_batch_get(keys=inflight_uids, partition_id=partition_id)',
+                 'tu.assign_non_tensor_data(batch, "global_steps", self.global_steps)',
+                 'tags = [{"is_prompt": True, "status": "pending", "global_steps": self.global_steps}',
+                 'tq.kv_batch_put(keys=inflight_uids, partition_id=partition_id, tags=tags)',
+                 'self.agent_loop_manager.generate_sequences(batch)'):
+        assert line in src, line
+    assert "refill_fn=self._add_prompts_to_generate" in inspect.getsource(PPOTrainer._build_replay_buffer)
+    cfg = _compose(["trainer.v1.trainer_mode=colocate_async", f"trainer.v1.sampler.custom_sampler.path={PLUGIN}",
+                    "trainer.v1.sampler.custom_sampler.name=KnitdataSampler",
+                    "+trainer.v1.sampler.sampler_kwargs={quotas: {a: 1}, regenerate: same_prompt}",
+                    "data.train_batch_size=1"])
+
+    class Stub:
+        config, trainer_mode = cfg, "colocate_async"
+
+        def _add_prompts_to_generate(self, num_prompts: int) -> int:
+            return num_prompts
+
+    stub = Stub()
+    sampler = PPOTrainer._build_replay_buffer(stub)
+    assert sampler.regenerate == "same_prompt" and sampler._trainer is stub
+    with pytest.raises(ConfigError, match="refill_fn must be the trainer's _add_prompts_to_generate"):
+        make(FakeStore(), Rollout(FakeStore()), quotas={"a": 1}, regenerate="same_prompt")
+    with pytest.raises(ConfigError, match="needs an async trainer_mode"):
+        KnitdataSampler("sync", {}, None, "drop", {"quotas": {"a": 1}, "regenerate": "same_prompt"},
+                        refill_fn=stub._add_prompts_to_generate)
 
 
 # ----------------------------------------------------------------------------------------------------- bad input

@@ -30,11 +30,13 @@ dropped, and the sampler keeps no state that TransferQueue does not hold between
 checkpoint (``tq.save_checkpoint``) resumes it: a new sampler over the restored store continues with the same
 quotas. Groups whose rollout failed are cleared and refilled, as verl's async sampler does.
 
-What verl leaves no public way to do (and this module does not do): ``refill_fn`` dispatches the *next*
-dataloader prompts, so a dropped group is replaced by whatever source comes next, not by a prompt of its own
-source (verl's trainer builds prompt batches in private methods, ``_next_train_batch`` and
-``_submit_batch_to_rollout``); and the trainer never asks a custom sampler for its state (``_save_checkpoint``
-saves TransferQueue only), which is why this sampler keeps none of its own across global steps.
+What verl's public sampler interface does not allow: ``refill_fn`` dispatches the *next* dataloader prompts, so
+a dropped group is replaced by whatever source comes next, not by its own prompt; generating a given prompt again
+exists only as the trainer's private ``_reissue_inflight_prompts``. ``sampler_kwargs.regenerate=same_prompt`` opts
+into :func:`reissue`, a copy of that method's few lines for the dropped groups (checked against the pinned verl's
+source by the tests); the default stays on the public ``refill_fn``. And the trainer never asks a custom sampler
+for its state (``_save_checkpoint`` saves TransferQueue only), which is why this sampler keeps none of its own
+across global steps.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, ma
 from knitdata.errors import ConfigError, DataTimeoutError, OptionalDependencyError, StateError, ValidationError
 from knitdata.record import TrajectoryMeta
 
-__all__ = ["KnitdataSampler", "SAMPLER_KWARGS", "staleness_in_minibatches"]
+__all__ = ["KnitdataSampler", "SAMPLER_KWARGS", "reissue", "staleness_in_minibatches"]
 
 #: The keys of ``trainer.v1.sampler.sampler_kwargs`` this sampler reads, with their defaults (``quotas`` required).
 SAMPLER_KWARGS: dict[str, Any] = {
@@ -59,6 +61,7 @@ SAMPLER_KWARGS: dict[str, Any] = {
     "refill_multiple": None,
     "poll_interval": None,
     "timeout_s": 3600.0,
+    "regenerate": "refill",
 }
 
 _TERMINAL = ("finished", "failure")
@@ -146,9 +149,53 @@ def _settings(trainer_mode: str, trainer_config: Any, max_off_policy_threshold: 
     timeout = kw["timeout_s"]
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
         raise ConfigError(f"trainer.v1.sampler.sampler_kwargs.timeout_s must be null or seconds > 0, got {timeout!r}")
+    if kw["regenerate"] not in ("refill", "same_prompt"):
+        raise ConfigError("trainer.v1.sampler.sampler_kwargs.regenerate must be 'refill' or 'same_prompt', got "
+                          f"{kw['regenerate']!r}")
+    if kw["regenerate"] == "same_prompt" and trainer_mode == "sync":
+        raise ConfigError("sampler_kwargs.regenerate=same_prompt needs an async trainer_mode: verl's sync trainer does "
+                          "not keep the prompts in TransferQueue")
     return {**kw, "spec": spec, "num_minibatches": M, "on_stale": on_stale, "policy": str(kw["policy"]),
             "source_field": str(kw["source_field"]), "refill_multiple": _int_setting(kw, "refill_multiple", 1),
             "poll_interval": float(interval), "timeout_s": None if timeout is None else float(timeout)}
+
+
+def _verl_trainer(refill_fn: Any) -> Any:
+    """verl's trainer behind ``refill_fn`` (its bound ``_add_prompts_to_generate``), for ``regenerate=same_prompt``."""
+    trainer = getattr(refill_fn, "__self__", None)
+    if trainer is None or getattr(refill_fn, "__name__", "") != "_add_prompts_to_generate":
+        raise ConfigError("sampler_kwargs.regenerate=same_prompt re-dispatches through verl's trainer: refill_fn must be "
+                          "the trainer's _add_prompts_to_generate, as verl 0.9's _build_replay_buffer passes it; got "
+                          f"{refill_fn!r}")
+    return trainer
+
+
+def reissue(tq: Any, trainer: Any, partition_id: str, uids: list[str], trajectory_keys: list[str],
+            global_steps: int) -> Any:
+    """Generate the prompt groups ``uids`` again (their old trajectories cleared) at ``global_steps``.
+
+    verl 0.9.1 has this only as the private ``PPOTrainer._reissue_inflight_prompts`` (for groups in flight at a
+    checkpoint) and its public dispatch hook, ``refill_fn``, takes the next dataloader prompts instead. This is that
+    method's body for given groups: the prompt fields verl keeps in TransferQueue (async modes), the group's tag back
+    to ``pending`` at the current step, and the trainer's ``agent_loop_manager.generate_sequences``.
+    ``tests/test_integrations_verl.py`` checks the copy against the pinned verl's source.
+
+    Raises:
+        StateError: The store does not hold the prompts (verl's sync mode does not keep them).
+    """
+    from verl.utils.tensordict_utils import assign_non_tensor_data
+
+    try:
+        batch = tq.kv_batch_get(keys=uids, partition_id=partition_id)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise StateError(f"cannot regenerate verl groups {uids[:5]}: their prompts are not in TransferQueue ({e})") from e
+    if trajectory_keys:
+        tq.kv_clear(keys=trajectory_keys, partition_id=partition_id)
+    assign_non_tensor_data(batch, "global_steps", global_steps)
+    tags = [{"is_prompt": True, "status": "pending", "global_steps": global_steps} for _ in uids]
+    tq.kv_batch_put(keys=uids, partition_id=partition_id, tags=tags)
+    trainer.agent_loop_manager.generate_sequences(batch)
+    return batch
 
 
 class KnitdataSampler:
@@ -166,6 +213,9 @@ class KnitdataSampler:
       the quotas (``data.train_batch_size``, verl's default ``gen_batch_size``). The docs' config passes
       ``${oc.select:data.gen_batch_size,null}``.
     - ``poll_interval``: seconds between polls of the store (default: the constructor's, verl's 2.0).
+    - ``regenerate``: ``refill`` (default) replaces a group the bound dropped by ``refill_fn``'s next dataloader
+      prompt; ``same_prompt`` generates the dropped prompt again, so its source keeps its supply (async modes; the
+      one part that follows a private verl method, see :func:`reissue`).
     - ``timeout_s``: a ``sample`` call that has waited this long raises
       :class:`~knitdata.errors.DataTimeoutError` naming the sources short of their quota (``null``: wait forever).
 
@@ -213,6 +263,8 @@ class KnitdataSampler:
         self.refill_multiple: int = kw["refill_multiple"]
         self.poll_interval: float = kw["poll_interval"]
         self.timeout_s: float | None = kw["timeout_s"]
+        self.regenerate: str = kw["regenerate"]
+        self._trainer = _verl_trainer(refill_fn) if self.regenerate == "same_prompt" else None
         self.trainer_mode = trainer_mode
         self.trainer_config = trainer_config
         self.max_off_policy_threshold = max_off_policy_threshold
@@ -267,7 +319,7 @@ class KnitdataSampler:
             self._refresh(partition_id, metrics)
             if not self._queue and not self._must_wait(global_steps):
                 self._queue.extend(policy.poll(now=time.time()))
-            self._settle_drops(partition_id, metrics)
+            self._settle_drops(partition_id, metrics, global_steps)
             if self._queue:
                 break
             if starved is None:
@@ -302,7 +354,7 @@ class KnitdataSampler:
         start = time.monotonic()
         while True:
             n = self.get_sampleable_count(global_steps, partition_id)
-            self._settle_drops(partition_id, metrics)
+            self._settle_drops(partition_id, metrics, global_steps)
             if n >= target_count:
                 uids = {t.group for mb in self._queue for t in mb.trajectories} | (
                     set(self._offered) if partition_id == "train" else
@@ -412,7 +464,7 @@ class KnitdataSampler:
         return any(t["status"] in ("pending", "running") and global_steps - int(t.get("global_steps", 0)) + 1 >= T
                    for t in self._prompts.values())
 
-    def _settle_drops(self, partition_id: str, metrics: dict[str, Any]) -> None:
+    def _settle_drops(self, partition_id: str, metrics: dict[str, Any], global_steps: int) -> None:
         """Clear the groups the bound dropped, count them and refill as many prompts."""
         assert self._policy is not None
         dropped = self._policy.take_dropped()
@@ -420,7 +472,14 @@ class KnitdataSampler:
         if not dropped:
             return
         uids = [d["group"] for d in dropped]
-        self._clear(partition_id, uids)
+        if self._trainer is not None and partition_id == "train":
+            reissue(self._tq, self._trainer, partition_id, uids, [k for u in uids for k in self._trajs.get(u, ())],
+                    global_steps)
+            for u in uids:
+                self._trajs.pop(u, None)
+            self._refilled = True  # generating again, which this listing does not show yet
+        else:
+            self._clear(partition_id, uids)
         spans = []
         for d in dropped:
             self._offered.pop(d["group"], None)
@@ -433,7 +492,10 @@ class KnitdataSampler:
         metrics["training/off_policy/evicted_samples"] = n + len(dropped)
         metrics["training/off_policy/evicted_samples_staleness/max"] = max(
             [metrics.get("training/off_policy/evicted_samples_staleness/max", 0), *spans])
-        self._refill(len(dropped), partition_id)
+        if self._trainer is None:
+            self._refill(len(dropped), partition_id)
+        else:
+            metrics["training/knitdata/regenerated"] = metrics.get("training/knitdata/regenerated", 0) + len(uids)
 
     def _first_step_of_mb(self, step: int) -> int:
         """verl's global step of knitdata's mini-batch ``step``."""
