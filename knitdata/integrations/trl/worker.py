@@ -434,8 +434,23 @@ class KnitdataRolloutWorker:
             tv = t.token_versions
             span = 0 if tv is None or tv.numel() == 0 else int(tv.max()) - int(tv.min())
             self._traj_meta[t.id] = (source, index, span)
+        newest = max(int(t.token_versions.max()) if t.token_versions is not None and t.token_versions.numel()
+                     else int(t.gen_version) for t in trajs)
+        self._await_reported(newest)
         assert self.pipeline is not None
         self.pipeline.put_many(trajs)
+
+    def _await_reported(self, version: int) -> None:
+        """Wait until the pipeline heard of ``version``: the engine holds new weights from ``send_weights`` on, a
+        moment before TRL counts the sync and calls :meth:`update_model_version` (whose report is sent by a thread)."""
+        assert self.pipeline is not None
+        deadline = time.monotonic() + self.timeout_s
+        while self.pipeline.version < version and not self._stop.is_set():
+            if time.monotonic() > deadline:
+                raise StateError(f"a group generated with weights version {version} waited {self.timeout_s} s for "
+                                 f"TRL to report that version (the pipeline has {self.pipeline.version}): use the "
+                                 f"engine as the trainer's weight_transfer")
+            time.sleep(0.002)
 
     def _feed(self) -> None:
         assert self.pipeline is not None
