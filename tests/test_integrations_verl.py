@@ -576,7 +576,10 @@ def test_a_group_without_a_source_field_is_named(store: FakeStore) -> None:
     sampler = make(store, rollout, quotas={"math": 1})
     (u,) = rollout.dispatch(["math"])
     rollout.finish(u, field="source")
-    with pytest.raises(ValidationError, match=rf"data_source.*{u}"):
+    (w,) = rollout.dispatch(["math"])
+    rollout.finish(w)
+    with pytest.raises(ValidationError, match=rf"verl group '{u}' \(trajectory '{u}_0_0', partition 'train'\) has no "
+                                              "'data_source' field"):
         sampler.sample(1, "train", 1)
     store.parts.clear()
     (v,) = rollout.dispatch(["math"])

@@ -399,9 +399,16 @@ class KnitdataSampler:
             return {}
         keys = [self._trajs[u][0] for u in uids]
         try:
-            data = self._tq.kv_batch_get(keys=keys, partition_id=partition_id, select_fields=[self.source_field])
-            values = data[self.source_field]
+            values = self._tq.kv_batch_get(keys=keys, partition_id=partition_id,
+                                           select_fields=[self.source_field])[self.source_field]
         except (KeyError, ValueError, RuntimeError) as e:
+            for u, k in zip(uids, keys):  # name the group: read them one by one
+                try:
+                    self._tq.kv_batch_get(keys=[k], partition_id=partition_id, select_fields=[self.source_field])
+                except (KeyError, ValueError, RuntimeError) as one:
+                    raise ValidationError(f"verl group {u!r} (trajectory {k!r}, partition {partition_id!r}) has no "
+                                          f"{self.source_field!r} field: {one}", trajectory_id=u,
+                                          field=self.source_field) from e
             raise ValidationError(f"cannot read {self.source_field!r} of verl groups {uids[:5]} (partition "
                                   f"{partition_id!r}): {e}", trajectory_id=uids[0], field=self.source_field) from e
         values = values.tolist() if hasattr(values, "tolist") else list(values)
@@ -416,8 +423,8 @@ class KnitdataSampler:
                                       trajectory_id=u, field=self.source_field)
             if v not in self.spec.quotas:
                 raise ValidationError(f"verl group {u!r}: {self.source_field} {v!r} has no quota; "
-                                      f"sampler_kwargs.quotas names {list(self.spec.quotas)} (add it, with 0 to never "
-                                      "train on it)", trajectory_id=u, field=self.source_field)
+                                      f"sampler_kwargs.quotas names {list(self.spec.quotas)}: add it there, or leave "
+                                      "its rows out of the training data", trajectory_id=u, field=self.source_field)
             out[u] = v
         return out
 
