@@ -93,15 +93,23 @@ STATE_FILE_PREFIX = "knitdata_loader"
 _FORMAT = "knitdata.AcceleratedLoader"
 _VERSION = 1
 
-# accelerator -> {state file name prefix: loader hooked under it}: the names taken on each Accelerator
-_HOOKED: weakref.WeakKeyDictionary[Any, dict[str, AcceleratedLoader]] = weakref.WeakKeyDictionary()
+# accelerator -> {state file name prefix: (weak reference to) the loader hooked under it}: the names taken on each
+# Accelerator (weak both ways: neither an Accelerator nor a dropped loader is kept alive by the table)
+_HOOKED: weakref.WeakKeyDictionary[Any, dict[str, weakref.ref[AcceleratedLoader]]] = weakref.WeakKeyDictionary()
 
 
 def _hooked_names(accelerator: Any) -> dict[str, AcceleratedLoader]:
+    """The live loaders hooked to ``accelerator``, by name (a snapshot of :func:`_name_table`)."""
+    table = _name_table(accelerator)
+    return {name: loader for name, ref in list(table.items()) if (loader := ref()) is not None}
+
+
+def _name_table(accelerator: Any) -> dict[str, weakref.ref[AcceleratedLoader]]:
     try:
         return _HOOKED.setdefault(accelerator, {})
     except TypeError:  # not weakly referenceable: keep the table on the object itself
-        table: dict[str, AcceleratedLoader] = accelerator.__dict__.setdefault("_knitdata_loader_names", {})
+        table: dict[str, weakref.ref[AcceleratedLoader]] = accelerator.__dict__.setdefault(
+            "_knitdata_loader_names", {})
         return table
 
 
@@ -485,7 +493,7 @@ class AcceleratedLoader:
                 f"saved as {self.name}_rank{{r}}.json and this one would overwrite it in accelerator.save_state; give "
                 "each loader its own name= (or leave name unset: loaders are then numbered in the order they are built)"
             )
-        taken[self.name] = self
+        _name_table(acc)[self.name] = weakref.ref(self)
 
         def _save_hook(models: Any, weights: Any, output_dir: str) -> None:
             self.save_state(output_dir)
@@ -500,9 +508,10 @@ class AcceleratedLoader:
         for h in self._handles:
             h.remove()
         if self._handles:
-            taken = _hooked_names(self.accelerator)
-            if taken.get(self.name) is self:
-                del taken[self.name]
+            table = _name_table(self.accelerator)
+            ref = table.get(self.name)
+            if ref is not None and ref() is self:
+                del table[self.name]
         self._handles = []
 
     def __repr__(self) -> str:
