@@ -202,6 +202,10 @@ def test_docs_command_line_builds_the_sampler_through_verls_config_and_plugin_lo
     assert sampler.num_minibatches == 2 and sampler.spec.minibatch_size == cfg.data.train_batch_size // 2
     assert sampler.max_off_policy_threshold == 2 and sampler.max_staleness == 2 * 2 - 1
     assert sampler.refill_multiple == 64  # data.gen_batch_size unset: verl fetches whole train batches
+    readme = re.search(r"## In verl's V1 trainer.*?```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    assert readme is not None  # the README's three overrides, with the batch size they need
+    short = _build_through_verl(_compose([*shlex.split(readme.group(1).replace("\\\n", " ")), "data.train_batch_size=64"]))
+    assert type(short).__name__ == "KnitdataSampler" and short.spec.quotas == sampler.spec.quotas
 
 
 def test_docs_yaml_builds_the_sampler_through_verls_config_and_plugin_loader() -> None:
