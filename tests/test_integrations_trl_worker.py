@@ -237,3 +237,14 @@ def test_hf_generation_engine_loads_streamed_weights_and_counts_versions() -> No
     torch.testing.assert_close(s.logprobs, ref, atol=1e-5, rtol=0)
     with pytest.raises(ConfigError, match="'nope' is not in the generation model"):
         engine.send_weights(iter([("nope", torch.zeros(1))]))
+
+
+def test_import_without_trl_names_the_extra() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['trl'] = None\n"
+            "try:\n    import knitdata.integrations.trl.worker\nexcept ImportError as e:\n"
+            "    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert out.startswith("OptionalDependencyError") and "pip install 'knitdata[trl]'" in out, out
