@@ -23,7 +23,7 @@ def main() -> None:
     os.environ["TQ_NUM_THREADS"] = "1"
     import ray
 
-    ray.init(num_cpus=8, object_store_memory=128 << 20, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(address="local", num_cpus=8, object_store_memory=128 << 20, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False, logging_level="ERROR")
     import transfer_queue as tq
     from verl.utils.tensordict_utils import list_of_dict_to_tensordict
