@@ -546,3 +546,18 @@ def test_a_refilled_pipeline_with_another_token_budget_names_it_too(workload):
     pipe = _fed(workload.spec, workload.trajs, num_consumers=2, token_budget=budget * 2)
     with pytest.raises(StateError, match=rf"token_budget={budget}\b.*token_budget={budget * 2}\b"):
         pipe.dataset(0, fetch="sample").load_state_dict(state)
+
+
+def test_another_staleness_bound_alone_does_not_refuse_a_state(workload):
+    """Issue 45.8: only the options that always cut other micro-batches (spec, token_budget) refuse a state before
+    the refill; another admission option (a staleness bound that admits the same) leaves the fingerprints to
+    decide, and the resumed rank continues where it stopped."""
+    budget = max(t.num_tokens for t in workload.trajs) + 8
+    state = _taken_state(workload, budget)
+    pipe = Pipeline(workload.spec, num_consumers=2, token_budget=budget, max_staleness=1000)
+    ds = pipe.dataset(0, fetch="sample")
+    ds.load_state_dict(state)
+    for t in workload.trajs:
+        pipe.put(t)
+    pipe.close()
+    assert list(ds) and pipe.stats()["closed"]

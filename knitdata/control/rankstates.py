@@ -14,7 +14,7 @@ from knitdata.control.state import FP_EMPTY
 from knitdata.errors import KnitdataError, StateError
 from knitdata.placement import ConsumerLayout
 
-__all__ = ["MERGED_FORMAT", "RANK_STATE_FORMAT", "PLANNING_KEYS", "merge_rank_states", "check_merged",
+__all__ = ["MERGED_FORMAT", "RANK_STATE_FORMAT", "PLANNING_KEYS", "CUT_KEYS", "merge_rank_states", "check_merged",
            "collect_states", "layout_runs", "layout_from_runs", "canon", "planning_of", "planning_mismatch",
            "planning_guard"]
 
@@ -27,6 +27,9 @@ _MERGED_VERSION = 1
 #: (``"planning"``), since a position saved under other values means other trajectories.
 PLANNING_KEYS = ("spec", "token_budget", "admission", "admission_options", "placement", "allow_split_groups",
                  "balance_tolerance")
+#: Those of :data:`PLANNING_KEYS` under which other values always give other micro-batches (the others, such as a
+#: staleness bound in ``admission_options``, may leave a run's plans as they were).
+CUT_KEYS = ("spec", "token_budget")
 
 
 def planning_of(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -34,13 +37,13 @@ def planning_of(config: Mapping[str, Any]) -> dict[str, Any]:
     return {k: config.get(k) for k in PLANNING_KEYS}
 
 
-def planning_mismatch(saved: Any, mine: Any) -> tuple[str, str] | None:
-    """What differs between two ``"planning"`` dicts: ``("token_budget=24", "token_budget=32")`` (the saved
-    values, then the others), or ``None`` when they agree or either is missing (a state saved before states
+def planning_mismatch(saved: Any, mine: Any, keys: tuple[str, ...] = PLANNING_KEYS) -> tuple[str, str] | None:
+    """What differs in ``keys`` between two ``"planning"`` dicts: ``("token_budget=24", "token_budget=32")`` (the
+    saved values, then the others), or ``None`` when they agree or either is missing (a state saved before states
     carried it)."""
     if not isinstance(saved, Mapping) or not isinstance(mine, Mapping):
         return None
-    diff = [k for k in PLANNING_KEYS if k in saved and k in mine and canon(saved[k]) != canon(mine[k])]
+    diff = [k for k in keys if k in saved and k in mine and canon(saved[k]) != canon(mine[k])]
     if not diff:
         return None
     return ", ".join(f"{k}={saved[k]!r}" for k in diff), ", ".join(f"{k}={mine[k]!r}" for k in diff)
@@ -53,21 +56,24 @@ def planning_guard(state: Any, engine: Any, rank: int) -> Iterator[None]:
     admission...; see :data:`PLANNING_KEYS`).
 
     On a pipeline that has planned nothing yet (a new job loading its states before the refill, as documented)
-    such a state is refused at once; on one that has (its fingerprints decide: a pipeline restored from a
-    checkpoint with another configuration keeps the checkpoint's plans, which the states match), a
-    :class:`~knitdata.errors.StateError` raised inside the block is replaced by one naming the planning.
+    a state saved under other :data:`CUT_KEYS` is refused at once. Otherwise the fingerprints decide (a pipeline
+    restored from a checkpoint with another configuration keeps the checkpoint's plans, which the states match;
+    another staleness bound may leave the plans as they were), and a :class:`~knitdata.errors.StateError` raised
+    inside the block is replaced by one naming what differs in the planning.
 
     Raises:
         StateError: ``"rank R: the state was saved by a pipeline planning with token_budget=24; this pipeline has
             token_budget=32: ..."``.
     """
     saved = state.get("planning") if isinstance(state, Mapping) else None
-    differs = planning_mismatch(saved, planning_of(engine.config))
+    mine = planning_of(engine.config)
+    differs = planning_mismatch(saved, mine)
     err = None if differs is None else StateError(
         f"rank {rank}: the state was saved by a pipeline planning with {differs[0]}; this pipeline has {differs[1]}: "
-        "it cuts other micro-batches, so the saved position would mean other trajectories here. Create the "
+        "it plans other micro-batches, so the saved position would mean other trajectories here. Create the "
         f"pipeline with {differs[0]} to resume from this state (or start without it)")
-    if err is not None and not any(engine.control.stats().get("planned") or ()):
+    if err is not None and planning_mismatch(saved, mine, CUT_KEYS) is not None and \
+            not any(engine.control.stats().get("planned") or ()):
         raise err
     try:
         yield
