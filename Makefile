@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_SPEC ?= torch==2.13.0
 # verl (range in pyproject.toml's verl extra) goes in with --no-deps; these are what its V1 trainer modules import
 # beyond our dev extra (tests/test_integrations_verl.py loads the sampler through them); torch stays as installed
-VERL_TEST_DEPS := codetiming orjson cachetools uvicorn fastapi starlette peft
+VERL_TEST_DEPS := codetiming orjson cachetools uvicorn fastapi starlette peft datasets
 
 .PHONY: demo test test-slow lint typecheck docs bench clean install install-dev
 
