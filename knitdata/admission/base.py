@@ -433,6 +433,27 @@ class AdmissionPolicy(StatefulAdmission, abc.ABC):
                     f"dispatch more prompts of {s!r} (oversample) or lower its quota"
                 )
 
+    def _committed(self, rem: Mapping[str, int], K: int, lo: dict[str, int],
+                   hi: dict[str, int]) -> tuple[dict[str, int], dict[str, int]] | None:
+        """Wait mode: raise the composition limits ``lo`` so that the step takes at least what each source's
+        committed groups need now to meet their last steps (:meth:`StalenessBound.least
+        <knitdata.admission.bound.StalenessBound.least>`); ``None``: some of those are reserved or incomplete,
+        wait for them. Without a bound in wait mode, or when they cannot all make it, the limits as given."""
+        b = self._bound
+        if b is None or b.on_stale != "wait":
+            return lo, hi
+        low = dict(lo)
+        for s, R in rem.items():
+            H = self._bounds[s][1]
+            top = min(H, R - K * self._bounds[s][0])  # most of s this step may take, whatever is ready
+            need = min(b.least(s, self.step, K, R, H), top)
+            if need > hi[s]:
+                return None  # the groups it needs are reserved or incomplete: wait for them
+            low[s] = max(low[s], need)
+        if sum(low.values()) > self._mm:
+            return lo, hi  # not all of them can make it: as without commitments
+        return low, hi
+
     def _compose(self, lo: Mapping[str, int], hi: Mapping[str, int]) -> list[ReadyGroup]:
         """Take ``lo_s`` groups of every source, then fill by preference up to ``hi_s``.
 

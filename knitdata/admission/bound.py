@@ -283,13 +283,13 @@ class StalenessBound:
         batches = -(-w // self._M) + 1
         return min(w * self._per_step[source], batches * self._Q[source])
 
-    def reserve(self, want: Mapping[str, int], cap: Mapping[str, int], shared: bool = False,
-                version: int = 0) -> bool:
+    def reserve(self, want: Mapping[str, int], cap: Mapping[str, int], version: int = 0,
+                total: int | None = None) -> bool:
         """Reserve ``want`` groups to start with ``version`` if ``cap`` (the policy's capacity) has room for all of
-        it (all or nothing; ``shared``: the capacities are one room, so their sum must fit too)."""
+        it and their sum is at most ``total`` (a room the sources share), all or nothing."""
         if any(n > cap[s] for s, n in want.items()):
             return False
-        if shared and want and sum(want.values()) > min(cap[s] for s in want):
+        if total is not None and sum(want.values()) > total:
             return False
         for s, n in want.items():
             self.reserved[s] += n
@@ -372,6 +372,22 @@ class StalenessBound:
             later = nb * Q + min(r * per_step, Q)
             low = max(low, self._by(source, step, step + n) - later - min(n1 * per_step, max(0, left)))
         return low
+
+    def room(self, step: int, size: int, windows: Mapping[str, int]) -> dict[str, int]:
+        """Wait mode: per source, how many more groups whose last step is ``step + windows[s] - 1`` the steps from
+        ``step`` on can still hold beside every committed group (ready, reserved or incomplete) of any source that
+        must join by then or later: ``min`` over ``d >= that last step`` of ``(d - step + 1) * size`` minus the
+        committed groups whose last step is in ``step..d``. O(S eta log n)."""
+        if self.offset is None or self.mode == _UNKNOWN or self.on_stale != "wait":
+            return {s: 1 << 62 for s in windows}
+        top = max(self.etas.values()) + FUTURE_SLACK
+        free = [(n + 1) * size - sum(self._by(s, step, step + n) for s in self.sources) for n in range(top + 1)]
+        every = sum(self._by(s, step, step + (1 << 40)) for s in self.sources)
+        free.append((top + 2) * size - every)  # from here on what is free only grows
+        for n in range(top, -1, -1):
+            free[n] = min(free[n], free[n + 1])
+        return {s: 0 if w < 1 else max(0, free[w - 1] if w - 1 <= top else w * size - every)
+                for s, w in windows.items()}
 
     def short(self, step: int, size: int) -> bool:
         """Wait mode, one room of ``size`` groups a step (fifo): whether ``step`` must wait for a reserved or

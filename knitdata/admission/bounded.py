@@ -93,30 +93,48 @@ class BoundedAdmission:
         current train batch as the policy will take it (linear-target: its fixed schedule; the others: the even
         completion of what is left of each quota, :func:`~knitdata.admission.even_completion`, whose first column
         the policy admits as soon as it is ready), then the even schedule of the quotas for each later train batch
-        (AReaL's rule, at most ``(eta + v + 1) * batch`` started by version ``v``, per source). Fifo ignores quotas:
+        (AReaL's rule, at most ``(eta + v + 1) * batch`` started by version ``v``, per source). In wait mode it is
+        also at most what those steps hold beside the committed groups of every source that must join by then
+        (:meth:`StalenessBound.room <knitdata.admission.bound.StalenessBound.room>`). Fifo ignores quotas:
         one room of ``m / g`` groups per step, shared by the sources. So while admission waits for a step and every
         reservation was delivered, a producer at the trainer's version gets room for what that step needs.
 
         Raises:
             ConfigError: No bound (``max_staleness`` is ``None``).
         """
+        return self._capacity(version)[0]
+
+    def _capacity(self, version: int) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+        """:meth:`rollout_capacity`, the room beside the committed groups and what the next step needs, per
+        source."""
         bound = self._need_bound()
         t = self.step
+        windows = {s: bound.window(version, s, t) for s in self._Q}
         if not self.preserves_quotas:  # fifo: one shared room
             occ = sum(self._ready_n.values()) + sum(self._pending_groups.values()) + sum(bound.reserved.values())
-            return {s: max(0, bound.window(version, s, t) * self._mm - occ) for s in self._Q}
+            caps = {s: max(0, windows[s] * self._mm - occ) for s in self._Q}
+            return caps, caps, dict.fromkeys(caps, 0)
         cum = self._plan_cum()
         K = len(cum) - 1
+        room = bound.room(t, self._mm, windows)  # wait mode: beside the committed groups of every source
         out: dict[str, int] = {}
+        nows: dict[str, int] = {}
         for s, Q in self._Q.items():
-            W = bound.window(version, s, t)
+            W = windows[s]
             if W <= K:
                 p = cum[W][s]
             else:
                 n, r = divmod(W - K, self._M)
                 p = cum[K][s] + Q * n + bound.schedule_cum[r][s]
-            out[s] = max(0, p - self._ready_n[s] - self._pending_groups[s] - bound.reserved[s])
-        return out
+            have = self._ready_n[s] + self._pending_groups[s] + bound.reserved[s]
+            # the room never withholds what admission needs now (no deadlock, even when over-committed)
+            now = nows[s] = max(0, min(cum[self._needs_now()][s] - have, p - have) if W >= 1 else 0)
+            out[s] = max(0, min(p - have, room[s]), now)
+        return out, room, nows
+
+    def _needs_now(self) -> int:
+        """How many of the planned steps admission needs before it admits the next one (train batch: all)."""
+        return 1 if len(self._plan_cum()) > 1 else 0
 
     def _plan_cum(self) -> list[dict[str, int]]:
         """Cumulative groups per source of the rest of the current train batch as the policy plans it (cached)."""
@@ -154,7 +172,11 @@ class BoundedAdmission:
                     f"within max_staleness {bound.etas[s]}: its window of {bound.etas[s] + 1} steps holds at most "
                     f"{most} (quota {self._Q[s]} per train batch of {self._M} mini-batches); reserve fewer at a time",
                     field=f"counts.{s}")
-        return bound.reserve(want, self.rollout_capacity(version), not self.preserves_quotas, version)
+        caps, room, now = self._capacity(version)
+        total = None
+        if want and (len(want) > 1 or not self.preserves_quotas):  # the sources share the room of the steps
+            total = min(room[s] for s in want) + sum(min(n, now[s]) for s, n in want.items())
+        return bound.reserve(want, caps, version, total)
 
     def unreserve(self, counts: Mapping[str, int]) -> None:
         """Give back reservations of prompts that will not be generated (floored at 0)."""

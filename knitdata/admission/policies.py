@@ -44,13 +44,17 @@ class TrainBatchAdmission(AdmissionPolicy):
                 f"at least M - 1 = {spec.num_minibatches - 1} versions stale; raise the bound or use "
                 "constraint_preserving admission")
 
+    def _needs_now(self) -> int:
+        return self._M - self._k
+
     def _choose(self) -> dict[str, int] | list[ReadyGroup] | None:
         rem = self._remaining()
         if any(self._ready_n[s] < r for s, r in rem.items()):
             return None
-        lim = composition_limits(rem, self._ready_n, self._M - self._k - 1, self._mm, self._bounds)
+        K = self._M - self._k - 1
+        lim = composition_limits(rem, self._ready_n, K, self._mm, self._bounds)
         assert lim is not None, "a complete train batch must be admissible"
-        return self._compose(*lim)
+        return self._compose(*(self._committed(rem, K, *lim) or lim))
 
 
 class FifoAdmission(AdmissionPolicy):
@@ -166,21 +170,8 @@ class ConstraintPreservingAdmission(AdmissionPolicy):
         lim = composition_limits(rem, self._ready_n, K, self._mm, self._bounds)
         if lim is None:
             return None
-        b = self._bound
-        if b is None or b.on_stale != "wait":
-            return self._compose(*lim)
-        # wait mode: take at least what the committed groups of each source need now to meet their last steps
-        lo, hi = dict(lim[0]), lim[1]
-        for s, R in rem.items():
-            H = self._bounds[s][1]
-            top = min(H, R - K * self._bounds[s][0])  # most of s this step may take, whatever is ready
-            need = min(b.least(s, self.step, K, R, H), top)
-            if need > hi[s]:
-                return None  # the groups it needs are reserved or incomplete: wait for them
-            lo[s] = max(lo[s], need)
-        if sum(lo.values()) > self._mm:
-            return self._compose(*lim)  # not all of them can make it: as without commitments
-        return self._compose(lo, hi)
+        lim2 = self._committed(rem, K, *lim)
+        return None if lim2 is None else self._compose(*lim2)
 
 
 #: Policy name -> class.
