@@ -160,7 +160,7 @@ def make(store: FakeStore, rollout: Rollout | None, *, quotas: dict[str, int], M
     """The sampler as verl's trainer builds a custom one (``trainer_base._build_replay_buffer``)."""
     return KnitdataSampler(trainer_mode="separate_async", trainer_config={"parameter_sync_step": M},
                            max_off_policy_threshold=T, max_off_policy_strategy=strategy,
-                           sampler_kwargs={"quotas": quotas, "poll_interval": 0, "timeout_s": 3, **kw},
+                           sampler_kwargs={"quotas": quotas, "poll_interval": 0, "timeout_s": 10, **kw},
                            refill_fn=refill_fn or (None if rollout is None else rollout.refill))
 
 
