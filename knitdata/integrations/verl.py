@@ -3,11 +3,12 @@
 verl 0.9's V1 trainer (``trainer.use_v1=true``) keeps rollouts in TransferQueue, a key-value store, and asks a
 *sampler* for each mini-batch: ``sample(global_steps, partition_id, batch_size) -> (KVBatchMeta, metrics)``. Its
 own sampler takes the oldest finished groups whatever their data source, so a slow-generating dataset can fall to
-zero share. :class:`KnitdataSampler` is a drop-in replacement, named in the config::
+zero share. :class:`KnitdataSampler` is a drop-in replacement, named by three overrides of verl's command line
+(``docs/verl.md`` has the same as YAML)::
 
     trainer.v1.sampler.custom_sampler.path=pkg://knitdata.integrations.verl
     trainer.v1.sampler.custom_sampler.name=KnitdataSampler
-    trainer.v1.sampler.sampler_kwargs={quotas: {math: 48, code: 16}}
+    '+trainer.v1.sampler.sampler_kwargs.quotas={math: 48, code: 16}'
 
 On each call it lists the store (``kv_list``), reads the ``data_source`` of each newly finished group (one
 ``kv_batch_get`` per call, of one trajectory per group) and offers the groups to a knitdata admission policy
