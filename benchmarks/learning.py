@@ -56,9 +56,13 @@ seeds, prompts, sampling noise and generation times for all four base regimes):
   with the next train batches' prompts, AReaL-style, instead of waiting for a batch to be admitted). ``drop``:
   each group :meth:`~knitdata.pipeline.Pipeline.dropped` lists is generated again first (same prompt and
   noise, new group id, a fresh seeded generation time); ``wait``: a prompt starts only when
-  :meth:`~knitdata.pipeline.Pipeline.rollout_capacity` has room for its source (then ``acquire_rollout``).
+  :meth:`~knitdata.pipeline.Pipeline.rollout_capacity` has room for its source (then ``acquire_rollout``), and
+  finished groups are put as they finish (``LearningConfig.wait_in_order``: in each source's start order instead).
   Figures added: ``worst_staleness`` (largest trainer version - ``gen_version`` trained) and
-  ``wasted_token_share`` (tokens of dropped groups / tokens generated). ``fifo_bound_<eta>_<mode>``: the same
+  ``wasted_token_share`` (the *discarded* share: tokens of dropped groups / tokens generated, printed beside the
+  AUC); for every regime the pipeline's staleness split (``staleness_generating_mean``,
+  ``staleness_queued_mean``: of the staleness trained, versions that passed while a group was generated / while
+  it waited in the pipeline). ``fifo_bound_<eta>_<mode>``: the same
   with a FIFO mini-batch stream (verl's arrangement: no quotas, and what the bound drops is discarded, not
   regenerated; the prompt stream goes on), used by the two-speed comparison
   (:func:`run_two_speed`, JSON key ``two_speed``): an easy fast source beside a hard slow one.
@@ -177,9 +181,9 @@ class LearningConfig:
         eval_every: Evaluate after every this many steps (and at step 0).
         seeds: Seeds (each runs every regime).
         wait_in_order: ``bound_<eta>_wait`` regimes: rollout puts each source's groups in the order it started them
-            (a group that finishes before an older one of its source is held until that one is put), the
-            condition under which wait mode drops nothing; ``False``: as they finish (a slow group overtaken by
-            newer ones of its source can expire; the log-normal tails make that common).
+            (a group that finishes before an older one of its source is held until that one is put); ``False``
+            (default): as they finish, as a real engine does (admission keeps the slot of each started group, so
+            a slow group overtaken by newer ones of its source does not expire).
     """
 
     scenario: str = "skewed"
@@ -196,7 +200,7 @@ class LearningConfig:
     eval_prompts: int = 256
     eval_every: int = 2
     seeds: tuple[int, ...] = (0, 1, 2)
-    wait_in_order: bool = True
+    wait_in_order: bool = False
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS and self.scenario != TWO_SPEED.name:
@@ -777,6 +781,10 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
         version += 1
         pipe.report_version(version)
         out.reported_versions.append(version)
+        # the weights reach rollout once the pipeline has the report (pipe.version sends what this process queued
+        # first), as a weight sync is slower than a report: groups then carry no version the pipeline has not seen
+        if bound and pipe.version != version:
+            raise RuntimeError(f"the pipeline has version {pipe.version} after report_version({version})")
         rollout.load_state_dict(trainer.state_dict())  # weight sync after every optimizer step
         if version % cfg.eval_every == 0 or version == cfg.steps:
             evaluate(version)
