@@ -199,6 +199,25 @@ def reissue(tq: Any, trainer: Any, partition_id: str, uids: list[str], trajector
     return batch
 
 
+def _shortfall(policy: AdmissionPolicy) -> dict[str, int]:
+    """Groups each source lacks for the rest of its quota in the current train batch (ready ones counted)."""
+    ready = policy.ready_counts()
+    return {s: max(0, r - ready[s]) for s, r in policy.remaining_quota().items()}
+
+
+def _timeout_message(policy: AdmissionPolicy, prompts: Mapping[str, Mapping[str, Any]], global_steps: int,
+                     waited: float, k: int) -> str:
+    generating: dict[str, int] = {}
+    for t in prompts.values():
+        if t["status"] in ("pending", "running"):
+            generating[t["status"]] = generating.get(t["status"], 0) + 1
+    short = {s: n for s, n in _shortfall(policy).items() if n}
+    return (f"KnitdataSampler waited {waited:.0f} s (timeout_s) for mini-batch {k} of global step {global_steps}: per "
+            f"source, groups still needed this train batch {policy.remaining_quota()}, ready {policy.ready_counts()}, "
+            f"short {short}; prompt groups generating {generating} (of unknown source until they finish). Give the "
+            "short sources more weight in the dataloader, or lower their quotas")
+
+
 class KnitdataSampler:
     """verl's V1 sampler plugin: admits finished groups by per-source quotas under a hard staleness bound.
 
@@ -324,11 +343,12 @@ class KnitdataSampler:
             if self._queue:
                 break
             if starved is None:
-                starved = self._shortfall(policy)
+                starved = _shortfall(policy)
             self._refill_if_idle(policy, partition_id, metrics)
             waited = time.monotonic() - start
             if self.timeout_s is not None and waited >= self.timeout_s:
-                raise DataTimeoutError(self._timeout_message(policy, global_steps, waited))
+                raise DataTimeoutError(_timeout_message(policy, self._prompts, global_steps, waited,
+                                                        self._delivered % self.num_minibatches))
             time.sleep(self.poll_interval)
         mb = self._queue.popleft()
         batch = self._deliver(partition_id, mb)
@@ -525,17 +545,12 @@ class KnitdataSampler:
         train batches per ``sample`` call: a source the data never supplies ends in ``timeout_s``, not a flood)."""
         if self._refilled or any(t["status"] in ("pending", "running") for t in self._prompts.values()):
             return
-        short = min(sum(self._shortfall(policy).values()), 4 * self.spec.batch_size - self._idle_refills)
+        short = min(sum(_shortfall(policy).values()), 4 * self.spec.batch_size - self._idle_refills)
         if short > 0 and self.refill_fn is not None:
             self._idle_refills += short
             metrics["training/knitdata/starvation_refills"] = metrics.get("training/knitdata/starvation_refills", 0) + short
             mult, credit = self.refill_multiple, self._refill_credit
             self._refill(-(-(credit + short) // mult) * mult - credit, partition_id)
-
-    def _shortfall(self, policy: AdmissionPolicy) -> dict[str, int]:
-        """Groups each source lacks for the rest of its quota in the current train batch (ready ones counted)."""
-        ready = policy.ready_counts()
-        return {s: max(0, r - ready[s]) for s, r in policy.remaining_quota().items()}
 
     def _sampleable(self) -> int:
         assert self._policy is not None
@@ -574,19 +589,6 @@ class KnitdataSampler:
             metrics[f"training/knitdata/bound_starved/{s}"] = int(bool(flag))
         metrics["training/knitdata/wait_s"] = waited
         metrics["training/knitdata/ahead"] = self._sampleable()
-
-    def _timeout_message(self, policy: AdmissionPolicy, global_steps: int, waited: float) -> str:
-        ready = policy.ready_counts()
-        generating: dict[str, int] = {}
-        for t in self._prompts.values():
-            if t["status"] in ("pending", "running"):
-                generating[t["status"]] = generating.get(t["status"], 0) + 1
-        short = {s: n for s, n in self._shortfall(policy).items() if n}
-        return (f"KnitdataSampler waited {waited:.0f} s (timeout_s) for mini-batch {self._delivered % self.num_minibatches}"
-                f" of global step {global_steps}: per source, groups still needed this train batch "
-                f"{policy.remaining_quota()}, ready {ready}, short {short}; prompt groups generating {generating} "
-                "(of unknown source until they finish). Give the short sources more weight in the dataloader, or "
-                "lower their quotas")
 
     def _sample_plain(self, partition_id: str, batch_size: int) -> tuple[Any, dict[str, Any]]:
         """verl's rule for validation: the ``batch_size`` oldest terminal groups, once that many are terminal."""
