@@ -127,7 +127,7 @@ class _Clock:
         return time.process_time()
 
 
-def _timed(base: type, clock: _Clock) -> type:
+def _timed(base: type, clock: _Clock) -> tuple[type, type]:
     from transformers import TrainerCallback
 
     class Timed(base):  # type: ignore[misc, valid-type]
@@ -356,7 +356,8 @@ def _learn_trl(cfg: LearningConfig, workdir: str) -> dict[str, Any]:
                       save_strategy="no", logging_steps=1, seed=cfg.seed, data_seed=cfg.seed, disable_tqdm=True,
                       temperature=1.0)
     torch.manual_seed(cfg.seed)
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward, args=args,
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward,  # type: ignore[arg-type]
+                          args=args,
                           processing_class=tok,
                           train_dataset=Dataset.from_dict({"prompt": [p for p, _ in rows], "source": [s for _, s in rows]}))
     _quiet(trainer)
@@ -401,7 +402,8 @@ def _learn_knitdata(cfg: LearningConfig, workdir: str) -> dict[str, Any]:
     with cpu_stand_ins():
         trainer = AsyncGRPOTrainer(model=path, args=args, processing_class=tok,
                                    train_dataset=Dataset.from_dict({"prompt": prompts["even"] + prompts["low"]}),
-                                   rollout_worker=worker, weight_transfer=engine, callbacks=[worker.callback])
+                                   rollout_worker=worker,  # type: ignore[arg-type]  # TRL's protocol types its queues loosely
+                                   weight_transfer=engine, callbacks=[worker.callback])
     _quiet(trainer)
     trainer.train()
     logs = [e for e in trainer.state.log_history if "knitdata/staleness_max" in e]
@@ -547,7 +549,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         print("--gpu needs a CUDA device")
         return 2
-    report = run_speed(cfg) if not args.no_speed else {"benchmark": "trl", "speed": [], "acceptance": {}}
+    report: dict[str, Any] = (run_speed(cfg) if not args.no_speed
+                              else {"benchmark": "trl", "speed": [], "acceptance": {}})
     if not args.no_learning:
         lcfg = LearningConfig(steps=2) if args.smoke else LearningConfig()
         if args.learning_steps:

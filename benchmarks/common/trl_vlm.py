@@ -121,7 +121,8 @@ def tiny_model(shape: VLMShape = TEST_SHAPE, seed: int = 0, dtype: torch.dtype =
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
     )
     torch.manual_seed(seed)
-    return Qwen2_5_VLForConditionalGeneration(cfg).to(dtype)
+    model: Any = Qwen2_5_VLForConditionalGeneration(cfg)
+    return model.to(dtype)
 
 
 def image_dataset(n: int, size: int | tuple[int, ...], seed: int = 0, sources: tuple[str, ...] = ("describe",)) -> Any:

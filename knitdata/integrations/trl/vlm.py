@@ -255,10 +255,12 @@ class SharedEncodingGRPOTrainer(GRPOTrainer):
                 f"shared encoding is for vision-language models: processing_class is a {type(proc).__name__}, "
                 "pass the model's processor (with an image_processor), or use trl.GRPOTrainer"
             )
-        adapter = adapter_for(self.model, proc.image_processor)
+        model = self.model
+        assert isinstance(model, nn.Module)  # GRPOTrainer built it (from a path or the module given)
+        adapter = adapter_for(model, proc.image_processor)
         if adapter.kind != "image" or len(adapter.placeholders) != 1:
             raise ConfigError(f"model family {adapter.family!r} is not an image-only model; use trl.GRPOTrainer")
-        self._knit.adapters[id(self.model)] = adapter
+        self._knit.adapters[id(model)] = adapter
         bad = {DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM, DistributedType.XLA}
         if self.accelerator.distributed_type in bad:
             raise ConfigError(
@@ -298,7 +300,7 @@ class SharedEncodingGRPOTrainer(GRPOTrainer):
         k = self._knit
         if k.mode == "naive":
             return super()._generate_and_score_completions(inputs)
-        training = self.model.training
+        training = bool(getattr(self.model, "training", False))
         if training and k.segment is not None:
             raise StateError(
                 f"TRL generated a new batch while the shared encoding of micro-batches {k.segment.i}.."
@@ -452,7 +454,8 @@ class SharedEncodingGRPOTrainer(GRPOTrainer):
         k = self._knit
         seg = k.segment
         if seg is None:
-            generate_every = self.args.steps_per_generation * self.num_iterations
+            config: Any = self.args  # a GRPOConfig (Trainer annotates TrainingArguments)
+            generate_every = config.steps_per_generation * self.num_iterations
             left_in_step = self.current_gradient_accumulation_steps - k.pos_in_step
             left_in_gen = generate_every - k.pos_in_gen
             n = min(left_in_step, left_in_gen)
