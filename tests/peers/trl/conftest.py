@@ -41,7 +41,34 @@ _CACHE = Path(os.environ.get("KNITDATA_TRL_SHIM_DIR") or tempfile.mkdtemp(prefix
 _LOCK = threading.Lock()
 
 #: Reasons for the tests that cannot run here (substring of the test's node id -> why); see README.md.
-EXCLUDED: dict[str, str] = {}
+_DRIFT = "written against TRL 1.10.0.dev0 (the stored snapshot); TRL 1.16.0 behaves differently: "
+_QWEN_IDS = ("the test's fake generate returns hard-coded ids of the real Qwen tokenizer (151k tokens: tool-call JSON, "
+             "151643/151645 for padding and end of turn); the shim's byte-level tokenizer has 265")
+EXCLUDED: dict[str, str] = {
+    "TestGRPORolloutDispatch::test_generate_prefers_rollout_func": _DRIFT + "GRPOTrainer.generate reads "
+    "self.eos_token_ids, which the test's bare trainer (object.__new__) does not set",
+    "TestGRPORolloutDispatch::test_generate_rollout_func_syncs_vllm_weights_when_needed": _DRIFT + "GRPOTrainer."
+    "generate reads self.eos_token_ids, which the test's bare trainer (object.__new__) does not set",
+    "test_liger_kernel_with_peft_non_lm_head_target_allowed": _DRIFT + "without liger-kernel, GRPOTrainer("
+    "use_liger_kernel=True) no longer raises ImportError at construction",
+    "test_liger_kernel_with_peft_modules_to_save_lm_head_allowed": _DRIFT + "without liger-kernel, GRPOTrainer("
+    "use_liger_kernel=True) no longer raises ImportError at construction",
+    "test_liger_kernel_with_peft_prompt_learning_raises": _DRIFT + "without liger-kernel, GRPOTrainer("
+    "use_liger_kernel=True) raises no error at construction for a prompt-learning adapter",
+    "test_entropy_bonus_flows_gradients": _DRIFT + "setting the private _entropy_bonus_enabled to False no longer "
+    "detaches the entropies",
+    "test_train_moe_peft_model": _DRIFT + "the PEFT model carries a 'ref' adapter the test asserts absent",
+    "test_trust_remote_code": "hub-only asset: the model's code lives in its hub repository (trust_remote_code)",
+    "TestGRPOTrainerVLM::": "hub-only assets: tiny vision-language checkpoints with their processors and the "
+    "zen-image datasets are not rebuilt by the shim (knitdata's VLM path has its own tests)",
+    "test_train_with_mask_truncated_completions": _QWEN_IDS,
+    "test_train_with_tools[": _QWEN_IDS,
+    "test_train_with_multiple_environments": _QWEN_IDS,
+    "test_train_with_environment_factory": _QWEN_IDS,
+    "test_train_with_environment_owned_reward": _QWEN_IDS,
+    "test_train_with_environment_owned_data": _QWEN_IDS,
+    "test_train_with_malformed_tool_calls": _QWEN_IDS,
+}
 
 #: Vendored modules that cannot even be imported against TRL 1.16.0 (see README.md).
 collect_ignore = [
@@ -50,7 +77,7 @@ collect_ignore = [
     "experimental/test_async_grpo_trainer.py",
 ]
 
-_FAMILY = {  # architecture prefix -> (config class, chat template shipped with TRL, special tokens)
+_FAMILY = {  # architecture prefix -> (config class, chat template shipped with TRL)
     "Qwen2": ("Qwen2Config", "qwen2_5.jinja"),
     "Qwen3Moe": ("Qwen3MoeConfig", "qwen3.jinja"),
     "Qwen3": ("Qwen3Config", "qwen3.jinja"),
@@ -58,6 +85,15 @@ _FAMILY = {  # architecture prefix -> (config class, chat template shipped with 
     "Mistral": ("MistralConfig", "qwen2_5.jinja"),
     "Gemma2": ("Gemma2Config", "qwen2_5.jinja"),
     "Cohere2": ("Cohere2Config", "qwen2_5.jinja"),
+    "Glm4Moe": ("Glm4MoeConfig", "qwen2_5.jinja"),
+    "GptOss": ("GptOssConfig", "qwen2_5.jinja"),
+    "NemotronH": ("NemotronHConfig", "qwen2_5.jinja"),
+}
+_EXTRA: dict[str, dict[str, Any]] = {  # config class -> what makes its model tiny
+    "Qwen3MoeConfig": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1),
+    "Glm4MoeConfig": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+                          n_group=1, topk_group=1, n_shared_experts=1),
+    "GptOssConfig": dict(num_local_experts=4, num_experts_per_tok=2),
 }
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<think>", "</think>",
              "<tool_response>", "</tool_response>"]
@@ -100,8 +136,7 @@ def _build_model(hub_id: str, path: Path) -> None:
                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
                               head_dim=4, tie_word_embeddings=False)
-    if config_cls == "Qwen3MoeConfig":
-        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1)
+    kw.update(_EXTRA.get(config_cls, {}))
     if arch.endswith("ForSequenceClassification"):
         kw["num_labels"] = 1
     config = getattr(transformers, config_cls)(**kw)
@@ -157,13 +192,13 @@ def offline_hub_models(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ datasets
-_ZEN = [
-    ("Beautiful is better", " than ugly."), ("Explicit is better", " than implicit."),
-    ("Simple is better", " than complex."), ("Complex is better", " than complicated."),
-    ("Flat is better", " than nested."), ("Sparse is better", " than dense."), ("Readability", " counts."),
-    ("Special cases aren't special enough", " to break the rules."), ("Although practicality", " beats purity."),
+_ZEN = [  # the first 12 prompts as TRL's test_prepare_input_called_with_correct_data expects them
+    ("Beautiful is better than", " ugly."), ("Explicit is", " better than implicit."),
+    ("Simple is better", " than complex."), ("Complex", " is better than complicated."),
+    ("Flat is better than", " nested."), ("Sparse is better", " than dense."), ("Readability", " counts."),
+    ("Special cases aren't special", " enough to break the rules."), ("Although practicality beats", " purity."),
     ("Errors should never", " pass silently."), ("Unless explicitly", " silenced."),
-    ("In the face of ambiguity,", " refuse the temptation to guess."),
+    ("In the face of ambiguity, refuse", " the temptation to guess."),
     ("There should be one-- and preferably only one --", "obvious way to do it."),
     ("Although that way may not be obvious at first", " unless you're Dutch."), ("Now is better", " than never."),
     ("Although never is often better than", " *right* now."),
