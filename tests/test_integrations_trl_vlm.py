@@ -151,9 +151,10 @@ def test_one_generation_two_optimizer_steps_match_trl_with_each_image_encoded_on
     assert trl_trainer.processing_class.image_processor is not None
 
 
-def test_default_config_trains_with_one_encode_per_step(tmp_path):
+def test_default_config_trains_and_evaluates_with_one_encode_per_step(tmp_path):
     # TRL's defaults: one generation per optimizer step (steps_per_generation = gradient_accumulation_steps), beta 0
-    trainer, rec = _run(SharedEncodingGRPOTrainer, tmp_path, "default", gradient_accumulation_steps=2, max_steps=2)
+    trainer, rec = _run(SharedEncodingGRPOTrainer, tmp_path, "default", gradient_accumulation_steps=2, max_steps=2,
+                        per_device_eval_batch_size=8)
     assert trainer.state.global_step == 2
     assert rec.tower["grad"] == [2, 2]  # 2 prompts per step (8 rows), each image encoded once with autograd
     assert rec.tower["nograd"] == []  # no old-policy or reference pass in this configuration
@@ -161,6 +162,13 @@ def test_default_config_trains_with_one_encode_per_step(tmp_path):
     assert stats.segments == 2 and stats.fallbacks == 0
     assert all(torch.isfinite(torch.tensor(x)) for x in rec.losses)
     assert not isinstance(trainer.processing_class.image_processor, DedupImageProcessor)  # swapped only while scoring
+
+    # evaluation: each micro-batch's distinct images encoded once, without autograd (8 rows: 2 prompts x 4)
+    before = stats.encoded_nograd
+    metrics = trainer.evaluate(eval_dataset=image_dataset(2, 24, seed=5))
+    assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
+    assert stats.fallbacks == 0 and stats.encoded_nograd - before == 2
+    assert rec.tower["nograd"] == [] and rec.tower.get("other") == [2]  # no old/ref pass; the loss: one call
 
 
 def test_naive_mode_is_trls_own_path(tmp_path):
