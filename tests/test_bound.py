@@ -184,16 +184,32 @@ def test_capacity_follows_constraint_preserving_admission_issue_repro() -> None:
     spec = BatchSpec({"a": 1, "b": 1, "vision": 4}, num_minibatches=3,
                      bounds={"vision": (1, 2), "a": (0, 1), "b": (0, 1)})
     p = make_policy("constraint_preserving", spec, max_staleness=1, on_stale="wait", continuous=True)
-    assert p.reserve({"vision": 2, "a": 1, "b": 1}, 0)
+    assert p.reserve({"vision": 2}, 0)
     p.offer(meta("v0", "vision", 0) + meta("v1", "vision", 0))
     assert [mb.counts() for mb in p.poll()] == [{"vision": 2}]
-    p.offer(meta("a0", "a", 0) + meta("b0", "b", 0))
+    p.offer(meta("a0", "a", 0) + meta("b0", "b", 0))  # put without a reservation
     assert p.poll() == []  # step 1 needs a vision group (at least 1 a step)
     assert p.rollout_capacity(0)["vision"] == 1  # 1 <= eta stale at step 1
     assert p.reserve({"vision": 1}, 0)
     p.offer(meta("v2", "vision", 0))
     (mb,) = p.poll()
     assert mb.step == 1 and all(1 - t.gen_version <= 1 for t in mb.trajectories)
+
+
+def test_wait_mode_waits_for_a_reserved_group_that_must_join_the_step() -> None:
+    """Issue 45.3: constraint-preserving admission used to fill step 0 with what arrived first (two vision groups)
+    and so push a reserved group past its bound; it now waits for the reserved ones that must join by step 1."""
+    spec = BatchSpec({"a": 1, "b": 1, "vision": 4}, num_minibatches=3,
+                     bounds={"vision": (1, 2), "a": (0, 1), "b": (0, 1)})
+    p = make_policy("constraint_preserving", spec, max_staleness=1, on_stale="wait", continuous=True)
+    assert p.reserve({"vision": 2, "a": 1, "b": 1}, 0)  # all must join by step 1; vision needs 1 a step
+    p.offer(meta("v0", "vision", 0) + meta("v1", "vision", 0))
+    assert p.poll() == []  # {vision, vision} now would leave a and b for step 1, one of them too stale
+    p.offer(meta("a0", "a", 0))
+    assert [mb.counts() for mb in p.poll()] == [{"vision": 1, "a": 1}]
+    p.offer(meta("b0", "b", 0))
+    assert [mb.counts() for mb in p.poll()] == [{"vision": 1, "b": 1}]
+    assert p.take_dropped() == []
 
 
 def test_acquire_rollout_of_more_than_can_ever_fit_fails_at_once() -> None:
@@ -264,7 +280,7 @@ def test_a_journal_replay_learns_the_same_offset(tmp_path) -> None:
     def put(plane, i: int, version: int) -> None:
         t = Trajectory(id=f"t{i}", source="ab"[(i // 2) % 2], group=f"g{i // 2}", gen_version=version,
                        prompt_ids=torch.arange(4), response_ids=torch.arange(8))
-        plane.admit_many("node0", [[{**t.meta().to_dict(), "fields": fields_of({}, {})}, 8, f"k{i}"]])
+        plane.admission.admit_many("node0", [[{**t.meta().to_dict(), "fields": fields_of({}, {})}, 8, f"k{i}"]])
 
     path = tmp_path / "run.journal"
     a = ControlPlane(cfg, units, lambda u, ids, wait: None, journal=Journal(path, fsync_every_s=0))
@@ -272,18 +288,18 @@ def test_a_journal_replay_learns_the_same_offset(tmp_path) -> None:
         for i in range(16):
             put(a, i, 100)
     for rank in range(2):
-        for e in a.next_entries(rank, 0, 0.0).get("entries", []):
-            a.handed(rank, e["j"], e["minibatch"], e["microbatch"])
-    a.report_version(101)
-    assert a.stats()["staleness_bound"]["offset"] == 100
+        for e in a.leasing.next_entries(rank, 0, 0.0).get("entries", []):
+            a.positions.handed(rank, e["j"], e["minibatch"], e["microbatch"])
+    a.positions.report_version(101)
+    assert a.reporting.stats()["staleness_bound"]["offset"] == 100
     b = ControlPlane(cfg, units, lambda u, ids, wait: None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         b.recover(str(path))
-    assert b.policy.state_dict() == a.policy.state_dict()
+    assert b.state.policy.state_dict() == a.state.policy.state_dict()
     c = ControlPlane.from_state_dict(json.loads(json.dumps(a.state_dict())), lambda u, ids, wait: None)
-    assert c.policy.state_dict() == a.policy.state_dict()
+    assert c.state.policy.state_dict() == a.state.policy.state_dict()
     for p in (a, b, c):
         put(p, 16, 101)
         put(p, 17, 101)
-    assert b.policy.state_dict() == a.policy.state_dict() == c.policy.state_dict()
+    assert b.state.policy.state_dict() == a.state.policy.state_dict() == c.state.policy.state_dict()

@@ -443,10 +443,12 @@ class AdmissionPolicy(StatefulAdmission, abc.ABC):
         if b is None or b.on_stale != "wait":
             return lo, hi
         low = dict(lo)
+        floor = sum(L for L, _ in self._bounds.values())
         for s, R in rem.items():
-            H = self._bounds[s][1]
-            top = min(H, R - K * self._bounds[s][0])  # most of s this step may take, whatever is ready
-            need = min(b.least(s, self.step, K, R, H), top)
+            L, H = self._bounds[s]
+            top = min(H, R - K * L)  # most of s this step may take, whatever is ready
+            per_step = min(H, self._mm - floor + L)  # the others take at least their lower bounds
+            need = min(b.least(s, self.step, K, R, per_step), top)
             if need > hi[s]:
                 return None  # the groups it needs are reserved or incomplete: wait for them
             low[s] = max(low[s], need)
@@ -469,20 +471,27 @@ class AdmissionPolicy(StatefulAdmission, abc.ABC):
                 taken.append(self._pop(s))
             x[s] = n
         left = self._mm - len(taken)
-        k1, M = self._k + 1, self._M
-        heap: list[tuple[int, float, int, str]] = []
+        k1, M, step = self._k + 1, self._M, self.step
+        heap: list[tuple[int, int, float, int, str]] = []
+        b = self._bound
+        wait = b is not None and b.on_stale == "wait" and b.offset is not None and b.mode != "unknown"
 
         def push(s: str) -> None:
             if x[s] < hi[s]:
                 h = self._head(s)
                 if h is not None:
                     behind = k1 * self._Q[s] / M - (self._admitted[s] + x[s])
-                    heapq.heappush(heap, (h.version + etas[s], -behind, h.seq, s))
+                    surplus = 0  # wait mode: among groups due by the same step, the source most over its floor
+                    if wait:
+                        assert b is not None and b.offset is not None
+                        d = h.version + etas[s] - b.offset
+                        surplus = b.committed(s, step, d) - x[s] - (d - step) * self._bounds[s][0]
+                    heapq.heappush(heap, (h.version + etas[s], -surplus, -behind, h.seq, s))
 
         for s in self._Q:
             push(s)
         while left > 0:
-            _, _, _, s = heapq.heappop(heap)
+            s = heapq.heappop(heap)[-1]
             taken.append(self._pop(s))
             x[s] += 1
             left -= 1

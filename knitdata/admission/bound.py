@@ -345,7 +345,7 @@ class StalenessBound:
             if i < len(vs) and vs[i] == version:
                 del vs[i]
 
-    def _by(self, source: str, step: int, last: int, ready_only: bool = False) -> int:
+    def committed(self, source: str, step: int, last: int, ready_only: bool = False) -> int:
         """Committed groups of ``source`` (ready, or also reserved and incomplete) whose last step is in
         ``step..last``."""
         eta, off = self.etas[source], self.offset
@@ -370,35 +370,57 @@ class StalenessBound:
             n1 = min(n, after)
             nb, r = divmod(n - n1, M)
             later = nb * Q + min(r * per_step, Q)
-            low = max(low, self._by(source, step, step + n) - later - min(n1 * per_step, max(0, left)))
+            low = max(low, self.committed(source, step, step + n) - later - min(n1 * per_step, max(0, left)))
         return low
 
-    def room(self, step: int, size: int, windows: Mapping[str, int]) -> dict[str, int]:
-        """Wait mode: per source, how many more groups whose last step is ``step + windows[s] - 1`` the steps from
-        ``step`` on can still hold beside every committed group (ready, reserved or incomplete) of any source that
-        must join by then or later: ``min`` over ``d >= that last step`` of ``(d - step + 1) * size`` minus the
-        committed groups whose last step is in ``step..d``. O(S eta log n)."""
+    def room(self, step: int, size: int, windows: Mapping[str, int],
+             floors: Mapping[str, int] | None = None) -> dict[str, int]:
+        """Wait mode: per source ``s``, how many more groups whose last step is ``step + windows[s] - 1`` the steps
+        from ``step`` on can still hold beside every committed group (ready, reserved or incomplete) of any source
+        that must join by then or later: ``min`` over ``d >= that last step`` of the ``(d - step + 1) * size``
+        slots minus, per source, its committed groups whose last step is in ``step..d`` or its per-step lower
+        bound (``floors``, groups) times the steps, whichever is more (``s``'s own unfilled lower-bound slots are
+        its to use). O(S^2 eta log n)."""
         if self.offset is None or self.mode == _UNKNOWN or self.on_stale != "wait":
             return {s: 1 << 62 for s in windows}
+        floors = floors or {}
         top = max(self.etas.values()) + FUTURE_SLACK
-        free = [(n + 1) * size - sum(self._by(s, step, step + n) for s in self.sources) for n in range(top + 1)]
-        every = sum(self._by(s, step, step + (1 << 40)) for s in self.sources)
-        free.append((top + 2) * size - every)  # from here on what is free only grows
-        for n in range(top, -1, -1):
-            free[n] = min(free[n], free[n + 1])
-        return {s: 0 if w < 1 else max(0, free[w - 1] if w - 1 <= top else w * size - every)
-                for s, w in windows.items()}
+        far = 1 << 40
+        counts = [{s: self.committed(s, step, step + n) for s in self.sources} for n in range(top + 1)]
+        counts.append({s: self.committed(s, step, step + far) for s in self.sources})  # beyond: what is free only grows
+        out: dict[str, int] = {}
+        for s, w in windows.items():
+            if w < 1:
+                out[s] = 0
+                continue
+            best = None
+            for n in range(min(w - 1, top + 1), top + 2):
+                steps = n + 1 if n <= top else max(w, top + 2)
+                c = counts[n]
+                taken = sum(max(c[x], steps * floors.get(x, 0)) for x in self.sources)
+                free = steps * size - taken + max(0, steps * floors.get(s, 0) - c[s])
+                best = free if best is None else min(best, free)
+            out[s] = max(0, best or 0)
+        return out
 
-    def short(self, step: int, size: int) -> bool:
-        """Wait mode, one room of ``size`` groups a step (fifo): whether ``step`` must wait for a reserved or
-        incomplete group, because the committed groups that must join by some step cannot all make it unless this
-        step takes some of those not ready yet. O(S eta log n)."""
+    def short(self, step: int, size: int, floors: Mapping[str, int] | None = None) -> bool:
+        """Wait mode: whether ``step`` (``size`` groups) must wait for a reserved or incomplete group. For each later
+        step ``d``, the committed groups of each source ``x`` that must join by ``d`` (``E_x``), or its per-step lower
+        bound (``floors``, groups) over the steps after this one (``n L_x``), whichever is more, must fit those
+        ``n * size`` slots; this step has to take the excess ``D`` from the groups that must join by ``d``, and
+        waits when the ready ones cannot cover it (once every committed group arrived they always can, so waiting
+        ends). O(S eta log n)."""
         if self.offset is None or self.mode == _UNKNOWN:
             return False
+        floors = floors or {}
         for n in range(max(self.etas.values()) + FUTURE_SLACK + 1):
-            every = sum(self._by(s, step, step + n) for s in self.sources)
-            req = every - n * size
-            if 0 < req <= size and sum(self._by(s, step, step + n, True) for s in self.sources) < req:
+            due = {s: self.committed(s, step, step + n) for s in self.sources}
+            excess = sum(max(e, n * floors.get(s, 0)) for s, e in due.items()) - n * size
+            if excess <= 0 or excess > size:
+                continue  # fits, or cannot fit whatever this step takes
+            can = sum(min(self.committed(s, step, step + n, True), max(0, due[s] - n * floors.get(s, 0)))
+                      for s in self.sources)
+            if can < excess:
                 return True
         return False
 

@@ -44,6 +44,7 @@ class BoundedAdmission:
     _pending_groups: dict[str, int]
     _in_flight: dict[str, int] | None
     preserves_quotas: bool
+    _bounds: dict[str, tuple[int, int]]
     _M: int
     _mm: int
     _k: int
@@ -116,7 +117,10 @@ class BoundedAdmission:
             return caps, caps, dict.fromkeys(caps, 0)
         cum = self._plan_cum()
         K = len(cum) - 1
-        room = bound.room(t, self._mm, windows)  # wait mode: beside the committed groups of every source
+        floors = {s: lo for s, (lo, _) in self._bounds.items()}
+        room = bound.room(t, self._mm, windows, floors)  # wait mode: beside the committed groups of every source
+        have = {s: self._ready_n[s] + self._pending_groups[s] + bound.reserved[s] for s in self._Q}
+        need = self._needed(have)
         out: dict[str, int] = {}
         nows: dict[str, int] = {}
         for s, Q in self._Q.items():
@@ -126,15 +130,20 @@ class BoundedAdmission:
             else:
                 n, r = divmod(W - K, self._M)
                 p = cum[K][s] + Q * n + bound.schedule_cum[r][s]
-            have = self._ready_n[s] + self._pending_groups[s] + bound.reserved[s]
-            # the room never withholds what admission needs now (no deadlock, even when over-committed)
-            now = nows[s] = max(0, min(cum[self._needs_now()][s] - have, p - have) if W >= 1 else 0)
-            out[s] = max(0, min(p - have, room[s]), now)
+            # the room never withholds what admission needs for its next step (no deadlock, even over-committed)
+            now = nows[s] = max(0, min(need[s], p - have[s]) if W >= 1 else 0)
+            out[s] = max(0, min(p - have[s], room[s]), now)
         return out, room, nows
 
-    def _needs_now(self) -> int:
-        """How many of the planned steps admission needs before it admits the next one (train batch: all)."""
-        return 1 if len(self._plan_cum()) > 1 else 0
+    def _needed(self, have: Mapping[str, int]) -> dict[str, int]:
+        """Groups of each source the next step cannot be admitted without, beyond the ``have`` committed ones:
+        what its composition limits require of the source, or, when the committed groups of all sources cannot
+        fill it, the source's share of the plan (train batch and linear target override this)."""
+        K, rem = self._M - self._k - 1, self._remaining()
+        col = self._plan_cum()[1] if self._M > self._k else dict.fromkeys(self._Q, 0)
+        short = self._mm - sum(min(have[s], self._bounds[s][1], rem[s] - K * self._bounds[s][0]) for s in self._Q)
+        return {s: max(0, max(self._bounds[s][0], rem[s] - K * self._bounds[s][1]) - have[s],
+                        col[s] - have[s] if short > 0 else 0) for s in self._Q}
 
     def _plan_cum(self) -> list[dict[str, int]]:
         """Cumulative groups per source of the rest of the current train batch as the policy plans it (cached)."""

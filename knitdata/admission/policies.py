@@ -44,8 +44,8 @@ class TrainBatchAdmission(AdmissionPolicy):
                 f"at least M - 1 = {spec.num_minibatches - 1} versions stale; raise the bound or use "
                 "constraint_preserving admission")
 
-    def _needs_now(self) -> int:
-        return self._M - self._k
+    def _needed(self, have: Mapping[str, int]) -> dict[str, int]:
+        return {s: max(0, r - have[s]) for s, r in self._remaining().items()}  # the whole train batch
 
     def _choose(self) -> dict[str, int] | list[ReadyGroup] | None:
         rem = self._remaining()
@@ -124,6 +124,9 @@ class LinearTargetAdmission(AdmissionPolicy):
     def _plan_columns(self) -> list[dict[str, int]]:
         return self._schedule[self._k:]
 
+    def _needed(self, have: Mapping[str, int]) -> dict[str, int]:
+        return {s: max(0, n - have[s]) for s, n in self._schedule[self._k].items()}  # its fixed composition
+
 
 class ConstraintPreservingAdmission(AdmissionPolicy):
     """Admit a mini-batch as soon as ready groups can fill it without making any quota or bound infeasible.
@@ -170,6 +173,10 @@ class ConstraintPreservingAdmission(AdmissionPolicy):
         lim = composition_limits(rem, self._ready_n, K, self._mm, self._bounds)
         if lim is None:
             return None
+        b = self._bound
+        if b is not None and b.on_stale == "wait" and b.short(self.step, self._mm,
+                                                              {s: lo for s, (lo, _) in self._bounds.items()}):
+            return None  # a reserved group of some source must join this step to meet its bound: wait for it
         lim2 = self._committed(rem, K, *lim)
         return None if lim2 is None else self._compose(*lim2)
 
