@@ -234,7 +234,7 @@ def _check(c, o) -> None:
         assert o.drops == 0, (c, o.drops)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 2**31), st.sampled_from(POLICY_NAMES), st.sampled_from(["drop", "wait"]),
        st.sampled_from(ORDERS), st.booleans())
 def test_model_bound_holds_no_deadlock_and_wait_drops_nothing_in_start_order(seed, policy, mode, order, bounds):
