@@ -104,7 +104,7 @@ from torch import nn
 from benchmarks.sim import SCENARIOS, Scenario, SourceParams, get_scenario
 from knitdata.admission import AdmittedMiniBatch, BatchSpec
 from knitdata.collate import MicroBatch, MicroBatchInfo, TokenCollator
-from knitdata.errors import ConfigError
+from knitdata.errors import ConfigError, RolloutThrottled
 from knitdata.pipeline import Pipeline
 from knitdata.record import Trajectory
 from knitdata.staleness import summarize
@@ -642,7 +642,12 @@ def run_regime(cfg: LearningConfig, regime: str, seed: int) -> RegimeRun:
         while queue and running + len(starting) < cfg.slots and any(cap.values()):
             w = queue.popleft()
             if cap[w.source] > 0:
-                pipe.acquire_rollout(w.source, 1, version=version, timeout=0)
+                try:  # the sources' capacities can share room: each start is checked by the pipeline
+                    pipe.acquire_rollout(w.source, 1, version=version, timeout=0)
+                except RolloutThrottled:
+                    cap[w.source] = 0
+                    skipped.append(w)
+                    continue
                 cap[w.source] -= 1
                 starting.append(w)
             else:
