@@ -30,7 +30,7 @@ from typing import Any
 from knitdata.admission.composition import even_completion
 from knitdata.errors import ConfigError, StateError, ValidationError
 
-__all__ = ["ON_STALE", "REGENERATE_MEMORY", "FUTURE_SLACK", "StalenessBound", "check_counts", "check_settings",
+__all__ = ["ON_STALE", "REGENERATE_MEMORY", "FUTURE_SLACK", "ENTRIES_MEMORY", "StalenessBound", "check_counts", "check_settings",
            "check_etas"]
 
 #: How to keep a staleness bound: drop what expired (producers run free) or also throttle producers.
@@ -41,6 +41,9 @@ REGENERATE_MEMORY = 100_000
 #: How many versions a ``gen_version`` may be ahead of the newest reported one (a weight sync can reach a producer
 #: before the trainer's report reaches the pipeline); newer is refused as a version from the future.
 FUTURE_SLACK = 1
+#: Most steps whose micro-batch counts are kept until the trainer's first report (to count the steps it finished);
+#: a trainer that reports nothing for longer keeps the offset it has (given, or 0 assumed) and is not checked.
+ENTRIES_MEMORY = 10_000
 _COUNTERS = ("dropped_groups", "dropped_trajectories", "dropped_tokens")
 #: Offset states: given (``version_offset`` int), assumed (learn mode, 0 while the versions agree), unknown (learn
 #: mode, a version showed that 0 is wrong: admission holds until the first report), learned (from the first report).
@@ -153,6 +156,7 @@ class StalenessBound:
         self.hold: int | None = None  # mode unknown: no step >= hold is admitted until the first report
         self.max_reported: int | None = None
         self.entries: list[int] | None = [0]
+        self.pre: dict[str, int] = {}  # rank -> its position after what it handed out before any version report
         self.worst: dict[str, list[Any]] = {}  # source -> [step - version, trajectory id] admitted before a report
         self.streak: dict[str, int] = dict.fromkeys(quotas, 0)  # groups dropped since the source's last admission
         self.warned: set[str] = set()  # sources a starvation warning named
@@ -192,6 +196,21 @@ class StalenessBound:
         report, to count the steps the trainer finished)."""
         if self.entries is not None:
             self.entries.append(self.entries[-1] + int(microbatches))
+            if len(self.entries) > ENTRIES_MEMORY:
+                self.entries, self.worst, self.pre = None, {}, {}
+
+    def note_handed(self, rank: int, position: int) -> None:
+        """Rank ``rank`` handed out the micro-batches before ``position`` before its process reported any version
+        (kept until the first report: the steps the trainer finished when it reported)."""
+        if self.entries is not None:
+            key = str(rank)
+            if position > self.pre.get(key, 0):
+                self.pre[key] = position
+
+    def done_before_report(self, ranks: int) -> tuple[int, int]:
+        """The fewest and most steps ``ranks`` ranks finished before their processes reported a version."""
+        done = [self.steps_done(self.pre.get(str(r), 0)) for r in range(ranks)] or [0]
+        return min(done), max(done)
 
     def steps_done(self, position: int) -> int:
         """How many admitted steps lie wholly before hand-out ``position`` of a rank (before the first report)."""
@@ -203,7 +222,7 @@ class StalenessBound:
         """A group of ``source`` was admitted at ``step`` (resets its starvation streak; before the first report,
         keeps the stalest group per source for the check at the report)."""
         self.streak[source] = 0
-        if self.mode in (_GIVEN, _LEARNED):
+        if self.mode in (_GIVEN, _LEARNED) or self.entries is None:
             return
         m = min(metas, key=lambda x: x.gen_version)
         w = self.worst.get(source)
@@ -218,7 +237,7 @@ class StalenessBound:
         self.max_reported = version if self.max_reported is None else max(self.max_reported, version)
         if self.entries is None:
             return None
-        self.entries = None
+        self.entries, self.pre = None, {}
         err = None
         if self.mode == _GIVEN:
             off = version - done_hi
@@ -488,7 +507,7 @@ class StalenessBound:
                 "stale": {**{k: dict(v) for k, v in self.counts.items()}, "regenerate_overflow": self.overflow},
                 "versions": {"offset": self.offset, "mode": self.mode, "hold": self.hold,
                              "max_reported": self.max_reported, "entries": self.entries,
-                             "worst": dict(self.worst), "streak": dict(self.streak),
+                             "worst": dict(self.worst), "streak": dict(self.streak), "pre": dict(self.pre),
                              "outstanding": {s: list(v) for s, v in self.outstanding.items()}}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -522,6 +541,7 @@ class StalenessBound:
                 worst = {str(s): [_int(w[0], "versions.worst", None), str(w[1])] for s, w in v["worst"].items()
                          if s in self.etas}
                 streak = {s: _int(v["streak"].get(s, 0), f"versions.streak.{s}") for s in self.sources}
+                pre = {str(r): _int(n, "versions.pre") for r, n in v.get("pre", {}).items()}
                 outstanding = {s: sorted(_int(x, f"versions.outstanding.{s}", None)
                                          for x in v.get("outstanding", {}).get(s, [])) for s in self.sources}
                 if (offset is None) != (mode == _UNKNOWN) or (entries is not None and not entries):
@@ -532,6 +552,6 @@ class StalenessBound:
         if v is not None:
             self.offset, self.mode, self.hold, self.max_reported = offset, mode, hold, top
             self.entries, self.worst, self.streak = entries, worst, streak
-            self.outstanding = outstanding
+            self.outstanding, self.pre = outstanding, pre
         else:  # an older release's state: its offset was given; no first report to check
             self.entries = None

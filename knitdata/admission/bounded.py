@@ -220,9 +220,14 @@ class BoundedAdmission:
         if self._bound is not None:
             self._bound.note_planned(microbatches)
 
-    def steps_done(self, position: int) -> int:
-        """Admitted steps wholly before a rank's hand-out ``position`` (until the first report; else 0)."""
-        return 0 if self._bound is None else self._bound.steps_done(position)
+    def note_handed(self, rank: int, position: int) -> None:
+        """Rank ``rank`` handed out the micro-batches before ``position`` before its process reported a version."""
+        if self._bound is not None:
+            self._bound.note_handed(rank, position)
+
+    def done_before_report(self, ranks: int) -> tuple[int, int]:
+        """The fewest and most admitted steps ``ranks`` ranks finished before their first version report."""
+        return (0, 0) if self._bound is None else self._bound.done_before_report(ranks)
 
     def bound_stats(self) -> dict[str, Any] | None:
         """The bound's settings and drops per source (``None`` without a bound)."""

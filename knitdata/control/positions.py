@@ -142,6 +142,7 @@ class Positions(Part):
         self.s.check_rank(rank)
         pending: list[tuple[dict[str, Any], int]] = []
         with self.s.cond:
+            self.s.policy.note_handed(rank, j + 1)
             self._handed(rank, j, microbatch, j if auto_commit else 0, -1, 0, pending)
             self.s.record_handouts(rank, pending)
 
@@ -162,6 +163,8 @@ class Positions(Part):
             for rec in records:
                 j, microbatch, auto_upto = int(rec[0]), int(rec[2]), int(rec[3])
                 v = int(rec[4]) if len(rec) > 4 else -1
+                if v < 0:  # taken before its process reported a version: counts for the bound's first report
+                    s.policy.note_handed(rank, j + 1)
                 self._handed(rank, j, microbatch, min(j, auto_upto), v, replica, pending)
             s.record_handouts(rank, pending)
 
@@ -286,9 +289,9 @@ class Positions(Part):
         checkpoint): accepted and counted (``version_rollbacks`` in :meth:`~knitdata.control.ControlPlane.stats`).
         Admission hears it too (:meth:`~knitdata.admission.AdmissionPolicy.note_version`): later puts of a newer
         ``gen_version`` are refused, and the first report sets the staleness bound's offset (the steps the trainer
-        finished are counted from the ranks' hand-outs). When a mini-batch admitted before that report turns out
-        staler than the bound, the pipeline stops with a :class:`~knitdata.errors.ConfigError` that says which
-        ``version_offset`` to pass.
+        finished are counted from the ranks' hand-outs taken before their process reported a version). When a
+        mini-batch admitted before that report turns out staler than the bound, the pipeline stops with a
+        :class:`~knitdata.errors.ConfigError` that says which ``version_offset`` to pass.
 
         Raises:
             ValidationError: Not a non-negative int.
@@ -303,8 +306,8 @@ class Positions(Part):
             s.version_times.append(time.monotonic())
             if tracing.tracer is not None:
                 tracing.tracer.counter("version", {"version": version})
-            done = [s.policy.steps_done(p) for p in s.position] or [0]
-            msg = s.policy.note_version(version, min(done), max(done))
+            lo, hi = s.policy.done_before_report(len(s.position))  # steps finished before any report
+            msg = s.policy.note_version(version, lo, hi)
             if msg is not None:
                 s.fail(ConfigError(msg))
                 s.cond.notify_all()
