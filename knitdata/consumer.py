@@ -14,7 +14,9 @@ A micro-batch goes through composed stages, the same on every engine up to the e
 * :class:`MediaStage`: the media table of the share (with a ``media_collator``);
 * metrics: :meth:`~knitdata.metrics.ConsumerMetrics.record_fetch`.
 
-:func:`produce` runs them in order; the fetch mode decides where (``iter``: on a prefetch thread).
+:class:`Production` runs them in order; the fetch mode decides where (``iter``: on a prefetch thread). Where a
+rank stands (what was handed out, what ``state_dict`` reports, what the producing thread stamps) is one
+:class:`RankPosition`; the dataset's options are declared once, :class:`DatasetOptions`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
@@ -30,14 +33,17 @@ from knitdata import trace as tracing
 from knitdata.collate import MicroBatchInfo
 from knitdata.control.plane import LEASE_TTL_S
 from knitdata.engines.base import Engine
-from knitdata.errors import DataTimeoutError, FencedError
+from knitdata.errors import ConfigError, DataTimeoutError, FencedError
 from knitdata.fetch import FetchMode, fetch_mode
 from knitdata.handoff import ConsumerLease
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from knitdata.metrics import ConsumerMetrics
 
-__all__ = ["ConsumerSession", "PlanStage", "ReadStage", "MediaStage", "produce", "POLL_S"]
+__all__ = ["ConsumerSession", "PlanStage", "ReadStage", "MediaStage", "Production", "RankPosition", "DatasetOptions",
+           "DEFAULT_TIMEOUT_S", "POLL_S"]
 
 #: Seconds each wait for the next entries lasts before checking for a stop (and the dataset's timeout).
 POLL_S = 1.0
@@ -312,38 +318,257 @@ class MediaStage:
             self.media = None
 
 
-def produce(plan: PlanStage, reader: ReadStage, collate: Callable[..., Any], media: MediaStage | None,
-            metrics: ConsumerMetrics, stop: threading.Event,
-            stamp: Callable[[dict[str, Any], int], tuple[Any, ...]] | None = None,
-            ) -> Iterator[tuple[dict[str, Any], Any, bool, bool, tuple[Any, ...]]]:
-    """``(entry, micro-batch, is_last, empty, position)`` of each of the plan's entries: read, collate, media,
-    metrics.
+class Production:
+    """The micro-batches of a plan, made on the calling thread: read, collate, media, metrics (the
+    :class:`~knitdata.fetch.Source` of ``sample`` and ``eager``; ``iter`` runs it on a prefetch thread).
 
-    ``is_last`` (the micro-batch ends its mini-batch), ``empty`` (it holds no trajectory) and ``position``
-    (``stamp(entry, n)`` for the n-th entry of this plan, ``(entry, n)`` without ``stamp``: the consumer's position
-    once it handed this one out) are made here, so that the trainer's thread does not look into the entry for its
-    metrics or build its position.
+    Each item is ``(entry, micro-batch, is_last, empty, position)``: ``is_last`` (the micro-batch ends its
+    mini-batch), ``empty`` (it holds no trajectory) and ``position`` (``stamp(entry, n)`` for the n-th entry of this
+    plan, ``(entry, n)`` without ``stamp``: the consumer's position once it handed this one out) are made here, so
+    that the trainer's thread does not look into the entry for its metrics or build its position.
+
+    Attributes:
+        last_wait_s: Seconds the last ``next()`` took (the caller waited for all of it).
     """
-    n = 0
-    while True:
-        e = plan.next()
-        if e is None:
-            return
+
+    queue = None  # nothing is prepared ahead (Source)
+    on_wait: Callable[[], None] | None = None
+
+    def __init__(self, plan: PlanStage, reader: ReadStage, collate: Callable[..., Any], media: MediaStage | None,
+                 metrics: ConsumerMetrics, stop: threading.Event,
+                 stamp: Callable[[dict[str, Any], int], tuple[Any, ...]] | None = None) -> None:
+        self.plan, self.reader, self.collate, self.media = plan, reader, collate, media
+        self.metrics, self.stop, self.stamp = metrics, stop, stamp
+        self.n = 0
+        self.last_wait_s = 0.0
+
+    def __iter__(self) -> Production:
+        return self
+
+    def __next__(self) -> tuple[dict[str, Any], Any, bool, bool, tuple[Any, ...]]:
+        plan, reader = self.plan, self.reader
+        ts = time.perf_counter()
+        if self.stop.is_set() or (e := plan.next()) is None:
+            raise StopIteration
         t0 = time.perf_counter()
         batch = reader.read(e)
         info = MicroBatchInfo.from_plan_entry(e["info"])  # written by the control plane: trusted
-        mb = collate(batch, info)
-        if media is not None:
-            media.attach(mb, e, reader.row_batches, info)
+        mb = self.collate(batch, info)
+        if self.media is not None:
+            self.media.attach(mb, e, reader.row_batches, info)
         t1 = time.perf_counter()
-        metrics.record_fetch(t1 - t0, nbytes=reader.nbytes, local_bytes=reader.local,
-                             requests=reader.requests, trajectories=reader.trajectories)
+        self.metrics.record_fetch(t1 - t0, nbytes=reader.nbytes, local_bytes=reader.local,
+                                  requests=reader.requests, trajectories=reader.trajectories)
         tr = tracing.tracer
         if tr is not None:  # perf_counter() is the trace clock (in seconds)
             tr.span("fetch", "consumer", t0 * 1e6, t1 * 1e6,
                     {"rank": plan.rank, "step": e["minibatch"], "microbatch": e["microbatch"], "bytes": reader.nbytes,
                      "local_bytes": reader.local, "requests": reader.requests})
-        n += 1
-        yield e, mb, info.is_last, not e["items"], (e, n) if stamp is None else stamp(e, n)
-        if stop.is_set():
-            return
+        self.n = n = self.n + 1
+        self.last_wait_s = t1 - ts
+        return e, mb, info.is_last, not e["items"], (e, n) if self.stamp is None else self.stamp(e, n)
+
+    def close(self) -> None:
+        """Nothing more is made."""
+        self.stop.set()
+
+    def set_depth(self, depth: int) -> None:
+        """Nothing is made ahead: ignored."""
+
+
+#: Default seconds a consumer waits for its next micro-batch before :class:`~knitdata.errors.DataTimeoutError`
+#: (:attr:`DatasetOptions.timeout`; also ``knitdata.pipeline.DEFAULT_TIMEOUT_S``).
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class DatasetOptions:
+    """How one rank's dataset fetches, collates and waits: the keywords of
+    :class:`~knitdata.dataset.TrajectoryDataset` and :meth:`Pipeline.dataset <knitdata.pipeline.Pipeline.dataset>`,
+    declared once. Both keep a real signature (defaults visible in the reference); ``tests/test_dataset.py`` checks
+    that their names, annotations, defaults and ``Args`` entries are these fields', so they cannot drift apart.
+
+    Attributes:
+        fetch: ``"sample"``, ``"eager"`` or ``"iter"``, the name of another registered
+            :class:`~knitdata.fetch.FetchMode`, or a :class:`~knitdata.fetch.FetchMode`.
+        collate: ``collate(trajectories, info) -> MicroBatch``; default :class:`~knitdata.collate.TokenCollator`.
+        media_collator: ``media_collator(list_of_micro_batches) -> MultimodalBatch`` (e.g.
+            :class:`~knitdata.multimodal.MultimodalCollator`): the media table of the rank's share of each
+            mini-batch; ``None``: no media table.
+        prefetch_depth: Micro-batches prepared ahead in ``iter`` mode. With a ``media_collator`` at least a
+            mini-batch's micro-batches plus one: the next share (payloads and media table) is prepared while the
+            current mini-batch computes, so two shares are in memory at most.
+        device: Device the prefetch thread copies micro-batches to (``iter`` mode).
+        pin_memory: Pin micro-batches on the prefetch thread (default: when CUDA is used).
+        max_minibatches: Each iteration stops after this many mini-batches (``None``: until drained).
+        timeout: Most seconds to wait for the next micro-batch before :class:`~knitdata.errors.DataTimeoutError`
+            (``None``: no limit).
+        replica: This dataset's tensor/pipeline-parallel replica of data-parallel rank ``rank`` (its peers receive
+            the same micro-batches; :func:`knitdata.replica_layout` derives ``rank``, ``replica`` and
+            ``num_replicas`` from a ``DeviceMesh``). ``None``: the rank has one consumer, which acts as replica 0.
+        num_replicas: Replicas per data-parallel rank, given with ``replica`` (registered with the control plane;
+            every replica of every rank must pass the same number).
+
+    Example:
+        >>> DatasetOptions(fetch="eager", prefetch_depth=4).validate(0).name
+        'eager'
+    """
+
+    fetch: str | FetchMode = "iter"
+    collate: Callable[..., Any] | None = None
+    media_collator: Callable[..., Any] | None = None
+    prefetch_depth: int = 2
+    device: str | torch.device | None = None
+    pin_memory: bool | None = None
+    max_minibatches: int | None = None
+    timeout: float | None = DEFAULT_TIMEOUT_S
+    replica: int | None = None
+    num_replicas: int | None = None
+
+    def validate(self, rank: int) -> FetchMode:
+        """Check the options of rank ``rank``'s dataset; returns the fetch mode.
+
+        Raises:
+            ConfigError: An unknown fetch mode, or a bad depth, limit, timeout or replica (named).
+        """
+        replica, num_replicas = self.replica, self.num_replicas
+        if (replica is None) != (num_replicas is None) or (num_replicas is not None and (
+                isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1
+                or isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < num_replicas)):
+            raise ConfigError(f"rank {rank}: replica and num_replicas go together, with 0 <= replica < num_replicas "
+                              f"(ints), got replica={replica!r}, num_replicas={num_replicas!r}")
+        mode = fetch_mode(self.fetch)
+        mm = self.max_minibatches
+        if mm is not None and (isinstance(mm, bool) or not isinstance(mm, int) or mm < 1):
+            raise ConfigError(f"max_minibatches must be a positive int or None, got {mm!r}")
+        depth = self.prefetch_depth
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ConfigError(f"prefetch_depth must be an int >= 1, got {depth!r}")
+        t = self.timeout
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
+            raise ConfigError(f"timeout must be a positive number of seconds or None, got {t!r}")
+        return mode
+
+
+class RankPosition:
+    """Where one rank's dataset (its DataLoader worker's) stands: the one owner of what was handed out, of what
+    ``state_dict`` reports and of what the producing thread stamps on each micro-batch. The dataset and its
+    iterators share one; the producing thread only calls :meth:`stamp`.
+
+    Fields other than :attr:`handed` change under :attr:`lock`. :attr:`handed` is written once per micro-batch by
+    the iterator's ``next()`` on the trainer's thread (one attribute, no lock) and folded into the fields by
+    :meth:`sync`.
+
+    Attributes:
+        lock: Guards the fields (reentrant: an iterator closed under it brings the position up to date).
+        next: The next ``j`` of this worker's pass; ``None``: the rank's position at the control plane.
+        worker: ``(worker, num_workers)`` of the pass.
+        at: ``(minibatch, microbatch)`` after the last micro-batch handed out, or ``None``.
+        fingerprint: ``(length, fingerprint)`` of the rank's prefix the position covers, or ``None``.
+        end: The first mini-batch the pass does not reach (``None``: until drained or not known yet).
+        epoch: The epoch last set.
+        handed_out: Micro-batches handed out, as of the last :meth:`sync` (or state loaded).
+        cap: ``release="step"`` never releases past the last state taken or loaded (``None``: no cap).
+        layout: What states carry about the layout (the control plane's ``layout_history`` of the rank), or ``None``.
+        fixed: ``(engine layout, (worker, num_workers), keys)``: the keys of a state that change only with the layout
+            or the worker, or ``None`` (not known yet). :meth:`stamp` reads it on the producing thread.
+        handed: ``(last entry handed out, how many since the pass began, its stamped state)``.
+        synced: How many of the pass's hand-outs :meth:`sync` folded in.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.next: int | None = None
+        self.worker = (0, 1)
+        self.at: tuple[int, int] | None = None
+        self.fingerprint: tuple[int, str] | None = None
+        self.end: int | None = None
+        self.epoch = 0
+        self.handed_out = 0
+        self.cap: int | None = None
+        self.layout: dict[str, Any] | None = None
+        self.fixed: tuple[Any, tuple[int, int], dict[str, Any]] | None = None
+        self.handed: tuple[Any, ...] = (None, 0, None)
+        self.synced = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "lock"}
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self.lock = threading.RLock()
+
+    def begin(self, start: tuple[int, tuple[int, str] | None]) -> int:
+        """A pass begins (under :attr:`lock`): without a position, at ``start`` (``(next j, fingerprint)``, after the
+        last micro-batch handed out to the rank); returns the pass's first ``j``."""
+        if self.next is None:
+            self.next, self.fingerprint = start
+        self.handed, self.synced = (None, 0, None), 0
+        return self.next
+
+    def stamp(self, e: dict[str, Any], n: int) -> tuple[Any, ...]:
+        """The position once entry ``e`` (the pass's ``n``-th) is handed out, made on the producing thread:
+        ``(e, n, (fixed, state))``, ``state`` as ``state_dict`` returns it but for end, epoch and count (set when
+        taken); ``(e, n, None)`` while :attr:`fixed` is not known or ``e`` has no fingerprint."""
+        fixed, fp = self.fixed, e.get("fp")
+        if fixed is None or fp is None:
+            return e, n, None
+        j, mb = e["j"], e["minibatch"]
+        state = fixed[2].copy()
+        state["next"] = j + fixed[1][1]
+        state["minibatch"], state["microbatch"] = (mb + 1, 0) if e["info"]["is_last"] else (mb, e["microbatch"] + 1)
+        state["end_minibatch"] = state["epoch"] = state["handed_out"] = None
+        state["fingerprint"], state["fingerprint_length"] = fp, j + 1
+        return e, n, (fixed, state)
+
+    def stamped(self, layout: Any, end: int | None) -> dict[str, Any] | None:
+        """The state stamped on the last micro-batch handed out, completed (no lock; once per step), or ``None``
+        when there is none for ``layout`` (the engine's) and this worker: then :meth:`sync` and build it."""
+        fixed = self.fixed
+        if fixed is None or fixed[0] is not layout or fixed[1] != self.worker:
+            return None
+        _last, taken, pre = self.handed
+        if pre is None or pre[0] is not fixed:
+            return None
+        state: dict[str, Any] = pre[1].copy()
+        state["end_minibatch"] = self.end if self.end is not None else end
+        state["epoch"] = self.epoch
+        state["handed_out"] = self.handed_out + taken - self.synced
+        self.cap = state["next"]
+        return state
+
+    def sync(self, end: int | None) -> None:
+        """Fold the hand-outs of the pass since the last call into the fields (``end``: the pass's, if known)."""
+        with self.lock:
+            last, taken, _pre = self.handed
+            if last is None or taken == self.synced:
+                return
+            self.handed_out += taken - self.synced
+            self.synced = taken
+            j = last["j"]
+            self.next = j + self.worker[1]
+            self.at = (last["minibatch"] + 1, 0) if last["info"]["is_last"] else (last["minibatch"], last["microbatch"] + 1)
+            if last.get("fp") is not None:
+                self.fingerprint = (j + 1, last["fp"])
+            if self.end is None and end is not None:
+                self.end = end
+
+    def load(self, nxt: int, worker: tuple[int, int], at: tuple[int, int] | None, fingerprint: tuple[int, str] | None,
+             end: int | None, epoch: int, handed_out: int) -> None:
+        """Continue at a loaded state's position (under :attr:`lock`; the state caps releases)."""
+        self.next, self.worker, self.at, self.fingerprint, self.end = nxt, worker, at, fingerprint, end
+        self.epoch, self.handed_out, self.cap = epoch, handed_out, nxt
+
+    def reset(self, epoch: int) -> None:
+        """Forget the position (under :attr:`lock`): the rank starts at its first micro-batch of a new layout."""
+        self.next, self.fingerprint, self.at, self.end, self.layout, self.fixed = None, None, None, None, None, None
+        self.epoch, self.handed_out, self.cap = epoch, 0, None
+
+    def ended(self, current: bool, release_step: bool) -> int | None:
+        """A pass ended (under :attr:`lock`; ``current``: the dataset's active one): where a ``release="step"`` commit
+        goes (a mini-batch boundary, not past :attr:`cap`), or ``None``."""
+        if current:
+            self.end = None
+        if not release_step or self.worker[1] != 1 or self.next is None:
+            return None
+        return self.next if self.cap is None else min(self.next, self.cap)

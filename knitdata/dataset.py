@@ -49,17 +49,26 @@ from typing import TYPE_CHECKING, Any
 from torch.utils.data import IterableDataset, get_worker_info
 
 from knitdata import trace as tracing
-from knitdata.consumer import ConsumerSession, MediaStage, PlanStage, ReadStage, produce
+from knitdata.consumer import (
+    ConsumerSession,
+    DatasetOptions,
+    MediaStage,
+    PlanStage,
+    Production,
+    RankPosition,
+    ReadStage,
+)
 from knitdata.control.rankstates import MERGED_FORMAT, collect_states, planning_guard, planning_of
 from knitdata.engines.base import Engine
 from knitdata.errors import ConfigError, EngineError, KnitdataError, StateError
-from knitdata.fetch import FETCH_MODES, FetchMode, fetch_mode
+from knitdata.fetch import FETCH_MODES, FetchMode
 from knitdata.metrics import PENDING_LIMIT, ConsumerMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from knitdata.collate import MicroBatch
+    from knitdata.fetch import Source
     from knitdata.prefetch import PrefetchQueue
 
 __all__ = ["TrajectoryDataset", "FETCH_MODES", "STATE_FORMAT", "find_states", "commit_point"]
@@ -100,25 +109,6 @@ def commit_point(state: Any, rank: int) -> int:
     return upto
 
 
-def _stamper(cell: list[Any]) -> Callable[[dict[str, Any], int], tuple[Any, ...]]:
-    """Each entry's position, made on the producing thread: ``(entry, n, (static, state))``, ``state`` as ``state_dict``
-    returns it but for end, epoch and count (it sets them while ``static`` is still its fixed keys, ``cell[0]``)."""
-
-    def stamp(e: dict[str, Any], n: int) -> tuple[Any, ...]:
-        static, fp = cell[0], e.get("fp")
-        if static is None or fp is None:
-            return e, n, None
-        j, mb = e["j"], e["minibatch"]
-        state = static[2].copy()
-        state["next"] = j + static[1][1]
-        state["minibatch"], state["microbatch"] = (mb + 1, 0) if e["info"]["is_last"] else (mb, e["microbatch"] + 1)
-        state["end_minibatch"] = state["epoch"] = state["handed_out"] = None
-        state["fingerprint"], state["fingerprint_length"] = fp, j + 1
-        return e, n, (static, state)
-
-    return stamp
-
-
 def _fixed_keys(lay: Mapping[str, Any], fixed: dict[str, Any]) -> dict[str, Any]:
     """The keys of a dataset state that change only with the layout or the worker (``lay``: the layout as the
     control plane describes it for the rank)."""
@@ -148,18 +138,22 @@ class TrajectoryDataset(IterableDataset):
         fetch: ``"sample"``, ``"eager"`` or ``"iter"``, the name of another registered
             :class:`~knitdata.fetch.FetchMode`, or a :class:`~knitdata.fetch.FetchMode`.
         collate: ``collate(trajectories, info) -> MicroBatch``; default :class:`~knitdata.collate.TokenCollator`.
-        media_collator: ``media_collator(list_of_micro_batches) -> MultimodalBatch``, or ``None``.
+        media_collator: ``media_collator(list_of_micro_batches) -> MultimodalBatch`` (e.g.
+            :class:`~knitdata.multimodal.MultimodalCollator`): the media table of the rank's share of each
+            mini-batch; ``None``: no media table.
         prefetch_depth: Micro-batches prepared ahead in ``iter`` mode. With a ``media_collator`` at least a
             mini-batch's micro-batches plus one: the next share (payloads and media table) is prepared while the
             current mini-batch computes, so two shares are in memory at most.
-        device: Device the prefetcher copies micro-batches to (``iter`` mode).
-        pin_memory: Pin on the prefetch thread (default: when CUDA is used).
+        device: Device the prefetch thread copies micro-batches to (``iter`` mode).
+        pin_memory: Pin micro-batches on the prefetch thread (default: when CUDA is used).
         max_minibatches: Each iteration stops after this many mini-batches (``None``: until drained).
-        timeout: Most seconds to wait for the next micro-batch (``None``: no limit).
-        replica: This dataset's tensor/pipeline-parallel replica of data-parallel rank ``rank`` (``None``: the rank
-            has one consumer, which acts as replica 0).
-        num_replicas: Replicas per rank, given with ``replica`` (registered with the control plane; every replica
-            of every rank must pass the same number).
+        timeout: Most seconds to wait for the next micro-batch before :class:`~knitdata.errors.DataTimeoutError`
+            (``None``: no limit).
+        replica: This dataset's tensor/pipeline-parallel replica of data-parallel rank ``rank`` (its peers receive
+            the same micro-batches; :func:`knitdata.replica_layout` derives ``rank``, ``replica`` and
+            ``num_replicas`` from a ``DeviceMesh``). ``None``: the rank has one consumer, which acts as replica 0.
+        num_replicas: Replicas per data-parallel rank, given with ``replica`` (registered with the control plane;
+            every replica of every rank must pass the same number).
 
     Attributes:
         metrics: The rank's :class:`~knitdata.metrics.ConsumerMetrics` in this process.
@@ -184,19 +178,11 @@ class TrajectoryDataset(IterableDataset):
         super().__init__()
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < engine.num_consumers:
             raise ConfigError(f"rank must be an int in 0..{engine.num_consumers - 1}, got {rank!r}")
-        if (replica is None) != (num_replicas is None) or (num_replicas is not None and (
-                isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1
-                or isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < num_replicas)):
-            raise ConfigError(f"rank {rank}: replica and num_replicas go together, with 0 <= replica < num_replicas "
-                              f"(ints), got replica={replica!r}, num_replicas={num_replicas!r}")
-        mode = fetch_mode(fetch)
-        if max_minibatches is not None and (isinstance(max_minibatches, bool) or not isinstance(max_minibatches, int)
-                                            or max_minibatches < 1):
-            raise ConfigError(f"max_minibatches must be a positive int or None, got {max_minibatches!r}")
-        if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
-            raise ConfigError(f"prefetch_depth must be an int >= 1, got {prefetch_depth!r}")
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-            raise ConfigError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        options = DatasetOptions(fetch=fetch, collate=collate, media_collator=media_collator,
+                                 prefetch_depth=prefetch_depth, device=device, pin_memory=pin_memory,
+                                 max_minibatches=max_minibatches, timeout=timeout, replica=replica,
+                                 num_replicas=num_replicas)
+        mode = options.validate(rank)
         if collate is None:
             from knitdata.collate import TokenCollator
 
@@ -213,33 +199,19 @@ class TrajectoryDataset(IterableDataset):
         self.max_minibatches = max_minibatches
         self.timeout = timeout
         self.replica, self.num_replicas = replica, num_replicas
-        self._init_local()
+        self.options = options
+        #: Where this rank (this DataLoader worker) stands; its iterators share it.
+        self.position = RankPosition()
+        self._active: weakref.ref[_ConsumerIterator] | None = None
+        self.session = ConsumerSession(self.engine, self.rank, self.replica or 0)
         if num_replicas is not None:
             self.session.register(num_replicas)
 
-    def _init_local(self) -> None:
-        self._lock = threading.RLock()  # an iterator closed under it brings the position up to date
-        self._next: int | None = None  # next j of this (worker's) iteration; None: the rank's committed position
-        self._worker = (0, 1)
-        self._pos: tuple[int, int] | None = None  # (minibatch, microbatch) after the last handed out
-        self._fp: tuple[int, str] | None = None  # (length, fingerprint) of the rank's prefix the position covers
-        self._end_step: int | None = None
-        self._epoch = 0
-        self._handed_out = 0
-        self._cap: int | None = None  # release="step" never releases past the last state taken or loaded
-        self._active: weakref.ref[_ConsumerIterator] | None = None
-        self._layout: dict[str, Any] | None = None  # what states carry about the layout (elastic resume)
-        # the part of state_dict() that changes only with the layout or the worker: (layout, (w, nw), the keys) or
-        # None, in a cell that the producing thread's states read too (_stamper)
-        self._static_cell: list[tuple[Any, tuple[int, int], dict[str, Any]] | None] = [None]
-        self.session = ConsumerSession(self.engine, self.rank, self.replica or 0)
-
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_active")}
+        return {k: v for k, v in self.__dict__.items() if k != "_active"}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
-        self._lock = threading.RLock()  # an iterator closed under it brings the position up to date
         self._active = None
 
     @property
@@ -265,12 +237,13 @@ class TrajectoryDataset(IterableDataset):
             raise ConfigError(
                 "media_collator needs the rank's whole share of a mini-batch in one process (one table of unique media "
                 "for all its micro-batches): use num_workers=0 (fetch='iter' prefetches on a thread)")
-        with self._lock:
+        pos = self.position
+        with pos.lock:
             self._close_active()
-            if self._next is not None and self._worker != (w, nw):
-                raise StateError(f"state of worker {self._worker[0]} of {self._worker[1]} loaded into worker {w} of "
+            if pos.next is not None and pos.worker != (w, nw):
+                raise StateError(f"state of worker {pos.worker[0]} of {pos.worker[1]} loaded into worker {w} of "
                                  f"{nw}: resume with the same num_workers")
-            self._worker = (w, nw)
+            pos.worker = (w, nw)
             it = _ConsumerIterator(self, w, nw)  # takes the lease (fencing an older iterator), then the position
             self._active = weakref.ref(it)
         return it
@@ -300,16 +273,16 @@ class TrajectoryDataset(IterableDataset):
 
     def set_epoch(self, epoch: int) -> None:
         """Record the epoch (Accelerate calls it). Plan order does not depend on it."""
-        self._epoch = int(epoch)
+        self.position.epoch = int(epoch)
 
     @property
     def epoch(self) -> int:
         """The epoch last set."""
-        return self._epoch
+        return self.position.epoch
 
     def close(self) -> None:
         """Stop the active iterator (its prefetch thread); the position stays after the last micro-batch handed out."""
-        with self._lock:
+        with self.position.lock:
             self._close_active()
 
     def _close_active(self) -> None:
@@ -328,58 +301,52 @@ class TrajectoryDataset(IterableDataset):
         a job can always roll back to the last state it saved.
         """
         it = self._active() if self._active is not None else None
-        static = self._static_cell[0]
-        fp: tuple[int, str] | None
-        if it is not None and static is not None and static[0] is self.engine.layout and static[1] == self._worker:
-            # once per step: the state the producing thread made with the entry next() handed out last (no lock;
-            # the dataset's fields follow at the next sync)
-            _last, taken, pre = it.position
-            if pre is not None and pre[0] is static and not it._done:
-                state = pre[1].copy()
-                state["end_minibatch"] = self._end_step if self._end_step is not None else it._plan.end
-                state["epoch"] = self._epoch
-                state["handed_out"] = self._handed_out + taken - it._synced
-                self._cap = state["next"]
-                it._lease.set_cap(self._cap)
-                return state
-        with self._lock:
+        pos = self.position
+        if it is not None and not it.done:
+            # once per step: the state the producing thread stamped on the micro-batch next() handed out last (no
+            # lock; the position's fields follow at the next sync)
+            quick = pos.stamped(self.engine.layout, it.end)
+            if quick is not None:
+                it.set_cap(quick["next"])
+                return quick
+        with pos.lock:
             if it is not None:
                 it.sync()
-            w, nw = self._worker
-            if self._next is None:
+            w, nw = pos.worker
+            if pos.next is None:
                 wi = get_worker_info()
                 w, nw = (wi.id, wi.num_workers) if wi is not None else (0, 1)
-            nxt, fp = self._next, self._fp
+            nxt, fp = pos.next, pos.fingerprint
             if nxt is None:
                 nxt, fp = self.session.start(w, nw)
-            mb, micro = self._pos if self._pos is not None else (None, None)
-            end, handed = self._end_step, self._handed_out
-            self._cap = nxt
+            mb, micro = pos.at if pos.at is not None else (None, None)
+            end, handed = pos.end, pos.handed_out
+            pos.cap = nxt
             if it is not None:
                 it.set_cap(nxt)
-            lay = self._layout
+            lay = pos.layout
             if lay is None or lay.get("run") is None or (lay["history"] is not None and lay["remainder"] is None):
-                lay = self._layout = self.engine.control.layout_history(self.rank)
-                self._static_cell[0] = None
+                lay = pos.layout = self.engine.control.layout_history(self.rank)
+                pos.fixed = None
             layout = self.engine.layout
-            static = self._static_cell[0]
-            if static is None or static[0] is not layout or static[1] != (w, nw):
-                fixed = {"format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name,
-                         "rank": self.rank, "num_consumers": self.engine.num_consumers, "worker": w,
-                         "num_workers": nw, "planning": planning_of(self.engine.config)}
+            fixed = pos.fixed
+            if fixed is None or fixed[0] is not layout or fixed[1] != (w, nw):
+                keys = {"format": STATE_FORMAT, "version": _STATE_VERSION, "pipeline": self.engine.name,
+                        "rank": self.rank, "num_consumers": self.engine.num_consumers, "worker": w,
+                        "num_workers": nw, "planning": planning_of(self.engine.config)}
                 if self.replica is not None:
-                    fixed.update(replica=self.replica, num_replicas=self.num_replicas)
-                static = (layout, (w, nw), _fixed_keys(lay, fixed))
+                    keys.update(replica=self.replica, num_replicas=self.num_replicas)
+                fixed = (layout, (w, nw), _fixed_keys(lay, keys))
                 known = lay.get("run") is not None and (lay["history"] is None or lay["remainder"] is not None)
-                self._static_cell[0] = static if known else None  # else asked for again: the run's mark, a remainder
+                pos.fixed = fixed if known else None  # else asked for again: the run's mark, a remainder
+            epoch = pos.epoch
         # a copy of the fixed keys and the position's
-        assert static is not None  # found above, or built under the lock
-        state = static[2].copy()
+        state = fixed[2].copy()
         state["next"] = nxt
         state["minibatch"] = mb
         state["microbatch"] = micro
         state["end_minibatch"] = end
-        state["epoch"] = self._epoch
+        state["epoch"] = epoch
         state["handed_out"] = handed
         state["fingerprint"] = None if fp is None else fp[1]
         state["fingerprint_length"] = None if fp is None else fp[0]
@@ -403,13 +370,9 @@ class TrajectoryDataset(IterableDataset):
         if isinstance(state, Mapping) and state.get("format") == MERGED_FORMAT:
             with planning_guard(state, self.engine, self.rank):
                 self.engine.control.reshape(dict(state), None)
-            with self._lock:
+            with self.position.lock:
                 self._close_active()
-                self._next, self._fp, self._pos, self._end_step, self._layout = None, None, None, None, None
-                self._static_cell[0] = None
-                self._epoch = int(state.get("epoch") or 0)
-                self._handed_out = 0
-                self._cap = None
+                self.position.reset(int(state.get("epoch") or 0))
             return
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise StateError(f"not a {STATE_FORMAT} state: {state!r:.200}")
@@ -437,12 +400,10 @@ class TrajectoryDataset(IterableDataset):
                      else f"before mini-batch {mb}" if pos is not None else f"at micro-batch {nxt}")
             with planning_guard(state, self.engine, self.rank):
                 self.session.verify(fp_len, fp, where)
-        with self._lock:
+        with self.position.lock:
             self._close_active()
-            self._next, self._worker, self._end_step, self._pos = nxt, (w, nw), end, pos
-            self._fp = None if fp is None or fp_len is None else (fp_len, fp)
-            self._epoch, self._handed_out = epoch, handed
-            self._cap = nxt
+            self.position.load(nxt, (w, nw), pos, None if fp is None or fp_len is None else (fp_len, fp), end, epoch,
+                               handed)
         if nw == 1:
             self.session.seek(nxt)
 
@@ -472,10 +433,9 @@ class TrajectoryDataset(IterableDataset):
             upto = state.get("next")  # the common case, once per step: this rank's own state, one worker
             if state.get("rank") == self.rank and type(upto) is int:
                 it = self._active() if self._active is not None else None
-                if it is not None and not it._done and not wait:  # queued for the sender, whose wake the
+                if it is not None and not it.done and not wait:  # queued for the sender, whose wake the
                     # iterator's stages relay: no system call on the trainer's thread
-                    it._lease.sender.commit(self.rank, upto, it._lease.replica, relayed=True)
-                    return None
+                    return self.session.commit(upto, wait=False, relayed=True)
         return self.session.commit(commit_point(state, self.rank), wait=wait)
 
     def flush(self) -> None:
@@ -522,19 +482,20 @@ class TrajectoryDataset(IterableDataset):
         return flat_metrics(stats, rank=self.rank, consumer=self.metrics.to_dict(), prefix=prefix)
 
     # ------------------------------------------------------------------ internals
-    def _ended(self, it: _ConsumerIterator, natural: bool) -> None:
-        with self._lock:
-            if self._active is not None and self._active() is it:
+    def ended(self, it: _ConsumerIterator) -> None:
+        """Iterator ``it`` finished its pass: with ``release="step"`` its position is committed (a mini-batch
+        boundary)."""
+        with self.position.lock:
+            current = self._active is not None and self._active() is it
+            if current:
                 self._active = None
-                self._end_step = None
-            commit = natural and self.engine.release == "step" and self._worker[1] == 1 and self._next is not None
-            upto = self._next if self._cap is None or self._next is None else min(self._next, self._cap)
-        if commit and upto is not None:
-            self.session.commit(upto, wait=False)  # a finished pass is at a mini-batch boundary
+            upto = self.position.ended(current, self.engine.release == "step")
+        if upto is not None:
+            self.session.commit(upto, wait=False)
 
     def __repr__(self) -> str:
         rep = "" if self.replica is None else f", replica={self.replica} of {self.num_replicas}"
-        return (f"TrajectoryDataset(rank={self.rank}{rep}, fetch={self.fetch!r}, next={self._next}, "
+        return (f"TrajectoryDataset(rank={self.rank}{rep}, fetch={self.fetch!r}, next={self.position.next}, "
                 f"engine={self.engine.kind!r})")
 
 
@@ -545,65 +506,56 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
     iterator of the rank, and the position starts after the last micro-batch that one handed out. ``__next__``
     takes the next micro-batch (in ``iter`` mode from the prefetch queue) and records it in the lease; the
     process's :class:`~knitdata.handoff.ControlSender` tells the control plane. The producing stages
-    (:func:`knitdata.consumer.produce`, run on the prefetch thread in ``iter`` mode) hold neither this iterator nor
+    (:class:`knitdata.consumer.Production`, run on the prefetch thread in ``iter`` mode) hold neither this iterator nor
     the dataset, so an abandoned iterator is collected and its ``__del__`` stops the thread and ends the lease.
     """
 
     def __init__(self, ds: TrajectoryDataset, worker: int, num_workers: int) -> None:
         self._ds = ds
+        self._rank = ds.rank
         self._stop = threading.Event()
         self._done = False
-        self._nw = num_workers
-        self._inner: Iterator[tuple[dict[str, Any], Any, bool, bool, tuple[Any, ...]]] | None = None
-        #: ``(last entry handed out, how many since the lease began, its state)`` (:func:`_stamper` built it on the
-        #: producing thread; set by ``__next__``).
-        self.position: tuple[Any, ...] = (None, 0, None)
+        self._source: Source[tuple[dict[str, Any], Any, bool, bool, tuple[Any, ...]]] | None = None
+        self._queue: PrefetchQueue | None = None
+        self._position = pos = ds.position  # the producing thread stamps each micro-batch's position (pos.stamp)
         self._session = ds.session
-        self._lease, (nxt, fp) = ds.session.lease(worker, num_workers, ds._cap)
-        if ds._next is None:  # after the last micro-batch handed out to the rank (by the iterator fenced, too)
-            ds._next, ds._fp = nxt, fp
-        self._synced = 0
+        self._lease, start = ds.session.lease(worker, num_workers, pos.cap)
+        j = pos.begin(start)  # after the last micro-batch handed out to the rank (by the iterator fenced, too)
         self._waits = ds.metrics.pending
         self._handed_at: float | None = None  # trace clock of the last hand-out (the trainer computes from there)
         self._metrics = ds.metrics
-        engine, mode = ds.engine, ds.fetch_mode
-        self._plan = plan = PlanStage(engine, ds.rank, self._lease, self._stop, ds._next, num_workers, ds.timeout,
-                                      ds.max_minibatches, ds._end_step)
-        media = MediaStage(ds.media_collator, ds.prefetch_depth) if ds.media_collator is not None else None
+        engine, mode, opts = ds.engine, ds.fetch_mode, ds.options
+        self._plan = plan = PlanStage(engine, ds.rank, self._lease, self._stop, j, num_workers, opts.timeout,
+                                      opts.max_minibatches, pos.end)
+        media = MediaStage(opts.media_collator, opts.prefetch_depth) if opts.media_collator is not None else None
         reader = ReadStage(engine, ds.rank, mode, plan, whole_share=mode.reads_share(engine) or media is not None)
-        source = produce(plan, reader, ds.collate, media, ds.metrics, self._stop, _stamper(ds._static_cell))
-        self._inner, set_depth = mode.prepare(source, depth=ds.prefetch_depth, device=ds.device,
-                                              pin_memory=ds.pin_memory)
-        self._timed = hasattr(self._inner, "last_wait_s")  # the prefetcher says how long next() was blocked
-        self._queue: PrefetchQueue | None = getattr(self._inner, "queue", None)  # iter mode: next() pops it itself
-        if hasattr(self._inner, "on_wait"):  # the trainer about to wait for data relays queued reports
-            # (by waking the sender's thread: the trainer does not make the report itself)
-            self._inner.on_wait = functools.partial(self._lease.relay, False)  # type: ignore[union-attr]
-        if media is not None and set_depth is not None:  # the prefetch thread reads a whole share ahead
-            media.grow = weakref.WeakMethod(set_depth)  # weakly: the stages must not hold the prefetcher
+        made = Production(plan, reader, ds.collate, media, ds.metrics, self._stop, pos.stamp)
+        self._source = source = mode.prepare(made, depth=opts.prefetch_depth, device=opts.device,
+                                             pin_memory=opts.pin_memory)
+        self._queue = source.queue  # iter mode: next() pops prepared micro-batches itself
+        # the trainer about to wait for data relays queued reports (by waking the sender's thread: the trainer does
+        # not make the report itself)
+        source.on_wait = functools.partial(self._lease.relay, False)
+        if media is not None:  # the prefetch thread reads a whole share ahead (weakly: the stages must not hold it)
+            media.grow = weakref.WeakMethod(source.set_depth)
 
     def __next__(self) -> MicroBatch:
-        # once per micro-batch on the trainer's thread, right after its compute (cold caches): one frame, few objects.
-        # In iter mode a prepared micro-batch is popped here, from the prefetcher's queue (PrefetchQueue's protocol)
+        # once per micro-batch on the trainer's thread, right after its compute (cold caches): two frames, few objects.
+        # In iter mode a prepared micro-batch is popped here (PrefetchQueue.pop), else the source's next() makes it
         q = self._queue
-        if (q is not None and q.fast and (items := q.items) and items[0][0] == "plain"
-                and (t1 := time.perf_counter()) - q.left_at >= q.inline_below_s):
-            entry, mb, is_last, empty, position = items.popleft()[2]
-            q.period = t1 - q.left_at
-            q.left_at = t1
-            q.popped += 1
-            if not items or q.parked == "handoff":
-                q.poke()
+        if q is not None and q.fast and (got := q.pop()) is not None:
+            entry, mb, is_last, empty, position = got[2]
             if self._done:  # closed by another thread meanwhile: not handed out
                 raise StopIteration
-            t0, blocked = t1, 0.0
+            t0 = t1 = q.left_at
+            blocked = 0.0
         else:
-            inner = self._inner
-            if inner is None:
+            source = self._source
+            if source is None:
                 raise StopIteration
             t0 = time.perf_counter()
             try:
-                entry, mb, is_last, empty, position = next(inner)
+                entry, mb, is_last, empty, position = next(source)
             except StopIteration:
                 self._finish()
                 raise
@@ -615,7 +567,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             if self._done:  # closed by another thread while this item was prepared: not handed out
                 raise StopIteration
             t1 = time.perf_counter()
-            blocked = inner.last_wait_s if self._timed else t1 - t0  # type: ignore[attr-defined]
+            blocked = source.last_wait_s
         lease = self._lease
         if t1 > lease.deadline:  # renew first (the sender is late, a report failed), or fenced: take_out raises
             try:
@@ -625,7 +577,7 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
                 raise
         else:
             lease.hand_out(entry)  # a deque append: what it frees and reports is derived off this thread
-        self.position = position
+        self._position.handed = position
         waits = self._waits  # the rank's ConsumerMetrics.pending: one append, folded by readers
         waits.append((t1 - t0, blocked, is_last, empty))
         if len(waits) > PENDING_LIMIT:
@@ -638,9 +590,9 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
         """Record the trainer's wait in ``next()`` (``t0``..``t1``, perf_counter; the hand-out is at its end) and
         the compute since the previous hand-out."""
         start, end = t0 * 1e6, t1 * 1e6  # perf_counter() is the trace clock (in seconds)
-        args = {"rank": self._ds.rank, "step": entry["minibatch"], "microbatch": entry["microbatch"], "j": entry["j"]}
+        args = {"rank": self._rank, "step": entry["minibatch"], "microbatch": entry["microbatch"], "j": entry["j"]}
         if self._handed_at is not None:
-            tr.span("compute", "trainer", self._handed_at, start, {"rank": self._ds.rank})
+            tr.span("compute", "trainer", self._handed_at, start, {"rank": self._rank})
         tr.span("wait", "trainer", start, end, args)  # the merge derives the hand-out at its end
         self._handed_at = end
 
@@ -650,20 +602,12 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
 
     def sync(self) -> None:
         """Bring the dataset's position up to the last micro-batch this iterator handed out."""
-        ds = self._ds
-        with ds._lock:
-            last, taken, _pre = self.position
-            if last is None or taken == self._synced:
-                return
-            ds._handed_out += taken - self._synced
-            self._synced = taken
-            j = last["j"]
-            ds._next = j + self._nw
-            ds._pos = (last["minibatch"] + 1, 0) if last["info"]["is_last"] else (last["minibatch"], last["microbatch"] + 1)
-            if last.get("fp") is not None:
-                ds._fp = (j + 1, last["fp"])
-            if ds._end_step is None and self._plan.end is not None:
-                ds._end_step = self._plan.end
+        self._position.sync(self._plan.end)
+
+    @property
+    def end(self) -> int | None:
+        """The first mini-batch this pass does not reach (``None``: until drained, or not known yet)."""
+        return self._plan.end
 
     @property
     def done(self) -> bool:
@@ -672,24 +616,19 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
 
     def _finish(self) -> None:
         self.sync()
-        self._ds._ended(self, natural=True)
+        self._ds.ended(self)
         self.close()
         if tracing.tracer is not None:  # the pass ended: its events reach the part file now (off this thread)
             tracing.tracer.wake()
 
     def close(self) -> None:
         """Stop producing; items prepared but not handed out are dropped (they were not handed out)."""
-        if self._inner is None:
+        if self._source is None:
             return
         self._done = True
         self._stop.set()
-        inner, self._inner, self._queue = self._inner, None, None
-        close = getattr(inner, "close", None)
-        if close is not None:
-            try:
-                close()
-            except ValueError:  # a generator running on another thread: it sees the stop flag instead
-                pass
+        source, self._source, self._queue = self._source, None, None
+        source.close()
         self.sync()
         self._session.end(self._lease, self._metrics)  # its last records, then the lease goes
 

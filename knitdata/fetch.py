@@ -4,7 +4,8 @@ A :class:`FetchMode` says, for the items ``[id, unit, nbytes]`` of a plan entry,
 requests (:meth:`FetchMode.groups`, used by every engine's ``read``), how those requests are counted
 (:meth:`FetchMode.requests`), whether the worker's whole share of a mini-batch is read at its first micro-batch
 (:attr:`FetchMode.whole_share`) and whether micro-batches are prepared on a background thread
-(:meth:`FetchMode.prepare`). The built-in modes:
+(:meth:`FetchMode.prepare`, which returns the consumer's :class:`Source`: every mode's implements that one
+protocol). The built-in modes:
 
 * ``sample``: one storage request per trajectory, when the micro-batch is asked for (baseline);
 * ``eager``: the consumer's whole share of the mini-batch before its first micro-batch;
@@ -20,15 +21,59 @@ requests (:meth:`FetchMode.groups`, used by every engine's ``read``), how those 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from knitdata.errors import ConfigError
 
-__all__ = ["FetchMode", "SampleFetch", "EagerFetch", "IterFetch", "FETCH_MODES", "fetch_mode", "register_fetch_mode"]
+if TYPE_CHECKING:  # pragma: no cover
+    from knitdata.prefetch import PrefetchQueue
+
+__all__ = ["Source", "FetchMode", "SampleFetch", "EagerFetch", "IterFetch", "FETCH_MODES", "fetch_mode", "register_fetch_mode"]
 
 #: Items of a plan entry: ``[trajectory id, unit id, nbytes]``.
 Items = Sequence[Sequence[Any]]
+
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Source(Protocol[T_co]):
+    """What the consumer takes its micro-batches from, whatever the fetch mode (:meth:`FetchMode.prepare`):
+    :class:`knitdata.consumer.Production` (made on the caller's thread) or a :class:`knitdata.prefetch.Prefetcher`
+    over it (made ahead on a background thread).
+
+    Attributes:
+        last_wait_s: Seconds the last ``next()`` was blocked until its item was ready (made on the caller's
+            thread: the whole call).
+        queue: Items prepared ahead that the consumer may pop itself (:meth:`~knitdata.prefetch.PrefetchQueue.pop`:
+            one frame instead of ``next()``'s), or ``None``.
+        on_wait: Called on the consumer's thread right before ``next()`` blocks for an item made on another
+            thread (``None``: nothing).
+    """
+
+    last_wait_s: float
+    on_wait: Callable[[], None] | None
+
+    @property
+    def queue(self) -> PrefetchQueue | None:
+        """Items prepared ahead that the consumer may pop itself, or ``None``."""
+        ...
+
+    def __iter__(self) -> Source[T_co]:
+        """Itself."""
+        ...
+
+    def __next__(self) -> T_co:
+        """The next item (``StopIteration`` at the end)."""
+        ...
+
+    def close(self) -> None:
+        """Stop: nothing more is made; items made and not taken are dropped."""
+        ...
+
+    def set_depth(self, depth: int) -> None:
+        """Make up to ``depth`` items ahead from now on (a source that makes none ahead ignores it)."""
+        ...
 
 
 class FetchMode:
@@ -55,13 +100,12 @@ class FetchMode:
         """Storage requests that reading ``items`` takes (default: one per unit)."""
         return len({it[1] for it in items})
 
-    def prepare(self, source: Iterator[Any], *, depth: int, device: Any, pin_memory: bool | None,
-                ) -> tuple[Iterator[Any], Callable[[int], None] | None]:
-        """The iterator the consumer takes micro-batches from, and how to change its prefetch depth (or ``None``).
+    def prepare(self, source: Source[Any], *, depth: int, device: Any, pin_memory: bool | None) -> Source[Any]:
+        """The source the consumer takes micro-batches from, given the one that makes them on the caller's thread.
 
         Default: ``source`` itself (micro-batches are made when asked for, on the consumer's thread).
         """
-        return source, None
+        return source
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -99,13 +143,11 @@ class IterFetch(FetchMode):
         otherwise (a copy that the prefetch thread overlaps with compute, micro-batch by micro-batch)."""
         return bool(getattr(engine, "copy_free_reads", False))
 
-    def prepare(self, source: Iterator[Any], *, depth: int, device: Any, pin_memory: bool | None,
-                ) -> tuple[Iterator[Any], Callable[[int], None] | None]:
-        """A :class:`~knitdata.prefetch.Prefetcher` over ``source`` and its ``set_depth``."""
+    def prepare(self, source: Source[Any], *, depth: int, device: Any, pin_memory: bool | None) -> Source[Any]:
+        """A :class:`~knitdata.prefetch.Prefetcher` over ``source``."""
         from knitdata.prefetch import Prefetcher
 
-        pf = Prefetcher(source, depth=depth, device=device, pin_memory=pin_memory)
-        return pf, pf.set_depth
+        return Prefetcher(source, depth=depth, device=device, pin_memory=pin_memory)
 
 
 _MODES: dict[str, FetchMode] = {}

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from knitdata import trace as tracing
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
+from knitdata.consumer import DEFAULT_TIMEOUT_S
 from knitdata.control import PLANE_DEFAULTS, RELEASE_MODES, acquire_rollout, fields_of
 from knitdata.engines.base import ENGINES, Engine, engine_class, engine_names
 from knitdata.errors import (
@@ -54,13 +55,14 @@ from knitdata.record import Trajectory, TrajectoryMeta
 from knitdata.storage.base import StorageUnit
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from knitdata.checkpoint import CheckpointInfo, RestoreReport, RolloutLedger
     from knitdata.dataset import TrajectoryDataset
+    from knitdata.fetch import FetchMode
 
 __all__ = ["Pipeline", "PipelineClosedError", "ENGINES", "RELEASE_MODES", "DEFAULT_TIMEOUT_S", "PUT_TIMEOUT"]
 
-#: Default seconds a consumer waits for its next micro-batch before :class:`~knitdata.errors.DataTimeoutError`.
-DEFAULT_TIMEOUT_S = 1800.0
 #: ``timeout`` of :meth:`Pipeline.put` / :meth:`Pipeline.put_many` meaning "the pipeline's ``put_timeout``".
 PUT_TIMEOUT: Literal["put_timeout"] = "put_timeout"
 
@@ -667,37 +669,43 @@ class Pipeline:
         self,
         rank: int | None = None,
         *,
-        fetch: str = "iter",
+        fetch: str | FetchMode = "iter",
         collate: Callable[..., Any] | None = None,
         media_collator: Callable[..., Any] | None = None,
         prefetch_depth: int = 2,
-        device: Any = None,
+        device: str | torch.device | None = None,
         pin_memory: bool | None = None,
         max_minibatches: int | None = None,
-        timeout: float | None = DEFAULT_TIMEOUT_S,
+        timeout: float | None = 1800.0,
         replica: int | None = None,
         num_replicas: int | None = None,
     ) -> TrajectoryDataset:
         """The :class:`~knitdata.dataset.TrajectoryDataset` of consumer ``rank``.
 
+        Its keywords are the dataset's options (:class:`~knitdata.consumer.DatasetOptions`, declared once).
+
         Args:
             rank: The consumer (the data-parallel rank with ``replica``); default ``torch.distributed.get_rank()``
                 (without ``replica`` only).
-            fetch: ``"sample"``, ``"eager"`` or ``"iter"``.
-            collate: Turns trajectories into a micro-batch; default :class:`~knitdata.collate.TokenCollator`.
-            media_collator: E.g. :class:`~knitdata.multimodal.MultimodalCollator`; builds the media table of
-                the consumer's share of each mini-batch.
-            prefetch_depth: Micro-batches prepared ahead in ``iter`` mode (with a ``media_collator``, at least a
-                mini-batch's plus one: the next share is prepared while the current mini-batch computes).
-            device: Copy micro-batches to this device on the prefetch thread (``iter`` mode).
-            pin_memory: Pin micro-batches (default: when CUDA is used).
-            max_minibatches: Stop each iteration after this many mini-batches.
-            timeout: Most seconds to wait for the next micro-batch before
-                :class:`~knitdata.errors.DataTimeoutError` (``None``: no limit).
-            replica: This process's replica of data-parallel rank ``rank`` (its tensor/pipeline-parallel peers
-                receive the same micro-batches; :func:`knitdata.replica_layout` derives ``rank``, ``replica`` and
-                ``num_replicas`` from a ``DeviceMesh``).
-            num_replicas: Replicas per data-parallel rank (the same in every replica's call).
+            fetch: ``"sample"``, ``"eager"`` or ``"iter"``, the name of another registered
+                :class:`~knitdata.fetch.FetchMode`, or a :class:`~knitdata.fetch.FetchMode`.
+            collate: ``collate(trajectories, info) -> MicroBatch``; default :class:`~knitdata.collate.TokenCollator`.
+            media_collator: ``media_collator(list_of_micro_batches) -> MultimodalBatch`` (e.g.
+                :class:`~knitdata.multimodal.MultimodalCollator`): the media table of the rank's share of each
+                mini-batch; ``None``: no media table.
+            prefetch_depth: Micro-batches prepared ahead in ``iter`` mode. With a ``media_collator`` at least a
+                mini-batch's micro-batches plus one: the next share (payloads and media table) is prepared while the
+                current mini-batch computes, so two shares are in memory at most.
+            device: Device the prefetch thread copies micro-batches to (``iter`` mode).
+            pin_memory: Pin micro-batches on the prefetch thread (default: when CUDA is used).
+            max_minibatches: Each iteration stops after this many mini-batches (``None``: until drained).
+            timeout: Most seconds to wait for the next micro-batch before :class:`~knitdata.errors.DataTimeoutError`
+                (``None``: no limit).
+            replica: This dataset's tensor/pipeline-parallel replica of data-parallel rank ``rank`` (its peers receive
+                the same micro-batches; :func:`knitdata.replica_layout` derives ``rank``, ``replica`` and
+                ``num_replicas`` from a ``DeviceMesh``). ``None``: the rank has one consumer, which acts as replica 0.
+            num_replicas: Replicas per data-parallel rank, given with ``replica`` (registered with the control plane;
+                every replica of every rank must pass the same number).
 
         Raises:
             ConfigError: Bad options, no rank given outside an initialized process group (or with ``replica``),

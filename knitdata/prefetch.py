@@ -93,20 +93,12 @@ class PrefetchQueue:
     """The hand-off between a :class:`Prefetcher`'s thread and its consumer (``Prefetcher.queue``); deliberately
     not the Prefetcher, so that an abandoned one can be collected while its thread runs.
 
-    A consumer on a hot path may take a prepared item itself instead of calling ``next(prefetcher)`` (one Python
-    frame fewer, which right after a trainer's compute is most of the cost of a pop):
-
-    * while :attr:`fast` is true, the oldest of :attr:`items` is ``("plain", index, payload, None, None)`` (nothing
-      to do but return ``payload``; any other kind goes through ``next(prefetcher)``), and the consumer came back
-      at least :attr:`inline_below_s` after :attr:`left_at`, it ``popleft()``-s that item (only the consumer pops;
-      the thread only appends, so the item peeked at is the one popped);
-    * then sets ``period = now - left_at``, ``left_at = now``, adds one to :attr:`popped`, and calls :meth:`poke`
-      when the queue is now empty or :attr:`parked` is ``"handoff"``.
-
-    ``knitdata``'s dataset iterator does this (:mod:`knitdata.dataset`); the prefetcher's own ``__next__`` does the
-    same. Everything else is the prefetcher's: fields below ``items`` are guarded by ``cond`` (its lock is
-    reentrant: a finalizer run by the garbage collector on a thread that holds it must not deadlock), except the
-    ones the consumer writes as above.
+    A consumer on a hot path may take a prepared item itself with :meth:`pop` instead of calling
+    ``next(prefetcher)`` (one Python frame instead of several, which right after a trainer's compute is most of the
+    cost of a pop): ``knitdata``'s dataset iterator (:mod:`knitdata.dataset`) does, and the prefetcher's own
+    ``__next__`` starts with it. Everything else is the prefetcher's: fields below ``items`` are guarded by
+    ``cond`` (its lock is reentrant: a finalizer run by the garbage collector on a thread that holds it must not
+    deadlock), except the ones :meth:`pop` writes (only the consumer pops; the thread only appends).
 
     Attributes:
         items: Items produced and not yet handed out, in order: ``(kind, index, payload, state, event)``.
@@ -149,20 +141,37 @@ class PrefetchQueue:
         self.parked: str | None = None
         self.job: Job | None = None  # the thread's (see knitdata.threads): done once it no longer touches the source
 
-    def poke(self) -> None:
-        """After a pop: a thread parked on a full queue refills now if the pop emptied it (else at its next check,
-        :func:`_room_check_s`: no wake-up right after the consumer's compute), and one waiting for the consumer to
-        take the item it queued (``"handoff"``) goes on."""
+    def pop(self) -> tuple | None:
+        """The fast pop, on the consumer's thread, lock-free: the oldest prepared item
+        ``("plain", index, payload, None, None)`` when :attr:`fast` is true, that item needs nothing but returning
+        ``payload`` (any other kind goes through ``next(prefetcher)``), and the consumer came back at least
+        :attr:`inline_below_s` after :attr:`left_at`; else ``None`` (nothing taken).
+
+        It sets ``period`` and ``left_at`` (now), counts the item in :attr:`popped`, and wakes the thread if it is
+        parked on a full queue that this pop emptied (else it refills at its next check, :func:`_room_check_s`: no
+        wake-up right after the consumer's compute), or waiting for the consumer to take the item it queued.
+        """
+        items = self.items
+        if not (self.fast and items and items[0][0] == "plain"):
+            return None
+        now = time.perf_counter()
+        if now - self.left_at < self.inline_below_s:
+            return None
+        entry = items.popleft()  # only the consumer pops: the item peeked at is the one popped
+        self.period = now - self.left_at
+        self.left_at = now
+        self.popped += 1
         parked = self.parked
         if parked == "room":
-            if not self.items:
-                try:  # (_signal, inlined: this runs on the trainer's thread)
+            if not items:
+                try:  # (_signal, inlined: one frame on the trainer's thread)
                     self.room.release()
                 except RuntimeError:  # already signalled
                     pass
         elif parked == "handoff":
             with self.cond:
                 self.cond.notify_all()
+        return entry  # type: ignore[no-any-return]
 
 
 def _snapshot(state_fn: Callable[[], dict]) -> Any:
@@ -369,7 +378,6 @@ class Prefetcher(Iterator[T], Generic[T]):
         self.pin_memory = bool(pin_memory)
         self.pool = pool
         self._stats = PrefetchStats()
-        self._unwaited = 0  # items handed out by the fast path since the stats were last folded (waits of 0)
         self._pulled: list[float] = []  # waits of items pulled inline since then (each its production time)
         transfer: Callable[[Any], tuple[Any, Any]] | None = None
         self._cuda_device: torch.device | None = None
@@ -404,28 +412,11 @@ class Prefetcher(Iterator[T], Generic[T]):
     def __next__(self) -> T:
         sh = self.queue
         items = sh.items
-        if sh.fast and items:
-            # the fast path, right after the trainer's compute (cold caches: few objects touched): the thread prepared
-            # the item. No lock (PrefetchQueue's protocol, which a consumer may also follow itself)
-            t0 = time.perf_counter()
-            if t0 - sh.left_at >= self.inline_below_s:
-                try:
-                    entry = items.popleft()
-                except IndexError:
-                    entry = None
-                if entry is not None:
-                    if not items or sh.parked == "handoff":
-                        sh.poke()
-                    sh.period = away = t0 - sh.left_at
-                    if self.inline_below_s > 0:
-                        self._away.append(away)
-                    sh.left_at = t0
-                    if entry[0] == "plain":  # no state, no device copy
-                        self._index += 1
-                        self._unwaited += 1  # a zero wait: folded into the stats when they are read
-                        self.last_wait_s = 0.0
-                        return entry[2]  # type: ignore[no-any-return]
-                    return self._hand_out(entry, t0, 0.0)
+        if sh.fast and (entry := sh.pop()) is not None:  # the fast path: the thread prepared a plain item
+            if self.inline_below_s > 0:
+                self._away.append(sh.period)
+            self.last_wait_s = 0.0  # a zero wait: folded into the stats when they are read
+            return entry[2]  # type: ignore[no-any-return]
         if self._done:
             raise StopIteration
         t0 = time.perf_counter()
@@ -575,9 +566,9 @@ class Prefetcher(Iterator[T], Generic[T]):
     def _fold(self) -> PrefetchStats:
         st = self._stats
         popped = self.queue.popped
-        n = self._unwaited + popped - self._popped_seen
+        n = popped - self._popped_seen  # items taken by the fast pop since the last fold (waits of 0)
         if n:
-            self._unwaited, self._popped_seen = 0, popped
+            self._popped_seen = popped
             st.items += n
             st.recent_wait_s.extend(itertools.repeat(0.0, n))
         pulled = self._pulled

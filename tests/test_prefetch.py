@@ -577,18 +577,9 @@ def test_inline_below_s_validated() -> None:
 
 
 def _pop_as_consumer(q: PrefetchQueue) -> tuple[bool, object]:
-    """One pop by the PrefetchQueue protocol (as the dataset iterator does it); ``(False, None)``: not allowed now."""
-    items = q.items
-    now = time.perf_counter()
-    if not (q.fast and items and items[0][0] == "plain" and now - q.left_at >= q.inline_below_s):
-        return False, None
-    item = items.popleft()
-    q.period = now - q.left_at
-    q.left_at = now
-    q.popped += 1
-    if not items or q.parked == "handoff":
-        q.poke()
-    return True, item[2]
+    """One fast pop (as the dataset iterator does it); ``(False, None)``: not allowed now."""
+    entry = q.pop()
+    return (False, None) if entry is None else (True, entry[2])
 
 
 @settings(max_examples=20, deadline=None)
@@ -596,7 +587,7 @@ def _pop_as_consumer(q: PrefetchQueue) -> tuple[bool, object]:
        inline=st.sampled_from([0.0, 2e-4]))
 def test_a_consumer_popping_the_queue_itself_gets_every_item_once_in_order(n: int, depth: int, plan: list[bool],
                                                                           inline: float) -> None:
-    """Pops by the queue's protocol mixed with next(): every item once, in order; both counted as handed out."""
+    """Fast pops by the consumer mixed with next(): every item once, in order; both counted as handed out."""
     pf = Prefetcher(CountingSource(n), depth=depth, inline_below_s=inline)
     got: list[int] = []
     own = 0
@@ -616,7 +607,8 @@ def test_a_consumer_popping_the_queue_itself_gets_every_item_once_in_order(n: in
         except StopIteration:
             break
     assert got == [i * 10 for i in range(n)]
-    assert pf.items_handed_out == n and pf.queue.popped == own
+    # the prefetcher's own next() starts with the same fast pop: its pops are counted there too
+    assert pf.items_handed_out == n and own <= pf.queue.popped <= n
     assert pf.stats.items == n  # the consumer's own pops are counted, with a zero wait
     assert not pf.queue.fast  # ended: nothing more to pop by the protocol
     pf.close()
