@@ -1107,22 +1107,23 @@ def plot(report: dict[str, Any], path: str) -> None:
     p = report["params"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1.3]})
     names = list(report["regimes"])
-    for name in names:
+    colors = plt.get_cmap("tab20").colors
+    for i, name in enumerate(names):
         r = report["regimes"][name]
         xs = r["eval_steps"]
         share = r.get("wasted_token_share")
         waste = f", {100 * share:.1f}% discarded" if name.startswith("bound_") and share is not None else ""
-        ax.plot(xs, r["reward_mean"], label=f"{name} (AUC {r['auc']:.3f}{waste})", lw=1.4)
-        ax.fill_between(xs, r["reward_min"], r["reward_max"], alpha=0.15)
+        ax.plot(xs, r["reward_mean"], label=f"{name} (AUC {r['auc']:.3f}{waste})", lw=1.4, color=colors[i % 20])
+        ax.fill_between(xs, r["reward_min"], r["reward_max"], alpha=0.12, color=colors[i % 20])
     ax.axhline(_THRESHOLD, color="grey", lw=0.6, ls=":")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("held-out reward (greedy)")
     ax.set_title(f"sort {p['digits']} digits through knitdata: B={p['B']}, M={p['num_minibatches']}, "
                  f"{len(p['seeds'])} seeds (mean, min-max)", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=7, loc="lower right")
     xs = range(len(names))
     bx.bar(xs, [report["regimes"][n]["arch_staleness_positive_mean"] for n in names], color="C2")
-    bx.set_xticks(list(xs), [n.replace("_", "\n") for n in names], fontsize=7)
+    bx.set_xticks(list(xs), names, fontsize=7, rotation=90)
     bx.set_ylabel("architectural staleness, mean of max(0, a)")
     bx.set_title("measured staleness (steps)", fontsize=9)
     fig.tight_layout()
