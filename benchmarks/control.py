@@ -327,11 +327,16 @@ def run_engine_point(engine: str, producers: int, size: str, count: int, batch: 
     cpu0 = cpu1 = None
     pid = None
     if engine == "ray":
-        pid = pipe.control.call("info").get("pid")
+        from knitdata.engines.ray_control import RayControl
+
+        control = pipe.control
+        assert isinstance(control, RayControl)
+        plumbing = control.plumbing  # the coordinator's own calls (not the plane's)
+        pid = plumbing.info().get("pid")
         box: dict[str, float] = {}
 
         def on_go() -> None:
-            box["plane0"] = pipe.control.call("admit_cpu")["cpu_s"]
+            box["plane0"] = plumbing.admit_cpu()["cpu_s"]
             box["cpu0"] = _cpu_s(pid) if pid else float("nan")
             box["t0"] = time.perf_counter()
 
@@ -364,7 +369,7 @@ def run_engine_point(engine: str, producers: int, size: str, count: int, batch: 
     plane_cpu = None
     if pid:
         cpu1 = _cpu_s(pid)
-        plane_cpu = pipe.control.call("admit_cpu")["cpu_s"] - box["plane0"]
+        plane_cpu = plumbing.admit_cpu()["cpu_s"] - box["plane0"]
     st = pipe.stats_light()
     group_commit = None
     if engine == "ray":

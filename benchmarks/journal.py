@@ -65,21 +65,21 @@ def _meta(i: int, group_size: int) -> dict[str, Any]:
 
 
 def _step(plane: Any, i: int, group_size: int, batch: int) -> None:
-    """Put trajectory ``i`` (one :meth:`~knitdata.control.ControlPlane.admit_many` call: the one-round-trip put of
+    """Put trajectory ``i`` (one :meth:`~knitdata.control.admit.Admission.admit_many` call: the one-round-trip put of
     one trajectory, on its group's unit); after each group, every rank takes what was planned; a new version per
     train batch."""
     unit = ("node0", "node1")[(i // group_size) % 2]
-    plane.admit_many(unit, [[_meta(i, group_size), 128, f"put-{i:08d}"]])
+    plane.admission.admit_many(unit, [[_meta(i, group_size), 128, f"put-{i:08d}"]])
     if (i + 1) % group_size == 0:
-        for rank in range(plane.layout.num_consumers):
+        for rank in range(plane.state.layout.num_consumers):
             while True:
-                entries = plane.next_entries(rank, plane.position[rank], 0.0).get("entries")
+                entries = plane.leasing.next_entries(rank, plane.state.position[rank], 0.0).get("entries")
                 if not entries:
                     break
                 for e in entries:
-                    plane.handed(rank, e["j"], e["minibatch"], e["microbatch"])
+                    plane.positions.handed(rank, e["j"], e["minibatch"], e["microbatch"])
     if (i + 1) % batch == 0:
-        plane.report_version(plane.version + 1)
+        plane.positions.report_version(plane.state.version + 1)
 
 
 def run_settings(directory: str, n: int, settings: list[int], group_size: int, ranks: int, repeats: int,

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from knitdata.control import PLANE_DEFAULTS
+from knitdata.control.ledger import Ledger
 from knitdata.errors import ConfigError, KnitdataError, StateError, StoreFull
 from knitdata.fetch import fetch_mode
 from knitdata.placement import ConsumerLayout
@@ -166,10 +167,11 @@ class RolloutLedger:
     finished cannot be told apart from one not started: report :meth:`finished` right after the put returns.
 
     Args:
-        control: The pipeline's control plane (or its Ray forwarder).
+        control: The control plane's ledger part (:class:`~knitdata.control.ledger.Ledger`, or its proxy on the
+            Ray engine).
     """
 
-    def __init__(self, control: Any) -> None:
+    def __init__(self, control: Ledger) -> None:
         self._control = control
 
     def started(self, prompt_id: str | Sequence[str], *, group: str | None = None, n: int | None = None) -> int:
@@ -228,7 +230,7 @@ def write_checkpoint(engine: Any, path: str | os.PathLike[str], *, options: Mapp
     path = os.fspath(path)
     engine.flush_reports()  # this process's hand-outs and commits first: the cut includes them
     t0 = time.perf_counter()
-    cut = engine.control.checkpoint_cut()
+    cut = engine.control.ledger.checkpoint_cut()
     tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         os.makedirs(tmp)
@@ -239,7 +241,7 @@ def write_checkpoint(engine: Any, path: str | os.PathLike[str], *, options: Mapp
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        engine.control.checkpoint_done()
+        engine.control.ledger.checkpoint_done()
     try:
         reshape_part = state.get("reshape")
         current = reshape_part.get("layout") if isinstance(reshape_part, Mapping) else None
@@ -508,7 +510,7 @@ def restore_into(engine: Any, path: str | os.PathLike[str], manifest: Mapping[st
         raise StateError(f"checkpoint {path!r}: {len(lost)} payloads of its saved state are not in its shards "
                          f"({lost[:8]})")
     try:
-        engine.control.checkpoint_restore(state, manifest["ledger"])
+        engine.control.ledger.checkpoint_restore(state, manifest["ledger"])
     except KnitdataError as e:
         if isinstance(e, StateError):
             raise
@@ -516,7 +518,7 @@ def restore_into(engine: Any, path: str | os.PathLike[str], manifest: Mapping[st
     reshaped = None
     if merged is not None:
         old_n = len(state["planned"])
-        res = engine.control.reshape(dict(merged), engine.layout.to_dict())
+        res = engine.control.reshaping.reshape(dict(merged), engine.layout.to_dict())
         reshaped = {"from_ranks": old_n, "to_ranks": int(res["num_consumers"]), "replanned": int(res["replanned"]),
                     "segments": int(res["segments"])}
     reissue = [dict(r) for r in manifest.get("reissue", [])]
@@ -637,14 +639,12 @@ def lost_groups(engine: Any) -> dict[str, dict[str, Any]]:
     dead = dead_units(engine.units)
     if not dead:
         return {}
-    report = engine.control.lost_on(dead)
-    recoverable = getattr(engine, "recoverable", None)
+    report = engine.control.ledger.lost_on(dead)
     out: dict[str, dict[str, Any]] = {}
     for group, g in report["groups"].items():
         ids = list(g["trajectories"])
-        if recoverable is not None:
-            back = set(recoverable(dead, ids))
-            ids = [t for t in ids if t not in back]
+        back = set(engine.recoverable(dead, ids))
+        ids = [t for t in ids if t not in back]
         if ids:
             out[group] = {"trajectories": ids, "admitted": bool(g["admitted"]), "ranks": list(g["ranks"]),
                           "units": dead}

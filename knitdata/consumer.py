@@ -67,13 +67,12 @@ class ConsumerSession:
 
     def register(self, num_replicas: int) -> None:
         """Tell the control plane that every rank has ``num_replicas`` replicas (``ConfigError`` when it disagrees)."""
-        self.engine.control.register_replicas(num_replicas)
+        self.engine.control.positions.register_replicas(num_replicas)
 
     def start(self, worker: int, num_workers: int) -> tuple[int, tuple[int, str] | None]:
         """Where worker ``worker`` of ``num_workers`` starts without a loaded state: ``(next j, fingerprint)``
         (after the last micro-batch handed out to the rank's replica)."""
-        c = self.engine.control
-        ans = c.start_point(self.rank, self.replica) if self.replica else c.start_point(self.rank)
+        ans = self.engine.control.positions.start_point(self.rank, self.replica)
         return _start(ans, worker, num_workers)
 
     def lease(self, worker: int, num_workers: int, cap: int | None,
@@ -92,14 +91,11 @@ class ConsumerSession:
 
     def verify(self, length: int, fp: str, where: str) -> None:
         """Check that the rank's first ``length`` micro-batches have fingerprint ``fp`` (else ``StateError``)."""
-        self.engine.control.verify(self.rank, length, fp, where)
+        self.engine.control.positions.verify(self.rank, length, fp, where)
 
     def seek(self, j: int) -> None:
         """The rank (its replica) continues at micro-batch ``j`` (a state was loaded)."""
-        if self.replica:
-            self.engine.control.seek(self.rank, j, self.replica)
-        else:
-            self.engine.control.seek(self.rank, j)
+        self.engine.control.positions.seek(self.rank, j, self.replica)
 
     def commit(self, upto: int, *, wait: bool, relayed: bool = False) -> int | None:
         """Release the rank's payloads before ``upto``: queued for the sender, or sent now (``wait``: the count).
@@ -112,9 +108,7 @@ class ConsumerSession:
             sender.commit(self.rank, upto, self.replica, relayed=relayed)
             return None
         sender.flush()
-        if self.replica:
-            return int(self.engine.control.commit(self.rank, upto, self.replica))
-        return int(self.engine.control.commit(self.rank, upto))
+        return int(self.engine.control.positions.commit(self.rank, upto, self.replica))
 
     def flush(self) -> None:
         """Send this process's queued hand-out records and commits now, and wait for it."""
@@ -178,7 +172,7 @@ class PlanStage:
                     if left <= 0:
                         raise DataTimeoutError(
                             f"rank {self.rank} waited {self.timeout:.0f} s for its micro-batch {j} (dataset timeout); "
-                            f"admission is still waiting for: {self.engine.control.missing()}. Check that producers "
+                            f"admission is still waiting for: {self.engine.control.reporting.missing()}. Check that producers "
                             "are alive and put every member of each group (withdraw() a group whose member was "
                             "refused), or raise the dataset's timeout")
                     wait = min(wait, left)

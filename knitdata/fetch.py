@@ -141,7 +141,7 @@ class IterFetch(FetchMode):
         """The whole share at once from an engine whose reads hand over stored objects
         (:attr:`~knitdata.engines.base.Engine.copy_free_reads`: the embedded engine), one read per micro-batch
         otherwise (a copy that the prefetch thread overlaps with compute, micro-batch by micro-batch)."""
-        return bool(getattr(engine, "copy_free_reads", False))
+        return bool(engine.copy_free_reads)
 
     def prepare(self, source: Source[Any], *, depth: int, device: Any, pin_memory: bool | None) -> Source[Any]:
         """A :class:`~knitdata.prefetch.Prefetcher` over ``source``."""

@@ -4,7 +4,7 @@ The trainer's thread pays for a queue pop and nothing else: each micro-batch it 
 iterator's :class:`ConsumerLease` (a ``deque`` append, no lock), and a :class:`ControlSender` (one
 background thread per engine handle and process) sends the records of every iterator of the process, the commits,
 the versions, the producers' presence and the lease renewals in one control call
-(:meth:`knitdata.control.ControlPlane.report`). It sends when something frees storage (a commit; the first
+(:meth:`knitdata.control.leases.Leases.report`). It sends when something frees storage (a commit; the first
 hand-out of a mini-batch with ``release="step"``; every hand-out with ``"handout"``), lingering 3 ms so that a
 step's commit, its version and the next mini-batch's first hand-out go together; otherwise every
 :data:`HEARTBEAT_S`, and when an iterator ends. On the Ray engine that is one or two actor calls per step instead
@@ -34,6 +34,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from knitdata.control.leases import Leases
 from knitdata.control.plane import fenced_message
 from knitdata.errors import EngineError, FencedError, KnitdataError
 from knitdata.threads import Job, spawn
@@ -317,8 +318,9 @@ class ControlSender:
     """One background thread per engine handle and process that sends consumers' news to the control plane.
 
     Args:
-        control: The control plane, or its forwarder (:meth:`~knitdata.control.ControlPlane.report`,
-            :meth:`~knitdata.control.ControlPlane.lease`, :meth:`~knitdata.control.ControlPlane.unlease`).
+        control: The control plane's leasing part (:class:`~knitdata.control.leases.Leases`, or its proxy on
+            another process): its :meth:`~knitdata.control.leases.Leases.lease` and
+            :meth:`~knitdata.control.leases.Leases.report`.
         heartbeat_s: Seconds between reports while an iterator is live.
         on_error: Called with an exception a report raised (it is retried at the next heartbeat).
         inline: :meth:`relay` sends on the calling thread instead of waking the sender's: for a control plane in
@@ -328,7 +330,7 @@ class ControlSender:
             and retries a report that failed inline.
     """
 
-    def __init__(self, control: Any, *, heartbeat_s: float = HEARTBEAT_S,
+    def __init__(self, control: Leases, *, heartbeat_s: float = HEARTBEAT_S,
                  on_error: Callable[[BaseException], None] | None = None, inline: bool = False) -> None:
         self._control = control
         self.inline = bool(inline)
@@ -359,10 +361,7 @@ class ControlSender:
         """Take the lease of ``(rank, worker)`` (of ``replica``) for ``token`` (fencing an older holder); returns it
         and the plane's answer (``next``, ``fp``: where the rank's new iterator starts)."""
         t0 = time.monotonic()  # the lease's local deadline counts from the request
-        if replica:
-            ans = self._control.lease(rank, worker, token, wait_s, holder_name(), replica)
-        else:
-            ans = self._control.lease(rank, worker, token, wait_s, holder_name())
+        ans = self._control.lease(rank, worker, token, wait_s, holder_name(), replica)
         lease = ConsumerLease(self, rank, worker, token, int(ans["epoch"]), float(ans["ttl_s"]), t0, replica)
         with self._lock:
             self._leases[token] = lease

@@ -36,6 +36,7 @@ from knitdata import trace as tracing
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.consumer import DEFAULT_TIMEOUT_S
 from knitdata.control import PLANE_DEFAULTS, RELEASE_MODES, acquire_rollout, fields_of
+from knitdata.control.plane import Control
 from knitdata.engines.base import ENGINES, Engine, engine_class, engine_names
 from knitdata.errors import (
     ConfigError,
@@ -302,7 +303,7 @@ class Pipeline:
     @property
     def address(self) -> str | None:
         """The Ray cluster's address other processes attach to (``None`` on the embedded engine)."""
-        return getattr(self._engine, "address", None)
+        return self._engine.address
 
     @property
     def num_consumers(self) -> int:
@@ -320,8 +321,9 @@ class Pipeline:
         return dict(self._engine.units)
 
     @property
-    def control(self) -> Any:
-        """The control plane (:class:`~knitdata.control.ControlPlane`, or its forwarder on the Ray engine)."""
+    def control(self) -> Control:
+        """The control plane's parts (:class:`~knitdata.control.plane.Control`: the plane's own on the embedded
+        engine, proxies of the same types on the Ray engine)."""
         return self._engine.control
 
     @property
@@ -331,11 +333,9 @@ class Pipeline:
         Raises:
             EngineError: On the Ray engine (it lives in the coordinator actor).
         """
-        plane = self._engine.control
-        policy = getattr(plane, "policy", None)
-        if not isinstance(policy, AdmissionPolicy):
+        if not self._engine.in_process:
             raise EngineError("the admission policy runs in the coordinator actor on the Ray engine; read stats()")
-        return policy
+        return self._engine.local_plane().state.policy
 
     @property
     def planner(self) -> Any:
@@ -346,7 +346,7 @@ class Pipeline:
         """
         if not self._engine.in_process:
             raise EngineError("the planner runs in the coordinator actor on the Ray engine; read stats()")
-        return self._engine.control.planner
+        return self._engine.local_plane().state.planner
 
     @property
     def closed(self) -> bool:
@@ -366,7 +366,7 @@ class Pipeline:
         What this process's consumers queued for the control plane (hand-outs, commits, versions) is sent first.
         """
         self._engine.flush_reports()
-        return dict(self._engine.control.stats())
+        return dict(self._engine.control.reporting.stats())
 
     # ------------------------------------------------------------------ producer side
     def put(self, traj: Trajectory, *, timeout: float | None | Literal["put_timeout"] = PUT_TIMEOUT) -> TrajectoryMeta:
@@ -447,7 +447,7 @@ class Pipeline:
             rest = idx
             while rest:
                 try:
-                    res = unit.put_admit([trajs[i] for i in rest], [items[i] for i in rest], plane.admit_many)
+                    res = unit.put_admit([trajs[i] for i in rest], [items[i] for i in rest], plane.admission.admit_many)
                 except EngineError as e:
                     self._raise_closed(e)
                     raise
@@ -478,25 +478,25 @@ class Pipeline:
             unit.put(trajs[k], timeout=timeout)
         except StoreFull as e:
             for i in rest:
-                plane.note_rejected(trajs[i].id, "store_full")
+                plane.admission.note_rejected(trajs[i].id, "store_full")
             self._engine.flush_reports()  # this process's consumers' hand-outs and commits, for an exact answer
-            holders = plane.holders(unit_id)
+            holders = plane.reporting.holders(unit_id)
             more = f" (and {len(rest) - 1} more of this batch not yet stored)" if len(rest) > 1 else ""
             raise StoreFull(f"trajectory {trajs[k].id!r}{more} refused: storage unit {unit_id!r} is held by {holders}. "
                             f"{e}") from e
         except EngineError as e:
-            plane.note_rejected(trajs[k].id, "closed")
+            plane.admission.note_rejected(trajs[k].id, "closed")
             self._raise_closed(e)
             raise
         except ValidationError:  # the id is held there already (not this put's payload)
-            plane.note_rejected(trajs[k].id, "id")
+            plane.admission.note_rejected(trajs[k].id, "id")
             raise
         except BaseException as e:  # interrupted while it waited: it may have been stored
             unit.release([trajs[k].id])
-            plane.note_rejected(trajs[k].id, type(e).__name__)
+            plane.admission.note_rejected(trajs[k].id, type(e).__name__)
             raise
         try:
-            ans = plane.admit_many(unit_id, [list(items[k])])
+            ans = plane.admission.admit_many(unit_id, [list(items[k])])
         except BaseException:
             unit.release([trajs[k].id])
             raise
@@ -515,7 +515,7 @@ class Pipeline:
         """
         plane = self._engine.control
         if not isinstance(traj, Trajectory):
-            plane.note_rejected(None, "traj")
+            plane.admission.note_rejected(None, "traj")
             raise FieldTypeError(f"put() takes a knitdata.Trajectory, got {type(traj).__name__}", field="traj")
         try:
             traj.validate()
@@ -533,7 +533,7 @@ class Pipeline:
                     check_media_item(item, trajectory_id=traj.id, index=i)
         except KnitdataError as e:
             cause = getattr(e, "field", None) or ("media" if traj.media else type(e).__name__)
-            plane.note_rejected(traj.id, cause.split(".")[0])
+            plane.admission.note_rejected(traj.id, cause.split(".")[0])
             raise
         meta = traj.meta().to_dict()
         meta["fields"] = fields_of(traj.scalars, {k: str(v.dtype).replace("torch.", "") for k, v in traj.tensors.items()})
@@ -545,13 +545,13 @@ class Pipeline:
         Raises:
             QuotaInfeasibleError: A source can no longer deliver its quota.
         """
-        self._engine.control.set_in_flight(dict(counts))
+        self._engine.control.admission.set_in_flight(dict(counts))
 
     # the staleness bound (max_staleness): knitdata.control.admit, docs/concepts.md "A hard staleness bound"
     def rollout_capacity(self, version: int | None = None) -> dict[str, int]:
         """Prompts (groups) per source that may start with ``version`` (default: the last reported) within the bound
         (:meth:`~knitdata.admission.AdmissionPolicy.rollout_capacity`; ConfigError without one)."""
-        return dict(self._engine.control.rollout_capacity(version))
+        return dict(self._engine.control.admission.rollout_capacity(version))
 
     def acquire_rollout(self, counts: Mapping[str, int] | str, n: int = 1, *, version: int | None = None,
                         timeout: float | None = 60.0) -> None:
@@ -561,12 +561,12 @@ class Pipeline:
 
     def release_rollout(self, counts: Mapping[str, int]) -> None:
         """Give back reservations (:meth:`acquire_rollout`) of prompts that will not be generated."""
-        self._engine.control.unreserve_rollout(dict(counts))
+        self._engine.control.admission.unreserve_rollout(dict(counts))
 
     def dropped(self) -> list[dict[str, Any]]:
         """The groups the bound dropped since the last call, to regenerate (``{"group", "source", "version",
         "trajectories", "tokens", "step"}`` each; payloads already freed)."""
-        return list(self._engine.control.take_dropped())
+        return list(self._engine.control.admission.take_dropped())
 
     def withdraw(self, group: str) -> list[TrajectoryMeta]:
         """Drop a group that rollout aborted or a filter rejected; frees its stored members.
@@ -577,7 +577,7 @@ class Pipeline:
         Returns:
             The members that were waiting for admission (``[]`` if unknown or already admitted).
         """
-        return [TrajectoryMeta.from_dict(d) for d in self._engine.control.withdraw(group)]
+        return [TrajectoryMeta.from_dict(d) for d in self._engine.control.admission.withdraw(group)]
 
     def report_version(self, version: int) -> None:
         """The trainer reports its new policy version (after an optimizer step).
@@ -612,7 +612,7 @@ class Pipeline:
             never admitted (an incomplete train batch or group). If any, a warning says so and consumers raise
             :class:`~knitdata.errors.IncompleteStreamError` once they have every admitted mini-batch.
         """
-        report = dict(self._engine.control.close())
+        report = dict(self._engine.control.admission.close())
         if self._presence is not None:  # a closed pipeline needs no producer presence
             self._engine.sender.remove_producer(self._presence)
         self._engine.on_close()
@@ -738,7 +738,7 @@ class Pipeline:
         merged = merge_rank_states(states)
         new = layout if isinstance(layout, ConsumerLayout) else self.layout if layout is None else \
             ConsumerLayout.single_node(layout, self.layout.nodes[0])
-        self._engine.control.reshape(merged, new.to_dict())
+        self._engine.control.reshaping.reshape(merged, new.to_dict())
         self._engine.set_layout(new)
         self.layout = new
         return merged
@@ -755,17 +755,14 @@ class Pipeline:
         Raises:
             EngineError: On the embedded engine.
         """
-        kill = getattr(self._engine, "kill_unit", None)
-        if kill is None:
-            raise EngineError("kill_unit is a failure drill of the Ray engine")
-        kill(unit_id)
+        self._engine.kill_unit(unit_id)
 
     # ------------------------------------------------------------------ whole-pipeline checkpoint
     @property
     def ledger(self) -> RolloutLedger:
         """The rollout ledger the producer reports its prompts to (:class:`~knitdata.checkpoint.RolloutLedger`)."""
         from knitdata.checkpoint import RolloutLedger
-        return RolloutLedger(self._engine.control)
+        return RolloutLedger(self._engine.control.ledger)
 
     def checkpoint(self, path: str | os.PathLike[str]) -> CheckpointInfo:
         """Save the whole pipeline to the directory ``path``: :func:`knitdata.checkpoint.write_checkpoint`."""
@@ -806,7 +803,7 @@ class Pipeline:
         local = [self._engine.metrics(r).to_dict() for r in range(self.num_consumers)]
         out["consumers"] = [loc if loc["microbatches"] or not (i < len(reported) and reported[i]) else reported[i]
                             for i, loc in enumerate(local)]
-        meter = getattr(self._engine, "meter", None)
+        meter = self._engine.meter
         if meter is not None:  # this process's counters not flushed yet, plus what others reported
             from knitdata.metrics import TransferMeter
 

@@ -38,7 +38,7 @@ class PutRouter:
             if self._replica is None:
                 units = list(self.engine.units)
                 self._replica = make_placement(str(self.engine.config.get("placement", "consumer_aware")), units)
-                self._follow_locked(self.engine.control.placement_view())
+                self._follow_locked(self.engine.control.admission.placement_view())
             seq = self._next_seq
             out = []
             for i, m in enumerate(metas):

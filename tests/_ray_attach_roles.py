@@ -116,14 +116,14 @@ def paused_attach(name: str, address: str, where: str) -> None:
 
         ray.get_actor = get_actor
     else:
-        real_call = RayControl.call
+        real_send = RayControl.send
 
-        def call(self: Any, op: str, *args: Any, **kwargs: Any) -> Any:
-            if op == where:
+        def send(self: Any, call: Any, args: Any) -> Any:
+            if call.name == where:
                 pause()
-            return real_call(self, op, *args, **kwargs)
+            return real_send(self, call, args)
 
-        RayControl.call = call  # type: ignore[method-assign]
+        RayControl.send = send  # type: ignore[method-assign]
     t0 = time.perf_counter()
     try:
         Pipeline.attach(name, address=address)

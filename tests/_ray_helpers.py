@@ -581,7 +581,7 @@ def coordinator_killed(journal_root: str, n_groups: int = 24, kills: int = 2, co
     pipe.close()
     for t in threads:
         t.join(180)
-    info = pipe.control.call("info")
+    info = pipe.control.plumbing.info()
     stats = pipe.stats()
     pipe.shutdown()
     return {"got": got, "all_ids": [t.id for t in trajs], "errors": errors, "killed": killed,
@@ -630,7 +630,7 @@ def whole_job_resume(spill_root: str, pipeline: str, state: dict[str, Any], trac
     rest = [list(mb.info.trajectory_ids) for mb in ds]
     ds.commit(wait=True)
     stats = pipe.stats()
-    info = pipe.control.call("info")
+    info = pipe.control.plumbing.info()
     pipe.shutdown()
     return {"rest": rest, "held": stats["held_trajectories"], "replayed": info["replayed"]}
 
@@ -650,14 +650,14 @@ def one_round_trip(n_groups: int = 12) -> dict[str, Any]:
     pipe = Pipeline(_spec(len(trajs)), layout=ConsumerLayout(["a", "b"]), engine="ray", token_budget=1024,
                     engine_options={"name": name, "nodes": {"a": nodes[0], "b": nodes[1]}})
     calls = {"control": 0, "unit": 0}
-    real_call = type(pipe.control).call
+    real_send = type(pipe.control).send
 
     putter = threading.current_thread()
 
-    def call(self: Any, method: str, *a: Any, **kw: Any) -> Any:
+    def send(self: Any, call: Any, args: Any) -> Any:
         if threading.current_thread() is putter:  # the put's own calls, not the background sender's heartbeats
             calls["control"] += 1
-        return real_call(self, method, *a, **kw)
+        return real_send(self, call, args)
 
     real_put_admit = RayStorageUnit.put_admit
 
@@ -665,7 +665,7 @@ def one_round_trip(n_groups: int = 12) -> dict[str, Any]:
         calls["unit"] += 1
         return real_put_admit(self, *a, **kw)
 
-    type(pipe.control).call = call  # type: ignore[method-assign]
+    type(pipe.control).send = send  # type: ignore[method-assign]
     RayStorageUnit.put_admit = put_admit  # type: ignore[method-assign]
     first = pipe.put(trajs[0])  # the first put of a process also fetches the placement's view once
     after_first = dict(calls)
@@ -675,14 +675,14 @@ def one_round_trip(n_groups: int = 12) -> dict[str, Any]:
     before = dict(calls)
     metas += pipe.put_many(trajs[half:])
     batch = {"control": calls["control"] - before["control"], "unit": calls["unit"] - before["unit"]}
-    type(pipe.control).call = real_call  # type: ignore[method-assign]
+    type(pipe.control).send = real_send  # type: ignore[method-assign]
     RayStorageUnit.put_admit = real_put_admit  # type: ignore[method-assign]
     # the plane's own placement, fed the same puts in order, picks the same units
     ref = ConsumerAwarePlacement(list(pipe.units))
     from knitdata.record import TrajectoryMeta
 
     expected = [ref.place(TrajectoryMeta.from_dict({**t.meta().to_dict(), "seq": i})) for i, t in enumerate(trajs)]
-    admit_cpu = pipe.control.call("admit_cpu")  # the coordinator's CPU inside the units' admission calls
+    admit_cpu = pipe.control.plumbing.admit_cpu()  # the coordinator's CPU inside the units' admission calls
     pipe.close()
     got = [pipe.dataset(r, fetch="iter") for r in range(2)]
     ids = sorted(i for ds in got for mb in ds for i in mb.info.trajectory_ids)

@@ -264,14 +264,14 @@ def test_releases_after_the_cut_wait_for_the_payloads(tmp_path: Path) -> None:
     pipe = Pipeline(BatchSpec({"a": 2}, num_minibatches=1, group_size=1), num_consumers=1, token_budget=64)
     pipe.put_many([_t(i) for i in range(4)])
     plane = pipe._engine.control
-    cut = plane.checkpoint_cut()
+    cut = plane.ledger.checkpoint_cut()
     assert {m["id"] for m in cut["plane"]["live"]} == {f"t{i}" for i in range(4)}
-    plane.commit(0, 1)  # the consumer moved past the first micro-batch after the cut
+    plane.positions.commit(0, 1)  # the consumer moved past the first micro-batch after the cut
     unit = pipe._engine.units["node0"]
     assert len(unit) == 4  # held back
     with pytest.raises(StateError, match="in progress"):
-        plane.checkpoint_cut()
-    assert plane.checkpoint_done() >= 1
+        plane.ledger.checkpoint_cut()
+    assert plane.ledger.checkpoint_done() >= 1
     assert len(unit) < 4
     info = pipe.checkpoint(tmp_path / "c")
     assert info.trajectories == len(unit)

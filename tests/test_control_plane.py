@@ -53,7 +53,7 @@ class Producer:
     def __init__(self, plane: ControlPlane, name: str = "consumer_aware") -> None:
         self.plane = plane
         self.replica = make_placement(name, list(UNITS))
-        view = plane.placement_view()
+        view = plane.admission.placement_view()
         self.replica.follow(view["placement"])
         self.seq = view["seq"]
         self.calls = 0
@@ -65,7 +65,7 @@ class Producer:
             by_unit.setdefault(self.replica.place(m), []).append([_meta(t), 8, f"tok-{t.id}"])
         out: dict[str, Any] = {"accepted": [], "errors": []}
         for unit, items in by_unit.items():
-            ans = self.plane.admit_many(unit, items)
+            ans = self.plane.admission.admit_many(unit, items)
             self.calls += 1
             self.replica.follow(ans["placement"])
             self.seq = ans["seq"]
@@ -75,10 +75,10 @@ class Producer:
 
 
 def _decisions(p: ControlPlane) -> dict[str, Any]:
-    return {"planned": list(p.planned), "seq": p.seq,
-            "entries": [[(q[j]["minibatch"], q[j]["microbatch"], q[j]["items"]) for j in sorted(q)] for q in p.queues],
-            "live": {k: (m.location, m.seq) for k, m in p.live.items()}, "pending": sorted(p.pending),
-            "placement": p.placement.state_dict(), "counts": dict(p.counts)}
+    return {"planned": list(p.state.planned), "seq": p.state.seq,
+            "entries": [[(q[j]["minibatch"], q[j]["microbatch"], q[j]["items"]) for j in sorted(q)] for q in p.state.queues],
+            "live": {k: (m.location, m.seq) for k, m in p.state.live.items()}, "pending": sorted(p.state.pending),
+            "placement": p.state.placement.state_dict(), "counts": dict(p.state.counts)}
 
 
 @settings(max_examples=30, deadline=None)
@@ -110,7 +110,7 @@ def test_one_bad_trajectory_refuses_its_whole_batch_and_is_counted():
     prod = Producer(plane)
     prod.put_many([_traj(0), _traj(1)])
     # an unknown source, a duplicate id (held, and twice in one batch), a withdrawn group, other fields
-    plane.withdraw("gw")
+    plane.admission.withdraw("gw")
     cases = [
         ([_traj(2), _traj(3, source="nope")], "t3", "source"),
         ([_traj(4), _traj(0)], "t0", "id"),
@@ -120,12 +120,12 @@ def test_one_bad_trajectory_refuses_its_whole_batch_and_is_counted():
     ]
     for batch, bad, field in cases:
         before = _decisions(plane)
-        ans = plane.admit_many("node0", [[_meta(t), 8, f"x-{t.id}-{k}"] for k, t in enumerate(batch)])
+        ans = plane.admission.admit_many("node0", [[_meta(t), 8, f"x-{t.id}-{k}"] for k, t in enumerate(batch)])
         assert ans["accepted"] == [None, None]  # the unit drops both payloads
         assert [e[0] for e in ans["errors"]] == [bad] and ans["errors"][0][3] == field
         after = _decisions(plane)
         assert after["live"] == before["live"] and after["seq"] == before["seq"]
-    st_ = plane.stats()
+    st_ = plane.reporting.stats()
     assert st_["rejected_by_cause"]["batch"] == len(cases)
     assert st_["rejected"] == 2 * len(cases)
 
@@ -133,28 +133,28 @@ def test_one_bad_trajectory_refuses_its_whole_batch_and_is_counted():
 def test_a_retried_call_is_answered_as_the_first_one(tmp_path):
     plane = ControlPlane(_config(), UNITS, lambda u, ids, wait: None, journal=Journal(tmp_path / "j", fsync_every_s=0))
     items = [[_meta(_traj(i)), 8, f"tok{i}"] for i in range(2)]
-    first = plane.admit_many("node1", items)
-    again = plane.admit_many("node1", items)  # the coordinator restarted before its answer arrived
+    first = plane.admission.admit_many("node1", items)
+    again = plane.admission.admit_many("node1", items)  # the coordinator restarted before its answer arrived
     assert again["accepted"] == first["accepted"] and not again["errors"]
-    assert plane.stats()["puts"] == 2
+    assert plane.reporting.stats()["puts"] == 2
     # the same ids under new tokens are a new put: duplicates
-    other = plane.admit_many("node1", [[it[0], 8, "new"] for it in items])
+    other = plane.admission.admit_many("node1", [[it[0], 8, "new"] for it in items])
     assert [e[3] for e in other["errors"]] == ["id", "id"]
     # a restarted coordinator replays the journal into the same decisions
     fresh = ControlPlane(_config(), UNITS, lambda u, ids, wait: None)
     fresh.recover(str(tmp_path / "j"))
     assert _decisions(fresh)["live"] == _decisions(plane)["live"]
-    assert fresh.admit_many("node1", items)["accepted"] == first["accepted"]
+    assert fresh.admission.admit_many("node1", items)["accepted"] == first["accepted"]
 
 
 def test_admit_many_refuses_an_unknown_unit_and_reports_the_view():
     plane = _plane()
     with pytest.raises(ConfigError, match="unknown storage unit 'nowhere'"):
-        plane.admit_many("nowhere", [[_meta(_traj(0)), 8, "t"]])
-    ans = plane.admit_many("node2", [[_meta(_traj(0)), 8, "t"]])
+        plane.admission.admit_many("nowhere", [[_meta(_traj(0)), 8, "t"]])
+    ans = plane.admission.admit_many("node2", [[_meta(_traj(0)), 8, "t"]])
     assert ans["accepted"][0]["location"] == "node2" and ans["seq"] == 1
     assert ans["placement"]["load"]["node2"] == _traj(0).nbytes
-    assert plane.placement_view() == {"placement": ans["placement"], "seq": 1}
+    assert plane.admission.placement_view() == {"placement": ans["placement"], "seq": 1}
 
 
 def test_a_truncated_view_still_names_the_least_loaded_unit():
@@ -174,8 +174,8 @@ def test_admit_batches_decides_each_batch_on_its_own_as_separate_calls_would():
     batches = [[[_meta(_traj(2 * k + i)), 8, f"b{k}-{i}"] for i in range(2)] for k in range(4)]
     batches[1][1][0] = {**batches[1][1][0], "source": "nope"}  # one bad batch among concurrent puts
     a, b = _plane(), _plane()
-    one_by_one = [a.admit_many("node0", x) for x in batches]
-    together = b.admit_batches("node0", batches)
+    one_by_one = [a.admission.admit_many("node0", x) for x in batches]
+    together = b.admission.admit_batches("node0", batches)
     assert together == one_by_one
     assert [x["accepted"] == [None, None] for x in together] == [False, True, False, False]
     assert _decisions(a) == _decisions(b)
@@ -216,34 +216,35 @@ def test_producer_retry_of_a_delivered_and_released_group_is_not_delivered_twice
 
 
 # ---------------------------------------------------------------------------------------------- the control surface
-def test_every_control_call_is_a_plane_method_with_its_parts_signature_and_docs():
-    import inspect
-
+def test_every_control_call_is_a_method_of_the_part_the_plane_holds():
     from knitdata.control import FIRE_AND_FORGET, JOURNALED_OPS, SURFACE
+    from knitdata.control.plane import PARTS
 
     plane = _plane()
     assert JOURNALED_OPS <= set(SURFACE) and FIRE_AND_FORGET <= set(SURFACE)
     assert {"admit_many", "close", "commit", "handed", "seek", "verify", "withdraw"} <= JOURNALED_OPS
     assert not {"reserve", "reserve_many", "offer", "offer_many", "unreserve"} & set(SURFACE)
+    # the calls no caller used are gone from the surface
+    assert not {"unlease", "start_position"} & set(SURFACE)
     for name, call in SURFACE.items():
-        impl = getattr(getattr(plane, call.part), name)
-        assert inspect.signature(getattr(plane, name)) == inspect.signature(impl), name
-        assert getattr(ControlPlane, name).__doc__ == inspect.getdoc(impl) and call.doc, name
-    # the plane's own methods are not control calls, and the shared state reads through it
+        part = getattr(plane, call.part)
+        assert isinstance(part, PARTS[call.part]) and callable(getattr(part, name)), name
+        assert not hasattr(plane, name), name  # reached on its part only: no flat forwarder on the plane
+    # the plane's own methods are not control calls, and the shared state is its own attribute
     assert not {"recover", "compact", "state_dict", "load_state_dict"} & set(SURFACE)
-    assert plane.planned is plane.state.planned and plane.release_mode == "step"
+    assert plane.state.release_mode == "step" and not hasattr(plane, "planned")
 
 
 def test_journaled_calls_are_recorded_once_at_the_outermost_call(tmp_path):
     path = tmp_path / "j"
     plane = ControlPlane(_config(), UNITS, lambda u, ids, wait: None, journal=Journal(path, fsync_every_s=0))
     batches = [[[_meta(_traj(2 * k + i)), 8, f"b{k}-{i}"] for i in range(2)] for k in range(4)]
-    plane.admit_batches("node0", batches)  # calls admit_many inside: recorded as one admit_batches
-    e = next(r for r in range(3) if plane.planned[r])
-    got = plane.next_entries(e, 0, 0.0)["entries"]
+    plane.admission.admit_batches("node0", batches)  # calls admit_many inside: recorded as one admit_batches
+    e = next(r for r in range(3) if plane.state.planned[r])
+    got = plane.leasing.next_entries(e, 0, 0.0)["entries"]
     recs = [[x["j"], x["minibatch"], x["microbatch"], 0] for x in got]
-    plane.report([[e, 0, "tok", recs, False]], [[e, 1]], 4)  # not journaled itself: what it applies is
-    plane.stats()  # not journaled
+    plane.leasing.report([[e, 0, "tok", recs, False]], [[e, 1]], 4)  # not journaled itself: what it applies is
+    plane.reporting.stats()  # not journaled
     assert [op for op, _a in Journal.read(path)] == ["admit_batches", "handed_many", "commit", "report_version"]
     fresh = ControlPlane(_config(), UNITS, lambda u, ids, wait: None)
     fresh.recover(str(path))
@@ -278,52 +279,69 @@ def test_a_control_call_is_declared_in_one_place_and_only_once():
             CONTROL_CALLS.pop(n, None)
 
 
-def test_the_ray_coordinator_and_client_derive_their_methods_from_the_surface():
+def test_the_ray_client_holds_proxies_of_the_parts_types_and_the_coordinator_takes_every_call():
     pytest.importorskip("ray")
-    from knitdata.control import FIRE_AND_FORGET, SURFACE
-    from knitdata.engines.ray_control import CoordinatorBase, RayControl, coordinator_class
+    from knitdata.control import SURFACE
+    from knitdata.control.plane import PARTS
+    from knitdata.control.positions import Positions
+    from knitdata.control.surface import CONTROL_CALLS
+    from knitdata.engines.ray_control import Coordinator, Plumbing, RayControl
+    from knitdata.errors import ConfigError
 
-    cls = coordinator_class()
-    for name, call in SURFACE.items():
-        assert callable(getattr(cls, name)), name
-        group = getattr(getattr(cls, name), "__ray_concurrency_group__", None)
-        assert group == ("wait" if call.waits else None), name
-    # the coordinator's own methods stay real methods (admission metering, close closes the units, plumbing)
-    for own in ("admit_many", "admit_batches", "close", "info", "unit_handles", "recover", "kill_unit", "shutdown",
-                "admit_cpu"):
-        assert getattr(cls, own) is getattr(CoordinatorBase, own)
-    assert RayControl.METHODS == frozenset(SURFACE) and RayControl.ASYNC == FIRE_AND_FORGET
+    # the coordinator's two entry points; the waiting one runs in the "wait" concurrency group
+    assert getattr(Coordinator.call_waiting, "__ray_concurrency_group__", None) == "wait"
+    assert getattr(Coordinator.call, "__ray_concurrency_group__", None) is None
+    plumbing = {n for n, c in CONTROL_CALLS.items() if c.part == "plumbing"}
+    assert {"info", "unit_handles", "recover", "recoverable", "kill_unit", "flush_trace", "shutdown", "clock",
+            "admit_cpu"} == plumbing and not plumbing & set(SURFACE)
 
     sent: list = []
 
+    class Method:
+        def __init__(self, name):
+            self.name = name
+
+        def remote(self, *a):
+            sent.append((self.name, a))
+            return "ref"
+
     class Actor:  # what a Ray actor handle looks like to the client: method.remote(*args)
-        def __getattr__(self, name):
-            return type("M", (), {"remote": staticmethod(lambda *a: sent.append((name, a)) or "ref")})()
+        call, call_waiting = Method("call"), Method("call_waiting")
 
     class Client(RayControl):
-        def call(self, method, *args, wait_s=0.0):
-            sent.append((method, args, wait_s))
+        def _call_once(self, method, name, args, timeout):
+            sent.append((method.name, name, args, round(timeout)))
             return "answer"
 
     c = Client(Actor(), "p", 1.0)
-    assert c.lease(0, 1, "tok", wait_s=5.0) == "answer"
-    assert c.next_entries(1, 7, 2.0) == "answer"
-    assert c.stats() == "answer"
-    assert c.handed(0, 1, 0, 0) is None  # fire and forget: sent, not awaited
-    assert sent == [("lease", (0, 1, "tok", 5.0, "", 0), 5.0), ("next_entries", (1, 7, 2.0), 2.0), ("stats", (), 0.0),
-                    ("handed", (0, 1, 0, 0))]
+    for part, cls in PARTS.items():
+        assert isinstance(getattr(c, part), cls), part
+    assert isinstance(c.plumbing, Plumbing)
+    assert c.leasing.lease(0, 1, "tok", wait_s=5.0) == "answer"
+    assert c.leasing.next_entries(1, 7, 2.0) == "answer"
+    assert c.reporting.stats() == "answer"
+    assert c.positions.handed(0, 1, 0, 0) is None  # fire and forget: sent, not awaited
+    assert c.positions.commit(0, upto=3, replica=1) == "answer"
+    assert c.plumbing.info() == "answer"
+    assert sent == [("call_waiting", "lease", (0, 1, "tok", 5.0, "", 0), 6), ("call_waiting", "next_entries",
+                                                                             (1, 7, 2.0), 3),
+                    ("call", "stats", (), 1), ("call", ("handed", 0, 1, 0, 0)), ("call", "commit", (0, 3, 1), 1),
+                    ("call", "info", (), 1)]
+    assert isinstance(c.positions, Positions) and type(c.positions).__name__ == "PositionsProxy"
+    with pytest.raises(ConfigError, match="check_replica is not a control call"):
+        c.positions.check_replica(0, 0)  # a part's own helper works on state in another process
     with pytest.raises(AttributeError):
-        c.reserve  # noqa: B018 - the two-phase put is gone
+        c.positions.comit  # noqa: B018 - misspelt (and rejected by mypy: tests/test_typecheck.py)
 
 
 def test_stats_report_sources_admission_delay_and_the_journal(tmp_path):
     """What knitdata.monitor reads: per source quota/put/admitted/ready, put-to-admission delay, the journal."""
     from knitdata.monitor import status_table
 
-    assert _plane().stats()["journal"] is None
+    assert _plane().reporting.stats()["journal"] is None
     plane = ControlPlane(_config(), UNITS, lambda u, ids, wait: None, journal=Journal(tmp_path / "j", fsync_every_s=0))
-    plane.admit_many("node1", [[_meta(_traj(i)), 8, f"tok{i}"] for i in range(10)])  # groups alternate a, b
-    st_ = plane.stats()
+    plane.admission.admit_many("node1", [[_meta(_traj(i)), 8, f"tok{i}"] for i in range(10)])  # groups alternate a, b
+    st_ = plane.reporting.stats()
     assert st_["sources"] == {"a": {"quota": 8, "puts": 6, "admitted": 4, "ready": 2},
                               "b": {"quota": 8, "puts": 4, "admitted": 4, "ready": 0}}
     assert st_["admission_delay_s"]["count"] == 8 and st_["admission_delay_s"]["max"] >= 0
@@ -348,20 +366,20 @@ def test_released_ids_are_remembered_newest_last_and_fingerprints_pruned_oldest_
     prod = Producer(p)
     trajs = [_traj(i) for i in range(32)]
     assert not prod.put_many(trajs)["errors"]
-    p.close()
+    p.admission.close()
     order: list[str] = []
     ends = []
     for rank in range(3):
         j = 0
         while True:
-            ans = p.next_entries(rank, j, 1.0)
+            ans = p.leasing.next_entries(rank, j, 1.0)
             if "entries" not in ans:
                 break
             for e in ans["entries"]:
-                p.handed(rank, e["j"], e["minibatch"], e["microbatch"])
+                p.positions.handed(rank, e["j"], e["minibatch"], e["microbatch"])
                 order += [it[0] for it in e["items"]]
                 j = e["j"] + 1
-        p.commit(rank, j)
+        p.positions.commit(rank, j)
         ends.append(j)
     ids = [i for _u, batch in released for i in batch]
     assert sorted(ids) == sorted(order) == sorted(t.id for t in trajs)  # each released once
@@ -378,7 +396,7 @@ def _stream_entries(p: ControlPlane) -> list[list[dict[str, Any]]]:
     for rank in range(3):
         entries, j = [], 0
         while True:
-            ans = p.next_entries(rank, j, 1.0)
+            ans = p.leasing.next_entries(rank, j, 1.0)
             if "entries" not in ans:
                 break
             entries += ans["entries"]
@@ -418,7 +436,7 @@ def test_hand_outs_reported_in_any_batches_leave_the_plane_as_one_at_a_time(cuts
         sink: list = []
         p = _plane(sink)
         assert not Producer(p).put_many(trajs)["errors"]
-        p.close()
+        p.admission.close()
         planes.append(p)
         sinks.append(sink)
     one, batched = planes
@@ -431,18 +449,18 @@ def test_hand_outs_reported_in_any_batches_leave_the_plane_as_one_at_a_time(cuts
         for e in rows:
             if bumps[k % len(bumps)]:
                 version += 1
-                one.report_version(version)
-            one.handed(rank, e["j"], e["minibatch"], e["microbatch"])
+                one.positions.report_version(version)
+            one.positions.handed(rank, e["j"], e["minibatch"], e["microbatch"])
             chunk.append([e["j"], e["minibatch"], e["microbatch"], e["j"], version])
             if cuts[k % len(cuts)]:
-                batched.handed_many(rank, chunk)
+                batched.positions.handed_many(rank, chunk)
                 chunk = []
             k += 1
         if chunk:
-            batched.handed_many(rank, chunk)
+            batched.positions.handed_many(rank, chunk)
         if rows:
-            one.commit(rank, rows[-1]["j"] + 1)
-            batched.commit(rank, rows[-1]["j"] + 1)
+            one.positions.commit(rank, rows[-1]["j"] + 1)
+            batched.positions.commit(rank, rows[-1]["j"] + 1)
     a, b = _handout_view(one, sinks[0]), _handout_view(batched, sinks[1])
     assert a == b
     assert sorted(i for ids in a["released"].values() for i in ids) == sorted(t.id for t in trajs)

@@ -71,9 +71,9 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         p = self.plane
         out = []
         for r in range(self.n):
-            pos = p.position[r]
-            lh = p.layout_history(r)
-            fp = p.fp(r, pos)
+            pos = p.state.position[r]
+            lh = p.reshaping.layout_history(r)
+            fp = p.state.fp(r, pos)
             st_ = {"format": "knitdata.TrajectoryDataset", "version": 3, "pipeline": None, "rank": r,
                    "num_consumers": self.n, "worker": 0, "num_workers": 1, "next": pos, "minibatch": None,
                    "microbatch": None, "epoch": 0, "fingerprint": fp, "fingerprint_length": None if fp is None else pos,
@@ -106,7 +106,7 @@ class ControlPlaneMachine(RuleBasedStateMachine):
                 meta = {"id": f"t{i}", "source": s, "group": f"g{g}", "gen_version": 0,
                         "num_tokens": 4 + (i * 7 + lengths) % 28, "nbytes": 16, "fields": fields_of(["r"], {})}
                 items.append([meta, 0, f"tok{i}"])
-            ans = self.plane.admit_many("node0", items)
+            ans = self.plane.admission.admit_many("node0", items)
             self.puts += [it for it, ok in zip(items, ans["accepted"]) if ok is not None]
             assert not ans["errors"], ans["errors"]
 
@@ -116,14 +116,14 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         r = rank % self.n
         p = self.plane
         for _ in range(count):
-            j = p.position[r]
-            ans = p.next_entries(r, j, 0.0)
+            j = p.state.position[r]
+            ans = p.leasing.next_entries(r, j, 0.0)
             if "entries" not in ans:
                 return
             e = ans["entries"][0]
             assert e["j"] == j
             self.taken += [x[0] for x in e["items"]]
-            p.handed_many(r, [[j, e["minibatch"], e["microbatch"], self._cap(r), -1]])
+            p.positions.handed_many(r, [[j, e["minibatch"], e["microbatch"], self._cap(r), -1]])
 
     @rule()
     def save(self) -> None:
@@ -137,19 +137,19 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         assert self.saved is not None
         r = rank % self.n
         if self.saved["segment"] == self.segment:
-            self.plane.commit(r, int(self.saved["states"][r]["next"]))
+            self.plane.positions.commit(r, int(self.saved["states"][r]["next"]))
 
     @rule(compact=st.booleans())
     def crash_and_recover(self, compact: bool) -> None:
         """The plane's process dies; a new plane recovers from the journal (and its snapshot)."""
         if compact:
             self.plane.compact()
-        cfg = _config(self.n) if self.plane.segments is None else {**_config(1), "layout": self.plane.base_layout}
+        cfg = _config(self.n) if self.plane.state.segments is None else {**_config(1), "layout": self.plane.state.base_layout}
         plane = ControlPlane(cfg, UNITS, lambda u, ids, wait: None, on_plan=self._on_plan,
                              journal=Journal(self.path, compact_every=0, fsync_every_s=3600))
         plane.recover(self.path)
-        assert list(plane.position) == list(self.plane.position)
-        assert [sorted(q) for q in plane.queues] == [sorted(q) for q in self.plane.queues]
+        assert list(plane.state.position) == list(self.plane.state.position)
+        assert [sorted(q) for q in plane.state.queues] == [sorted(q) for q in self.plane.state.queues]
         self.plane = plane
 
     @precondition(lambda self: self.saved is not None)
@@ -160,9 +160,9 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         if self.saved["segment"] == self.segment:
             for r, s in enumerate(self.saved["states"]):
                 if s["fingerprint"] is not None:
-                    self.plane.verify(r, s["fingerprint_length"], s["fingerprint"], "")
-                self.plane.seek(r, int(s["next"]))
-                self.plane.position[r] = int(s["next"])
+                    self.plane.positions.verify(r, s["fingerprint_length"], s["fingerprint"], "")
+                self.plane.positions.seek(r, int(s["next"]))
+                self.plane.state.position[r] = int(s["next"])
             self.taken = list(self.saved["taken"])
         else:
             self._reshape_fresh(self.n)
@@ -173,7 +173,7 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         self.save()
         assert self.saved is not None
         merged = merge_rank_states(self.saved["states"])
-        self.plane.reshape(merged, ConsumerLayout.single_node(n).to_dict())
+        self.plane.reshaping.reshape(merged, ConsumerLayout.single_node(n).to_dict())
         self.n = n
         self.segment += 1
         self.saved = {"states": self._states(), "taken": list(self.taken), "segment": self.segment}
@@ -188,9 +188,9 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         assert self.saved is not None
         merged = merge_rank_states(self.saved["states"])
         plane = self._new_plane(n)
-        plane.reshape(merged)
+        plane.reshaping.reshape(merged)
         for k in range(0, len(self.puts), 2):
-            ans = plane.admit_many("node0", [[m, loss, f"again{self.incarnation}-{tok}"]
+            ans = plane.admission.admit_many("node0", [[m, loss, f"again{self.incarnation}-{tok}"]
                                              for m, loss, tok in self.puts[k:k + 2]])
             assert not ans["errors"], ans["errors"]
         self.taken = list(self.saved["taken"])
@@ -202,13 +202,13 @@ class ControlPlaneMachine(RuleBasedStateMachine):
     def exactly_once(self) -> None:
         if not hasattr(self, "plane"):
             return
-        assert self.plane.error is None, f"the plane stopped: {self.plane.error}"
+        assert self.plane.state.error is None, f"the plane stopped: {self.plane.state.error}"
         dup = [i for i, c in Counter(self.taken).items() if c > 1]
         assert not dup, f"taken twice: {dup}"
         taken = set(self.taken)
-        for r, q in enumerate(self.plane.queues):
+        for r, q in enumerate(self.plane.state.queues):
             for j, e in q.items():
-                if j >= self.plane.position[r]:
+                if j >= self.plane.state.position[r]:
                     again = [x[0] for x in e["items"] if x[0] in taken]
                     assert not again, f"rank {r} entry {j} would deliver {again} again"
 
@@ -227,19 +227,19 @@ class ControlPlaneMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         try:
             if hasattr(self, "plane"):
-                rep = self.plane.close()
+                rep = self.plane.admission.close()
                 for r in range(self.n):
                     while True:
                         try:
-                            ans = self.plane.next_entries(r, self.plane.position[r], 0.0)
+                            ans = self.plane.leasing.next_entries(r, self.plane.state.position[r], 0.0)
                         except IncompleteStreamError:  # drained; the close report names what was dropped
                             break
                         if "entries" not in ans:
                             break
                         e = ans["entries"][0]
                         self.taken += [x[0] for x in e["items"]]
-                        self.plane.handed_many(r, [[e["j"], e["minibatch"], e["microbatch"], 0, -1]])
-                dropped = {m.id for m in self.plane.pending.values()}
+                        self.plane.positions.handed_many(r, [[e["j"], e["minibatch"], e["microbatch"], 0, -1]])
+                dropped = {m.id for m in self.plane.state.pending.values()}
                 assert rep["dropped_trajectories"] == len(dropped)
                 assert len(self.taken) == len(set(self.taken)), "a trajectory was taken twice"
                 assert set(self.taken) | dropped == {m["id"] for m, _l, _t in self.puts}, "a trajectory was lost"

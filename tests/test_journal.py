@@ -34,26 +34,27 @@ def _traj(i: int) -> Trajectory:
 def _put(plane: ControlPlane, t: Trajectory) -> dict:
     """One trajectory's one-round-trip put (stored on a unit, then admitted there)."""
     meta = {**t.meta().to_dict(), "fields": fields_of(t.scalars, {})}
-    return plane.admit_many("node" + str(int(t.id[1:]) // 2 % 2), [[meta, 8, f"token-{t.id}"]])
+    return plane.admission.admit_many("node" + str(int(t.id[1:]) // 2 % 2), [[meta, 8, f"token-{t.id}"]])
 
 
 def _drive(plane: ControlPlane, n: int) -> None:
     for i in range(n):
         _put(plane, _traj(i))
-    plane.withdraw("gx")
-    for rank in range(plane.layout.num_consumers):
-        got = plane.next_entries(rank, 0, 0.0)
+    plane.admission.withdraw("gx")
+    for rank in range(plane.state.layout.num_consumers):
+        got = plane.leasing.next_entries(rank, 0, 0.0)
         for e in got.get("entries", []):
-            plane.handed(rank, e["j"], e["minibatch"], e["microbatch"])
-    plane.commit(0, 1)
-    plane.report_version(1)
+            plane.positions.handed(rank, e["j"], e["minibatch"], e["microbatch"])
+    plane.positions.commit(0, 1)
+    plane.positions.report_version(1)
 
 
 def _state(p: ControlPlane) -> dict:
-    return {"planned": p.planned, "committed": p.committed, "position": p.position, "seq": p.seq,
-            "queues": [sorted(q) for q in p.queues], "entries": [[q[j]["items"] for j in sorted(q)] for q in p.queues],
-            "live": sorted(p.live), "pending": sorted(p.pending), "version": p.version, "schema": p.schema,
-            "placement": p.placement.state_dict()}
+    s = p.state
+    return {"planned": s.planned, "committed": s.committed, "position": s.position, "seq": s.seq,
+            "queues": [sorted(q) for q in s.queues], "entries": [[q[j]["items"] for j in sorted(q)] for q in s.queues],
+            "live": sorted(s.live), "pending": sorted(s.pending), "version": s.version, "schema": s.schema,
+            "placement": s.placement.state_dict()}
 
 
 def test_replay_rebuilds_the_same_state_and_the_same_future(tmp_path):
@@ -81,7 +82,7 @@ def test_a_retried_put_after_a_restart_is_accepted_once(tmp_path):
     b.recover(str(path))
     again = _put(b, t)  # the caller never saw the answer and retries
     assert again["accepted"] == first["accepted"] and not again["errors"]
-    assert len(b.pending) == 1
+    assert len(b.state.pending) == 1
 
 
 def test_torn_last_line_is_dropped_and_damage_elsewhere_is_a_codec_error(tmp_path):
@@ -157,51 +158,51 @@ class _Driver:
         if kind == "put":  # one trajectory's one-round-trip put
             i = self.next_id
             self.next_id += 1
-            return plane.admit_many(sorted(UNITS)[x % 2], [[_meta(i), 4 + x % 5, f"token-{i}"]])
+            return plane.admission.admit_many(sorted(UNITS)[x % 2], [[_meta(i), 4 + x % 5, f"token-{i}"]])
         if kind == "admit":  # the one-round-trip put: stored on a unit first, then admitted in one call
             ids = list(range(self.next_id, self.next_id + 1 + x % 3))
             self.next_id += len(ids)
             self.last_admit = (sorted(UNITS)[x % 2], [[_meta(i), 4 + i % 3, f"token-{i}"] for i in ids])
-            return plane.admit_many(*self.last_admit)
+            return plane.admission.admit_many(*self.last_admit)
         if kind == "admit_batches":  # concurrent puts a unit sends together, each batch on its own
             batches = []
             for _ in range(2):
                 ids = list(range(self.next_id, self.next_id + 1 + x % 2))
                 self.next_id += len(ids)
                 batches.append([[_meta(i), 3, f"token-{i}"] for i in ids])
-            return plane.admit_batches(sorted(UNITS)[x % 2], batches)
+            return plane.admission.admit_batches(sorted(UNITS)[x % 2], batches)
         if kind == "admit_retry":  # the same call again (the answer was lost): recognized by its put tokens
-            return None if self.last_admit is None else plane.admit_many(*self.last_admit)
+            return None if self.last_admit is None else plane.admission.admit_many(*self.last_admit)
         if kind == "bad_put":  # other fields than the schema: refused
             i = self.next_id
             self.next_id += 1
-            return plane.admit_many(sorted(UNITS)[x % 2], [[_meta(i, fields={"scalars": ["q"], "tensors": {}}), 3,
+            return plane.admission.admit_many(sorted(UNITS)[x % 2], [[_meta(i, fields={"scalars": ["q"], "tensors": {}}), 3,
                                                             f"token-{i}"]])
         if kind == "report":  # a consumer process's report: hand-outs, a commit and a version, journaled one by one
-            rank = x % plane.layout.num_consumers
-            got = plane.next_entries(rank, plane.start_position(rank), 0.0)
+            rank = x % plane.state.layout.num_consumers
+            got = plane.leasing.next_entries(rank, plane.positions.start_point(rank)["next"], 0.0)
             recs = [[e["j"], e["minibatch"], e["microbatch"], e["j"]] for e in got.get("entries", [])[:2]]
-            return plane.report([[rank, 0, f"tok{rank}", recs, False]], [[rank, plane.position[rank]]], plane.version)
+            return plane.leasing.report([[rank, 0, f"tok{rank}", recs, False]], [[rank, plane.state.position[rank]]], plane.state.version)
         if kind == "withdraw":
-            return plane.withdraw(f"g{x % (self.next_id // 2 + 1)}")
+            return plane.admission.withdraw(f"g{x % (self.next_id // 2 + 1)}")
         if kind == "version":
-            return plane.report_version(plane.version + x % 2)
+            return plane.positions.report_version(plane.state.version + x % 2)
         if kind == "hand":
-            rank = x % plane.layout.num_consumers
-            got = plane.next_entries(rank, plane.start_position(rank), 0.0)
+            rank = x % plane.state.layout.num_consumers
+            got = plane.leasing.next_entries(rank, plane.positions.start_point(rank)["next"], 0.0)
             for e in got.get("entries", [])[: 1 + x % 3]:
-                plane.handed(rank, e["j"], e["minibatch"], e["microbatch"])
+                plane.positions.handed(rank, e["j"], e["minibatch"], e["microbatch"])
             return got
         if kind == "commit":
-            rank = x % plane.layout.num_consumers
-            return plane.commit(rank, plane.position[rank] - x % 2)
+            rank = x % plane.state.layout.num_consumers
+            return plane.positions.commit(rank, plane.state.position[rank] - x % 2)
         if kind == "seek":
-            rank = x % plane.layout.num_consumers
-            return plane.seek(rank, max(0, plane.position[rank] + x % 3 - 1))
+            rank = x % plane.state.layout.num_consumers
+            return plane.positions.seek(rank, max(0, plane.state.position[rank] + x % 3 - 1))
         if kind == "in_flight":
-            return plane.set_in_flight({"a": x % 8, "b": 8})
+            return plane.admission.set_in_flight({"a": x % 8, "b": 8})
         if kind == "close":
-            return plane.close()
+            return plane.admission.close()
         raise AssertionError(kind)
 
 
@@ -238,7 +239,7 @@ def test_recovering_a_compacted_journal_equals_a_full_replay(tmp_path_factory, a
             since, snapshot_at = 0, a.state_dict()
             continue
         if kind == "compact_crash":  # steps (1) and (2) of a compaction, then a crash before the rotation
-            with a.cond:
+            with a.state.cond:
                 write_snapshot(ja.path + SNAPSHOT_SUFFIX, a.state_dict(), run=ja.run, segment=ja.segment,
                                records=ja.records)
             snapshot_at = a.state_dict()
@@ -258,7 +259,7 @@ def test_recovering_a_compacted_journal_equals_a_full_replay(tmp_path_factory, a
     rb.recover(jb.path)
     assert ra.state_dict() == rb.state_dict() == a.state_dict()
     if snapshot_at is not None:
-        assert ra.replayed <= rb.replayed
+        assert ra.state.replayed <= rb.state.replayed
     # releases sent before the snapshot are sent again (fewer than RECENT_RELEASES here): the same as a full replay
     assert set(_releases(logs["a"])) == set(_releases(logs["b"]))
     # and both continue identically
@@ -277,9 +278,9 @@ def test_automatic_compaction_keeps_the_journal_short_and_recovers(tmp_path):
     assert j.segment >= 8 and len(list(Journal.read(path))) == j.records < 10
     assert Journal.read_header(path) == (j.run, j.segment)
     b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
-    assert not b.snapshot_loaded
-    assert b.recover(str(path)) == j.records == b.replayed
-    assert b.snapshot_loaded and b.state_dict() == a.state_dict()
+    assert not b.state.snapshot_loaded
+    assert b.recover(str(path)) == j.records == b.state.replayed
+    assert b.state.snapshot_loaded and b.state_dict() == a.state_dict()
     # a restarted coordinator opens the journal again: it goes on counting from the segment's records
     j.close()
     j2 = Journal(path, compact_every=10)
@@ -294,7 +295,7 @@ def test_a_snapshot_left_by_a_deleted_journal_is_ignored(tmp_path):
     for k in range(6):
         drv.step(a, "put", k)
     a.compact()
-    a.journal.close()
+    a.state.journal.close()
     path.unlink()  # the finished run's journal is removed; its snapshot stays
     b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None, journal=Journal(path, compact_every=0))
     d2 = _Driver()
@@ -302,7 +303,7 @@ def test_a_snapshot_left_by_a_deleted_journal_is_ignored(tmp_path):
     d2.step(b, "put", 2)
     c = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
     assert c.recover(str(path)) == 2
-    assert not c.snapshot_loaded  # the other run's snapshot is ignored
+    assert not c.state.snapshot_loaded  # the other run's snapshot is ignored
     assert c.state_dict() == b.state_dict() != a.state_dict()
 
 
@@ -354,12 +355,12 @@ def test_an_old_journal_without_a_header_is_segment_zero_and_compacts(tmp_path):
     assert (j.run, j.segment, j.records) == (None, 0, 2)
     a = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None, journal=j)
     a.recover(str(path))
-    assert a.version == 2
-    a.report_version(3)
+    assert a.state.version == 2
+    a.positions.report_version(3)
     a.compact()
-    a.report_version(4)
+    a.positions.report_version(4)
     b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
-    assert b.recover(str(path)) == 1 and b.version == 4
+    assert b.recover(str(path)) == 1 and b.state.version == 4
     assert Journal.read_header(path) == (j.run, 1)
 
 
@@ -407,17 +408,17 @@ def _sample_snapshot(close: bool) -> dict:
         drv.step(a, STEP_KINDS[k * 5 % len(STEP_KINDS)], k)
     if close:
         drv.step(a, "put", 0)
-        a.close()
+        a.admission.close()
     else:
         for k in range(40):  # nothing more in flight: the plane stops, and its error is in the snapshot
             try:
-                for g in sorted({m.group for m in a.pending.values()}):
-                    a.withdraw(g)
-                a.set_in_flight({"a": 0, "b": 0})
+                for g in sorted({m.group for m in a.state.pending.values()}):
+                    a.admission.withdraw(g)
+                a.admission.set_in_flight({"a": 0, "b": 0})
             except QuotaInfeasibleError:
                 break
             drv.step(a, "put", k)
-        assert a.error is not None
+        assert a.state.error is not None
     return json.loads(json.dumps(a.state_dict()))
 
 

@@ -363,7 +363,7 @@ def test_placement_load_returns_to_zero_with_spill(tmp_path):
     units = pipe.stats()["units"].values()
     assert sum(u["spill_puts"] for u in units) > 0
     # placement counts bytes placed so far (never released ones), so that plans depend on the puts alone
-    assert sum(pipe.control.placement.state_dict()["load"].values()) == sum(t.nbytes for t in w.trajs)
+    assert sum(pipe.control.state.placement.state_dict()["load"].values()) == sum(t.nbytes for t in w.trajs)
 
 
 def test_bad_set_in_flight_is_rejected_without_stopping_the_pipeline():

@@ -84,8 +84,8 @@ def _wrap_for(victim: str, fn, *, after: bool = False):
 def _inject(point: str, pipe: Pipeline, victim: str, monkeypatch) -> None:
     unit = next(iter(pipe.units.values()))
     if point == "placement":
-        place_at = pipe.control.placement.place_at  # where the plane accounts the unit the producer stored on
-        monkeypatch.setattr(pipe.control.placement, "place_at",
+        place_at = pipe.control.state.placement.place_at  # where the plane accounts the unit the producer stored on
+        monkeypatch.setattr(pipe.control.state.placement, "place_at",
                             lambda meta, unit: (_ for _ in ()).throw(ProducerKilled("place_at"))
                             if meta.id == victim else place_at(meta, unit))
     elif point == "unit_before_store":

@@ -161,7 +161,7 @@ def _fill(plane: ControlPlane, n: int = 32, order: list[int] | None = None) -> N
         tid = f"t{i}"
         meta = {"id": tid, "source": "ab"[(i // 2) % 2], "group": f"g{i // 2}", "gen_version": 0,
                 "num_tokens": 4 + (i * 7) % 30, "nbytes": 10, "fields": fields_of(["r"], {})}
-        ans = plane.admit_many("node0", [[meta, 0, f"tok{i}"]])
+        ans = plane.admission.admit_many("node0", [[meta, 0, f"tok{i}"]])
         assert ans["accepted"][0] is not None, ans
 
 
@@ -169,7 +169,7 @@ def _drain(plane: ControlPlane, rank: int, start: int, upto: int | None = None) 
     out = []
     j = start
     while upto is None or j < upto:
-        ans = plane.next_entries(rank, j, 0.0)
+        ans = plane.leasing.next_entries(rank, j, 0.0)
         if "entries" not in ans:
             break
         for e in ans["entries"]:
@@ -199,21 +199,21 @@ def test_plane_reshape_fresh_and_live_deliver_the_same(live: bool) -> None:
     merged = _merged(2, positions)
     if live:
         plane = old
-        plane.reshape(merged, ConsumerLayout.single_node(3).to_dict())
+        plane.reshaping.reshape(merged, ConsumerLayout.single_node(3).to_dict())
     else:
         plane = _plane(3)
-        plane.reshape(merged)
-        plane.reshape(merged)  # every new rank loads it: a no-op after the first
+        plane.reshaping.reshape(merged)
+        plane.reshaping.reshape(merged)  # every new rank loads it: a no-op after the first
         _fill(plane)
     rest = [_drain(plane, r, 0) for r in range(3)]
     ids = taken + [i for row in rest for mb in row for i in mb]
     assert sorted(ids) == sorted(f"t{i}" for i in range(32))
     assert len({len(row) for row in rest}) == 1  # the same number of micro-batches per new rank
-    plane.handed_many(2, [[0, 0, 0, 0, -1]])  # a new rank's hand-out: per-rank figures follow the new layout
-    assert len(plane.stats()["staleness_by_rank"]) == 3
+    plane.positions.handed_many(2, [[0, 0, 0, 0, -1]])  # a new rank's hand-out: per-rank figures follow the new layout
+    assert len(plane.reporting.stats()["staleness_by_rank"]) == 3
     if live:  # the same as a fresh pipeline would deliver
         fresh = _plane(3)
-        fresh.reshape(merged)
+        fresh.reshaping.reshape(merged)
         _fill(fresh)
         assert [_drain(fresh, r, 0) for r in range(3)] == rest
 
@@ -221,13 +221,13 @@ def test_plane_reshape_fresh_and_live_deliver_the_same(live: bool) -> None:
 def test_plane_reshape_refusals() -> None:
     plane = _plane(2)
     _fill(plane)
-    plane.commit(0, 4)
+    plane.positions.commit(0, 4)
     with pytest.raises(StateError, match="rank 0: its state lies at micro-batch 2, before micro-batch 4"):
-        plane.reshape(_merged(2, [2, 0]))
+        plane.reshaping.reshape(_merged(2, [2, 0]))
     with pytest.raises(StateError, match="not of this pipeline's run and layout"):
-        plane.reshape(_merged(3, [4, 0, 0]))
+        plane.reshaping.reshape(_merged(3, [4, 0, 0]))
     with pytest.raises(StateError, match="not a knitdata.MergedRankStates state"):
-        plane.reshape({"format": "x"})
+        plane.reshaping.reshape({"format": "x"})
 
 
 def test_history_stays_bounded_over_many_reshapes() -> None:
@@ -239,9 +239,9 @@ def test_history_stays_bounded_over_many_reshapes() -> None:
     for k, n in enumerate(sizes):
         plane = _plane(n)
         if history is not None:
-            plane.reshape(history)
+            plane.reshaping.reshape(history)
         _fill(plane, 64)
-        got = plane.layout_history(0)
+        got = plane.reshaping.layout_history(0)
         start = 0 if got["history"] is None else int(got["history"]["current"]["offset"])
         rem = got["remainder"]
         take = [start + (rem[1] if rem else 0) + 1 + (r + k) % 2 for r in range(n)]
@@ -252,14 +252,14 @@ def test_history_stays_bounded_over_many_reshapes() -> None:
                    "num_consumers": n, "worker": 0, "num_workers": 1, "next": take[r], "epoch": 0,
                    "fingerprint": None, "fingerprint_length": None, "layout": [["node0", n]],
                    **({} if got["history"] is None else {"layout_history": got["history"],
-                                                         "layout_remainder": plane.layout_history(r)["remainder"]})}
+                                                         "layout_remainder": plane.reshaping.layout_history(r)["remainder"]})}
                   for r in range(n)]
         history = merge_rank_states(states)
         closed = (history["history"] or {"closed": []})["closed"]
         assert len(closed) <= 1, closed
         assert len(json.dumps(history)) < 2000
     plane = _plane(2)
-    plane.reshape(history)
+    plane.reshaping.reshape(history)
     _fill(plane, 64)
     all_ids += [i for r in range(2) for mb in _drain(plane, r, 0) for i in mb]
     assert len(positions) == sizes[-1]
@@ -276,26 +276,26 @@ def test_a_refill_with_other_puts_is_refused_after_a_reshape() -> None:
     for r in range(2):
         _drain(old, r, 0, positions[r])
     states = [{"format": "knitdata.TrajectoryDataset", "version": 3, "pipeline": None, "rank": r, "num_consumers": 2,
-               "worker": 0, "num_workers": 1, "next": p, "epoch": 0, "fingerprint": old.fp(r, p),
+               "worker": 0, "num_workers": 1, "next": p, "epoch": 0, "fingerprint": old.state.fp(r, p),
                "fingerprint_length": p, "layout": [["node0", 2]]} for r, p in enumerate(positions)]
     merged = merge_rank_states(states)
     good = _plane(3)
-    good.reshape(merged)
+    good.reshaping.reshape(merged)
     _fill(good)
-    assert good.error is None
+    assert good.state.error is None
     bad = _plane(3)
-    bad.reshape(merged)
+    bad.reshaping.reshape(merged)
     order = [(15 - g) * 2 + k for g in range(16) for k in range(2)]  # the same groups, in reverse order
     _fill_tolerant(bad, order)
-    assert isinstance(bad.error, StateError), bad.error
-    assert "rank " in str(bad.error) and "same puts in the same order" in str(bad.error)
+    assert isinstance(bad.state.error, StateError), bad.state.error
+    assert "rank " in str(bad.state.error) and "same puts in the same order" in str(bad.state.error)
 
 
 def _fill_tolerant(plane: ControlPlane, order: list[int]) -> None:
     for i in order:
         meta = {"id": f"t{i}", "source": "ab"[(i // 2) % 2], "group": f"g{i // 2}", "gen_version": 0,
                 "num_tokens": 4 + (i * 7) % 30, "nbytes": 10, "fields": fields_of(["r"], {})}
-        if plane.admit_many("node0", [[meta, 0, f"tok{i}"]])["errors"]:
+        if plane.admission.admit_many("node0", [[meta, 0, f"tok{i}"]])["errors"]:
             return
 
 
@@ -304,9 +304,9 @@ def test_a_state_newer_than_the_live_pipeline_is_called_newer() -> None:
     fewer puts so far) is not "of another run": the message says it is newer and what to do."""
     plane = _plane(2)
     _fill(plane, 8)  # one train batch: a few micro-batches per rank
-    far = plane.planned[0] + 3
+    far = plane.state.planned[0] + 3
     with pytest.raises(StateError) as ei:
-        plane.reshape(_merged(2, [far, 0]))
+        plane.reshaping.reshape(_merged(2, [far, 0]))
     text = str(ei.value)
     assert "another run" not in text, text
     assert f"rank 0: its state lies at micro-batch {far}" in text and "newer than this pipeline" in text, text
@@ -376,4 +376,4 @@ def test_merge_refuses_two_runs_with_other_puts_naming_both() -> None:
     live = _plane(2)  # a live plane of another run refuses the merged state too
     _fill(live, 16, backward)
     with pytest.raises(StateError, match="another run"):
-        live.reshape(merged)
+        live.reshaping.reshape(merged)

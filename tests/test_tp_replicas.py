@@ -66,16 +66,16 @@ def test_release_waits_for_the_slowest_replica_and_each_resumes_on_its_own():
     fast = pipe.dataset(0, replica=0, num_replicas=2)
     assert [cf._replica_row(mb) for mb in fast] == ref[0]
     pipe.stats_light()
-    assert pipe.control.committed[0] == 0 and pipe.control.state.replicas.committed[0] == [len(ref[0]), 0]
-    unit = next(iter(pipe.control.unit_nodes))
-    assert f"its replicas committed up to [{len(ref[0])}, 0]" in pipe.control.holders(unit)  # what StoreFull says
+    assert pipe.control.state.committed[0] == 0 and pipe.control.state.replicas.committed[0] == [len(ref[0]), 0]
+    unit = next(iter(pipe.control.state.unit_nodes))
+    assert f"its replicas committed up to [{len(ref[0])}, 0]" in pipe.control.reporting.holders(unit)  # what StoreFull says
     slow = pipe.dataset(0, replica=1, num_replicas=2)
     it = iter(slow)
     head = [cf._replica_row(next(it)) for _ in range(3)]
     state = json.loads(json.dumps(slow.state_dict()))
     assert state["replica"] == 1 and state["num_replicas"] == 2 and state["next"] == 3
     slow.commit(state, wait=True)
-    assert pipe.control.committed[0] == 3  # the smallest of the replicas' commits
+    assert pipe.control.state.committed[0] == 3  # the smallest of the replicas' commits
     slow.close()
     again = pipe.dataset(0, replica=1, num_replicas=2)  # a restarted replica 1: loads its own state
     again.load_state_dict(state)
@@ -142,7 +142,7 @@ def test_inconsistent_or_bad_replica_arguments_are_refused():
     with pytest.raises(ConfigError, match="num_replicas=4 disagrees with the 2 replicas"):
         pipe.dataset(1, replica=3, num_replicas=4)
     with pytest.raises(ConfigError, match="replica must be an int in 0..1"):
-        pipe.control.seek(0, 1, 2)
+        pipe.control.positions.seek(0, 1, 2)
 
 
 def test_replica_positions_survive_a_control_plane_snapshot():
@@ -154,7 +154,7 @@ def test_replica_positions_survive_a_control_plane_snapshot():
     snap = json.loads(json.dumps(pipe.control.state_dict()))
     assert snap["replicas"]["num"] == 2 and snap["replicas"]["committed"][1] == [0, 1]
     plane = ControlPlane.from_state_dict(snap, lambda unit, ids, wait: None)
-    assert plane.state.replicas.to_dict() == snap["replicas"] and plane.start_position(1, 1) == 1
+    assert plane.state.replicas.to_dict() == snap["replicas"] and plane.positions.start_point(1, 1)["next"] == 1
     bad = {**snap, "replicas": {**snap["replicas"], "committed": [[0, 0], [2, 2]]}}
     with pytest.raises(knitdata.StateError, match="replicas.committed"):
         ControlPlane.from_state_dict(bad, lambda unit, ids, wait: None)
@@ -169,19 +169,19 @@ def test_replica_calls_are_journaled_and_recovered(tmp_path):
     a = ControlPlane(snap["config"], units, lambda u, ids, w: None, journal=Journal(tmp_path / "j"))
     a.load_state_dict(snap)
     a.compact()  # the journal starts from this snapshot
-    a.register_replicas(3)
-    a.handed_many(0, [[0, 0, 0, 0], [1, 0, 1, 0]], 2)
-    a.commit(0, 2, 2)
-    a.commit(0, 1, 1)
-    a.seek(0, 1, 0)
-    a.handed_many(1, [[0, 0, 0, 0]], 1)
+    a.positions.register_replicas(3)
+    a.positions.handed_many(0, [[0, 0, 0, 0], [1, 0, 1, 0]], 2)
+    a.positions.commit(0, 2, 2)
+    a.positions.commit(0, 1, 1)
+    a.positions.seek(0, 1, 0)
+    a.positions.handed_many(1, [[0, 0, 0, 0]], 1)
     b = ControlPlane(snap["config"], units, lambda u, ids, w: None)
     b.recover(str(tmp_path / "j"))
     assert b.state.replicas.to_dict() == a.state.replicas.to_dict()
-    assert b.state.replicas.committed[0] == [1, 1, 2] and b.committed[0] == a.committed[0] == 1
-    assert [b.start_position(0, k) for k in range(3)] == [1, 1, 2]
+    assert b.state.replicas.committed[0] == [1, 1, 2] and b.state.committed[0] == a.state.committed[0] == 1
+    assert [b.positions.start_point(0, k)["next"] for k in range(3)] == [1, 1, 2]
     with pytest.raises(ConfigError, match="disagrees"):
-        b.register_replicas(2)
+        b.positions.register_replicas(2)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

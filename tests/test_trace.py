@@ -334,7 +334,7 @@ def _plane_put(plane: Any, i: int) -> None:
 
     t = _trajs(i + 1)[i]
     meta = {**t.meta().to_dict(), "fields": fields_of(t.scalars, {})}
-    plane.admit_many("node0", [[meta, 8, f"token-{t.id}"]])
+    plane.admission.admit_many("node0", [[meta, 8, f"token-{t.id}"]])
 
 
 def test_restart_records_the_journal_replay(tmp_path: Path, no_tracer: None) -> None:

@@ -406,18 +406,21 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
         import ray
 
         from knitdata.engines.ray import coordinator_name
+        from knitdata.engines.ray_control import RayControl
         from knitdata.storage.ray_connect import NAMESPACE
 
         actor = ray.get_actor(coordinator_name(name), namespace=NAMESPACE)
+        control = pipe.control
+        assert isinstance(control, RayControl)
         while not killer_stop.wait(kill_coordinator_every_s):
             if max_coordinator_kills is not None and kills[0] >= max_coordinator_kills:
                 return
-            pid = pipe.control.call("info")["pid"]
+            pid = control.plumbing.info()["pid"]
             t = time.perf_counter()
             ray.kill(actor, no_restart=False)  # SIGKILL; Ray restarts it and it replays its journal
             kills[0] += 1
             while not killer_stop.is_set():  # the next interval counts from its recovery
-                info = pipe.control.call("info")
+                info = control.plumbing.info()
                 if info["pid"] != pid and info["restarted"]:
                     recovery_s.append(time.perf_counter() - t)
                     break

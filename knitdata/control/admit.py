@@ -89,15 +89,15 @@ def acquire_rollout(engine: Any, want: Mapping[str, int], version: int | None = 
     """
     plane = engine.control
     if dict(engine.config["admission_options"]).get("on_stale", "drop") != "wait":
-        plane.rollout_capacity(version)  # raises without a bound
+        plane.admission.rollout_capacity(version)  # raises without a bound
         return
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = poll_s
-    while not plane.reserve_rollout(dict(want), version):
+    while not plane.admission.reserve_rollout(dict(want), version):
         if deadline is not None and time.monotonic() >= deadline:
             raise RolloutThrottled(f"no room within max_staleness for {dict(want)} after {timeout} s (capacity now "
-                                   f"{plane.rollout_capacity(version)}); the trainer must advance first: it waits for "
-                                   f"{plane.missing()}")
+                                   f"{plane.admission.rollout_capacity(version)}); the trainer must advance first: it "
+                                   f"waits for {plane.reporting.missing()}")
         time.sleep(pause)
         pause = min(0.2, pause * 2)
 

@@ -91,16 +91,6 @@ class Leases(Part):
                 s.cond.wait(min(0.05, deadline - now))
 
     @control_call()
-    def unlease(self, rank: int, worker: int, token: str, replica: int = 0) -> None:
-        """End the lease of ``token`` (its iterator finished, was closed, or let a newer one take over)."""
-        s = self.s
-        with s.cond:
-            cur = s.leases.get((rank, worker, replica))
-            if cur is not None and cur.token == token:
-                del s.leases[(rank, worker, replica)]
-                s.cond.notify_all()
-
-    @control_call()
     def report(self, leases: Sequence[Sequence[Any]], commits: Sequence[Sequence[int]] = (),
                version: int | None = None, producers: Sequence[Sequence[Any]] = ()) -> dict[str, Any]:
         """One consumer process's news, sent off the trainer's thread: hand-outs, lease renewals, commits, version.
@@ -141,10 +131,7 @@ class Leases(Part):
                     fenced.append([rank, worker, token, by])
                     continue
                 if records:
-                    if replica:
-                        self.positions.handed_many(rank, records, replica)
-                    else:
-                        self.positions.handed_many(rank, records)
+                    self.positions.handed_many(rank, records, replica)
                 if release:
                     del s.leases[key]
                     s.cond.notify_all()

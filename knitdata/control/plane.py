@@ -17,27 +17,27 @@ The plane is a facade over parts of one concern each, sharing one :class:`~knitd
 * :class:`~knitdata.control.reporting.Reporting` (``plane.reporting``): counters and diagnostics;
 * :class:`~knitdata.control.durability.Durability` (``plane.durability``): state, journal, recovery.
 
-Its calls (:data:`SURFACE`) are declared once, where each part defines them
-(:func:`~knitdata.control.surface.control_call`); the plane's methods of the same names forward to them, and the
-Ray engine's coordinator and client, and the journal's operations (:data:`JOURNALED_OPS`), are derived from the
-same table. The shared state's attributes read through the plane (``plane.planned``, ``plane.placement``, ...).
+Its calls (:data:`SURFACE`) are the parts' own methods, declared once where each part defines them
+(:func:`~knitdata.control.surface.control_call`): a caller reaches a call on its part (``plane.positions.commit``),
+typed; :class:`Control` is what every engine's ``control`` provides (this plane, or on Ray a client whose parts
+are proxies of the same types). The journal's operations (:data:`JOURNALED_OPS`) are the calls marked journaled.
+The shared state is :attr:`ControlPlane.state`.
 
 Example:
     >>> from knitdata import BatchSpec, ConsumerLayout
     >>> plane = ControlPlane({"spec": BatchSpec({"a": 2}, num_minibatches=1, group_size=1).to_dict(),
     ...                       "layout": ConsumerLayout.uniform(1, 1).to_dict()}, {"node0": "node0"},
     ...                       lambda unit, ids, wait: None)
-    >>> plane.report_version(3)
-    >>> plane.stats()["version"], sorted(JOURNALED_OPS)[:3]
+    >>> plane.positions.report_version(3)
+    >>> plane.reporting.stats()["version"], sorted(JOURNALED_OPS)[:3]
     (3, ['admit_batches', 'admit_many', 'close'])
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch
 from knitdata.control.admit import Admission
@@ -62,7 +62,7 @@ from knitdata.control.surface import CONTROL_CALLS, ControlCall
 from knitdata.errors import KnitdataError, StateError
 from knitdata.planner import MiniBatchPlan
 
-__all__ = ["ControlPlane", "SURFACE", "JOURNALED_OPS", "FIRE_AND_FORGET", "RELEASE_MODES", "PLANE_DEFAULTS",
+__all__ = ["Control", "ControlPlane", "SURFACE", "JOURNALED_OPS", "FIRE_AND_FORGET", "RELEASE_MODES", "PLANE_DEFAULTS",
            "LEASE_TTL_S", "PRODUCER_TTL_S", "fenced_message", "entry_fingerprint", "fields_of"]
 
 #: The parts of a plane by attribute name.
@@ -77,10 +77,44 @@ JOURNALED_OPS: frozenset[str] = frozenset(n for n, c in SURFACE.items() if c.jou
 FIRE_AND_FORGET: frozenset[str] = frozenset(n for n, c in SURFACE.items() if c.fire_and_forget)
 
 
+class Control(Protocol):
+    """The control plane as every engine's ``control`` provides it: its parts, each with its control calls.
+
+    In process these are the plane's own parts (:class:`ControlPlane`); on another process proxies of the same
+    types (:func:`~knitdata.control.surface.remote_part`). Only the calls marked with
+    :func:`~knitdata.control.surface.control_call` are reachable through a proxy.
+    """
+
+    @property
+    def admission(self) -> Admission:
+        """Puts, admission and planning, withdrawals, in-flight counts, the staleness bound, end of stream."""
+
+    @property
+    def positions(self) -> Positions:
+        """Hand-outs, commits, seeks, replay fingerprints, the trainer's version."""
+
+    @property
+    def leasing(self) -> Leases:
+        """Leases of the ranks' iterators, the entries they take, consumer processes' reports."""
+
+    @property
+    def reporting(self) -> Reporting:
+        """Counters and diagnostics."""
+
+    @property
+    def reshaping(self) -> Reshaping:
+        """Layout history and reshapes."""
+
+    @property
+    def ledger(self) -> Ledger:
+        """The rollout ledger and checkpoint cuts."""
+
+
 class ControlPlane:
     """Admission, placement, planning, leases, commits and release of one pipeline. Thread-safe.
 
-    Its control calls are those of :data:`SURFACE` (each documented where its part defines it).
+    Its control calls are those of :data:`SURFACE`, made on its parts (``plane.positions.commit(...)``); it
+    provides :class:`Control`.
 
     Args:
         config: JSON-like options: ``spec`` (a :class:`~knitdata.admission.BatchSpec` dict), ``layout`` (a
@@ -114,16 +148,15 @@ class ControlPlane:
         self.leasing = Leases(s, self.positions)
         self.reporting = Reporting(s)
         self.reshaping = Reshaping(s)
-        self.durability = Durability(s, lambda op, args: getattr(self, op)(*args), JOURNALED_OPS)
+        self.durability = Durability(s, self._replay, JOURNALED_OPS)
         self.ledger = Ledger(s, self.durability.state_dict, self.durability.load_state_dict)
-        for name, call in SURFACE.items():  # bound once: a call costs what calling its part costs
-            setattr(self, name, getattr(getattr(self, call.part), name))
+        #: The journaled calls by name, bound to their parts (the journal records a call by its name).
+        self._ops: dict[str, Callable[..., Any]] = {
+            n: getattr(getattr(self, c.part), n) for n, c in SURFACE.items() if c.journaled}
 
-    def __getattr__(self, name: str) -> Any:
-        """The shared state's attributes (``plane.planned``, ``plane.placement``, ...), read through the plane."""
-        if name == "state":  # not set yet (during unpickling or before __init__)
-            raise AttributeError(name)
-        return getattr(self.state, name)
+    def _replay(self, op: str, args: list[Any]) -> Any:
+        """Apply the journal record ``(op, args)`` (a call of :data:`JOURNALED_OPS`) to its part."""
+        return self._ops[op](*args)
 
     def recover(self, path: str) -> int:
         """See :meth:`knitdata.control.durability.Durability.recover`."""
@@ -168,24 +201,3 @@ class ControlPlane:
             raise StateError(f"the snapshot's configuration is malformed ({type(e).__name__}: {e})") from e
         plane.load_state_dict(state)
         return plane
-
-
-def _forwarder(call: ControlCall) -> Callable[..., Any]:
-    """The plane's method for ``call``: the same call on the part that defines it."""
-    part, name = call.part, call.name
-
-    def forward(self: ControlPlane, *args: Any, **kwargs: Any) -> Any:
-        return getattr(getattr(self, part), name)(*args, **kwargs)
-
-    forward.__name__ = name
-    forward.__qualname__ = f"ControlPlane.{name}"
-    forward.__doc__ = call.doc
-    me = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    forward.__signature__ = call.signature.replace(  # type: ignore[attr-defined]
-        parameters=[me, *call.signature.parameters.values()])
-    return forward
-
-
-for _call in SURFACE.values():
-    setattr(ControlPlane, _call.name, _forwarder(_call))
-del _call

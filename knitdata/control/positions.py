@@ -142,7 +142,7 @@ class Positions(Part):
         self.s.check_rank(rank)
         pending: list[tuple[dict[str, Any], int]] = []
         with self.s.cond:
-            self.s.policy.note_handed(rank, j + 1)
+            self.s.policy.note_handed(rank, j)
             self._handed(rank, j, microbatch, j if auto_commit else 0, -1, 0, pending)
             self.s.record_handouts(rank, pending)
 
@@ -163,8 +163,9 @@ class Positions(Part):
             for rec in records:
                 j, microbatch, auto_upto = int(rec[0]), int(rec[2]), int(rec[3])
                 v = int(rec[4]) if len(rec) > 4 else -1
-                if v < 0:  # taken before its process reported a version: counts for the bound's first report
-                    s.policy.note_handed(rank, j + 1)
+                msg = s.policy.note_handed(rank, j, v)  # the bound learns the trainer's versions from it
+                if msg is not None:
+                    s.fail(ConfigError(msg))
                 self._handed(rank, j, microbatch, min(j, auto_upto), v, replica, pending)
             s.record_handouts(rank, pending)
 
@@ -261,20 +262,13 @@ class Positions(Part):
                 raise StateError(mismatch_message(s, rank, length, where))
 
     @control_call()
-    def start_position(self, rank: int, replica: int = 0) -> int:
-        """Where a new dataset of ``rank`` (its ``replica``) starts: after the last micro-batch handed out to it.
-
-        A consumer that crashed restores its saved state instead (:meth:`seek`), which may go back to the
-        rank's committed position.
-        """
-        self.check_replica(rank, replica)
-        with self.s.cond:
-            return self.s.start(rank, replica)
-
-    @control_call()
     def start_point(self, rank: int, replica: int = 0) -> dict[str, Any]:
-        """``{"next": start_position(rank, replica), "fp": fingerprint of the micro-batches before it (None:
-        unknown)}``."""
+        """``{"next": where a new dataset of ``rank`` (its ``replica``) starts, after the last micro-batch handed out
+        to it, "fp": fingerprint of the micro-batches before it (None: unknown)}``.
+
+        A consumer that crashed restores its saved state instead (:meth:`seek`), which may go back to the rank's
+        committed position.
+        """
         self.check_replica(rank, replica)
         with self.s.cond:
             p = self.s.start(rank, replica)
@@ -286,7 +280,7 @@ class Positions(Part):
 
         Report the version before the first step (the version step 0 is trained with) or after each optimizer step
         (the version of the next). A version lower than the last one is a rollback (a job restored from a
-        checkpoint): accepted and counted (``version_rollbacks`` in :meth:`~knitdata.control.ControlPlane.stats`).
+        checkpoint): accepted and counted (``version_rollbacks`` in :meth:`~knitdata.control.reporting.Reporting.stats`).
         Admission hears it too (:meth:`~knitdata.admission.AdmissionPolicy.note_version`): later puts of a newer
         ``gen_version`` are refused, and the first report sets the staleness bound's offset (the steps the trainer
         finished are counted from the ranks' hand-outs taken before their process reported a version). When a

@@ -73,7 +73,7 @@ def planning_guard(state: Any, engine: Any, rank: int) -> Iterator[None]:
         "it plans other micro-batches, so the saved position would mean other trajectories here. Create the "
         f"pipeline with {differs[0]} to resume from this state (or start without it)")
     if err is not None and planning_mismatch(saved, mine, CUT_KEYS) is not None and \
-            not any(engine.control.stats().get("planned") or ()):
+            not any(engine.control.reporting.stats().get("planned") or ()):
         raise err
     try:
         yield

@@ -1,13 +1,14 @@
-"""The control surface: every call an engine forwards to the control plane, declared once where it is defined.
+"""The control surface: every call a caller reaches on a part of the control plane, declared once where it is defined.
 
 A part of the plane marks each of its public calls with :func:`control_call` and the part itself with
-:func:`control_part`; that records a :class:`ControlCall` in :data:`CONTROL_CALLS`. Everything else is derived
-from this one table:
+:func:`control_part`; that records a :class:`ControlCall` in :data:`CONTROL_CALLS`: the call's metadata only
+(its part, whether it is journaled, fire-and-forget, and which argument bounds its wait). The calls themselves
+are the parts' own methods, typed where they are written:
 
-* :class:`~knitdata.control.ControlPlane` exposes each call (a method forwarding to the part that defines it);
-* the Ray engine's coordinator actor gets one forwarding method per call, and its client
-  (:class:`~knitdata.engines.ray_control.RayControl`) its remote method list, its fire-and-forget set and the
-  argument that bounds a waiting call;
+* in process a caller holds the part itself (``plane.positions.commit(...)`` is
+  :meth:`knitdata.control.positions.Positions.commit`: no forwarding hop);
+* another process holds a proxy of the same type (:func:`remote_part`: a subclass of the part, made once per
+  part, whose control calls go through a :class:`Transport`), so the type checker sees the same signatures;
 * the journal's operations (:data:`~knitdata.control.plane.JOURNALED_OPS`) are the calls marked ``journaled``:
   such a call is recorded in the plane's journal once it was applied (see :func:`control_call`).
 
@@ -20,15 +21,16 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from knitdata.control.state import PlaneState
 from knitdata.errors import ConfigError, KnitdataError
 
-__all__ = ["ControlCall", "CONTROL_CALLS", "Part", "control_call", "control_part"]
+__all__ = ["ControlCall", "CONTROL_CALLS", "Part", "Transport", "control_call", "control_part", "remote_part"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C", bound=type)
+P = TypeVar("P")
 
 
 @dataclass(frozen=True)
@@ -36,16 +38,16 @@ class ControlCall:
     """One call of the control surface.
 
     Attributes:
-        name: The method name (the same on the plane, the coordinator actor and the Ray client).
-        part: The attribute of :class:`~knitdata.control.ControlPlane` holding the part that defines it.
+        name: The method name on its part (unique across the parts: the journal records calls by it).
+        part: The attribute holding the part that defines it (on :class:`~knitdata.control.ControlPlane` and on
+            a remote client).
         journaled: Whether the call changes the plane's state and is recorded in its journal.
         fire_and_forget: Whether a remote caller sends it without waiting for a result.
         waits: The parameter bounding how long the call may block (``None``: it answers at once); a remote
             caller adds it to its own deadline, and the coordinator runs it in its ``"wait"`` concurrency group.
         wait_index: The position of ``waits`` among the arguments (after ``self``).
         wait_default: Its default when a caller leaves it out.
-        signature: The method's signature without ``self``.
-        doc: The method's docstring.
+        signature: The method's signature without ``self`` (a proxy binds keyword arguments with it).
     """
 
     name: str
@@ -56,7 +58,6 @@ class ControlCall:
     wait_index: int
     wait_default: float
     signature: inspect.Signature
-    doc: str
 
     def wait_of(self, args: tuple[Any, ...]) -> float:
         """How long the call with positional ``args`` may block (``0`` for a call that does not wait)."""
@@ -145,7 +146,7 @@ def control_part(part: str) -> Callable[[C], C]:
             CONTROL_CALLS[name] = ControlCall(
                 name=name, part=part, journaled=opts["journaled"], fire_and_forget=opts["fire_and_forget"],
                 waits=opts["waits"], wait_index=index, wait_default=default,
-                signature=sig.replace(parameters=params), doc=inspect.getdoc(fn) or "")
+                signature=sig.replace(parameters=params))
         return cls
 
     return register
@@ -160,3 +161,71 @@ class Part:
 
     def __init__(self, s: PlaneState) -> None:
         self.s = s
+
+
+class Transport(Protocol):
+    """How a proxy made by :func:`remote_part` reaches the part it stands for (in another process)."""
+
+    def send(self, call: ControlCall, args: tuple[Any, ...]) -> Any:
+        """Make ``call`` with positional ``args`` and return its result (``None`` at once for a fire-and-forget
+        call)."""
+
+
+_PROXIES: dict[type, type] = {}
+
+
+def _proxy_method(call: ControlCall, impl: Callable[..., Any]) -> Callable[..., Any]:
+    """The proxy's method for ``call``: its arguments made positional, then sent through the proxy's transport."""
+    sig = call.signature
+
+    @functools.wraps(impl)
+    def send(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:  # the far side takes positional arguments: bind keywords to their places
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            args = bound.args
+        return self._transport.send(call, args)
+
+    return send
+
+
+def _refusal(cls: type, name: str) -> Callable[..., Any]:
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError(f"{cls.__name__}.{name} is not a control call: it is not reachable from another process")
+
+    refuse.__name__ = name
+    return refuse
+
+
+def proxy_class(part: type) -> type:
+    """The proxy class of ``part`` (made once): a subclass whose control calls go through a :class:`Transport`
+    and whose other public methods refuse (they work on state that lives in another process)."""
+    cls = _PROXIES.get(part)
+    if cls is not None:
+        return cls
+    methods: dict[str, Any] = {}
+    for klass in reversed(part.__mro__[:-1]):
+        for name, value in vars(klass).items():
+            if name.startswith("_") or not callable(value):
+                continue
+            call = CONTROL_CALLS.get(name)
+            if call is not None and getattr(value, "__control_call__", None) is not None:
+                methods[name] = _proxy_method(call, value)
+            else:
+                methods[name] = _refusal(part, name)
+
+    def __init__(self: Any, transport: Transport) -> None:
+        self._transport = transport
+
+    cls = type(f"{part.__name__}Proxy", (part,), {
+        **methods, "__init__": __init__, "__module__": part.__module__,
+        "__doc__": f"A remote :class:`{part.__module__}.{part.__name__}`: its control calls sent through a transport."})
+    _PROXIES[part] = cls
+    return cls
+
+
+def remote_part(part: type[P], transport: Transport) -> P:
+    """A proxy of ``part`` (its type, for the type checker and ``isinstance``) whose control calls go through
+    ``transport``."""
+    proxy: P = proxy_class(part)(transport)
+    return proxy

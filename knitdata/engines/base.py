@@ -2,8 +2,10 @@
 
 An engine is chosen by name (``Pipeline(engine=name)``): :func:`engine_class` imports the class registered under
 that name (:func:`register_engine`), and the pipeline builds it with :meth:`Engine.build`. What differs between
-engines is said by the class (its capabilities: :attr:`Engine.in_process`, :attr:`Engine.supports_worker_processes`,
-:attr:`Engine.shutdown_on_exit`) and done by its methods, never by checking its name.
+engines is said by the class (its capabilities, declared here with refusing defaults: :attr:`Engine.in_process`,
+:attr:`Engine.supports_worker_processes`, :attr:`Engine.shutdown_on_exit`, :attr:`Engine.copy_free_reads`,
+:meth:`Engine.recoverable`, :meth:`Engine.kill_unit`, :meth:`Engine.local_plane`) and done by its methods, never by
+checking its name.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from knitdata.control.plane import Control, ControlPlane
 from knitdata.errors import EngineError, OptionalDependencyError
 from knitdata.fetch import FetchMode
 from knitdata.handoff import HEARTBEAT_S, ControlSender
-from knitdata.metrics import ConsumerMetrics
+from knitdata.metrics import ConsumerMetrics, TransferMeter
 from knitdata.placement import ConsumerLayout
 from knitdata.record import Trajectory
 from knitdata.storage.base import StorageUnit
@@ -69,14 +72,17 @@ ENGINES: tuple[str, ...] = ("embedded", "ray")
 class Engine(abc.ABC):
     """One pipeline's storage units and the handle on its control plane.
 
-    ``control`` has the methods of :class:`knitdata.control.ControlPlane` with the same arguments and results
-    (JSON-like), called directly (embedded) or forwarded to the coordinator actor (Ray). ``report_consumer``
-    may return before it takes effect. Consumers' hand-outs, commits and lease renewals go through
-    :attr:`sender`, off the trainer's thread.
+    ``control`` is the control plane's parts (:class:`knitdata.control.plane.Control`): the plane's own parts
+    (embedded) or proxies of the same types whose calls go to the coordinator actor (Ray); arguments and results
+    are JSON-like. ``reporting.report_consumer`` may return before it takes effect. Consumers' hand-outs, commits
+    and lease renewals go through :attr:`sender`, off the trainer's thread.
 
     Attributes:
         kind: The engine's name (``"embedded"`` or ``"ray"``), for messages and reports.
         name: The pipeline's name (how other processes attach; ``None`` for the embedded engine).
+        address: The cluster address other processes attach at (``None``: the pipeline lives in one process).
+        meter: This process's transfer counters not yet sent to the control plane (``None``: the engine counts no
+            transfers).
         layout: Consumers by node.
         config: The control plane's options (JSON-like).
         supports_worker_processes: Whether a dataset may run in DataLoader worker processes.
@@ -91,6 +97,8 @@ class Engine(abc.ABC):
 
     kind: str = ""
     name: str | None = None
+    address: str | None = None
+    meter: TransferMeter | None = None
     supports_worker_processes: bool = False
     in_process: bool = False
     shutdown_on_exit: bool = False
@@ -129,13 +137,13 @@ class Engine(abc.ABC):
     def sender(self) -> ControlSender:
         """This process's :class:`~knitdata.handoff.ControlSender` of the pipeline (made on first use)."""
         if self._sender is None:
-            self._sender = ControlSender(self.control, heartbeat_s=self.heartbeat_s, inline=self.in_process)
+            self._sender = ControlSender(self.control.leasing, heartbeat_s=self.heartbeat_s, inline=self.in_process)
         return self._sender
 
     @property
     @abc.abstractmethod
-    def control(self) -> Any:
-        """The control plane (or a forwarder with its methods)."""
+    def control(self) -> Control:
+        """The control plane's parts (in this process, or proxies of the same types)."""
 
     @property
     @abc.abstractmethod
@@ -188,15 +196,35 @@ class Engine(abc.ABC):
     def next_entries(self, rank: int, j: int, wait_s: float, token: str, worker: int,
                      replica: int = 0) -> dict[str, Any]:
         """The plan entries of ``rank`` from ``j`` to the end of its mini-batch (see
-        :meth:`knitdata.control.ControlPlane.next_entries`), waiting up to ``wait_s``."""
-        ans: dict[str, Any] = (self.control.next_entries(rank, j, wait_s, token, worker) if not replica
-                               else self.control.next_entries(rank, j, wait_s, token, worker, replica))
-        return ans
+        :meth:`knitdata.control.leases.Leases.next_entries`), waiting up to ``wait_s``."""
+        return self.control.leasing.next_entries(rank, j, wait_s, token, worker, replica)
 
     def report_consumer(self, rank: int, stats: Mapping[str, Any]) -> None:
         """A consumer's iterator ended: report its metrics and this process's transfer counters."""
-        self.control.report_consumer(rank, dict(stats))
+        self.control.reporting.report_consumer(rank, dict(stats))
         self.flush_meter()
+
+    def recoverable(self, unit_ids: Sequence[str], ids: Sequence[str]) -> list[str]:
+        """The ids of ``ids`` that the (dead) units ``unit_ids`` can still give back (from their spill); none by
+        default (an engine whose lost units leave their spill behind overrides it)."""
+        return []
+
+    def kill_unit(self, unit_id: str) -> None:
+        """Kill one storage unit (failure drills and tests).
+
+        Raises:
+            EngineError: This engine's units cannot be killed (the default).
+        """
+        raise EngineError(f"kill_unit is a failure drill of engines with unit processes, not of the {self.kind} "
+                          "engine")
+
+    def local_plane(self) -> ControlPlane:
+        """The control plane object itself, for engines whose plane lives in this process (:attr:`in_process`).
+
+        Raises:
+            EngineError: The plane lives in another process (the default).
+        """
+        raise EngineError(f"the control plane of the {self.kind} engine lives in another process; read stats()")
 
     def flush_meter(self) -> None:  # noqa: B027 - optional
         """Send this process's transfer counters to the control plane (engines that count them)."""

@@ -80,6 +80,10 @@ class EmbeddedEngine(Engine):
         """The control plane (in this process)."""
         return self._control
 
+    def local_plane(self) -> ControlPlane:
+        """The control plane (it lives in this process)."""
+        return self._control
+
     @property
     def units(self) -> Mapping[str, StorageUnit]:
         """The storage units by id."""

@@ -118,6 +118,7 @@ class RayEngine(Engine):
     OPTIONS = frozenset({"name", "address", "nodes", "loopback_only", "detached", "timeout_s", "journal_dir",
                          "journal_compact_every", "resume", "trace"})
     _owner: Any  # set by create(): the coordinator handle that keeps a non-detached coordinator alive
+    meter: TransferMeter  # this process's put/read byte counters (set by __init__)
 
     def __init__(self, name: str, *, address: str | None = None, loopback_only: bool = True,
                  timeout_s: float = 60.0) -> None:
@@ -138,13 +139,13 @@ class RayEngine(Engine):
             self.timeout_s = timeout_s
             self._actor = actor
             self._control = RayControl(actor, name, timeout_s)
-            info = self._control.call("info")
+            info = self._control.plumbing.info()
             super().__init__(ConsumerLayout.from_dict(info["config"]["layout"]), info["config"])
             self.info = info
             watch_host(name, creator_hosts=bool(info.get("creator_hosts")))
             if info.get("trace"):  # the pipeline is traced: this process too, on the coordinator's clock
-                tracing.start(str(info["trace"]), "process").sync(lambda: self._control.call("clock"))
-            handles = self._control.call("unit_handles")
+                tracing.start(str(info["trace"]), "process").sync(self._control.plumbing.clock)
+            handles = self._control.plumbing.unit_handles()
         self.meter = TransferMeter()
         placement = str(info["config"].get("placement", ""))
         self._units = {u: RayStorageUnit.from_handle(actor, desc, meter=self.meter, placement=placement)
@@ -242,7 +243,7 @@ class RayEngine(Engine):
                                          lifetime="detached" if detached else None, max_restarts=restarts,
                                          max_task_retries=restarts, scheduling_strategy=here).remote(setup, handles)
         try:
-            ray.get(actor.info.remote(), timeout=timeout_s)
+            ray.get(actor.call.remote("info"), timeout=timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             ray.kill(actor, no_restart=True)
             for unit in units.values():
@@ -276,15 +277,8 @@ class RayEngine(Engine):
                                  placement=placement, step=step, recover=recover)
         return [decode_trajectory(r, copy=False) for r in recs]
 
-    def next_entries(self, rank: int, j: int, wait_s: float, token: str, worker: int,
-                     replica: int = 0) -> dict[str, Any]:
-        """See :meth:`Engine.next_entries`: one coordinator call, bounded by ``wait_s`` plus the call's time-out."""
-        ans: dict[str, Any] = self._control.call("next_entries", rank, j, wait_s, token, worker, replica,
-                                                 wait_s=wait_s)
-        return ans
-
     def _recover(self, unit: RayStorageUnit, ids: list[str]) -> Mapping[str, Any]:
-        return self._control.call("recover", unit.unit_id, ids)  # type: ignore[no-any-return]
+        return self._control.plumbing.recover(unit.unit_id, ids)
 
     def flush_meter(self) -> None:
         """Send this process's put/read byte counters to the coordinator (and zero them here); waits for it."""
@@ -292,23 +286,23 @@ class RayEngine(Engine):
         if not (d["read"] or d["put"]):
             return
         self.meter.reset()
-        self._control.call("report_transfer", d)
+        self._control.reporting.report_transfer(d)
 
     def recoverable(self, unit_ids: Sequence[str], ids: Sequence[str]) -> list[str]:
         """The ids of ``ids`` that the spill shards of the dead units ``unit_ids`` still hold (none without spill)."""
         if not self.info.get("spill_dir"):
             return []
-        return list(self._control.call("recoverable", list(unit_ids), list(ids)))
+        return self._control.plumbing.recoverable(list(unit_ids), list(ids))
 
     def kill_unit(self, unit_id: str) -> None:
         """Kill one storage unit's actor (failure drills and tests): its payloads are lost unless spilled."""
-        self._control.call("kill_unit", unit_id)
+        self._control.plumbing.kill_unit(unit_id)
 
     def flush_trace(self) -> None:
         """Write the trace events recorded so far by this process, the coordinator and the units; then copy the
         part files written on other hosts (each node's unit sends what this host lacks) next to the trace."""
         super().flush_trace()
-        self._control.call("flush_trace")
+        self._control.plumbing.flush_trace()
         path = self.info.get("trace")
         if not path:
             return
@@ -328,7 +322,7 @@ class RayEngine(Engine):
     def shutdown(self) -> None:
         """Close the pipeline and kill its actors."""
         try:
-            self._control.call("shutdown")
+            self._control.plumbing.shutdown()
         finally:
             ray.kill(self._actor, no_restart=True)
 

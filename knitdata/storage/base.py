@@ -147,7 +147,7 @@ class StorageUnit(abc.ABC):
                   admit: Callable[[str, list[Any]], dict[str, Any]]) -> dict[str, Any]:
         """The one-round-trip put: store the payloads that fit now, in order, then admit them in one control call.
 
-        The control plane's :meth:`~knitdata.control.ControlPlane.admit_many` answers for the stored prefix;
+        The control plane's :meth:`~knitdata.control.admit.Admission.admit_many` answers for the stored prefix;
         the payloads it refused are dropped here. A unit in another process makes the control call itself
         (``admit`` is then unused), so the producer waits for one round trip.
 
