@@ -323,3 +323,26 @@ def test_what_is_kept_until_the_first_report_is_bounded(monkeypatch) -> None:
     st_ = p.state_dict()["bound"]["versions"]
     assert st_["entries"] is None and st_["worst"] == {} and st_["mode"] == "assumed"
     assert p.note_version(5, 5, 5) is None and p.bound_stats()["offset"] == 0
+
+
+def test_the_offset_is_learned_from_the_version_a_hand_out_carries() -> None:
+    """A process's quick reports are sent as one (the latest): the hand-outs carry the version their process had,
+    so a hand-out of step 0 under version 100 sets the offset to 100 although the plane only hears 101."""
+    from knitdata.control import ControlPlane, fields_of
+    from knitdata.placement import ConsumerLayout
+
+    spec = BatchSpec({"a": 2}, num_minibatches=2)
+    cfg = {"spec": spec.to_dict(), "layout": ConsumerLayout.uniform(1, 1).to_dict(), "token_budget": 40,
+           "admission_options": {"max_staleness": 1, "on_stale": "drop", "version_offset": None}}
+    plane = ControlPlane(cfg, {"node0": "node0"}, lambda u, ids, wait: None)
+    with pytest.warns(RuntimeWarning, match="version_offset"):
+        for i in range(3):
+            t = Trajectory(id=f"t{i}", source="a", group=f"g{i}", gen_version=100, prompt_ids=torch.arange(4),
+                           response_ids=torch.arange(8))
+            plane.admission.admit_many("node0", [[{**t.meta().to_dict(), "fields": fields_of({}, {})}, 8, f"k{i}"]])
+    (e,) = plane.leasing.next_entries(0, 0, 0.0)["entries"]
+    plane.positions.handed_many(0, [[e["j"], e["minibatch"], e["microbatch"], 0, 100]])  # step 0 under 100
+    plane.positions.report_version(101)
+    st_ = plane.reporting.stats()["staleness_bound"]
+    assert st_["offset"] == 100 and st_["offset_mode"] == "learned" and plane.state.error is None
+    assert plane.reporting.stats()["admitted_minibatches"] == 2  # step 1 (1 stale) no longer held

@@ -30,7 +30,7 @@ from typing import Any
 from knitdata.admission.composition import even_completion
 from knitdata.errors import ConfigError, StateError, ValidationError
 
-__all__ = ["ON_STALE", "REGENERATE_MEMORY", "FUTURE_SLACK", "ENTRIES_MEMORY", "StalenessBound", "check_counts", "check_settings",
+__all__ = ["ON_STALE", "REGENERATE_MEMORY", "FUTURE_SLACK", "ENTRIES_MEMORY", "StalenessBound", "WaitSchedule", "check_counts", "check_settings",
            "check_etas"]
 
 #: How to keep a staleness bound: drop what expired (producers run free) or also throttle producers.
@@ -113,179 +113,24 @@ def _int(x: Any, what: str, lo: int | None = 0) -> int:
     return x
 
 
-class StalenessBound:
-    """The bound's state: settings, the trainer's version offset, reservations, the expiry heap, drops, starvation.
+class WaitSchedule:
+    """The rollout throttle of :class:`StalenessBound` and, in wait mode, the groups committed to the next steps
+    (reserved, incomplete or ready, by the step each must join by): what the policies' capacity, composition and
+    waiting consult."""
 
-    Args:
-        max_staleness: ``eta`` in versions: an int >= 0, or ``{source: int >= 0}`` (every source).
-        on_stale: ``"drop"`` or ``"wait"`` (producers also reserve within the policy's ``rollout_capacity``).
-        version_offset: The trainer's version at step 0, or ``None``: learned from its first report
-            (:meth:`note_version`).
-        quotas: Groups per source per train batch.
-        num_minibatches: ``M``.
-        per_step: Most groups of each source in one mini-batch (the spec's upper bounds); default: the quota.
+    etas: dict[str, int]
+    on_stale: str
+    sources: tuple[str, ...]
+    offset: int | None
+    mode: str
+    reserved: dict[str, int]
+    outstanding: dict[str, list[int]]
+    ready_versions: dict[str, list[int]]
+    schedule_cum: list[dict[str, int]]
+    _Q: dict[str, int]
+    _M: int
+    _per_step: dict[str, int]
 
-    Raises:
-        ConfigError: A bad setting.
-    """
-
-    def __init__(self, max_staleness: Any, on_stale: str, version_offset: int | None, quotas: Mapping[str, int],
-                 num_minibatches: int, per_step: Mapping[str, int] | None = None) -> None:
-        check_settings(max_staleness, on_stale, version_offset, tuple(quotas))
-        etas = check_etas(max_staleness, tuple(quotas))
-        assert etas is not None
-        self.eta: Any = dict(max_staleness) if isinstance(max_staleness, Mapping) else max_staleness
-        self.etas: dict[str, int] = etas
-        self.on_stale, self.version_offset = on_stale, version_offset
-        self.sources = tuple(quotas)
-        self._Q, self._M = dict(quotas), num_minibatches
-        self._per_step = dict(per_step) if per_step is not None else dict(quotas)
-        self.reserved: dict[str, int] = dict.fromkeys(quotas, 0)
-        self.counts: dict[str, dict[str, int]] = {k: dict.fromkeys(quotas, 0) for k in _COUNTERS}
-        self.overflow = 0
-        self.regenerate: deque[dict[str, Any]] = deque()
-        self.released: list[Any] = []  # members of groups dropped since pop_released (payloads to free)
-        self.expiry: list[tuple[int, int, Any]] = []  # (version + eta of its source, seq, ready group)
-        self.schedule_cum = [dict.fromkeys(quotas, 0)]  # groups of each source in the first r mini-batches
-        for col in even_completion(self._Q, num_minibatches):
-            self.schedule_cum.append({s: self.schedule_cum[-1][s] + col[s] for s in quotas})
-        # the trainer's version at step 0 (see _GIVEN ...); until the first report: micro-batches per rank planned
-        # before each step (to count the steps a trainer finished) and per source the stalest admitted group
-        self.offset: int | None = 0 if version_offset is None else version_offset
-        self.mode = _GIVEN if version_offset is not None else _ASSUMED
-        self.hold: int | None = None  # mode unknown: no step >= hold is admitted until the first report
-        self.max_reported: int | None = None
-        self.entries: list[int] | None = [0]
-        self.pre: dict[str, int] = {}  # rank -> its position after what it handed out before any version report
-        self.worst: dict[str, list[Any]] = {}  # source -> [step - version, trajectory id] admitted before a report
-        self.streak: dict[str, int] = dict.fromkeys(quotas, 0)  # groups dropped since the source's last admission
-        self.warned: set[str] = set()  # sources a starvation warning named
-        # wait mode: per source the versions of the groups committed and not ready (reserved or incomplete), sorted
-        self.outstanding: dict[str, list[int]] = {s: [] for s in quotas}
-        self.ready_versions: dict[str, list[int]] = {s: [] for s in quotas}  # wait mode: of the ready groups, sorted
-
-    # -- settings and versions ---------------------------------------------------------------------------------
-    def settings(self) -> list[Any]:
-        """``[max_staleness, on_stale, version_offset]`` (as given)."""
-        return [self.eta, self.on_stale, self.version_offset]
-
-    def expired(self, version: int, step: int, source: str) -> bool:
-        """Whether a group of ``source`` of oldest version ``version`` is staler than its bound at global step ``step``
-        (never while the offset is unknown)."""
-        return self.offset is not None and self.mode != _UNKNOWN and \
-            self.offset + step - version > self.etas[source]
-
-    def holds(self, step: int) -> bool:
-        """Whether admission of ``step`` waits for the trainer's first version report (offset unknown)."""
-        return self.mode == _UNKNOWN and self.hold is not None and step >= self.hold
-
-    def offered(self, version: int, step: int) -> None:
-        """A group of oldest version ``version`` is offered while admission is at ``step``: in learn mode before any
-        report, a version newer than ``step`` (``0 + step`` + slack) shows that the trainer did not start at 0, and
-        admission holds after what is admitted until the trainer reports its version."""
-        if self.mode == _ASSUMED and version > step + FUTURE_SLACK:
-            self.mode, self.offset, self.hold = _UNKNOWN, None, max(step, 1)
-            warnings.warn(
-                f"staleness bound: a trajectory of version {version} arrived at step {step} before the trainer "
-                f"reported any version, so its versions do not start at 0; admission holds after step "
-                f"{self.hold - 1} until pipe.report_version() tells the trainer's version (or pass "
-                f"version_offset=<the trainer's version at step 0>)", RuntimeWarning, stacklevel=2)
-
-    def note_planned(self, microbatches: int) -> None:
-        """The next admitted step was planned with ``microbatches`` micro-batches per rank (kept until the first
-        report, to count the steps the trainer finished)."""
-        if self.entries is not None:
-            self.entries.append(self.entries[-1] + int(microbatches))
-            if len(self.entries) > ENTRIES_MEMORY:
-                self.entries, self.worst, self.pre = None, {}, {}
-
-    def note_handed(self, rank: int, position: int) -> None:
-        """Rank ``rank`` handed out the micro-batches before ``position`` before its process reported any version
-        (kept until the first report: the steps the trainer finished when it reported)."""
-        if self.entries is not None:
-            key = str(rank)
-            if position > self.pre.get(key, 0):
-                self.pre[key] = position
-
-    def done_before_report(self, ranks: int) -> tuple[int, int]:
-        """The fewest and most steps ``ranks`` ranks finished before their processes reported a version."""
-        done = [self.steps_done(self.pre.get(str(r), 0)) for r in range(ranks)] or [0]
-        return min(done), max(done)
-
-    def steps_done(self, position: int) -> int:
-        """How many admitted steps lie wholly before hand-out ``position`` of a rank (before the first report)."""
-        if self.entries is None:
-            return 0
-        return max(0, bisect.bisect_right(self.entries, position) - 1)
-
-    def note_admitted(self, step: int, metas: Sequence[Any], source: str) -> None:
-        """A group of ``source`` was admitted at ``step`` (resets its starvation streak; before the first report,
-        keeps the stalest group per source for the check at the report)."""
-        self.streak[source] = 0
-        if self.mode in (_GIVEN, _LEARNED) or self.entries is None:
-            return
-        m = min(metas, key=lambda x: x.gen_version)
-        w = self.worst.get(source)
-        if w is None or step - m.gen_version > w[0]:
-            self.worst[source] = [step - m.gen_version, m.id]
-
-    def note_version(self, version: int, done_lo: int, done_hi: int) -> str | None:
-        """The trainer reported ``version`` having finished ``done_lo..done_hi`` steps (the fewest and most of its
-        ranks' hand-outs): the first report learns the offset ``version - done_lo`` (learn mode) or checks the given
-        one. Returns the error message when a mini-batch already admitted broke the bound under the trainer's real
-        versions, or ``version_offset`` understates them (the pipeline stops with it), else ``None``."""
-        self.max_reported = version if self.max_reported is None else max(self.max_reported, version)
-        if self.entries is None:
-            return None
-        self.entries, self.pre = None, {}
-        err = None
-        if self.mode == _GIVEN:
-            off = version - done_hi
-            if self.offset is not None and off > self.offset:
-                err = (f"the trainer reported version {version} after {done_hi} steps, so it trained step 0 with "
-                       f"version {off}, not version_offset={self.offset}: the staleness bound would count "
-                       f"{off - self.offset} version(s) too few; pass version_offset={off} (or leave it None to learn "
-                       "it from the first report)")
-        else:
-            off = version - done_lo
-            for s, (gap, tid) in self.worst.items():
-                if off + gap > self.etas[s]:
-                    err = (f"trajectory {tid!r} (source {s!r}) was admitted {off + gap} versions stale > "
-                           f"max_staleness {self.etas[s]}: it was admitted before the trainer's first report_version "
-                           f"({version} after {done_lo} steps) showed that it trained step 0 with version {off}; "
-                           f"pass version_offset={off}, or report the version before the first step")
-                    break
-            self.offset, self.mode, self.hold = off, _LEARNED, None
-        self.worst = {}
-        return err
-
-    def check_future(self, version: int) -> str | None:
-        """The message when ``version`` is newer than every version the trainer reported (beyond
-        :data:`FUTURE_SLACK`), else ``None``."""
-        if self.max_reported is not None and version > self.max_reported + FUTURE_SLACK:
-            return (f"gen_version {version} is newer than any version the trainer reported (newest "
-                    f"{self.max_reported}): a version from the future (a producer that counts versions otherwise "
-                    "than the trainer's report_version?)")
-        return None
-
-    # -- expiry ------------------------------------------------------------------------------------------------
-    def push(self, grp: Any) -> None:
-        """Track a ready group (``version``, ``source``, ``seq``, ``gone``) for expiry."""
-        heapq.heappush(self.expiry, (grp.version + self.etas[grp.source], grp.seq, grp))
-
-    def expiring(self, step: int) -> Iterator[Any]:
-        """Pop and yield each tracked group (not ``gone``) that is staler than its bound at ``step``."""
-        h = self.expiry
-        if self.offset is None or self.mode == _UNKNOWN:
-            while h and h[0][2].gone:
-                heapq.heappop(h)
-            return
-        while h and (h[0][2].gone or self.offset + step > h[0][0]):
-            grp = heapq.heappop(h)[2]
-            if not grp.gone:
-                yield grp
-
-    # -- the throttle ------------------------------------------------------------------------------------------
     def window(self, version: int, source: str, step: int) -> int:
         """How many steps from ``step`` on a group of ``source`` started now with ``version`` may still join: ``version
         + eta_s + 1 - offset - step`` (offset unknown: ``eta_s + 1``, the version taken as the trainer's now)."""
@@ -442,6 +287,184 @@ class StalenessBound:
             if can < excess:
                 return True
         return False
+
+
+class StalenessBound(WaitSchedule):
+    """The bound's state: settings, the trainer's version offset, reservations, the expiry heap, drops, starvation.
+
+    Args:
+        max_staleness: ``eta`` in versions: an int >= 0, or ``{source: int >= 0}`` (every source).
+        on_stale: ``"drop"`` or ``"wait"`` (producers also reserve within the policy's ``rollout_capacity``).
+        version_offset: The trainer's version at step 0, or ``None``: learned from its first report
+            (:meth:`note_version`).
+        quotas: Groups per source per train batch.
+        num_minibatches: ``M``.
+        per_step: Most groups of each source in one mini-batch (the spec's upper bounds); default: the quota.
+
+    Raises:
+        ConfigError: A bad setting.
+    """
+
+    def __init__(self, max_staleness: Any, on_stale: str, version_offset: int | None, quotas: Mapping[str, int],
+                 num_minibatches: int, per_step: Mapping[str, int] | None = None) -> None:
+        check_settings(max_staleness, on_stale, version_offset, tuple(quotas))
+        etas = check_etas(max_staleness, tuple(quotas))
+        assert etas is not None
+        self.eta: Any = dict(max_staleness) if isinstance(max_staleness, Mapping) else max_staleness
+        self.etas: dict[str, int] = etas
+        self.on_stale, self.version_offset = on_stale, version_offset
+        self.sources = tuple(quotas)
+        self._Q, self._M = dict(quotas), num_minibatches
+        self._per_step = dict(per_step) if per_step is not None else dict(quotas)
+        self.reserved: dict[str, int] = dict.fromkeys(quotas, 0)
+        self.counts: dict[str, dict[str, int]] = {k: dict.fromkeys(quotas, 0) for k in _COUNTERS}
+        self.overflow = 0
+        self.regenerate: deque[dict[str, Any]] = deque()
+        self.released: list[Any] = []  # members of groups dropped since pop_released (payloads to free)
+        self.expiry: list[tuple[int, int, Any]] = []  # (version + eta of its source, seq, ready group)
+        self.schedule_cum = [dict.fromkeys(quotas, 0)]  # groups of each source in the first r mini-batches
+        for col in even_completion(self._Q, num_minibatches):
+            self.schedule_cum.append({s: self.schedule_cum[-1][s] + col[s] for s in quotas})
+        # the trainer's version at step 0 (see _GIVEN ...); until the first report: micro-batches per rank planned
+        # before each step (to count the steps a trainer finished) and per source the stalest admitted group
+        self.offset: int | None = 0 if version_offset is None else version_offset
+        self.mode = _GIVEN if version_offset is not None else _ASSUMED
+        self.hold: int | None = None  # mode unknown: no step >= hold is admitted until the first report
+        self.max_reported: int | None = None
+        self.entries: list[int] | None = [0]
+        self.pre: dict[str, int] = {}  # rank -> its position after what it handed out before any version report
+        self.worst: dict[str, list[Any]] = {}  # source -> [step - version, trajectory id] admitted before a report
+        self.streak: dict[str, int] = dict.fromkeys(quotas, 0)  # groups dropped since the source's last admission
+        self.warned: set[str] = set()  # sources a starvation warning named
+        # wait mode: per source the versions of the groups committed and not ready (reserved or incomplete), sorted
+        self.outstanding: dict[str, list[int]] = {s: [] for s in quotas}
+        self.ready_versions: dict[str, list[int]] = {s: [] for s in quotas}  # wait mode: of the ready groups, sorted
+
+    # -- settings and versions ---------------------------------------------------------------------------------
+    def settings(self) -> list[Any]:
+        """``[max_staleness, on_stale, version_offset]`` (as given)."""
+        return [self.eta, self.on_stale, self.version_offset]
+
+    def expired(self, version: int, step: int, source: str) -> bool:
+        """Whether a group of ``source`` of oldest version ``version`` is staler than its bound at global step ``step``
+        (never while the offset is unknown)."""
+        return self.offset is not None and self.mode != _UNKNOWN and \
+            self.offset + step - version > self.etas[source]
+
+    def holds(self, step: int) -> bool:
+        """Whether admission of ``step`` waits for the trainer's first version report (offset unknown)."""
+        return self.mode == _UNKNOWN and self.hold is not None and step >= self.hold
+
+    def offered(self, version: int, step: int) -> None:
+        """A group of oldest version ``version`` is offered while admission is at ``step``: in learn mode before any
+        report, a version newer than ``step`` (``0 + step`` + slack) shows that the trainer did not start at 0, and
+        admission holds after what is admitted until the trainer reports its version."""
+        if self.mode == _ASSUMED and version > step + FUTURE_SLACK:
+            self.mode, self.offset, self.hold = _UNKNOWN, None, max(step, 1)
+            warnings.warn(
+                f"staleness bound: a trajectory of version {version} arrived at step {step} before the trainer "
+                f"reported any version, so its versions do not start at 0; admission holds after step "
+                f"{self.hold - 1} until pipe.report_version() tells the trainer's version (or pass "
+                f"version_offset=<the trainer's version at step 0>)", RuntimeWarning, stacklevel=2)
+
+    def note_planned(self, microbatches: int) -> None:
+        """The next admitted step was planned with ``microbatches`` micro-batches per rank (kept until the first
+        report, to count the steps the trainer finished)."""
+        if self.entries is not None:
+            self.entries.append(self.entries[-1] + int(microbatches))
+            if len(self.entries) > ENTRIES_MEMORY:
+                self.entries, self.worst, self.pre = None, {}, {}
+
+    def note_handed(self, rank: int, position: int) -> None:
+        """Rank ``rank`` handed out the micro-batches before ``position`` before its process reported any version
+        (kept until the first report: the steps the trainer finished when it reported)."""
+        if self.entries is not None:
+            key = str(rank)
+            if position > self.pre.get(key, 0):
+                self.pre[key] = position
+
+    def done_before_report(self, ranks: int) -> tuple[int, int]:
+        """The fewest and most steps ``ranks`` ranks finished before their processes reported a version."""
+        done = [self.steps_done(self.pre.get(str(r), 0)) for r in range(ranks)] or [0]
+        return min(done), max(done)
+
+    def steps_done(self, position: int) -> int:
+        """How many admitted steps lie wholly before hand-out ``position`` of a rank (before the first report)."""
+        if self.entries is None:
+            return 0
+        return max(0, bisect.bisect_right(self.entries, position) - 1)
+
+    def note_admitted(self, step: int, metas: Sequence[Any], source: str) -> None:
+        """A group of ``source`` was admitted at ``step`` (resets its starvation streak; before the first report,
+        keeps the stalest group per source for the check at the report)."""
+        self.streak[source] = 0
+        if self.mode in (_GIVEN, _LEARNED) or self.entries is None:
+            return
+        m = min(metas, key=lambda x: x.gen_version)
+        w = self.worst.get(source)
+        if w is None or step - m.gen_version > w[0]:
+            self.worst[source] = [step - m.gen_version, m.id]
+
+    def note_version(self, version: int, done_lo: int, done_hi: int) -> str | None:
+        """The trainer reported ``version`` having finished ``done_lo..done_hi`` steps (the fewest and most of its
+        ranks' hand-outs before any report): unless a hand-out told it first (:meth:`note_handout`), the first report
+        learns the offset ``version - done_lo`` (learn mode) or checks the given one. Returns the error message when
+        a mini-batch already admitted broke the bound under the trainer's real versions, or ``version_offset``
+        understates them (the pipeline stops with it), else ``None``."""
+        self.max_reported = version if self.max_reported is None else max(self.max_reported, version)
+        if self.entries is None:
+            return None
+        return self._settle(version - done_lo, version - done_hi,
+                            f"the trainer's first report_version ({version} after {done_lo} steps)")
+
+    def note_handout(self, j: int, version: int) -> str | None:
+        """A rank's micro-batch ``j`` (its ``j``-th over the run) was handed out under ``version``, the version its
+        process last reported (``-1``: none): the first such version learns the offset exactly (the trainer takes
+        step ``t`` with version ``offset + t``), or checks the given one. Returns an error message as
+        :meth:`note_version`."""
+        if self.entries is None or version < 0:
+            return None
+        t = max(0, bisect.bisect_right(self.entries, j) - 1)
+        return self._settle(version - t, version - t, f"the trainer's version {version} at step {t}")
+
+    def _settle(self, off_lo: int, off_hi: int, how: str) -> str | None:
+        """Learn (or check) the offset from the trainer's versions: ``off_lo`` the highest it can be, ``off_hi`` the
+        lowest."""
+        self.entries, self.pre = None, {}
+        err = None
+        if self.mode == _GIVEN:
+            if self.offset is not None and off_hi > self.offset:
+                err = (f"{how} shows that it trained step 0 with version {off_hi}, not version_offset={self.offset}: "
+                       f"the staleness bound would count {off_hi - self.offset} version(s) too few; pass "
+                       f"version_offset={off_hi} (or leave it None to learn it from the trainer)")
+        else:
+            for s, (gap, tid) in self.worst.items():
+                if off_lo + gap > self.etas[s]:
+                    err = (f"trajectory {tid!r} (source {s!r}) was admitted {off_lo + gap} versions stale > "
+                           f"max_staleness {self.etas[s]}: it was admitted before {how} showed that it trained step 0 "
+                           f"with version {off_lo}; pass version_offset={off_lo}, or report the version before the "
+                           "first step")
+                    break
+            self.offset, self.mode, self.hold = off_lo, _LEARNED, None
+        self.worst = {}
+        return err
+
+    # -- expiry ------------------------------------------------------------------------------------------------
+    def push(self, grp: Any) -> None:
+        """Track a ready group (``version``, ``source``, ``seq``, ``gone``) for expiry."""
+        heapq.heappush(self.expiry, (grp.version + self.etas[grp.source], grp.seq, grp))
+
+    def expiring(self, step: int) -> Iterator[Any]:
+        """Pop and yield each tracked group (not ``gone``) that is staler than its bound at ``step``."""
+        h = self.expiry
+        if self.offset is None or self.mode == _UNKNOWN:
+            while h and h[0][2].gone:
+                heapq.heappop(h)
+            return
+        while h and (h[0][2].gone or self.offset + step > h[0][0]):
+            grp = heapq.heappop(h)[2]
+            if not grp.gone:
+                yield grp
 
     # -- drops and starvation ----------------------------------------------------------------------------------
     def starve_after(self, source: str) -> int:

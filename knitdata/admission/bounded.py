@@ -220,10 +220,19 @@ class BoundedAdmission:
         if self._bound is not None:
             self._bound.note_planned(microbatches)
 
-    def note_handed(self, rank: int, position: int) -> None:
-        """Rank ``rank`` handed out the micro-batches before ``position`` before its process reported a version."""
-        if self._bound is not None:
-            self._bound.note_handed(rank, position)
+    def note_handed(self, rank: int, j: int, version: int = -1) -> str | None:
+        """Rank ``rank`` handed out its micro-batch ``j`` under ``version`` (the version its process last reported;
+        ``-1``: none yet): the bound learns (or checks) its offset from it (see :meth:`note_version`).
+
+        Returns:
+            An error message as :meth:`note_version`, else ``None``.
+        """
+        if self._bound is None:
+            return None
+        if version < 0:
+            self._bound.note_handed(rank, j + 1)
+            return None
+        return self._bound.note_handout(j, version)
 
     def done_before_report(self, ranks: int) -> tuple[int, int]:
         """The fewest and most admitted steps ``ranks`` ranks finished before their first version report."""
