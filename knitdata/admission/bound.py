@@ -3,7 +3,9 @@
 Units. Every bound is in **versions as the trainer reports them** (:meth:`knitdata.Pipeline.report_version`: one
 optimizer step per mini-batch, as :mod:`knitdata.staleness` counts). The mini-batch of global step ``t`` is trained
 with version ``offset + t``, where ``offset`` is the trainer's version at step 0: given as ``version_offset``, or
-(``version_offset=None``) learned from the trainer's first report (:meth:`StalenessBound.note_version`). A group
+(``version_offset=None``) learned from the trainer's versions: the first hand-out taken under a reported version
+(:meth:`StalenessBound.note_handout`) or the first report (:meth:`StalenessBound.note_version`), whichever comes
+first; a given one is checked the same way. A group
 whose oldest token has version ``v`` may join steps up to ``v + eta_s - offset`` (``eta_s``: the bound of its source;
 ``max_staleness`` is an int or ``{source: int}``); a complete group past that is dropped whole (never admitted),
 counted per source and listed for regeneration. Quotas are untouched: the policy's feasibility check counts only
