@@ -269,23 +269,22 @@ class WaitSchedule:
             out[s] = max(0, best or 0)
         return out
 
-    def short(self, step: int, size: int, floors: Mapping[str, int] | None = None) -> bool:
+    def short(self, step: int, size: int, forced: Mapping[str, Sequence[int]] | None = None) -> bool:
         """Wait mode: whether ``step`` (``size`` groups) must wait for a reserved or incomplete group. For each later
-        step ``d``, the committed groups of each source ``x`` that must join by ``d`` (``E_x``), or its per-step lower
-        bound (``floors``, groups) over the steps after this one (``n L_x``), whichever is more, must fit those
-        ``n * size`` slots; this step has to take the excess ``D`` from the groups that must join by ``d``, and
-        waits when the ready ones cannot cover it (once every committed group arrived they always can, so waiting
-        ends). O(S eta log n)."""
+        step ``d = step + n``, the committed groups of each source ``x`` that must join by ``d`` (``E_x``), or what
+        the ``n`` steps after this one must take of ``x`` anyway (``forced[x][n]``: its per-step lower bounds and
+        what its quota forces), whichever is more, must fit those ``n * size`` slots; this step has to take the
+        excess from the groups that must join by ``d``, and waits when the ready ones cannot cover it (once every
+        committed group arrived they always can, so waiting ends). O(S eta log n)."""
         if self.offset is None or self.mode == _UNKNOWN:
             return False
-        floors = floors or {}
         for n in range(max(self.etas.values()) + FUTURE_SLACK + 1):
             due = {s: self.committed(s, step, step + n) for s in self.sources}
-            excess = sum(max(e, n * floors.get(s, 0)) for s, e in due.items()) - n * size
+            must = {s: 0 if forced is None else forced[s][min(n, len(forced[s]) - 1)] for s in self.sources}
+            excess = sum(max(e, must[s]) for s, e in due.items()) - n * size
             if excess <= 0 or excess > size:
                 continue  # fits, or cannot fit whatever this step takes
-            can = sum(min(self.committed(s, step, step + n, True), max(0, due[s] - n * floors.get(s, 0)))
-                      for s in self.sources)
+            can = sum(min(self.committed(s, step, step + n, True), max(0, due[s] - must[s])) for s in self.sources)
             if can < excess:
                 return True
         return False
