@@ -41,8 +41,8 @@ slots of the clock, not OS threads, which on 2 cores would only add scheduling n
 the dataset's prefetch thread.
 
 Presets: ``quick`` (default; B = 1,024 = 128 prompts x 8, M = 16, 320 steps, 3 seeds, every regime plus the
-two-speed comparison: 2,065 s wall here at a load average of 5 to 11 on 2 cores; the base regimes alone took
-about 3 minutes before), ``--full`` (640 steps, 5 seeds, reward measured every step) and ``--smoke`` (tests).
+two-speed comparison: 12 minutes here, 566 s of them the twelve regimes, at a load average of 5 on 2 cores),
+``--full`` (640 steps, 5 seeds, reward measured every step) and ``--smoke`` (tests).
 
 Regimes (the only difference between the three disaggregated ones is the admission policy; the same task,
 seeds, prompts, sampling noise and generation times for all four base regimes):
@@ -291,7 +291,7 @@ def parse_regime(name: str) -> tuple[str, int | None, str]:
     raise ConfigError(f"unknown regime {name!r}; choose one of {REGIMES}, or [fifo_]bound_<eta>_<drop|wait>")
 
 
-#: Named presets: ``quick`` (the default, about 2 minutes here), ``full`` and ``smoke`` (tests, seconds).
+#: Named presets: ``quick`` (the default, about 12 minutes here), ``full`` and ``smoke`` (tests, seconds).
 PRESETS: dict[str, LearningConfig] = {
     "quick": LearningConfig(),
     "full": LearningConfig(num_batches=40, eval_every=1, seeds=(0, 1, 2, 3, 4)),

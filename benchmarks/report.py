@@ -1194,7 +1194,8 @@ def render_learning_result(r: dict) -> str:
     seeds = p.get("seeds") or []
     rows = []
     for name, e in (r.get("regimes") or {}).items():
-        rows.append([name, f(e.get("auc"), ".3f"), f(e.get("auc_std"), ".3f"), f(e.get("final_reward"), ".3f"),
+        rows.append([name, f(e.get("auc"), ".3f"), f(e.get("auc_std"), ".3f"), pct(e.get("wasted_token_share")),
+                     f(e.get("final_reward"), ".3f"),
                      f(e.get("final_reward_std"), ".3f"), f(e.get("steps_to_0_8"), ".0f"),
                      f"{e.get('reached_0_8', '-')}/{len(seeds) or '-'}", f(e.get("arch_staleness_positive_mean")),
                      f(e.get("arch_staleness_mean")), f(e.get("arch_staleness_p95"), ".1f"),
@@ -1206,8 +1207,8 @@ def render_learning_result(r: dict) -> str:
             f"{p.get('eval_every', '-')} steps")
     rt = run_text(r)
     parts = [head + "." + (" " + rt if rt else ""),
-             table(["regime", "AUC", "+-", "final", "+-", f"steps->{thr}", "reached", "arch+", "arch", "arch p95", "neg",
-                    "raw"], rows)]
+             table(["regime", "AUC", "+-", "discarded", "final", "+-", f"steps->{thr}", "reached", "arch+", "arch",
+                    "arch p95", "neg", "raw"], rows)]
     reg = r.get("regimes") or {}
     co, tb, cp = (reg.get(k) or {} for k in ("colocated", "train_batch", "constraint_preserving"))
     if _num(co.get("auc")) and _num(tb.get("auc")) is not None:
@@ -1230,19 +1231,27 @@ def render_learning_bound(r: dict) -> str:
     """The staleness-bound regimes of a learning result and the two-speed comparison (issue 26)."""
     reg = _dict(r.get("regimes"))
     co = _dict(reg.get("colocated"))
+    seeds = _dict(r.get("params")).get("seeds") or []
     rows = []
     for name, e in reg.items():
         if not (name == "colocated" or name.startswith("bound_")):
             continue
         e = _dict(e)
         vs = (e["auc"] / co["auc"] - 1) if _num(e.get("auc")) is not None and _num(co.get("auc")) else None
-        rows.append([name, f(e.get("auc"), ".3f"), pct(vs, "+.1f"), f(e.get("final_reward"), ".3f"),
+        rows.append([name, f(e.get("auc"), ".3f"), pct(e.get("wasted_token_share")), pct(vs, "+.1f"),
+                     f(e.get("final_reward"), ".3f"), f"{e.get('reached_0_8', '-')}/{len(seeds) or '-'}",
                      f(e.get("worst_staleness"), ".0f"), f(e.get("raw_staleness_mean")),
-                     pct(e.get("wasted_token_share")), f(e.get("virtual_time"), ".0f")])
+                     f(e.get("staleness_generating_mean")), f(e.get("staleness_queued_mean")),
+                     f(e.get("virtual_time"), ".0f")])
     if len(rows) <= 1:
         return "_No bound regimes in this result._"
-    parts = [table(["regime", "AUC", "vs colocated", "final", "worst staleness", "mean staleness",
-                    "wasted tokens", "virtual time"], rows)]
+    parts = [table(["regime", "AUC", "discarded tokens", "vs colocated", "final", "reached 0.8", "worst staleness",
+                    "mean staleness", "generating", "queued", "virtual time"], rows)]
+    upd = _dict(r.get("updated"))
+    if upd:
+        parts.append("Re-run on newer code into this result (`--update`): " + ", ".join(
+            f"{k} ({_dict(v).get('date_utc') or '?'}, {f(_dict(v).get('wall_s'), '.0f')} s)" for k, v in upd.items())
+            + "; the other regimes are from the run above.")
     two = _dict(r.get("two_speed"))
     med, share = _dict(two.get("auc_hard_median")), _dict(two.get("hard_share"))
     if med:
