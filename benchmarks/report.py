@@ -1269,6 +1269,31 @@ def render_learning_bound(r: dict) -> str:
     return _join(*parts)
 
 
+@block("learning-eta2", "learning_eta2_seeds.json")
+def render_learning_eta2(d: dict) -> str:
+    """Colocated against the wait-mode bound at eta = 2 over more seeds, paired per seed (issue 45)."""
+    r = d["learning_eta2_seeds.json"]
+    reg = _dict(r.get("regimes"))
+    co, w = _dict(reg.get("colocated")), _dict(reg.get("bound_2_wait"))
+    pc, pw = _dict(co.get("per_seed")), _dict(w.get("per_seed"))
+    seeds = [s for s in pc if s in pw]
+    diffs = [_dict(pw[s]).get("auc", 0.0) / _dict(pc[s]).get("auc", 1.0) - 1 for s in seeds]
+    if not diffs:
+        return "_No paired seeds in this result._"
+    mean = sum(diffs) / len(diffs)
+    sd = (sum((x - mean) ** 2 for x in diffs) / max(1, len(diffs) - 1)) ** 0.5
+    rows = [[s, f(_dict(pc[s]).get("auc"), ".3f"), f(_dict(pw[s]).get("auc"), ".3f"), pct(x, "+.1f"),
+             pct(_dict(pw[s]).get("wasted_token_share"))] for s, x in zip(seeds, diffs)]
+    rt = run_text(r)
+    ratio = w["auc"] / co["auc"] - 1 if _num(w.get("auc")) is not None and _num(co.get("auc")) else None
+    head = (f"{len(seeds)} seeds, the default preset otherwise: AUC of `bound_2_wait` against `colocated`. Mean AUCs "
+            f"{f(w.get('auc'), '.3f')} and {f(co.get('auc'), '.3f')} ({pct(ratio, '+.1f')}); per-seed ratios: mean "
+            f"{pct(mean, '+.1f')}, standard error {pct(sd / len(diffs) ** 0.5, '.1f')}; reward 0.8 reached in "
+            f"{w.get('reached_0_8', '-')} and {co.get('reached_0_8', '-')} of {len(seeds)} seeds; discarded tokens "
+            f"{pct(w.get('wasted_token_share'))}." + (" " + rt if rt else ""))
+    return _join(head, table(["seed", "colocated AUC", "bound_2_wait AUC", "ratio - 1", "discarded"], rows))
+
+
 @block("learning-bound", "learning.json")
 def render_learning_bound_block(d: dict) -> str:
     """The staleness-bound regimes of the default learning preset."""
