@@ -141,22 +141,27 @@ def flat_metrics(stats: Mapping[str, Any], *, rank: int | None = None, consumer:
             out[f"sources/{src}/admitted"] = _num(row.get("admitted"))
     bound = stats.get("staleness_bound")
     if isinstance(bound, Mapping):
-        for counter in ("dropped_groups", "dropped_trajectories", "dropped_tokens"):
-            per = bound.get(counter)
-            if isinstance(per, Mapping):
-                out[f"stale_dropped/{counter}"] = sum(_num(v) for v in per.values())
-                for src, v in per.items():
-                    out[f"stale_dropped/{counter}/{src}"] = _num(v)
-        starved = bound.get("starved")
-        if isinstance(starved, Mapping):
-            out["starved_sources"] = sum(1 for v in starved.values() if v)
-            for src, v in starved.items():
-                out[f"starved/{src}"] = int(bool(v))
-        streak = bound.get("drop_streak")
-        if isinstance(streak, Mapping):
-            for src, v in streak.items():
-                out[f"drop_streak/{src}"] = _num(v)
+        _bound_metrics(out, bound)
     return {prefix + k: v for k, v in out.items()}
+
+
+def _bound_metrics(out: dict[str, float | int], bound: Mapping[str, Any]) -> None:
+    """``stale_dropped/...``, ``starved/...`` and ``drop_streak/...`` of a staleness bound's stats."""
+    for counter in ("dropped_groups", "dropped_trajectories", "dropped_tokens"):
+        per = bound.get(counter)
+        if isinstance(per, Mapping):
+            out[f"stale_dropped/{counter}"] = sum(_num(v) for v in per.values())
+            for src, v in per.items():
+                out[f"stale_dropped/{counter}/{src}"] = _num(v)
+    starved = bound.get("starved")
+    if isinstance(starved, Mapping):
+        out["starved_sources"] = sum(1 for v in starved.values() if v)
+        for src, v in starved.items():
+            out[f"starved/{src}"] = int(bool(v))
+    streak = bound.get("drop_streak")
+    if isinstance(streak, Mapping):
+        for src, v in streak.items():
+            out[f"drop_streak/{src}"] = _num(v)
 
 
 def _fmt_bytes(n: float) -> str:
