@@ -1107,7 +1107,8 @@ def plot(report: dict[str, Any], path: str) -> None:
     p = report["params"]
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 1.3]})
     names = list(report["regimes"])
-    colors = plt.get_cmap("tab20").colors
+    cmap = plt.get_cmap("tab20")
+    colors = [cmap(i) for i in range(20)]
     for i, name in enumerate(names):
         r = report["regimes"][name]
         xs = r["eval_steps"]
