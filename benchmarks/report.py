@@ -1343,6 +1343,82 @@ def render_learning_full(d: dict) -> str:
     return render_learning_result(d["learning_full.json"])
 
 
+# ----------------------------------------------------------------------------------------------- trl
+
+
+def _trl_speed_rows(r: dict) -> list[list[str]]:
+    rows = []
+    for e in r.get("speed") or []:
+        ts, gs = _dict(e.get("train_side_s")), _dict(e.get("generate_s"))
+        rows.append([str(e.get("group", "-")), f"{e.get('resolution', '-')} px", str(e.get("rows_per_step", "-")),
+                     pct(e.get("vision_flop_share"), ".0f"), f(ts.get("trl"), ".3f"), f(ts.get("knitdata"), ".3f"),
+                     f(e.get("speedup"), ".2f", suffix="x"), f(gs.get("trl"), ".3f"), f(gs.get("knitdata"), ".3f"),
+                     f(e.get("max_rel_grad_diff"), ".1e")])
+    return rows
+
+
+def _trl_learning(r: dict) -> str:
+    lr = _dict(r.get("learning"))
+    runs = _dict(lr.get("runs"))
+    if not runs:
+        return str(lr.get("note") or "")
+    rows = []
+    for name, e in runs.items():
+        e = _dict(e)
+        shares = _dict(e.get("share_range"))
+        label = "TRL alone" if name == "trl" else "TRL on knitdata" if name == "knitdata" else name
+        rows.append([label, str(len(e.get("steps") or [])), f(e.get("reward_first"), ".3f"), f(e.get("reward_last"), ".3f"),
+                     ", ".join(f"{s} {f(_dict(v).get('min'), '.2f')}-{f(_dict(v).get('max'), '.2f')}"
+                               for s, v in sorted(shares.items())) or "-",
+                     f(e.get("worst_staleness"), ".0f")])
+    head = str(lr.get("what") or "")
+    return _join("Learning. " + head, table(["run", "steps", "reward (first 3 steps)", "reward (last 3 steps)",
+                                             "source share per step (min-max)", "worst staleness"], rows, "lrrrll"))
+
+
+@block("trl", "trl.json")
+def render_trl(d: dict) -> str:
+    """TRL's VLM GRPO training side per optimizer step, TRL alone vs knitdata's shared encoding (and learning)."""
+    r = d["trl.json"]
+    model = _dict(g(r, "config", "model"))
+    real = _dict(g(r, "config", "qwen2_5_vl_3b_vision_flop_share"))
+    head = (f"Recorded in the result: {r.get('timer', '-')}; {load_text(r)}; {f(r.get('elapsed_s'), '.0f')} s. Model: "
+            f"vision {model.get('vision_depth', '-')} x {model.get('vision_hidden', '-')}, text "
+            f"{model.get('text_layers', '-')} x {model.get('text_hidden', '-')} (vision share of a row's forward "
+            f"FLOPs in the table; Qwen2.5-VL-3B: "
+            + ", ".join(f"{pct(v, '.0f')} at {k} px" for k, v in real.items()) + "). Per optimizer step: "
+            f"{g(r, 'config', 'prompts', default='-')} prompt(s) x the group size, 2 micro-batches, one generation "
+            "per two steps (old-policy pass), `beta` "
+            f"{g(r, 'config', 'beta', default='-')} (reference pass); medians over the a b b a runs.")
+    parts = [head, table(["group", "images", "rows/step", "vision FLOPs", "TRL s/step", "knitdata s/step", "speedup",
+                          "generation TRL s", "generation knitdata s", "grad diff"], _trl_speed_rows(r), "llrrrrrrrr"),
+             "`s/step`: the training side of an optimizer step; `generation`: TRL's generation of one batch (every "
+             "two steps), beside it; `grad diff`: the largest per-parameter `max |g - g_trl| / max |g_trl|` at the "
+             "first step (float32)."]
+    a = _dict(r.get("acceptance"))
+    if _num(a.get("speedup")) is not None:
+        parts.append(f"Acceptance (group {a.get('group')}, {a.get('resolution')} px): {a['speedup']:.2f}x per optimizer "
+                     f"step, gradients within {f(a.get('max_rel_grad_diff'), '.1e')} relative: "
+                     + _choice(a.get("passes"), "met (>= 2x, <= 1e-5).", "not met (>= 2x, <= 1e-5).", "-"))
+    parts.append(_trl_learning(r))
+    return _join(*parts)
+
+
+@block("trl-headline", "trl.json")
+def render_trl_headline(d: dict) -> str:
+    """One sentence for the README: the acceptance configuration of ``bench trl``."""
+    r = d["trl.json"]
+    a = _dict(r.get("acceptance"))
+    row = next((e for e in r.get("speed") or [] if e.get("group") == a.get("group")
+                and e.get("resolution") == a.get("resolution")), {})
+    ts = _dict(row.get("train_side_s"))
+    return (f"- TRL's VLM GRPO (`trl.GRPOTrainer`, random-init Qwen2.5-VL on the CPU, group size {a.get('group', '-')}, "
+            f"{a.get('resolution', '-')} px images): with `SharedEncodingGRPOTrainer` the training side of an optimizer "
+            f"step (image processing, old-policy and reference passes, gradient pass) takes {f(ts.get('knitdata'), '.2f')} s "
+            f"against {f(ts.get('trl'), '.2f')} s for TRL alone ({f(a.get('speedup'), '.2f', suffix='x')}), gradients "
+            f"within {f(a.get('max_rel_grad_diff'), '.0e')} relative.")
+
+
 # ----------------------------------------------------------------------------------------------- driver
 
 
