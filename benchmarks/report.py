@@ -1409,8 +1409,8 @@ def render_trl_headline(d: dict) -> str:
     """One sentence for the README: the acceptance configuration of ``bench trl``."""
     r = d["trl.json"]
     a = _dict(r.get("acceptance"))
-    row = next((e for e in r.get("speed") or [] if e.get("group") == a.get("group")
-                and e.get("resolution") == a.get("resolution")), {})
+    row: dict[str, Any] = next((e for e in r.get("speed") or [] if e.get("group") == a.get("group")
+                                and e.get("resolution") == a.get("resolution")), {})
     ts = _dict(row.get("train_side_s"))
     return (f"- TRL's VLM GRPO (`trl.GRPOTrainer`, random-init Qwen2.5-VL on the CPU, group size {a.get('group', '-')}, "
             f"{a.get('resolution', '-')} px images): with `SharedEncodingGRPOTrainer` the training side of an optimizer "
