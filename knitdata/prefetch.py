@@ -412,7 +412,7 @@ class Prefetcher(Iterator[T], Generic[T]):
     def __next__(self) -> T:
         sh = self.queue
         items = sh.items
-        if sh.fast and (entry := sh.pop()) is not None:  # the fast path: the thread prepared a plain item
+        if sh.fast and items and (entry := sh.pop()) is not None:  # the fast path: a plain item prepared
             if self.inline_below_s > 0:
                 self._away.append(sh.period)
             self.last_wait_s = 0.0  # a zero wait: folded into the stats when they are read
