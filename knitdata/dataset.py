@@ -326,7 +326,7 @@ class TrajectoryDataset(IterableDataset):
                 it.set_cap(nxt)
             lay = pos.layout
             if lay is None or lay.get("run") is None or (lay["history"] is not None and lay["remainder"] is None):
-                lay = pos.layout = self.engine.control.layout_history(self.rank)
+                lay = pos.layout = self.engine.control.reshaping.layout_history(self.rank)
                 pos.fixed = None
             layout = self.engine.layout
             fixed = pos.fixed
@@ -369,7 +369,7 @@ class TrajectoryDataset(IterableDataset):
         """
         if isinstance(state, Mapping) and state.get("format") == MERGED_FORMAT:
             with planning_guard(state, self.engine, self.rank):
-                self.engine.control.reshape(dict(state), None)
+                self.engine.control.reshaping.reshape(dict(state), None)
             with self.position.lock:
                 self._close_active()
                 self.position.reset(int(state.get("epoch") or 0))
@@ -379,7 +379,7 @@ class TrajectoryDataset(IterableDataset):
         if state.get("version") != _STATE_VERSION and state.get("version") not in _OLD_STATE_VERSIONS:
             raise StateError(f"unsupported state version {state.get('version')!r}; expected {_STATE_VERSION}")
         if state.get("layout_history") is not None:  # a run reshaped before: this pipeline plans through it
-            self.engine.control.install_history(state["layout_history"])
+            self.engine.control.reshaping.install_history(state["layout_history"])
         if state.get("rank") != self.rank or state.get("num_consumers") != self.engine.num_consumers:
             raise StateError(
                 f"state of rank {state.get('rank')} of {state.get('num_consumers')} consumers loaded into rank "
@@ -470,7 +470,7 @@ class TrajectoryDataset(IterableDataset):
 
         if flush:
             self.session.flush()
-        stats: dict[str, Any] = dict(self.engine.control.stats())
+        stats: dict[str, Any] = dict(self.engine.control.reporting.stats())
         if units:
             found: dict[str, Any] = {}
             for u, unit in self.engine.units.items():
