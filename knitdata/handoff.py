@@ -426,6 +426,11 @@ class ControlSender:
             lease.set_version(int(version))
         self._ensure_thread()
 
+    @property
+    def version_pending(self) -> bool:
+        """Whether a version this process reported (:meth:`report_version`) has not been sent yet."""
+        return self._version is not None
+
     # ------------------------------------------------------------------ sending
     def request(self) -> None:
         """Records are due: the next :meth:`relay` sends them (a flag; no system call on the caller's thread).

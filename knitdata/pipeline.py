@@ -433,6 +433,8 @@ class Pipeline:
             presence = self._presence = ProducerPresence()
             self._engine.sender.add_producer(presence)
         presence.note()
+        if self._engine.sender.version_pending:  # a put of the new weights' output must not overtake their report
+            self._engine.flush_reports()
         checked = [self._checked(t) for t in trajs]
         timeout = self.put_timeout if timeout == PUT_TIMEOUT else timeout
         token = uuid.uuid4().hex
@@ -584,7 +586,8 @@ class Pipeline:
 
         Staleness of each trajectory handed out afterwards is measured against it; listeners added in this
         process with :meth:`add_version_listener` are called (weight-sync timing hooks). It is sent by this
-        process's background sender, after the hand-outs before it, off the trainer's thread. A version lower
+        process's background sender, after the hand-outs before it, off the trainer's thread; a put from this process
+        sends it first (so output of the new weights never reaches the plane before their report). A version lower
         than the last one is a rollback (a job restored from a checkpoint reports its version again): accepted.
 
         Raises:

@@ -115,6 +115,19 @@ def test_a_gen_version_from_the_future_is_refused_naming_the_trajectory() -> Non
         assert pipe.stats()["staleness_bound"]["dropped_groups"] == {"a": 0}
 
 
+def test_a_put_right_after_report_version_in_the_same_process_never_overtakes_the_report() -> None:
+    # reports go through a background sender that keeps only the newest version; a put of the new weights' output
+    # reaching the plane before the report could be two versions ahead of what the plane heard (refused)
+    spec = BatchSpec({"a": 1}, num_minibatches=1)
+    with Pipeline(spec, max_staleness=2, version_offset=0, capacity_bytes=1 << 26) as pipe:
+        it = iter(pipe.dataset(0, fetch="iter"))
+        for i in range(20):
+            pipe.report_version(i)
+            pipe.put(traj(i, "a", i))
+            assert pipe.control.reporting.stats()["version"] == i  # read without flushing: the put sent it
+            next(it)
+
+
 def test_wait_without_a_bound_is_a_config_error() -> None:
     spec = BatchSpec({"a": 2}, num_minibatches=2)
     with pytest.raises(ConfigError, match="max_staleness"):
