@@ -26,6 +26,8 @@ $(VENV)/.installed-dev: pyproject.toml $(VENV)/.torch
 	$(PIP) install -q -e ".[dev]"
 	$(PIP) install -q --no-deps "$$(sed -n 's/^verl = \["\([^"]*\)".*/\1/p' pyproject.toml)"
 	$(PIP) install -q $(VERL_TEST_DEPS) "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
+	@# verl's wheel also installs its own test suite as a top-level package `tests`, which would shadow ours
+	$(PY) -c "import importlib.metadata as m, shutil; d = m.distribution('verl'); t = d.locate_file('tests'); fs = [str(f) for f in d.files or []]; 'tests/__init__.py' in fs and shutil.rmtree(str(t), ignore_errors=True)"
 	touch $@ $(VENV)/.installed-base
 
 install: $(VENV)/.installed-base

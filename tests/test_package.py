@@ -202,3 +202,15 @@ def test_imports_point_down_the_layers() -> None:
             if a is not None and b is not None and b < a:
                 up.append(f"{mod} -> {dep}")
     assert up == [], up
+
+
+def test_no_installed_package_shadows_the_test_suite() -> None:
+    # spawned test processes import helpers as `tests.<module>`: an installed top-level `tests` package (verl's wheel
+    # ships one; the Makefile removes it) would be found instead of this folder
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.find_spec("tests")
+    here = pathlib.Path(__file__).resolve().parent
+    if spec is not None and spec.origin not in (None, "namespace"):
+        assert pathlib.Path(spec.origin).resolve().parent == here, f"`tests` resolves to {spec.origin}, not {here}"
