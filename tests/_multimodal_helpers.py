@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import sys
 import traceback
 
 import torch
@@ -283,5 +284,10 @@ def dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
+    # the results are written: skip the interpreter's teardown, where a C++ thread left joinable at exit aborts the
+    # process now and then ("terminate called without an active exception", SIGABRT) after all the work was done
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
