@@ -306,6 +306,5 @@ class Positions(Part):
                 s.fail(ConfigError(msg))
                 s.cond.notify_all()
                 return
-            repoll = getattr(s, "admission_poll", None)
-            if repoll is not None and s.error is None and not s.closed:
-                repoll()  # admission may have held for this report
+            if s.admission_poll is not None and s.error is None and not s.closed:
+                s.admission_poll()  # admission may have held for this report

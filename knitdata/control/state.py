@@ -285,6 +285,8 @@ class PlaneState:
         self.closed = False
         self.close_report: dict[str, Any] | None = None
         self.error: KnitdataError | None = None
+        #: The admission part's poll (set by it): a version report can free admission (the bound learned its offset).
+        self.admission_poll: Callable[[], Any] | None = None
         self.version = 0
         self.version_times: deque[float] = deque(maxlen=1024)
         self.staleness: deque[int] = deque(maxlen=10_000)
