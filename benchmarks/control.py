@@ -329,7 +329,7 @@ def run_engine_point(engine: str, producers: int, size: str, count: int, batch: 
     if engine == "ray":
         from knitdata.engines.ray_control import RayControl
 
-        control = pipe.control
+        control = pipe.internals.control
         assert isinstance(control, RayControl)
         plumbing = control.plumbing  # the coordinator's own calls (not the plane's)
         pid = plumbing.info().get("pid")

@@ -24,12 +24,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from knitdata.errors import ConfigError
+from knitdata.registry import Registry
 
 if TYPE_CHECKING:  # pragma: no cover
     from knitdata.prefetch import PrefetchQueue
 
-__all__ = ["Source", "FetchMode", "SampleFetch", "EagerFetch", "IterFetch", "FETCH_MODES", "fetch_mode", "register_fetch_mode"]
+__all__ = ["Source", "FetchMode", "SampleFetch", "EagerFetch", "IterFetch", "FETCH_MODES", "fetch_mode"]
 
 #: Items of a plan entry: ``[trajectory id, unit id, nbytes]``.
 Items = Sequence[Sequence[Any]]
@@ -150,37 +150,18 @@ class IterFetch(FetchMode):
         return Prefetcher(source, depth=depth, device=device, pin_memory=pin_memory)
 
 
-_MODES: dict[str, FetchMode] = {}
-
-
-def register_fetch_mode(mode: FetchMode) -> FetchMode:
-    """Make ``mode`` known by its name (replacing a mode of that name); returns it.
-
-    Raises:
-        ConfigError: ``mode`` is not a :class:`FetchMode` with a non-empty name.
-    """
-    if not isinstance(mode, FetchMode) or not isinstance(mode.name, str) or not mode.name:
-        raise ConfigError(f"a fetch mode must be a FetchMode with a name, got {mode!r}")
-    _MODES[mode.name] = mode
-    return mode
+#: The fetch modes by name (``TrajectoryDataset(fetch=name)``): ``"sample"``, ``"eager"``, ``"iter"``, then any
+#: registered since (``FETCH_MODES.register(mode.name, mode)``).
+FETCH_MODES: Registry[FetchMode] = Registry(
+    "fetch mode", accepts=lambda m: isinstance(m, FetchMode) and isinstance(m.name, str) and bool(m.name))
+for _m in (SampleFetch(), EagerFetch(), IterFetch()):
+    FETCH_MODES.register(_m.name, _m)
 
 
 def fetch_mode(mode: str | FetchMode) -> FetchMode:
-    """The fetch mode named ``mode`` (a :class:`FetchMode` is returned as is).
+    """The fetch mode named ``mode`` in :data:`FETCH_MODES` (a :class:`FetchMode` is returned as is).
 
     Raises:
         ConfigError: No mode of that name.
     """
-    if isinstance(mode, FetchMode):
-        return mode
-    found = _MODES.get(mode) if isinstance(mode, str) else None
-    if found is None:
-        raise ConfigError(f"unknown fetch mode {mode!r}; choose one of {tuple(_MODES)}")
-    return found
-
-
-for _m in (SampleFetch(), EagerFetch(), IterFetch()):
-    register_fetch_mode(_m)
-
-#: The built-in fetch modes.
-FETCH_MODES: tuple[str, ...] = ("sample", "eager", "iter")
+    return mode if isinstance(mode, FetchMode) else FETCH_MODES.get(mode)

@@ -27,31 +27,21 @@ from __future__ import annotations
 import os
 import threading
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from knitdata import trace as tracing
-from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
+from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec
 from knitdata.consumer import DEFAULT_TIMEOUT_S
-from knitdata.control import PLANE_DEFAULTS, RELEASE_MODES, acquire_rollout, fields_of
-from knitdata.control.plane import Control
-from knitdata.engines.base import ENGINES, Engine, engine_class, engine_names
-from knitdata.errors import (
-    ConfigError,
-    EngineError,
-    FieldTypeError,
-    KnitdataError,
-    PipelineClosedError,
-    StoreFull,
-    ValidationError,
-)
-from knitdata.handoff import ProducerPresence
+from knitdata.control import RELEASE_MODES, acquire_rollout
+from knitdata.engines.base import ENGINES, Engine
+from knitdata.engines.options import PipelineOptions
+from knitdata.errors import ConfigError, EngineError, KnitdataError, PipelineClosedError, ValidationError
 from knitdata.metrics import ConsumerMetrics
-from knitdata.placement import ConsumerLayout, Placement, make_placement
+from knitdata.placement import ConsumerLayout, Placement
 from knitdata.planner import MiniBatchPlan
-from knitdata.producer import PutRouter
+from knitdata.producer import PUT_TIMEOUT, Producer
 from knitdata.record import Trajectory, TrajectoryMeta
 from knitdata.storage.base import StorageUnit
 
@@ -63,16 +53,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from knitdata.fetch import FetchMode
 
 __all__ = ["Pipeline", "PipelineClosedError", "ENGINES", "RELEASE_MODES", "DEFAULT_TIMEOUT_S", "PUT_TIMEOUT"]
-
-#: ``timeout`` of :meth:`Pipeline.put` / :meth:`Pipeline.put_many` meaning "the pipeline's ``put_timeout``".
-PUT_TIMEOUT: Literal["put_timeout"] = "put_timeout"
-
-
-def _loss_tokens(traj: Trajectory) -> int:
-    if traj.loss_mask is None:
-        return int(traj.response_ids.numel())
-    return int((traj.loss_mask != 0).sum())
-
 
 def _dist_rank() -> int | None:
     try:
@@ -87,57 +67,12 @@ def _dist_rank() -> int | None:
 class Pipeline:
     """Producers put trajectories; consumers iterate their micro-batches. Thread-safe; any engine.
 
+    Every keyword after ``spec`` (admission, layout, engine, capacity, placement, release, the staleness bound,
+    tracing...) is a field of :class:`~knitdata.engines.options.PipelineOptions`, documented there with its default;
+    the pipeline checks them all there before its engine is built.
+
     Args:
         spec: The batch specification (quotas per source, mini-batches per train batch, group size).
-        admission: A policy name (``"constraint_preserving"``, ``"linear_target"``, ``"fifo"``,
-            ``"train_batch"``), or an :class:`~knitdata.admission.AdmissionPolicy` built on ``spec``
-            (embedded engine only: an object cannot move to the coordinator actor).
-        admission_options: Keyword arguments for :func:`~knitdata.admission.make_policy` (e.g. ``continuous=True``).
-        layout: Consumers by node; default: ``num_consumers`` ranks on one node.
-        num_consumers: Number of ranks when ``layout`` is not given.
-        engine: ``"embedded"`` or ``"ray"``.
-        capacity_bytes: Capacity of each storage unit (one per node).
-        token_budget: Most tokens (prompt + response) per micro-batch; a longer trajectory is refused at put.
-        placement: ``"consumer_aware"`` or ``"index_mod"`` (baseline).
-        allow_split_groups: Let one group's members go to different consumers.
-        balance_tolerance: See :class:`~knitdata.planner.Planner`.
-        put_timeout: Default seconds a put waits for room (``None``: no limit; ``0``: fail at once).
-        spill_dir: Spill payloads that do not fit in ``capacity_bytes`` to tar shards under this directory (Ray:
-            also written through, so payloads of a dead unit are recovered).
-        spill_bytes: Disk budget per unit when spilling.
-        release: When a payload leaves storage. A consumer *commits* a position with
-            :meth:`~knitdata.dataset.TrajectoryDataset.commit` (after saving its state); payloads before a
-            committed position are released. ``"step"``: also commit automatically when the rank starts its next
-            mini-batch (one iterator per rank; with DataLoader worker processes only explicit commits count), so a
-            consumer that crashes mid-step and restores its last step-boundary state receives that step again.
-            ``"commit"``: explicit commits only. ``"handout"``: release as soon as a micro-batch is handed out (the
-            least memory; a restore then needs a new pipeline fed the same puts).
-        producer_timeout_s: Seconds consumers keep waiting for data once every producer stopped without
-            :meth:`close`: its threads that put ended, or its process died (no report for
-            :data:`~knitdata.control.plane.PRODUCER_TTL_S`). Then they raise
-            :class:`~knitdata.errors.IncompleteStreamError` naming the producers and what admission waits for.
-            ``None``: wait (up to the dataset's ``timeout``). A handle counts as a producer from its first put.
-        check_media: Decode every encoded media item once at :meth:`put` (in the producer) and refuse bad ones.
-        on_plan: Called as ``on_plan(admitted, plan)`` for each planned mini-batch (embedded engine; keep it cheap).
-        max_staleness: Admit nothing staler than this many versions, as the trainer reports them
-            (:meth:`report_version`); an int or ``{source: int}`` (every source); ``None``: no bound
-            (docs/concepts.md, "A hard staleness bound").
-        on_stale: ``"drop"`` (:meth:`dropped` lists what to regenerate) or ``"wait"`` (also :meth:`acquire_rollout`;
-            needs ``max_staleness``).
-        version_offset: The trainer's version at its first step, for the bound; ``None`` (default): learned from
-            the first :meth:`report_version` (see docs/concepts.md).
-        engine_options: Ray: ``name`` (default ``"knitdata"``; other processes attach with it), ``address``
-            (``None``: this process's Ray, else a new local loopback-only one), ``nodes`` (layout node -> Ray node
-            id), ``loopback_only`` (default ``True``), ``detached`` (keep the actors after this process exits),
-            ``timeout_s``, ``journal_dir`` (default ``spill_dir``: journal the coordinator's decisions there, so
-            that Ray restarts it after a crash and it recovers them), ``journal_compact_every`` (10,000: records
-            between snapshots of the coordinator's state; ``0``: never), ``resume`` (``True``: restart a run whose
-            every process died from its journal and spill shards; consumers load their saved states, producers
-            put again what was not acknowledged). The embedded engine takes none.
-        trace: Record a trace of the run into this path (default: the environment variable ``KNITDATA_TRACE``;
-            ``None``: none): every process of the pipeline writes a part file ``<trace>.<role>.<host>-<pid>.json``
-            (on Ray the coordinator, the units and each process that attaches, too), merged into ``trace`` by
-            :meth:`shutdown` or ``knitdata trace PATH`` (Chrome trace-event JSON; :mod:`knitdata.trace`).
 
     Raises:
         ConfigError: Inconsistent options.
@@ -171,73 +106,13 @@ class Pipeline:
         trace: str | os.PathLike[str] | None = None,
         version_offset: int | None = None,
     ) -> None:
-        if not isinstance(spec, BatchSpec):
-            raise ConfigError(f"spec must be a knitdata.admission.BatchSpec, got {type(spec).__name__}")
-        if engine not in engine_names():
-            raise ConfigError(f"unknown engine {engine!r}; choose one of {engine_names()}")
-        cls_ = engine_class(engine)
-        if release not in RELEASE_MODES:
-            raise ConfigError(f"release must be one of {RELEASE_MODES}, got {release!r}")
-        if layout is not None and not isinstance(layout, ConsumerLayout):
-            raise ConfigError(
-                f"layout must be a knitdata.placement.ConsumerLayout (e.g. ConsumerLayout(['node0', 'node0'])), "
-                f"got {type(layout).__name__}")
-        if producer_timeout_s is not None and (isinstance(producer_timeout_s, bool)
-                                               or not isinstance(producer_timeout_s, (int, float))
-                                               or producer_timeout_s < 0):
-            raise ConfigError(f"producer_timeout_s must be a non-negative number of seconds or None, got "
-                              f"{producer_timeout_s!r}")
-        if isinstance(balance_tolerance, bool) or not isinstance(balance_tolerance, (int, float)) or balance_tolerance < 0:
-            raise ConfigError(f"balance_tolerance must be a non-negative number, got {balance_tolerance!r}")
-        if isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget <= 0:
-            raise ConfigError(f"token_budget must be a positive int, got {token_budget!r}")
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
-            raise ConfigError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
-        if layout is None:
-            layout = ConsumerLayout.single_node(1 if num_consumers is None else num_consumers)
-        elif num_consumers is not None and num_consumers != layout.num_consumers:
-            raise ConfigError(f"num_consumers={num_consumers} disagrees with the layout's {layout.num_consumers} ranks")
-        policy: AdmissionPolicy | None = None
-        if max_staleness is not None or on_stale != "drop" or version_offset is not None:
-            if isinstance(admission, AdmissionPolicy):
-                raise ConfigError("max_staleness / on_stale / version_offset apply to an admission given by name (or "
-                                  "build the policy with them)")
-            opts_ = dict(admission_options or {})
-            admission_options = {**opts_, "max_staleness": dict(max_staleness) if isinstance(max_staleness, Mapping)
-                                 else max_staleness, "on_stale": on_stale,
-                                 "version_offset": opts_.get("version_offset", version_offset)}
-        if isinstance(admission, AdmissionPolicy):
-            if admission_options:
-                raise ConfigError("admission_options only apply when admission is given by name")
-            if admission.spec != spec:
-                raise ConfigError("the admission policy was built on a different BatchSpec")
-            policy = admission
-            admission_name = admission.name or type(admission).__name__
-        else:
-            make_policy(admission, spec, **dict(admission_options or {}))  # validates here, not in an actor
-            admission_name = admission
-        if isinstance(placement, Placement):
-            placement_name = "consumer_aware" if placement.consumer_aware else "index_mod"
-            if not cls_.in_process or type(placement) is not type(make_placement(placement_name, placement.units)):
-                raise ConfigError("give the placement by name ('consumer_aware' or 'index_mod')")
-        else:
-            make_placement(placement, list(layout.nodes))
-            placement_name = placement
-        config = {**PLANE_DEFAULTS, "spec": spec.to_dict(), "layout": layout.to_dict(), "admission": admission_name,
-                  "admission_options": dict(admission_options or {}), "token_budget": token_budget,
-                  "placement": placement_name, "allow_split_groups": bool(allow_split_groups),
-                  "balance_tolerance": float(balance_tolerance), "release": release,
-                  "producer_timeout_s": None if producer_timeout_s is None else float(producer_timeout_s)}
-        opts = dict(engine_options or {})
-        opts.pop("cross_process", None)  # every Ray pipeline serves other processes now
-        trace_path = os.fspath(trace) if trace is not None else os.environ.get(tracing.ENV) or None
-        if trace_path is not None:
-            # this process merges the trace when its tracing ends too (its exit), with what every process wrote
-            tracing.start(trace_path, "main" if cls_.in_process else "driver").merge_on_close = True
-            if not cls_.in_process:
-                opts["trace"] = trace_path  # the coordinator and the units trace too; attaching processes follow
-        eng = cls_.build(layout, config, capacity_bytes, spill_dir=spill_dir, spill_bytes=spill_bytes, policy=policy,
-                         on_plan=on_plan, options=opts)
+        eng = PipelineOptions(
+            admission=admission, admission_options=admission_options, layout=layout, num_consumers=num_consumers,
+            engine=engine, capacity_bytes=capacity_bytes, token_budget=token_budget, placement=placement,
+            allow_split_groups=allow_split_groups, balance_tolerance=balance_tolerance, put_timeout=put_timeout,
+            spill_dir=spill_dir, spill_bytes=spill_bytes, release=release, producer_timeout_s=producer_timeout_s,
+            check_media=check_media, on_plan=on_plan, engine_options=engine_options, max_staleness=max_staleness,
+            on_stale=on_stale, trace=trace, version_offset=version_offset).build(spec)
         self._setup(eng, put_timeout=put_timeout, check_media=check_media, owner=True)
         self.capacity_bytes = capacity_bytes
 
@@ -245,14 +120,11 @@ class Pipeline:
         self._engine = engine
         self.spec = BatchSpec.from_dict(engine.config["spec"])
         self.layout = engine.layout
-        self.put_timeout = put_timeout
-        self.check_media = check_media
+        self._producer = Producer(engine, put_timeout=put_timeout, check_media=check_media)
         self._owner = owner
         self._closed_here = False
         self._version_listeners: list[Callable[[int, float], None]] = []
         self._listeners_lock = threading.Lock()
-        self._router = PutRouter(engine)  # this process's replica of the placement (one-round-trip puts)
-        self._presence: ProducerPresence | None = None  # made at the first put: this handle is a producer
         self.restore_report: RestoreReport | None = None  # what restore() restored
         #: The trace this pipeline's processes record (``Pipeline(trace=...)``), or ``None``.
         self.trace_path: str | None = tracing.tracer.path if tracing.tracer is not None else None
@@ -282,7 +154,7 @@ class Pipeline:
         Raises:
             EngineError: No pipeline of that name on the cluster. OptionalDependencyError: No ``ray``.
         """
-        engine = engine_class("ray", what="Pipeline.attach")
+        engine = ENGINES.get("ray", what="Pipeline.attach")
         self = cls.__new__(cls)
         eng: Any = engine.attach(name, address=address, loopback_only=loopback_only, timeout_s=timeout_s)
         self._setup(eng, put_timeout=put_timeout, check_media=check_media, owner=False)
@@ -321,32 +193,22 @@ class Pipeline:
         return dict(self._engine.units)
 
     @property
-    def control(self) -> Control:
-        """The control plane's parts (:class:`~knitdata.control.plane.Control`: the plane's own on the embedded
-        engine, proxies of the same types on the Ray engine)."""
-        return self._engine.control
+    def internals(self) -> Engine:
+        """The pipeline's engine, for tests, failure drills and benchmarks, not for training code: its control
+        plane's parts (``internals.control.positions.commit(...)``: :class:`~knitdata.control.plane.Control`),
+        units, ``kill_unit`` (Ray), and on the embedded engine ``local_plane()`` (the planner, the policy, the state).
+        """
+        return self._engine
 
     @property
-    def policy(self) -> AdmissionPolicy:
-        """The admission policy (embedded engine; do not call it directly while the pipeline runs).
-
-        Raises:
-            EngineError: On the Ray engine (it lives in the coordinator actor).
-        """
-        if not self._engine.in_process:
-            raise EngineError("the admission policy runs in the coordinator actor on the Ray engine; read stats()")
-        return self._engine.local_plane().state.policy
+    def put_timeout(self) -> float | None:
+        """Default seconds a put waits for room (``None``: no limit)."""
+        return self._producer.put_timeout
 
     @property
-    def planner(self) -> Any:
-        """The planner (embedded engine).
-
-        Raises:
-            EngineError: On the Ray engine (it lives in the coordinator actor).
-        """
-        if not self._engine.in_process:
-            raise EngineError("the planner runs in the coordinator actor on the Ray engine; read stats()")
-        return self._engine.local_plane().state.planner
+    def check_media(self) -> bool:
+        """Whether media are decoded (and bad ones refused) at put, in the producer."""
+        return self._producer.check_media
 
     @property
     def closed(self) -> bool:
@@ -392,7 +254,7 @@ class Pipeline:
             PipelineClosedError: After :meth:`close`.
             QuotaInfeasibleError: Admission found the quotas impossible (also raised to consumers).
         """
-        return self._put_batch([traj], timeout)[0]
+        return self._producer.put([traj], timeout)[0]
 
     def put_many(self, trajs: Sequence[Trajectory], *,
                  timeout: float | None | Literal["put_timeout"] = PUT_TIMEOUT) -> list[TrajectoryMeta]:
@@ -423,123 +285,7 @@ class Pipeline:
         trajs = list(trajs)
         if not trajs:
             return []
-        return self._put_batch(trajs, timeout)
-
-    def _put_batch(self, trajs: Sequence[Trajectory], timeout: float | None | Literal["put_timeout"]) -> list[TrajectoryMeta]:
-        """The put path of :meth:`put` and :meth:`put_many`: checks, placement replica, one round trip per unit."""
-        plane = self._engine.control
-        presence = self._presence
-        if presence is None:
-            presence = self._presence = ProducerPresence()
-            self._engine.sender.add_producer(presence)
-        presence.note()
-        if self._engine.sender.version_pending:  # a put of the new weights' output must not overtake their report
-            self._engine.flush_reports()
-        checked = [self._checked(t) for t in trajs]
-        timeout = self.put_timeout if timeout == PUT_TIMEOUT else timeout
-        token = uuid.uuid4().hex
-        items = [[m, n, f"{token}:{i}"] for i, (m, n) in enumerate(checked)]
-        by_unit: dict[str, list[int]] = {}
-        for i, unit_id in enumerate(self._router.route([m for m, _n in checked])):
-            by_unit.setdefault(unit_id, []).append(i)
-        out: list[TrajectoryMeta | None] = [None] * len(trajs)
-        t0 = tracing.now_us() if tracing.tracer is not None else 0.0
-        for unit_id, idx in by_unit.items():
-            unit = self._engine.units[unit_id]
-            rest = idx
-            while rest:
-                try:
-                    res = unit.put_admit([trajs[i] for i in rest], [items[i] for i in rest], plane.admission.admit_many)
-                except EngineError as e:
-                    self._raise_closed(e)
-                    raise
-                n = res["stored"]
-                if res["admit"] is not None:
-                    self._router.take(res["admit"], rest[:n], out)
-                rest = rest[n:]
-                if rest:  # the unit is full: wait for room with a blocking put of the next one
-                    self._put_waiting(unit_id, trajs, items, rest, timeout, out)
-                    rest = rest[1:]
-        tr = tracing.tracer
-        if tr is not None:  # one event per burst of puts of this thread
-            if len(checked) == 1:
-                tr.burst("put", "producer", t0, tracing.now_us(), checked[0][0]["source"])
-            else:
-                by_source: dict[str, int] = {}
-                for m, _n in checked:
-                    by_source[m["source"]] = by_source.get(m["source"], 0) + 1
-                tr.burst("put", "producer", t0, tracing.now_us(), by_source)
-        return [m for m in out if m is not None]
-
-    def _put_waiting(self, unit_id: str, trajs: Sequence[Trajectory], items: Sequence[Sequence[Any]], rest: Sequence[int],
-                     timeout: float | None, out: list[TrajectoryMeta | None]) -> None:
-        plane = self._engine.control
-        unit = self._engine.units[unit_id]
-        k = rest[0]
-        try:
-            unit.put(trajs[k], timeout=timeout)
-        except StoreFull as e:
-            for i in rest:
-                plane.admission.note_rejected(trajs[i].id, "store_full")
-            self._engine.flush_reports()  # this process's consumers' hand-outs and commits, for an exact answer
-            holders = plane.reporting.holders(unit_id)
-            more = f" (and {len(rest) - 1} more of this batch not yet stored)" if len(rest) > 1 else ""
-            raise StoreFull(f"trajectory {trajs[k].id!r}{more} refused: storage unit {unit_id!r} is held by {holders}. "
-                            f"{e}") from e
-        except EngineError as e:
-            plane.admission.note_rejected(trajs[k].id, "closed")
-            self._raise_closed(e)
-            raise
-        except ValidationError:  # the id is held there already (not this put's payload)
-            plane.admission.note_rejected(trajs[k].id, "id")
-            raise
-        except BaseException as e:  # interrupted while it waited: it may have been stored
-            unit.release([trajs[k].id])
-            plane.admission.note_rejected(trajs[k].id, type(e).__name__)
-            raise
-        try:
-            ans = plane.admission.admit_many(unit_id, [list(items[k])])
-        except BaseException:
-            unit.release([trajs[k].id])
-            raise
-        if ans["accepted"][0] is None:
-            unit.release([trajs[k].id])
-        self._router.take(ans, [k], out)
-
-    def _raise_closed(self, e: EngineError) -> None:
-        if self.stats_light()["closed"]:
-            raise PipelineClosedError("the pipeline was closed (end of stream); build a new Pipeline to continue") from e
-
-    def _checked(self, traj: Any) -> tuple[dict[str, Any], int]:
-        """The checks of the put path in the producer (type, fields, media decoding): ``(metadata, loss tokens)``.
-
-        A refusal is counted by the control plane by its cause, then raised.
-        """
-        plane = self._engine.control
-        if not isinstance(traj, Trajectory):
-            plane.admission.note_rejected(None, "traj")
-            raise FieldTypeError(f"put() takes a knitdata.Trajectory, got {type(traj).__name__}", field="traj")
-        try:
-            traj.validate()
-            budget = int(self._engine.config["token_budget"])
-            if traj.num_tokens > budget:
-                raise ValidationError(
-                    f"{traj.num_tokens} tokens (prompt {traj.prompt_ids.numel()} + response "
-                    f"{traj.response_ids.numel()}) exceed the pipeline's token_budget of {budget} per micro-batch: "
-                    "truncate it, or create the pipeline with a larger token_budget",
-                    trajectory_id=traj.id, field="num_tokens")
-            if self.check_media and traj.media:
-                from knitdata.media import check_media_item
-
-                for i, item in enumerate(traj.media):
-                    check_media_item(item, trajectory_id=traj.id, index=i)
-        except KnitdataError as e:
-            cause = getattr(e, "field", None) or ("media" if traj.media else type(e).__name__)
-            plane.admission.note_rejected(traj.id, cause.split(".")[0])
-            raise
-        meta = traj.meta().to_dict()
-        meta["fields"] = fields_of(traj.scalars, {k: str(v.dtype).replace("torch.", "") for k, v in traj.tensors.items()})
-        return meta, _loss_tokens(traj)
+        return self._producer.put(trajs, timeout)
 
     def set_in_flight(self, counts: Mapping[str, int]) -> None:
         """Tell admission how many trajectories per source are still coming for this train batch.
@@ -616,8 +362,7 @@ class Pipeline:
             :class:`~knitdata.errors.IncompleteStreamError` once they have every admitted mini-batch.
         """
         report = dict(self._engine.control.admission.close())
-        if self._presence is not None:  # a closed pipeline needs no producer presence
-            self._engine.sender.remove_producer(self._presence)
+        self._producer.close()  # a closed pipeline needs no producer presence
         self._engine.on_close()
         if report.get("dropped_trajectories") and not self._closed_here:
             warnings.warn(
@@ -752,14 +497,6 @@ class Pipeline:
             raise ConfigError(f"rank must be an int in 0..{self.num_consumers - 1}, got {rank!r}")
         return self._engine.metrics(rank)
 
-    def kill_unit(self, unit_id: str) -> None:
-        """Ray engine: kill one storage unit's actor (failure drills and tests).
-
-        Raises:
-            EngineError: On the embedded engine.
-        """
-        self._engine.kill_unit(unit_id)
-
     # ------------------------------------------------------------------ whole-pipeline checkpoint
     @property
     def ledger(self) -> RolloutLedger:
@@ -781,7 +518,7 @@ class Pipeline:
         Onto another number of ranks (``layout=...``), pass ``rank_states``, the saved states of all old ranks (or
         their merged state); every new rank then loads ``pipe.restore_report.merged_state``."""
         from knitdata.checkpoint import restore_pipeline
-        return restore_pipeline(cls, path, lambda p: p._engine, rank_states=rank_states,
+        return restore_pipeline(cls, path, lambda p: p.internals, rank_states=rank_states,
                                 allow_config_change=allow_config_change, **options)
 
     def lost_groups(self) -> dict[str, dict[str, Any]]:

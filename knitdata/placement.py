@@ -19,8 +19,9 @@ from typing import Any
 
 from knitdata.errors import ConfigError, StateError
 from knitdata.record import TrajectoryMeta
+from knitdata.registry import Registry
 
-__all__ = ["ConsumerLayout", "Placement", "ConsumerAwarePlacement", "IndexModPlacement", "make_placement"]
+__all__ = ["ConsumerLayout", "Placement", "ConsumerAwarePlacement", "IndexModPlacement", "PLACEMENTS", "make_placement"]
 
 
 class ConsumerLayout:
@@ -109,6 +110,8 @@ class Placement(abc.ABC):
         units: Ids of the storage units, one per node, in layout order.
     """
 
+    #: The name it is registered under in :data:`PLACEMENTS` (``Pipeline(placement=name)``).
+    name: str = ""
     #: Whether the planner should prefer consumers on the node holding a payload.
     consumer_aware: bool = False
 
@@ -172,6 +175,7 @@ class Placement(abc.ABC):
 class IndexModPlacement(Placement):
     """Baseline: the ``i``-th put goes to unit ``i % len(units)``, oblivious to consumers."""
 
+    name = "index_mod"
     consumer_aware = False
 
     def place(self, meta: TrajectoryMeta) -> str:
@@ -193,6 +197,7 @@ class ConsumerAwarePlacement(Placement):
         max_groups: Groups remembered at most.
     """
 
+    name = "consumer_aware"
     consumer_aware = True
 
     def __init__(self, units: Sequence[str], *, max_groups: int = 65536) -> None:
@@ -283,13 +288,18 @@ class ConsumerAwarePlacement(Placement):
             self._groups.popitem(last=False)
 
 
-_PLACEMENTS = {"consumer_aware": ConsumerAwarePlacement, "index_mod": IndexModPlacement}
+#: The placement classes by name (``Pipeline(placement=name)``, :func:`make_placement`): ``"consumer_aware"`` and
+#: ``"index_mod"``, then any registered since (``PLACEMENTS.register(name, cls)``).
+PLACEMENTS: Registry[type[Placement]] = Registry(
+    "placement", accepts=lambda c: isinstance(c, type) and issubclass(c, Placement))
+for _cls in (ConsumerAwarePlacement, IndexModPlacement):
+    PLACEMENTS.register(_cls.name, _cls)
 
 
 def make_placement(name: str, units: Sequence[str]) -> Placement:
-    """Build a placement by name: ``"consumer_aware"`` or ``"index_mod"``."""
-    cls = _PLACEMENTS.get(name)
-    if cls is None:
-        raise ConfigError(f"unknown placement {name!r}; choose one of {sorted(_PLACEMENTS)}")
-    return cls(units)
+    """Build the placement registered as ``name`` in :data:`PLACEMENTS` (``"consumer_aware"`` or ``"index_mod"``).
 
+    Raises:
+        ConfigError: Unknown name (the message names the choices), or no unit.
+    """
+    return PLACEMENTS.get(name)(units)

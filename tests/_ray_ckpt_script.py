@@ -185,7 +185,7 @@ def node_loss(d: str) -> dict[str, Any]:
         put_prompts(pipe, range(8), put)  # 2 train batches, admitted
         pipe.put(traj("p8-0", 8))  # an incomplete group, not admitted
         put.append("p8-0")
-        held = {u: pipe._engine.control.ledger.lost_on([u])["groups"] for u in pipe.units}  # what each unit holds
+        held = {u: pipe.internals.control.ledger.lost_on([u])["groups"] for u in pipe.units}  # what each unit holds
         out[mode] = {"put": put, "on_unit": {u: {g: v["trajectories"] for g, v in gs.items()} for u, gs in held.items()},
                      "unit_nodes": {u: unit.node for u, unit in pipe.units.items()},
                      "coordinator_node": coordinator_node(f"nl-{mode}"), "driver_node": nodes[0]}

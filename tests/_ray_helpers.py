@@ -528,7 +528,7 @@ def pipeline_killed(spill_root: str, n_groups: int = 12) -> dict[str, Any]:
         pipe.close()
         # rank 1 reads its first micro-batch, then its node's unit dies mid-step
         first = ray.get(consumers[1].consume.remote(name, 1, "iter", True, 1), timeout=120)
-        pipe.kill_unit("n1")
+        pipe.internals.kill_unit("n1")
         time.sleep(0.5)
         results = ray.get([c.consume.remote(name, r, "iter", True, None, first["next"] if r == 1 else None)
                            for r, c in enumerate(consumers)], timeout=120)
@@ -581,7 +581,7 @@ def coordinator_killed(journal_root: str, n_groups: int = 24, kills: int = 2, co
     pipe.close()
     for t in threads:
         t.join(180)
-    info = pipe.control.plumbing.info()
+    info = pipe.internals.control.plumbing.info()
     stats = pipe.stats()
     pipe.shutdown()
     return {"got": got, "all_ids": [t.id for t in trajs], "errors": errors, "killed": killed,
@@ -630,7 +630,7 @@ def whole_job_resume(spill_root: str, pipeline: str, state: dict[str, Any], trac
     rest = [list(mb.info.trajectory_ids) for mb in ds]
     ds.commit(wait=True)
     stats = pipe.stats()
-    info = pipe.control.plumbing.info()
+    info = pipe.internals.control.plumbing.info()
     pipe.shutdown()
     return {"rest": rest, "held": stats["held_trajectories"], "replayed": info["replayed"]}
 
@@ -650,7 +650,7 @@ def one_round_trip(n_groups: int = 12) -> dict[str, Any]:
     pipe = Pipeline(_spec(len(trajs)), layout=ConsumerLayout(["a", "b"]), engine="ray", token_budget=1024,
                     engine_options={"name": name, "nodes": {"a": nodes[0], "b": nodes[1]}})
     calls = {"control": 0, "unit": 0}
-    real_send = type(pipe.control).send
+    real_send = type(pipe.internals.control).send
 
     putter = threading.current_thread()
 
@@ -665,7 +665,7 @@ def one_round_trip(n_groups: int = 12) -> dict[str, Any]:
         calls["unit"] += 1
         return real_put_admit(self, *a, **kw)
 
-    type(pipe.control).send = send  # type: ignore[method-assign]
+    type(pipe.internals.control).send = send  # type: ignore[method-assign]
     RayStorageUnit.put_admit = put_admit  # type: ignore[method-assign]
     first = pipe.put(trajs[0])  # the first put of a process also fetches the placement's view once
     after_first = dict(calls)
@@ -675,14 +675,14 @@ def one_round_trip(n_groups: int = 12) -> dict[str, Any]:
     before = dict(calls)
     metas += pipe.put_many(trajs[half:])
     batch = {"control": calls["control"] - before["control"], "unit": calls["unit"] - before["unit"]}
-    type(pipe.control).send = real_send  # type: ignore[method-assign]
+    type(pipe.internals.control).send = real_send  # type: ignore[method-assign]
     RayStorageUnit.put_admit = real_put_admit  # type: ignore[method-assign]
     # the plane's own placement, fed the same puts in order, picks the same units
     ref = ConsumerAwarePlacement(list(pipe.units))
     from knitdata.record import TrajectoryMeta
 
     expected = [ref.place(TrajectoryMeta.from_dict({**t.meta().to_dict(), "seq": i})) for i, t in enumerate(trajs)]
-    admit_cpu = pipe.control.plumbing.admit_cpu()  # the coordinator's CPU inside the units' admission calls
+    admit_cpu = pipe.internals.control.plumbing.admit_cpu()  # the coordinator's CPU inside the units' admission calls
     pipe.close()
     got = [pipe.dataset(r, fetch="iter") for r in range(2)]
     ids = sorted(i for ds in got for mb in ds for i in mb.info.trajectory_ids)

@@ -67,8 +67,8 @@ def test_spec_validation(kwargs: dict, match: str) -> None:
 
 def test_make_policy() -> None:
     spec = BatchSpec({"a": 4}, 2)
-    for name, cls in POLICIES.items():
-        assert isinstance(make_policy(name, spec), cls)
+    for name in POLICIES:
+        assert isinstance(make_policy(name, spec), POLICIES.get(name))
     with pytest.raises(ConfigError, match="unknown admission policy"):
         make_policy("nope", spec)
 

@@ -124,7 +124,7 @@ def test_a_put_right_after_report_version_in_the_same_process_never_overtakes_th
         for i in range(20):
             pipe.report_version(i)
             pipe.put(traj(i, "a", i))
-            assert pipe.control.reporting.stats()["version"] == i  # read without flushing: the put sent it
+            assert pipe.internals.control.reporting.stats()["version"] == i  # read without flushing: the put sent it
             next(it)
 
 

@@ -150,11 +150,11 @@ def test_restore_onto_other_nodes_keeps_the_plans(saved: tuple[Path, dict]) -> N
     try:
         assert pipe.restore_report is not None
         assert set(pipe.restore_report.unit_map.values()) <= {"a", "b"}
-        state = pipe._engine.control.state_dict()
+        state = pipe.internals.control.state_dict()
         old = [[[it[0] for it in e["items"]] for e in q] for q in m["plane"]["queues"]]
         new = [[[it[0] for it in e["items"]] for e in q] for q in state["queues"]]
         assert new == old and state["position"] == m["plane"]["position"]
-        held = sum(len(u) for u in pipe._engine.units.values())
+        held = sum(len(u) for u in pipe.internals.units.values())
         assert held == m["payloads"]["count"]
         # what admission held (half a group) is admitted and read from its new unit once the group completes
         job = json.loads((d / "job.json").read_text())
@@ -263,11 +263,11 @@ def test_releases_after_the_cut_wait_for_the_payloads(tmp_path: Path) -> None:
     """A release sent between the cut and the end of the write is deferred; the checkpoint holds every payload."""
     pipe = Pipeline(BatchSpec({"a": 2}, num_minibatches=1, group_size=1), num_consumers=1, token_budget=64)
     pipe.put_many([_t(i) for i in range(4)])
-    plane = pipe._engine.control
+    plane = pipe.internals.control
     cut = plane.ledger.checkpoint_cut()
     assert {m["id"] for m in cut["plane"]["live"]} == {f"t{i}" for i in range(4)}
     plane.positions.commit(0, 1)  # the consumer moved past the first micro-batch after the cut
-    unit = pipe._engine.units["node0"]
+    unit = pipe.internals.units["node0"]
     assert len(unit) == 4  # held back
     with pytest.raises(StateError, match="in progress"):
         plane.ledger.checkpoint_cut()

@@ -262,7 +262,7 @@ def test_exactly_once_across_stop_and_resume_all_ranks(seed, num_consumers, num_
     first = _fed(w.spec, w.trajs, layout=layout, token_budget=rng.choice([6, 12, 40]))
     delivered: list[str] = []
     states = []
-    budget = first.planner.token_budget
+    budget = first.internals.local_plane().state.planner.token_budget
     for r in range(num_consumers):
         ds, ld = loader(first, r)
         it = iter(ld)
@@ -418,7 +418,7 @@ def test_close_from_another_thread_ends_a_blocked_pass_cleanly(fetch):
     t = threading.Thread(target=consume)
     t.start()
     for _ in range(500):  # until the consumer's iterator is live (then it blocks: nothing is admitted)
-        if pipe.control.state.leases:
+        if pipe.internals.control.state.leases:
             break
         threading.Event().wait(0.01)
     threading.Event().wait(0.1)

@@ -182,7 +182,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("storage", "spill", "shards"),
     ("control",),
     ("admission", "placement", "planner", "staleness"),
-    ("record", "codec", "metrics", "monitor", "errors", "trace", "threads"),
+    ("record", "codec", "metrics", "monitor", "errors", "trace", "threads", "registry"),
 ]
 
 

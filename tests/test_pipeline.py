@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from knitdata.admission import BatchSpec
 from knitdata.errors import (
     ConfigError,
+    EngineError,
     FieldTypeError,
     OptionalDependencyError,
     QuotaInfeasibleError,
@@ -266,10 +267,10 @@ def test_engine_selection(monkeypatch):
 
 def test_an_engine_registered_by_name_is_accepted():
     """Engines are a registry: a name registered by the user selects its class (here the embedded one again)."""
-    from knitdata.engines.base import engine_names, register_engine
+    from knitdata.engines.base import ENGINES
 
-    register_engine("in_process_again", "knitdata.engines.embedded:EmbeddedEngine")
-    assert engine_names()[:2] == ("embedded", "ray") and "in_process_again" in engine_names()
+    ENGINES.register("in_process_again", "knitdata.engines.embedded:EmbeddedEngine")
+    assert ENGINES.names()[:2] == ("embedded", "ray") and "in_process_again" in ENGINES
     pipe = Pipeline(BatchSpec({"a": 2}, num_minibatches=1), engine="in_process_again", num_consumers=1)
     for i in range(2):
         pipe.put(make_traj(i, "a", f"g{i}"))
@@ -363,7 +364,7 @@ def test_placement_load_returns_to_zero_with_spill(tmp_path):
     units = pipe.stats()["units"].values()
     assert sum(u["spill_puts"] for u in units) > 0
     # placement counts bytes placed so far (never released ones), so that plans depend on the puts alone
-    assert sum(pipe.control.state.placement.state_dict()["load"].values()) == sum(t.nbytes for t in w.trajs)
+    assert sum(pipe.internals.control.state.placement.state_dict()["load"].values()) == sum(t.nbytes for t in w.trajs)
 
 
 def test_bad_set_in_flight_is_rejected_without_stopping_the_pipeline():
@@ -574,3 +575,40 @@ def test_a_trajectory_longer_than_the_token_budget_is_refused_at_put():
     pipe.close()
     got = [mb.info.trajectory_ids for mb in pipe.dataset(0, timeout=30)]
     assert sorted(i for ids in got for i in ids) == ["t0", "t1", "t2", "t3"] and all(len(ids) == 1 for ids in got)
+
+
+def test_the_pipeline_options_are_declared_once():
+    """``Pipeline``'s keywords after ``spec`` are the fields of ``PipelineOptions`` (names, order, annotations,
+    defaults), which checks them, builds the engine and documents each (its ``Attributes``)."""
+    import dataclasses
+    import inspect
+
+    from knitdata.engines.options import PipelineOptions
+
+    fields = [(f.name, str(f.type), f.default) for f in dataclasses.fields(PipelineOptions)]
+    params = [p for p in inspect.signature(Pipeline.__init__).parameters.values() if p.name not in ("self", "spec")]
+    assert [(p.name, str(p.annotation), p.default) for p in params] == fields
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params)
+    doc = inspect.getdoc(PipelineOptions) or ""
+    assert all(f"\n    {name}: " in doc for name, _t, _d in fields), [n for n, _t, _d in fields
+                                                                      if f"\n    {n}: " not in doc]
+    with pytest.raises(ConfigError, match="token_budget must be a positive int"):
+        PipelineOptions(token_budget=0).build(BatchSpec({"a": 2}, num_minibatches=1))
+    with pytest.raises(ConfigError, match="unknown engine 'nope'; choose one of"):
+        Pipeline(BatchSpec({"a": 2}, num_minibatches=1), engine="nope")
+    with pytest.raises(ConfigError, match="unknown placement 'nope'; choose one of"):
+        Pipeline(BatchSpec({"a": 2}, num_minibatches=1), placement="nope")
+    with pytest.raises(ConfigError, match="spec must be a knitdata.admission.BatchSpec"):
+        Pipeline({"a": 2})  # type: ignore[arg-type]
+
+
+def test_the_facade_exposes_the_engine_only_as_internals():
+    """Tests, drills and benchmarks reach the control parts, units and ``kill_unit`` through ``pipe.internals``
+    (the engine); the facade has no ``control``, ``planner`` or ``kill_unit``."""
+    pipe = Pipeline(BatchSpec({"a": 2}, num_minibatches=1))
+    assert not any(hasattr(pipe, name) for name in ("control", "planner", "kill_unit"))
+    assert pipe.internals.control.reporting.stats()["closed"] is False
+    assert pipe.internals.local_plane().state.planner is not None
+    with pytest.raises(EngineError, match="kill_unit is a failure drill"):
+        pipe.internals.kill_unit("node0")
+    pipe.shutdown()

@@ -43,7 +43,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import knitdata.pipeline as pipeline_mod
+import knitdata.producer as producer_mod
 from benchmarks.soak import Ledger, SoakConfig, consume_with_restarts, run_soak
 from knitdata.errors import FieldTypeError, MediaError, StoreFull, ValidationError
 from knitdata.pipeline import Pipeline
@@ -84,8 +84,8 @@ def _wrap_for(victim: str, fn, *, after: bool = False):
 def _inject(point: str, pipe: Pipeline, victim: str, monkeypatch) -> None:
     unit = next(iter(pipe.units.values()))
     if point == "placement":
-        place_at = pipe.control.state.placement.place_at  # where the plane accounts the unit the producer stored on
-        monkeypatch.setattr(pipe.control.state.placement, "place_at",
+        place_at = pipe.internals.control.state.placement.place_at  # where the plane accounts the unit the producer stored on
+        monkeypatch.setattr(pipe.internals.control.state.placement, "place_at",
                             lambda meta, unit: (_ for _ in ()).throw(ProducerKilled("place_at"))
                             if meta.id == victim else place_at(meta, unit))
     elif point == "unit_before_store":
@@ -93,11 +93,11 @@ def _inject(point: str, pipe: Pipeline, victim: str, monkeypatch) -> None:
     elif point == "unit_after_store":
         monkeypatch.setattr(unit, "put", _wrap_for(victim, unit.put, after=True))
     elif point == "bookkeeping":
-        real = pipeline_mod._loss_tokens
-        monkeypatch.setattr(pipeline_mod, "_loss_tokens",
+        real = producer_mod._loss_tokens
+        monkeypatch.setattr(producer_mod, "_loss_tokens",
                             lambda t: (_ for _ in ()).throw(ProducerKilled("bookkeeping")) if t.id == victim else real(t))
     elif point == "offer":
-        offer = pipe.policy.offer
+        offer = pipe.internals.local_plane().state.policy.offer
 
         def bad_offer(metas):
             metas = list(metas)
@@ -105,7 +105,7 @@ def _inject(point: str, pipe: Pipeline, victim: str, monkeypatch) -> None:
                 raise ProducerKilled("offer")
             return offer(metas)
 
-        monkeypatch.setattr(pipe.policy, "offer", bad_offer)
+        monkeypatch.setattr(pipe.internals.local_plane().state.policy, "offer", bad_offer)
     else:  # pragma: no cover
         raise AssertionError(point)
 

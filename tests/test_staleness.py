@@ -411,7 +411,7 @@ def test_plane_forgets_put_stamps_of_released_trajectories(monkeypatch) -> None:
 
     monkeypatch.setattr(state_mod, "PUT_LOG_PRUNE", 8)
     with Pipeline(BatchSpec({"a": 2}, num_minibatches=1), release="handout") as pipe:
-        plane = pipe._engine.control.state
+        plane = pipe.internals.control.state
         plane.put_log_prune_at = 8
         it = iter(pipe.dataset(0, timeout=10))
         longest = 0

@@ -66,16 +66,16 @@ def test_release_waits_for_the_slowest_replica_and_each_resumes_on_its_own():
     fast = pipe.dataset(0, replica=0, num_replicas=2)
     assert [cf._replica_row(mb) for mb in fast] == ref[0]
     pipe.stats_light()
-    assert pipe.control.state.committed[0] == 0 and pipe.control.state.replicas.committed[0] == [len(ref[0]), 0]
-    unit = next(iter(pipe.control.state.unit_nodes))
-    assert f"its replicas committed up to [{len(ref[0])}, 0]" in pipe.control.reporting.holders(unit)  # what StoreFull says
+    assert pipe.internals.control.state.committed[0] == 0 and pipe.internals.control.state.replicas.committed[0] == [len(ref[0]), 0]
+    unit = next(iter(pipe.internals.control.state.unit_nodes))
+    assert f"its replicas committed up to [{len(ref[0])}, 0]" in pipe.internals.control.reporting.holders(unit)  # what StoreFull says
     slow = pipe.dataset(0, replica=1, num_replicas=2)
     it = iter(slow)
     head = [cf._replica_row(next(it)) for _ in range(3)]
     state = json.loads(json.dumps(slow.state_dict()))
     assert state["replica"] == 1 and state["num_replicas"] == 2 and state["next"] == 3
     slow.commit(state, wait=True)
-    assert pipe.control.state.committed[0] == 3  # the smallest of the replicas' commits
+    assert pipe.internals.control.state.committed[0] == 3  # the smallest of the replicas' commits
     slow.close()
     again = pipe.dataset(0, replica=1, num_replicas=2)  # a restarted replica 1: loads its own state
     again.load_state_dict(state)
@@ -122,7 +122,7 @@ def test_every_release_mode_releases_once_every_replica_is_past(release):
     c.commit(wait=True)
     held = pipe.stats_light()["held_microbatches"][0]
     assert held == len(ref[0]) - 2, (release, held)  # replica 1 handed out (and committed) 2 micro-batches
-    snap = json.loads(json.dumps(pipe.control.state_dict()))  # loads back, positions and all
+    snap = json.loads(json.dumps(pipe.internals.control.state_dict()))  # loads back, positions and all
     assert ControlPlane.from_state_dict(snap, lambda u, ids, w: None).state.replicas.to_dict() == snap["replicas"]
     assert [cf._replica_row(mb) for mb in it_b] == ref[0][2:] and [cf._replica_row(mb) for mb in it_c] == ref[0][3:]
     b.commit(wait=True)
@@ -142,7 +142,7 @@ def test_inconsistent_or_bad_replica_arguments_are_refused():
     with pytest.raises(ConfigError, match="num_replicas=4 disagrees with the 2 replicas"):
         pipe.dataset(1, replica=3, num_replicas=4)
     with pytest.raises(ConfigError, match="replica must be an int in 0..1"):
-        pipe.control.positions.seek(0, 1, 2)
+        pipe.internals.control.positions.seek(0, 1, 2)
 
 
 def test_replica_positions_survive_a_control_plane_snapshot():
@@ -151,7 +151,7 @@ def test_replica_positions_survive_a_control_plane_snapshot():
     it = iter(ds)
     next(it)
     ds.commit(wait=True)
-    snap = json.loads(json.dumps(pipe.control.state_dict()))
+    snap = json.loads(json.dumps(pipe.internals.control.state_dict()))
     assert snap["replicas"]["num"] == 2 and snap["replicas"]["committed"][1] == [0, 1]
     plane = ControlPlane.from_state_dict(snap, lambda unit, ids, wait: None)
     assert plane.state.replicas.to_dict() == snap["replicas"] and plane.positions.start_point(1, 1)["next"] == 1
@@ -164,7 +164,7 @@ def test_replica_calls_are_journaled_and_recovered(tmp_path):
     from knitdata.control.journal import Journal
 
     pipe = _filled()
-    snap = json.loads(json.dumps(pipe.control.state_dict()))
+    snap = json.loads(json.dumps(pipe.internals.control.state_dict()))
     units = snap["unit_nodes"]
     a = ControlPlane(snap["config"], units, lambda u, ids, w: None, journal=Journal(tmp_path / "j"))
     a.load_state_dict(snap)

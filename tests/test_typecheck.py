@@ -31,7 +31,7 @@ from knitdata.engines.ray_control import RayControl
 
 
 def calls(pipe: Pipeline, engine: Engine, ray_control: RayControl) -> None:
-    pipe.control.positions.comit(0, 1, 0)  # misspelt call
+    pipe.internals.control.positions.comit(0, 1, 0)  # misspelt call
     engine.control.positions.commit(0, "1", 0)  # wrong argument type
     engine.control.commit(0, 1)  # not on a part
     ray_control.leasing.next_entry(0, 0, 1.0)  # misspelt on the Ray proxy
@@ -48,7 +48,7 @@ def calls(pipe: Pipeline, engine: Engine, ray_control: RayControl) -> int:
     engine.control.leasing.next_entries(0, 0, 1.0, "tok", 0, 0)
     ray_control.plumbing.info()
     ray_control.reporting.report_transfer({"read": 0})
-    return pipe.control.positions.commit(0, 1, 0) + ray_control.positions.commit(0, 1, replica=0)
+    return pipe.internals.control.positions.commit(0, 1, 0) + ray_control.positions.commit(0, 1, replica=0)
 '''
 
 

@@ -410,7 +410,7 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
         from knitdata.storage.ray_connect import NAMESPACE
 
         actor = ray.get_actor(coordinator_name(name), namespace=NAMESPACE)
-        control = pipe.control
+        control = pipe.internals.control
         assert isinstance(control, RayControl)
         while not killer_stop.wait(kill_coordinator_every_s):
             if max_coordinator_kills is not None and kills[0] >= max_coordinator_kills:

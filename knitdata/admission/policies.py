@@ -10,6 +10,7 @@ from knitdata.admission.base import AdmissionPolicy, ReadyGroup
 from knitdata.admission.composition import composition_limits, even_completion
 from knitdata.admission.spec import BatchSpec
 from knitdata.errors import ConfigError
+from knitdata.registry import Registry
 
 __all__ = [
     "POLICIES",
@@ -195,28 +196,24 @@ class ConstraintPreservingAdmission(AdmissionPolicy):
         return out
 
 
-#: Policy name -> class.
-POLICIES: dict[str, type[AdmissionPolicy]] = {
-    "train_batch": TrainBatchAdmission,
-    "fifo": FifoAdmission,
-    "linear_target": LinearTargetAdmission,
-    "constraint_preserving": ConstraintPreservingAdmission,
-}
+#: The admission policy classes by name (``Pipeline(admission=name)``, :func:`make_policy`), the four built-in ones
+#: first, then any registered since (``POLICIES.register(name, cls)``).
+POLICIES: Registry[type[AdmissionPolicy]] = Registry(
+    "admission policy", accepts=lambda c: isinstance(c, type) and issubclass(c, AdmissionPolicy))
+for _cls in (TrainBatchAdmission, FifoAdmission, LinearTargetAdmission, ConstraintPreservingAdmission):
+    POLICIES.register(_cls.name, _cls)
 
 
 def make_policy(name: str, spec: BatchSpec, **kw: Any) -> AdmissionPolicy:
-    """Build an admission policy by name.
+    """Build the admission policy registered as ``name`` in :data:`POLICIES`.
 
     Args:
-        name: One of ``"train_batch"``, ``"fifo"``, ``"linear_target"``, ``"constraint_preserving"``.
+        name: One of ``"train_batch"``, ``"fifo"``, ``"linear_target"``, ``"constraint_preserving"`` (or a name
+            registered since).
         spec: The batch specification.
         **kw: Passed to the policy (``continuous=``, ``max_staleness=``, ``on_stale=``, ``version_offset=``).
 
     Raises:
-        ConfigError: Unknown name.
+        ConfigError: Unknown name (the message names the choices).
     """
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ConfigError(f"unknown admission policy {name!r}; choose one of {sorted(POLICIES)}") from None
-    return cls(spec, **kw)
+    return POLICIES.get(name)(spec, **kw)

@@ -1,7 +1,7 @@
 """What every engine provides to the pipeline and the datasets (:class:`Engine`), and the engines by name.
 
-An engine is chosen by name (``Pipeline(engine=name)``): :func:`engine_class` imports the class registered under
-that name (:func:`register_engine`), and the pipeline builds it with :meth:`Engine.build`. What differs between
+An engine is chosen by name (``Pipeline(engine=name)``): :data:`ENGINES` (a :class:`~knitdata.registry.Registry`)
+imports the class registered under that name, and the pipeline builds it with :meth:`Engine.build`. What differs between
 engines is said by the class (its capabilities, declared here with refusing defaults: :attr:`Engine.in_process`,
 :attr:`Engine.supports_worker_processes`, :attr:`Engine.shutdown_on_exit`, :attr:`Engine.copy_free_reads`,
 :meth:`Engine.recoverable`, :meth:`Engine.kill_unit`, :meth:`Engine.local_plane`) and done by its methods, never by
@@ -11,62 +11,27 @@ checking its name.
 from __future__ import annotations
 
 import abc
-import importlib
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from knitdata.control.plane import Control, ControlPlane
-from knitdata.errors import EngineError, OptionalDependencyError
+from knitdata.errors import EngineError
 from knitdata.fetch import FetchMode
 from knitdata.handoff import HEARTBEAT_S, ControlSender
 from knitdata.metrics import ConsumerMetrics, TransferMeter
 from knitdata.placement import ConsumerLayout
 from knitdata.record import Trajectory
+from knitdata.registry import Registry
 from knitdata.storage.base import StorageUnit
 
-__all__ = ["Engine", "ENGINES", "engine_class", "engine_names", "register_engine"]
+__all__ = ["Engine", "ENGINES"]
 
-_REGISTRY: dict[str, str] = {}
-
-
-def register_engine(name: str, target: str) -> None:
-    """Make the engine class ``target`` (``"module:Class"``, imported when first used) known as ``name``."""
-    _REGISTRY[name] = target
-
-
-def engine_class(name: str, *, what: str | None = None) -> type[Engine]:
-    """The engine class registered as ``name`` (imported now).
-
-    Args:
-        name: A name of :data:`ENGINES` (or one registered since).
-        what: What needs it, for the message of a missing optional dependency (default ``engine=<name>``).
-
-    Raises:
-        KeyError: No engine of that name. OptionalDependencyError: The engine's package is not installed.
-    """
-    module, _sep, cls = _REGISTRY[name].partition(":")
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        top = e.name.split(".")[0] if e.name else ""
-        if top and top != "knitdata":
-            raise OptionalDependencyError(top, top, what or f"engine={name!r}") from e
-        raise
-    found: type[Engine] = getattr(mod, cls)
-    return found
-
-
-def engine_names() -> tuple[str, ...]:
-    """The names of the registered engines (the built-in :data:`ENGINES` first, then any registered since)."""
-    return tuple(_REGISTRY)
-
-
-register_engine("embedded", "knitdata.engines.embedded:EmbeddedEngine")
-register_engine("ray", "knitdata.engines.ray:RayEngine")
-
-#: The built-in engines (:func:`engine_names` lists these and any registered since).
-ENGINES: tuple[str, ...] = ("embedded", "ray")
+#: The engine classes by name (``Pipeline(engine=name)``), imported when first chosen: ``"embedded"`` and ``"ray"``,
+#: then any registered since (``ENGINES.register(name, "module:Class")``).
+ENGINES: Registry[type[Engine]] = Registry("engine", accepts=lambda e: isinstance(e, type) and issubclass(e, Engine))
+ENGINES.register("embedded", "knitdata.engines.embedded:EmbeddedEngine")
+ENGINES.register("ray", "knitdata.engines.ray:RayEngine")
 
 
 class Engine(abc.ABC):

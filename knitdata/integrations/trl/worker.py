@@ -345,7 +345,7 @@ class KnitdataRolloutWorker:
         idle = time.monotonic() - self._last_progress
         if self._threads and idle > stale_after_s:
             raise StateError(f"the knitdata worker produced nothing for {idle:.0f} s (> {stale_after_s} s); "
-                             f"admission waits for {self.pipeline.control.reporting.missing() if self.pipeline else '?'}")
+                             f"admission waits for {self.pipeline.internals.control.reporting.missing() if self.pipeline else '?'}")
 
     def raise_if_failed(self) -> None:
         """Raise what a worker thread failed with, or a StateError if TRL would have dropped a sample."""
