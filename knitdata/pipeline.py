@@ -25,8 +25,6 @@ Example:
 from __future__ import annotations
 
 import os
-import threading
-import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -37,7 +35,7 @@ from knitdata.consumer import DEFAULT_TIMEOUT_S
 from knitdata.control import RELEASE_MODES, acquire_rollout
 from knitdata.engines.base import ENGINES, Engine
 from knitdata.engines.options import PipelineOptions
-from knitdata.errors import ConfigError, EngineError, KnitdataError, PipelineClosedError, ValidationError
+from knitdata.errors import ConfigError, KnitdataError, PipelineClosedError
 from knitdata.metrics import ConsumerMetrics
 from knitdata.placement import ConsumerLayout, Placement
 from knitdata.planner import MiniBatchPlan
@@ -106,25 +104,17 @@ class Pipeline:
         trace: str | os.PathLike[str] | None = None,
         version_offset: int | None = None,
     ) -> None:
-        eng = PipelineOptions(
-            admission=admission, admission_options=admission_options, layout=layout, num_consumers=num_consumers,
-            engine=engine, capacity_bytes=capacity_bytes, token_budget=token_budget, placement=placement,
-            allow_split_groups=allow_split_groups, balance_tolerance=balance_tolerance, put_timeout=put_timeout,
-            spill_dir=spill_dir, spill_bytes=spill_bytes, release=release, producer_timeout_s=producer_timeout_s,
-            check_media=check_media, on_plan=on_plan, engine_options=engine_options, max_staleness=max_staleness,
-            on_stale=on_stale, trace=trace, version_offset=version_offset).build(spec)
+        options = {k: v for k, v in locals().items() if k not in ("self", "spec")}  # PipelineOptions' fields
+        eng = PipelineOptions(**options).build(spec)
         self._setup(eng, put_timeout=put_timeout, check_media=check_media, owner=True)
         self.capacity_bytes = capacity_bytes
 
     def _setup(self, engine: Engine, *, put_timeout: float | None, check_media: bool, owner: bool) -> None:
         self._engine = engine
         self.spec = BatchSpec.from_dict(engine.config["spec"])
-        self.layout = engine.layout
         self._producer = Producer(engine, put_timeout=put_timeout, check_media=check_media)
         self._owner = owner
         self._closed_here = False
-        self._version_listeners: list[Callable[[int, float], None]] = []
-        self._listeners_lock = threading.Lock()
         self.restore_report: RestoreReport | None = None  # what restore() restored
         #: The trace this pipeline's processes record (``Pipeline(trace=...)``), or ``None``.
         self.trace_path: str | None = tracing.tracer.path if tracing.tracer is not None else None
@@ -161,7 +151,6 @@ class Pipeline:
         self.capacity_bytes = int(eng.info["capacity_bytes"])
         return self
 
-    # ------------------------------------------------------------------ properties
     @property
     def engine(self) -> str:
         """The kind of the pipeline's engine class: ``"embedded"``, ``"ray"`` (or a registered engine's)."""
@@ -176,6 +165,11 @@ class Pipeline:
     def address(self) -> str | None:
         """The Ray cluster's address other processes attach to (``None`` on the embedded engine)."""
         return self._engine.address
+
+    @property
+    def layout(self) -> ConsumerLayout:
+        """Consumers by node (changed by :meth:`reshape`)."""
+        return self._engine.layout
 
     @property
     def num_consumers(self) -> int:
@@ -213,9 +207,7 @@ class Pipeline:
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called (by any process)."""
-        if self._closed_here:
-            return True
-        return bool(self.stats_light()["closed"])
+        return self._closed_here or bool(self.stats_light()["closed"])
 
     @property
     def version(self) -> int:
@@ -223,33 +215,17 @@ class Pipeline:
         return int(self.stats_light()["version"])
 
     def stats_light(self) -> dict[str, Any]:
-        """The control plane's counters only (no unit or consumer round trips).
-
-        What this process's consumers queued for the control plane (hand-outs, commits, versions) is sent first.
-        """
+        """The control plane's counters only (no unit or consumer round trips), after what this process's consumers
+        queued for it (hand-outs, commits, versions)."""
         self._engine.flush_reports()
         return dict(self._engine.control.reporting.stats())
 
-    # ------------------------------------------------------------------ producer side
     def put(self, traj: Trajectory, *, timeout: float | None | Literal["put_timeout"] = PUT_TIMEOUT) -> TrajectoryMeta:
-        """Store a finished trajectory and offer it to admission (one round trip in the common case).
-
-        Validation and media decoding run here, in the producer's process; the payload goes straight to the
-        storage unit placement picks (never through the control plane), and that unit asks the control plane
-        to admit it. Only a full unit costs more: the put then waits for room, up to ``timeout``.
-
-        Args:
-            traj: The trajectory (validated again here; do not mutate it afterwards).
-            timeout: Seconds to wait for storage room (``None``: no limit, ``0``: fail at once); by default the
-                pipeline's ``put_timeout``.
-
-        Returns:
-            Its metadata (with ``location`` and ``seq``).
+        """Store a finished trajectory and offer it to admission: :meth:`put_many` of ``[traj]``.
 
         Raises:
-            FieldTypeError / ValidationError / MediaError: A bad trajectory (the message names it and the
-                field or media item), or one longer than ``token_budget`` (field ``num_tokens``); nothing else
-                is affected.
+            FieldTypeError / ValidationError / MediaError: A bad trajectory (the message names it and the field or
+                media item), or one longer than ``token_budget`` (field ``num_tokens``); nothing else is affected.
             StoreFull: No room within ``timeout``; the message names the ranks holding the store.
             PipelineClosedError: After :meth:`close`.
             QuotaInfeasibleError: Admission found the quotas impossible (also raised to consumers).
@@ -258,28 +234,24 @@ class Pipeline:
 
     def put_many(self, trajs: Sequence[Trajectory], *,
                  timeout: float | None | Literal["put_timeout"] = PUT_TIMEOUT) -> list[TrajectoryMeta]:
-        """Store a batch of finished trajectories and offer them to admission: one round trip per storage unit.
+        """Store finished trajectories and offer them to admission: one round trip per storage unit.
 
-        Every trajectory is validated (and its media decoded) here. This process's replica of the placement picks
-        each payload's unit (members of a group stay together); the payloads go to their unit, which admits them
-        with one control call (on Ray the unit's actor makes it, so the producer waits for one round trip). A bad
-        trajectory (an unknown source, a duplicate id, a withdrawn group, other fields) refuses the whole part
-        of the batch bound for its unit: in the common case, one unit, nothing of the batch is kept.
-
-        Args:
-            trajs: The trajectories, in arrival order.
-            timeout: Seconds each payload may wait for storage room; default :attr:`put_timeout`.
+        Validation and media decoding run here, in the producer (:class:`~knitdata.producer.Producer`); this
+        process's replica of the placement picks each payload's unit (a group's members stay together), which
+        stores it and asks the control plane to admit it (on Ray the unit's actor does). A full unit costs more: the
+        put waits for room, up to ``timeout`` (seconds; ``None``: no limit; ``0``: fail at once; default
+        :attr:`put_timeout`). Do not mutate a trajectory after its put.
 
         Returns:
-            The metadata of each trajectory, in order.
+            The metadata of each trajectory (with ``location`` and ``seq``), in order.
 
         Raises:
             FieldTypeError: As :meth:`put`; nothing of the batch is stored.
-            ValidationError: As :meth:`put` (a bad field, an unknown source, a duplicate id, a withdrawn group):
-                nothing of the batch bound for that trajectory's unit is kept (parts of the batch bound for other
-                units, put before, stay accepted). The message names the trajectory and field.
-            StoreFull: No room within ``timeout``: the payloads not yet stored (this one and every later one)
-                are refused; the earlier ones stay accepted.
+            ValidationError: As :meth:`put` (also an unknown source, a duplicate id, a withdrawn group): nothing
+                of the batch bound for that trajectory's unit is kept (parts bound for other units, put before, stay
+                accepted).
+            StoreFull: No room within ``timeout``: this payload and every later one are refused; the earlier ones
+                stay accepted.
             PipelineClosedError: After :meth:`close`.
         """
         trajs = list(trajs)
@@ -288,11 +260,8 @@ class Pipeline:
         return self._producer.put(trajs, timeout)
 
     def set_in_flight(self, counts: Mapping[str, int]) -> None:
-        """Tell admission how many trajectories per source are still coming for this train batch.
-
-        Raises:
-            QuotaInfeasibleError: A source can no longer deliver its quota.
-        """
+        """Tell admission how many trajectories per source are still coming for this train batch (raises
+        :class:`~knitdata.errors.QuotaInfeasibleError` when a source can no longer deliver its quota)."""
         self._engine.control.admission.set_in_flight(dict(counts))
 
     # the staleness bound (max_staleness): knitdata.control.admit, docs/concepts.md "A hard staleness bound"
@@ -317,41 +286,27 @@ class Pipeline:
         return list(self._engine.control.admission.take_dropped())
 
     def withdraw(self, group: str) -> list[TrajectoryMeta]:
-        """Drop a group that rollout aborted or a filter rejected; frees its stored members.
-
-        Call it when a member of a group was refused at :meth:`put`, so that the train batch can complete.
-        Later members of the group are refused.
-
-        Returns:
-            The members that were waiting for admission (``[]`` if unknown or already admitted).
-        """
+        """Drop a group that rollout aborted or a filter rejected (e.g. a member refused at :meth:`put`, so that the
+        train batch can complete); frees its stored members and refuses later ones. Returns the members that were
+        waiting for admission (``[]`` if unknown or already admitted)."""
         return [TrajectoryMeta.from_dict(d) for d in self._engine.control.admission.withdraw(group)]
 
     def report_version(self, version: int) -> None:
         """The trainer reports its new policy version (after an optimizer step).
 
-        Staleness of each trajectory handed out afterwards is measured against it; listeners added in this
-        process with :meth:`add_version_listener` are called (weight-sync timing hooks). It is sent by this
-        process's background sender, after the hand-outs before it, off the trainer's thread; a put from this process
-        sends it first (so output of the new weights never reaches the plane before their report). A version lower
-        than the last one is a rollback (a job restored from a checkpoint reports its version again): accepted.
+        Staleness of what is handed out afterwards is measured against it; this process's listeners
+        (:meth:`add_version_listener`: weight-sync timing hooks) are called. This process's background sender sends
+        it after the hand-outs before it, and before a later put of this process (output of the new weights never
+        reaches the plane before their report). A lower version is a rollback (a restored job): accepted.
 
         Raises:
             ValidationError: Not a non-negative int.
         """
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise ValidationError(f"version must be a non-negative int, got {version!r}", field="version")
-        self._engine.sender.report_version(version)
-        now = time.monotonic()
-        with self._listeners_lock:
-            listeners = list(self._version_listeners)
-        for fn in listeners:
-            fn(version, now)
+        self._engine.report_version(version)
 
     def add_version_listener(self, fn: Callable[[int, float], None]) -> None:
         """Call ``fn(version, monotonic_time)`` on every :meth:`report_version` of this process."""
-        with self._listeners_lock:
-            self._version_listeners.append(fn)
+        self._engine.add_version_listener(fn)
 
     def close(self) -> dict[str, Any]:
         """End of stream: no more puts; consumers finish the admitted mini-batches and stop. Idempotent.
@@ -412,7 +367,6 @@ class Pipeline:
                 if exc[0] is None:
                     raise  # else the block's own error goes on (a merge error would hide it)
 
-    # ------------------------------------------------------------------ consumer side
     def dataset(
         self,
         rank: int | None = None,
@@ -430,35 +384,20 @@ class Pipeline:
     ) -> TrajectoryDataset:
         """The :class:`~knitdata.dataset.TrajectoryDataset` of consumer ``rank``.
 
-        Its keywords are the dataset's options (:class:`~knitdata.consumer.DatasetOptions`, declared once).
+        Its keywords are the dataset's options, declared and documented once: the fields of
+        :class:`~knitdata.consumer.DatasetOptions` (``fetch="sample" | "eager" | "iter"``, ``collate``,
+        ``media_collator``, ``prefetch_depth``, ``device``, ``pin_memory``, ``max_minibatches``, ``timeout``,
+        ``replica``, ``num_replicas``).
 
         Args:
             rank: The consumer (the data-parallel rank with ``replica``); default ``torch.distributed.get_rank()``
                 (without ``replica`` only).
-            fetch: ``"sample"``, ``"eager"`` or ``"iter"``, the name of another registered
-                :class:`~knitdata.fetch.FetchMode`, or a :class:`~knitdata.fetch.FetchMode`.
-            collate: ``collate(trajectories, info) -> MicroBatch``; default :class:`~knitdata.collate.TokenCollator`.
-            media_collator: ``media_collator(list_of_micro_batches) -> MultimodalBatch`` (e.g.
-                :class:`~knitdata.multimodal.MultimodalCollator`): the media table of the rank's share of each
-                mini-batch; ``None``: no media table.
-            prefetch_depth: Micro-batches prepared ahead in ``iter`` mode. With a ``media_collator`` at least a
-                mini-batch's micro-batches plus one: the next share (payloads and media table) is prepared while the
-                current mini-batch computes, so two shares are in memory at most.
-            device: Device the prefetch thread copies micro-batches to (``iter`` mode).
-            pin_memory: Pin micro-batches on the prefetch thread (default: when CUDA is used).
-            max_minibatches: Each iteration stops after this many mini-batches (``None``: until drained).
-            timeout: Most seconds to wait for the next micro-batch before :class:`~knitdata.errors.DataTimeoutError`
-                (``None``: no limit).
-            replica: This dataset's tensor/pipeline-parallel replica of data-parallel rank ``rank`` (its peers receive
-                the same micro-batches; :func:`knitdata.replica_layout` derives ``rank``, ``replica`` and
-                ``num_replicas`` from a ``DeviceMesh``). ``None``: the rank has one consumer, which acts as replica 0.
-            num_replicas: Replicas per data-parallel rank, given with ``replica`` (registered with the control plane;
-                every replica of every rank must pass the same number).
 
         Raises:
             ConfigError: Bad options, no rank given outside an initialized process group (or with ``replica``),
                 or ``num_replicas`` other than the one registered first.
         """
+        options = {k: v for k, v in locals().items() if k not in ("self", "rank")}  # DatasetOptions' fields
         from knitdata.dataset import TrajectoryDataset
 
         if rank is None and replica is not None:
@@ -467,11 +406,7 @@ class Pipeline:
             rank = _dist_rank()
             if rank is None:
                 raise ConfigError("no rank given and torch.distributed is not initialized: pass rank=...")
-        return TrajectoryDataset(
-            self._engine, rank, fetch=fetch, collate=collate, media_collator=media_collator,
-            prefetch_depth=prefetch_depth, device=device, pin_memory=pin_memory, max_minibatches=max_minibatches,
-            timeout=timeout, replica=replica, num_replicas=num_replicas,
-        )
+        return TrajectoryDataset(self._engine, rank, **options)
 
     def reshape(self, states: Sequence[Any], layout: ConsumerLayout | int | None = None) -> dict[str, Any]:
         """Continue this live pipeline on ``layout`` (or that many ranks on its first node) from the states of all
@@ -481,15 +416,7 @@ class Pipeline:
         Raises:
             StateError: An incomplete or inconsistent set of states (:func:`knitdata.merge_rank_states`).
         """
-        from knitdata.control.rankstates import merge_rank_states
-
-        merged = merge_rank_states(states)
-        new = layout if isinstance(layout, ConsumerLayout) else self.layout if layout is None else \
-            ConsumerLayout.single_node(layout, self.layout.nodes[0])
-        self._engine.control.reshaping.reshape(merged, new.to_dict())
-        self._engine.set_layout(new)
-        self.layout = new
-        return merged
+        return self._engine.reshape(states, layout)
 
     def metrics(self, rank: int) -> ConsumerMetrics:
         """This process's metrics of consumer ``rank`` (shared by its datasets)."""
@@ -497,7 +424,6 @@ class Pipeline:
             raise ConfigError(f"rank must be an int in 0..{self.num_consumers - 1}, got {rank!r}")
         return self._engine.metrics(rank)
 
-    # ------------------------------------------------------------------ whole-pipeline checkpoint
     @property
     def ledger(self) -> RolloutLedger:
         """The rollout ledger the producer reports its prompts to (:class:`~knitdata.checkpoint.RolloutLedger`)."""
@@ -526,32 +452,10 @@ class Pipeline:
         from knitdata.checkpoint import lost_groups
         return lost_groups(self._engine)
 
-    # ------------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:
-        """JSON-serializable counters: control plane, storage per unit, per-consumer metrics."""
-        out = {"engine": self.engine, **self.stats_light()}
-        units: dict[str, Any] = {}
-        for u, unit in self._engine.units.items():
-            try:
-                units[u] = unit.stats().to_dict()
-            except KnitdataError:
-                units[u] = None
-            except Exception:  # noqa: BLE001 - a dead unit's actor
-                units[u] = None
-        out["units"] = units
-        reported = out.pop("consumers", None) or []
-        local = [self._engine.metrics(r).to_dict() for r in range(self.num_consumers)]
-        out["consumers"] = [loc if loc["microbatches"] or not (i < len(reported) and reported[i]) else reported[i]
-                            for i, loc in enumerate(local)]
-        meter = self._engine.meter
-        if meter is not None:  # this process's counters not flushed yet, plus what others reported
-            from knitdata.metrics import TransferMeter
-
-            total = TransferMeter()
-            total.merge(out.get("transfer") or {})
-            total.merge(meter.to_dict())
-            out["transfer"] = total.to_dict()
-        return out
+        """JSON-serializable counters: control plane, storage per unit, per-consumer metrics
+        (:meth:`~knitdata.engines.base.Engine.stats`)."""
+        return self._engine.stats()
 
     def step_metrics(self, rank: int | None = None, *, prefix: str = "knitdata/") -> dict[str, float | int]:
         """:meth:`stats` as one flat ``{"knitdata/...": number}`` dict for a logger (see

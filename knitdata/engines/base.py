@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from knitdata.control.plane import Control, ControlPlane
-from knitdata.errors import EngineError
+from knitdata.errors import EngineError, ValidationError
 from knitdata.fetch import FetchMode
 from knitdata.handoff import HEARTBEAT_S, ControlSender
 from knitdata.metrics import ConsumerMetrics, TransferMeter
@@ -76,6 +77,7 @@ class Engine(abc.ABC):
         self.config = dict(config)
         self._metrics = [ConsumerMetrics(r) for r in range(layout.num_consumers)]
         self._sender: ControlSender | None = None
+        self._version_listeners: list[Callable[[int, float], None]] = []
 
     @classmethod
     @abc.abstractmethod
@@ -115,6 +117,24 @@ class Engine(abc.ABC):
     def units(self) -> Mapping[str, StorageUnit]:
         """The storage units by id."""
 
+    def report_version(self, version: int) -> None:
+        """Send the trainer's new policy version (:meth:`knitdata.Pipeline.report_version`) through :attr:`sender`,
+        then call this process's version listeners.
+
+        Raises:
+            ValidationError: Not a non-negative int.
+        """
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValidationError(f"version must be a non-negative int, got {version!r}", field="version")
+        self.sender.report_version(version)
+        now = time.monotonic()
+        for fn in list(self._version_listeners):  # a copy: a listener may be added meanwhile
+            fn(version, now)
+
+    def add_version_listener(self, fn: Callable[[int, float], None]) -> None:
+        """Call ``fn(version, monotonic_time)`` on every :meth:`report_version` of this process."""
+        self._version_listeners.append(fn)
+
     def flush_reports(self) -> None:
         """Send what this process's consumers queued for the control plane (hand-outs, commits, version) now."""
         if self._sender is not None:
@@ -132,6 +152,22 @@ class Engine(abc.ABC):
         self.layout = layout
         self.config["layout"] = layout.to_dict()
         self._metrics = [old[r] if r < len(old) else ConsumerMetrics(r) for r in range(layout.num_consumers)]
+
+    def reshape(self, states: Sequence[Any], layout: ConsumerLayout | int | None = None) -> dict[str, Any]:
+        """Continue on ``layout`` (or that many ranks on its first node; ``None``: the same layout) from the states
+        of all the stopped old ranks (:meth:`knitdata.Pipeline.reshape`); returns their merged state.
+
+        Raises:
+            StateError: An incomplete or inconsistent set of states.
+        """
+        from knitdata.control.rankstates import merge_rank_states
+
+        merged = merge_rank_states(states)
+        new = layout if isinstance(layout, ConsumerLayout) else self.layout if layout is None else \
+            ConsumerLayout.single_node(layout, self.layout.nodes[0])
+        self.control.reshaping.reshape(merged, new.to_dict())
+        self.set_layout(new)
+        return merged
 
     @property
     def release(self) -> str:
@@ -168,6 +204,30 @@ class Engine(abc.ABC):
         """A consumer's iterator ended: report its metrics and this process's transfer counters."""
         self.control.reporting.report_consumer(rank, dict(stats))
         self.flush_meter()
+
+    def stats(self) -> dict[str, Any]:
+        """The pipeline's JSON-serializable counters: the control plane's (this process's reports sent first), each
+        unit's (``None`` for a dead one), each consumer's (this process's metrics where it consumed, else the
+        last reported), and the transfer counters (with this process's not sent yet)."""
+        self.flush_reports()
+        out = {"engine": self.kind, **self.control.reporting.stats()}
+        units: dict[str, Any] = {}
+        for u, unit in self.units.items():
+            try:
+                units[u] = unit.stats().to_dict()
+            except Exception:  # noqa: BLE001 - a dead unit's actor (any error of the call)
+                units[u] = None
+        out["units"] = units
+        reported = out.pop("consumers", None) or []
+        local = [self.metrics(r).to_dict() for r in range(self.num_consumers)]
+        out["consumers"] = [loc if loc["microbatches"] or not (i < len(reported) and reported[i]) else reported[i]
+                            for i, loc in enumerate(local)]
+        if self.meter is not None:  # this process's counters not flushed yet, plus what others reported
+            total = TransferMeter()
+            total.merge(out.get("transfer") or {})
+            total.merge(self.meter.to_dict())
+            out["transfer"] = total.to_dict()
+        return out
 
     def recoverable(self, unit_ids: Sequence[str], ids: Sequence[str]) -> list[str]:
         """The ids of ``ids`` that the (dead) units ``unit_ids`` can still give back (from their spill); none by
