@@ -26,7 +26,7 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeGuard
 
 import torch
@@ -42,6 +42,10 @@ __all__ = [
     "decode_tensors",
     "encode_trajectory",
     "decode_trajectory",
+    "encode_media",
+    "decode_media",
+    "MEDIA_MODES",
+    "MediaResolver",
     "iter_records",
     "record_length",
     "DTYPES",
@@ -315,15 +319,40 @@ def iter_records(buf: bytes | bytearray | memoryview) -> Iterator[memoryview]:
 # ---------------------------------------------------------------------------------------- trajectories
 
 
-def encode_trajectory(traj: Trajectory) -> bytearray:
+#: The media modes of :func:`encode_trajectory`.
+MEDIA_MODES: tuple[str, ...] = ("inline", "refs")
+#: What :func:`decode_trajectory` resolves a referenced digest with: a mapping or a callable (``None``: not held).
+MediaResolver = Mapping[str, MediaItem] | Callable[[str], "MediaItem | None"]
+
+
+def _media_desc(m: MediaItem, ref: bool) -> dict[str, Any]:
+    d: dict[str, Any] = {"kind": m.kind, "digest": m.digest, "sample_rate": m.sample_rate, "encoded": m.data is not None}
+    if ref:
+        d["ref"] = True
+        d["nbytes"] = m.nbytes
+    return d
+
+
+def encode_trajectory(traj: Trajectory, *, media: str = "inline") -> bytearray:
     """Encode one trajectory into a self-describing, checksummed record (no pickle).
 
     Args:
         traj: A validated trajectory.
+        media: ``"inline"`` (default): each media item's content is a buffer of the record (a reference item,
+            :meth:`MediaItem.ref <knitdata.record.MediaItem.ref>`, is written as a reference). ``"refs"``: no
+            media buffer at all; each media description carries ``"ref": true`` with its kind, digest,
+            sample rate, ``encoded`` and ``nbytes``, for a reader that holds (or fetches) each item once
+            (:func:`encode_media`) and resolves the references with :func:`decode_trajectory`'s ``media``.
 
     Returns:
         The record bytes.
+
+    Raises:
+        CodecError: An unknown ``media`` mode.
     """
+    if media not in MEDIA_MODES:
+        raise CodecError(f"media must be one of {MEDIA_MODES}, got {media!r}")
+    refs = media == "refs"
     values: dict[str, torch.Tensor | bytes] = {"prompt_ids": traj.prompt_ids, "response_ids": traj.response_ids}
     if traj.loss_mask is not None:
         values["loss_mask"] = traj.loss_mask
@@ -331,11 +360,12 @@ def encode_trajectory(traj: Trajectory) -> bytearray:
         values["token_versions"] = traj.token_versions
     for k, v in traj.tensors.items():
         values[f"t/{k}"] = v
-    media = []
+    descs = []
     for i, m in enumerate(traj.media):
-        key = f"m/{i}"
-        values[key] = m.tensor if m.tensor is not None else bytes(m.data)  # type: ignore[arg-type]
-        media.append({"kind": m.kind, "digest": m.digest, "sample_rate": m.sample_rate, "encoded": m.data is not None})
+        ref = refs or m.reference
+        if not ref:
+            values[f"m/{i}"] = m.tensor if m.tensor is not None else bytes(m.data)  # type: ignore[arg-type]
+        descs.append(_media_desc(m, ref))
     meta = {
         "type": "trajectory",
         "id": traj.id,
@@ -344,32 +374,57 @@ def encode_trajectory(traj: Trajectory) -> bytearray:
         "gen_version": traj.gen_version,
         "scalars": {k: (float(v) if isinstance(v, float) else int(v)) for k, v in traj.scalars.items()},
         "tensors": list(traj.tensors),
-        "media": media,
+        "media": descs,
     }
     return encode_tensors(meta, values)
 
 
-def decode_trajectory(buf: bytes | bytearray | memoryview, *, copy: bool | None = None) -> Trajectory:
+def _resolve(media: MediaResolver | None, digest: str) -> MediaItem | None:
+    if media is None:
+        return None
+    if isinstance(media, Mapping):
+        return media.get(digest)
+    return media(digest)
+
+
+def decode_trajectory(buf: bytes | bytearray | memoryview, *, copy: bool | None = None,
+                      media: MediaResolver | None = None) -> Trajectory:
     """Decode a record written by :func:`encode_trajectory` and validate the result.
 
     Args:
         buf: The record.
         copy: See :func:`decode_tensors`.
+        media: Resolves the record's media references: ``{digest: MediaItem}`` or a callable ``digest ->
+            MediaItem or None``; the item found takes the reference's place (the very object: equal digests
+            decode to the same item). A reference not resolved decodes to a reference
+            (:meth:`MediaItem.ref <knitdata.record.MediaItem.ref>`), for a unit to resolve later.
 
     Raises:
-        CodecError: If the record is corrupted or is not a trajectory.
+        CodecError: If the record is corrupted or is not a trajectory, or a resolved item's digest or kind
+            differs from the reference's.
         ValidationError: If it decodes to an invalid trajectory.
     """
     meta, values = decode_tensors(buf, copy=copy)
     media_specs, tensor_names = _check_trajectory_meta(meta, values)
     try:
-        media = []
+        items = []
         for i, m in enumerate(media_specs):
+            if m.get("ref"):
+                found = _resolve(media, m["digest"])
+                if found is None:
+                    items.append(MediaItem.ref(m["kind"], m["digest"], sample_rate=m["sample_rate"]))
+                    continue
+                if not isinstance(found, MediaItem) or found.digest != m["digest"] or found.kind != m["kind"]:
+                    raise CodecError(f"trajectory record {meta['id']!r:.80}: media {i}: the item resolved for "
+                                     f"{m['kind']} {m['digest']} is {getattr(found, 'kind', type(found).__name__)} "
+                                     f"{getattr(found, 'digest', '')}")
+                items.append(found)
+                continue
             v = values[f"m/{i}"]
             if m["encoded"]:
-                media.append(MediaItem(m["kind"], data=v, sample_rate=m["sample_rate"], digest=m["digest"]))  # type: ignore[arg-type]
+                items.append(MediaItem(m["kind"], data=v, sample_rate=m["sample_rate"], digest=m["digest"]))  # type: ignore[arg-type]
             else:
-                media.append(MediaItem(m["kind"], tensor=v, sample_rate=m["sample_rate"], digest=m["digest"]))  # type: ignore[arg-type]
+                items.append(MediaItem(m["kind"], tensor=v, sample_rate=m["sample_rate"], digest=m["digest"]))  # type: ignore[arg-type]
         return Trajectory(
             id=meta["id"],
             source=meta["source"],
@@ -381,12 +436,50 @@ def decode_trajectory(buf: bytes | bytearray | memoryview, *, copy: bool | None 
             token_versions=values.get("token_versions"),  # type: ignore[arg-type]
             scalars=dict(meta["scalars"]),
             tensors={k: values[f"t/{k}"] for k in tensor_names},  # type: ignore[misc]
-            media=media,
+            media=items,
         )
     except (KeyError, TypeError, ValueError) as e:  # defence in depth: the checks above should catch these
-        if isinstance(e, ValidationError):
+        if isinstance(e, (ValidationError, CodecError)):
             raise
         raise CodecError(f"trajectory record is missing or mistypes a field: {e!r}") from e
+
+
+def encode_media(item: MediaItem) -> bytearray:
+    """Encode one media item as its own checksummed record (meta ``type "media"``: kind, digest, sample rate,
+    ``encoded``; one buffer ``"m"``): the unit a store keeps, ships or saves once per digest.
+
+    Raises:
+        CodecError: ``item`` is a reference (it has no content to encode).
+    """
+    if item.reference:
+        raise CodecError(f"media {item.digest}: a reference has no content to encode")
+    value = item.tensor if item.tensor is not None else bytes(item.data)  # type: ignore[arg-type]
+    meta = {"type": "media", "kind": item.kind, "digest": item.digest, "sample_rate": item.sample_rate,
+            "encoded": item.data is not None}
+    return encode_tensors(meta, {"m": value})
+
+
+def decode_media(buf: bytes | bytearray | memoryview, *, copy: bool | None = None) -> MediaItem:
+    """Decode a record written by :func:`encode_media` (the tensor views the record; see :func:`decode_tensors`).
+
+    Raises:
+        CodecError: The record is corrupted or does not hold one media item.
+        ValidationError: It decodes to an invalid item (e.g. an unknown kind).
+    """
+    meta, values = decode_tensors(buf, copy=copy)
+    if not isinstance(meta, dict) or meta.get("type") != "media":
+        raise CodecError("record does not hold a media item")
+    kind, digest, rate, encoded = meta.get("kind"), meta.get("digest"), meta.get("sample_rate"), meta.get("encoded")
+    if not isinstance(kind, str) or not isinstance(digest, str) or not digest or not isinstance(encoded, bool):
+        raise CodecError(f"media record: bad kind/digest/encoded {kind!r:.40}/{digest!r:.60}/{encoded!r:.20}")
+    if rate is not None and type(rate) is not int:
+        raise CodecError(f"media record {digest}: sample_rate must be an int or null, got {rate!r:.40}")
+    value = values.get("m")
+    if set(values) != {"m"} or encoded != isinstance(value, bytes):
+        raise CodecError(f"media record {digest}: its buffer is missing or not {'bytes' if encoded else 'a tensor'}")
+    if encoded:
+        return MediaItem(kind, data=value, sample_rate=rate, digest=digest)  # type: ignore[arg-type]
+    return MediaItem(kind, tensor=value, sample_rate=rate, digest=digest)  # type: ignore[arg-type]
 
 
 _TRAJ_FIELDS = ("id", "source", "group")
@@ -427,10 +520,17 @@ def _check_trajectory_meta(meta: Any, values: Mapping[str, Any]) -> tuple[list[d
             raise CodecError(f"{where}: media {i}: bad kind/digest/encoded {kind!r:.40}/{digest!r:.60}/{encoded!r:.20}")
         if rate is not None and type(rate) is not int:
             raise CodecError(f"{where}: media {i}: sample_rate must be an int or null, got {rate!r:.40}")
+        ref = m.get("ref", False)
+        if ref is not False:
+            if ref is not True or not digest:
+                raise CodecError(f"{where}: media {i}: bad reference {ref!r:.20} to digest {digest!r:.60}")
+            if f"m/{i}" in values:
+                raise CodecError(f"{where}: media {i}: a reference has a buffer")
+            continue
         value = values.get(f"m/{i}")
         if encoded != isinstance(value, bytes):
             raise CodecError(f"{where}: media {i}: its buffer is missing or not {'bytes' if encoded else 'a tensor'}")
-    known = set(_FIXED_BUFFERS) | {f"t/{n}" for n in names} | {f"m/{i}" for i in range(len(media))}
+    known = set(_FIXED_BUFFERS) | {f"t/{n}" for n in names} | {f"m/{i}" for i, m in enumerate(media) if not m.get("ref")}
     for name in values:
         if name not in known:
             raise CodecError(f"{where}: buffer {name!r:.80} is not described by the metadata")

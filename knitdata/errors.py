@@ -24,6 +24,7 @@ __all__ = [
     "IncompleteStreamError",
     "TrajectoryLostError",
     "MediaError",
+    "MediaRefError",
     "OptionalDependencyError",
     "RolloutOutputError",
     "RolloutThrottled",
@@ -146,6 +147,33 @@ class MediaError(KnitdataError, ValueError):
         super().__init__(prefix + message)
         self.trajectory_id = trajectory_id
         self.item = item
+
+
+class MediaRefError(ValidationError):
+    """A trajectory refers to a media item (:meth:`MediaItem.ref <knitdata.record.MediaItem.ref>`) by a digest
+    that the pipeline does not hold. Nothing of the put is stored; what was accepted before stays.
+
+    Attributes:
+        trajectory_id: The id of the referring trajectory.
+        field: ``"media.<index>"``: the reference's index within the trajectory's media.
+        digest: The digest referred to.
+        kind: The reference's media kind (``None`` when not known).
+        index: The reference's index within the trajectory's media (``None`` when not known).
+    """
+
+    def __init__(self, message: str | None = None, *, trajectory_id: str | None = None, field: str | None = None,
+                 digest: str = "", kind: str | None = None, index: int | None = None):
+        if field is None and index is not None:
+            field = f"media.{index}"
+        if message is None:
+            where = ", ".join(x for x in (f"kind {kind}" if kind else "", f"media index {index}"
+                                          if index is not None else "") if x)
+            message = (f"refers to media {digest}{f' ({where})' if where else ''} which the pipeline does not hold: "
+                       "put the item with its content once first (e.g. with the group's first member)")
+        super().__init__(message, trajectory_id=trajectory_id, field=field)
+        self.digest = digest
+        self.kind = kind
+        self.index = index
 
 
 class OptionalDependencyError(KnitdataError, ImportError):

@@ -103,6 +103,7 @@ class Pipeline:
         on_stale: str = "drop",
         trace: str | os.PathLike[str] | None = None,
         version_offset: int | None = None,
+        media_dedup: bool = True,
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "spec")}  # PipelineOptions' fields
         eng = PipelineOptions(**options).build(spec)

@@ -27,6 +27,7 @@ __all__ = [
     "TrajectoryMeta",
     "tensor_digest",
     "bytes_digest",
+    "media_digest",
     "metas_by_group",
 ]
 
@@ -89,6 +90,14 @@ def tensor_digest(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def media_digest(item: MediaItem) -> str:
+    """Return the content digest of a media item (its :attr:`MediaItem.digest`: computed once at construction).
+
+    A producer that put an item with its content can later put :meth:`MediaItem.ref` with this digest instead.
+    """
+    return item.digest
+
+
 @dataclass(frozen=True)
 class MediaItem:
     """One image, audio clip or video attached to a trajectory.
@@ -98,12 +107,24 @@ class MediaItem:
     (encoded file bytes: PNG, JPEG, FLAC, WAV, or a video container: MP4, WebM...) must be given, not both.
     A decoded video is ``uint8 [T, C, H, W]`` frames, already sampled.
 
+    A *reference* (``reference=True``, or :meth:`ref`) holds no content, only the digest of an item the pipeline
+    already holds (put with its content before, e.g. with the group's first member or an earlier turn): storage
+    resolves it at put to the one copy it keeps of that digest, and refuses it with
+    :class:`~knitdata.errors.MediaRefError` when no unit of the pipeline holds it. Its :attr:`nbytes` is 0.
+
     Attributes:
         kind: ``"image"``, ``"audio"`` or ``"video"``.
         tensor: Decoded content, or ``None``.
         data: Encoded bytes, or ``None``.
         sample_rate: Audio sample rate in Hz (audio only).
-        digest: Content digest; computed from the content when left empty.
+        digest: Content digest; computed from the content when left empty (a reference must give it).
+        reference: A reference to held media by ``digest``: neither ``tensor`` nor ``data``.
+
+    Example:
+        >>> img = MediaItem("image", tensor=torch.zeros(3, 2, 2, dtype=torch.uint8))
+        >>> ref = MediaItem.ref("image", img.digest)
+        >>> ref.is_reference, ref.nbytes, ref.digest == media_digest(img)
+        (True, 0, True)
     """
 
     kind: str
@@ -111,12 +132,25 @@ class MediaItem:
     data: bytes | None = None
     sample_rate: int | None = None
     digest: str = ""
+    reference: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in MEDIA_KINDS:
             raise ValidationError(
                 f"unknown media kind {self.kind!r}; expected one of {MEDIA_KINDS}", field="media.kind"
             )
+        if self.reference is not False:
+            if self.reference is not True:
+                raise FieldTypeError(f"reference must be a bool, got {self.reference!r}", field="media.reference")
+            if self.tensor is not None or self.data is not None:
+                raise ValidationError("a reference holds neither `tensor` nor `data`, only the digest", field="media")
+            if not isinstance(self.digest, str) or not self.digest:
+                raise ValidationError("a reference needs the digest of the held item it refers to",
+                                      field="media.digest")
+            if self.sample_rate is not None and (not isinstance(self.sample_rate, int) or self.sample_rate <= 0):
+                raise ValidationError(f"sample_rate must be a positive int, got {self.sample_rate!r}",
+                                      field="media.sample_rate")
+            return
         if (self.tensor is None) == (self.data is None):
             raise ValidationError("give exactly one of `tensor` or `data`", field="media")
         if self.tensor is not None and not isinstance(self.tensor, torch.Tensor):
@@ -129,9 +163,27 @@ class MediaItem:
             d = tensor_digest(self.tensor) if self.tensor is not None else bytes_digest(self.data)  # type: ignore[arg-type]
             object.__setattr__(self, "digest", d)
 
+    @classmethod
+    def ref(cls, kind: str, digest: str, *, sample_rate: int | None = None) -> MediaItem:
+        """A reference to a held media item by its digest (no content; see the class docstring).
+
+        Args:
+            kind: ``"image"``, ``"audio"`` or ``"video"``.
+            digest: The held item's :attr:`digest` (:func:`media_digest`).
+            sample_rate: Audio sample rate in Hz (audio only).
+        """
+        return cls(kind, sample_rate=sample_rate, digest=digest, reference=True)
+
+    @property
+    def is_reference(self) -> bool:
+        """Whether this is a reference (no content), see :meth:`ref`."""
+        return self.reference
+
     @property
     def nbytes(self) -> int:
-        """Size of the content in bytes."""
+        """Size of the content in bytes (0 for a reference)."""
+        if self.reference:
+            return 0
         if self.tensor is not None:
             return self.tensor.numel() * self.tensor.element_size()
         return len(self.data)  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from knitdata.errors import ConfigError
 from knitdata.fetch import FetchMode
 from knitdata.placement import ConsumerLayout
 from knitdata.planner import MiniBatchPlan
-from knitdata.record import Trajectory
+from knitdata.record import MediaItem, Trajectory
 from knitdata.storage.base import StorageUnit
 from knitdata.storage.embedded import EmbeddedStorageUnit
 
@@ -25,6 +25,12 @@ _first, _unit = itemgetter(0), itemgetter(1)  # of a plan entry's item ``[id, un
 
 class EmbeddedEngine(Engine):
     """Units in this process; producers and consumers are threads. No servers.
+
+    Media are stored once per unit (``config["media_dedup"]``, default ``True``; see
+    :class:`~knitdata.storage.embedded.EmbeddedStorageUnit`). A media reference put on a unit that does not hold
+    its digest is resolved from another unit of the pipeline that does (placement keeps a group on one unit, but a
+    later turn may land elsewhere): the item is held by both units, counted on both, freed on each with its last
+    trajectory there. A digest no unit holds is refused with :class:`~knitdata.errors.MediaRefError`.
 
     Args:
         layout: Consumers by node (one unit per node, its id the node name).
@@ -60,7 +66,10 @@ class EmbeddedEngine(Engine):
                 from knitdata.spill import SpillStore
 
                 spill = SpillStore(os.path.join(os.fspath(spill_dir), node), max_bytes=spill_bytes)
-            units[node] = EmbeddedStorageUnit(node, capacity_bytes, spill=spill)
+            units[node] = EmbeddedStorageUnit(node, capacity_bytes, spill=spill,
+                                              media_dedup=bool(config.get("media_dedup", True)))
+        for u in units.values():  # a reference to media another unit holds is copied in from it (counted on both)
+            u.resolve = self._resolver(u.unit_id, units)  # type: ignore[attr-defined]
         self._units = units
         self._control = ControlPlane(config, {u: unit.node for u, unit in units.items()},
                                      lambda u, ids, wait: units[u].release(ids), policy=policy, on_plan=on_plan)
@@ -74,6 +83,20 @@ class EmbeddedEngine(Engine):
             raise ConfigError(f"the embedded engine takes no engine options, got {sorted(options)}")
         return cls(layout, config, capacity_bytes, spill_dir=spill_dir,
                    spill_bytes=spill_bytes, policy=policy, on_plan=on_plan)
+
+    @staticmethod
+    def _resolver(unit_id: str, units: Mapping[str, StorageUnit]) -> Callable[[str], MediaItem | None]:
+        """Finds a media digest in the units other than ``unit_id`` (the first that holds it)."""
+        others = [u for k, u in units.items() if k != unit_id and isinstance(u, EmbeddedStorageUnit)]
+
+        def resolve(digest: str) -> MediaItem | None:
+            for u in others:
+                item = u.media_item(digest)
+                if item is not None:
+                    return item
+            return None
+
+        return resolve
 
     @property
     def control(self) -> ControlPlane:

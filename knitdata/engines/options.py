@@ -75,6 +75,10 @@ class PipelineOptions:
             needs ``max_staleness``).
         version_offset: The trainer's version at its first step, for the bound; ``None`` (default): learned from
             the first :meth:`~knitdata.pipeline.Pipeline.report_version` (see docs/concepts.md).
+        media_dedup: Keep one copy of each media item per storage unit (by content digest) with counted references,
+            and resolve a producer's :meth:`MediaItem.ref <knitdata.record.MediaItem.ref>` at put (docs/concepts.md,
+            "Media stored once"). ``False``: every trajectory stores its own copy of its media, as before (the
+            per-trajectory-copies baseline; references are then refused). Config key ``"media_dedup"``.
         engine_options: Ray: ``name`` (default ``"knitdata"``; other processes attach with it), ``address``
             (``None``: this process's Ray, else a new local loopback-only one), ``nodes`` (layout node -> Ray node
             id), ``loopback_only`` (default ``True``), ``detached`` (keep the actors after this process exits),
@@ -117,6 +121,7 @@ class PipelineOptions:
     on_stale: str = "drop"
     trace: str | os.PathLike[str] | None = None
     version_offset: int | None = None
+    media_dedup: bool = True
 
     def checked_layout(self) -> ConsumerLayout:
         """The consumer layout: ``layout``, or ``num_consumers`` ranks on one node.
@@ -140,6 +145,8 @@ class PipelineOptions:
         Raises:
             ConfigError: An inconsistent or bad option (named).
         """
+        if not isinstance(self.media_dedup, bool):
+            raise ConfigError(f"media_dedup must be a bool, got {self.media_dedup!r}")
         if self.release not in RELEASE_MODES:
             raise ConfigError(f"release must be one of {RELEASE_MODES}, got {self.release!r}")
         for name, value, ok in (
@@ -184,7 +191,7 @@ class PipelineOptions:
                   "admission_options": options, "token_budget": self.token_budget, "placement": placement_name,
                   "allow_split_groups": bool(self.allow_split_groups), "balance_tolerance": float(self.balance_tolerance),
                   "release": self.release, "producer_timeout_s": None if self.producer_timeout_s is None
-                  else float(self.producer_timeout_s)}
+                  else float(self.producer_timeout_s), "media_dedup": self.media_dedup}
         return config, policy
 
     def build(self, spec: BatchSpec) -> Engine:

@@ -16,7 +16,8 @@ one extra tensor ``logp`` and one PNG image, ``tar tf`` lists::
 The JSON header holds ``format`` (``"knitdata.shard"``), ``format_version``, ``id``, ``source``,
 ``group``, ``gen_version``, ``scalars``, ``fields`` (reserved tensors: member, dtype, shape),
 ``tensors`` (extra tensors: original name, member, dtype, shape), ``media`` (kind, digest,
-sample rate, member, encoding), ``members`` (``{member: [size, crc32]}``, the sample's manifest) and,
+sample rate, member, encoding: ``"bytes"``, ``"tensor"``, or ``"ref"``: a reference by digest to media
+written once elsewhere, no member), ``members`` (``{member: [size, crc32]}``, the sample's manifest) and,
 for exported train batches, ``replay`` (train batch, mini-batch index, global step, position).
 ``bfloat16`` has no ``.npy`` dtype: its raw bits are stored as ``uint16`` and the JSON records the
 real dtype.
@@ -146,7 +147,9 @@ def encode_sample(traj: Trajectory, *, replay: Mapping[str, Any] | None = None, 
     media: list[dict[str, Any]] = []
     for i, m in enumerate(traj.media):
         entry: dict[str, Any] = {"kind": m.kind, "digest": m.digest, "sample_rate": m.sample_rate}
-        if m.data is not None:
+        if m.reference:  # a reference to media held (or written) elsewhere: no member
+            entry.update(member=None, encoding="ref")
+        elif m.data is not None:
             member = f"m{i}.{media_ext(m.data)}"
             members.append((member, [bytes(m.data)], len(m.data)))
             entry.update(member=member, encoding="bytes")
@@ -279,6 +282,8 @@ def _media(header: dict[str, Any], views: Mapping[str, memoryview], loc: str) ->
             media.append(
                 MediaItem(m["kind"], data=bytes(views[m["member"]]), sample_rate=m["sample_rate"], digest=m["digest"])
             )
+        elif m.get("encoding") == "ref":
+            media.append(MediaItem.ref(m["kind"], m["digest"], sample_rate=m["sample_rate"]))
         elif m.get("encoding") == "tensor":
             item = _tensor(views, m, f"{loc}: media {i}")
             media.append(MediaItem(m["kind"], tensor=item, sample_rate=m["sample_rate"], digest=m["digest"]))
@@ -381,7 +386,8 @@ def _check_sample_header(header: dict[str, Any], loc: str) -> None:
             raise CodecError(f"{loc}: bad tensor name {t.get('name')!r:.80}")
     for i, m in enumerate(header["media"]):
         kind, digest, rate, member = m.get("kind"), m.get("digest"), m.get("sample_rate"), m.get("member")
-        if not isinstance(kind, str) or not isinstance(digest, str) or not isinstance(member, str):
+        if not isinstance(kind, str) or not isinstance(digest, str) or not (
+                isinstance(member, str) or (member is None and m.get("encoding") == "ref" and digest)):
             raise CodecError(f"{loc}: media {i}: bad kind/digest/member {kind!r:.40}/{digest!r:.60}/{member!r:.60}")
         if rate is not None and type(rate) is not int:
             raise CodecError(f"{loc}: media {i}: sample_rate must be an int or null, got {rate!r:.40}")

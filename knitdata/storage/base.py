@@ -58,6 +58,12 @@ class StorageStats:
         spilled_bytes: Their bytes (``Trajectory.nbytes``; not counted in ``used_bytes``).
         spill_puts: Payloads written to the spill store so far.
         spill_gets: Payloads read back from it so far.
+        media_items: Distinct media items held (one copy per digest; :class:`~knitdata.storage.media.MediaTable`).
+        media_bytes: Their bytes, each item counted once (included in ``used_bytes``).
+        media_refs: References to them: one per (trajectory, media index) held.
+        media_bytes_saved: Bytes that per-trajectory copies of the media would hold beyond ``media_bytes``.
+        media_resolved: References (``MediaItem.ref``) resolved at put so far.
+        media_copied_in: Media items copied in from another unit of the pipeline to resolve a reference so far.
     """
 
     unit_id: str
@@ -77,6 +83,12 @@ class StorageStats:
     spilled_bytes: int = 0
     spill_puts: int = 0
     spill_gets: int = 0
+    media_items: int = 0
+    media_bytes: int = 0
+    media_refs: int = 0
+    media_bytes_saved: int = 0
+    media_resolved: int = 0
+    media_copied_in: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """Return a JSON-serializable dict."""
