@@ -8,9 +8,12 @@ engines that differ only in where payload bytes live:
   layout, so producers, torchrun/Accelerate ranks and DataLoader workers in other processes (or nodes)
   share the pipeline: they attach with :meth:`Pipeline.attach` by its name.
 
-Every engine has the same put path (validation and media decoding in the producer; the payload stored on the
-unit this process's replica of the placement picks; then one admission call, which on Ray the storage unit
-makes itself, so a put is one round trip), the same :class:`~knitdata.dataset.TrajectoryDataset`, state format, defaults and errors.
+Every engine has the same put path (:class:`~knitdata.producer.Producer`: validation and media decoding in the
+producer; the payload stored on the unit this process's replica of the placement picks; then one admission call,
+which on Ray the storage unit makes itself, so a put is one round trip), the same
+:class:`~knitdata.dataset.TrajectoryDataset`, state format, defaults and errors. The options are declared once
+(:class:`~knitdata.engines.options.PipelineOptions`); tests, drills and benchmarks reach the engine behind the
+facade through :attr:`Pipeline.internals`.
 
 Memory: each storage unit holds at most ``max(capacity_bytes, largest trajectory)`` bytes; producers wait up
 to ``put_timeout`` for room, then get :class:`~knitdata.errors.StoreFull` naming the ranks whose uncommitted
@@ -24,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -52,14 +56,19 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Pipeline", "PipelineClosedError", "ENGINES", "RELEASE_MODES", "DEFAULT_TIMEOUT_S", "PUT_TIMEOUT"]
 
-def _dist_rank() -> int | None:
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover
-        return None
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    return None
+
+
+def _rank_of(rank: int | None, replica: int | None) -> int:
+    """``rank``, or this process's ``torch.distributed`` rank (only without ``replica``)."""
+    if rank is not None:
+        return rank
+    if replica is not None:
+        raise ConfigError("replica=... needs the data-parallel rank: pass rank=... (knitdata.replica_layout)")
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("no rank given and torch.distributed is not initialized: pass rank=...")
+    return int(dist.get_rank())
 
 
 class Pipeline:
@@ -107,10 +116,11 @@ class Pipeline:
     ) -> None:
         options = {k: v for k, v in locals().items() if k not in ("self", "spec")}  # PipelineOptions' fields
         eng = PipelineOptions(**options).build(spec)
-        self._setup(eng, put_timeout=put_timeout, check_media=check_media, owner=True)
-        self.capacity_bytes = capacity_bytes
+        self._setup(eng, capacity_bytes, put_timeout=put_timeout, check_media=check_media, owner=True)
 
-    def _setup(self, engine: Engine, *, put_timeout: float | None, check_media: bool, owner: bool) -> None:
+    def _setup(self, engine: Engine, capacity_bytes: int, *, put_timeout: float | None, check_media: bool,
+               owner: bool) -> None:
+        self.capacity_bytes = capacity_bytes
         self._engine = engine
         self.spec = BatchSpec.from_dict(engine.config["spec"])
         self._producer = Producer(engine, put_timeout=put_timeout, check_media=check_media)
@@ -145,11 +155,10 @@ class Pipeline:
         Raises:
             EngineError: No pipeline of that name on the cluster. OptionalDependencyError: No ``ray``.
         """
-        engine = ENGINES.get("ray", what="Pipeline.attach")
+        eng: Any = ENGINES.get("ray", what="Pipeline.attach").attach(name, address=address,
+                                                                    loopback_only=loopback_only, timeout_s=timeout_s)
         self = cls.__new__(cls)
-        eng: Any = engine.attach(name, address=address, loopback_only=loopback_only, timeout_s=timeout_s)
-        self._setup(eng, put_timeout=put_timeout, check_media=check_media, owner=False)
-        self.capacity_bytes = int(eng.info["capacity_bytes"])
+        self._setup(eng, int(eng.info["capacity_bytes"]), put_timeout=put_timeout, check_media=check_media, owner=False)
         return self
 
     @property
@@ -189,10 +198,8 @@ class Pipeline:
 
     @property
     def internals(self) -> Engine:
-        """The pipeline's engine, for tests, failure drills and benchmarks, not for training code: its control
-        plane's parts (``internals.control.positions.commit(...)``: :class:`~knitdata.control.plane.Control`),
-        units, ``kill_unit`` (Ray), and on the embedded engine ``local_plane()`` (the planner, the policy, the state).
-        """
+        """The pipeline's engine, for tests, failure drills and benchmarks (not training code): its control parts
+        (``internals.control.positions.commit(...)``), units, ``kill_unit``, ``local_plane()`` (embedded)."""
         return self._engine
 
     @property
@@ -255,17 +262,13 @@ class Pipeline:
                 stay accepted.
             PipelineClosedError: After :meth:`close`.
         """
-        trajs = list(trajs)
-        if not trajs:
-            return []
-        return self._producer.put(trajs, timeout)
+        return self._producer.put(list(trajs), timeout)
 
     def set_in_flight(self, counts: Mapping[str, int]) -> None:
         """Tell admission how many trajectories per source are still coming for this train batch (raises
         :class:`~knitdata.errors.QuotaInfeasibleError` when a source can no longer deliver its quota)."""
         self._engine.control.admission.set_in_flight(dict(counts))
 
-    # the staleness bound (max_staleness): knitdata.control.admit, docs/concepts.md "A hard staleness bound"
     def rollout_capacity(self, version: int | None = None) -> dict[str, int]:
         """Prompts (groups) per source that may start with ``version`` (default: the last reported) within the bound
         (:meth:`~knitdata.admission.AdmissionPolicy.rollout_capacity`; ConfigError without one)."""
@@ -313,8 +316,8 @@ class Pipeline:
         """End of stream: no more puts; consumers finish the admitted mini-batches and stop. Idempotent.
 
         Returns:
-            What was dropped (``dropped_trajectories``, ``dropped_groups``, ``by_source``): trajectories stored but
-            never admitted (an incomplete train batch or group). If any, a warning says so and consumers raise
+            What was dropped (``dropped_trajectories``, ``dropped_groups``, ``by_source``): stored, never admitted (an
+            incomplete train batch or group); if any, a warning says so and consumers raise
             :class:`~knitdata.errors.IncompleteStreamError` once they have every admitted mini-batch.
         """
         report = dict(self._engine.control.admission.close())
@@ -330,10 +333,8 @@ class Pipeline:
     def shutdown(self) -> None:
         """Close the pipeline and free what the engine holds (Ray: kill the coordinator and unit actors); with a
         trace, the processes' parts are flushed and merged into it (:meth:`write_trace`)."""
-        try:
+        with contextlib.suppress(KnitdataError):
             self.close()
-        except KnitdataError:
-            pass
         if self.trace_path is not None:
             self._engine.flush_trace()
         self._engine.shutdown()
@@ -342,8 +343,7 @@ class Pipeline:
 
     def write_trace(self) -> dict[str, Any] | None:
         """Flush this process's trace events and merge every part written so far into :attr:`trace_path`
-        (:func:`knitdata.trace.merge`; ``knitdata trace PATH`` does the same later, with the parts of processes
-        that ended since). Returns the merge's summary, or ``None`` without a trace."""
+        (:func:`knitdata.trace.merge`, as ``knitdata trace PATH``); the merge's summary, or ``None`` without a trace."""
         if self.trace_path is None:
             return None
         if tracing.tracer is not None:
@@ -354,9 +354,8 @@ class Pipeline:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        """The creator's ``with`` block ended: shut the pipeline down (Ray) or close it (embedded); with a trace,
-        merge the parts written so far into :attr:`trace_path` (:meth:`write_trace`; the creator's process merges
-        again when it exits, with what was recorded after the block)."""
+        """The creator's ``with`` block ended: shut the pipeline down (Ray) or close it (embedded); with a trace, merge
+        the parts so far (:meth:`write_trace`; the creator's process merges again at its exit)."""
         if self._owner and self._engine.shutdown_on_exit:
             self.shutdown()
             return
@@ -401,18 +400,12 @@ class Pipeline:
         options = {k: v for k, v in locals().items() if k not in ("self", "rank")}  # DatasetOptions' fields
         from knitdata.dataset import TrajectoryDataset
 
-        if rank is None and replica is not None:
-            raise ConfigError("replica=... needs the data-parallel rank: pass rank=... (knitdata.replica_layout)")
-        if rank is None:
-            rank = _dist_rank()
-            if rank is None:
-                raise ConfigError("no rank given and torch.distributed is not initialized: pass rank=...")
-        return TrajectoryDataset(self._engine, rank, **options)
+        return TrajectoryDataset(self._engine, _rank_of(rank, replica), **options)
 
     def reshape(self, states: Sequence[Any], layout: ConsumerLayout | int | None = None) -> dict[str, Any]:
         """Continue this live pipeline on ``layout`` (or that many ranks on its first node) from the states of all
-        its stopped old ranks; returns the merged state every new rank loads. See "Resume onto another number of
-        ranks" in the docs and :meth:`knitdata.control.reshape.Reshaping.reshape`.
+        its stopped old ranks; returns the merged state every new rank loads (docs: "Resume onto another number of
+        ranks").
 
         Raises:
             StateError: An incomplete or inconsistent set of states (:func:`knitdata.merge_rank_states`).
@@ -420,9 +413,7 @@ class Pipeline:
         return self._engine.reshape(states, layout)
 
     def metrics(self, rank: int) -> ConsumerMetrics:
-        """This process's metrics of consumer ``rank`` (shared by its datasets)."""
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.num_consumers:
-            raise ConfigError(f"rank must be an int in 0..{self.num_consumers - 1}, got {rank!r}")
+        """This process's metrics of consumer ``rank`` (shared by its datasets); ConfigError for a bad rank."""
         return self._engine.metrics(rank)
 
     @property
@@ -440,10 +431,10 @@ class Pipeline:
     @classmethod
     def restore(cls, path: str | os.PathLike[str], *, rank_states: Sequence[Any] | Mapping[str, Any] | None = None,
                 allow_config_change: bool = False, **options: Any) -> Pipeline:
-        """A new pipeline continuing the checkpoint at ``path``, in any process: see
-        :func:`knitdata.checkpoint.restore_pipeline` for ``options`` (the topology, or :class:`Pipeline` keywords).
-        Onto another number of ranks (``layout=...``), pass ``rank_states``, the saved states of all old ranks (or
-        their merged state); every new rank then loads ``pipe.restore_report.merged_state``."""
+        """A new pipeline continuing the checkpoint at ``path``, in any process (``options``: the topology or
+        :class:`Pipeline` keywords, :func:`knitdata.checkpoint.restore_pipeline`). Onto another number of ranks
+        (``layout=...``) pass ``rank_states`` (all old ranks' states); new ranks load
+        ``restore_report.merged_state``."""
         from knitdata.checkpoint import restore_pipeline
         return restore_pipeline(cls, path, lambda p: p.internals, rank_states=rank_states,
                                 allow_config_change=allow_config_change, **options)
@@ -454,28 +445,21 @@ class Pipeline:
         return lost_groups(self._engine)
 
     def stats(self) -> dict[str, Any]:
-        """JSON-serializable counters: control plane, storage per unit, per-consumer metrics
-        (:meth:`~knitdata.engines.base.Engine.stats`)."""
+        """JSON-serializable counters: control plane, units, consumers (:meth:`~knitdata.engines.base.Engine.stats`)."""
         return self._engine.stats()
 
     def step_metrics(self, rank: int | None = None, *, prefix: str = "knitdata/") -> dict[str, float | int]:
-        """:meth:`stats` as one flat ``{"knitdata/...": number}`` dict for a logger (see
-        :func:`knitdata.monitor.flat_metrics`); with ``rank``, that rank's wait, bytes and staleness too.
-
-        A rank's trainer calls :meth:`TrajectoryDataset.step_metrics <knitdata.dataset.TrajectoryDataset.step_metrics>`
-        instead (its own process's figures, one control-plane call).
-        """
+        """:meth:`stats` as one flat ``{"knitdata/...": number}`` dict for a logger
+        (:func:`knitdata.monitor.flat_metrics`); with ``rank``, that rank's wait, bytes and staleness too. A rank's
+        trainer calls :meth:`TrajectoryDataset.step_metrics <knitdata.dataset.TrajectoryDataset.step_metrics>`."""
         from knitdata.monitor import flat_metrics
 
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)
-                                 or not 0 <= rank < self.num_consumers):
-            raise ConfigError(f"rank must be an int in 0..{self.num_consumers - 1} or None, got {rank!r}")
+        if rank is not None:
+            self.metrics(rank)  # checks it
         return flat_metrics(self.stats(), rank=rank, prefix=prefix)
 
     def status_table(self) -> str:
-        """A compact text table of this pipeline: per source finished/admitted/ready/quota, per rank position,
-        micro-batches planned ahead, data wait and staleness, store fill, the journal (what ``knitdata status``
-        prints for a Ray pipeline; see :func:`knitdata.monitor.status_table`)."""
+        """This pipeline as a compact text table (``knitdata status``; :func:`~knitdata.monitor.status_table`)."""
         from knitdata.monitor import status_table
 
         return status_table({"name": self.name, **self.stats()})

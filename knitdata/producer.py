@@ -115,6 +115,8 @@ class Producer:
 
     def put(self, trajs: Sequence[Trajectory], timeout: float | None | Literal["put_timeout"]) -> list[TrajectoryMeta]:
         """Store ``trajs`` and offer them to admission (see :meth:`knitdata.pipeline.Pipeline.put_many`)."""
+        if not trajs:
+            return []
         plane = self.engine.control
         sender = self.engine.sender
         presence = self._presence
@@ -201,7 +203,8 @@ class Producer:
     def _raise_closed(self, e: EngineError) -> None:
         self.engine.flush_reports()
         if self.engine.control.reporting.stats()["closed"]:
-            raise PipelineClosedError("the pipeline was closed (end of stream); build a new Pipeline to continue") from e
+            raise PipelineClosedError("the pipeline was closed (end of stream); build a new Pipeline to continue") \
+                from e
 
     def _checked(self, traj: Any) -> tuple[dict[str, Any], int]:
         """The checks of the put path in the producer (type, fields, media decoding): ``(metadata, loss tokens)``.
@@ -231,5 +234,6 @@ class Producer:
             plane.admission.note_rejected(traj.id, cause.split(".")[0])
             raise
         meta = traj.meta().to_dict()
-        meta["fields"] = fields_of(traj.scalars, {k: str(v.dtype).replace("torch.", "") for k, v in traj.tensors.items()})
+        dtypes = {k: str(v.dtype).replace("torch.", "") for k, v in traj.tensors.items()}
+        meta["fields"] = fields_of(traj.scalars, dtypes)
         return meta, _loss_tokens(traj)

@@ -137,10 +137,6 @@ SIZE_EXCEPTIONS: dict[str, str] = {
     "knitdata/spill.py:SpillStore": "one store: append, read, release, recover its own shards",
     "knitdata/planner/core.py:_assign": "the locality-then-balance assignment loop, one algorithm",
     "knitdata/planner/core.py:_assign_small": "the same for small layouts, one algorithm",
-    "knitdata/pipeline.py:Pipeline": "the user-facing facade: each feature's entry points delegate to its own module; "
-                                      "266 of the file's 829 lines are docstrings",
-    "knitdata/pipeline.py": "the same facade (129 lines over: the entry points of checkpoint, reshape, replicas, "
-                            "the staleness bound, step metrics and tracing, each a few lines delegating)",
     "knitdata/storage/ray_unit.py:read_records": "45 of its 111 lines are its docstring",
     "knitdata/trace.py": "one concept, a trace's part files: recording them, gathering them across hosts, merging "
                          "and drawing them (55 lines over; 187 of its lines are docstrings and comments)",

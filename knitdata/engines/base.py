@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from knitdata.control.plane import Control, ControlPlane
-from knitdata.errors import EngineError, ValidationError
+from knitdata.errors import ConfigError, EngineError, ValidationError
 from knitdata.fetch import FetchMode
 from knitdata.handoff import HEARTBEAT_S, ControlSender
 from knitdata.metrics import ConsumerMetrics, TransferMeter
@@ -175,7 +175,13 @@ class Engine(abc.ABC):
         return str(self.config.get("release", "step"))
 
     def metrics(self, rank: int) -> ConsumerMetrics:
-        """This process's metrics of consumer ``rank``."""
+        """This process's metrics of consumer ``rank``.
+
+        Raises:
+            ConfigError: ``rank`` is not one of the layout's ranks.
+        """
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(self._metrics):
+            raise ConfigError(f"rank must be an int in 0..{len(self._metrics) - 1}, got {rank!r}")
         return self._metrics[rank]
 
     def local_units(self, rank: int) -> frozenset[str]:

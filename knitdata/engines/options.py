@@ -66,13 +66,14 @@ class PipelineOptions:
             :data:`~knitdata.control.plane.PRODUCER_TTL_S`). Then they raise
             :class:`~knitdata.errors.IncompleteStreamError` naming the producers and what admission waits for.
             ``None``: wait (up to the dataset's ``timeout``). A handle counts as a producer from its first put.
-        check_media: Decode every encoded media item once at :meth:`~knitdata.pipeline.Pipeline.put` (in the producer) and refuse bad ones.
+        check_media: Decode every encoded media item once at :meth:`~knitdata.pipeline.Pipeline.put` (in the
+            producer) and refuse bad ones.
         on_plan: Called as ``on_plan(admitted, plan)`` for each planned mini-batch (embedded engine; keep it cheap).
         max_staleness: Admit nothing staler than this many versions, as the trainer reports them
-            (:meth:`~knitdata.pipeline.Pipeline.report_version`); an int or ``{source: int}`` (every source); ``None``: no bound
-            (docs/concepts.md, "A hard staleness bound").
-        on_stale: ``"drop"`` (:meth:`~knitdata.pipeline.Pipeline.dropped` lists what to regenerate) or ``"wait"`` (also :meth:`~knitdata.pipeline.Pipeline.acquire_rollout`;
-            needs ``max_staleness``).
+            (:meth:`~knitdata.pipeline.Pipeline.report_version`); an int or ``{source: int}`` (every source);
+            ``None``: no bound (docs/concepts.md, "A hard staleness bound").
+        on_stale: ``"drop"`` (:meth:`~knitdata.pipeline.Pipeline.dropped` lists what to regenerate) or ``"wait"``
+            (also :meth:`~knitdata.pipeline.Pipeline.acquire_rollout`; needs ``max_staleness``).
         version_offset: The trainer's version at its first step, for the bound; ``None`` (default): learned from
             the first :meth:`~knitdata.pipeline.Pipeline.report_version` (see docs/concepts.md).
         media_dedup: Keep one copy of each media item per storage unit (by content digest) with counted references,
@@ -90,7 +91,8 @@ class PipelineOptions:
         trace: Record a trace of the run into this path (default: the environment variable ``KNITDATA_TRACE``;
             ``None``: none): every process of the pipeline writes a part file ``<trace>.<role>.<host>-<pid>.json``
             (on Ray the coordinator, the units and each process that attaches, too), merged into ``trace`` by
-            :meth:`~knitdata.pipeline.Pipeline.shutdown` or ``knitdata trace PATH`` (Chrome trace-event JSON; :mod:`knitdata.trace`).
+            :meth:`~knitdata.pipeline.Pipeline.shutdown` or ``knitdata trace PATH`` (Chrome trace-event JSON;
+            :mod:`knitdata.trace`).
 
     Example:
         >>> from knitdata.admission import BatchSpec
@@ -189,9 +191,10 @@ class PipelineOptions:
             placement_name = placement
         config = {**PLANE_DEFAULTS, "spec": spec.to_dict(), "layout": layout.to_dict(), "admission": admission_name,
                   "admission_options": options, "token_budget": self.token_budget, "placement": placement_name,
-                  "allow_split_groups": bool(self.allow_split_groups), "balance_tolerance": float(self.balance_tolerance),
-                  "release": self.release, "producer_timeout_s": None if self.producer_timeout_s is None
-                  else float(self.producer_timeout_s), "media_dedup": self.media_dedup}
+                  "allow_split_groups": bool(self.allow_split_groups),
+                  "balance_tolerance": float(self.balance_tolerance), "release": self.release,
+                  "producer_timeout_s": None if self.producer_timeout_s is None else float(self.producer_timeout_s),
+                  "media_dedup": self.media_dedup}
         return config, policy
 
     def build(self, spec: BatchSpec) -> Engine:
