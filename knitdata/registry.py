@@ -6,13 +6,13 @@ table of its family: ``Pipeline(engine=...)`` reads :data:`knitdata.engines.base
 ``placement=...`` reads :data:`knitdata.placement.PLACEMENTS`. Each family registers its built-in strategies where
 it defines them, and anyone may register another one the same way::
 
-    ENGINES.register("mine", "my_package.engine:MyEngine")   # imported when first used
+    ENGINES.register_lazy("mine", "my_package.engine:MyEngine")   # imported when first chosen
     FETCH_MODES.register("sample2", SampleFetch())
 
 An unknown name is a :class:`~knitdata.errors.ConfigError` that names the family and the choices.
 
 Example:
-    >>> colours: Registry[str] = Registry("colour", accepts=lambda e: isinstance(e, str))
+    >>> colours: Registry[str] = Registry("colour", accepts=lambda e: isinstance(e, str) and e.startswith("#"))
     >>> colours.register("red", "#f00")
     '#f00'
     >>> colours.get("red"), colours.names(), "blue" in colours
@@ -37,11 +37,21 @@ __all__ = ["Registry"]
 T = TypeVar("T")
 
 
+class _Lazy:
+    """An entry not imported yet: the ``"module:attribute"`` that names it."""
+
+    __slots__ = ("target",)
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+
 class Registry(Generic[T]):
     """Strategies of one family by name, in registration order (thread-safe).
 
-    An entry is registered as itself, or as ``"module:attribute"``, imported at its first :meth:`get` (so that a
-    strategy with an optional dependency costs nothing until it is chosen).
+    An entry is registered as itself (:meth:`register`), or as the ``"module:attribute"`` that names it
+    (:meth:`register_lazy`), imported at its first :meth:`get` (so that a strategy with an optional dependency costs
+    nothing until it is chosen).
 
     Args:
         kind: What the family's entries are, for messages (``"engine"``, ``"fetch mode"``...).
@@ -52,27 +62,39 @@ class Registry(Generic[T]):
     def __init__(self, kind: str, *, accepts: Callable[[object], bool] | None = None) -> None:
         self.kind = kind
         self._accepts = accepts
-        self._entries: dict[str, T | str] = {}  # a str: "module:attribute", not imported yet
+        self._entries: dict[str, T | _Lazy] = {}
         self._lock = threading.Lock()
 
-    def register(self, name: str, entry: T | str) -> T | str:
-        """Make ``entry`` (or the ``"module:attribute"`` it names) known as ``name``, replacing an entry of that
-        name; returns ``entry``.
+    def register(self, name: str, entry: T) -> T:
+        """Make ``entry`` known as ``name``, replacing an entry of that name; returns ``entry``.
 
         Raises:
             ConfigError: An empty name, or an entry this family does not accept.
         """
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"a {self.kind} is registered under a non-empty name, got {name!r}")
-        if isinstance(entry, str):
-            module, sep, attr = entry.partition(":")
-            if not (module and sep and attr):
-                raise ConfigError(f"{self.kind} {name!r}: a lazy entry is 'module:attribute', got {entry!r}")
-        elif self._accepts is not None and not self._accepts(entry):
+        self._check_name(name)
+        if self._accepts is not None and not self._accepts(entry):
             raise ConfigError(f"{self.kind} {name!r}: {entry!r} is not a {self.kind}")
         with self._lock:
             self._entries[name] = entry
         return entry
+
+    def register_lazy(self, name: str, target: str) -> None:
+        """Make the entry ``target`` names (``"module:attribute"``, imported at the first :meth:`get`) known as
+        ``name``, replacing an entry of that name.
+
+        Raises:
+            ConfigError: An empty name, or ``target`` not of the form ``"module:attribute"``.
+        """
+        self._check_name(name)
+        module, sep, attr = target.partition(":") if isinstance(target, str) else ("", "", "")
+        if not (module and sep and attr):
+            raise ConfigError(f"{self.kind} {name!r}: a lazy entry is 'module:attribute', got {target!r}")
+        with self._lock:
+            self._entries[name] = _Lazy(target)
+
+    def _check_name(self, name: str) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a {self.kind} is registered under a non-empty name, got {name!r}")
 
     def unregister(self, name: str) -> None:
         """Forget the entry registered as ``name`` (nothing if none)."""
@@ -94,9 +116,9 @@ class Registry(Generic[T]):
             entry = self._entries.get(name) if isinstance(name, str) else None
         if entry is None:
             raise ConfigError(f"unknown {self.kind} {name!r}; choose one of {self.names()}")
-        if not isinstance(entry, str):
+        if not isinstance(entry, _Lazy):
             return entry
-        module, _sep, attr = entry.partition(":")
+        module, _sep, attr = entry.target.partition(":")
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as e:
@@ -106,9 +128,9 @@ class Registry(Generic[T]):
             raise
         found = getattr(mod, attr, None)
         if found is None or (self._accepts is not None and not self._accepts(found)):
-            raise ConfigError(f"{self.kind} {name!r}: {entry!r} is not a {self.kind}")
+            raise ConfigError(f"{self.kind} {name!r}: {entry.target!r} is not a {self.kind}")
         with self._lock:
-            if self._entries.get(name) == entry:  # not replaced meanwhile
+            if self._entries.get(name) is entry:  # not replaced meanwhile
                 self._entries[name] = found
         result: T = found
         return result

@@ -269,7 +269,7 @@ def test_an_engine_registered_by_name_is_accepted():
     """Engines are a registry: a name registered by the user selects its class (here the embedded one again)."""
     from knitdata.engines.base import ENGINES
 
-    ENGINES.register("in_process_again", "knitdata.engines.embedded:EmbeddedEngine")
+    ENGINES.register_lazy("in_process_again", "knitdata.engines.embedded:EmbeddedEngine")
     assert ENGINES.names()[:2] == ("embedded", "ray") and "in_process_again" in ENGINES
     pipe = Pipeline(BatchSpec({"a": 2}, num_minibatches=1), engine="in_process_again", num_consumers=1)
     for i in range(2):

@@ -33,16 +33,16 @@ def test_register_get_names_and_the_error_naming_the_choices() -> None:
 
 def test_a_lazy_entry_is_imported_at_its_first_get() -> None:
     reg: Registry[type] = Registry("class", accepts=lambda e: isinstance(e, type))
-    reg.register("ordered", "collections:OrderedDict")
+    reg.register_lazy("ordered", "collections:OrderedDict")
     from collections import OrderedDict
 
     assert reg.get("ordered") is OrderedDict and reg.get("ordered") is OrderedDict
     with pytest.raises(ConfigError, match="'module:attribute'"):
-        reg.register("bad", "collections.OrderedDict")
-    reg.register("not_a_class", "collections:__name__")
+        reg.register_lazy("bad", "collections.OrderedDict")
+    reg.register_lazy("not_a_class", "collections:__name__")
     with pytest.raises(ConfigError, match="'not_a_class'.*is not a class"):
         reg.get("not_a_class")
-    reg.register("missing", "knitdata_no_such_extra.mod:Thing")
+    reg.register_lazy("missing", "knitdata_no_such_extra.mod:Thing")
     with pytest.raises(OptionalDependencyError, match="knitdata_no_such_extra") as e:
         reg.get("missing", what="the test")
     assert "the test needs" in str(e.value)

@@ -29,10 +29,10 @@ from knitdata.storage.base import StorageUnit
 __all__ = ["Engine", "ENGINES"]
 
 #: The engine classes by name (``Pipeline(engine=name)``), imported when first chosen: ``"embedded"`` and ``"ray"``,
-#: then any registered since (``ENGINES.register(name, "module:Class")``).
+#: then any registered since (``ENGINES.register_lazy(name, "module:Class")`` or ``ENGINES.register(name, cls)``).
 ENGINES: Registry[type[Engine]] = Registry("engine", accepts=lambda e: isinstance(e, type) and issubclass(e, Engine))
-ENGINES.register("embedded", "knitdata.engines.embedded:EmbeddedEngine")
-ENGINES.register("ray", "knitdata.engines.ray:RayEngine")
+ENGINES.register_lazy("embedded", "knitdata.engines.embedded:EmbeddedEngine")
+ENGINES.register_lazy("ray", "knitdata.engines.ray:RayEngine")
 
 
 class Engine(abc.ABC):
