@@ -33,10 +33,14 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
+from knitdata import checkpoint as ckpt
+from knitdata import monitor
 from knitdata import trace as tracing
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec
+from knitdata.checkpoint import CheckpointInfo, RestoreReport, RolloutLedger
 from knitdata.consumer import DEFAULT_TIMEOUT_S
 from knitdata.control import RELEASE_MODES, acquire_rollout
+from knitdata.dataset import TrajectoryDataset
 from knitdata.engines.base import ENGINES, Engine
 from knitdata.engines.options import PipelineOptions
 from knitdata.errors import ConfigError, KnitdataError, PipelineClosedError
@@ -50,8 +54,6 @@ from knitdata.storage.base import StorageUnit
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from knitdata.checkpoint import CheckpointInfo, RestoreReport, RolloutLedger
-    from knitdata.dataset import TrajectoryDataset
     from knitdata.fetch import FetchMode
 
 __all__ = ["Pipeline", "PipelineClosedError", "ENGINES", "RELEASE_MODES", "DEFAULT_TIMEOUT_S", "PUT_TIMEOUT"]
@@ -398,8 +400,6 @@ class Pipeline:
                 or ``num_replicas`` other than the one registered first.
         """
         options = {k: v for k, v in locals().items() if k not in ("self", "rank")}  # DatasetOptions' fields
-        from knitdata.dataset import TrajectoryDataset
-
         return TrajectoryDataset(self._engine, _rank_of(rank, replica), **options)
 
     def reshape(self, states: Sequence[Any], layout: ConsumerLayout | int | None = None) -> dict[str, Any]:
@@ -419,13 +419,11 @@ class Pipeline:
     @property
     def ledger(self) -> RolloutLedger:
         """The rollout ledger the producer reports its prompts to (:class:`~knitdata.checkpoint.RolloutLedger`)."""
-        from knitdata.checkpoint import RolloutLedger
         return RolloutLedger(self._engine.control.ledger)
 
     def checkpoint(self, path: str | os.PathLike[str]) -> CheckpointInfo:
         """Save the whole pipeline to the directory ``path``: :func:`knitdata.checkpoint.write_checkpoint`."""
-        from knitdata.checkpoint import write_checkpoint
-        return write_checkpoint(self._engine, path, options={
+        return ckpt.write_checkpoint(self._engine, path, options={
             "capacity_bytes": self.capacity_bytes, "put_timeout": self.put_timeout, "check_media": self.check_media})
 
     @classmethod
@@ -435,14 +433,12 @@ class Pipeline:
         :class:`Pipeline` keywords, :func:`knitdata.checkpoint.restore_pipeline`). Onto another number of ranks
         (``layout=...``) pass ``rank_states`` (all old ranks' states); new ranks load
         ``restore_report.merged_state``."""
-        from knitdata.checkpoint import restore_pipeline
-        return restore_pipeline(cls, path, lambda p: p.internals, rank_states=rank_states,
+        return ckpt.restore_pipeline(cls, path, lambda p: p.internals, rank_states=rank_states,
                                 allow_config_change=allow_config_change, **options)
 
     def lost_groups(self) -> dict[str, dict[str, Any]]:
         """The groups lost with a dead storage unit and not in its spill: :func:`knitdata.checkpoint.lost_groups`."""
-        from knitdata.checkpoint import lost_groups
-        return lost_groups(self._engine)
+        return ckpt.lost_groups(self._engine)
 
     def stats(self) -> dict[str, Any]:
         """JSON-serializable counters: control plane, units, consumers (:meth:`~knitdata.engines.base.Engine.stats`)."""
@@ -452,17 +448,13 @@ class Pipeline:
         """:meth:`stats` as one flat ``{"knitdata/...": number}`` dict for a logger
         (:func:`knitdata.monitor.flat_metrics`); with ``rank``, that rank's wait, bytes and staleness too. A rank's
         trainer calls :meth:`TrajectoryDataset.step_metrics <knitdata.dataset.TrajectoryDataset.step_metrics>`."""
-        from knitdata.monitor import flat_metrics
-
         if rank is not None:
             self.metrics(rank)  # checks it
-        return flat_metrics(self.stats(), rank=rank, prefix=prefix)
+        return monitor.flat_metrics(self.stats(), rank=rank, prefix=prefix)
 
     def status_table(self) -> str:
         """This pipeline as a compact text table (``knitdata status``; :func:`~knitdata.monitor.status_table`)."""
-        from knitdata.monitor import status_table
-
-        return status_table({"name": self.name, **self.stats()})
+        return monitor.status_table({"name": self.name, **self.stats()})
 
     def flush_meter(self) -> None:
         """Ray engine: send this process's put/read byte counters to the coordinator (and zero them here)."""
