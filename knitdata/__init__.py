@@ -8,7 +8,8 @@ stage               where
 record              :mod:`knitdata.record` (``Trajectory``, ``TrajectoryMeta``), :mod:`knitdata.codec` (wire/disk)
 rollout             :mod:`knitdata.rollout` (engine outputs to trajectories: vLLM, SGLang, OpenAI, HF ``generate``;
                     multi-turn, multimodal, partial rollouts)
-put (producer)      :mod:`knitdata.pipeline` (``Pipeline.put``), :mod:`knitdata.producer` (the placement replica)
+put (producer)      :mod:`knitdata.pipeline` (``Pipeline.put``), :mod:`knitdata.producer` (the put path: checks,
+                    the placement replica, waits for room)
 admission           :mod:`knitdata.admission` (``spec``, ``composition``, ``base``, ``policies``),
                     :mod:`knitdata.staleness`
 placement           :mod:`knitdata.placement`
@@ -18,7 +19,9 @@ control plane       :mod:`knitdata.control`: ``surface`` (the control calls, dec
                     ``durability``, ``journal``, ``snapshot``; ``plane`` (the ``ControlPlane`` facade)
 storage             :mod:`knitdata.storage` (``base``, ``embedded``; Ray: ``ray_connect``, ``ray_actor``,
                     ``ray_unit``), :mod:`knitdata.spill`, :mod:`knitdata.shards` (webdataset export/replay)
-engines             :mod:`knitdata.engines` (``base``: the registry; ``embedded``; ``ray``, ``ray_control``)
+engines             :mod:`knitdata.engines` (``base``: ``Engine``, the ``ENGINES`` registry; ``options``: a new
+                    pipeline's options, checked once; ``embedded``; ``ray``, ``ray_control``); strategy tables
+                    (engines, fetch modes, admission policies, placements) are :mod:`knitdata.registry` registries
 consumer            :mod:`knitdata.dataset` (``TrajectoryDataset``), :mod:`knitdata.consumer` (its control-plane
                     session and stages), :mod:`knitdata.fetch` (fetch modes), :mod:`knitdata.handoff` (leases,
                     the background sender)
