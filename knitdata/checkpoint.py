@@ -8,7 +8,10 @@ A checkpoint (:func:`write_checkpoint`, called by :meth:`knitdata.Pipeline.check
   reissue, and the list of payload shards;
 * ``payloads-NNNNNN.tar``: the payloads of every trajectory the plane still held at the cut (admitted and not
   released, or not admitted yet), as webdataset tar shards (:mod:`knitdata.shards`: JSON header, ``.npy``
-  tensors, CRC32s; no pickle).
+  tensors, CRC32s; no pickle). Each media item's content is written once, with the first payload using it; the
+  later ones refer to it by digest (media encoding ``"ref"``), and a restore gives every payload of a digest the
+  same item again, so the units hold and count it once as before. Checkpoints written before this keep loading
+  (every payload carries its own copies; a restore holds one per digest).
 
 The cut is taken under the plane's lock (the only pause trainers can see; reported as ``pause_ms``); releases of
 the payloads it holds are deferred until the payloads are written (:mod:`knitdata.control.ledger`). The
@@ -30,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -45,7 +49,7 @@ from knitdata.control.ledger import Ledger
 from knitdata.errors import ConfigError, KnitdataError, StateError, StoreFull
 from knitdata.fetch import fetch_mode
 from knitdata.placement import ConsumerLayout
-from knitdata.record import Trajectory
+from knitdata.record import MediaItem, Trajectory
 from knitdata.shards import read_shards, write_shards
 
 __all__ = [
@@ -206,6 +210,44 @@ def _payloads(engine: Any, live: Sequence[Mapping[str, Any]]) -> Iterator[Trajec
         yield from engine.read(items[k:k + _READ_CHUNK], fetch=mode, step=-1)
 
 
+def _media_once(trajs: Iterator[Trajectory]) -> Iterator[Trajectory]:
+    """``trajs`` with each media item's content written once: a later trajectory using a digest already written
+    gets a reference to it (shard media encoding ``"ref"``; :func:`_resolve_media` puts the item back)."""
+    written: set[str] = set()
+    for t in trajs:
+        if not t.media:
+            yield t
+            continue
+        media = []
+        for m in t.media:
+            if m.digest in written or m.reference:
+                media.append(m if m.reference else MediaItem.ref(m.kind, m.digest, sample_rate=m.sample_rate))
+            else:
+                written.add(m.digest)
+                media.append(m)
+        if any(a is not b for a, b in zip(media, t.media)):
+            t = copy.copy(t)  # the unit's object keeps its items
+            t.media = media
+        yield t
+
+
+def _resolve_media(traj: Trajectory, held: dict[str, MediaItem], path: str) -> Trajectory:
+    """A restored trajectory's media: one object per digest (the first read), references resolved from it."""
+    if not traj.media:
+        return traj
+    out = []
+    for i, m in enumerate(traj.media):
+        item = held.get(m.digest)
+        if item is None:
+            if m.reference:
+                raise StateError(f"checkpoint {path!r}: payload {traj.id!r} refers to media {m.digest} (media index "
+                                 f"{i}) that no earlier payload of its shards holds: damaged checkpoint")
+            item = held[m.digest] = m
+        out.append(item)
+    traj.media = out
+    return traj
+
+
 def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -235,7 +277,7 @@ def write_checkpoint(engine: Any, path: str | os.PathLike[str], *, options: Mapp
     try:
         os.makedirs(tmp)
         state = cut["plane"]
-        shards = write_shards(_payloads(engine, state["live"]), os.path.join(tmp, "payloads-%06d.tar"),
+        shards = write_shards(_media_once(_payloads(engine, state["live"])), os.path.join(tmp, "payloads-%06d.tar"),
                               maxcount=100_000, mtime=0.0)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -494,7 +536,9 @@ def restore_into(engine: Any, path: str | os.PathLike[str], manifest: Mapping[st
                               f"({e}); restore with a larger capacity_bytes or a spill_dir") from e
 
     seen: set[str] = set()
+    media: dict[str, MediaItem] = {}  # each media item once, whatever the number of payloads using it
     for traj in read_shards(shards if shards else []):
+        traj = _resolve_media(traj, media, path)
         u = where.get(traj.id)
         if u is None or traj.id in seen:
             raise StateError(f"checkpoint {path!r}: payload {traj.id!r} is not held by its saved state (or twice)")
@@ -605,6 +649,7 @@ def restore_pipeline(
         "token_budget": cfg["token_budget"], "placement": cfg["placement"],
         "allow_split_groups": cfg["allow_split_groups"], "balance_tolerance": cfg["balance_tolerance"],
         "release": cfg["release"], "producer_timeout_s": cfg.get("producer_timeout_s"),
+        "media_dedup": bool(cfg.get("media_dedup", True)),
         "put_timeout": saved.get("put_timeout", 60.0), "check_media": saved.get("check_media", True)}
     opts = dict(options)
     spec = opts.pop("spec", None)

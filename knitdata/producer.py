@@ -22,6 +22,7 @@ from knitdata.errors import (
     EngineError,
     FieldTypeError,
     KnitdataError,
+    MediaRefError,
     PipelineClosedError,
     StoreFull,
     ValidationError,
@@ -144,6 +145,9 @@ class Producer:
                 except EngineError as e:
                     self._raise_closed(e)
                     raise
+                except MediaRefError as e:  # a reference to media no unit holds: nothing of the batch stored
+                    plane.admission.note_rejected(e.trajectory_id, "media")
+                    raise
                 n = res["stored"]
                 if res["admit"] is not None:
                     self._router.take(res["admit"], rest[:n], out)
@@ -184,8 +188,8 @@ class Producer:
             plane.admission.note_rejected(trajs[k].id, "closed")
             self._raise_closed(e)
             raise
-        except ValidationError:  # the id is held there already (not this put's payload)
-            plane.admission.note_rejected(trajs[k].id, "id")
+        except ValidationError as e:  # the id is held there already (not this put's payload), or a bad media reference
+            plane.admission.note_rejected(trajs[k].id, "media" if isinstance(e, MediaRefError) else "id")
             raise
         except BaseException as e:  # interrupted while it waited: it may have been stored
             unit.release([trajs[k].id])
@@ -228,7 +232,8 @@ class Producer:
                 from knitdata.media import check_media_item
 
                 for i, item in enumerate(traj.media):
-                    check_media_item(item, trajectory_id=traj.id, index=i)
+                    if not item.reference:  # a reference's content was checked when it was put
+                        check_media_item(item, trajectory_id=traj.id, index=i)
         except KnitdataError as e:
             cause = getattr(e, "field", None) or ("media" if traj.media else type(e).__name__)
             plane.admission.note_rejected(traj.id, cause.split(".")[0])

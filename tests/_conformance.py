@@ -786,6 +786,97 @@ def reshape(engine: str, cases: list[list[Any]], n_groups: int = 24, mode: str =
     return out
 
 
+# ------------------------------------------------------------------------------------------ media counts
+def _consume_all(pipe: Any, ranks: int, states: list[Any] | None = None) -> list[str]:
+    ids: list[str] = []
+    for r in range(ranks):
+        ids += _consume(pipe, r, 0, None, None if states is None else states[r])[0]
+    return ids
+
+
+@scenario
+def media_counts(engine: str, n_groups: int = 8, group_size: int = 4, nodes: int = 2,
+                 ckpt_dir: str | None = None) -> dict[str, Any]:
+    """Media stored once, counted exactly (issue 43): the media workload of ``tests/_media_checks.py`` (a group's
+    image put once, then referenced; a screenshot every trajectory shares, resolved across units) through put,
+    a refused reference, a withdrawal, consumption, a live reshape and a whole-pipeline checkpoint and restore.
+    Returns :func:`_media_checks.media_report` after every step (the test checks them with ``check_media_exact``)
+    and what each step saw."""
+    import tempfile
+
+    from _media_checks import media_report, media_workload
+
+    from knitdata import Pipeline
+    from knitdata.record import MediaItem
+
+    spec = spec_for(n_groups, group_size=group_size, train_batches=1)
+    out: dict[str, Any] = {"reports": {}, "seen": {}}
+    rep = out["reports"]
+
+    # put, a refused reference, a withdrawal, consumption
+    pipe = make_pipeline(engine, spec, nodes=nodes)
+    trajs = media_workload(n_groups, group_size)
+    for t in trajs:
+        pipe.put(t)
+    rep["put"] = media_report(pipe)
+    bad = media_workload(1, 1, first=900)[0]
+    bad.media = [MediaItem.ref("image", "0" * 32)]
+    out["seen"]["bad_ref"] = _err(lambda: pipe.put(bad))
+    out["seen"]["rejected_media"] = pipe.internals.control.reporting.stats()["rejected_by_cause"].get("media", 0)
+    rep["bad_ref"] = media_report(pipe)
+    part = media_workload(1, group_size, first=500)[: group_size - 1]  # an incomplete group, then withdrawn
+    for t in part:
+        pipe.put(t)
+    rep["partial"] = media_report(pipe)
+    pipe.withdraw(part[0].group)
+    rep["withdrawn"] = media_report(pipe)
+    pipe.close()
+    ids = _consume_all(pipe, nodes)
+    out["seen"]["consumed"] = len(ids)
+    rep["consumed"] = media_report(pipe)
+    _shutdown(pipe)
+
+    # a live reshape: 2 ranks take part, 1 rank continues
+    pipe = make_pipeline(engine, spec, nodes=1, ranks_per_node=2)
+    for t in media_workload(n_groups, group_size):
+        pipe.put(t)
+    pipe.close()
+    taken, states = [], []
+    for r in range(2):
+        got, st = _consume(pipe, r, 0, 1)
+        taken += got
+        states.append(st)
+    rep["before_reshape"] = media_report(pipe)
+    merged = pipe.reshape(states, 1)
+    rep["reshaped"] = media_report(pipe)
+    taken += _consume(pipe, 0, 0, None, merged)[0]
+    out["seen"]["reshape_taken"] = len(taken)
+    rep["reshape_done"] = media_report(pipe)
+    _shutdown(pipe)
+
+    # a whole-pipeline checkpoint and restore
+    tmp = ckpt_dir or tempfile.mkdtemp(prefix="kd-media-")
+    path = os.path.join(tmp, "ckpt")
+    pipe = make_pipeline(engine, spec, nodes=nodes)
+    for t in media_workload(n_groups, group_size):
+        pipe.put(t)
+    rep["before_checkpoint"] = media_report(pipe)
+    info = pipe.checkpoint(path)
+    out["seen"]["checkpoint_bytes"] = info.bytes
+    _shutdown(pipe)
+    opts: dict[str, Any] = {}
+    if engine != "embedded":
+        _COUNTER[0] += 1
+        opts["engine_options"] = {"name": f"cf-{os.getpid()}-{_COUNTER[0]}", "nodes": _ray_nodes()[:nodes]}
+    pipe = Pipeline.restore(path, **opts)
+    rep["restored"] = media_report(pipe)
+    pipe.close()
+    out["seen"]["restored_consumed"] = len(_consume_all(pipe, nodes))
+    rep["restored_consumed"] = media_report(pipe)
+    _shutdown(pipe)
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- main
 def run(name: str, **kwargs: Any) -> Any:
     """Run scenario ``name`` here (the embedded engine)."""

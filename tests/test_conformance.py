@@ -242,3 +242,30 @@ def test_reshape_full_matrix(engine, request):
     else:
         cases = _matrix((0, 2), (1, 4)) if os.environ.get("KNITDATA_RESHAPE_FULL") else _ray_matrix()
     _check_reshape(run_on(engine, request, "reshape", timeout_s=3600.0, cases=cases))
+
+
+# ------------------------------------------------------------------------------------- media counts (issue 43)
+MEDIA_STEPS_EMPTY = ("consumed", "reshape_done", "restored_consumed")
+
+
+@pytest.mark.parametrize("engine", ["embedded"])  # the Ray engine's run: helper B adds "ray" with its media table
+def test_media_reference_counts_exact_after_every_scenario(engine, request, tmp_path):
+    from _media_checks import MEDIA_PER_TRAJ, check_media_exact, held_totals
+
+    res = run_on(engine, request, "media_counts", ckpt_dir=str(tmp_path)) if engine != "embedded" else \
+        cf.run("media_counts", engine=engine, ckpt_dir=str(tmp_path))
+    reps = res["reports"]
+    for step, rep in reps.items():
+        check_media_exact(rep, empty=step in MEDIA_STEPS_EMPTY, where=step)
+    put = held_totals(reps["put"])
+    assert put["pairs"] == 32 * MEDIA_PER_TRAJ and put["num_items"] == 32
+    # one copy per digest per unit: 8 group images + 32 clips + the shared screenshot on each of the 2 units
+    assert put["media_items"] == 8 + 32 + 2, put
+    seen = res["seen"]
+    assert seen["bad_ref"][:3] == ["MediaRefError", "t900", "media.0"] and "0" * 32 in seen["bad_ref"][3]
+    assert seen["rejected_media"] == 1
+    assert held_totals(reps["bad_ref"]) == put  # the refused put left nothing behind
+    assert held_totals(reps["withdrawn"]) == put  # the withdrawn group's media went with it
+    assert held_totals(reps["partial"])["media_refs"] == put["media_refs"] + 3 * MEDIA_PER_TRAJ
+    assert seen["consumed"] == seen["reshape_taken"] == seen["restored_consumed"] == 32
+    assert held_totals(reps["restored"]) == held_totals(reps["before_checkpoint"])  # bytes and counts kept

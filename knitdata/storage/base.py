@@ -6,7 +6,11 @@ so a unit can live in another process (a Ray actor, later) behind the very same 
 
 Capacity and memory bound (every implementation must keep it):
 
-* A unit accounts each payload by :attr:`Trajectory.nbytes <knitdata.record.Trajectory.nbytes>`.
+* A unit accounts each payload by :attr:`Trajectory.nbytes <knitdata.record.Trajectory.nbytes>`; a unit that
+  stores media once (``media_dedup``, :mod:`knitdata.storage.media`) accounts a payload's own tensors plus the
+  media items it brings that the unit does not hold yet (each distinct item counted once, while any payload
+  held refers to it; a reference to a held item costs nothing), so ``n`` is at most ``Trajectory.nbytes`` of
+  the payload with its media resolved.
 * ``put`` accepts a payload of ``n`` bytes when ``used + n <= capacity`` or when the unit is empty. So the
   high-water mark of ``used`` never exceeds ``max(capacity, largest single trajectory)``, which is at most
   ``capacity + one trajectory``.
@@ -239,6 +243,21 @@ class StorageUnit(abc.ABC):
     def alive(self, timeout_s: float = 10.0) -> bool:
         """Whether the unit answers within ``timeout_s`` (a unit in this process always does)."""
         return True
+
+    def media_check(self) -> dict[str, Any]:
+        """Recount the unit's media references from what it holds (tests, drills; not for a hot path).
+
+        Returns:
+            ``{"ok", "pairs", "refs", "items", "bytes", "distinct_bytes", "leaked"}``: ``pairs`` the (trajectory,
+            media index) pairs of the payloads held, ``refs`` the sum of the reference counts, ``items`` the
+            distinct items held, ``bytes`` the media bytes accounted, ``distinct_bytes`` their recount,
+            ``leaked`` trajectory ids holding references without being held (a list). ``ok``: ``pairs == refs``,
+            ``bytes == distinct_bytes`` and nothing leaked. This default reports the unit's
+            :meth:`stats` only (``ok`` without a recount); units that store media once override it.
+        """
+        st = self.stats()
+        return {"ok": True, "pairs": st.media_refs, "refs": st.media_refs, "items": st.media_items,
+                "bytes": st.media_bytes, "distinct_bytes": st.media_bytes, "leaked": []}
 
 
 def dead_units(units: Mapping[str, StorageUnit], timeout_s: float = 10.0) -> list[str]:

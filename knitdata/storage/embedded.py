@@ -401,6 +401,11 @@ class EmbeddedStorageUnit(StorageUnit):
                 **media,
             )
 
+    def media_check(self) -> dict[str, Any]:
+        """Recount the media references from the payloads held; see :meth:`StorageUnit.media_check`."""
+        with self._cond:
+            return _media_check(self._media, self._items, set(self._spilled) | self._spilling)
+
     def close(self) -> None:
         """Refuse further puts; wake waiting producers. Held payloads stay readable."""
         with self._cond:
@@ -413,3 +418,18 @@ class EmbeddedStorageUnit(StorageUnit):
 
     def __repr__(self) -> str:
         return f"EmbeddedStorageUnit({self.unit_id!r}, capacity_bytes={self.capacity_bytes})"
+
+
+def _media_check(table: MediaTable | None, items: dict[str, tuple[Trajectory, int]], spilled: set[str]) -> dict[str, Any]:
+    """:meth:`EmbeddedStorageUnit.media_check` (called under the unit's lock)."""
+    if table is None:
+        return {"ok": True, "pairs": 0, "refs": 0, "items": 0, "bytes": 0, "distinct_bytes": 0, "leaked": []}
+    res = table.check()
+    pairs = sum(len(t.media) for t, _n in items.values())
+    pairs += sum(len(table.digests_of(i)) for i in spilled)  # their media stay in the table
+    stored_ok = all(len(table.digests_of(i)) == len(t.media) and all(table.get(m.digest) is m for m in t.media)
+                    for i, (t, _n) in items.items())
+    leaked = sorted(i for i in table.traj_ids() if i not in items and i not in spilled)
+    ok = bool(res["ok"]) and stored_ok and pairs == res["refs"] and not leaked
+    return {"ok": ok, "pairs": pairs, "refs": res["refs"], "items": len(table), "bytes": res["bytes"],
+            "distinct_bytes": res["distinct_bytes"], "leaked": leaked}

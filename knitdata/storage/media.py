@@ -92,6 +92,11 @@ class MediaTable:
         """The digests ``traj_id`` holds, in media order (empty when it holds none)."""
         return self._by_traj.get(traj_id, ())
 
+    def traj_ids(self) -> list[str]:
+        """The trajectories holding references here."""
+        with self._lock:
+            return list(self._by_traj)
+
     def __contains__(self, traj_id: object) -> bool:
         return traj_id in self._by_traj
 
