@@ -407,3 +407,87 @@ def test_rank_states_load_into_a_restore_with_another_token_budget(saved: tuple[
             pipe.dataset(r, timeout=30).load_state_dict(job["states"][str(r)])
     finally:
         pipe.shutdown()
+
+
+# ------------------------------------------------------------------------------------ media stored once (issue 43)
+def _media_pipe(**kw: Any) -> Pipeline:
+    spec = BatchSpec({"math": 8, "code": 8}, num_minibatches=2, group_size=4)
+    return Pipeline(spec, layout=ConsumerLayout(["node0", "node1"]), token_budget=96, **kw)
+
+
+def _media_totals(pipe: Pipeline) -> dict[str, int]:
+    from _media_checks import check_media_exact, held_totals, media_report
+
+    rep = media_report(pipe)
+    check_media_exact(rep)
+    return held_totals(rep)
+
+
+def _shard_media_encodings(path: Path) -> dict[str, int]:
+    import tarfile
+
+    counts: dict[str, int] = {}
+    for shard in sorted(path.glob("payloads-*.tar")):
+        with tarfile.open(shard) as tar:
+            for m in tar.getmembers():
+                if m.name.endswith(".json"):
+                    f = tar.extractfile(m)
+                    assert f is not None
+                    for item in json.loads(f.read())["media"]:
+                        counts[item["encoding"]] = counts.get(item["encoding"], 0) + 1
+    return counts
+
+
+def test_checkpoint_keeps_media_bytes_and_counts_and_writes_each_item_once(tmp_path: Path) -> None:
+    from _media_checks import MEDIA_PER_TRAJ, media_workload
+
+    pipe = _media_pipe()
+    for t in media_workload(8, 4):
+        pipe.put(t)
+    before = _media_totals(pipe)
+    pipe.checkpoint(tmp_path / "c")
+    pipe.shutdown()
+    enc = _shard_media_encodings(tmp_path / "c")
+    # 8 group images + 32 clips + 1 screenshot written once (the units hold 42: the screenshot on both), the rest refs
+    assert enc == {"tensor": 8 + 32 + 1, "ref": 32 * MEDIA_PER_TRAJ - 41}, enc
+    restored = Pipeline.restore(tmp_path / "c")
+    assert _media_totals(restored) == before  # bytes held, media items and references as before the checkpoint
+    got = restored.internals.units["node0"].get(["t0", "t1"])
+    assert got[0].media[0] is got[1].media[0]
+    restored.shutdown()
+
+
+def test_checkpoint_written_before_media_references_still_loads(tmp_path: Path, monkeypatch: Any) -> None:
+    """A checkpoint whose payloads carry their own copies (the format before issue 43) restores one copy per digest."""
+    from _media_checks import media_workload
+
+    import knitdata.checkpoint as ckpt
+
+    pipe = _media_pipe()
+    for t in media_workload(8, 4, refs=False):
+        pipe.put(t)
+    before = _media_totals(pipe)
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "_media_once", lambda trajs: trajs)  # the old writer: every payload its own copies
+        pipe.checkpoint(tmp_path / "old")
+    pipe.shutdown()
+    assert "ref" not in _shard_media_encodings(tmp_path / "old")
+    restored = Pipeline.restore(tmp_path / "old")
+    assert _media_totals(restored) == before
+    restored.shutdown()
+
+
+def test_checkpoint_of_per_trajectory_copies_restores_per_trajectory_copies(tmp_path: Path) -> None:
+    from _media_checks import media_workload
+
+    pipe = _media_pipe(media_dedup=False)
+    trajs = media_workload(8, 4, refs=False)
+    for t in trajs:
+        pipe.put(t)
+    before = _media_totals(pipe)
+    assert before["used_bytes"] == sum(t.nbytes for t in trajs) and before["media_items"] == 0
+    pipe.checkpoint(tmp_path / "c")
+    pipe.shutdown()
+    restored = Pipeline.restore(tmp_path / "c")
+    assert restored.internals.config["media_dedup"] is False and _media_totals(restored) == before
+    restored.shutdown()

@@ -378,3 +378,87 @@ def test_reframing_an_unchanged_header_decodes_the_original() -> None:
     header, body = _crafted_base()
     back = decode_trajectory(_reframe(header, body))
     assert back.scalars == {"reward": 1.0} and back.media[0].data == b"\x89PNG...."
+
+
+# ------------------------------------------------------------------------------------ media references (issue 43)
+def _media_traj(refs_too: bool = True) -> tuple[Trajectory, MediaItem, MediaItem]:
+    img = MediaItem("image", tensor=torch.arange(48, dtype=torch.uint8).view(3, 4, 4))
+    clip = MediaItem("audio", data=b"RIFF-not-really", sample_rate=16000)
+    media = [img, clip] + ([MediaItem.ref("image", img.digest)] if refs_too else [])
+    return Trajectory(id="r1", source="s", group="g", prompt_ids=torch.arange(3), response_ids=torch.arange(2),
+                      media=media), img, clip
+
+
+def test_inline_record_of_content_items_is_the_format_before_references():
+    """Old records (no "ref" key) are what inline encoding still writes for content items: byte for byte."""
+    t, img, clip = _media_traj(refs_too=False)
+    old_meta = {"type": "trajectory", "id": "r1", "source": "s", "group": "g", "gen_version": 0, "scalars": {},
+                "tensors": [], "media": [{"kind": "image", "digest": img.digest, "sample_rate": None, "encoded": False},
+                                         {"kind": "audio", "digest": clip.digest, "sample_rate": 16000,
+                                          "encoded": True}]}
+    old = encode_tensors(old_meta, {"prompt_ids": t.prompt_ids, "response_ids": t.response_ids, "m/0": img.tensor,
+                                    "m/1": bytes(clip.data)})
+    assert encode_trajectory(t) == old
+    back = decode_trajectory(old)
+    assert back.equals(t) and not any(m.is_reference for m in back.media)
+
+
+def test_refs_mode_writes_no_media_buffer_and_resolves_on_decode():
+    t, img, clip = _media_traj()
+    inline, refs = encode_trajectory(t), encode_trajectory(t, media="refs")
+    assert len(refs) < len(inline) - img.nbytes
+    meta, values = decode_tensors(refs)
+    assert not [k for k in values if k.startswith("m/")]
+    assert all(m["ref"] is True and "nbytes" in m for m in meta["media"])
+    assert [m["nbytes"] for m in meta["media"]] == [img.nbytes, clip.nbytes, 0]
+    unresolved = decode_trajectory(refs)  # a reference for a unit to resolve later
+    assert [m.is_reference for m in unresolved.media] == [True, True, True]
+    assert [m.digest for m in unresolved.media] == [img.digest, clip.digest, img.digest]
+    for media in ({img.digest: img, clip.digest: clip}, {img.digest: img, clip.digest: clip}.get):
+        back = decode_trajectory(refs, media=media)
+        assert back.media[0] is img and back.media[1] is clip and back.media[2] is img
+    partial = decode_trajectory(inline, media={img.digest: img})  # inline: only the reference item resolves
+    assert partial.media[2] is img and partial.media[0] is not img and torch.equal(partial.media[0].tensor, img.tensor)
+
+
+def test_resolved_item_must_match_the_reference():
+    t, img, clip = _media_traj()
+    with pytest.raises(CodecError, match="resolved"):
+        decode_trajectory(encode_trajectory(t, media="refs"), media={img.digest: clip, clip.digest: clip})
+    with pytest.raises(CodecError, match="media must be one of"):
+        encode_trajectory(t, media="lazy")
+
+
+def test_bad_reference_descriptions_raise_codec_error():
+    t, img, _clip = _media_traj(refs_too=False)
+    meta, values = decode_tensors(encode_trajectory(t, media="refs"))
+    for bad in ({"ref": 1}, {"ref": True, "digest": ""}):
+        m = json.loads(json.dumps(meta))
+        m["media"][0].update(bad)
+        with pytest.raises(CodecError):
+            decode_trajectory(encode_tensors(m, values))
+    m = json.loads(json.dumps(meta))
+    with pytest.raises(CodecError, match="has a buffer"):  # a reference with a buffer
+        decode_trajectory(encode_tensors(m, {**values, "m/0": img.tensor}))
+
+
+def test_media_record_round_trip_and_corruption():
+    from knitdata.codec import decode_media, encode_media
+
+    _t, img, clip = _media_traj()
+    for item in (img, clip):
+        buf = encode_media(item)
+        back = decode_media(buf)
+        assert (back.kind, back.digest, back.sample_rate, back.data) == (item.kind, item.digest, item.sample_rate,
+                                                                        item.data)
+        assert back.tensor is None if item.tensor is None else torch.equal(back.tensor, item.tensor)
+        buf[len(buf) // 2] ^= 0xFF
+        with pytest.raises(CodecError):
+            decode_media(buf)
+    with pytest.raises(CodecError, match="reference"):
+        encode_media(MediaItem.ref("image", img.digest))
+    with pytest.raises(CodecError, match="media item"):
+        decode_media(encode_trajectory(_t))
+    with pytest.raises(CodecError, match="buffer"):
+        decode_media(encode_tensors({"type": "media", "kind": "image", "digest": "d", "sample_rate": None,
+                                     "encoded": True}, {"m": img.tensor}))

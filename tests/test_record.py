@@ -222,3 +222,27 @@ def test_meta_packs_its_counts_for_planning() -> None:
     assert TrajectoryMeta(id="t", source="s", group="g", seq=1 << 64).packed is None
     with pytest.raises(TypeError):
         TrajectoryMeta(id="t", source="s", group="g", packed=b"")  # type: ignore[call-arg]
+
+
+def test_media_reference_form():
+    from knitdata.errors import FieldTypeError as FTE
+    from knitdata.record import media_digest
+
+    img = MediaItem("image", tensor=torch.zeros(3, 2, 2, dtype=torch.uint8))
+    ref = MediaItem.ref("image", media_digest(img))
+    assert ref.is_reference and ref.reference and ref.nbytes == 0 and ref.tensor is None and ref.data is None
+    assert MediaItem("image", digest=img.digest, reference=True) == ref
+    assert MediaItem.ref("audio", "d" * 32, sample_rate=16000).sample_rate == 16000
+    with pytest.raises(ValidationError, match="digest"):
+        MediaItem.ref("image", "")
+    with pytest.raises(ValidationError, match="neither"):
+        MediaItem("image", tensor=img.tensor, digest=img.digest, reference=True)
+    with pytest.raises(ValidationError, match="sample_rate"):
+        MediaItem.ref("audio", "d" * 32, sample_rate=0)
+    with pytest.raises(FTE):
+        MediaItem("image", digest="d", reference=1)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="exactly one"):
+        MediaItem("image")  # not a reference: content needed, as before
+    t = Trajectory(id="x", source="s", group="g", prompt_ids=torch.arange(2), response_ids=torch.arange(2),
+                   media=[img, ref])
+    assert t.nbytes == 32 + img.nbytes and t.meta().media_digests == (img.digest, img.digest)

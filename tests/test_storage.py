@@ -192,3 +192,131 @@ def test_spill_full_falls_back_to_waiting(tmp_path):
     with pytest.raises(StoreFull):
         u.put(make_traj(2, "s", "g", extra_bytes=4000), timeout=0)  # memory and disk full
     assert not u.contains("t2") and u.stats().rejected_puts == 1
+
+
+# ------------------------------------------------------------------------------------ media stored once (issue 43)
+def _media_group(n: int, *, refs: bool, side: int = 32, first: int = 0):
+    """``n`` members of one group sharing an image: the first carries it, the others content copies or refs."""
+    import torch
+
+    from knitdata.record import MediaItem, Trajectory
+
+    g = torch.Generator().manual_seed(first)
+    img = MediaItem("image", tensor=torch.randint(0, 256, (3, side, side), generator=g, dtype=torch.uint8))
+    out = []
+    for k in range(n):
+        item = img if k == 0 else (MediaItem.ref("image", img.digest) if refs else
+                                   MediaItem("image", tensor=img.tensor.clone()))
+        out.append(Trajectory(id=f"m{first + k}", source="s", group=f"g{first}", prompt_ids=torch.arange(4),
+                              response_ids=torch.arange(4), media=[item]))
+    return img, out
+
+
+def test_media_stored_once_per_group_and_freed_with_the_last_member():
+    img, group = _media_group(8, refs=True)
+    _img2, copies = _media_group(8, refs=False, first=100)
+    u = EmbeddedStorageUnit("n0", 1 << 20)
+    own = group[0].nbytes - img.nbytes
+    assert u.put(group[0]) == own + img.nbytes
+    assert [u.put(t) for t in group[1:]] == [own] * 7  # a reference costs its own tensors only
+    for t in copies:  # content copies of one image: held once too
+        u.put(t)
+    s = u.stats()
+    assert s.used_bytes == 16 * own + 2 * img.nbytes and (s.media_items, s.media_refs) == (2, 16)
+    assert s.media_bytes == 2 * img.nbytes and s.media_bytes_saved == 14 * img.nbytes
+    got = u.get([t.id for t in group + copies])
+    assert len({id(t.media[0]) for t in got[:8]}) == 1 and got[0].media[0] is img
+    assert len({id(t.media[0]) for t in got[8:]}) == 1
+    assert copies[3].media[0] is not got[11].media[0]  # the producer's object keeps its own item
+    assert not any(m.reference for t in got for m in t.media)
+    assert u.stats().bytes_fetched == 16 * own + 2 * img.nbytes  # each distinct item once per request
+    assert u.media_check()["ok"]
+    assert u.release([t.id for t in group[:7]]) == 7 * own  # the image stays: m7 refers to it
+    assert u.media is not None and u.media.refs(img.digest) == 1 and u.media_check()["ok"]
+    assert u.release([group[7].id]) == own + img.nbytes
+    u.release([t.id for t in copies])
+    s = u.stats()
+    assert (s.used_bytes, s.media_items, s.media_refs, s.media_bytes) == (0, 0, 0, 0)
+
+
+def test_media_dedup_off_keeps_per_trajectory_copies_and_refuses_references():
+    from knitdata.errors import MediaRefError
+
+    img, copies = _media_group(8, refs=False)
+    u = EmbeddedStorageUnit("n0", 1 << 20, media_dedup=False)
+    assert [u.put(t) for t in copies] == [t.nbytes for t in copies]
+    s = u.stats()
+    assert s.used_bytes == sum(t.nbytes for t in copies) and (s.media_items, s.media_refs) == (0, 0)
+    _img, refs = _media_group(2, refs=True, first=50)
+    with pytest.raises(MediaRefError, match="media_dedup=False") as ei:
+        u.put(refs[1])
+    assert ei.value.trajectory_id == "m51" and ei.value.digest == refs[1].media[0].digest
+    assert not u.contains("m51") and u.media is None and not u.media_dedup
+
+
+def test_unresolved_reference_refused_whole_put_admit_batch():
+    from knitdata.errors import MediaRefError
+    from knitdata.record import MediaItem
+
+    img, group = _media_group(4, refs=True)
+    u = EmbeddedStorageUnit("n0", 1 << 20)
+    u.put(group[0])
+    before = u.stats()
+    group[2].media = [MediaItem.ref("image", "a" * 32)]
+    calls = []
+    with pytest.raises(MediaRefError) as ei:
+        u.put_admit(group[1:], [[{}, 1, "x"]] * 3, lambda unit, items: calls.append(items))
+    assert (ei.value.trajectory_id, ei.value.field, ei.value.digest) == ("m2", "media.0", "a" * 32)
+    assert not calls and not u.contains("m1") and not u.contains("m3")  # nothing of the batch kept
+    after = u.stats()
+    assert (after.used_bytes, after.media_refs, after.media_items) == (before.used_bytes, 1, 1)
+    assert u.contains("m0") and u.media_check()["ok"]  # what was accepted before stays
+
+
+def test_reference_fits_where_a_copy_would_not():
+    img, group = _media_group(3, refs=True)
+    own = group[0].nbytes - img.nbytes
+    u = EmbeddedStorageUnit("n0", group[0].nbytes + 2 * own)
+    for t in group:
+        u.put(t, timeout=0)
+    _i, copies = _media_group(2, refs=False, first=7)
+    with pytest.raises(StoreFull):
+        u.put(copies[0], timeout=0)  # a new image does not fit
+    assert u.stats().used_bytes == group[0].nbytes + 2 * own
+
+
+def test_reference_resolved_from_another_unit_counted_on_both():
+    img, group = _media_group(2, refs=True)
+    a = EmbeddedStorageUnit("a", 1 << 20)
+    b = EmbeddedStorageUnit("b", 1 << 20, resolve=a.media_item)
+    a.put(group[0])
+    own = group[1].nbytes
+    assert b.put(group[1]) == own + img.nbytes  # copied in: counted on b too
+    assert b.get([group[1].id])[0].media[0] is img  # in one process the copy is the same object
+    assert b.stats().media_copied_in == 1 and b.stats().media_resolved == 1
+    assert a.release([group[0].id]) == group[0].nbytes  # freed on a; b still holds its copy
+    assert b.media is not None and b.media.holds(img.digest)
+    assert b.release([group[1].id]) == own + img.nbytes and b.stats().used_bytes == 0
+
+
+def test_spilled_trajectories_keep_their_media_in_memory(tmp_path):
+    from knitdata.spill import SpillStore
+
+    img, group = _media_group(6, refs=True, side=16)
+    own = group[1].nbytes
+    spill = SpillStore(str(tmp_path / "sp"), max_bytes=1 << 20)
+    u = EmbeddedStorageUnit("n0", group[0].nbytes + own, spill=spill)  # m0 and m1 in memory, the rest spilled
+    for t in group:
+        u.put(t, timeout=0)
+    s = u.stats()
+    assert (s.num_items, s.spilled_items, s.spilled_bytes) == (2, 4, 4 * own)
+    assert s.used_bytes == group[0].nbytes + own and (s.media_items, s.media_refs) == (1, 6)
+    assert u.media_check()["ok"]
+    assert spill.get("m2").media[0].is_reference  # the spill record refers to the image, without its bytes
+    got = u.get([t.id for t in group])
+    assert all(t.media[0] is img for t in got)  # read back: the held item, one object
+    assert u.release(["m0"]) == group[0].nbytes - img.nbytes  # the spilled ones still refer to it
+    assert u.media is not None and u.media.refs(img.digest) == 5 and u.media_check()["ok"]
+    u.release([t.id for t in group[1:]])
+    s = u.stats()
+    assert (s.used_bytes, s.media_items, s.media_refs, s.spilled_items) == (0, 0, 0, 0)
