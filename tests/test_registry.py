@@ -106,3 +106,35 @@ def test_a_registered_strategy_is_chosen_by_name() -> None:
     finally:  # leave the tables as they were for the other tests
         for reg, name in ((FETCH_MODES, "sample2"), (POLICIES, "fifo2"), (PLACEMENTS, "index_mod2")):
             reg.unregister(name)
+
+
+def test_model_adapters_are_a_registry_of_the_same_idiom() -> None:
+    """The fifth strategy table, ``model_type`` -> adapter class (``adapter_for``), is a Registry too: a model type
+    registered by the user is adapted by its class; an unknown one is refused naming the choices."""
+    import types
+
+    import torch
+
+    from knitdata.integrations.transformers import FAMILIES, MODEL_ADAPTERS, adapter_for
+
+    assert isinstance(MODEL_ADAPTERS, Registry) and set(FAMILIES) - {"qwen2_5_omni"} <= set(MODEL_ADAPTERS)
+
+    class Tiny(torch.nn.Module):
+        config = types.SimpleNamespace(model_type="tiny_llava")
+
+    made: list[tuple[object, object]] = []
+
+    def tiny_adapter(model: object, processor: object) -> object:
+        made.append((model, processor))
+        return "adapter"
+
+    with pytest.raises(ConfigError, match="no knitdata adapter for model_type 'tiny_llava'; supported: \\("):
+        adapter_for(Tiny())
+    try:
+        MODEL_ADAPTERS.register("tiny_llava", tiny_adapter)  # type: ignore[arg-type]
+        model = Tiny()
+        assert adapter_for(model, processor="proc") == "adapter" and made == [(model, "proc")]
+    finally:
+        MODEL_ADAPTERS.unregister("tiny_llava")
+    with pytest.raises(ConfigError, match="is not a model adapter"):
+        MODEL_ADAPTERS.register("x", 3)  # type: ignore[arg-type]

@@ -141,6 +141,7 @@ Importing this module without ``transformers`` raises :class:`~knitdata.errors.O
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch  # noqa: F401 - with nn, SharedEncoding and MultimodalCollator: the names the recipe above uses
@@ -152,11 +153,13 @@ from knitdata.integrations.hf_adapter import GRAD_RTOL, HFMultimodalAdapter, sca
 from knitdata.integrations.qwen import ADAPTERS, Qwen2_5_VLAdapter, Qwen2AudioAdapter, qwen2_5_vl, qwen2_audio
 from knitdata.integrations.qwen_omni import Qwen2_5OmniAdapter, Qwen3VLAdapter, qwen2_5_omni, qwen3_vl
 from knitdata.multimodal import MultimodalCollator  # noqa: F401
+from knitdata.registry import Registry
 
 __all__ = [
     "FAMILIES",
     "GRAD_RTOL",
     "HFMultimodalAdapter",
+    "MODEL_ADAPTERS",
     "Qwen2_5_VLAdapter",
     "Qwen2AudioAdapter",
     "Qwen2_5OmniAdapter",
@@ -172,18 +175,21 @@ __all__ = [
 #: Supported families (Qwen2.5-Omni: its thinker, ``model_type`` ``"qwen2_5_omni_thinker"``).
 FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen2_audio", "qwen2_5_omni", "qwen3_vl")
 
-_BY_MODEL_TYPE: dict[str, Any] = {
-    **ADAPTERS,
-    "qwen2_5_omni_thinker": Qwen2_5OmniAdapter,
-    "qwen3_vl": Qwen3VLAdapter,
-}
+#: The adapter classes by ``model.config.model_type`` (:func:`adapter_for`): the families of :data:`FAMILIES`, then any
+#: registered since (``MODEL_ADAPTERS.register(model_type, MyAdapter)``: an :class:`HFMultimodalAdapter` subclass
+#: built as ``MyAdapter(model, processor)``, e.g. for a LLaVA-style model following the recipe above).
+MODEL_ADAPTERS: Registry[Callable[..., HFMultimodalAdapter]] = Registry("model adapter", accepts=callable)
+_BUILT_IN = {**ADAPTERS, "qwen2_5_omni_thinker": Qwen2_5OmniAdapter, "qwen3_vl": Qwen3VLAdapter}
+for _model_type, _adapter in _BUILT_IN.items():
+    MODEL_ADAPTERS.register(_model_type, _adapter)
 
 
 def adapter_for(model: nn.Module, processor: Any | None = None) -> HFMultimodalAdapter:
     """The adapter of a supported model, by ``model.config.model_type``.
 
     Args:
-        model: A ``transformers`` model of a family in :data:`FAMILIES` (possibly wrapped).
+        model: A ``transformers`` model of a family in :data:`FAMILIES` or registered in :data:`MODEL_ADAPTERS`
+            (possibly wrapped).
         processor: Its image processor or feature extractor (default: built from the config).
 
     Raises:
@@ -194,9 +200,9 @@ def adapter_for(model: nn.Module, processor: Any | None = None) -> HFMultimodalA
         raise ConfigError(
             "a whole Qwen2.5-Omni model (thinker, talker, token2wav): RL trains its thinker, pass model.thinker"
         )
-    if family not in _BY_MODEL_TYPE:
+    if family not in MODEL_ADAPTERS:
         raise ConfigError(
-            f"no knitdata adapter for model_type {family!r}; supported: {FAMILIES} (see the recipe in "
-            "knitdata.integrations.transformers for LLaVA-style towers)"
+            f"no knitdata adapter for model_type {family!r}; supported: {MODEL_ADAPTERS.names()} (see the recipe in "
+            "knitdata.integrations.transformers for LLaVA-style towers, and MODEL_ADAPTERS.register)"
         )
-    return _BY_MODEL_TYPE[family](model, processor)
+    return MODEL_ADAPTERS.get(str(family))(model, processor)
