@@ -76,7 +76,8 @@ def flat_metrics(stats: Mapping[str, Any], *, rank: int | None = None, consumer:
     * ``admission_delay_s/{s}``: seconds from a trajectory's put to its admission in a mini-batch.
     * ``store/used_bytes``, ``store/capacity_bytes``, ``store/fill`` (used / capacity, 0..1),
       ``store/high_water_bytes``, ``store/items``, ``store/spilled_items``, ``store/spilled_bytes``,
-      ``store/spill_puts``, ``store/put_wait_s`` (summed over the units).
+      ``store/spill_puts``, ``store/put_wait_s``, ``store/media_items``, ``store/media_bytes``, ``store/media_refs``,
+      ``store/media_bytes_saved`` (media stored once per digest; summed over the units).
     * ``puts``, ``admitted_trajectories``, ``admitted_minibatches``, ``held_trajectories``, ``version``,
       ``sources/<source>/puts`` and ``/admitted``.
     * ``stale_dropped/<counter>`` and ``stale_dropped/<counter>/<source>`` (with a staleness bound): the groups,
@@ -128,7 +129,9 @@ def flat_metrics(stats: Mapping[str, Any], *, rank: int | None = None, consumer:
         for key, field in (("used_bytes", "used_bytes"), ("capacity_bytes", "capacity_bytes"),
                            ("high_water_bytes", "high_water_bytes"), ("items", "num_items"),
                            ("spilled_items", "spilled_items"), ("spilled_bytes", "spilled_bytes"),
-                           ("spill_puts", "spill_puts"), ("put_wait_s", "put_wait_s")):
+                           ("spill_puts", "spill_puts"), ("put_wait_s", "put_wait_s"),
+                           ("media_items", "media_items"), ("media_bytes", "media_bytes"),
+                           ("media_refs", "media_refs"), ("media_bytes_saved", "media_bytes_saved")):
             out[f"store/{key}"] = sum(_num(u.get(field)) for u in units)
         cap = out["store/capacity_bytes"]
         out["store/fill"] = float(out["store/used_bytes"]) / cap if cap else 0.0

@@ -261,6 +261,7 @@ def test_media_reference_counts_exact_after_every_scenario(engine, request, tmp_
     assert put["pairs"] == 32 * MEDIA_PER_TRAJ and put["num_items"] == 32
     # one copy per digest per unit: 8 group images + 32 clips + the shared screenshot on each of the 2 units
     assert put["media_items"] == 8 + 32 + 2, put
+    assert sum(r["media_copied_in"] for r in reps["put"].values()) == 1  # the screenshot, once, to the other unit
     seen = res["seen"]
     assert seen["bad_ref"][:3] == ["MediaRefError", "t900", "media.0"] and "0" * 32 in seen["bad_ref"][3]
     assert seen["rejected_media"] == 1

@@ -425,6 +425,10 @@ def test_bad_constructor_arguments_raise_config_errors():
         Pipeline(spec, balance_tolerance="0.1")
     with pytest.raises(ConfigError, match="release"):
         Pipeline(spec, release="never")
+    with pytest.raises(ConfigError, match="media_dedup"):
+        Pipeline(spec, media_dedup="yes")  # type: ignore[arg-type]
+    assert Pipeline(spec).internals.config["media_dedup"] is True
+    assert not Pipeline(spec, media_dedup=False).internals.units["node0"].media_dedup  # type: ignore[attr-defined]
 
 
 def test_consumer_restores_mid_step_in_the_same_pipeline_with_release_step():
