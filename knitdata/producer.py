@@ -127,7 +127,8 @@ class Producer:
         presence.note()
         if sender.version_pending:  # a put of the new weights' output must not overtake their report
             self.engine.flush_reports()
-        checked = [self._checked(t) for t in trajs]
+        media_seen: set[str] = set()  # each distinct media item is checked once per put (a group shares its image)
+        checked = [self._checked(t, media_seen) for t in trajs]
         wait = self.put_timeout if timeout == PUT_TIMEOUT else timeout
         token = uuid.uuid4().hex
         items = [[m, n, f"{token}:{i}"] for i, (m, n) in enumerate(checked)]
@@ -210,7 +211,7 @@ class Producer:
             raise PipelineClosedError("the pipeline was closed (end of stream); build a new Pipeline to continue") \
                 from e
 
-    def _checked(self, traj: Any) -> tuple[dict[str, Any], int]:
+    def _checked(self, traj: Any, media_seen: set[str]) -> tuple[dict[str, Any], int]:
         """The checks of the put path in the producer (type, fields, media decoding): ``(metadata, loss tokens)``.
 
         A refusal is counted by the control plane by its cause, then raised.
@@ -232,8 +233,11 @@ class Producer:
                 from knitdata.media import check_media_item
 
                 for i, item in enumerate(traj.media):
-                    if not item.reference:  # a reference's content was checked when it was put
+                    # a reference's content was checked when it was put; an item of a digest checked in this put
+                    # (the group's image again) is not decoded twice
+                    if not item.reference and item.digest not in media_seen:
                         check_media_item(item, trajectory_id=traj.id, index=i)
+                        media_seen.add(item.digest)
         except KnitdataError as e:
             cause = getattr(e, "field", None) or ("media" if traj.media else type(e).__name__)
             plane.admission.note_rejected(traj.id, cause.split(".")[0])

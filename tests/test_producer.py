@@ -80,3 +80,37 @@ def test_check_media_off_skips_decoding_in_the_producer() -> None:
     unchecked = Producer(pipe.internals, put_timeout=1.0, check_media=False)
     assert [m.id for m in unchecked.put([bad(1)], PUT_TIMEOUT)] == ["t1"]
     pipe.shutdown()
+
+
+def test_media_checked_once_per_digest_and_references_not_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 43: a group's shared image is decoded once per put; a reference (no content) is not checked."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    import knitdata.media as media_mod
+    from knitdata.errors import MediaRefError
+    from knitdata.record import MediaItem, Trajectory
+
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(buf, format="PNG")
+    png = MediaItem("image", data=buf.getvalue())
+    calls: list[str] = []
+    real = media_mod.check_media_item
+    monkeypatch.setattr(media_mod, "check_media_item", lambda item, **kw: (calls.append(item.digest), real(item, **kw)))
+
+    def member(k: int, item: MediaItem) -> Trajectory:
+        return Trajectory(id=f"m{k}", source="a", group=f"g{k // 2}", prompt_ids=torch.arange(4),
+                          response_ids=torch.arange(4), media=[item])
+
+    pipe = _pipe()
+    pipe.put_many([member(0, png), member(1, MediaItem("image", data=bytes(png.data)))])  # equal content twice
+    assert calls == [png.digest]
+    pipe.put(member(2, MediaItem.ref("image", png.digest)))  # another group refers to it
+    assert calls == [png.digest]
+    with pytest.raises(MediaRefError):
+        pipe.put(member(3, MediaItem.ref("image", "9" * 32)))
+    pipe.put(member(3, png))
+    assert pipe.stats_light()["rejected_by_cause"].get("media") == 1
+    pipe.shutdown()
