@@ -320,3 +320,60 @@ def test_spilled_trajectories_keep_their_media_in_memory(tmp_path):
     u.release([t.id for t in group[1:]])
     s = u.stats()
     assert (s.used_bytes, s.media_items, s.media_refs, s.spilled_items) == (0, 0, 0, 0)
+
+
+_POOL_SIDES = (2, 3, 4, 5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cap=st.integers(200, 1200),
+       ops=st.lists(st.tuples(st.booleans(), st.integers(0, 300), st.lists(st.tuples(st.integers(0, 3), st.booleans()),
+                                                                             max_size=3)), max_size=40))
+def test_media_capacity_and_counts_random_ops(cap, ops):
+    """With media stored once: used = own bytes held + each distinct digest held once; high-water <= max(capacity,
+    largest accounted put); StoreFull exactly when it does not fit; an unheld reference refused, nothing stored."""
+    import torch
+
+    from knitdata.errors import MediaRefError
+    from knitdata.record import MediaItem
+
+    pool = [MediaItem("image", tensor=torch.full((3, s, s), s, dtype=torch.uint8)) for s in _POOL_SIDES]
+    u = EmbeddedStorageUnit("n0", cap)
+    own: dict[str, int] = {}
+    uses: dict[str, list[int]] = {}
+    largest = 0
+    for i, (is_put, size, media) in enumerate(ops):
+        if is_put or not own:
+            t = make_traj(i, "s", "g", extra_bytes=size)
+            t.media = [MediaItem.ref("image", pool[k].digest) if ref else pool[k] for k, ref in media]
+            held = {k for v in uses.values() for k in v}
+            brought: set[int] = set()
+            ok_ref = True
+            for k, ref in media:
+                ok_ref = ok_ref and (not ref or k in held or k in brought)
+                brought.add(k)
+            need = t.nbytes - sum(m.nbytes for m in t.media) + sum(pool[k].nbytes for k in brought - held)
+            used = sum(own.values()) + sum(pool[k].nbytes for k in held)
+            fits = used + need <= cap or used == 0
+            try:
+                assert u.put(t, timeout=0) == need
+                assert ok_ref and fits
+                own[t.id] = t.nbytes - sum(m.nbytes for m in t.media)
+                uses[t.id] = [k for k, _r in media]
+                largest = max(largest, need)
+            except MediaRefError:
+                assert not ok_ref
+            except StoreFull:
+                assert ok_ref and not fits
+        else:
+            victim = sorted(own)[size % len(own)]
+            before = {k for v in uses.values() for k in v}
+            gone_own = own.pop(victim)
+            uses.pop(victim)
+            after = {k for v in uses.values() for k in v}
+            assert u.release([victim]) == gone_own + sum(pool[k].nbytes for k in before - after)
+        held = {k for v in uses.values() for k in v}
+        s = u.stats()
+        assert s.used_bytes == sum(own.values()) + sum(pool[k].nbytes for k in held)
+        assert s.media_items == len(held) and s.media_refs == sum(len(v) for v in uses.values())
+        assert s.high_water_bytes <= max(cap, largest) and u.media_check()["ok"]
