@@ -377,3 +377,44 @@ def test_media_capacity_and_counts_random_ops(cap, ops):
         assert s.used_bytes == sum(own.values()) + sum(pool[k].nbytes for k in held)
         assert s.media_items == len(held) and s.media_refs == sum(len(v) for v in uses.values())
         assert s.high_water_bytes <= max(cap, largest) and u.media_check()["ok"]
+
+
+def test_units_resolving_from_each_other_concurrently_do_not_deadlock():
+    """Each unit resolves references from the other while holding its own lock: the tables' locks are leaves."""
+    import torch
+
+    from knitdata.record import MediaItem, Trajectory
+
+    a = EmbeddedStorageUnit("a", 1 << 24)
+    b = EmbeddedStorageUnit("b", 1 << 24, resolve=a.media_item)
+    a.resolve = b.media_item
+    items = [MediaItem("image", tensor=torch.full((3, 4, 4), k, dtype=torch.uint8)) for k in range(8)]
+
+    def traj(tid: str, media: list) -> Trajectory:
+        return Trajectory(id=tid, source="s", group=tid, prompt_ids=torch.arange(2), response_ids=torch.arange(2),
+                          media=media)
+
+    a.put(traj("a-seed", items[:4]))
+    b.put(traj("b-seed", items[4:]))
+    errs: list[BaseException] = []
+
+    def work(unit: EmbeddedStorageUnit, tag: str) -> None:
+        try:
+            for k in range(300):
+                tid = f"{tag}{k}"
+                unit.put(traj(tid, [MediaItem.ref("image", items[(k + j) % 8].digest) for j in range(3)]))
+                if k % 2:
+                    unit.release([tid])
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errs.append(e)
+
+    threads = [threading.Thread(target=work, args=(u, f"{u.unit_id}-{n}-"), daemon=True)
+               for u in (a, b) for n in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in threads), "deadlock"
+    assert not errs, errs
+    assert a.media_check()["ok"] and b.media_check()["ok"]
+    assert a.stats().media_refs == 4 + 2 * 150 * 3 and b.stats().media_copied_in >= 4  # (again after a free)
