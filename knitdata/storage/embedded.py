@@ -158,8 +158,8 @@ class EmbeddedStorageUnit(StorageUnit):
                 return self._hold(traj, own)
             spill = self._spill is not None and (media_new == 0 or self._fits(media_new))
             if spill:
-                self._spilling.add(traj.id)
                 stored, media_new = self._hold_media_locked(traj)  # the media stay in memory (see the class doc)
+                self._spilling.add(traj.id)
                 self._add_used(media_new)
         if spill:
             try:
