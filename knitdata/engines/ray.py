@@ -26,6 +26,7 @@ process still inside :meth:`RayEngine.attach` when the creator dies gets that er
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -44,7 +45,7 @@ from knitdata.engines.ray_control import CoordinatorActor, RayControl
 from knitdata.fetch import FetchMode
 from knitdata.metrics import TransferMeter
 from knitdata.placement import ConsumerLayout
-from knitdata.record import Trajectory
+from knitdata.record import MediaItem, Trajectory
 from knitdata.storage.base import StorageUnit
 from knitdata.storage.ray_connect import (
     NAMESPACE,
@@ -58,9 +59,15 @@ from knitdata.storage.ray_connect import (
     hosts_cluster,
     watch_host,
 )
-from knitdata.storage.ray_unit import RayStorageUnit, read_records
+from knitdata.storage.ray_read import decode_records, read_records
+from knitdata.storage.ray_unit import RayStorageUnit
 
-__all__ = ["RayEngine", "coordinator_name", "ray_address", "resolve_nodes"]
+__all__ = ["RayEngine", "coordinator_name", "ray_address", "resolve_nodes", "MEDIA_CACHE_STEPS"]
+
+#: Steps (mini-batches) whose media a process keeps after reading them, so that each distinct media item of a
+#: consumer's share is fetched once whatever the number of trajectories, turns and micro-batches using it: the
+#: step being trained and the one ``iter`` prepares ahead, plus one for a rank of this process a step behind.
+MEDIA_CACHE_STEPS = 3
 
 
 def ray_address() -> str:
@@ -150,6 +157,10 @@ class RayEngine(Engine):
         placement = str(info["config"].get("placement", ""))
         self._units = {u: RayStorageUnit.from_handle(actor, desc, meter=self.meter, placement=placement)
                        for u, (actor, desc) in handles.items()}
+        for uid, unit in self._units.items():  # a reference to media another unit holds: copied in from there
+            unit.resolve = self._resolver(uid)
+        self._media_lock = threading.Lock()
+        self._media_steps: dict[int, dict[str, MediaItem]] = {}  # step -> the media read for it in this process
 
     @classmethod
     def attach(cls, name: str, *, address: str | None = None, loopback_only: bool = True,
@@ -230,7 +241,8 @@ class RayEngine(Engine):
             pass
         units = RayStorageUnit.create_many([(n, setup["nodes"][n]) for n in layout.nodes], int(capacity_bytes),
                                            prefix=name, spill_dir=setup["spill_dir"], spill_bytes=spill_bytes,
-                                           detached=detached, resume=resume)
+                                           detached=detached, resume=resume,
+                                           media_dedup=bool(config.get("media_dedup", True)))
         handles = {u: [unit.actor, unit.handle_info()] for u, unit in units.items()}
         restarts = -1 if journal is not None else 0  # without a journal a restarted coordinator would be empty
         # an ActorClass (ray's stubs keep the class)
@@ -267,15 +279,49 @@ class RayEngine(Engine):
         """Records from the units (zero-copy on the same node), spill recovery for a dead unit, decoded.
 
         Each group of ``fetch.groups(items)`` is one request per unit; bytes are counted under ``fetch.name``.
+        Media stored once: each distinct media item of step ``step`` is fetched once by this process, whatever
+        the number of trajectories, turns, micro-batches and reads using it (the media read for a step are kept
+        for the :data:`MEDIA_CACHE_STEPS` newest steps, then let go), and equal digests decode to the same
+        :class:`~knitdata.record.MediaItem` (zero-copy views of the object store on the unit's node).
         """
         recover = self._recover if self.info.get("spill_dir") else None
         placement = str(self.config.get("placement", ""))
         units = self._units
+        media = self.step_media(step)
         recs: list[Any] = []
         for group in fetch.groups(items):
             recs += read_records([(tid, units[u]) for tid, u, _n in group], meter=self.meter, mode=fetch.name,
-                                 placement=placement, step=step, recover=recover)
-        return [decode_trajectory(r, copy=False) for r in recs]
+                                 placement=placement, step=step, recover=recover, media=media)
+        if media is None:
+            return [decode_trajectory(r, copy=False) for r in recs]
+        return decode_records(recs, media)
+
+    def step_media(self, step: int) -> dict[str, MediaItem] | None:
+        """The media this process read for step ``step`` (by digest; a fresh dict for ``step < 0``; ``None`` when
+        media are not stored once). Steps older than the :data:`MEDIA_CACHE_STEPS` newest are let go."""
+        if not self.config.get("media_dedup", True):
+            return None
+        if step < 0:
+            return {}
+        with self._media_lock:
+            steps = self._media_steps
+            media = steps.get(step)
+            if media is None:
+                media = steps[step] = {}
+                for old in sorted(steps)[:-MEDIA_CACHE_STEPS]:
+                    del steps[old]
+            return media
+
+    def _resolver(self, unit_id: str) -> Any:
+        def resolve(digest: str) -> Any:
+            for uid, unit in self._units.items():
+                if uid != unit_id:
+                    found = unit.media_record(digest)
+                    if found is not None:
+                        return found
+            return None
+
+        return resolve
 
     def _recover(self, unit: RayStorageUnit, ids: list[str]) -> Mapping[str, Any]:
         return self._control.plumbing.recover(unit.unit_id, ids)
@@ -286,7 +332,12 @@ class RayEngine(Engine):
         if not (d["read"] or d["put"]):
             return
         self.meter.reset()
-        self._control.reporting.report_transfer(d)
+        try:  # waited for (the control surface sends it fire-and-forget): a stats() right after counts it
+            ray.get(self._actor.call.remote("report_transfer", d), timeout=self.timeout_s)
+        except ray.exceptions.RayActorError:
+            self._control.reporting.report_transfer(d)  # restarting: sent as usual (a timed-out call still lands)
+        except ray.exceptions.GetTimeoutError:
+            pass
 
     def recoverable(self, unit_ids: Sequence[str], ids: Sequence[str]) -> list[str]:
         """The ids of ``ids`` that the spill shards of the dead units ``unit_ids`` still hold (none without spill)."""

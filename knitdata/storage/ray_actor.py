@@ -24,10 +24,18 @@ except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in t
 
 import numpy as np
 
-from knitdata.codec import decode_trajectory, encode_trajectory
+from knitdata.codec import decode_trajectory, encode_media, encode_trajectory
 from knitdata.storage.ray_connect import current_node
+from knitdata.storage.ray_media import (
+    MEDIA_SPILL_PREFIX,
+    SpillRecovery,
+    UnitMedia,
+    media_spill_id,
+    spill_directory,
+)
 
-__all__ = ["StorageUnitActor", "SpillRecovery", "spill_directory", "INLINE_MAX_BYTES", "ADMIT_TIMEOUT_S"]
+__all__ = ["StorageUnitActor", "SpillRecovery", "spill_directory", "media_spill_id", "INLINE_MAX_BYTES",
+           "ADMIT_TIMEOUT_S"]
 
 _ON_DISK = "on-disk"  # marks a payload that spilled over: only in the unit's spill store
 #: Records up to this many bytes stay in the unit actor's own memory and travel inline in its replies (a
@@ -37,75 +45,14 @@ INLINE_MAX_BYTES = 64 << 10
 ADMIT_TIMEOUT_S = 120.0
 
 
-# --------------------------------------------------------------------------------------------- spill
-def spill_directory(spill_dir: str | os.PathLike[str], unit_id: str) -> str:
-    """The :class:`~knitdata.spill.SpillStore` directory of one unit under a shared ``spill_dir``."""
-    return os.path.join(os.fspath(spill_dir), unit_id.replace("/", "_"))
-
-
-class SpillRecovery:
-    """Serves the payloads of dead units from their write-through spill shards (thread-safe).
-
-    Each unit with a ``spill_dir`` writes every accepted payload through to a
-    :class:`knitdata.spill.SpillStore` (webdataset tar shards) in ``spill_directory(spill_dir, unit_id)``
-    and releases it there too. After the unit's actor dies, this opens the store once
-    (:meth:`SpillStore.open <knitdata.spill.SpillStore.open>` rebuilds exactly the unreleased samples) and
-    returns records by id. Open it in one process only (the coordinator): opening rewrites the release log.
-
-    Args:
-        spill_dir: The shared spill directory.
-    """
-
-    def __init__(self, spill_dir: str | os.PathLike[str]) -> None:
-        self.spill_dir = os.fspath(spill_dir)
-        self._stores: dict[str, Any] = {}
-        self._lock = threading.Lock()
-
-    def records(self, unit_id: str, traj_ids: Sequence[str]) -> dict[str, bytes]:
-        """Codec records of the ids found in the unit's spill (absent ids are left out)."""
-        from knitdata.spill import SpillStore
-
-        with self._lock:
-            store = self._stores.get(unit_id)
-            if store is None:
-                directory = spill_directory(self.spill_dir, unit_id)
-                if not os.path.isdir(directory):
-                    return {}
-                store = self._stores[unit_id] = SpillStore.open(directory, repair=False)
-            out: dict[str, bytes] = {}
-            for tid in traj_ids:
-                if tid in store:
-                    out[tid] = bytes(encode_trajectory(store.get(tid)))
-            return out
-
-    def held(self, unit_id: str, traj_ids: Sequence[str]) -> list[str]:
-        """The ids of ``traj_ids`` the unit's spill holds (recoverable), without reading them."""
-        from knitdata.spill import SpillStore
-
-        with self._lock:
-            store = self._stores.get(unit_id)
-            if store is None:
-                directory = spill_directory(self.spill_dir, unit_id)
-                if not os.path.isdir(directory):
-                    return []
-                store = self._stores[unit_id] = SpillStore.open(directory, repair=False)
-            return [t for t in traj_ids if t in store]
-
-    def close(self) -> None:
-        """Close the opened stores."""
-        with self._lock:
-            for store in self._stores.values():
-                store.close()
-            self._stores.clear()
-
-
 # ----------------------------------------------------------------------------------------- the actor
 class _UnitState:
     """The unit's bookkeeping (plain Python; the actor wraps it)."""
 
     def __init__(self, unit_id: str, capacity_bytes: int, spill_dir: str | None, node_name: str | None,
-                 spill_bytes: int | None = None, resume: bool = False) -> None:
+                 spill_bytes: int | None = None, resume: bool = False, media_dedup: bool = True) -> None:
         self.unit_id = unit_id
+        self.media: UnitMedia | None = UnitMedia() if media_dedup else None
         self.node_name = node_name
         self.capacity_bytes = capacity_bytes
         self.node = current_node()
@@ -124,19 +71,63 @@ class _UnitState:
         # record bytes)
         self.items: dict[str, tuple[Any, int, int]] = {}
         if resume and self.spill is not None:
-            for tid in self.spill.ids():
-                self.items[tid] = (_ON_DISK, 0, 0)
+            self._resume_from_spill()
         self.cond = threading.Condition()
         self.used = self.high = 0
         self.counters = dict.fromkeys(
             ("puts", "rejected_puts", "gets", "get_requests", "bytes_fetched", "releases", "written_through",
-             "spilled_over", "reloaded"), 0
+             "spilled_over", "reloaded", "media_gets", "media_bytes_fetched"), 0
         )
         self.put_wait_s = 0.0
         self.closed = False
 
     def fits(self, n: int) -> bool:
         return self.used + n <= self.capacity_bytes or self.used == 0
+
+    def _resume_from_spill(self) -> None:
+        """A whole-job restart: the unreleased payloads of the previous run, served from disk, with their media
+        counts rebuilt from the spilled trajectories (media stored once keep one sample per digest)."""
+        spill = self.spill
+        ids = spill.ids()
+        media_keys = [t for t in ids if t.startswith(MEDIA_SPILL_PREFIX)]
+        for tid in ids:
+            if not tid.startswith(MEDIA_SPILL_PREFIX):
+                self.items[tid] = (_ON_DISK, 0, 0)
+        table = self.media
+        if table is None:
+            return
+        for key in media_keys:
+            item = spill.get(key).media[0]
+            table.entries[item.digest] = [_ON_DISK, 0, 0, 0, item.kind, int(item.nbytes)]
+        for tid in list(self.items):
+            refs = [m for m in spill.get(tid).media if m.reference]
+            if refs:
+                if any(m.digest not in table.entries for m in refs):
+                    continue  # its media sample is gone: read as lost, like any payload the spill lacks
+                table.hold(tid, [[m.digest, m.kind, 0, False] for m in refs], {}, None)
+        for d in [d for d, e in table.entries.items() if e[3] == 0]:  # nothing refers to it any more
+            del table.entries[d]
+            spill.release(media_spill_id(d))
+
+
+def _stage(s: _UnitState, content: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:
+    """``content`` not held yet by unit ``s``, each as ``[held record, nbytes, record bytes, the record, copied in]``
+    (a copy into this node's object store, or inline when small), made outside the lock. ``copied in``: the client
+    found it in another unit of the pipeline to resolve a reference (``[record, nbytes, True]``)."""
+    if s.media is None:
+        return {}
+    with s.cond:
+        todo = [(d, v) for d, v in content.items() if d not in s.media.entries]
+    out: dict[str, list[Any]] = {}
+    for d, (rec, n, *copied) in todo:
+        arr = np.asarray(rec, dtype=np.uint8).reshape(-1)
+        if arr.nbytes <= INLINE_MAX_BYTES:
+            held: Any = np.array(arr, dtype=np.uint8, copy=True)
+            held.setflags(write=False)
+        else:
+            held = ray.put(arr)
+        out[d] = [held, int(n), int(arr.nbytes), arr, bool(copied and copied[0])]
+    return out
 
 
 # ray's stubs omit the actor options max_concurrency and concurrency_groups
@@ -151,36 +142,67 @@ class StorageUnitActor:
     """
 
     def __init__(self, unit_id: str, capacity_bytes: int, spill_dir: str | None = None,
-                 node_name: str | None = None, spill_bytes: int | None = None, resume: bool = False) -> None:
-        self._s = _UnitState(unit_id, capacity_bytes, spill_dir, node_name, spill_bytes, resume)
+                 node_name: str | None = None, spill_bytes: int | None = None, resume: bool = False,
+                 media_dedup: bool = True) -> None:
+        self._s = _UnitState(unit_id, capacity_bytes, spill_dir, node_name, spill_bytes, resume, media_dedup)
         self._control: Any = None  # the coordinator, set by set_control
         # group commit of the puts' admission calls (see _admit)
         self._gc: dict[str, Any] = {"cond": threading.Condition(), "queue": [], "busy": False, "calls": 0, "puts": 0}
 
     def info(self) -> dict[str, Any]:
-        """``unit_id``, ``node`` (Ray node id), ``node_name``, ``capacity_bytes``, ``pid``, ``spill``."""
+        """``unit_id``, ``node`` (Ray node id), ``node_name``, ``capacity_bytes``, ``pid``, ``spill``,
+        ``media_dedup``."""
         s = self._s
         return {"unit_id": s.unit_id, "node": s.node, "node_name": s.node_name or s.node,
                 "capacity_bytes": s.capacity_bytes, "pid": os.getpid(),
-                "spill": s.spill.directory if s.spill else None}
+                "spill": s.spill.directory if s.spill else None, "media_dedup": s.media is not None}
 
-    def put(self, traj_id: str, record: np.ndarray, nbytes: int) -> str:
-        """Store one record; returns ``"ok"``, ``"full"``, ``"dup"`` or ``"closed"`` (never blocks).
+    def put(self, traj_id: str, record: np.ndarray, nbytes: int, media: Sequence[Sequence[Any]] | None = None,
+            content: Mapping[str, Sequence[Any]] | None = None) -> str:
+        """Store one record; returns ``"ok"``, ``"full"``, ``"dup"``, ``"closed"``, ``"missing:<i>"`` or
+        ``"kind:<i>"`` (never blocks).
 
         With a spill store every record is written through to it; one that does not fit in memory stays on
         disk only (spill-over) and is reloaded into the object store when it is fetched. ``"full"`` then
         means the spill store is full too.
+
+        Media stored once: ``media`` (``[digest, kind, nbytes, is_reference]`` per media item of a record
+        written with ``encode_trajectory(..., media="refs")``) makes the unit take a reference to each digest
+        it holds, and store the ones it does not hold from ``content`` (``{digest: [encode_media record,
+        nbytes]}``) once. ``"missing:<i>"``: media ``i`` is neither held nor in ``content`` (nothing stored):
+        the client resends its content, or refuses a reference nobody holds. ``nbytes`` is then the record's own
+        bytes (no media); the unit accounts them plus each new item once. A spilled-over record's media stay in
+        memory (they need room there unless held already), so nothing a spilled record refers to is freed.
         """
+        staged = _stage(self._s, content) if content else {}
+        return self._put(traj_id, record, nbytes, media, staged)
+
+    def _put(self, traj_id: str, record: np.ndarray, nbytes: int, media: Sequence[Sequence[Any]] | None,
+             staged: Mapping[str, Sequence[Any]]) -> str:
         s = self._s
+        table = s.media if media else None
         with s.cond:
             if s.closed:
                 return "closed"
             if traj_id in s.items:
                 return "dup"
-            in_memory = s.fits(nbytes)
-            if not in_memory and s.spill is None:
+            new: Mapping[str, Sequence[Any]] = {}
+            media_new = 0
+            if table is not None:
+                planned = table.plan(media, staged)  # type: ignore[arg-type]  # media is a sequence here
+                if isinstance(planned, str):
+                    return planned
+                new, media_new = planned
+            in_memory = s.fits(nbytes + media_new)
+            if not in_memory and (s.spill is None or not (media_new == 0 or s.fits(media_new))):
                 return "full"
             accounted = nbytes if in_memory else 0
+            if table is not None:
+                try:
+                    table.hold(traj_id, media, new, s.spill)  # type: ignore[arg-type]
+                except StoreFull:
+                    return "full"
+                s.used += media_new
             s.used += accounted  # reserve before the copy so concurrent puts respect the bound
             s.high = max(s.high, s.used)
             s.items[traj_id] = (None, accounted, int(record.nbytes))
@@ -189,6 +211,8 @@ class StorageUnitActor:
             with s.cond:
                 s.items.pop(traj_id, None)
                 s.used -= accounted
+                if table is not None:
+                    s.used -= table.drop(traj_id, s.spill)
                 s.cond.notify_all()
 
         try:
@@ -214,15 +238,19 @@ class StorageUnitActor:
             s.counters["spilled_over"] += not in_memory
         return "ok"
 
-    def put_batch(self, items: list[tuple[str, np.ndarray, int]]) -> list[str]:
+    def put_batch(self, items: list[tuple[Any, ...]], content: Mapping[str, Sequence[Any]] | None = None) -> list[str]:
         """:meth:`put` for several records in one call, in order; stops at the first one that is not ``"ok"``.
+
+        Each item is ``(id, record, nbytes)`` or ``(id, record, nbytes, media)``; ``content`` is shared by the
+        batch (each new media item is sent once per call, whatever the number of records using it).
 
         Returns:
             One status per record stored or refused (shorter than ``items`` after a refusal).
         """
+        staged = _stage(self._s, content) if content else {}
         out: list[str] = []
-        for traj_id, record, nbytes in items:
-            status = self.put(traj_id, record, nbytes)
+        for it in items:
+            status = self._put(it[0], it[1], it[2], it[3] if len(it) > 3 else None, staged)
             out.append(status)
             if status != "ok":
                 break
@@ -251,25 +279,27 @@ class StorageUnitActor:
         :func:`knitdata.trace.part_sizes`) lacks or holds shorter: every process of this node traces there."""
         return tracing.parts_missing_from(path, known)
 
-    def put_admit(self, recs: list[tuple[str, np.ndarray, int]], items: list[Any]) -> dict[str, Any]:
+    def put_admit(self, recs: list[tuple[Any, ...]], items: list[Any],
+                  content: Mapping[str, Sequence[Any]] | None = None) -> dict[str, Any]:
         """The one-round-trip put: store the records that fit now, then admit them with one coordinator call.
 
         See :meth:`knitdata.storage.base.StorageUnit.put_admit`. Records the coordinator refused are dropped.
 
         Returns:
-            ``{"stored": n, "status": "ok" | "full" | "dup" | "closed", "index": position of the first record not
-            stored, "admit": the coordinator's answer or None}``; after ``"dup"`` or ``"closed"`` nothing of the
-            batch is kept.
+            ``{"stored": n, "status": "ok" | "full" | "dup" | "closed" | "missing:<i>" | "kind:<i>", "index":
+            position of the first record not stored, "admit": the coordinator's answer or None}``; after
+            ``"dup"``, ``"closed"``, ``"missing:<i>"`` or ``"kind:<i>"`` nothing of the batch is kept (nothing
+            admitted: the client resends the batch with the media content, or refuses it).
         """
         t0 = tracing.now_us() if tracing.tracer is not None else 0.0
-        statuses = self.put_batch(recs)
+        statuses = self.put_batch(recs, content)
         status = statuses[-1] if statuses else "ok"
         if tracing.tracer is not None:
             tracing.tracer.span("store", "storage", t0, tracing.now_us(),
                                 {"unit": self._s.unit_id, "trajectories": len(recs), "status": status})
         n = len(statuses) - (status != "ok")
         ids = [r[0] for r in recs[:n]]
-        if status in ("dup", "closed"):
+        if status in ("dup", "closed") or status.startswith(("missing:", "kind:")):
             self.release(ids)
             return {"stored": 0, "status": status, "index": n, "admit": None}
         if n == 0:
@@ -355,13 +385,22 @@ class StorageUnitActor:
         with self._s.cond:
             self._s.counters["rejected_puts"] += 1
 
-    def refs(self, ids: list[str]) -> tuple[list[Any], list[str]]:
+    def refs(self, ids: list[str], have: Sequence[str] | None = None) -> tuple[Any, ...]:
         """Return ``([[ref or inline record, record bytes] per held id], [missing ids])`` (refs nested, so not
-        resolved; records of at most :data:`INLINE_MAX_BYTES` come inline as ``numpy.uint8`` arrays)."""
+        resolved; records of at most :data:`INLINE_MAX_BYTES` come inline as ``numpy.uint8`` arrays).
+
+        With ``have`` (the digests the reader holds already; media stored once), a third element: ``{digest:
+        [ref or inline media record, record bytes]}`` for each distinct media item the held ids use that is not
+        in ``have``: each item once per call, whatever the number of records using it.
+        """
         s = self._s
         out: list[Any] = []
         missing: list[str] = []
         on_disk: list[int] = []
+        media: dict[str, list[Any]] = {}
+        media_on_disk: list[str] = []
+        known = set(have) if have is not None else None
+        table = s.media
         with s.cond:
             s.counters["get_requests"] += 1
             for tid in ids:
@@ -375,15 +414,38 @@ class StorageUnitActor:
                     out.append([item[0], item[2]])
                     s.counters["gets"] += 1
                     s.counters["bytes_fetched"] += item[2]
+                    if known is not None and table is not None:
+                        for d in table.by_traj.get(tid, ()):
+                            if d in known or d in media:
+                                continue
+                            e = table.entries[d]
+                            media[d] = [e[0], e[2]]
+                            if isinstance(e[0], str):
+                                media_on_disk.append(d)
+                            else:
+                                s.counters["media_gets"] += 1
+                                s.counters["media_bytes_fetched"] += e[2]
+                                s.counters["bytes_fetched"] += e[2]
         for k in on_disk:  # spilled over: reload into this node's object store for this read only
             rec = encode_trajectory(s.spill.get(ids[k]))
             out[k] = [ray.put(np.frombuffer(rec, dtype=np.uint8)), len(rec)]
             with s.cond:
                 s.counters["reloaded"] += 1
-        return out, missing
+        for d in media_on_disk:  # a resumed unit's media sample: reloaded for this read only
+            mrec = encode_media(s.spill.get(media_spill_id(d)).media[0])
+            media[d] = [ray.put(np.frombuffer(mrec, dtype=np.uint8)), len(mrec)]
+            with s.cond:
+                s.counters["reloaded"] += 1
+                s.counters["media_gets"] += 1
+                s.counters["media_bytes_fetched"] += len(mrec)
+                s.counters["bytes_fetched"] += len(mrec)
+        if known is None:
+            return out, missing
+        return out, missing, media
 
     def release(self, ids: list[str]) -> int:
-        """Drop payloads (idempotent); returns the accounted bytes freed."""
+        """Drop payloads (idempotent) and their media references (an item goes with its last one); returns the
+        accounted bytes freed."""
         s = self._s
         freed = 0
         dropped: list[str] = []
@@ -394,6 +456,8 @@ class StorageUnitActor:
                     continue
                 del s.items[tid]
                 freed += item[1]
+                if s.media is not None:
+                    freed += s.media.drop(tid, s.spill)
                 dropped.append(tid)
             s.used -= freed
             s.counters["releases"] += len(dropped)
@@ -402,6 +466,33 @@ class StorageUnitActor:
             for tid in dropped:
                 s.spill.release(tid)
         return freed
+
+    def media_record(self, digest: str) -> list[Any] | None:
+        """``[ref or inline media record, nbytes]`` of ``digest`` if held (another unit resolves a reference to it),
+        else ``None``."""
+        s = self._s
+        with s.cond:
+            e = s.media.entries.get(digest) if s.media is not None else None
+            if e is None:
+                return None
+            held, nbytes = e[0], e[5]
+        if isinstance(held, str):  # a resumed unit's media sample on disk
+            rec = encode_media(s.spill.get(media_spill_id(digest)).media[0])
+            held = np.frombuffer(rec, dtype=np.uint8)
+        return [held, nbytes]
+
+    def media_check(self) -> dict[str, Any]:
+        """Recount the media references from the held trajectories and compare with the counters (tests, drills):
+        the format of :meth:`StorageUnit.media_check <knitdata.storage.base.StorageUnit.media_check>`
+        (``leaked``: trajectories holding references without being held)."""
+        s = self._s
+        with s.cond:
+            if s.media is None:
+                return {"ok": True, "pairs": 0, "refs": 0, "items": 0, "bytes": 0, "distinct_bytes": 0, "leaked": []}
+            out = s.media.check()
+            leaked = sorted(t for t in s.media.by_traj if t not in s.items)
+            out.update(ok=bool(out["ok"]) and not leaked, items=len(s.media.entries), leaked=leaked)
+            return out
 
     def contains(self, traj_id: str) -> bool:
         """Whether the unit holds ``traj_id``."""
@@ -422,7 +513,8 @@ class StorageUnitActor:
                     "high_water_bytes": s.high, "num_items": len(s.items), "puts": s.counters["puts"],
                     "rejected_puts": s.counters["rejected_puts"], "put_wait_s": s.put_wait_s,
                     "gets": s.counters["gets"], "get_requests": s.counters["get_requests"],
-                    "bytes_fetched": s.counters["bytes_fetched"], "releases": s.counters["releases"]}
+                    "bytes_fetched": s.counters["bytes_fetched"], "releases": s.counters["releases"],
+                    **(s.media.stats() if s.media is not None else {})}
 
     def close(self) -> None:
         """Refuse further puts and wake waiting producers."""

@@ -53,8 +53,8 @@ except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in t
 
 import numpy as np
 
-from knitdata.codec import decode_trajectory, encode_trajectory
-from knitdata.record import Trajectory
+from knitdata.codec import encode_trajectory
+from knitdata.record import MediaItem, Trajectory
 from knitdata.storage.base import StorageStats, StorageUnit
 from knitdata.storage.ray_actor import StorageUnitActor
 from knitdata.storage.ray_connect import (
@@ -63,16 +63,17 @@ from knitdata.storage.ray_connect import (
     host_gone_error,
     ray_get,
 )
+from knitdata.storage.ray_media import MediaSender, as_record_array, content_bytes
 from knitdata.storage.ray_metrics import TransferMeter
+from knitdata.storage.ray_read import LOST_ERRORS, LOST_OR_TIMEOUT, decode_records, read_records
 
-__all__ = ["RayStorageUnit", "read_records"]
+__all__ = ["RayStorageUnit", "read_records", "decode_records"]
 
-_LOST_ERRORS: tuple[type[BaseException], ...] = (
-    ray.exceptions.RayActorError,
-    ray.exceptions.ObjectLostError,
-    ray.exceptions.ActorUnavailableError,
-)
-_LOST_OR_TIMEOUT: tuple[type[BaseException], ...] = (*_LOST_ERRORS, ray.exceptions.GetTimeoutError)
+#: Attempts of one put whose media a unit reported missing (content resent, or a reference resolved elsewhere).
+_MEDIA_ATTEMPTS = 4
+
+_LOST_ERRORS = LOST_ERRORS
+_LOST_OR_TIMEOUT = LOST_OR_TIMEOUT
 _MISSING_OR_LOST: tuple[type[BaseException], ...] = (ValueError, *_LOST_ERRORS)  # get_actor: ValueError if none
 _log = logging.getLogger(__name__)
 
@@ -86,10 +87,12 @@ class _Handle:
     node_name: str
     capacity_bytes: int
     spill: str | None
+    media_dedup: bool = True
 
     @classmethod
     def from_info(cls, actor: Any, info: Mapping[str, Any]) -> _Handle:
-        return cls(actor, info["unit_id"], info["node"], info["node_name"], int(info["capacity_bytes"]), info["spill"])
+        return cls(actor, info["unit_id"], info["node"], info["node_name"], int(info["capacity_bytes"]), info["spill"],
+                   bool(info.get("media_dedup", True)))
 
 
 def _knitdata_cause(e: BaseException) -> BaseException:
@@ -110,10 +113,13 @@ def _knitdata_cause(e: BaseException) -> BaseException:
     return cur if isinstance(cur, KnitdataError) else e
 
 
-def _as_record_array(record: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
-    if isinstance(record, np.ndarray):
-        return record.reshape(-1).view(np.uint8)
-    return np.frombuffer(record, dtype=np.uint8)
+def _count_puts(unit: RayStorageUnit, recs: Sequence[tuple[Any, ...]], content: Mapping[str, Any] | None) -> None:
+    """Count ``unit``'s stored records on its meter, the media content of the call with the first one."""
+    cross = current_node() != unit.ray_node
+    extra = content_bytes(content)
+    for r in recs:
+        unit.meter.record_put(int(r[1].nbytes) + extra, cross=cross, placement=unit.placement)
+        extra = 0
 
 
 class RayStorageUnit(StorageUnit):
@@ -139,6 +145,11 @@ class RayStorageUnit(StorageUnit):
         self.capacity_bytes = handle.capacity_bytes
         self.meter = meter if meter is not None else TransferMeter()
         self.placement = placement
+        self.media_dedup = handle.media_dedup
+        #: Finds a media digest this unit does not hold in another unit of the pipeline: ``(media record,
+        #: nbytes)`` or ``None`` (set by the engine; ``None``: nowhere else).
+        self.resolve: Callable[[str], tuple[np.ndarray, int] | None] | None = None
+        self._media = MediaSender(self.unit_id, self.media_dedup)
 
     @staticmethod
     def actor_name(prefix: str, unit_id: str) -> str:
@@ -156,6 +167,7 @@ class RayStorageUnit(StorageUnit):
         spill_dir: str | os.PathLike[str] | None = None,
         node_name: str | None = None,
         spill_bytes: int | None = None,
+        media_dedup: bool = True,
         timeout_s: float = 60.0,
         **kwargs: Any,
     ) -> RayStorageUnit:
@@ -171,6 +183,8 @@ class RayStorageUnit(StorageUnit):
             spill_dir: Write accepted payloads through to a :class:`~knitdata.spill.SpillStore` under this shared
                 directory (recovery after the unit dies, see :class:`SpillRecovery`); payloads past the
                 memory capacity then stay on disk only and are reloaded on fetch.
+            media_dedup: Keep one copy of each media item by digest with counted references (``False``: each
+                record carries its own copy, as before).
             timeout_s: How long to wait for the actor to start.
             **kwargs: Passed to :class:`RayStorageUnit`.
 
@@ -185,7 +199,7 @@ class RayStorageUnit(StorageUnit):
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             lifetime="detached" if kwargs.pop("detached", False) else None,
         ).remote(unit_id, capacity_bytes, os.fspath(spill_dir) if spill_dir is not None else None, node_name,
-                 spill_bytes)
+                 spill_bytes, False, bool(media_dedup))
         try:
             info = ray.get(actor.info.remote(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as e:
@@ -208,12 +222,14 @@ class RayStorageUnit(StorageUnit):
         timeout_s: float = 120.0,
         detached: bool = False,
         resume: bool = False,
+        media_dedup: bool = True,
         **kwargs: Any,
     ) -> dict[str, RayStorageUnit]:
         """Start several units at once (in parallel): ``units`` are ``(unit id = layout node name, Ray node id)``.
 
         ``detached``: the actors outlive the creating process (end them with :meth:`kill`). ``resume``: a unit
         whose spill directory holds a previous run's shards serves their unreleased payloads (from disk).
+        ``media_dedup``: see :meth:`create`.
         """
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ConfigError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
@@ -223,7 +239,7 @@ class RayStorageUnit(StorageUnit):
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
                 lifetime="detached" if detached else None,
             ).remote(uid, capacity_bytes, os.fspath(spill_dir) if spill_dir is not None else None, uid, spill_bytes,
-                     resume)
+                     resume, bool(media_dedup))
             for uid, node in units
         ]
         try:
@@ -258,7 +274,7 @@ class RayStorageUnit(StorageUnit):
         """The unit's description (as its actor's ``info()``), for :meth:`from_handle`."""
         h = self._h
         return {"unit_id": h.unit_id, "node": h.node, "node_name": h.node_name, "capacity_bytes": h.capacity_bytes,
-                "spill": h.spill}
+                "spill": h.spill, "media_dedup": h.media_dedup}
 
     @property
     def actor(self) -> Any:
@@ -270,42 +286,78 @@ class RayStorageUnit(StorageUnit):
         """The write-through directory, if any."""
         return self._h.spill
 
+    # ---------------------------------------------------------------------------- media stored once
+    def media_record(self, digest: str) -> tuple[np.ndarray, int] | None:
+        """The media record (:func:`~knitdata.codec.encode_media`) and ``nbytes`` of ``digest`` if this unit holds
+        it (to resolve another unit's reference), else ``None`` (also when the unit is dead)."""
+        try:
+            ans = ray_get(self._h.actor.media_record.remote(digest))
+        except _LOST_ERRORS:
+            return None
+        if ans is None:
+            return None
+        rec = ans[0] if isinstance(ans[0], np.ndarray) else ray_get(ans[0])
+        return as_record_array(rec), int(ans[1])
+
+    def media_check(self) -> dict[str, Any]:
+        """The unit's media reference recount (see :meth:`StorageUnit.media_check
+        <knitdata.storage.base.StorageUnit.media_check>`; tests and drills)."""
+        return dict(ray_get(self._h.actor.media_check.remote()))
+
     # ---------------------------------------------------------------------------- StorageUnit API
     def put(self, traj: Trajectory, *, timeout: float | None = None) -> int:
-        """Encode and store ``traj``; see :meth:`put_record`."""
-        return self.put_record(traj.id, encode_trajectory(traj), int(traj.nbytes), timeout=timeout)
+        """Encode and store ``traj`` (its media once per unit with ``media_dedup``); see :meth:`put_record`.
+
+        Raises:
+            MediaRefError: A media reference no unit of the pipeline holds (nothing stored).
+        """
+        extra: dict[str, Any] = {}
+        for attempt in range(_MEDIA_ATTEMPTS):
+            recs, content = self._media.encode([traj], resend=attempt > 0, extra=extra)
+            r = recs[0]
+            status = self._put_one(r[0], r[1], r[2], r[3] if len(r) > 3 else None, content, timeout=timeout)
+            if status == "ok":
+                self._media.mark_sent(recs)
+                return int(traj.nbytes)
+            extra.update(self._media.fix(status, traj, self.resolve))
+        raise EngineError(f"storage unit {self.unit_id!r} kept reporting the media of trajectory {traj.id!r} missing "
+                          f"after {_MEDIA_ATTEMPTS} attempts (released while put?); retry the put")
 
     def put_many(self, trajs: Sequence[Trajectory], *, timeout: float | None = None) -> int:
         """Store several payloads with one actor call in the common case (room for all of them).
 
-        Stops at the first payload that does not fit at once and stores the rest one by one, waiting up to
-        ``timeout`` each (:meth:`put_record`).
+        Each distinct media item goes once per call (and not at all when the unit holds it already). Stops at
+        the first payload that does not fit at once and stores the rest one by one, waiting up to ``timeout``
+        each (:meth:`put`).
 
         Returns:
             How many were stored: all of them, unless an exception says otherwise (its ``stored`` attribute is
             the number stored before it, in order).
         """
-        recs = [(t.id, _as_record_array(encode_trajectory(t)), int(t.nbytes)) for t in trajs]
-        try:
-            statuses = ray_get(self._h.actor.put_batch.remote(recs))
-        except _LOST_ERRORS as e:
-            err: KnitdataError = host_gone_error() or TrajectoryLostError(
-                f"storage unit {self.unit_id!r} is dead; the puts were not stored", trajectory_ids=[r[0] for r in recs])
-            err.stored = 0  # type: ignore[attr-defined]
-            raise err from e
         ok = 0
-        for (_tid, arr, _n), st in zip(recs, statuses):
-            if st != "ok":
-                break
-            self.meter.record_put(arr.nbytes, cross=current_node() != self.ray_node, placement=self.placement)
-            ok += 1
-        for tid, arr, n in recs[ok:]:
-            try:
-                self.put_record(tid, arr, n, timeout=timeout)
-            except BaseException as e:
-                e.stored = ok  # type: ignore[attr-defined]
-                raise
-            ok += 1
+        extra: dict[str, Any] = {}
+        try:
+            for attempt in range(_MEDIA_ATTEMPTS):
+                recs, content = self._media.encode(trajs[ok:], resend=attempt > 0, extra=extra)
+                try:
+                    statuses = ray_get(self._h.actor.put_batch.remote(recs, content))
+                except _LOST_ERRORS as e:
+                    raise host_gone_error() or TrajectoryLostError(
+                        f"storage unit {self.unit_id!r} is dead; the puts were not stored",
+                        trajectory_ids=[t.id for t in trajs[ok:]]) from e
+                n = next((k for k, st in enumerate(statuses) if st != "ok"), len(statuses))
+                _count_puts(self, recs[:n], content)
+                self._media.mark_sent(recs[:n])
+                ok += n
+                if ok == len(trajs) or not statuses[n].startswith(("missing:", "kind:")):
+                    break
+                extra.update(self._media.fix(statuses[n], trajs[ok], self.resolve))
+            for t in trajs[ok:]:  # no room now: one by one, each waiting for room
+                self.put(t, timeout=timeout)
+                ok += 1
+        except BaseException as e:
+            e.stored = ok  # type: ignore[attr-defined]
+            raise
         return ok
 
     def put_admit(self, trajs: Sequence[Trajectory], items: Sequence[Sequence[Any]],
@@ -313,31 +365,46 @@ class RayStorageUnit(StorageUnit):
         """The one-round-trip put (see :meth:`StorageUnit.put_admit`): the unit's actor stores the records that
         fit now and makes the admission call to the coordinator itself; ``admit`` is unused.
 
+        Each distinct media item goes once per call (not at all when the unit holds it already); when the unit
+        lacks one (freed since, or a reference), nothing of the batch is kept and the batch goes again with the
+        content (or a reference's item found in another unit).
+
         Raises:
             ValidationError: An id is already held by this unit. EngineError: The unit is closed.
+            MediaRefError: A media reference no unit of the pipeline holds (nothing of the batch stored).
             TrajectoryLostError: The unit's actor is dead. The coordinator's error (a ``KnitdataError``).
         """
-        recs = [(t.id, _as_record_array(encode_trajectory(t)), int(t.nbytes)) for t in trajs]
-        try:
-            res = ray_get(self._h.actor.put_admit.remote(recs, [list(x) for x in items]))
-        except ray.exceptions.RayTaskError as e:
-            raise _knitdata_cause(e) from None
-        except _LOST_ERRORS as e:
-            raise host_gone_error() or TrajectoryLostError(
-                f"storage unit {self.unit_id!r} is dead; the puts were not stored",
-                trajectory_ids=[r[0] for r in recs]) from e
-        if res["status"] == "dup":
+        extra: dict[str, Any] = {}
+        listed = [list(x) for x in items]
+        for attempt in range(_MEDIA_ATTEMPTS):
+            recs, content = self._media.encode(trajs, resend=attempt > 0, extra=extra)
+            try:
+                res = ray_get(self._h.actor.put_admit.remote(recs, listed, content))
+            except ray.exceptions.RayTaskError as e:
+                raise _knitdata_cause(e) from None
+            except _LOST_ERRORS as e:
+                raise host_gone_error() or TrajectoryLostError(
+                    f"storage unit {self.unit_id!r} is dead; the puts were not stored",
+                    trajectory_ids=[r[0] for r in recs]) from e
+            status = str(res["status"])
+            if not status.startswith(("missing:", "kind:")):
+                break
+            extra.update(self._media.fix(status, trajs[res["index"]], self.resolve))
+        else:
+            raise EngineError(f"storage unit {self.unit_id!r} kept reporting media of this put missing after "
+                              f"{_MEDIA_ATTEMPTS} attempts; retry the put")
+        if status == "dup":
             raise ValidationError(f"already held by storage unit {self.unit_id!r}", trajectory_id=recs[res["index"]][0],
                                   field="id")
-        if res["status"] == "closed":
+        if status == "closed":
             raise EngineError(f"storage unit {self.unit_id!r} is closed; create a new pipeline to put more")
-        cross = current_node() != self.ray_node
-        for _tid, arr, _n in recs[:res["stored"]]:
-            self.meter.record_put(arr.nbytes, cross=cross, placement=self.placement)
-        return {"stored": int(res["stored"]), "admit": res["admit"]}
+        stored = int(res["stored"])
+        _count_puts(self, recs[:stored], content)
+        self._media.mark_sent(recs[:stored])
+        return {"stored": stored, "admit": res["admit"]}
 
     def put_record(self, traj_id: str, record: Any, nbytes: int, *, timeout: float | None = None) -> int:
-        """Store one codec record, waiting up to ``timeout`` seconds for room.
+        """Store one codec record (its media inline: not shared), waiting up to ``timeout`` seconds for room.
 
         Args:
             traj_id: The trajectory id.
@@ -352,15 +419,27 @@ class RayStorageUnit(StorageUnit):
             StoreFull: No room within ``timeout``. ValidationError: The id is already held.
             EngineError: The unit is closed. TrajectoryLostError: The unit's actor is dead.
         """
-        arr = _as_record_array(record)
+        self._put_one(traj_id, as_record_array(record), int(nbytes), None, None, timeout=timeout)
+        return int(nbytes)
+
+    def _put_one(self, traj_id: str, arr: np.ndarray, nbytes: int, media: list[Any] | None,
+                 content: Mapping[str, Any] | None, *, timeout: float | None) -> str:
+        """One record (and the media content it brings), waiting for room: ``"ok"``, or a unit's
+        ``"missing:<i>"`` / ``"kind:<i>"`` answer for the caller to act on."""
         arg: Any = ray.put(arr) if arr.nbytes > 100_000 else arr  # put once locally, reuse on retries
+        sent = content_bytes(content)
+        content_arg: Any = ray.put(content) if sent > 100_000 else content
+        need = int(nbytes) + int(sum(int(v[1]) for v in content.values())) if content else int(nbytes)
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         try:
             while True:
-                status = ray_get(self._h.actor.put.remote(traj_id, arg, int(nbytes)))
+                status = ray_get(self._h.actor.put.remote(traj_id, arg, int(nbytes), media, content_arg))
                 if status == "ok":
-                    self.meter.record_put(arr.nbytes, cross=current_node() != self.ray_node, placement=self.placement)
-                    return int(nbytes)
+                    cross = current_node() != self.ray_node
+                    self.meter.record_put(arr.nbytes + sent, cross=cross, placement=self.placement)
+                    return "ok"
+                if status.startswith(("missing:", "kind:")):
+                    return str(status)
                 if status == "dup":
                     raise ValidationError(f"already held by storage unit {self.unit_id!r}", trajectory_id=traj_id,
                                           field="id")
@@ -371,22 +450,29 @@ class RayStorageUnit(StorageUnit):
                     self._h.actor.count_rejected.remote()
                     raise StoreFull(
                         f"storage unit {self.unit_id!r} is full (capacity {self.capacity_bytes} bytes, trajectory "
-                        f"{traj_id!r} needs {nbytes}) and nothing was released within {timeout} s; raise "
+                        f"{traj_id!r} needs {need}) and nothing was released within {timeout} s; raise "
                         "capacity_bytes or let consumers commit (release) faster"
                     )
                 wait = 0.5 if remaining is None else min(0.5, remaining)
-                ray_get(self._h.actor.wait_room.remote(int(nbytes), wait))
+                ray_get(self._h.actor.wait_room.remote(need, wait))
         except _LOST_ERRORS as e:
             raise host_gone_error() or TrajectoryLostError(f"storage unit {self.unit_id!r} is dead; the put was not "
                                                            "stored", trajectory_ids=[traj_id]) from e
 
     def get(self, ids: Sequence[str]) -> list[Trajectory]:
-        """Return the trajectories of ``ids`` in order, decoded zero-copy (read-only tensors on this node)."""
-        return [decode_trajectory(r, copy=False) for r in self.get_records(ids)]
+        """Return the trajectories of ``ids`` in order, decoded zero-copy (read-only tensors on this node); each
+        distinct media item is fetched once and equal digests are the same :class:`~knitdata.record.MediaItem`."""
+        media: dict[str, MediaItem] = {}
+        recs = read_records([(tid, self) for tid in ids], meter=self.meter, placement=self.placement,
+                            media=media if self.media_dedup else None)
+        return decode_records(recs, media, ids)
 
     def get_records(self, ids: Sequence[str]) -> list[Any]:
-        """Return the codec records of ``ids`` (read-only ``numpy.uint8`` views of the object store)."""
-        return read_records([(tid, self) for tid in ids], meter=self.meter, placement=self.placement)
+        """Return the codec records of ``ids`` (read-only ``numpy.uint8`` views of the object store; with media
+        stored once, records whose media are inline, encoded here)."""
+        if not self.media_dedup:
+            return read_records([(tid, self) for tid in ids], meter=self.meter, placement=self.placement)
+        return [encode_trajectory(t) for t in self.get(ids)]
 
     def release(self, ids: Sequence[str]) -> int:
         """Drop payloads (idempotent); returns the bytes freed (0 if the unit is dead)."""
@@ -430,142 +516,3 @@ class RayStorageUnit(StorageUnit):
 
     def __repr__(self) -> str:
         return f"RayStorageUnit({self.unit_id!r}, node={self.node!r}, capacity_bytes={self.capacity_bytes})"
-
-
-# -------------------------------------------------------------------------------------------- reads
-def read_records(
-    items: Sequence[tuple[str, RayStorageUnit]],
-    *,
-    meter: TransferMeter | None = None,
-    mode: str = "sample",
-    placement: str = "",
-    step: int = -1,
-    recover: Callable[[RayStorageUnit, list[str]], Mapping[str, Any]] | None = None,
-    timeout_s: float = 120.0,
-    locate: str = "owner",
-) -> list[Any]:
-    """Fetch the records of ``(trajectory id, unit)`` pairs in one request per unit, in order.
-
-    Bytes are counted on ``meter`` as local or cross-node from Ray's object locations against this
-    process's node, before the ``ray.get`` that moves them.
-
-    Args:
-        items: ``(id, unit)`` pairs.
-        meter: Counters to update (none when ``None``).
-        mode: Fetch mode the bytes are filed under.
-        placement: Placement the bytes are filed under.
-        step: Mini-batch step the bytes are filed under.
-        recover: Called with ``(unit, ids)`` for ids a dead or forgetful unit cannot serve; returns the
-            records it found (e.g. :meth:`SpillRecovery.records`). Recovered bytes count as cross-node reads
-            of shared storage only if they come from another node, which a callback cannot know: they
-            are counted under mode ``"<mode>+recovered"`` as cross-node.
-        timeout_s: Bound on each Ray call (a dead node never hangs the reader).
-        locate: Where an object is, for the counters: ``"owner"`` (default): the Ray node of the unit that
-            owns it, where its primary copy lives (exact as long as each payload is read once per node, which
-            is how the planner hands them out); ``"ray"``: ``ray.experimental.get_object_locations``, which
-            also sees secondary copies pulled earlier by another reader on this node. Ray 2.60 aborted a
-            consumer process once ("std::future_error: Promise already satisfied" in
-            ``GetLocationFromOwner``) under ``"ray"`` on this 2-core machine, hence the default.
-
-    Returns:
-        Records in the order of ``items`` (read-only ``numpy.uint8`` arrays, or ``bytes`` if recovered).
-
-    Raises:
-        TrajectoryLostError: Naming every id that could be neither read nor recovered.
-    """
-    by_unit: dict[str, tuple[RayStorageUnit, list[int]]] = {}
-    for idx, (_tid, unit) in enumerate(items):
-        by_unit.setdefault(unit.unit_id, (unit, []))[1].append(idx)
-    futures = {uid: unit.actor.refs.remote([items[p][0] for p in pos]) for uid, (unit, pos) in by_unit.items()}
-    out: list[Any] = [None] * len(items)
-    lost: dict[str, list[int]] = {}  # unit id -> positions
-    refs: list[Any] = []
-    ref_pos: list[int] = []
-    ref_len: list[int] = []
-    for uid, fut in futures.items():
-        unit, pos = by_unit[uid]
-        try:
-            answer, _missing = ray_get(fut, timeout=timeout_s)
-        except _LOST_OR_TIMEOUT:
-            lost.setdefault(uid, []).extend(pos)
-            continue
-        for p, a in zip(pos, answer):
-            if a is None:
-                lost.setdefault(uid, []).append(p)
-            elif isinstance(a[0], np.ndarray):  # a small record, inline in the unit's reply
-                out[p] = a[0]
-                if meter is not None:
-                    meter.record_read(int(a[1]), cross=current_node() != unit.ray_node, mode=mode, placement=placement,
-                                      step=step)
-            else:
-                refs.append(a[0])
-                ref_pos.append(p)
-                ref_len.append(int(a[1]))
-    if refs:
-        here = current_node()
-        locations: dict[Any, Any] = {}
-        if locate == "ray":
-            for r in refs:  # one object per call: the narrowest use of the call
-                try:
-                    locations.update(ray.experimental.get_object_locations([r], timeout_ms=int(timeout_s * 1000)))
-                except Exception:  # noqa: BLE001 - owner gone: the gets below find out which ones
-                    pass
-        elif locate != "owner":
-            raise ConfigError(f"locate must be 'owner' or 'ray', got {locate!r}")
-        try:
-            values = ray_get(refs, timeout=timeout_s)
-        except _LOST_OR_TIMEOUT:
-            values = []
-            for r in refs:  # find out which ones are gone
-                try:
-                    values.append(ray_get(r, timeout=timeout_s))
-                except _LOST_OR_TIMEOUT:
-                    values.append(None)
-        for r, p, n, v in zip(refs, ref_pos, ref_len, values):
-            if v is None:
-                lost.setdefault(items[p][1].unit_id, []).append(p)
-                continue
-            out[p] = v
-            if meter is not None:
-                nodes = locations.get(r, {}).get("node_ids") or [items[p][1].ray_node]
-                meter.record_read(n, cross=here not in nodes, mode=mode, placement=placement, step=step)
-    if lost and recover is not None:
-        _recover_lost(items, lost, out, recover, meter, mode=mode, placement=placement, step=step)
-    if lost:
-        gone = host_gone_error()
-        if gone is not None:
-            raise gone
-        ids = [items[p][0] for uid in lost for p in lost[uid]]
-        units = sorted(lost)
-        raise TrajectoryLostError(
-            f"storage unit(s) {units} could not serve these payloads (the unit's actor or node died, or they "
-            "were released before this read); enable spill (spill_dir=...) to recover from disk, or restart "
-            "from the last checkpoint",
-            trajectory_ids=ids,
-        )
-    return out
-
-
-def _recover_lost(items: Sequence[tuple[str, RayStorageUnit]], lost: dict[str, list[int]], out: list[Any],
-                  recover: Callable[[RayStorageUnit, list[str]], Mapping[str, Any]], meter: TransferMeter | None, *,
-                  mode: str, placement: str, step: int) -> None:
-    """Fill ``out`` with what ``recover`` finds of the ``lost`` positions (by unit id); ``lost`` keeps the rest.
-
-    Recovered bytes are counted under ``"<mode>+recovered"`` as cross-node (see :func:`read_records`).
-    """
-    for uid in list(lost):
-        unit = items[lost[uid][0]][1]
-        found = recover(unit, [items[p][0] for p in lost[uid]])
-        still = []
-        for p in lost[uid]:
-            rec = found.get(items[p][0])
-            if rec is None:
-                still.append(p)
-            else:
-                out[p] = rec
-                if meter is not None:
-                    meter.record_read(len(rec), cross=True, mode=f"{mode}+recovered", placement=placement, step=step)
-        if still:
-            lost[uid] = still
-        else:
-            del lost[uid]
