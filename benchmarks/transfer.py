@@ -75,6 +75,7 @@ from benchmarks.common.summary import (
     count_flops,
     format_table,
     machine_info,
+    media_summary,
     pick_tq_best,
     plot_result,
     summarize_mode,
@@ -126,6 +127,8 @@ def run_transfer_benchmark(
     compute: str = "accel",
     calibration_reps: int = 5,
     interleave: bool = True,
+    media_dedup: bool = True,
+    copies_controls: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Run every requested mode side by side on one workload and return the JSON-serializable result.
 
@@ -156,6 +159,11 @@ def run_transfer_benchmark(
         calibration_reps: Timed steps per encoding of the calibration (``accel``).
         interleave: Run the process modes interleaved step by step before running each alone; ``False``: each
             alone only (what fits in memory at the seed's omni size).
+        media_dedup: knitdata stores each media item once per unit and a consumer's share fetches each once
+            (``False``: per-trajectory copies, as before issue 43).
+        copies_controls: knitdata process modes (``sample``, ``eager``, ``iter``) also run alone with
+            per-trajectory copies (``media_dedup=False``), with each encoding they ran with, for the comparison
+            (``result["media_copies"]``; ``result["media"]`` compares bytes stored, moved and the high-water mark).
 
     Raises:
         ConfigError: Unknown modes, variants or compute mode.
@@ -183,6 +191,9 @@ def run_transfer_benchmark(
     bad = [m for m in controls if m not in process_modes]
     if bad:
         raise ConfigError(f"controls must be process modes {process_modes}, got {bad}")
+    bad = [m for m in copies_controls if m not in ("sample", "eager", "iter")]
+    if bad:
+        raise ConfigError(f"copies_controls must be knitdata process modes (sample, eager, iter), got {bad}")
     if not interleave:  # every process mode runs alone, with every encoding it runs with
         controls = [m for m in process_modes if m in modes]
         control_encodings = ENCODINGS
@@ -204,11 +215,13 @@ def run_transfer_benchmark(
         "compute": compute,
         "compute_measures": COMPUTE_MEASURES[compute],
         "interleaved_run": interleave,
+        "media_dedup": bool(media_dedup),
         "workload": w.to_dict(),
         "model": cfg.to_dict(),
         "machine": machine,
         "modes": {},
         "controls": {},
+        "media_copies": {},
         "runs": [],
         "control_runs": [],
         "notes": [],
@@ -241,7 +254,7 @@ def run_transfer_benchmark(
         return tqdm(total=w.total_steps, desc=f"{label:<22}", disable=not progress, leave=False, file=sys.stderr)
 
     def record(mode: str, encoding: str, recs: Any, extras: Any, expected: set[str] | None, engine: str,
-               control: bool = False, variant: str | None = None, **extra: Any) -> None:
+               control: bool = False, variant: str | None = None, section: str | None = None, **extra: Any) -> None:
         s = summarize_mode(recs, w, expected)
         s["run_wall_s"] = sum(max(r[i].step_s for r in recs) for i in range(w.total_steps))
         if s["bytes_moved_per_step"] is None:
@@ -252,7 +265,7 @@ def run_transfer_benchmark(
         if variant is not None:
             s["variant"] = variant
         result["control_runs" if control else "runs"].append(s)
-        top = result["controls" if control else "modes"].setdefault(mode, {})
+        top = result[section or ("controls" if control else "modes")].setdefault(mode, {})
         if variant is not None:
             top = top.setdefault("variants", {}).setdefault(variant, {})
         if encoding == "dup":
@@ -310,9 +323,11 @@ def run_transfer_benchmark(
                 moved = cluster.engine_bytes_fetched(x["pipeline"])
                 if moved is not None:
                     ex = [{"metrics": {"bytes_fetched": moved if r == 0 else 0}} for r in range(len(ex))]
+                copies = x.get("media_dedup") is False
                 record(x["fetch"], enc, recs[name], ex, expected_of[x["fetch"]], "ray (consumer processes; "
                        "knitdata.engines.ray)", control=control, interleaved=not control, via="ray_engine",
-                       prepare_s=x.get("prepare_s"))
+                       prepare_s=x.get("prepare_s"), storage=cluster.engine_storage(x["pipeline"], w),
+                       section="media_copies" if copies else None)
             elif x["kind"] == "floor":
                 record("floor", enc, recs[name], ex, floor_ids(w), "none (a thread and a deque in each consumer "
                        "process: benchmarks/common/floor.py)", control=control, interleaved=not control)
@@ -366,7 +381,7 @@ def run_transfer_benchmark(
                 result["process_modes_via"] = {"ray_engine": PROCESS_MODES_ENGINE}
                 cluster.start()
                 for mode, enc in ray_runs:
-                    job, expected, prep_s = cluster.prepare_engine(w)
+                    job, expected, prep_s = cluster.prepare_engine(w, media_dedup)
                     sources.append({**job, "name": f"{mode}/{enc}", "fetch": mode, "encoding": enc,
                                     "prepare_s": prep_s})
                     expected_of[mode] = expected
@@ -397,12 +412,26 @@ def run_transfer_benchmark(
                         server = None
                         mark("transferqueue stop")
                     cluster.start()  # not started yet without an interleaved run (--no-interleave)
-                    job, expected, prep_s = cluster.prepare_engine(w)
+                    job, expected, prep_s = cluster.prepare_engine(w, media_dedup)
                     srcs = [{**job, "name": f"{mode}/{enc}", "fetch": mode, "encoding": enc, "prepare_s": prep_s}]
                     expected_of[mode] = expected
                 for src in srcs:  # the variants of transferqueue_best also run one at a time
                     run_sources([src], f"alone {src['name']}", control=True)
                     mark(f"control {src['name']}")
+                cluster.finish_runs()
+            # per-trajectory copies (media_dedup=False), each alone, for the bytes and times they cost
+            for mode, enc in [r for r in runs if r[0] in copies_controls and r[1] in control_encodings]:
+                if server is not None:
+                    server.close()
+                    server = None
+                    mark("transferqueue stop")
+                cluster.start()
+                job, expected, prep_s = cluster.prepare_engine(w, False)
+                expected_of[mode] = expected
+                src = {**job, "name": f"{mode}/{enc}/copies", "fetch": mode, "encoding": enc, "prepare_s": prep_s,
+                       "media_dedup": False}
+                run_sources([src], f"alone {src['name']}", control=True)
+                mark(f"copies {src['name']}")
                 cluster.finish_runs()
         finally:
             if server is not None:
@@ -419,7 +448,7 @@ def run_transfer_benchmark(
             before_measuring()
             with bar(f"{mode}/{enc}") as pb:
                 e_recs, e_extras, expected, info = run_embedded(w, cfg, "iter", enc, timeout_s, pb, compute=compute,
-                                                                 calibration=calibration)
+                                                                 calibration=calibration, media_dedup=media_dedup)
             record(mode, enc, e_recs, e_extras, expected, "embedded (consumer threads)", **info)
             mark(f"run {mode}/{enc}")
     finally:
@@ -437,6 +466,7 @@ def run_transfer_benchmark(
     except OSError:
         pass
     result[compute] = compute_summary(result)
+    result["media"] = media_summary(result)
     result["total_s"] = time.perf_counter() - t_start
     return result
 
@@ -619,6 +649,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-tflops", type=float, default=DEFAULT_GPU_TFLOPS,
                         help="effective GPU rate for the projection (TFLOP/s)")
     parser.add_argument("--tq-units", type=int, default=2, help="transferqueue SimpleStorage units")
+    parser.add_argument("--media-dedup", action=argparse.BooleanOptionalAction, default=True,
+                        help="knitdata stores each media item once per unit and moves it once per consumer share "
+                             "(default); --no-media-dedup: per-trajectory copies, as before issue 43")
+    parser.add_argument("--copies-controls", nargs="*", choices=("sample", "eager", "iter"), default=[],
+                        help="knitdata modes also run alone with per-trajectory copies (media_dedup=False) for the "
+                             "bytes stored / moved comparison")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per run before giving up")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -673,7 +709,9 @@ def run(args: argparse.Namespace) -> int:
                                         tq_best_variants=args.tq_best_variants, loader_workers=workers,
                                         cfg=cfg, gpu_tflops=args.gpu_tflops, tq_units=args.tq_units,
                                         timeout_s=timeout, progress=not args.no_progress, compute=compute,
-                                        calibration_reps=reps, interleave=interleave)
+                                        calibration_reps=reps, interleave=interleave,
+                                        media_dedup=bool(getattr(args, "media_dedup", True)),
+                                        copies_controls=list(getattr(args, "copies_controls", None) or []))
     result["command"] = command_line()
     result["smoke"] = bool(args.smoke)
     print(format_table(result))

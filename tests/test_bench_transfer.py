@@ -692,3 +692,47 @@ def test_omni_container_transferqueue_rows_decode_like_knitdata():
     assert item.ids == tuple(t.id for t in group)
     for kind in OMNI_MP4.media_kinds:
         torch.testing.assert_close(item.inputs[kind], ref.tensors[f"{kind}_inputs"])
+
+
+# ------------------------------------------------------------------------------------- media stored once (43)
+@pytest.mark.parametrize("dedup", [True, False])
+def test_runs_report_bytes_stored_moved_and_the_storage_high_water_mark(dedup):
+    """Each knitdata run reports, from its units' stats, bytes stored per group, the high-water mark and bytes
+    moved per step; with media stored once a group's image is held once, with copies once per member."""
+    res = tb.run_transfer_benchmark(SMALL, ["iter_embedded"], shared_modes=[], cfg=SMALL_VLM, timeout_s=60,
+                                    progress=False, log=lambda s: None, compute="accel", calibration_reps=1,
+                                    media_dedup=dedup)
+    assert res["media_dedup"] is dedup
+    m = res["modes"]["iter_embedded"]
+    st = m["storage"]
+    image = 3 * 56 * 56
+    groups = SMALL.total_steps * SMALL.groups_per_step
+    assert st["media_dedup"] is dedup and st["groups"] == groups
+    own = st["bytes_stored_per_group"] - (image if dedup else SMALL.group_size * image)
+    assert 0 < own < SMALL.group_size * 4096  # tokens and tensors of the group's members, nothing more
+    assert st["high_water_bytes"] >= st["bytes_stored_per_group"] * groups  # the whole workload was put first
+    assert st["media_items"] == (groups if dedup else 0)
+    assert st["media_bytes_saved"] == ((SMALL.group_size - 1) * image * groups if dedup else 0)
+    row = res["media"]["by_mode"]["iter_embedded/dup"]
+    assert (row["dedup"] if dedup else row["copies"])["bytes_stored_per_group"] == st["bytes_stored_per_group"]
+    text = summary.format_table(res)
+    assert "stored MiB/group" in text and "high-water MiB" in text
+
+
+def test_media_summary_compares_dedup_with_copies():
+    def run(stored: float, moved: float, step: float) -> dict:
+        return {"step_s": step, "exposed_latency_s": 0.001, "exposed_latency_max_s": 0.002, "compute_s": step,
+                "breakdown_ms": {"wait_ms": 0.5}, "bytes_moved_per_step": moved,
+                "storage": {"bytes_stored_per_group": stored, "high_water_bytes": 10 * stored, "media_dedup": True}}
+    res = {"media_dedup": True, "controls": {"iter": run(10.0, 100.0, 1.0)},
+           "media_copies": {"iter": run(80.0, 700.0, 1.1)}}
+    row = summary.media_summary(res)["by_mode"]["iter/dup"]
+    assert row["dedup"]["bytes_stored_per_group"] == 10.0 and row["copies"]["bytes_moved_per_step"] == 700.0
+    r = row["ratios_copies_over_dedup"]
+    assert r["bytes_stored_per_group"] == 8.0 and r["bytes_moved_per_step"] == 7.0 and r["step_s"] == pytest.approx(1.1)
+    assert "iter/shared" not in summary.media_summary(res)["by_mode"]
+
+
+def test_copies_controls_are_knitdata_process_modes():
+    with pytest.raises(ConfigError, match="copies_controls"):
+        tb.run_transfer_benchmark(SMALL, ["iter_embedded"], copies_controls=["floor"], progress=False)

@@ -538,11 +538,14 @@ def batch_spec(w: TransferWorkload) -> Any:
     return BatchSpec({"mm": w.trajectories_per_step}, num_minibatches=1, group_size=w.group_size)
 
 
-def pipeline_kwargs(w: TransferWorkload) -> dict[str, Any]:
+def pipeline_kwargs(w: TransferWorkload, media_dedup: bool = True) -> dict[str, Any]:
+    """The knitdata ``Pipeline`` keywords of the workload (capacity for all of it with per-trajectory copies);
+    ``media_dedup``: media stored once (``False``: per-trajectory copies, the baseline)."""
     total = w.total_steps * w.trajectories_per_step * (w.trajectory_bytes + 4096)
     return {
         "num_consumers": w.num_consumers,
         "token_budget": w.microbatch_size * w.tokens,
         "capacity_bytes": int(total * 1.25),
         "admission": "fifo",
+        "media_dedup": bool(media_dedup),
     }

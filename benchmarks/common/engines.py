@@ -44,16 +44,18 @@ def _fill_pipeline(pipe: Any, w: TransferWorkload) -> set[str]:
 
 def run_embedded(w: TransferWorkload, cfg: VLMConfig, fetch: str, encoding: str, timeout_s: float,
                   progress: Any = None, device: str = "cpu", compute: str = "cpu",
-                  calibration: Mapping[str, Any] | None = None
+                  calibration: Mapping[str, Any] | None = None, media_dedup: bool = True,
                   ) -> tuple[list[list[ConsumerStepRecord]], list[dict], set[str], dict]:
     """``fetch`` on the embedded engine: one process, consumers are threads (one torch thread each), training on
-    ``device`` (``compute="accel"``: waiting the calibrated compute instead)."""
+    ``device`` (``compute="accel"``: waiting the calibrated compute instead); ``media_dedup``: see
+    :func:`~benchmarks.common.consumer.pipeline_kwargs`."""
     from knitdata.pipeline import Pipeline
 
-    pipe = Pipeline(batch_spec(w), engine="embedded", **pipeline_kwargs(w))
+    pipe = Pipeline(batch_spec(w), engine="embedded", **pipeline_kwargs(w, media_dedup))
     t0 = time.perf_counter()
     expected = _fill_pipeline(pipe, w)
     fill_s = time.perf_counter() - t0
+    filled = storage_report(pipe, w)
     n = w.num_consumers
     barrier = threading.Barrier(n)
     trainers = [make_trainer(w, cfg, encoding, compute, calibration, device) for _ in range(n)]
@@ -86,7 +88,32 @@ def run_embedded(w: TransferWorkload, cfg: VLMConfig, fetch: str, encoding: str,
     extras: list[dict[str, Any]] = [{"metrics": pipe.metrics(r).to_dict()} for r in range(n)]
     for x in extras:
         x["wait_source"] = metrics_wait_key(x["metrics"])
-    return out, extras, expected, {"fill_s": fill_s}
+    return out, extras, expected, {"fill_s": fill_s, "storage": storage_report(pipe, w, filled)}
+
+
+def storage_report(pipe: Any, w: TransferWorkload, filled: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What the pipeline's storage units hold and held, from their stats (:class:`~knitdata.storage.base.StorageStats`).
+
+    Keys: ``media_dedup``, ``groups``, ``bytes_stored`` (used bytes), ``bytes_stored_per_group``,
+    ``media_items``, ``media_bytes``, ``media_refs``, ``media_bytes_saved`` (what per-trajectory copies would hold
+    beyond ``media_bytes``), ``high_water_bytes`` (the units' storage high-water marks, summed), ``bytes_fetched``
+    (handed out by the units: records and media), ``bytes_stored_after_run``. With ``filled`` (the report right
+    after the whole workload was put, before any read) the holdings are those of ``filled`` and the high-water
+    mark, bytes fetched and ``bytes_stored_after_run`` are now's.
+    """
+    units = pipe.stats().get("units", {}) or {}
+    tot = {k: int(sum(int((u or {}).get(k, 0) or 0) for u in units.values()))
+           for k in ("used_bytes", "high_water_bytes", "media_items", "media_bytes", "media_refs", "media_bytes_saved",
+                     "bytes_fetched", "num_items")}
+    groups = w.total_steps * w.groups_per_step
+    now = {"media_dedup": bool(pipe.internals.config.get("media_dedup", True)), "groups": groups,
+           "bytes_stored": tot["used_bytes"], "bytes_stored_per_group": tot["used_bytes"] / groups if groups else None,
+           "trajectories_held": tot["num_items"], "media_items": tot["media_items"], "media_bytes": tot["media_bytes"],
+           "media_refs": tot["media_refs"], "media_bytes_saved": tot["media_bytes_saved"]}
+    out = dict(filled) if filled is not None else now
+    out.update(high_water_bytes=tot["high_water_bytes"], bytes_fetched=tot["bytes_fetched"],
+               bytes_stored_after_run=tot["used_bytes"])
+    return out
 
 
 #: How the process modes reach knitdata (stated in the JSON and the README).
@@ -129,6 +156,7 @@ class RayCluster:
         self.startup_s = 0.0
         self._runs = 0
         self._pipes: dict[str, Any] = {}
+        self._filled: dict[str, dict[str, Any]] = {}  # pipeline name -> its storage report once filled
 
     def start(self) -> None:
         """Start Ray (once; later calls return at once)."""
@@ -164,17 +192,19 @@ class RayCluster:
         self.node = ray_connect.current_node()
         self.startup_s = time.perf_counter() - t0
 
-    def prepare_engine(self, w: TransferWorkload) -> tuple[dict[str, Any], set[str], float]:
-        """A fresh Ray-engine :class:`~knitdata.pipeline.Pipeline` holding the whole workload (closed)."""
+    def prepare_engine(self, w: TransferWorkload, media_dedup: bool = True) -> tuple[dict[str, Any], set[str], float]:
+        """A fresh Ray-engine :class:`~knitdata.pipeline.Pipeline` holding the whole workload (closed); its storage
+        report once filled is kept (:meth:`engine_storage`). ``media_dedup``: media stored once (``False``:
+        per-trajectory copies)."""
         from knitdata.pipeline import Pipeline
 
         t0 = time.perf_counter()
         self._runs += 1
         name = f"knitdata_bench_{os.getpid()}_{self._runs}"
-        kw = pipeline_kwargs(w)
+        kw = pipeline_kwargs(w, media_dedup)
         pipe = Pipeline(batch_spec(w), admission=kw["admission"], num_consumers=w.num_consumers, engine="ray",
                         capacity_bytes=kw["capacity_bytes"], token_budget=kw["token_budget"], release="commit",
-                        engine_options={"name": name, "address": self.address})
+                        media_dedup=kw["media_dedup"], engine_options={"name": name, "address": self.address})
         self._pipes[name] = pipe
         ids: set[str] = set()
         for step in range(w.total_steps):
@@ -182,8 +212,20 @@ class RayCluster:
             _parallel_put(pipe.put, trajs)  # a step's puts overlap (start-up, not measured)
             ids.update(t.id for t in trajs)
         pipe.close()
+        self._filled[name] = storage_report(pipe, w)
         job = {"kind": "knitdata", "engine": "ray_engine", "ray_address": self.address, "pipeline": name}
         return job, ids, time.perf_counter() - t0
+
+    def engine_storage(self, name: str, w: TransferWorkload) -> dict[str, Any] | None:
+        """The storage report of pipeline ``name`` now (after its run), ``bytes_stored_per_group`` as filled
+        (:func:`storage_report`), or ``None``."""
+        pipe = self._pipes.get(name)
+        if pipe is None:
+            return None
+        try:
+            return storage_report(pipe, w, self._filled.get(name))
+        except Exception:  # stats are a report, not the measurement
+            return None
 
     def engine_bytes_fetched(self, name: str) -> int | None:
         """Bytes the storage units of pipeline ``name`` handed out (its stats), if known."""

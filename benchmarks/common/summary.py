@@ -33,6 +33,7 @@ __all__ = [
     "ACCEPTANCE",
     "RATIO_MEANING",
     "compute_summary",
+    "media_summary",
     "format_table",
     "plot_result",
 ]
@@ -322,7 +323,12 @@ def _summary_entry(d: Mapping[str, Any] | None) -> dict[str, Any] | None:
     e: dict[str, Any] = {"exposed_ms": d["exposed_latency_s"] * 1e3, "exposed_max_ms": d["exposed_latency_max_s"] * 1e3,
                          "step_s": d["step_s"], "compute_s": d["compute_s"]}
     e.update(d.get("breakdown_ms") or {})
-    e.update(exactly_once=d.get("exactly_once"), wait_source=d.get("wait_source"))
+    e.update(exactly_once=d.get("exactly_once"), wait_source=d.get("wait_source"),
+             bytes_moved_per_step=d.get("bytes_moved_per_step"))
+    st = d.get("storage")
+    if isinstance(st, Mapping):
+        e.update(bytes_stored_per_group=st.get("bytes_stored_per_group"),
+                 storage_high_water_bytes=st.get("high_water_bytes"), media_dedup=st.get("media_dedup"))
     if d.get("chosen_variant") or d.get("variant"):
         e["variant"] = d.get("chosen_variant") or d.get("variant")
     return e
@@ -495,7 +501,51 @@ def _short_engine(r: Mapping[str, Any]) -> str:
 def _run_label(r: Mapping[str, Any]) -> str:
     if r.get("variant"):
         return f"tq_best.{r['variant']}"
+    st = r.get("storage")
+    if isinstance(st, Mapping) and st.get("media_dedup") is False:
+        return f"{r['mode']} (copies)"
     return str(r["mode"])
+
+
+_MEDIA_KEYS = ("bytes_stored_per_group", "storage_high_water_bytes", "bytes_moved_per_step", "step_s", "wait_ms",
+               "exposed_ms")
+
+
+def _media_pick(src: Mapping[str, Any], mode: str, enc: str) -> dict[str, Any] | None:
+    d = src.get(mode)
+    d = d if enc == "dup" else (d or {}).get("shared")
+    e = _summary_entry(d)
+    return None if e is None else {k: e.get(k) for k in _MEDIA_KEYS}
+
+
+def media_summary(result: Mapping[str, Any]) -> dict[str, Any]:
+    """Media stored and moved once (issue 43): per knitdata mode and encoding run alone, bytes stored per group,
+    the storage high-water mark, bytes moved per step (what the units handed out: records + media), step time and
+    the trainer's wait, with media stored once (``dedup``: this run's ``controls`` and ``iter_embedded``, when
+    ``media_dedup``) and with per-trajectory copies (``copies``: ``media_copies``, or this run's own figures when
+    it ran with ``media_dedup=False``), and the ratios copies / dedup where both ran.
+    """
+    dedup_on = bool(result.get("media_dedup", True))
+    alone = dict(result.get("controls") or {})
+    if "iter_embedded" in (result.get("modes") or {}):
+        alone["iter_embedded"] = result["modes"]["iter_embedded"]
+    copies = dict(result.get("media_copies") or {})
+    out: dict[str, Any] = {"media_dedup": dedup_on, "by_mode": {}}
+    for m in ("sample", "eager", "iter", "iter_embedded"):
+        for enc in ENCODINGS:
+            a = _media_pick(alone, m, enc)
+            b = _media_pick(copies, m, enc)
+            if not dedup_on:
+                a, b = None, a
+            if a is None and b is None:
+                continue
+            row: dict[str, Any] = {"dedup": a, "copies": b}
+            if a and b:
+                row["ratios_copies_over_dedup"] = {
+                    k: (b[k] / a[k] if a.get(k) and b.get(k) is not None else None)
+                    for k in ("bytes_stored_per_group", "storage_high_water_bytes", "bytes_moved_per_step", "step_s")}
+            out["by_mode"][f"{m}/{enc}"] = row
+    return out
 
 
 def _run_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -518,6 +568,28 @@ def _run_rows(runs: Sequence[Mapping[str, Any]]) -> list[str]:
             f"{_fmt(r['bytes_to_trainer_per_step'] / mib, '.1f'):>12}{r['delivered']:>10}{r['lost']:>5}"
             f"{r['duplicated']:>5}"
         )
+    return lines
+
+
+def _media_rows(result: Mapping[str, Any]) -> list[str]:
+    """The storage table: bytes stored per group, high-water mark, bytes moved per step (knitdata runs)."""
+    rows = [r for r in list(result.get("runs") or []) + list(result.get("control_runs") or [])
+            if isinstance(r.get("storage"), Mapping)]
+    if not rows:
+        return []
+    mib = 1 << 20
+    lines = ["", f"storage (media {'stored once' if result.get('media_dedup', True) else 'per-trajectory copies'}; "
+                 "'(copies)': media_dedup=False):",
+             f"{'mode':<19}{'encoding':<9}{'stored MiB/group':>17}{'high-water MiB':>15}{'moved MiB/step':>15}"
+             f"{'media items':>12}{'saved MiB':>10}"]
+    for r in rows:
+        st = r["storage"]
+        per_group = st.get("bytes_stored_per_group")
+        moved = r.get("bytes_moved_per_step")
+        lines.append(f"{_run_label(r):<19}{r['encoding']:<9}{_fmt(None if per_group is None else per_group / mib, '.2f'):>17}"
+                     f"{_fmt(st.get('high_water_bytes', 0) / mib, '.1f'):>15}"
+                     f"{_fmt(None if moved is None else moved / mib, '.1f'):>15}{st.get('media_items', 0):>12}"
+                     f"{_fmt(st.get('media_bytes_saved', 0) / mib, '.1f'):>10}")
     return lines
 
 
@@ -557,6 +629,7 @@ def format_table(result: Mapping[str, Any]) -> str:
     lines += _run_rows(result["runs"])
     if result.get("control_runs"):
         lines += ["", "controls (each mode alone):"] + _run_rows(result["control_runs"])
+    lines += _media_rows(result)
     for key, title in (("end_to_end", "interleaved"), ("end_to_end_alone", "alone")):
         e = result.get(key)
         if not e or not any(e.get(c) for c in ("tq_dup", "tq_shared", "iter_dup", "iter_shared")):
