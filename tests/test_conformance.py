@@ -248,7 +248,7 @@ def test_reshape_full_matrix(engine, request):
 MEDIA_STEPS_EMPTY = ("consumed", "reshape_done", "restored_consumed")
 
 
-@pytest.mark.parametrize("engine", ["embedded"])  # the Ray engine's run: helper B adds "ray" with its media table
+@pytest.mark.parametrize("engine", ENGINES_RAY_SLOW)  # Ray's run (units with their media table) in make test-slow
 def test_media_reference_counts_exact_after_every_scenario(engine, request, tmp_path):
     from _media_checks import MEDIA_PER_TRAJ, check_media_exact, held_totals
 
