@@ -68,8 +68,8 @@ class _UnitState:
             else:
                 self.spill = SpillStore(directory, max_bytes=max_bytes)
         # id -> (ObjectRef | inline numpy record | _ON_DISK | None while being put, accounted memory bytes,
-        # record bytes)
-        self.items: dict[str, tuple[Any, int, int]] = {}
+        # record bytes, media references it holds in the media table)
+        self.items: dict[str, tuple[Any, int, int, int]] = {}
         if resume and self.spill is not None:
             self._resume_from_spill()
         self.cond = threading.Condition()
@@ -92,7 +92,7 @@ class _UnitState:
         media_keys = [t for t in ids if t.startswith(MEDIA_SPILL_PREFIX)]
         for tid in ids:
             if not tid.startswith(MEDIA_SPILL_PREFIX):
-                self.items[tid] = (_ON_DISK, 0, 0)
+                self.items[tid] = (_ON_DISK, 0, 0, 0)
         table = self.media
         if table is None:
             return
@@ -105,6 +105,7 @@ class _UnitState:
                 if any(m.digest not in table.entries for m in refs):
                     continue  # its media sample is gone: read as lost, like any payload the spill lacks
                 table.hold(tid, [[m.digest, m.kind, 0, False] for m in refs], {}, None)
+                self.items[tid] = (_ON_DISK, 0, 0, len(refs))
         for d in [d for d, e in table.entries.items() if e[3] == 0]:  # nothing refers to it any more
             del table.entries[d]
             spill.release(media_spill_id(d))
@@ -205,7 +206,8 @@ class StorageUnitActor:
                 s.used += media_new
             s.used += accounted  # reserve before the copy so concurrent puts respect the bound
             s.high = max(s.high, s.used)
-            s.items[traj_id] = (None, accounted, int(record.nbytes))
+            pairs = len(media) if table is not None else 0  # type: ignore[arg-type]  # media is a sequence here
+            s.items[traj_id] = (None, accounted, int(record.nbytes), pairs)
 
         def undo() -> None:
             with s.cond:
@@ -232,7 +234,7 @@ class StorageUnitActor:
             undo()
             raise
         with s.cond:
-            s.items[traj_id] = (ref, accounted, int(record.nbytes))
+            s.items[traj_id] = (ref, accounted, int(record.nbytes), pairs)
             s.counters["puts"] += 1
             s.counters["written_through"] += s.spill is not None
             s.counters["spilled_over"] += not in_memory
@@ -491,7 +493,9 @@ class StorageUnitActor:
                 return {"ok": True, "pairs": 0, "refs": 0, "items": 0, "bytes": 0, "distinct_bytes": 0, "leaked": []}
             out = s.media.check()
             leaked = sorted(t for t in s.media.by_traj if t not in s.items)
-            out.update(ok=bool(out["ok"]) and not leaked, items=len(s.media.entries), leaked=leaked)
+            held = sum(item[3] for item in s.items.values())  # counted from the payloads held, not the table
+            out.update(ok=bool(out["ok"]) and not leaked and held == out["pairs"], items=len(s.media.entries),
+                       leaked=leaked, pairs=held)
             return out
 
     def contains(self, traj_id: str) -> bool:
