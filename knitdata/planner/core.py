@@ -41,8 +41,7 @@ from knitdata.planner.microbatches import cut, first_fit
 from knitdata.planner.records import (
     AdmittedLike,
     MiniBatchPlan,
-    PlannedMicroBatch,
-    microbatch_factory,
+    planned_rows,
 )
 from knitdata.record import TrajectoryMeta
 
@@ -426,20 +425,19 @@ class Planner:
             "global_trajectories": len(metas),
             "global_loss_tokens": global_loss,
         }
-        rows: list[tuple[PlannedMicroBatch, ...]]
-        make = microbatch_factory(common)
+        bins: list[Sequence[TrajectoryMeta]]  # each rank's k micro-batches in turn
         if k == 1:
-            rows = [(make(rank, 0, share),) for rank, share in enumerate(shares)]
+            bins = shares
         else:
-            rows = []
+            bins = []
+            pad = [()] * (k - 1)
             for rank, share in enumerate(shares):
-                if not share:
-                    rows.append(tuple(make(rank, i, ()) for i in range(k)))
-                elif len(share) == 1:
-                    rows.append((make(rank, 0, share), *(make(rank, i, ()) for i in range(1, k))))
+                if len(share) < 2:
+                    bins += (share, *pad)  # (an empty share: k empty micro-batches)
                 else:
                     ffd = ffds.get(rank) or first_fit(share, self.token_budget)
-                    rows.append(tuple(make(rank, i, b) for i, b in enumerate(cut(share, k, ffd, self.token_budget))))
+                    bins += cut(share, k, ffd, self.token_budget)
+        rows = planned_rows(common, k, bins)
         return MiniBatchPlan(
             train_batch=admitted.train_batch,
             minibatch=admitted.step,

@@ -7,8 +7,10 @@ plane stores it as JSON and the datasets hand it to the trainer with every micro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, chain, compress, repeat
 from typing import Any, NamedTuple, Protocol
 
 from knitdata.errors import ValidationError
@@ -19,7 +21,7 @@ __all__ = [
     "MicroBatchInfo",
     "PlannedMicroBatch",
     "MiniBatchPlan",
-    "microbatch_factory",
+    "planned_rows",
 ]
 
 
@@ -242,26 +244,50 @@ class MiniBatchPlan:
         }
 
 
-def microbatch_factory(common: dict[str, Any]) -> Callable[[int, int, Sequence[TrajectoryMeta]], PlannedMicroBatch]:
-    """A constructor of :class:`PlannedMicroBatch` es sharing ``common`` fields (the mini-batch's)."""
-    c = common
-    k = c["num_microbatches"]
-    head = {"train_batch": c["train_batch"], "minibatch": c["minibatch"], "minibatch_in_batch": c["minibatch_in_batch"]}
-    tail = {"global_tokens": c["global_tokens"], "global_trajectories": c["global_trajectories"],
-            "global_loss_tokens": c["global_loss_tokens"]}
-    new = tuple.__new__
-    cls = PlannedMicroBatch
+def planned_rows(common: Mapping[str, Any], k: int,
+                 bins: Sequence[Sequence[TrajectoryMeta]]) -> list[tuple[PlannedMicroBatch, ...]]:
+    """The plan's rows: ``bins`` holds each consumer's ``k`` micro-batches in turn (rank 0's, then rank 1's, ...).
 
-    info_new = object.__new__
+    ``common``: the mini-batch's fields of :class:`MicroBatchInfo` (``train_batch``, ``minibatch``,
+    ``minibatch_in_batch``, ``global_tokens``, ``global_trajectories``, ``global_loss_tokens``).
 
-    def make(consumer: int, microbatch: int, trajectories: Sequence[TrajectoryMeta]) -> PlannedMicroBatch:
-        # the planner's rows hold its invariants by construction: the info is built without re-validating them
-        # (one dict update instead of the checked constructor: 8,000 rows per mini-batch at cluster scale)
-        metas = tuple(trajectories)
-        info = info_new(MicroBatchInfo)
-        info.__dict__.update({"consumer": consumer, **head, "microbatch": microbatch, "num_microbatches": k,
-                              "is_last": microbatch == k - 1, **tail, "trajectory_ids": tuple([m.id for m in metas]),
-                              "gen_versions": tuple([m.gen_version for m in metas])})
-        return new(cls, (info, metas))
+    Built in one pass per field rather than one record at a time (8,000 ranks: 8,000 rows per mini-batch): each
+    info's fields are a copy of its micro-batch index's template (a checked :class:`MicroBatchInfo`'s) with its
+    consumer set, and for the micro-batches that hold trajectories their ids and versions, read once for all
+    and sliced per micro-batch; C-level ``map`` s, no Python call per row. The copies are not re-validated: the
+    planner's rows hold the template's invariants by construction.
+    """
+    n_mb = len(bins)
+    if k < 1 or n_mb % k:
+        raise ValidationError(f"{n_mb} micro-batches are not {k} per consumer", field="num_microbatches")
+    # each micro-batch index's fields: a checked info's (in field order; a split dict, whose copies share its keys)
+    templates = [MicroBatchInfo(0, common["train_batch"], common["minibatch"], common["minibatch_in_batch"], i, k,
+                                i == k - 1, common["global_tokens"], common["global_trajectories"],
+                                common["global_loss_tokens"]).__dict__ for i in range(k)]
+    n_rows = n_mb // k
+    values = list(map(dict.copy, chain.from_iterable(repeat(templates, n_rows)) if k > 1 else repeat(templates[0], n_mb)))
+    consumers = range(n_mb) if k == 1 else chain.from_iterable(map(repeat, range(n_rows), repeat(k)))
+    set_item = dict.__setitem__
+    deque(map(set_item, values, repeat("consumer"), consumers), 0)
+    # the micro-batches with trajectories (the others keep the templates' ()): their metas, ids and versions read
+    # in one go while each one's metas are in cache (a pass over all trajectories per field misses it each time)
+    metas: list[tuple[TrajectoryMeta, ...]] = [()] * n_mb
+    for i in compress(range(n_mb), bins):
+        held = metas[i] = tuple(bins[i])
+        v = values[i]
+        v["trajectory_ids"] = tuple([m.id for m in held])
+        v["gen_versions"] = tuple([m.gen_version for m in held])
+    infos = list(map(object.__new__, repeat(MicroBatchInfo, n_mb)))
+    deque(map(_SET_FIELDS, infos, values), 0)
+    rows = list(map(tuple.__new__, repeat(PlannedMicroBatch, n_mb), zip(infos, metas)))
+    return list(zip(*[iter(rows)] * k))
 
-    return make
+
+def _bounds(parts: Sequence[Sequence[Any]]) -> tuple[list[int], list[int]]:
+    """Starts and stops of consecutive ``parts`` laid end to end."""
+    stops = list(accumulate(map(len, parts)))
+    return [0, *stops[:-1]], stops
+
+
+#: Sets an instance's ``__dict__`` (the dataclass is frozen: its own ``__setattr__`` refuses).
+_SET_FIELDS = MicroBatchInfo.__dict__["__dict__"].__set__
