@@ -449,6 +449,10 @@ def run_transfer_benchmark(
             with bar(f"{mode}/{enc}") as pb:
                 e_recs, e_extras, expected, info = run_embedded(w, cfg, "iter", enc, timeout_s, pb, compute=compute,
                                                                  calibration=calibration, media_dedup=media_dedup)
+            handed = (info.get("storage") or {}).get("bytes_fetched")
+            if handed is not None:  # what the units handed out (each distinct media item once per request)
+                e_extras = [{**x, "metrics": {**x.get("metrics", {}), "bytes_fetched": handed if r == 0 else 0}}
+                            for r, x in enumerate(e_extras)]
             record(mode, enc, e_recs, e_extras, expected, "embedded (consumer threads)", **info)
             mark(f"run {mode}/{enc}")
     finally:
