@@ -426,3 +426,46 @@ def test_a_duplicate_id_is_refused_and_equal_hashes_alone_are_not(monkeypatch, v
     monkeypatch.setattr(planner_module, "packed_columns", colliding)
     expected = _ReferencePlanner(layout, 40).plan_rows(metas)[0]
     assert [[list(mb.trajectory_ids) for mb in row] for row in planner.plan(_Admitted(0, 0, 0, tuple(metas))).microbatches] == expected
+
+
+@settings(max_examples=80, deadline=None)
+@given(k=st.integers(1, 4), sizes=st.lists(st.integers(0, 3), min_size=0, max_size=24), loss=st.integers(0, 50),
+       as_lists=st.booleans())
+def test_planned_rows_are_the_checked_records(k, sizes, loss, as_lists) -> None:
+    """The rows built in one pass are what the checked constructors build: each consumer's k micro-batches in
+    order, every info equal to ``MicroBatchInfo(...)`` with its fields in their order, on lists or tuples."""
+    from knitdata.planner.records import MicroBatchInfo, planned_rows
+
+    sizes = sizes[: len(sizes) - len(sizes) % k]
+    metas = iter(_metas(random.Random(len(sizes)), sum(sizes), 2, ["a", "b"]))
+    bins = [[next(metas) for _ in range(s)] for s in sizes]
+    bins = [b if as_lists else tuple(b) for b in bins]
+    common = {"train_batch": 3, "minibatch": 7, "minibatch_in_batch": 1, "global_tokens": 99,
+              "global_trajectories": sum(sizes), "global_loss_tokens": loss}
+    rows = planned_rows(common, k, bins)
+    assert len(rows) == len(sizes) // k and all(len(row) == k for row in rows)
+    for rank, row in enumerate(rows):
+        for i, mb in enumerate(row):
+            metas_i = tuple(bins[rank * k + i])
+            want = MicroBatchInfo(rank, 3, 7, 1, i, k, i == k - 1, 99, sum(sizes), loss,
+                                  trajectory_ids=tuple(m.id for m in metas_i),
+                                  gen_versions=tuple(m.gen_version for m in metas_i))
+            assert type(mb) is PlannedMicroBatch and mb == PlannedMicroBatch(want, metas_i)
+            assert list(mb.info.to_dict().items()) == list(want.to_dict().items())  # same keys, same order
+            assert type(mb.trajectories) is tuple and type(mb.info.trajectory_ids) is tuple
+            if not metas_i:
+                assert mb.trajectories == () and mb.info.trajectory_ids == () and mb.info.gen_versions == ()
+    # each info owns its fields (none shares a dict with another, or with the next plan's)
+    assert len({id(mb.info.__dict__) for row in rows for mb in row}) == len(sizes)
+
+
+def test_planned_rows_refuse_a_count_not_k_per_consumer() -> None:
+    from knitdata.planner.records import planned_rows
+
+    common = {"train_batch": 0, "minibatch": 0, "minibatch_in_batch": 0, "global_tokens": 0,
+              "global_trajectories": 0, "global_loss_tokens": 0}
+    with pytest.raises(ValidationError, match="5 micro-batches are not 2 per consumer") as info:
+        planned_rows(common, 2, [()] * 5)
+    assert info.value.field == "num_microbatches"
+    with pytest.raises(ValidationError):
+        planned_rows(common, 0, [])

@@ -24,7 +24,8 @@ change the choice. Everything else is numpy or C-level passes over the trajector
 unit: their counts read as one buffer (:attr:`~knitdata.record.TrajectoryMeta.packed`), unit sums, the unit
 order, where units are, the bytes that stay local, and the shares: slices of whole units when each unit's
 trajectories arrived in order (as admission lists a group), else one sort by ``(rank, seq)``. Plans are
-:class:`PlannedMicroBatch` named tuples built in bulk. The choices, tie-breaking included (least load, then
+:class:`PlannedMicroBatch` named tuples, each with its :class:`MicroBatchInfo`, built in one pass per field over
+all micro-batches (:func:`~knitdata.planner.records.planned_rows`). The choices, tie-breaking included (least load, then
 lowest rank), are those of a linear search (see ``benchmarks/planner_before_after.py`` and ``python -m benchmarks
 control --scale`` for the cost).
 

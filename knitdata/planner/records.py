@@ -1,8 +1,9 @@
 """What a plan is: :class:`MicroBatchInfo` (the trainer's record of a micro-batch), the plan's rows
 (:class:`PlannedMicroBatch`) and :class:`MiniBatchPlan`, and what the planner reads of an admitted mini-batch.
 
-:class:`MicroBatchInfo` is produced here, from a plan row (:meth:`PlannedMicroBatch.to_info`); the control
-plane stores it as JSON and the datasets hand it to the trainer with every micro-batch.
+:class:`MicroBatchInfo` is produced here, with the plan's rows (:func:`planned_rows`; a row's
+:meth:`PlannedMicroBatch.to_info`); the control plane stores it as JSON and the datasets hand it to the trainer
+with every micro-batch.
 """
 
 from __future__ import annotations
