@@ -18,7 +18,18 @@ what consumers on the node pull in from other nodes. With a spill directory, a p
 is kept only in the unit's :class:`~knitdata.spill.SpillStore` (webdataset tar shards, bounded on disk)
 and reloaded into the object store, for that read only, when a consumer fetches it.
 
-Failure: if a unit's actor dies, every payload it owned is gone from Ray (owner died). Reads then raise
+Media stored once (``media_dedup=True``, the default): a record carries its media as references
+(``encode_trajectory(traj, media="refs")``) and the unit keeps one record per media digest
+(:func:`~knitdata.codec.encode_media`, in its node's object store or inline when small) with a count of the
+payloads using it (:class:`~knitdata.storage.ray_media.UnitMedia`); a payload is accounted its own bytes plus
+the items it brings that the unit does not hold yet. A client sends each distinct item once per call and not at
+all when it sent it before (:class:`~knitdata.storage.ray_media.MediaSender`; a unit that freed it since
+answers "missing" and the content goes again); a producer's :meth:`MediaItem.ref
+<knitdata.record.MediaItem.ref>` is resolved here, from another unit (:attr:`RayStorageUnit.resolve`), or
+refused with :class:`~knitdata.errors.MediaRefError`. A read fetches each distinct item a request lacks once
+(:func:`~knitdata.storage.ray_read.read_records` with ``media``).
+
+Failure: if a unit's actor dies, every payload it owned is gone from Ray (owner died), its media with it. Reads then raise
 :class:`~knitdata.errors.TrajectoryLostError` naming the lost ids, unless a ``recover`` callback (e.g. a
 spill written through, see :class:`SpillRecovery`) returns them.
 
