@@ -43,6 +43,7 @@ from knitdata.video import VideoSampling, check_frames, load_video, probe_video,
 __all__ = [
     "ImageSource",
     "AudioSource",
+    "OutAlloc",
 
     "ProcessedMedia",
     "MediaProcessor",
@@ -60,6 +61,9 @@ __all__ = [
 ImageSource = Any
 #: What :func:`load_audio` accepts: encoded bytes or a file path.
 AudioSource = Any
+#: ``out(shape, dtype) -> Tensor``: memory a preprocessing callable may write its result into (see
+#: :meth:`MediaProcessor.process`).
+OutAlloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 _PIL_MODES_CHANNELS = {"L": 1, "LA": 2, "RGB": 3, "RGBA": 4, "CMYK": 4, "YCbCr": 3}
 
@@ -346,7 +350,10 @@ def patchify(
         dtype: Output dtype.
 
     Returns:
-        ``fn(pixels uint8 [C, H, W]) -> [num_patches, C * p * p]``, row-major over the patch grid.
+        ``fn(pixels uint8 [C, H, W], *, out=None) -> [num_patches, C * p * p]``, row-major over the patch grid.
+        With ``out`` (``out(shape, dtype) -> Tensor``, what :meth:`MediaProcessor.process` passes on to a
+        callable whose ``accepts_out`` attribute is true) the patches are written straight into the memory it
+        gives (the collator's media table), without an intermediate copy.
     """
     p = int(patch_size)
     if p <= 0:
@@ -354,7 +361,7 @@ def patchify(
     if size is not None and (size[0] % p or size[1] % p or size[0] <= 0 or size[1] <= 0):
         raise ValueError(f"size {size} must be positive multiples of patch_size {p}")
 
-    def fn(pixels: torch.Tensor) -> torch.Tensor:
+    def fn(pixels: torch.Tensor, *, out: OutAlloc | None = None) -> torch.Tensor:
         x = pixels.to(torch.float32) / 255.0
         c = x.shape[0]
         m = torch.as_tensor(mean, dtype=torch.float32).reshape(-1, 1, 1)
@@ -369,9 +376,14 @@ def patchify(
                 raise ValueError(f"image {tuple(x.shape[1:])} is smaller than one {p}x{p} patch")
             x = x[:, :h, :w]
         h, w = x.shape[1] // p, x.shape[2] // p
-        x = x.reshape(c, h, p, w, p).permute(1, 3, 0, 2, 4).reshape(h * w, c * p * p)
-        return x.to(dtype).contiguous()
+        grid = x.reshape(c, h, p, w, p).permute(1, 3, 0, 2, 4)
+        if out is not None:
+            dest = out((h * w, c * p * p), dtype)
+            dest.view(h, w, c, p, p).copy_(grid)  # one write, straight into the table
+            return dest
+        return grid.reshape(h * w, c * p * p).to(dtype).contiguous()
 
+    fn.accepts_out = True  # type: ignore[attr-defined]
     return fn
 
 
@@ -449,13 +461,17 @@ class MediaProcessor:
             return video_key(item, self.video_sampling)
         return processed_digest(processed)
 
-    def process(self, item: MediaItem, *, trajectory_id: str | None = None, index: int | None = None) -> ProcessedMedia:
+    def process(self, item: MediaItem, *, trajectory_id: str | None = None, index: int | None = None,
+                out: OutAlloc | None = None) -> ProcessedMedia:
         """Decode and preprocess one item.
 
         Args:
             item: The media item.
             trajectory_id: Id of the trajectory holding it (named in errors).
             index: Its index in the trajectory's media (named in errors).
+            out: Memory for the result (``out(shape, dtype) -> Tensor``), passed on as ``out=`` to a preprocessing
+                callable whose ``accepts_out`` attribute is true (:func:`patchify`): it writes its result there
+                (the collator's media table) instead of into fresh memory. Other callables ignore it.
 
         Returns:
             The processed item; its tensor has at least one dimension and at least one row.
@@ -504,7 +520,7 @@ class MediaProcessor:
             args = (x, rate)
         if fn is not None:
             try:
-                x = fn(*args)
+                x = fn(*args, out=out) if out is not None and getattr(fn, "accepts_out", False) else fn(*args)
             except MediaError:
                 raise
             except Exception as e:

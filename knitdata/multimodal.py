@@ -10,6 +10,11 @@ per key, and returns a :class:`MultimodalBatch`:
   media order) the row of its unique item in the table, the trajectory's position in the micro-batch and
   the item's index in that trajectory's media.
 
+The tables are built without a second copy of the processed inputs: each kind's values are preallocated for its
+distinct items and a preprocessing that can (:func:`~knitdata.media.patchify`; see
+:meth:`~knitdata.media.MediaProcessor.process`'s ``out``) writes each item straight into them;
+:attr:`MultimodalBatch.pack_stats` counts the bytes written in place and the bytes copied.
+
 :class:`~knitdata.encoder.SharedEncoding` encodes each table once and hands every micro-batch its rows.
 
 Example (``micro_batch_1`` holds a trajectory of a new group, then one of ``micro_batch_0``'s group):
@@ -22,6 +27,7 @@ Example (``micro_batch_1`` holds a trajectory of a new group, then one of ``micr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -205,11 +211,16 @@ class MultimodalBatch:
         occurrences: Per micro-batch (training order), per kind, the occurrences; a kind missing from a
             micro-batch's dict has no occurrence there.
         trajectory_ids: Per micro-batch, the ids of its trajectories (as given to the collator).
+        pack_stats: What building the tables cost (:class:`MultimodalCollator`): ``processed_items`` (raw items
+            decoded and preprocessed), ``table_bytes`` (bytes of the tables' values), ``placed_bytes`` (of them,
+            written by the preprocessing straight into the table) and ``copied_bytes`` (copied into the table
+            after preprocessing: items whose preprocessing cannot write into it, a table that grew).
     """
 
     tables: dict[str, MediaTable]
     occurrences: list[dict[str, MediaOccurrences]]
     trajectory_ids: list[tuple[str, ...]] = field(default_factory=list)
+    pack_stats: dict[str, int] = field(default_factory=dict, compare=False)
     _moved: dict[Any, MultimodalBatch] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -254,6 +265,7 @@ class MultimodalBatch:
             {k: t._map(fn) for k, t in self.tables.items()},
             [{k: o._map(fn) for k, o in mb.items()} for mb in self.occurrences],
             list(self.trajectory_ids),
+            dict(self.pack_stats),
         )
 
     def pin_memory(self) -> MultimodalBatch:
@@ -370,16 +382,96 @@ def _check_packable(kind: str, pm: ProcessedMedia, first: ProcessedMedia, first_
         )
 
 
+class _Packer:
+    """The values of one kind's table, preallocated: preprocessing writes each new item at the tail.
+
+    The buffer is sized at the first item for every distinct item of the kind (``capacity`` items of the first's
+    rows) and grows by doubling when later items are longer (that copy is counted). An item whose preprocessing
+    could not write into it (its callable has no ``out``, a pass-through input) is copied in (counted); if the
+    kind's first item already could not, the kind is packed at the end (one ``torch.cat``, counted), or kept as a
+    view when it has one item.
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = max(1, capacity)
+        self.buf: torch.Tensor | None = None
+        self.tail = 0
+        self.rows: list[ProcessedMedia] = []
+        self.placed = 0
+        self.copied = 0
+
+    def out(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Memory for a new item of ``shape`` at the tail (fresh memory when it cannot go into the buffer)."""
+        n, feat = int(shape[0]), tuple(shape[1:])
+        if self.buf is None:
+            if self.rows:  # the first item was not written here: this kind is packed at the end
+                return torch.empty(shape, dtype=dtype)
+            self.buf = torch.empty((n * self.capacity, *feat), dtype=dtype)
+        elif self.buf.dtype != dtype or tuple(self.buf.shape[1:]) != feat:
+            return torch.empty(shape, dtype=dtype)  # not packable: refused by _check_packable
+        if self.tail + n > self.buf.shape[0]:
+            grown = torch.empty((max(2 * self.buf.shape[0], self.tail + n), *feat), dtype=dtype)
+            grown[: self.tail].copy_(self.buf[: self.tail])
+            self.copied += self.tail * _row_bytes(self.buf)
+            self.buf = grown
+        return self.buf[self.tail : self.tail + n]
+
+    def _at_tail(self, t: torch.Tensor) -> bool:
+        b = self.buf
+        return (b is not None and t.dtype == b.dtype and t.shape[1:] == b.shape[1:]
+                and self.tail + t.shape[0] <= b.shape[0] and t.is_contiguous()
+                and t.data_ptr() == b.data_ptr() + self.tail * _row_bytes(b))
+
+    def add(self, pm: ProcessedMedia) -> ProcessedMedia:
+        """Take ``pm`` as the next row; returns it with its tensor in the table where it is packed now."""
+        t = pm.tensor
+        if self.buf is not None:
+            if self._at_tail(t):
+                self.placed += t.numel() * t.element_size()
+            else:
+                dest = self.out(tuple(t.shape), t.dtype)
+                if self.buf is not None and self._at_tail(dest):
+                    dest.copy_(t)
+                    self.copied += t.numel() * t.element_size()
+                    pm = ProcessedMedia(pm.kind, dest, pm.sample_rate, pm.meta)
+                    t = dest
+            if self._at_tail(t):
+                self.tail += t.shape[0]
+        self.rows.append(pm)
+        return pm
+
+    def values(self) -> torch.Tensor:
+        """The packed values (a view of the buffer when every row is in it)."""
+        lst = self.rows
+        if self.buf is not None and sum(p.tensor.shape[0] for p in lst) == self.tail:
+            return self.buf[: self.tail]
+        if len(lst) == 1:
+            return lst[0].tensor
+        out = torch.cat([p.tensor for p in lst], 0)
+        self.copied += out.numel() * out.element_size()
+        return out
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:]) * t.element_size()
+
+
 class MultimodalCollator:
     """Build a :class:`MultimodalBatch` from one consumer's micro-batches of one mini-batch.
 
     Args:
         preprocess: Per kind, the model's preprocessing callable (see :class:`~knitdata.media.MediaProcessor`),
             e.g. ``{"image": patchify(14, size=(224, 224))}``.
-        key: ``"digest"`` (default): items are the same when their processed inputs are equal (finds an
-            image shared by different prompts); ``"provenance"``: ``(group, media index)`` (GRPO repeats;
-            each group's items are processed once, and a group whose members carry different media under the
-            same index is rejected).
+        key: ``"digest"`` (default): an item is found by its raw content digest (:attr:`MediaItem.digest
+            <knitdata.record.MediaItem.digest>`, computed when the item was made and carried through storage:
+            nothing is hashed here), so each distinct raw item is decoded and processed once; processed inputs
+            of different raw items that are equal share a row too (:class:`EqualInputs`: compared, not hashed).
+            Right for every layout: an image shared by different prompts, an agent's screenshots repeated in every
+            later turn, episodes of one group that share their first screenshots and diverge after.
+            ``"provenance"``: ``(group, media index)``, for GRPO groups whose members carry the same media list
+            (free, but only right then): it is wrong for agent episodes, whose siblings carry different
+            screenshots under the same index once they diverge, and such a group is refused
+            (:class:`~knitdata.errors.MediaError` naming the group and the index): use ``"digest"``.
         image_mode: Pillow mode images are converted to.
         processor: A ready :class:`~knitdata.media.MediaProcessor` (overrides ``preprocess``/``image_mode``/
             ``video_sampling``).
@@ -427,6 +519,14 @@ class MultimodalCollator:
         occ: list[dict[str, tuple[list[int], list[int], list[int]]]] = []
         ids: list[tuple[str, ...]] = []
         raw_key = self.processor.raw_key
+        distinct: dict[str, set[Any]] = {}  # per kind, the distinct items (sizes each table's buffer)
+        for mb in micro_batches:
+            for traj in mb:
+                for n, item in enumerate(traj.media):
+                    distinct.setdefault(item.kind, set()).add(
+                        provenance_key(traj.group, n) if self.key == "provenance" else raw_key(item))
+        packers = {kind: _Packer(len(keys)) for kind, keys in distinct.items()}
+        processed = 0
         for mb in micro_batches:
             cur: dict[str, tuple[list[int], list[int], list[int]]] = {}
             ids.append(tuple(t.id for t in mb))
@@ -445,12 +545,16 @@ class MultimodalCollator:
                             )
                         kind_rows = key_to_row.setdefault(item.kind, {})
                         if k not in kind_rows:
-                            pm = by_raw.get(rk) or self.processor.process(item, trajectory_id=traj.id, index=n)
+                            pm = by_raw.get(rk) or self.processor.process(item, trajectory_id=traj.id, index=n,
+                                                                          out=packers[item.kind].out)
+                            processed += rk not in by_raw
                             by_raw[rk] = pm
                     else:
                         cached = by_raw.get(rk)
                         if cached is None:
-                            cached = by_raw[rk] = self.processor.process(item, trajectory_id=traj.id, index=n)
+                            cached = by_raw[rk] = self.processor.process(item, trajectory_id=traj.id, index=n,
+                                                                         out=packers[item.kind].out)
+                            processed += 1
                             processed_key[rk] = same.key(cached, rk)
                         pm = cached
                         k = processed_key[rk]
@@ -462,7 +566,7 @@ class MultimodalCollator:
                         else:
                             first_where[item.kind] = (traj.id, n)
                         kind_rows[k] = len(lst)
-                        lst.append(pm)
+                        lst.append(packers[item.kind].add(pm))
                     c = cur.setdefault(item.kind, ([], [], []))
                     c[0].append(kind_rows[k])
                     c[1].append(j)
@@ -472,7 +576,7 @@ class MultimodalCollator:
         for kind, lst in rows.items():
             lengths = torch.tensor([p.tensor.shape[0] for p in lst], dtype=torch.long)
             offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])
-            values = torch.cat([p.tensor for p in lst], 0)
+            values = packers[kind].values()
             keys = tuple(key for key, _ in sorted(key_to_row[kind].items(), key=lambda kv: kv[1]))
             rates = torch.tensor([p.sample_rate for p in lst], dtype=torch.long) if kind == "audio" else None
             meta = {m: torch.stack([p.meta[m] for p in lst]) for m in (lst[0].meta or {})}  # type: ignore[index]
@@ -484,4 +588,8 @@ class MultimodalCollator:
             }
             for cur in occ
         ]
-        return MultimodalBatch(tables, occurrences, ids)
+        stats = {"processed_items": processed,
+                 "table_bytes": sum(t.values.numel() * t.values.element_size() for t in tables.values()),
+                 "placed_bytes": sum(p.placed for p in packers.values()),
+                 "copied_bytes": sum(p.copied for p in packers.values())}
+        return MultimodalBatch(tables, occurrences, ids, stats)

@@ -277,3 +277,74 @@ def test_metadata_must_agree_among_items_of_a_kind():
         MediaProcessor({"image": lambda p: (patchify(4)(p), {"x": 3})}).process(items[0])
     with pytest.raises(MediaError, match="tuple of 3"):
         MediaProcessor({"image": lambda p: (patchify(4)(p), {}, 1)}).process(items[0])
+
+
+# ---------------------------------------------------------------- tables built in place; agent episodes by digest
+def _shot(seed: int, side: int = 16) -> MediaItem:
+    g = torch.Generator().manual_seed(seed)
+    return MediaItem("image", tensor=torch.randint(0, 256, (3, side, side), dtype=torch.uint8, generator=g))
+
+
+def _plain(fn):
+    """``fn`` without ``accepts_out``: what a model's own processor is (writes fresh memory)."""
+    return lambda pixels: fn(pixels)
+
+
+@settings(max_examples=30, deadline=None)
+@given(picks=st.lists(st.tuples(st.integers(0, 5), st.sampled_from([8, 12, 16])), min_size=1, max_size=12),
+       k=st.integers(1, 3), sized=st.booleans(), writes=st.booleans())
+def test_tables_packed_in_place_equal_the_concatenated_items(picks, k, sized, writes):
+    pool = {(s, side): _shot(s, side) for s, side in picks}
+    trajs = [_traj(i, f"g{i}", [pool[p] for p in picks[i : i + 2]]) for i in range(len(picks))]
+    mbs = [trajs[j::k] for j in range(k)]
+    fn = patchify(4, size=(8, 8) if sized else None)
+    batch = MultimodalCollator({"image": fn if writes else _plain(fn)})(mbs)
+    table, stats = batch.tables["image"], batch.pack_stats
+    assert table.num_items == len(pool) == stats["processed_items"]  # each distinct item processed once
+    for i, mb in enumerate(mbs):
+        occ = batch.for_microbatch(i).get("image")
+        assert (occ is None) == (not mb)
+        for u, j, n in [] if occ is None else zip(occ.index.tolist(), occ.trajectory.tolist(), occ.item.tolist()):
+            assert torch.equal(table.item(u), fn(mb[j].media[n].tensor))
+    assert stats["table_bytes"] == table.values.numel() * 4
+    if writes and (sized or len(pool) == 1):  # every item written straight into the preallocated table
+        assert stats["copied_bytes"] == 0 and stats["placed_bytes"] == stats["table_bytes"]
+    if not writes:
+        assert stats["placed_bytes"] == 0
+        assert stats["copied_bytes"] == (stats["table_bytes"] if len(pool) > 1 else 0)
+
+
+def test_in_place_packing_removes_the_table_copy():
+    """The bytes copied into the table after preprocessing: every item's before, none now (patchify writes there)."""
+    shots = [_shot(s, 32) for s in range(6)]
+    mbs = [[_traj(g * 4 + j, f"g{g}", shots[: 3 + g]) for j in range(4)] for g in range(3)]
+    fn = patchify(8, size=(32, 32))
+    new = MultimodalCollator({"image": fn})(mbs)
+    old = MultimodalCollator({"image": _plain(fn)})(mbs)
+    assert torch.equal(new.tables["image"].values, old.tables["image"].values)
+    assert new.tables["image"].num_items == 5
+    assert old.pack_stats["copied_bytes"] == old.pack_stats["table_bytes"] == 5 * 16 * 192 * 4
+    assert new.pack_stats["copied_bytes"] == 0 and new.pack_stats["placed_bytes"] == new.pack_stats["table_bytes"]
+
+
+def test_agent_episodes_diverging_after_the_first_screenshot_need_digest_keys():
+    """Per-turn samples of 2 sibling episodes: same first screenshot (same env reset), different later ones.
+
+    Digest keys give each occurrence its own screenshot's row (5 distinct of 10 occurrences); provenance keys, which
+    would give sibling 1's second screenshot sibling 0's row, refuse the group, naming it and the index."""
+    first, a1, a2, b1, b2 = (_shot(s) for s in range(5))
+    turns = {0: [[first], [first, a1], [first, a1, a2]], 1: [[first], [first, b1], [first, b1, b2]]}
+    trajs = [_traj(10 * e + k, "task", media) for e, ts in turns.items() for k, media in enumerate(ts)]
+    mbs = [trajs[:3], trajs[3:]]
+    fn = patchify(4, size=(16, 16))
+    batch = MultimodalCollator({"image": fn}, key="digest")(mbs)
+    table = batch.tables["image"]
+    assert table.num_items == 5 and batch.num_occurrences == 12
+    assert set(table.keys) == {f"image:0:{m.digest}" for m in (first, a1, a2, b1, b2)}
+    for i, mb in enumerate(mbs):
+        occ = batch.for_microbatch(i)["image"]
+        for u, j, n in zip(occ.index.tolist(), occ.trajectory.tolist(), occ.item.tolist()):
+            assert torch.equal(table.item(u), fn(mb[j].media[n].tensor))
+    with pytest.raises(MediaError, match="group 'task' carries different media under index 1") as e:
+        MultimodalCollator({"image": fn}, key="provenance")(mbs)
+    assert e.value.trajectory_id == "t11"

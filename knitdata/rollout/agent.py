@@ -27,38 +27,85 @@ Example:
     [1, 1, 0, 0, 0, 0, 1, 1]
     >>> s.token_versions.tolist()
     [5, 5, 5, 5, 5, 5, 6, 6]
+
+Screenshots. An observation may carry media (``add_observation(tokens, media=[screenshot])``: a GUI agent's
+screenshot after each action): with ``placeholder_ids`` each run of a placeholder token in the observation (and
+in the prompt, and in every model turn's prompt as the engine expanded it) is collapsed into one token, as
+:func:`~knitdata.rollout.multimodal.attach_media` does, and the observation must hold one run per item of each kind.
+The episode's sample carries the prompt's media, then each observation's, in order. Frameworks that train one
+sample per model turn (the turn's prompt is the whole history, its response the turn's tokens) use
+:meth:`MultiTurn.turn_samples`: each screenshot then appears in the sample of every later turn, the same
+:class:`~knitdata.record.MediaItem` object, so the pipeline stores and moves it once (one copy per content digest)
+and the collator processes and the shared encoder encodes it once per mini-batch (``key="digest"``). A producer
+that knows an item is held already (an earlier turn's screenshot, the group's first screenshot put with its first
+member) passes ``refer=`` to put a reference instead of the pixels (:meth:`~knitdata.record.MediaItem.ref`).
+
+Example (a screenshot per observation; the image placeholder 120 expanded by the engine to 4 tokens):
+    >>> import torch
+    >>> from knitdata import MediaItem
+    >>> shot = [MediaItem("image", tensor=torch.full((3, 8, 8), k, dtype=torch.uint8)) for k in range(2)]
+    >>> ep = MultiTurn("ep-2", [1, 120, 120, 120, 120, 2], media=[shot[0]], placeholder_ids={"image": 120})
+    >>> ep.add_model(RolloutSample("t0", 0, prompt_ids=[1, 120, 120, 120, 120, 2], response_ids=[10],
+    ...                            logprobs=[-0.5], version=1))
+    >>> ep.add_observation([7, 120, 120, 120, 120, 8], media=[shot[1]])
+    >>> ep.add_model(RolloutSample("t1", 0, prompt_ids=[1, 120, 120, 120, 120, 2, 10, 7, 120, 120, 120, 120, 8],
+    ...                            response_ids=[11], logprobs=[-0.5], version=1))
+    >>> s = ep.sample()
+    >>> s.prompt_ids.tolist(), s.response_ids.tolist(), len(s.media)
+    ([1, 120, 2], [10, 7, 120, 8, 11], 2)
+    >>> [(t.prompt_ids.tolist(), t.response_ids.tolist(), len(t.media)) for t in ep.turn_samples()]
+    [([1, 120, 2], [10], 1), ([1, 120, 2, 10, 7, 120, 8], [11], 2)]
+    >>> [m.is_reference for m in ep.turn_samples(refer_repeats=True)[1].media]  # put after turn 0's sample
+    [True, False]
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from knitdata.errors import RolloutOutputError
-from knitdata.record import MediaItem
-from knitdata.rollout.sample import RolloutSample, as_token_ids
+from knitdata.record import MEDIA_KINDS, MediaItem, Trajectory
+from knitdata.rollout.multimodal import collapse_placeholders, media_item
+from knitdata.rollout.sample import LOGPROBS_KEY, RolloutSample, as_token_ids
 
 __all__ = ["MultiTurn"]
 
 
 class MultiTurn:
-    """Build one sample from the turns of one agent episode.
+    """Build one sample (or one per model turn) from the turns of one agent episode.
 
     Args:
         request_id: The episode's id (its group's request id; episodes of one task share it).
         prompt_ids: The first prompt (system and user messages), not part of the response.
         index: The episode's index within its group.
-        media: Media of the prompt (:func:`~knitdata.rollout.multimodal.attach_media` collapses their placeholders).
+        media: Media of the prompt, in prompt order (:func:`~knitdata.rollout.multimodal.media_item` reads raw
+            media; a :class:`~knitdata.record.MediaItem`, a reference included, is kept).
+        placeholder_ids: The model's placeholder token per media kind (e.g. ``{"image": image_token_id}``): each
+            run of it is collapsed into one token in the prompt, the observations and every model turn's prompt,
+            and the prompt and each observation must hold one run per item of that kind. ``None``: tokens are
+            kept as given (placeholders collapsed by the caller) and not counted.
+
+    Raises:
+        RolloutOutputError: Bad token ids, unreadable media, or a prompt whose placeholder runs do not match its
+            media.
     """
 
-    def __init__(self, request_id: str, prompt_ids: Any, *, index: int = 0, media: Sequence[MediaItem] = ()):
+    def __init__(self, request_id: str, prompt_ids: Any, *, index: int = 0, media: Sequence[Any] = (),
+                 placeholder_ids: Mapping[str, int] | None = None):
         self.request_id = str(request_id)
         self.index = int(index)
-        self.prompt_ids: list[int] = as_token_ids(prompt_ids, request_id=self.request_id, sample=self.index,
-                                                  field="prompt_ids").tolist()
-        self.media = list(media)
+        self.placeholder_ids: dict[str, int] = {}
+        for kind, pid in (placeholder_ids or {}).items():
+            if kind not in MEDIA_KINDS:
+                raise RolloutOutputError(f"unknown media kind {kind!r} in placeholder_ids (known: {MEDIA_KINDS})",
+                                         request_id=self.request_id, sample=self.index, field="placeholder_ids")
+            self.placeholder_ids[kind] = int(pid)
+        ids = as_token_ids(prompt_ids, request_id=self.request_id, sample=self.index, field="prompt_ids")
+        self.media: list[MediaItem] = []
+        self.prompt_ids: list[int] = self._with_media(ids, media, "prompt_ids")
         self._ids: list[int] = []
         self._mask: list[int] = []
         self._lp: list[float] = []
@@ -67,19 +114,58 @@ class MultiTurn:
         self._status = ""
         self._reason = ""
         self._turns = 0
+        # per model turn: (start, end) of its tokens in self._ids, media count before it, status, reason, logprobs?
+        self._spans: list[tuple[int, int, int, str, str, bool]] = []
 
     @property
     def context(self) -> list[int]:
-        """The episode so far: the first prompt followed by every turn."""
+        """The episode so far: the first prompt followed by every turn (placeholders collapsed)."""
         return self.prompt_ids + self._ids
 
-    def add_observation(self, token_ids: Any) -> None:
+    def _collapsed(self, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, int]]:
+        runs: dict[str, int] = {}
+        for kind, pid in self.placeholder_ids.items():
+            ids, runs[kind] = collapse_placeholders(ids, pid)
+        return ids, runs
+
+    def _with_media(self, ids: torch.Tensor, media: Sequence[Any], field: str) -> list[int]:
+        """Collapse ``ids``' placeholder runs, check them against ``media``, append the items; the ids as a list."""
+        where: dict[str, Any] = {"request_id": self.request_id, "sample": self.index}
+        base = len(self.media)
+        items = [media_item(m, request_id=self.request_id, index=base + i) for i, m in enumerate(media)]
+        if self.placeholder_ids:
+            ids, runs = self._collapsed(ids)
+            for i, m in enumerate(items):
+                if m.kind not in self.placeholder_ids:
+                    raise RolloutOutputError(
+                        f"media item {base + i} is {m.kind!r} but placeholder_ids names no {m.kind} placeholder",
+                        field="media", **where)
+            for kind, n in runs.items():
+                want = sum(m.kind == kind for m in items)
+                if n != want:
+                    raise RolloutOutputError(
+                        f"{field} holds {n} run(s) of the {kind} placeholder {self.placeholder_ids[kind]} for {want} "
+                        f"{kind} item(s) (turn {self._turns}): pass each screenshot with the tokens that show it",
+                        field=field, **where)
+        self.media.extend(items)
+        return ids.tolist()
+
+    def add_observation(self, token_ids: Any, *, media: Sequence[Any] = ()) -> None:
         """Append tokens the policy did not generate (tool output, observation, user message): masked out.
 
+        Args:
+            token_ids: The observation's tokens (with ``placeholder_ids``: one run of a placeholder per item, as
+                the engine expands it or already collapsed).
+            media: The observation's media (a screenshot), in token order: raw media (see
+                :func:`~knitdata.rollout.multimodal.media_item`) or :class:`~knitdata.record.MediaItem` s, a
+                reference (:meth:`~knitdata.record.MediaItem.ref`) included.
+
         Raises:
-            RolloutOutputError: Bad token ids.
+            RolloutOutputError: Bad token ids, unreadable media, or (with ``placeholder_ids``) placeholder runs that
+                do not match the media.
         """
-        ids = as_token_ids(token_ids, request_id=self.request_id, sample=self.index, field="observation").tolist()
+        t = as_token_ids(token_ids, request_id=self.request_id, sample=self.index, field="observation")
+        ids = self._with_media(t, media, "observation")
         if not self._turns:  # before the first model turn: part of the prompt
             self.prompt_ids.extend(ids)
             return
@@ -92,14 +178,15 @@ class MultiTurn:
         """Append a model turn: the engine's output for the episode so far (plus any new observation tokens).
 
         Args:
-            turn: The engine's output; its prompt must start with :attr:`context`; what follows is masked.
+            turn: The engine's output; its prompt must start with :attr:`context` (with ``placeholder_ids``: once
+                its placeholder runs are collapsed); what follows is masked.
             version: Its policy version; default ``turn.version``.
 
         A turn without log-probs leaves the whole episode without them (:meth:`sample` gives ``logprobs=None``).
 
         Raises:
-            RolloutOutputError: An aborted turn (continue it first), a prompt that does not extend the episode, or
-                no version.
+            RolloutOutputError: An aborted turn (continue it first), a prompt that does not extend the episode,
+                new placeholder runs in it that no :meth:`add_observation` declared, or no version.
         """
         where: dict[str, Any] = {"request_id": self.request_id, "sample": self.index}
         k = self._turns
@@ -107,7 +194,7 @@ class MultiTurn:
             raise RolloutOutputError(f"turn {k} was aborted; continue it (PartialRollout) before adding it",
                                      field="status", **where)
         ctx = self.context
-        got = turn.prompt_ids.tolist()
+        got = self._collapsed(turn.prompt_ids)[0].tolist() if self.placeholder_ids else turn.prompt_ids.tolist()
         if got[: len(ctx)] != ctx:
             at = next((i for i, (a, b) in enumerate(zip(got, ctx)) if a != b), min(len(got), len(ctx)))
             raise RolloutOutputError(
@@ -118,7 +205,15 @@ class MultiTurn:
         v = version if version is not None else turn.version
         if v is None and turn.token_versions is None:
             raise RolloutOutputError(f"turn {k}: no policy version; pass version=", field="version", **where)
-        self.add_observation(got[len(ctx):])
+        extra = got[len(ctx):]
+        if self.placeholder_ids and extra:
+            runs = self._collapsed(torch.tensor(extra, dtype=torch.int64))[1]
+            if any(runs.values()):
+                raise RolloutOutputError(
+                    f"turn {k}: its prompt adds placeholder runs {runs} after the episode so far that no observation "
+                    "declared: add the observation with its media first (add_observation(tokens, media=[...]))",
+                    field="prompt_ids", **where)
+        self.add_observation(extra)
         n = int(turn.response_ids.numel())
         if turn.logprobs is None:
             self._has_lp = False
@@ -128,15 +223,28 @@ class MultiTurn:
             tv = [int(x) for x in turn.token_versions.tolist()]
         else:
             tv = [int(v)] * n  # type: ignore[arg-type]  # v is set: checked above
+        start = len(self._ids)
         self._ids.extend(turn.response_ids.tolist())
         mask = [1] * n if turn.loss_mask is None else [int(bool(x)) for x in turn.loss_mask.tolist()]
         self._mask.extend(mask)
         self._versions.extend(tv)
         self._status, self._reason = turn.status, turn.finish_reason
+        self._spans.append((start, len(self._ids), len(self.media), turn.status, turn.finish_reason,
+                            turn.logprobs is not None))
         self._turns += 1
 
-    def sample(self) -> RolloutSample:
+    @staticmethod
+    def _refer(items: Sequence[MediaItem], refer: Collection[str]) -> list[MediaItem]:
+        return [MediaItem.ref(m.kind, m.digest, sample_rate=m.sample_rate)
+                if not m.is_reference and m.digest in refer else m for m in items]
+
+    def sample(self, *, refer: Collection[str] = ()) -> RolloutSample:
         """The episode as one sample (status and finish reason of its last model turn).
+
+        Args:
+            refer: Digests of media the pipeline holds already (e.g. the group's first screenshot, put with the
+                group's first episode): those items are put as references (no pixels). A reference to media the
+                pipeline does not hold is refused at ``put`` (:class:`~knitdata.errors.MediaRefError`).
 
         Raises:
             RolloutOutputError: No model turn was added.
@@ -147,5 +255,61 @@ class MultiTurn:
             self.request_id, self.index, prompt_ids=self.prompt_ids, response_ids=self._ids,
             logprobs=self._lp if self._has_lp else None, status=self._status, finish_reason=self._reason,
             version=max(self._versions), loss_mask=torch.tensor(self._mask, dtype=torch.uint8),
-            token_versions=list(self._versions), media=self.media,
+            token_versions=list(self._versions), media=self._refer(self.media, refer),
         )
+
+    def turn_samples(self, *, refer: Collection[str] = (), refer_repeats: bool = False) -> list[RolloutSample]:
+        """One sample per model turn, as frameworks that train turn by turn build them.
+
+        Turn ``k``'s sample has the whole history before it as its prompt (the first prompt, earlier turns and
+        observations, placeholders collapsed), its own tokens as the response (its log-probs, loss mask and
+        versions) and the media of that history: the prompt's, then each earlier observation's. A screenshot so
+        appears in the sample of every later turn, always the same :class:`~knitdata.record.MediaItem` (one copy
+        per digest in the pipeline; processed and encoded once per mini-batch with ``key="digest"``). Put them
+        with :meth:`turn_trajectories` (distinct ids), in turn order.
+
+        Args:
+            refer: Digests of media the pipeline holds already: those items become references.
+            refer_repeats: Items already carried by an earlier turn's sample become references too (put the
+                samples in order, the earlier ones still held, e.g. in one ``put_many``).
+
+        Raises:
+            RolloutOutputError: No model turn was added.
+        """
+        if not self._turns:
+            raise RolloutOutputError("no model turn", request_id=self.request_id, sample=self.index, field="turns")
+        out: list[RolloutSample] = []
+        seen: set[str] = set(refer)
+        for start, end, nmedia, status, reason, has_lp in self._spans:
+            media = self._refer(self.media[:nmedia], seen)
+            if refer_repeats:
+                seen.update(m.digest for m in self.media[:nmedia])
+            out.append(RolloutSample(
+                self.request_id, self.index, prompt_ids=self.prompt_ids + self._ids[:start],
+                response_ids=self._ids[start:end], logprobs=self._lp[start:end] if has_lp else None, status=status,
+                finish_reason=reason, version=max(self._versions[start:end]),
+                loss_mask=torch.tensor(self._mask[start:end], dtype=torch.uint8),
+                token_versions=self._versions[start:end], media=media,
+            ))
+        return out
+
+    def turn_trajectories(self, source: str, *, group: str | None = None, scalars: Mapping[str, float] | None = None,
+                          refer: Collection[str] = (), refer_repeats: bool = False,
+                          logprobs_key: str = LOGPROBS_KEY, require_logprobs: bool = True) -> list[Trajectory]:
+        """:meth:`turn_samples` as trajectories of one group, turn ``k``'s id ``"<episode id>-t<k>"``.
+
+        Args:
+            source: The trajectories' source.
+            group: Group id; default the request id made id-safe (the episodes of one task share it).
+            scalars: Named floats of every turn (the episode's reward, advantage, ...).
+            refer: See :meth:`turn_samples`.
+            refer_repeats: See :meth:`turn_samples`.
+            logprobs_key: Name of the log-probs in ``Trajectory.tensors``.
+            require_logprobs: Refuse turns without log-probs.
+
+        Raises:
+            RolloutOutputError: No model turn, or a turn that cannot become a trajectory.
+        """
+        return [s.to_trajectory(source, id=f"{s.trajectory_id}-t{k}", group=group, scalars=scalars,
+                                logprobs_key=logprobs_key, require_logprobs=require_logprobs)
+                for k, s in enumerate(self.turn_samples(refer=refer, refer_repeats=refer_repeats))]
