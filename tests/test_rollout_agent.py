@@ -84,3 +84,106 @@ def test_episodes_that_do_not_extend_are_refused() -> None:
         ep.add_model(_turn([1, 2, 5, 6], [9], None))
     ep.add_model(_turn([1, 2, 5, 6], [9], 1, lps=False))
     assert ep.sample().logprobs is None  # a turn without log-probs: the episode has none
+
+
+# ---------------------------------------------------------------- screenshots in observations
+from knitdata import BatchSpec, MediaItem, Pipeline  # noqa: E402
+from knitdata.errors import MediaRefError  # noqa: E402
+
+IMG = 120  # the image placeholder; the engine expands each to 4 tokens
+
+
+def _shot(seed: int) -> MediaItem:
+    g = torch.Generator().manual_seed(seed)
+    return MediaItem("image", tensor=torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=g))
+
+
+def _episode(index: int, shots: list[MediaItem], request_id: str = "task") -> MultiTurn:
+    """An episode: the prompt shows shots[0]; before model turn k > 0 an observation shows shots[k]."""
+    ep = MultiTurn(request_id, [1, IMG, IMG, IMG, IMG, 2], index=index, media=[shots[0]], placeholder_ids={"image": IMG})
+    for k in range(len(shots)):
+        if k:
+            ep.add_observation([7, IMG, IMG, IMG, IMG, 8], media=[shots[k]])
+        ep.add_model(RolloutSample(request_id, index, prompt_ids=_expand(ep.context) + [30 + k],  # + a template token
+                                   response_ids=[40 + k, 50 + k], logprobs=[-0.5, -0.25], version=k))
+    return ep
+
+
+def _expand(ids: list[int]) -> list[int]:
+    """The engine's view of a context: each collapsed placeholder expanded to 4 tokens."""
+    out: list[int] = []
+    for t in ids:
+        out.extend([IMG] * 4 if t == IMG else [t])
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=6))
+def test_screenshots_follow_their_observations_in_the_sample_and_every_later_turn(seeds) -> None:
+    shots = [_shot(x) for x in seeds]
+    ep = _episode(0, shots)
+    s = ep.sample()
+    assert [m.digest for m in s.media] == [m.digest for m in shots]
+    assert s.prompt_ids.tolist() == [1, IMG, 2, 30]  # the first turn's template token joins the prompt
+    assert s.response_ids.tolist().count(IMG) == len(shots) - 1  # one collapsed placeholder per screenshot
+    turns = ep.turn_samples()
+    assert len(turns) == len(shots)
+    for k, t in enumerate(turns):
+        assert t.media == shots[: k + 1] and all(a is b for a, b in zip(t.media, shots))  # the same objects
+        assert t.response_ids.tolist() == [40 + k, 50 + k] and t.version == k
+        assert t.prompt_ids.tolist().count(IMG) == k + 1
+        assert t.prompt_ids.tolist() == ep.context[: len(t.prompt_ids)]
+        assert t.logprobs.tolist() == [-0.5, -0.25] and t.loss_mask.tolist() == [1, 1]
+    ids = [t.id for t in ep.turn_trajectories("gui")]
+    assert len(set(ids)) == len(shots) and ids[0] == "task-0-t0"
+    # references: items already carried by an earlier turn, and digests the producer says are held
+    refs = ep.turn_samples(refer_repeats=True)
+    for k, t in enumerate(refs):
+        carried = {m.digest for m in shots[:k]}
+        assert [m.is_reference for m in t.media] == [m.digest in carried for m in shots[: k + 1]]
+    assert all(m.is_reference for m in ep.sample(refer={m.digest for m in shots}).media)
+
+
+def test_screenshot_placeholders_must_match_their_media() -> None:
+    ep = MultiTurn("task", [1, IMG, 2], index=3, media=[_shot(0)], placeholder_ids={"image": IMG})
+    ep.add_model(RolloutSample("task", 3, prompt_ids=[1, IMG, IMG, 2], response_ids=[5], logprobs=[-1.0], version=0))
+    with pytest.raises(RolloutOutputError, match="1 run.* for 0 image") as e:
+        ep.add_observation([7, IMG, IMG, 8])
+    assert (e.value.request_id, e.value.sample, e.value.field) == ("task", 3, "observation")
+    with pytest.raises(RolloutOutputError, match="placeholder runs .* no observation declared") as e:
+        ep.add_model(RolloutSample("task", 3, prompt_ids=[1, IMG, 2, 5, IMG, IMG], response_ids=[6], logprobs=[-1.0],
+                                   version=0))
+    assert e.value.field == "prompt_ids"
+    with pytest.raises(RolloutOutputError, match="no image placeholder"):
+        MultiTurn("task", [1, 2], media=[_shot(0)], placeholder_ids={"audio": 9})
+    with pytest.raises(RolloutOutputError, match="0 run"):
+        MultiTurn("task", [1, 2], media=[_shot(0)], placeholder_ids={"image": IMG})
+    assert ep.sample().media and len(ep.media) == 1  # the refused calls added nothing
+
+
+def test_agent_group_stores_each_screenshot_once_and_refuses_an_unheld_reference() -> None:
+    """Per-turn trajectories of a group of 4 sibling episodes (same first screenshot, different later ones): the pipeline
+    holds each distinct screenshot once; references (earlier turns', the group's first) resolve; an unheld one is
+    refused naming the trajectory and the digest, and nothing of that put is stored."""
+    first = _shot(100)
+    eps = [_episode(i, [first, _shot(10 * i + 1), _shot(10 * i + 2)]) for i in range(4)]
+    trajs = [t for i, ep in enumerate(eps)
+             for t in ep.turn_trajectories("gui", refer={first.digest} if i else (), refer_repeats=True)]
+    assert sum(m.is_reference for t in trajs for m in t.media) == 3 + 4 * 3  # sibling turn 0s + repeats
+    pipe = Pipeline(BatchSpec({"gui": 12}, num_minibatches=1, group_size=12))
+    try:
+        pipe.put_many(trajs)
+        st_ = pipe.internals.units["node0"].stats()
+        assert st_.media_items == 1 + 4 * 2 and st_.media_refs == 4 * (1 + 2 + 3)
+        assert st_.media_bytes == 9 * first.nbytes
+        got = pipe.internals.units["node0"].get([t.id for t in trajs])
+        objs = {id(m) for t in got for m in t.media}
+        assert len(objs) == 9 and all(not m.is_reference for t in got for m in t.media)
+        bad = MultiTurn("other", [1, IMG, 2], media=[MediaItem.ref("image", "f" * 32)], placeholder_ids={"image": IMG})
+        bad.add_model(RolloutSample("other", 0, prompt_ids=[1, IMG, 2], response_ids=[5], logprobs=[-1.0], version=0))
+        with pytest.raises(MediaRefError) as e:
+            pipe.put(bad.turn_trajectories("gui")[0])
+        assert e.value.trajectory_id == "other-0-t0" and e.value.digest == "f" * 32
+        assert pipe.internals.units["node0"].stats().media_items == 9
+    finally:
+        pipe.shutdown()

@@ -104,6 +104,7 @@ class MultiTurn:
                                          request_id=self.request_id, sample=self.index, field="placeholder_ids")
             self.placeholder_ids[kind] = int(pid)
         ids = as_token_ids(prompt_ids, request_id=self.request_id, sample=self.index, field="prompt_ids")
+        self._turns = 0
         self.media: list[MediaItem] = []
         self.prompt_ids: list[int] = self._with_media(ids, media, "prompt_ids")
         self._ids: list[int] = []
@@ -113,7 +114,6 @@ class MultiTurn:
         self._has_lp = True
         self._status = ""
         self._reason = ""
-        self._turns = 0
         # per model turn: (start, end) of its tokens in self._ids, media count before it, status, reason, logprobs?
         self._spans: list[tuple[int, int, int, str, str, bool]] = []
 
