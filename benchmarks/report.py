@@ -1318,17 +1318,29 @@ def render_admission_bound(d: dict) -> str:
 
 @block("planner-before-after", "planner_before_after.json")
 def render_planner_before_after(d: dict) -> str:
-    """The planner before and after the cluster-scale work, alternating call by call in one run."""
+    """Planners of earlier revisions beside the working tree's, alternating call by call in one run."""
     r = d["planner_before_after.json"]
+    before = g(r, "config", "before", default=[])
+    revs = [before] if isinstance(before, str) else list(before)
     rows = []
     for ranks, pts in (r.get("points") or {}).items():
         for n, p in (pts or {}).items():
-            rows.append([str(ranks), str(n), f(g(p, "before", "plan_ms"), ".1f"), f(g(p, "after", "plan_ms"), ".1f"),
-                         f(p.get("speedup"), ".2f", suffix="x"), str(p.get("identical_plans", "-"))])
+            if revs and isinstance(p.get(revs[0]), dict):  # several revisions, plan and plan-with-infos times
+                cells = [f"{f(g(p, k, 'plan_ms'), '.1f')} / {f(g(p, k, 'plan_info_ms'), '.1f')}" for k in [*revs, "now"]]
+            else:  # one revision: "before" and "after"
+                cells = [f(g(p, "before", "plan_ms"), ".1f"), f(g(p, "after", "plan_ms"), ".1f")]
+            rows.append([str(ranks), str(n), *cells, str(p.get("identical_plans", "-"))])
     lt = load_text(r)
-    head = (f"Old planner (git `{g(r, 'config', 'before', default='?')}`) beside the new one, alternating call by call, "
+    if revs and rows and " / " in rows[0][2]:
+        now = g(r, "config", "now", default="the working tree")
+        head = (f"Planners of git {', '.join(f'`{v}`' for v in revs)} beside this one (`{now}`), alternating call "
+                f"by call, median of {g(r, 'config', 'repeats', default='-')} plans: `plan` alone / `plan` and every "
+                "micro-batch's `MicroBatchInfo` (`to_info()`), in ms" + (f"; {lt}" if lt else "") + ".")
+        return _join(head, table(["ranks", "trajectories", *revs, "now", "identical plans"], rows,
+                                 "rr" + "r" * (len(revs) + 2)))
+    head = (f"Old planner (git `{revs[0] if revs else '?'}`) beside the new one, alternating call by call, "
             f"median of {g(r, 'config', 'repeats', default='-')} plans" + (f"; {lt}" if lt else "") + ".")
-    return _join(head, table(["ranks", "trajectories", "before ms", "after ms", "speedup", "identical plans"], rows))
+    return _join(head, table(["ranks", "trajectories", "before ms", "after ms", "identical plans"], rows))
 
 
 @block("learning", "learning.json")
