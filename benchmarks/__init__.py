@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "vlm": ("benchmarks.vlm", "shared encoding on Qwen2.5-VL / Qwen2-Audio: model's own path vs fold/leaf/recompute"),
     "control": ("benchmarks.control", "control-plane throughput, put latency, commit cost; --scale: planning at cluster scale"),
     "journal": ("benchmarks.journal", "control-plane journal with and without compaction: bytes, restart time"),
+    "agent": ("benchmarks.agent", "multi-turn visual agent episodes: screenshots stored, moved, encoded once vs per-trajectory copies"),
     "trl": ("benchmarks.trl", "TRL VLM GRPO training side per step: GRPOTrainer alone vs knitdata's shared encoding"),
 }
 
