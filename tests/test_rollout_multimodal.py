@@ -155,3 +155,27 @@ def test_the_adapters_placeholder_rows_catch_a_mismatched_engine_expansion() -> 
     with pytest.raises(RolloutOutputError, match=rf"media item 0.*{n + 3} .*{n}"):
         attach_media(_sample([1, VS, *[IMAGE] * (n + 3), VE]), [raw], placeholder_ids={"image": IMAGE},
                      expected_rows=adapter.placeholder_rows)
+
+
+def test_a_groups_media_put_once_with_references() -> None:
+    """references=True: the first sample carries the pixels, the others refer to them; the pipeline holds one copy."""
+    from knitdata import BatchSpec, Pipeline
+
+    image = np.arange(8 * 8 * 3, dtype=np.uint8).reshape(8, 8, 3)
+    group = RolloutGroup("r", [RolloutSample("r", i, prompt_ids=[1, 9, 9, 2], response_ids=[5], logprobs=[-1.0],
+                                             version=0) for i in range(4)])
+    group = attach_media(group, [image], placeholder_ids={"image": 9}, references=True)
+    first, *rest = group.samples
+    assert not first.media[0].is_reference and all(s.media[0].is_reference for s in rest)
+    assert {s.media[0].digest for s in group.samples} == {first.media[0].digest}
+    assert all(s.prompt_ids.tolist() == [1, 9, 2] for s in group.samples)
+    pipe = Pipeline(BatchSpec({"v": 4}, num_minibatches=1, group_size=4))
+    try:
+        trajs = group.trajectories("v")
+        pipe.put_many(trajs)
+        unit = pipe.internals.units["node0"]
+        assert (unit.stats().media_items, unit.stats().media_refs) == (1, 4)
+        got = unit.get([t.id for t in trajs])
+        assert len({id(t.media[0]) for t in got}) == 1 and torch.equal(got[3].media[0].tensor, first.media[0].tensor)
+    finally:
+        pipe.shutdown()

@@ -99,7 +99,7 @@ def _collapse(prompt_ids: torch.Tensor, placeholder_id: int) -> tuple[torch.Tens
 
 
 def attach_media(target: T, media: Sequence[Any], *, placeholder_ids: Mapping[str, int],
-                 expected_rows: Callable[[MediaItem], int] | None = None) -> T:
+                 expected_rows: Callable[[MediaItem], int] | None = None, references: bool = False) -> T:
     """Return the sample (or every sample of the group) with its prompt's media attached.
 
     Args:
@@ -113,6 +113,11 @@ def attach_media(target: T, media: Sequence[Any], *, placeholder_ids: Mapping[st
             collate will expand it to again), e.g. ``adapter.placeholder_rows``; each run in the engine's prompt
             must be that long. ``None``: run lengths are not checked (an engine whose processor differs from the
             trainer's then shifts the positions silently).
+        references: For a group: every sample after the first carries references to the first's items
+            (:meth:`~knitdata.record.MediaItem.ref`: digests, no content), so the group's media are put once; put
+            the group's trajectories in order (``put_many``). The pipeline stores one copy per digest either way;
+            references save sending the content again (across processes). Refused with
+            :class:`~knitdata.errors.MediaRefError` at ``put`` when the first sample's items are not held.
 
     Raises:
         RolloutOutputError: An unreadable item, an unknown kind in ``placeholder_ids``, a prompt whose runs of a
@@ -164,5 +169,9 @@ def attach_media(target: T, media: Sequence[Any], *, placeholder_ids: Mapping[st
         return dataclasses.replace(s, prompt_ids=prompt, media=list(items))
 
     if isinstance(target, RolloutGroup):
-        return RolloutGroup(rid, [one(s) for s in target.samples])  # type: ignore[return-value]
+        out = [one(s) for s in target.samples]
+        if references:
+            refs = [MediaItem.ref(m.kind, m.digest, sample_rate=m.sample_rate) for m in items]
+            out = [out[0], *(dataclasses.replace(s, media=list(refs)) for s in out[1:])]
+        return RolloutGroup(rid, out)  # type: ignore[return-value]
     return one(target)  # type: ignore[return-value]
