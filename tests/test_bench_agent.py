@@ -34,6 +34,7 @@ def test_bench_agent_smoke_counts_each_screenshot_once(tmp_path, capsys):
         assert c["moved_bytes_per_step"] == c["token_bytes_per_step"] + c["occurrences"] * shot
         assert k["stored_bytes_per_step"] < c["stored_bytes_per_step"]
         assert k["table_copied_bytes"] == c["table_copied_bytes"] == 0  # patchify wrote into the table
+        assert k["table_copied_bytes_before"] == k["table_bytes"] > 0  # before: the whole table copied again
         assert k["max_rel_grad_diff"] < 1e-5 and c["max_rel_grad_diff"] is None
         assert k["step_s"] > 0 and c["step_s"] > 0 and k["high_water_bytes"] > 0
         q = report["ratios"][form]
