@@ -1431,6 +1431,40 @@ def render_trl_headline(d: dict) -> str:
             f"within {f(a.get('max_rel_grad_diff'), '.0e')} relative.")
 
 
+@block("agent", "agent.json")
+def render_agent(d: dict) -> str:
+    """``bench agent``: multi-turn visual episodes, knitdata (media stored once, fold) vs per-trajectory copies."""
+    r = d["agent.json"]
+    c = _dict(r.get("config"))
+    rows = []
+    for e in r.get("results") or []:
+        rows.append([f"{e.get('form', '-')}", "knitdata" if e.get("run") == "knitdata" else "per-trajectory copies",
+                     str(e.get("trajectories_per_step", "-")), str(e.get("distinct", "-")), str(e.get("occurrences", "-")),
+                     str(e.get("media_items_stored", "-")), str(e.get("encoded", "-")),
+                     f(e.get("stored_bytes_per_step"), ".2f", 2.0**-20), f(e.get("moved_bytes_per_step"), ".2f", 2.0**-20),
+                     f(e.get("high_water_bytes"), ".2f", 2.0**-20), f(e.get("step_s"), ".1f", 1e3),
+                     f(e.get("max_rel_grad_diff"), ".1e")])
+    lt = load_text(r)
+    head = (f"{c.get('turns', '-')} turns per episode, a screenshot {r.get('screenshot', '-')} per observation, "
+            f"{c.get('groups', '-')} groups of {c.get('group_size', '-')} sibling episodes sharing their first "
+            f"{c.get('shared', '-')} screenshot(s) per mini-batch, {c.get('microbatches', '-')} micro-batches, medians "
+            f"of {c.get('steps', '-')} steps" + (f"; {lt}" if lt else "") + ".")
+    parts = [head, table(["form", "run", "traj", "distinct", "occurrences", "stored", "encoded", "stored MiB/step",
+                          "moved MiB/step", "high-water MiB", "step ms", "grad diff"], rows, "ll" + "r" * 10)]
+    for form, q in (_dict(r.get("ratios"))).items():
+        q = _dict(q)
+        parts.append(f"{form} form, per-trajectory copies / knitdata: bytes moved {f(q.get('moved'), '.2f', suffix='x')}, "
+                     f"stored {f(q.get('stored'), '.2f', suffix='x')}, high-water {f(q.get('high_water'), '.2f', suffix='x')}, "
+                     f"screenshots encoded {f(q.get('encoded'), '.2f', suffix='x')}, step time "
+                     f"{f(q.get('step_speedup'), '.2f', suffix='x')}.")
+    k = next((e for e in r.get("results") or [] if e.get("run") == "knitdata"), {})
+    if k.get("table_copied_bytes_before") is not None:
+        parts.append(f"Media table: {f(k.get('table_bytes'), '.2f', 2.0**-20)} MiB, copied after preprocessing "
+                     f"{f(k.get('table_copied_bytes'), '.2f', 2.0**-20)} MiB (patchify writes into it); with a "
+                     f"preprocessing that cannot, {f(k.get('table_copied_bytes_before'), '.2f', 2.0**-20)} MiB.")
+    return _join(*parts)
+
+
 # ----------------------------------------------------------------------------------------------- driver
 
 
