@@ -41,3 +41,25 @@ def test_bench_agent_smoke_counts_each_screenshot_once(tmp_path, capsys):
         assert abs(q["moved"] - c["moved_bytes_per_step"] / k["moved_bytes_per_step"]) < 1e-9
     assert report["ratios"]["turns"]["moved"] > report["ratios"]["episode"]["moved"] > 1
     assert len(report["loadavg_before"]) == 3 and len(report["loadavg_after"]) == 3
+
+
+def test_video_patches_are_written_into_the_collators_table():
+    """The omni workload's video preprocessing writes every frame's patches into the table (no second copy)."""
+    import torch
+
+    from benchmarks.common.models import OMNI_SMOKE_VLM, preprocess
+    from benchmarks.common.workload import omni_workload
+    from knitdata import MediaItem, MultimodalCollator, Trajectory, patchify
+
+    w = omni_workload(frames=2, frame_px=28, video_container=True, cfg=OMNI_SMOKE_VLM)
+    fn = preprocess(w, OMNI_SMOKE_VLM)["video"]
+    p = OMNI_SMOKE_VLM.patch
+    videos = [MediaItem("video", tensor=torch.randint(0, 256, (2, 3, 28, 28), dtype=torch.uint8)) for _ in range(2)]
+    trajs = [Trajectory(id=f"t{i}", source="v", group="g", prompt_ids=torch.tensor([1]),
+                        response_ids=torch.tensor([2]), media=[videos[i % 2]]) for i in range(4)]
+    batch = MultimodalCollator({"video": fn})([trajs])
+    table = batch.tables["video"]
+    assert table.num_items == 2 and batch.pack_stats["copied_bytes"] == 0
+    assert batch.pack_stats["placed_bytes"] == batch.pack_stats["table_bytes"]
+    for u, v in enumerate(videos):
+        assert torch.equal(table.item(u), torch.cat([patchify(p, size=(28, 28))(f) for f in v.tensor]))

@@ -256,13 +256,30 @@ class _VideoPatches:
     """Video preprocessing of the omni workload with containers: the decoded frames' patches, frame after frame
     (a picklable callable ``fn(frames uint8 [T, C, H, W], fps)``)."""
 
-    def __init__(self, patchify: Callable[[torch.Tensor], torch.Tensor], frames: int):
+    #: With ``out`` (the collator's table, see :meth:`knitdata.media.MediaProcessor.process`) the frames' patches
+    #: are written there directly (frame 0 through one temporary), not patched, concatenated and copied again.
+    accepts_out = True
+
+    def __init__(self, patchify: Callable[..., torch.Tensor], frames: int):
         self.patchify, self.frames = patchify, frames
 
-    def __call__(self, frames: torch.Tensor, fps: float) -> torch.Tensor:
+    def __call__(self, frames: torch.Tensor, fps: float, *,
+                 out: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None) -> torch.Tensor:
         if frames.shape[0] != self.frames:
             raise ConfigError(f"video sampled to {frames.shape[0]} frames; the workload's encoder expects {self.frames}")
-        return torch.cat([self.patchify(f) for f in frames])
+        if out is None or not getattr(self.patchify, "accepts_out", False):
+            return torch.cat([self.patchify(f) for f in frames])
+        first = self.patchify(frames[0])
+        n = first.shape[0]
+        dest = out((n * frames.shape[0], *first.shape[1:]), first.dtype)
+        dest[:n].copy_(first)
+        for i in range(1, frames.shape[0]):
+            rows = dest[i * n : (i + 1) * n]
+            got = self.patchify(frames[i], out=lambda shape, dtype, rows=rows: rows if tuple(shape) == tuple(rows.shape)
+                                and dtype == rows.dtype else torch.empty(shape, dtype=dtype))
+            if got.data_ptr() != rows.data_ptr():  # another patch count than frame 0's: not one packed row block
+                return torch.cat([self.patchify(f) for f in frames])
+        return dest
 
 
 def preprocess(w: TransferWorkload, cfg: VLMConfig) -> dict[str, Callable[..., torch.Tensor]]:
