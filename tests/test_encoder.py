@@ -443,3 +443,49 @@ def test_out_rows_sees_the_table_metadata_and_excludes_out_lengths():
     ref.load_state_dict(enc.state_dict())
     ref(table.values, table.offsets, table.meta["keep"]).sum().backward()
     torch.testing.assert_close(enc.lin.weight.grad, ref.lin.weight.grad)
+
+
+def _agent_layout(rng: random.Random, *, siblings: int, turns: int, shared: int, k: int) -> list[list[Trajectory]]:
+    """Per-turn samples of sibling agent episodes: turn t carries the history's t + 1 screenshots; the siblings share
+    the first ``shared`` screenshots (one environment reset) and diverge after; shuffled into k micro-batches."""
+    def shot() -> MediaItem:
+        return MediaItem(kind="image", tensor=torch.randn(rng.randint(1, 3), D_IN, dtype=torch.float64))
+
+    common = [shot() for _ in range(shared)]
+    trajs = []
+    for e in range(siblings):
+        shots = common + [shot() for _ in range(turns - shared)]
+        for t in range(turns):
+            trajs.append(Trajectory(id=f"e{e}t{t}", source="gui", group="task", prompt_ids=torch.tensor([1, 2]),
+                                    response_ids=torch.tensor([rng.randrange(50) for _ in range(2)]),
+                                    media=shots[: t + 1]))
+    rng.shuffle(trajs)
+    cuts = sorted(rng.randint(0, len(trajs)) for _ in range(k - 1))
+    bounds = [0, *cuts, len(trajs)]
+    return [trajs[bounds[j] : bounds[j + 1]] for j in range(k)]
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), siblings=st.integers(1, 4), turns=st.integers(1, 4), shared=st.integers(0, 2),
+       k=st.integers(1, 4), mode=st.sampled_from(["fold", "leaf", "recompute"]))
+def test_agent_turn_samples_encode_each_screenshot_once_with_exact_gradients(seed, siblings, turns, shared, k, mode):
+    """Digest keys on diverging sibling episodes: one encoder row block per distinct screenshot, naive's gradients."""
+    shared = min(shared, turns)
+    rng = random.Random(seed)
+    mbs = _agent_layout(rng, siblings=siblings, turns=turns, shared=shared, k=k)
+    batch = collate(mbs, "digest")
+    distinct = shared + siblings * (turns - shared)
+    assert batch.tables["image"].num_items == distinct
+    assert batch.num_occurrences == siblings * turns * (turns + 1) // 2
+    torch.manual_seed(seed)
+    enc, bb = TinyEncoder(), TinyBackbone()
+    scales = [1.0 / k] * k
+    run_naive(enc, bb, batch, mbs, scales, "rows")
+    want = grads(enc, bb)
+    zero(enc, bb)
+    seen: list[int] = []
+    hook = enc.register_forward_pre_hook(lambda m, args: seen.append(int(args[1].numel()) - 1))
+    run_shared(SharedEncoding(enc, mode=mode), bb, batch, mbs, scales, "rows")
+    hook.remove()
+    assert_grads_close(grads(enc, bb), want, torch.float64)
+    assert seen[0] == distinct  # the first encode: every distinct screenshot once
