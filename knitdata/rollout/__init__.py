@@ -9,8 +9,8 @@ policy version), checking every length, and :meth:`RolloutGroup.trajectories` ma
 * :func:`from_sglang`: SGLang native ``/generate`` responses (:mod:`knitdata.rollout.sglang`);
 * :func:`from_openai`: OpenAI-compatible completion and chat responses (:mod:`knitdata.rollout.openai`);
 * :func:`from_hf_generate`: Hugging Face ``generate`` with scores (:mod:`knitdata.rollout.hf`);
-* :class:`MultiTurn`: an agent episode's turns concatenated, tool and observation tokens masked
-  (:mod:`knitdata.rollout.agent`);
+* :class:`MultiTurn`: an agent episode's turns concatenated, tool and observation tokens masked, observations
+  with their screenshots; one sample per episode or per model turn (:mod:`knitdata.rollout.agent`);
 * :func:`attach_media`: a multimodal prompt's raw media as media items (:mod:`knitdata.rollout.multimodal`);
 * :class:`SegmentBuffer` / :class:`PartialRollout`: a generation interrupted by a weight update and continued
   under a newer version, as one trajectory with per-token versions (:mod:`knitdata.rollout.partial`).

@@ -169,9 +169,9 @@ def attach_media(target: T, media: Sequence[Any], *, placeholder_ids: Mapping[st
         return dataclasses.replace(s, prompt_ids=prompt, media=list(items))
 
     if isinstance(target, RolloutGroup):
-        out = [one(s) for s in target.samples]
+        samples: list[RolloutSample] = [one(s) for s in target.samples]
         if references:
-            refs = [MediaItem.ref(m.kind, m.digest, sample_rate=m.sample_rate) for m in items]
-            out = [out[0], *(dataclasses.replace(s, media=list(refs)) for s in out[1:])]
-        return RolloutGroup(rid, out)  # type: ignore[return-value]
+            refs: list[MediaItem] = [MediaItem.ref(m.kind, m.digest, sample_rate=m.sample_rate) for m in items]
+            samples[1:] = [dataclasses.replace(s, media=list(refs)) for s in samples[1:]]
+        return RolloutGroup(rid, samples)  # type: ignore[return-value]
     return one(target)  # type: ignore[return-value]
