@@ -57,18 +57,22 @@ def media_sample(item: MediaItem) -> Trajectory:
                       response_ids=one, media=[item])
 
 
-def resolved_from_spill(store: Any, traj: Trajectory) -> Trajectory | None:
+def resolved_from_spill(store: Any, traj: Trajectory, cache: dict[str, MediaItem] | None = None) -> Trajectory | None:
     """``traj`` with its media references replaced by the items the spill ``store`` keeps (``None``: one is
-    missing)."""
+    missing); ``cache``: items read already (each read from disk once per call)."""
     if not any(m.reference for m in traj.media):
         return traj
     media = []
+    cache = {} if cache is None else cache
     for m in traj.media:
         if m.reference:
-            key = media_spill_id(m.digest)
-            if key not in store:
-                return None
-            m = store.get(key).media[0]
+            found = cache.get(m.digest)
+            if found is None:
+                key = media_spill_id(m.digest)
+                if key not in store:
+                    return None
+                found = cache[m.digest] = store.get(key).media[0]
+            m = found
         media.append(m)
     traj.media = media
     return traj
@@ -104,9 +108,10 @@ class SpillRecovery:
                     return {}
                 store = self._stores[unit_id] = SpillStore.open(directory, repair=False)
             out: dict[str, bytes] = {}
+            media: dict[str, MediaItem] = {}
             for tid in traj_ids:
                 if tid in store:
-                    traj = resolved_from_spill(store, store.get(tid))  # media stored once: its own samples
+                    traj = resolved_from_spill(store, store.get(tid), media)  # media stored once: its own samples
                     if traj is not None:
                         out[tid] = bytes(encode_trajectory(traj))
             return out
@@ -130,7 +135,6 @@ class SpillRecovery:
             for store in self._stores.values():
                 store.close()
             self._stores.clear()
-
 
 
 # ------------------------------------------------------------------------------------------ a unit's media
