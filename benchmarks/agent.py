@@ -88,7 +88,7 @@ class AgentConfig:
     """
 
     turns: int = 6
-    side: int = 224
+    side: int = 448
     patch: int = 14
     groups: int = 2
     group_size: int = 8
@@ -395,7 +395,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--plot", metavar="PATH", help="write a plot (needs matplotlib)")
     parser.add_argument("--smoke", action="store_true", help="tiny workload (seconds; for tests)")
-    parser.add_argument("--side", type=int, default=None, help="screenshot side in pixels (default 224)")
+    parser.add_argument("--side", type=int, default=None, help="screenshot side in pixels (default 448)")
     parser.add_argument("--turns", type=int, default=None, help="model turns per episode (default 6)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 5)")
 
