@@ -176,6 +176,34 @@ def media_units() -> dict[str, Any]:
     return out
 
 
+@rh.scenario
+def media_resume() -> dict[str, Any]:
+    """A whole-job restart from a unit's write-through spill: the new unit rebuilds the media counts of the
+    unreleased payloads from the spilled records and media samples, serves them, and frees them exactly."""
+    from knitdata.storage.ray_unit import RayStorageUnit
+
+    nodes = rh._nodes()
+    spill_root = tempfile.mkdtemp(prefix="kd-media-resume-")
+    trajs = group_media_trajs(2, 4, refs=True)
+    full = group_media_trajs(2, 4)
+    first = RayStorageUnit.create_many([("ru", nodes[0])], 1 << 24, prefix="mresume", spill_dir=spill_root)["ru"]
+    first.put_many(trajs)
+    first.release([trajs[0].id, trajs[4].id, trajs[5].id])  # released before the job died
+    before = {"stats": first.stats().to_dict(), "check": first.media_check()}
+    first.kill()
+    time.sleep(0.5)
+    unit = RayStorageUnit.create_many([("ru", nodes[0])], 1 << 24, prefix="mresume2", spill_dir=spill_root,
+                                      resume=True)["ru"]
+    left = [t.id for t in trajs if t.id not in (trajs[0].id, trajs[4].id, trajs[5].id)]
+    after = {"stats": unit.stats().to_dict(), "check": unit.media_check()}
+    by_id = {t.id: t for t in full}
+    equal = _equal(unit.get(left), [by_id[i] for i in left])
+    unit.release(left)
+    end = {"stats": unit.stats().to_dict(), "check": unit.media_check()}
+    unit.kill()
+    return {"before": before, "after": after, "equal": equal, "end": end, "left": len(left)}
+
+
 def _share_bytes(trajs: list[Any], full: list[Any], ids: list[str]) -> int:
     """Bytes a share moves when each distinct media item goes once: its records as put (``trajs``) without media +
     each item (its content from ``full``) once."""

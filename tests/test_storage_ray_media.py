@@ -137,3 +137,18 @@ def test_counts_exact_through_coordinator_kill_and_unit_loss(cluster: ClusterPro
     check, st = un["n0_after"]
     _exact(check)
     assert st["used_bytes"] == 0 and st["media_items"] == 0
+
+
+@pytest.mark.slow
+def test_a_resumed_unit_rebuilds_media_counts_from_its_spill(cluster: ClusterProcess) -> None:
+    r = run_media_scenario(cluster.address, "media_resume")
+    b, a, e = r["before"], r["after"], r["end"]
+    _exact(b["check"])
+    _exact(a["check"])
+    # the unreleased payloads (5 of 8) and the media they use: same references, same items as before the death
+    assert a["stats"]["num_items"] == r["left"] == 5
+    assert a["stats"]["media_refs"] == b["stats"]["media_refs"] == 15
+    assert a["stats"]["media_items"] == b["stats"]["media_items"] == 2 + 2 + 5
+    assert r["equal"]  # served from disk with their media
+    _exact(e["check"])
+    assert e["stats"]["media_items"] == 0 and e["stats"]["media_refs"] == 0 and e["stats"]["num_items"] == 0
