@@ -713,7 +713,9 @@ def plot_result(result: Mapping[str, Any], path: str) -> None:
     ex = [max(r["exposed_latency_s"], 1e-6) * 1e3 for r in runs]
     step = [r["step_s"] for r in runs]
     exs = [r["exposed_latency_max_s"] for r in runs]
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(max(12, 0.75 * len(runs)), 9))
+    stored = [r for r in runs if isinstance(r.get("storage"), Mapping)]
+    fig, axes = plt.subplots(3 if stored else 2, 1, figsize=(max(12, 0.75 * len(runs)), 13 if stored else 9))
+    a1, a2 = axes[0], axes[1]
     w = result.get("workload", {})
     fig.suptitle(f"transfer benchmark, {w.get('workload', 'image')} workload: {_describe_media(w)}"
                  + (" (CUDA)" if result.get("gpu") else f" ({result.get('compute', 'cpu')} compute)"), fontsize=10)
@@ -727,7 +729,24 @@ def plot_result(result: Mapping[str, Any], path: str) -> None:
     a2.set_ylabel("step time (s)")
     a2.set_title("transfer + training per step (median)")
     a2.legend(fontsize=8)
-    for a in (a1, a2):
+    if stored:  # media stored and moved once (issue 43): bytes per knitdata run, from the units' stats
+        a3 = axes[2]
+        names = [_run_label(r) + "\n" + r["encoding"] for r in stored]
+        mib = float(1 << 20)
+        series = (("stored per group", [r["storage"].get("bytes_stored_per_group") or 0 for r in stored], "tab:green"),
+                  ("moved per step", [r.get("bytes_moved_per_step") or 0 for r in stored], "tab:orange"),
+                  ("storage high-water", [r["storage"].get("high_water_bytes") or 0 for r in stored], "tab:purple"))
+        width = 0.27
+        for k, (label, vals, color) in enumerate(series):
+            a3.bar([i + (k - 1) * width for i in range(len(stored))], [max(v / mib, 1e-3) for v in vals], width,
+                   label=label, color=color)
+        a3.set_xticks(range(len(stored)), names)
+        a3.set_yscale("log")
+        a3.set_ylabel("MiB (log)")
+        a3.set_title("bytes stored per group, moved per step and the storage high-water mark ('(copies)': "
+                     "per-trajectory copies)")
+        a3.legend(fontsize=8)
+    for a in axes:
         a.tick_params(axis="x", labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
