@@ -411,10 +411,10 @@ def _handout_view(p: ControlPlane, released: list) -> dict[str, Any]:
     for u, ids in released:
         by_unit.setdefault(u, []).extend(ids)
     return {"released": by_unit, "delivered": list(s.delivered), "committed": list(s.committed),
-            "position": list(s.position), "live": sorted(s.live), "staleness": list(s.staleness),
-            "by_rank": [list(d) for d in s.staleness_by_rank],
-            "by_source": {k: list(d) for k, d in s.staleness_by_source.items()},
-            "tokens": s.token_staleness.summary(), "counts": dict(s.counts)}
+            "position": list(s.position), "live": sorted(s.live), "staleness": list(s.observed.staleness),
+            "by_rank": [list(d) for d in s.observed.staleness_by_rank],
+            "by_source": {k: list(d) for k, d in s.observed.staleness_by_source.items()},
+            "tokens": s.observed.token_staleness.summary(), "counts": dict(s.counts)}
 
 
 @settings(max_examples=40, deadline=None)

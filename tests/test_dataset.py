@@ -418,7 +418,7 @@ def test_close_from_another_thread_ends_a_blocked_pass_cleanly(fetch):
     t = threading.Thread(target=consume)
     t.start()
     for _ in range(500):  # until the consumer's iterator is live (then it blocks: nothing is admitted)
-        if pipe.internals.control.state.leases:
+        if pipe.internals.control.state.lease_book.leases:
             break
         threading.Event().wait(0.01)
     threading.Event().wait(0.1)

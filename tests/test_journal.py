@@ -53,7 +53,7 @@ def _state(p: ControlPlane) -> dict:
     s = p.state
     return {"planned": s.planned, "committed": s.committed, "position": s.position, "seq": s.seq,
             "queues": [sorted(q) for q in s.queues], "entries": [[q[j]["items"] for j in sorted(q)] for q in s.queues],
-            "live": sorted(s.live), "pending": sorted(s.pending), "version": s.version, "schema": s.schema,
+            "live": sorted(s.live), "pending": sorted(s.pending), "version": s.version, "schema": p.admission.schema,
             "placement": s.placement.state_dict()}
 
 
@@ -259,7 +259,7 @@ def test_recovering_a_compacted_journal_equals_a_full_replay(tmp_path_factory, a
     rb.recover(jb.path)
     assert ra.state_dict() == rb.state_dict() == a.state_dict()
     if snapshot_at is not None:
-        assert ra.state.replayed <= rb.state.replayed
+        assert ra.state.journaling.replayed <= rb.state.journaling.replayed
     # releases sent before the snapshot are sent again (fewer than RECENT_RELEASES here): the same as a full replay
     assert set(_releases(logs["a"])) == set(_releases(logs["b"]))
     # and both continue identically
@@ -278,9 +278,9 @@ def test_automatic_compaction_keeps_the_journal_short_and_recovers(tmp_path):
     assert j.segment >= 8 and len(list(Journal.read(path))) == j.records < 10
     assert Journal.read_header(path) == (j.run, j.segment)
     b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
-    assert not b.state.snapshot_loaded
-    assert b.recover(str(path)) == j.records == b.state.replayed
-    assert b.state.snapshot_loaded and b.state_dict() == a.state_dict()
+    assert not b.state.journaling.snapshot_loaded
+    assert b.recover(str(path)) == j.records == b.state.journaling.replayed
+    assert b.state.journaling.snapshot_loaded and b.state_dict() == a.state_dict()
     # a restarted coordinator opens the journal again: it goes on counting from the segment's records
     j.close()
     j2 = Journal(path, compact_every=10)
@@ -295,7 +295,7 @@ def test_a_snapshot_left_by_a_deleted_journal_is_ignored(tmp_path):
     for k in range(6):
         drv.step(a, "put", k)
     a.compact()
-    a.state.journal.close()
+    a.state.journaling.journal.close()
     path.unlink()  # the finished run's journal is removed; its snapshot stays
     b = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None, journal=Journal(path, compact_every=0))
     d2 = _Driver()
@@ -303,7 +303,7 @@ def test_a_snapshot_left_by_a_deleted_journal_is_ignored(tmp_path):
     d2.step(b, "put", 2)
     c = ControlPlane(_cfg(), UNITS, lambda u, ids, w: None)
     assert c.recover(str(path)) == 2
-    assert not c.state.snapshot_loaded  # the other run's snapshot is ignored
+    assert not c.state.journaling.snapshot_loaded  # the other run's snapshot is ignored
     assert c.state_dict() == b.state_dict() != a.state_dict()
 
 

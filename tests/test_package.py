@@ -164,6 +164,62 @@ def test_rooms_stay_small() -> None:
     assert over == [], over
 
 
+#: The size guide in concepts for the control plane: the fields of the shared state
+#: (:class:`knitdata.control.state.PlaneState`) at most, and how many of them one module of ``knitdata/control``
+#: may touch. A part that needs more owns what it uses (its own fields and snapshot slice, or a state object of
+#: one concern such as ``observed``, ``lease_book`` or ``journaling``); Durability gathers the parts' slices and
+#: touches only the frame. Measured when set (issue 42): 44 fields (64 before); admit 20, reshape 22, reporting 20,
+#: positions 17, leases 8, ledger 6, durability 6 (41 before).
+PLANE_STATE_FIELDS_MAX = 46
+SHARED_FIELDS_PER_PART_MAX = 24
+SHARED_FIELDS_MAX: dict[str, int] = {"durability.py": 8, "surface.py": 3, "plane.py": 2}
+
+
+def _plane_state_fields() -> set[str]:
+    """The public attributes :class:`PlaneState` sets in ``__init__``, and its properties."""
+    import ast
+    from pathlib import Path
+
+    src = (Path(__file__).resolve().parent.parent / "knitdata" / "control" / "state.py").read_text()
+    cls = next(n for n in ast.parse(src).body if isinstance(n, ast.ClassDef) and n.name == "PlaneState")
+    fields = {d.name for d in cls.body if isinstance(d, ast.FunctionDef)
+              and any(isinstance(x, ast.Name) and x.id == "property" for x in d.decorator_list)}
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    for node in ast.walk(init):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        for t in targets:
+            for e in ast.walk(t):
+                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                    fields.add(e.attr)
+    return {f for f in fields if not f.startswith("_")}
+
+
+def _shared_fields_touched() -> dict[str, set[str]]:
+    """Per module of ``knitdata/control`` (the state's own module left out), the shared fields it reads or
+    writes (``s.X``, ``self.s.X``, ``state.X``)."""
+    import re
+    from pathlib import Path
+
+    fields = _plane_state_fields()
+    root = Path(__file__).resolve().parent.parent / "knitdata" / "control"
+    return {p.name: set(re.findall(r"\b(?:self\.s|s|state)\.([a-z_]+)\b", p.read_text())) & fields
+            for p in sorted(root.glob("*.py")) if p.name != "state.py"}
+
+
+def test_control_parts_touch_few_shared_fields() -> None:
+    """The size guide counts concepts too: the shared state keeps what several parts share, and no part of the
+    control plane reaches into more of it than the guide allows."""
+    fields = _plane_state_fields()
+    assert {"cond", "config", "live", "queues", "observed", "lease_book", "journaling"} <= fields  # the count sees them
+    assert len(fields) <= PLANE_STATE_FIELDS_MAX, sorted(fields)
+    touched = _shared_fields_touched()
+    assert touched["durability.py"] and touched["admit.py"]  # the count sees the parts
+    over = {name: sorted(used) for name, used in touched.items()
+            if len(used) > SHARED_FIELDS_MAX.get(name, SHARED_FIELDS_PER_PART_MAX)}
+    assert over == {}, over
+
+
 def test_benchmarks_use_only_the_public_api() -> None:
     """The drivers in ``benchmarks/`` import no private name of knitdata (they are users of the library)."""
     assert _private_imports("benchmarks") == []

@@ -13,6 +13,7 @@ where it is.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -127,6 +128,20 @@ class Admission(Part):
     def __init__(self, s: Any) -> None:
         super().__init__(s)
         s.admission_poll = self.poll  # a version report can free admission (the bound learned its offset)
+        #: The schema of the first trajectory put (every later one must match it).
+        self.schema: dict[str, Any] | None = None
+        #: The withdrawn groups (their late members are refused), the oldest forgotten first.
+        self.withdrawn: OrderedDict[str, None] = OrderedDict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This part's slice of a snapshot: ``schema`` and ``withdrawn`` (see
+        :class:`~knitdata.control.durability.StateSlice`)."""
+        return {"schema": self.schema, "withdrawn": list(self.withdrawn)}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Restore this part's slice from a checked snapshot ``d``."""
+        self.schema = d["schema"]
+        self.withdrawn = OrderedDict.fromkeys(d["withdrawn"])
 
     @control_call(journaled=True)
     def admit_many(self, unit: str, items: Sequence[Sequence[Any]]) -> dict[str, Any]:
@@ -176,7 +191,7 @@ class Admission(Part):
         s = self.s
         fresh: list[int] = []
         seen: set[str] = set()
-        schema = s.schema
+        schema = self.schema
         for k, (meta, _loss, token) in enumerate(items):
             tid = str(meta["id"])
             try:
@@ -226,15 +241,15 @@ class Admission(Part):
                 continue
             s.seq += 1
             fields = meta.get("fields")
-            if s.schema is None and fields is not None:
-                s.schema = {"scalars": list(fields["scalars"]), "tensors": dict(fields["tensors"])}
+            if self.schema is None and fields is not None:
+                self.schema = {"scalars": list(fields["scalars"]), "tensors": dict(fields["tensors"])}
             s.live[m.id] = m
             s.put_tokens[m.id] = str(token)
             s.loss[m.id] = int(loss)
             s.pending[m.id] = m
-            s.put_times[m.id] = time.monotonic()
+            s.observed.put_times[m.id] = time.monotonic()
             s.counts["puts"] += 1
-            row = s.source_counts.get(m.source)
+            row = s.observed.source_counts.get(m.source)
             if row is not None:
                 row["puts"] += 1
             accepted[k] = m.to_dict()
@@ -257,7 +272,7 @@ class Admission(Part):
         if tid in s.delivered:
             raise ValidationError("was already put, delivered and released (a retry of a put that was accepted?); "
                                   "ids must be unique", trajectory_id=tid, field="id")
-        if meta["group"] in s.withdrawn:
+        if meta["group"] in self.withdrawn:
             raise ValidationError(f"its group {meta['group']!r} was withdrawn (aborted or filtered); a late member is "
                                   "not accepted", trajectory_id=tid, field="group")
         check_schema(tid, meta.get("fields"), schema)
@@ -309,12 +324,12 @@ class Admission(Part):
         s = self.s
         with s.cond:
             metas = s.policy.withdraw(group)
-            s.withdrawn[group] = None
-            while len(s.withdrawn) > WITHDRAWN_MEMORY:
-                s.withdrawn.popitem(last=False)
+            self.withdrawn[group] = None
+            while len(self.withdrawn) > WITHDRAWN_MEMORY:
+                self.withdrawn.popitem(last=False)
             for m in metas:
                 s.pending.pop(m.id, None)
-                s.put_times.pop(m.id, None)
+                s.observed.put_times.pop(m.id, None)
             s.release_metas(metas)
             s.counts["withdrawn"] += len(metas)
             s.placement.forget_group(group)
@@ -399,7 +414,7 @@ class Admission(Part):
             return
         for m in metas:
             s.pending.pop(m.id, None)
-            s.put_times.pop(m.id, None)
+            s.observed.put_times.pop(m.id, None)
             s.placement.forget_group(m.group)
         s.release_metas(metas)
 
@@ -426,10 +441,10 @@ class Admission(Part):
             now = time.monotonic()
             for m in mb.trajectories:
                 s.pending.pop(m.id, None)
-                put_at = s.put_times.pop(m.id, None)
+                put_at = s.observed.put_times.pop(m.id, None)
                 if put_at is not None:
-                    s.admission_delay.append(now - put_at)
-                counts = s.source_counts.get(m.source)
+                    s.observed.admission_delay.append(now - put_at)
+                counts = s.observed.source_counts.get(m.source)
                 if counts is not None:
                     counts["admitted"] += 1
                 s.placement.forget_group(m.group)

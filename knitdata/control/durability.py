@@ -9,19 +9,36 @@ that older readers still load it, and a state whose ``putting`` is not empty is 
 from __future__ import annotations
 
 import warnings
-from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from knitdata import trace as tracing
 from knitdata.control.journal import Journal, dumps_strict, loads_strict, recovery_plan
-from knitdata.control.reshape import load_snapshot_part, snapshot_layout, snapshot_part
+from knitdata.control.reshape import snapshot_layout
 from knitdata.control.snapshot import decode_snapshot
-from knitdata.control.state import SNAPSHOT_FORMAT, PlaneState, RecentIds
+from knitdata.control.state import SNAPSHOT_FORMAT, PlaneState
 from knitdata.errors import CodecError, ConfigError, KnitdataError, StateError
-from knitdata.placement import ConsumerLayout, make_placement
+from knitdata.placement import ConsumerLayout
 
-__all__ = ["Durability", "REMOVED_OPS"]
+__all__ = ["Durability", "REMOVED_OPS", "SNAPSHOT_KEYS", "StateSlice"]
+
+#: The keys of a snapshot, in the order they are written (the journal's snapshots are compared as bytes).
+SNAPSHOT_KEYS: tuple[str, ...] = (
+    "format", "config", "unit_nodes", "policy", "placement", "seq", "putting", "schema", "withdrawn", "delivered",
+    "live", "put_tokens", "pending", "loss", "queues", "planned", "committed", "position", "closed", "close_report",
+    "error", "version", "staleness", "counts", "rejected_by_cause", "recent_releases", "chains", "fps", "verify_at",
+    "reshape", "replicas")
+
+
+class StateSlice(Protocol):
+    """A part's own slice of a snapshot: the keys it writes, restored from a checked snapshot
+    (:func:`~knitdata.control.snapshot.decode_snapshot`)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """This slice's keys, JSON-serializable."""
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Restore this slice from the checked snapshot ``d`` (after the shared state's)."""
 
 #: Journal operations of the two-phase put (``reserve`` ... ``offer``), which no engine called and which was
 #: removed: a journal holding one cannot be replayed (a clear :class:`~knitdata.errors.CodecError`).
@@ -31,17 +48,26 @@ REMOVED_OPS: frozenset[str] = frozenset({"reserve", "reserve_many", "offer", "of
 class Durability:
     """State, journal and recovery of one plane.
 
+    A snapshot is gathered from slices (:class:`StateSlice`): the shared state's
+    (:meth:`~knitdata.control.state.PlaneState.state_dict`) and those of the parts that own state of their own,
+    each writing and restoring its own keys; this part adds only the frame (format, configuration, units) and
+    puts the keys in the order of :data:`SNAPSHOT_KEYS`, so that snapshots stay byte for byte what they were.
+
     Args:
         s: The plane's shared state.
         apply: ``apply(op, args)`` runs one journaled call on the plane (used to replay a journal).
         journaled: The names of the journaled calls (what a journal may hold).
+        slices: The parts' own slices, loaded in this order after the shared state's.
     """
 
-    def __init__(self, s: PlaneState, apply: Callable[[str, list[Any]], Any], journaled: frozenset[str]) -> None:
+    def __init__(self, s: PlaneState, apply: Callable[[str, list[Any]], Any], journaled: frozenset[str],
+                 slices: Sequence[StateSlice] = ()) -> None:
         self.s = s
         self.apply = apply
         self.journaled = journaled
-        s.log = self.log
+        self.slices = tuple(slices)
+        self.journaling = s.journaling
+        self.journaling.log = self.log
 
     def recover(self, path: str) -> int:
         """Rebuild this (fresh) plane's state from the journal at ``path`` and its snapshot, if any.
@@ -63,7 +89,7 @@ class Durability:
             CodecError: A damaged journal or snapshot, or a record of an operation this version does not replay
                 (one of :data:`REMOVED_OPS`, written by the removed two-phase put).
         """
-        s = self.s
+        s, jr = self.s, self.journaling
         n = 0
         t0 = tracing.now_us()
         with s.cond:
@@ -73,9 +99,8 @@ class Durability:
                     self.load_state_dict(plan.state)
                 except KnitdataError as e:
                     raise CodecError(f"the snapshot of journal {path!r} cannot be loaded: {e}") from e
-                for u, ids in list(s.recent_releases):
-                    s.releaser(u, list(ids), False)
-            s.replaying = True
+                s.resend_releases()
+            jr.replaying = True
             try:
                 total = 0
                 for op, args in Journal.read(path):
@@ -88,12 +113,12 @@ class Durability:
                     raise CodecError(f"journal {path!r} holds {total} records but its snapshot covers {plan.skip}; "
                                      "the journal is damaged (truncated)")
             finally:
-                s.replaying = False
-            s.replayed = n
-            s.snapshot_loaded = plan.state is not None
+                jr.replaying = False
+            jr.replayed = n
+            jr.snapshot_loaded = plan.state is not None
         if tracing.tracer is not None:  # the restart: the journal replayed (on the thread that recovered)
             tracing.tracer.span("restart", "coordinator", t0, tracing.now_us(),
-                                {"journal": str(path), "replayed": n, "snapshot": s.snapshot_loaded})
+                                {"journal": str(path), "replayed": n, "snapshot": jr.snapshot_loaded})
         return n
 
     def _replay(self, path: str, k: int, op: str, args: list[Any]) -> None:
@@ -121,15 +146,15 @@ class Durability:
             ConfigError: This plane has no journal.
             OSError: The snapshot or the new segment could not be written (the journal is left as it was).
         """
-        s = self.s
-        if s.journal is None:
+        j = self.journaling.journal
+        if j is None:
             raise ConfigError("this control plane has no journal to compact")
-        with s.cond:
-            s.journal.compact(self.state_dict())
+        with self.s.cond:
+            j.compact(self.state_dict())
 
     def log(self, name: str, args: Sequence[Any]) -> None:
         """Journal one call; compact when the segment is due (under the lock, between calls)."""
-        j = self.s.journal
+        j = self.journaling.journal
         assert j is not None
         j.append(name, list(args))
         if j.compaction_due:
@@ -158,27 +183,11 @@ class Durability:
                 config = loads_strict(dumps_strict({**s.config, "layout": s.base_layout}))
             except (TypeError, ValueError) as e:
                 raise StateError(f"the control plane's configuration is not JSON-serializable: {e}") from e
-            err = None if s.error is None else {"type": type(s.error).__name__, "message": str(s.error)}
-            return {
-                "format": SNAPSHOT_FORMAT, "config": config, "unit_nodes": dict(s.unit_nodes),
-                "policy": s.policy.state_dict(), "placement": s.placement.state_dict(),
-                "seq": s.seq, "putting": [],
-                "schema": s.schema, "withdrawn": list(s.withdrawn), "delivered": list(s.delivered),
-                "live": list(s.live.values()) if raw_metas else [m.to_dict() for m in s.live.values()],
-                "put_tokens": dict(s.put_tokens),
-                "pending": list(s.pending.values()) if raw_metas else [m.to_dict() for m in s.pending.values()],
-                "loss": dict(s.loss),
-                "queues": [[q[j] for j in sorted(q)] for q in s.queues],
-                "planned": list(s.planned), "committed": list(s.committed), "position": list(s.position),
-                "closed": s.closed, "close_report": s.close_report, "error": err, "version": s.version,
-                "staleness": list(s.staleness), "counts": dict(s.counts),
-                "rejected_by_cause": dict(s.rejected_by_cause),
-                "recent_releases": [[u, list(ids)] for u, ids in s.recent_releases],
-                "chains": list(s.chain), "fps": [[[k, v] for k, v in fps.items()] for fps in s.fps],
-                "verify_at": [None if v is None else list(v) for v in s.verify_at],
-                "reshape": snapshot_part(s),
-                **({} if s.replicas is None else {"replicas": s.replicas.to_dict()}),
-            }
+            got: dict[str, Any] = {"format": SNAPSHOT_FORMAT, "config": config, "unit_nodes": dict(s.unit_nodes),
+                                   "putting": [], **s.state_dict(raw_metas)}
+            for part in self.slices:
+                got.update(part.state_dict())
+            return {k: got[k] for k in SNAPSHOT_KEYS if k in got}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace the plane's state with a :meth:`state_dict` (of a plane of the same configuration and units).
@@ -200,32 +209,8 @@ class Durability:
                 raise StateError(f"control-plane snapshot: {len(d['putting'])} puts in progress of the two-phase put "
                                  f"({[p[0] for p in d['putting'][:8]]}), which this version of knitdata removed; "
                                  "this state cannot be continued here")
-            placement = make_placement(s.config["placement"], list(s.unit_nodes))
-            placement.load_state_dict(d["placement"])
-            s.policy.load_state_dict(d["policy"])  # checked whole before it changes anything
-            s.placement = placement
-            s.seq = d["seq"]
-            s.schema = d["schema"]
-            s.withdrawn = OrderedDict.fromkeys(d["withdrawn"])
-            s.delivered = RecentIds(s.delivered.limit, d["delivered"])
-            s.live = {m.id: m for m in d["live"]}
-            s.put_tokens = d["put_tokens"]
-            s.pending = {m.id: s.live.get(m.id, m) for m in d["pending"]}
-            s.loss = d["loss"]
-            s.queues = [{e["j"]: e for e in q} for q in d["queues"]]
-            s.entry_sums = [{} for _ in s.queues]
-            s.planned, s.committed, s.position = d["planned"], d["committed"], d["position"]
-            s.closed, s.close_report, s.error = d["closed"], d["close_report"], d["error"]
-            s.version = d["version"]
-            s.staleness = deque(d["staleness"], maxlen=s.staleness.maxlen)
-            s.counts = d["counts"]
-            s.rejected_by_cause = d["rejected_by_cause"]
-            s.recent_releases = deque((u, ids) for u, ids in d["recent_releases"])
-            s.chain, s.fps, s.verify_at = d["chains"], d["fps"], d["verify_at"]
-            s.replicas = d.get("replicas")
-            s.recent_ids = sum(len(ids) for _u, ids in s.recent_releases)
-            load_snapshot_part(s, part)
-            n = s.layout.num_consumers
-            s.consumer_stats = (s.consumer_stats + [None] * n)[:n]
-            s.staleness_by_rank = (s.staleness_by_rank + [deque(maxlen=1000) for _ in range(n)])[:n]
+            d["reshape"] = part  # checked by the reshape part's slice
+            s.load_state_dict(d)  # the policy first: checked whole before anything changes
+            for slice_ in self.slices:
+                slice_.load_state_dict(d)
             s.cond.notify_all()

@@ -69,17 +69,17 @@ class Leases(Part):
         deadline = time.monotonic() + wait_s
         with s.cond:
             while True:
-                cur = s.leases.get(key)
+                cur = s.lease_book.leases.get(key)
                 now = time.monotonic()
                 if cur is None or cur.token == token or now - cur.renewed > LEASE_TTL_S:
                     if cur is None or cur.token != token:
-                        cur = s.take_lease(key, token, holder, now)
+                        cur = s.lease_book.take(key, token, holder, now)
                     else:
                         cur.renewed = now
                     p = s.start(rank, replica)
                     return {"epoch": cur.epoch, "ttl_s": LEASE_TTL_S, "next": p, "fp": s.fp(rank, p)}
                 if cur.fence_by is None:
-                    cur.fence_by = f"{holder or token[:8]} (lease epoch {s.lease_epochs.get(key, 0) + 1})"
+                    cur.fence_by = f"{holder or token[:8]} (lease epoch {s.lease_book.epochs.get(key, 0) + 1})"
                     s.cond.notify_all()
                 if now >= deadline:
                     who = f"rank {rank}" + (f" replica {replica}" if replica else "")
@@ -116,16 +116,16 @@ class Leases(Part):
         with s.cond:
             now = time.monotonic()
             for pid, holder, alive in producers or ():
-                prev = s.producers.get(str(pid))
+                prev = s.lease_book.producers.get(str(pid))
                 ended = None if alive else (prev[3] if prev is not None and prev[3] is not None else now)
-                s.producers[str(pid)] = [str(holder), now, bool(alive), ended]
+                s.lease_book.producers[str(pid)] = [str(holder), now, bool(alive), ended]
             for rank, worker, token, records, release, *more in leases:
                 replica = int(more[0]) if more else 0
                 self.positions.check_replica(rank, replica)
                 key = (rank, worker, replica)
-                cur = s.leases.get(key)
+                cur = s.lease_book.leases.get(key)
                 if cur is None and not release:  # the plane restarted (leases are not journaled): held again
-                    cur = s.take_lease(key, str(token), "", now)
+                    cur = s.lease_book.take(key, str(token), "", now)
                 if cur is None or cur.token != token:
                     by = "a newer iterator" if cur is None else f"{cur.holder} (lease epoch {cur.epoch})"
                     fenced.append([rank, worker, token, by])
@@ -133,7 +133,7 @@ class Leases(Part):
                 if records:
                     self.positions.handed_many(rank, records, replica)
                 if release:
-                    del s.leases[key]
+                    del s.lease_book.leases[key]
                     s.cond.notify_all()
                 elif cur.fence_by is not None:
                     fenced.append([rank, worker, token, cur.fence_by])
@@ -190,9 +190,9 @@ class Leases(Part):
         """Renew ``token``'s lease of ``(rank, worker)`` (taken again after a restart), or raise FencedError."""
         s = self.s
         key = (rank, worker, replica)
-        cur = s.leases.get(key)
+        cur = s.lease_book.leases.get(key)
         if cur is None:  # the plane restarted (leases are not journaled): held again
-            cur = s.take_lease(key, token, "", time.monotonic())
+            cur = s.lease_book.take(key, token, "", time.monotonic())
         if cur.token != token or cur.fence_by is not None:
             by = (cur.fence_by if cur.token == token and cur.fence_by is not None
                   else f"{cur.holder} (lease epoch {cur.epoch})")

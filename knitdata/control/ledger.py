@@ -222,8 +222,8 @@ class Ledger(Part):
             self._load_state_dict(state)
             self.prompts = {p: [g, n] for p, g, n in rows}
             self.finished_count = int(ledger.get("finished", 0))
-            if s.journal is not None:  # a restart of the coordinator continues from here, not from nothing
-                s.journal.compact(self._state_dict() if self._state_dict is not None else dict(state))
+            if s.journaling.journal is not None:  # a restart of the coordinator continues from here, not from nothing
+                s.journaling.journal.compact(self._state_dict() if self._state_dict is not None else dict(state))
             return len(self.prompts)
 
     # ---------------------------------------------------------------------------------------- node loss

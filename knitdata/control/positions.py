@@ -297,7 +297,7 @@ class Positions(Part):
             if version < s.version:
                 s.counts["version_rollbacks"] += 1  # a job restored from a checkpoint reports its version again
             s.version = version
-            s.version_times.append(time.monotonic())
+            s.observed.version_times.append(time.monotonic())
             if tracing.tracer is not None:
                 tracing.tracer.counter("version", {"version": version})
             lo, hi = s.policy.done_before_report(len(s.position))  # steps finished before any report

@@ -35,12 +35,12 @@ def missing_text(s: PlaneState) -> str:
 
 def producers_gone(s: PlaneState) -> str | None:
     """The message when every producer stopped without close() for ``producer_timeout_s`` (else ``None``)."""
-    timeout = s.producer_timeout_s
-    if timeout is None or not s.producers:
+    timeout = s.lease_book.producer_timeout_s
+    if timeout is None or not s.lease_book.producers:
         return None
     now = time.monotonic()
     gone = []  # (holder, since when it counts as gone, why)
-    for holder, seen, alive, ended in s.producers.values():
+    for holder, seen, alive, ended in s.lease_book.producers.values():
         if now - seen > PRODUCER_TTL_S:
             gone.append((holder, seen + PRODUCER_TTL_S, f"no report for {now - seen:.0f} s: its process died?"))
         elif not alive:
@@ -72,7 +72,7 @@ def incomplete_message(rep: Mapping[str, Any]) -> str:
 
 def journal_summary(s: PlaneState) -> dict[str, Any] | None:
     """The journal's segment, its records and the file's bytes (``None`` without a journal)."""
-    j = s.journal
+    j = s.journaling.journal
     if j is None:
         return None
     try:
@@ -87,13 +87,13 @@ def observation(s: PlaneState) -> dict[str, Any]:
     ready; staleness per source and per rank; seconds from put to admission; the journal."""
     ready = s.policy.ready_counts()
     return {
-        "sources": {src: {"quota": int(q), "puts": s.source_counts[src]["puts"],
-                          "admitted": s.source_counts[src]["admitted"], "ready": int(ready.get(src, 0))}
+        "sources": {src: {"quota": int(q), "puts": s.observed.source_counts[src]["puts"],
+                          "admitted": s.observed.source_counts[src]["admitted"], "ready": int(ready.get(src, 0))}
                     for src, q in s.spec.quotas.items()},
         "train_batch": s.policy.train_batch,
-        "staleness_by_source": {src: summarize(v) for src, v in s.staleness_by_source.items()},
-        "staleness_by_rank": [summarize(v) for v in s.staleness_by_rank],
-        "admission_delay_s": summarize(s.admission_delay),
+        "staleness_by_source": {src: summarize(v) for src, v in s.observed.staleness_by_source.items()},
+        "staleness_by_rank": [summarize(v) for v in s.observed.staleness_by_rank],
+        "admission_delay_s": summarize(s.observed.admission_delay),
         "journal": journal_summary(s),
     }
 
@@ -107,12 +107,12 @@ class Reporting(Part):
         """A consumer's metrics summary (:meth:`knitdata.metrics.ConsumerMetrics.to_dict`), for :meth:`stats`."""
         self.s.check_rank(rank)
         with self.s.cond:
-            self.s.consumer_stats[rank] = dict(stats)
+            self.s.observed.consumer_stats[rank] = dict(stats)
 
     @control_call(fire_and_forget=True)
     def report_transfer(self, meter: Mapping[str, Any]) -> None:
         """Add a process's transfer counters (:meth:`knitdata.metrics.TransferMeter.to_dict`) to the totals."""
-        self.s.transfer.merge(meter)
+        self.s.observed.transfer.merge(meter)
 
     @control_call()
     def holders(self, unit: str) -> str:
@@ -149,18 +149,18 @@ class Reporting(Part):
         """JSON-serializable counters of the control plane."""
         s = self.s
         with s.cond:
-            times = list(s.version_times)
+            times = list(s.observed.version_times)
             return {
                 **s.counts, "closed": s.closed, "version": s.version, "release": s.release_mode,
                 "rejected_by_cause": dict(s.rejected_by_cause),
                 "held_trajectories": len(s.live), "ready_not_admitted": s.policy.ready_counts(),
                 "planned": list(s.planned), "committed": list(s.committed), "positions": list(s.position),
                 "held_microbatches": [len(q) for q in s.queues],
-                "staleness": summarize(s.staleness), "token_staleness": s.token_staleness.summary(),
-                "staleness_split": s.staleness_split.summary(),
+                "staleness": summarize(s.observed.staleness), "token_staleness": s.observed.token_staleness.summary(),
+                "staleness_split": s.observed.staleness_split.summary(),
                 "staleness_bound": s.policy.bound_stats(),
                 "version_interval_s": summarize(b - a for a, b in zip(times, times[1:])),
-                "close_report": s.close_report, "consumers": list(s.consumer_stats),
-                "placement": s.placement.summary(), "transfer": s.transfer.to_dict(),
+                "close_report": s.close_report, "consumers": list(s.observed.consumer_stats),
+                "placement": s.placement.summary(), "transfer": s.observed.transfer.to_dict(),
                 **observation(s),
             }

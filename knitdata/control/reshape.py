@@ -25,7 +25,6 @@ the pure planning steps.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -241,6 +240,18 @@ def note_planned(s: PlaneState, mb: AdmittedLike, plan: MiniBatchPlan, items: tu
 class Reshaping(Part):
     """Elastic resume on the control plane: install a layout history, reshape onto another number of ranks."""
 
+    def state_dict(self) -> dict[str, Any]:
+        """This part's slice of a snapshot: ``reshape`` (:func:`snapshot_part`; see
+        :class:`~knitdata.control.durability.StateSlice`)."""
+        return {"reshape": snapshot_part(self.s)}
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Restore this part's slice (``d["reshape"]``, ``None`` in formats 1 and 2) after the shared state's, and
+        size the per-rank observations to the restored layout."""
+        s = self.s
+        load_snapshot_part(s, d.get("reshape"))
+        s.observed.resize(s.layout.num_consumers)
+
     @control_call()
     def layout_history(self, rank: int) -> dict[str, Any]:
         """What the states of ``rank`` carry about the layout: ``{"layout": the ranks' nodes as runs
@@ -415,8 +426,7 @@ class Reshaping(Part):
         s.chain = [FP_EMPTY] * n
         s.fps = [{0: FP_EMPTY} for _ in range(n)]
         s.verify_at = [None] * n
-        s.consumer_stats = [None] * n
-        s.staleness_by_rank = [deque(maxlen=1000) for _ in range(n)]
+        s.observed.resize(n, reset=True)
         s.replicas = None  # the new ranks' replicas register again (their first dataset does)
 
     def _check_live(self, merged: Mapping[str, Any]) -> None:
@@ -465,10 +475,10 @@ class Reshaping(Part):
         for r, p in enumerate(pos):  # the handed-out micro-batches leave storage now
             s.commit_upto(r, p)
         s.mb_records.clear()
-        for lease in s.leases.values():
+        for lease in s.lease_book.leases.values():
             lease.fence_by = f"a reshape onto {layout.num_consumers} ranks"
-        for key in [k for k in s.leases if k[0] >= layout.num_consumers]:
-            del s.leases[key]
+        for key in [k for k in s.lease_book.leases if k[0] >= layout.num_consumers]:
+            del s.lease_book.leases[key]
         first = s.planned[0] if s.planned else 0
         if closes:
             c = new_seg.closed[-1]

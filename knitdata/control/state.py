@@ -1,9 +1,12 @@
 """The state the parts of the control plane share, its options and the helpers more than one part needs.
 
-:class:`PlaneState` holds everything a :class:`~knitdata.control.ControlPlane` knows: the options it was built
-with, admission, placement and planning, the trajectories held, the per-rank queues and positions, leases,
-counters. Each part of the plane (admission, positions, leases, reporting, durability) works on this one object
-under its lock (:attr:`PlaneState.cond`); none keeps state of its own.
+:class:`PlaneState` holds what several parts of a :class:`~knitdata.control.ControlPlane` share, under one lock
+(:attr:`PlaneState.cond`): the options it was built with, admission, placement and planning, the trajectories
+held, the per-rank queues, positions and replay fingerprints, counters. What one part owns lives in that part
+(the admission part's schema and withdrawn groups, the reshape part's layout history) or in an object of one
+concern held here: :class:`Observations` (reporting), :class:`LeaseBook` (leases), :class:`Journaling`
+(durability). Each writes its own slice of a snapshot (``state_dict`` / ``load_state_dict``);
+:class:`~knitdata.control.durability.Durability` only gathers them.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -21,14 +24,14 @@ from typing import Any, cast
 from knitdata import trace as tracing
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.control.journal import Journal
+from knitdata.control.observed import Observations
 from knitdata.errors import ConfigError, KnitdataError, PipelineClosedError
-from knitdata.metrics import TransferMeter
 from knitdata.placement import ConsumerLayout, make_placement
 from knitdata.planner import MiniBatchPlan, Planner
 from knitdata.record import TrajectoryMeta
-from knitdata.staleness import PutLog, StalenessSplit, TokenStaleness
+from knitdata.staleness import PutLog, TokenStaleness
 
-__all__ = ["PlaneState", "Lease", "RELEASE_MODES", "PLANE_DEFAULTS", "LEASE_TTL_S", "PRODUCER_TTL_S",
+__all__ = ["PlaneState", "Lease", "LeaseBook", "Journaling", "RELEASE_MODES", "PLANE_DEFAULTS", "LEASE_TTL_S", "PRODUCER_TTL_S",
            "DELIVERED_MEMORY", "WITHDRAWN_MEMORY", "PUT_LOG_PRUNE", "FP_KEEP", "FP_EMPTY", "RECENT_RELEASES", "SNAPSHOT_FORMAT",
            "fields_of", "entry_fingerprint", "fenced_message", "Replicas", "RecentIds"]
 
@@ -205,6 +208,52 @@ class RecentIds:
             yield from chunk
 
 
+@dataclass
+class Journaling:
+    """The journal of a plane and the bookkeeping of journaled calls (owned by
+    :class:`~knitdata.control.durability.Durability`; :func:`~knitdata.control.surface.control_call` reads it).
+
+    Attributes:
+        journal: Where journaled calls are recorded (or ``None``).
+        depth: How deep the journaled calls running now are nested.
+        replaying: Whether a recovery replays the journal (calls are not recorded again).
+        log: The hook that records one call.
+        replayed: Journal records the last recovery replayed.
+        snapshot_loaded: Whether the last recovery loaded a snapshot.
+    """
+
+    journal: Journal | None = None
+    depth: int = 0
+    replaying: bool = False
+    log: Callable[[str, Sequence[Any]], None] | None = None
+    replayed: int = 0
+    snapshot_loaded: bool = False
+
+
+class LeaseBook:
+    """The live iterators of the ranks and the producers that report (written by
+    :class:`~knitdata.control.leases.Leases`; a reshape drops the leases of removed ranks; reporting reads the
+    producers). Not in snapshots.
+
+    Args:
+        producer_timeout_s: Seconds consumers keep waiting once every producer stopped without ``close()``.
+    """
+
+    def __init__(self, producer_timeout_s: float | None) -> None:
+        self.leases: dict[tuple[int, int, int], Lease] = {}  # (rank, worker, replica) -> its live iterator
+        self.epochs: dict[tuple[int, int, int], int] = {}
+        # producers that put here: id -> [holder, last report, any of its putting threads alive, when they ended]
+        self.producers: dict[str, list[Any]] = {}
+        self.producer_timeout_s = producer_timeout_s
+
+    def take(self, key: tuple[int, int, int], token: str, holder: str, now: float) -> Lease:
+        """Give the lease of ``key`` to ``token`` under a new epoch."""
+        epoch = self.epochs.get(key, 0) + 1
+        self.epochs[key] = epoch
+        lease = self.leases[key] = Lease(token, epoch, holder or token[:8], now)
+        return lease
+
+
 class PlaneState:
     """Everything one control plane knows, shared by its parts (use it under :attr:`cond`).
 
@@ -248,8 +297,6 @@ class PlaneState:
         self.put_log_prune_at = PUT_LOG_PRUNE
         self._seq = 0
         self.seq = 0
-        self.schema: dict[str, Any] | None = None
-        self.withdrawn: OrderedDict[str, None] = OrderedDict()
         self.delivered = RecentIds(DELIVERED_MEMORY)  # released after planning
         self.live: dict[str, TrajectoryMeta] = {}  # stored and not released
         self.put_tokens: dict[str, str] = {}  # live id -> token of the admit_many call that put it (retries)
@@ -263,11 +310,7 @@ class PlaneState:
         self.planned = [0] * n  # entries appended per rank
         self.committed = [0] * n  # entries below are released
         self.position = [0] * n  # next entry of the rank's iterator (handed out below)
-        # producers that put here: id -> [holder, last report, any of its putting threads alive, when they ended]
-        self.producers: dict[str, list[Any]] = {}
-        self.producer_timeout_s = cfg.get("producer_timeout_s")
-        self.leases: dict[tuple[int, int, int], Lease] = {}  # (rank, worker, replica) -> its live iterator
-        self.lease_epochs: dict[tuple[int, int, int], int] = {}
+        self.lease_book = LeaseBook(cfg.get("producer_timeout_s"))  # leases and producers (Leases writes them)
         # tensor/pipeline-parallel replicas of each rank (None: one consumer per rank, until a dataset registers them)
         self.replicas: Replicas | None = None
         # replay fingerprints: the chained digest of each rank's micro-batches (entry_fingerprint)
@@ -288,19 +331,8 @@ class PlaneState:
         #: The admission part's poll (set by it): a version report can free admission (the bound learned its offset).
         self.admission_poll: Callable[[], Any] | None = None
         self.version = 0
-        self.version_times: deque[float] = deque(maxlen=1024)
-        self.staleness: deque[int] = deque(maxlen=10_000)
-        self.token_staleness = TokenStaleness()  # per token, since this plane started (not in snapshots)
-        self.staleness_split = StalenessSplit()  # generating / queued, since this plane started (not in snapshots)
-        # observation (knitdata.observe; since this plane started, not in snapshots): per source trajectories put
-        # and admitted, staleness per source and per rank, seconds from put to admission
-        self.source_counts: dict[str, dict[str, int]] = {src: {"puts": 0, "admitted": 0} for src in self.spec.sources}
-        self.staleness_by_source: dict[str, deque[int]] = {src: deque(maxlen=10_000) for src in self.spec.sources}
-        self.staleness_by_rank: list[deque[int]] = [deque(maxlen=1000) for _ in range(n)]
-        self.put_times: dict[str, float] = {}  # pending id -> when it was put (monotonic)
-        self.admission_delay: deque[float] = deque(maxlen=10_000)
-        self.consumer_stats: list[dict[str, Any] | None] = [None] * n
-        self.transfer = TransferMeter()
+        #: Observations for reporting (staleness, metrics; only staleness in snapshots).
+        self.observed = Observations(self.spec.sources, n)
         self.counts = {"puts": 0, "rejected": 0, "withdrawn": 0, "admitted_minibatches": 0,
                        "admitted_trajectories": 0, "planned_local_bytes": 0, "planned_remote_bytes": 0,
                        "released": 0, "dropped_at_close": 0, "version_rollbacks": 0}
@@ -309,14 +341,7 @@ class PlaneState:
         # and a recovery from it sends them again, in case the coordinator died before they reached the units
         self.recent_releases: deque[tuple[str, list[str]]] = deque()
         self.recent_ids = 0
-        # journaling (see knitdata.control.surface.control_call): the journal, how deep the journaled calls
-        # running now are nested, whether a recovery replays, and the hook that records one call
-        self.journal = journal
-        self.depth = 0
-        self.replaying = False
-        self.log: Callable[[str, Sequence[Any]], None] | None = None
-        self.replayed = 0
-        self.snapshot_loaded = False
+        self.journaling = Journaling(journal)  # the journal and its bookkeeping (Durability owns it)
 
     @property
     def seq(self) -> int:
@@ -335,6 +360,55 @@ class PlaneState:
         else:
             log.restart(value)
         self._seq = value
+
+    # ------------------------------------------------------------------------------------ snapshot slice
+    def state_dict(self, raw_metas: bool = False) -> dict[str, Any]:
+        """The shared part of a snapshot (call under :attr:`cond`): admission and placement, the held and pending
+        trajectories, queues, positions and replay fingerprints, counters, the end of stream and the recent
+        releases (see :meth:`~knitdata.control.durability.Durability.state_dict`; ``raw_metas``: metas as
+        objects)."""
+        err = None if self.error is None else {"type": type(self.error).__name__, "message": str(self.error)}
+        live, pending = self.live.values(), self.pending.values()
+        return {
+            "policy": self.policy.state_dict(), "placement": self.placement.state_dict(), "seq": self.seq,
+            "delivered": list(self.delivered),
+            "live": list(live) if raw_metas else [m.to_dict() for m in live], "put_tokens": dict(self.put_tokens),
+            "pending": list(pending) if raw_metas else [m.to_dict() for m in pending], "loss": dict(self.loss),
+            "queues": [[q[j] for j in sorted(q)] for q in self.queues],
+            "planned": list(self.planned), "committed": list(self.committed), "position": list(self.position),
+            "closed": self.closed, "close_report": self.close_report, "error": err, "version": self.version,
+            "counts": dict(self.counts), "rejected_by_cause": dict(self.rejected_by_cause),
+            "recent_releases": [[u, list(ids)] for u, ids in self.recent_releases],
+            "chains": list(self.chain), "fps": [[[k, v] for k, v in fps.items()] for fps in self.fps],
+            "verify_at": [None if v is None else list(v) for v in self.verify_at],
+            **({} if self.replicas is None else {"replicas": self.replicas.to_dict()}),
+        }
+
+    def load_state_dict(self, d: Mapping[str, Any]) -> None:
+        """Continue from the shared part of a checked snapshot ``d``
+        (:func:`~knitdata.control.snapshot.decode_snapshot`); the policy first, which is checked whole before it
+        changes anything."""
+        placement = make_placement(self.config["placement"], list(self.unit_nodes))
+        placement.load_state_dict(d["placement"])
+        self.policy.load_state_dict(d["policy"])
+        self.placement = placement
+        self.seq = d["seq"]
+        self.delivered = RecentIds(self.delivered.limit, d["delivered"])
+        self.live = {m.id: m for m in d["live"]}
+        self.put_tokens = d["put_tokens"]
+        self.pending = {m.id: self.live.get(m.id, m) for m in d["pending"]}
+        self.loss = d["loss"]
+        self.queues = [{e["j"]: e for e in q} for q in d["queues"]]
+        self.entry_sums = [{} for _ in self.queues]
+        self.planned, self.committed, self.position = d["planned"], d["committed"], d["position"]
+        self.closed, self.close_report, self.error = d["closed"], d["close_report"], d["error"]
+        self.version = d["version"]
+        self.counts = d["counts"]
+        self.rejected_by_cause = d["rejected_by_cause"]
+        self.recent_releases = deque((u, ids) for u, ids in d["recent_releases"])
+        self.recent_ids = sum(len(ids) for _u, ids in self.recent_releases)
+        self.chain, self.fps, self.verify_at = d["chains"], d["fps"], d["verify_at"]
+        self.replicas = d.get("replicas")
 
     # ------------------------------------------------------------------------------------ checks
     def check_rank(self, rank: int) -> None:
@@ -405,6 +479,12 @@ class PlaneState:
             while self.recent_ids > RECENT_RELEASES and len(self.recent_releases) > 1:
                 self.recent_ids -= len(self.recent_releases.popleft()[1])
 
+    def resend_releases(self) -> None:
+        """Send the releases of :attr:`recent_releases` again (after a recovery from a snapshot: the coordinator
+        may have died before they reached the units; a release is idempotent)."""
+        for u, ids in list(self.recent_releases):
+            self.releaser(u, list(ids), False)
+
     def live_metas(self, items: Iterable[Sequence[Any]]) -> list[TrajectoryMeta]:
         """The metas of the queue items ``[id, unit, nbytes]`` still held (released ones left out), in order."""
         return self.held_metas(map(_first, items))
@@ -417,66 +497,8 @@ class PlaneState:
         return cast("list[TrajectoryMeta]", found)
 
     def record_handouts(self, rank: int, handouts: Sequence[tuple[Mapping[str, Any], int]]) -> None:
-        """Staleness of entries of ``rank`` handed out to a trainer, ``(entry, policy version)`` in hand-out order
-        (a report's hand-outs up to its next release, recorded together): per trajectory, overall, per rank, per
-        source and per token."""
-        if not handouts:
-            return
-        version = handouts[0][1]
-        for _e, v in handouts:
-            if v != version:  # the trainer's version changed within these: one at a time
-                for e, v2 in handouts:
-                    self.record_handouts(rank, [(e, v2)])
-                return
-        gens: list[int] = []
-        for e, _v in handouts:
-            gens += e["info"]["gen_versions"]
-        values = list(map(version.__sub__, gens))
-        self.staleness.extend(values)
-        self.staleness_by_rank[rank].extend(values)
-        by_source = self.staleness_by_source
-        planned = self.entry_sums[rank]
-        sums = [planned.get(e["j"], False) for e, _v in handouts]
-        now = time.monotonic()
-        split = self.staleness_split
-        before = split.totals() if tracing.tracer is not None else None
-        if len(by_source) == 1 and False not in sums:
-            # one source (puts of others are refused), the sums planned with the entries: no trajectory visited
-            token = self.token_staleness
-            for x in sums:
-                if x is not None:
-                    token.record_sums(version, x[0])
-                    split.record_sums(version, now, x[1])
-            for only in by_source.values():
-                only.extend(values)
-            if before is not None:
-                self.trace_split(before)
-            return
-        ids: list[str] = []
-        for e, _v in handouts:
-            ids += map(_first, e["items"])
-        metas = self.held_metas(ids)
-        self.token_staleness.record(version, metas)
-        split.record_sums(version, now, self.put_log.sums(metas))
-        if before is not None:
-            self.trace_split(before)
-        if len(by_source) == 1 and len(metas) == len(values):
-            # one source, every trajectory held: ``values`` are theirs, in order
-            for only in by_source.values():
-                only.extend(values)
-            return
-        for m in metas:
-            dq = by_source.get(m.source)
-            if dq is not None:
-                dq.append(version - m.gen_version)
-
-    def trace_split(self, before: tuple[int, int, int, float]) -> None:
-        """Trace the staleness split of the hand-outs recorded since :meth:`StalenessSplit.totals` was ``before``
-        (a ``staleness`` counter: mean versions generating and queued, mean seconds queued)."""
-        tr = tracing.tracer
-        means = self.staleness_split.means_since(before)
-        if tr is not None and means is not None:
-            tr.counter("staleness", means)
+        """Record the staleness of entries of ``rank`` handed out (:meth:`Observations.record_handouts`)."""
+        self.observed.record_handouts(rank, handouts, self.entry_sums[rank], self.held_metas, self.put_log)
 
     def unqueue(self, rank: int, j: int) -> dict[str, Any] | None:
         """Take entry ``j`` out of ``rank``'s queue (``None``: not queued), keeping its mini-batch's record count."""
@@ -593,10 +615,3 @@ class PlaneState:
             if v is not None and v[0] == length:
                 return v[1]
         return fp
-
-    def take_lease(self, key: tuple[int, int, int], token: str, holder: str, now: float) -> Lease:
-        """Give the lease of ``key`` to ``token`` under a new epoch."""
-        epoch = self.lease_epochs.get(key, 0) + 1
-        self.lease_epochs[key] = epoch
-        lease = self.leases[key] = Lease(token, epoch, holder or token[:8], now)
-        return lease

@@ -79,22 +79,22 @@ def _journaled(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(self: Any, *args: Any) -> Any:
-        s: PlaneState = self.s
-        if s.journal is None:  # the common in-process case: no bookkeeping around the call
+        jr = self.s.journaling
+        if jr.journal is None:  # the common in-process case: no bookkeeping around the call
             return fn(self, *args)
-        with s.cond:
-            outer = s.depth == 0 and s.journal is not None and not s.replaying and s.log is not None
-            s.depth += 1
+        with self.s.cond:
+            outer = jr.depth == 0 and not jr.replaying and jr.log is not None
+            jr.depth += 1
             try:
                 out = fn(self, *args)
             except KnitdataError:
                 if outer:
-                    s.log(name, args)  # type: ignore[misc]
+                    jr.log(name, args)
                 raise
             finally:
-                s.depth -= 1
+                jr.depth -= 1
             if outer:
-                s.log(name, args)  # type: ignore[misc]
+                jr.log(name, args)
             return out
 
     return wrapper

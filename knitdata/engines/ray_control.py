@@ -113,7 +113,7 @@ class Plumbing:
         return {"name": self._setup["name"], "config": s.config, "nodes": self._setup["nodes"],
                 "spill_dir": self._setup.get("spill_dir"), "capacity_bytes": self._setup["capacity_bytes"],
                 "journal": self._setup.get("journal"), "restarted": self._restarted,
-                "replayed": s.replayed, "snapshot_loaded": s.snapshot_loaded, "pid": os.getpid(),
+                "replayed": s.journaling.replayed, "snapshot_loaded": s.journaling.snapshot_loaded, "pid": os.getpid(),
                 "node": ray.get_runtime_context().get_node_id(),
                 "creator_hosts": bool(self._setup.get("creator_hosts")), "trace": self._setup.get("trace")}
 
