@@ -490,3 +490,45 @@ def test_recent_ids_match_an_ordered_dict_bounded_to_its_limit(limit, batches):
         assert all((f"t{i}" in mem) == (f"t{i}" in model) for i in range(30))
     again = RecentIds(limit, list(mem))
     assert list(again) == list(mem)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 9), min_size=1, max_size=6), reset_at=st.integers(0, 6))
+def test_observations_keep_one_slot_per_rank_across_resizes(sizes, reset_at):
+    """:class:`~knitdata.control.observed.Observations` (the reporting part's state): a resize keeps the slots of
+    the ranks that stay (a reset empties them), and only ``staleness`` is in its snapshot slice."""
+    from knitdata.control.observed import Observations
+
+    obs = Observations(["a", "b"], 3)
+    obs.staleness.extend([1, 2])
+    for k, n in enumerate(sizes):
+        before = [list(d) for d in obs.staleness_by_rank]
+        for r, d in enumerate(obs.staleness_by_rank):
+            d.append(r)
+        obs.consumer_stats = [{"r": r} for r in range(len(obs.consumer_stats))]
+        obs.resize(n, reset=k == reset_at)
+        assert len(obs.staleness_by_rank) == len(obs.consumer_stats) == n
+        keep = min(n, len(before))
+        if k == reset_at:
+            assert all(not d for d in obs.staleness_by_rank) and obs.consumer_stats == [None] * n
+        else:
+            assert [list(d) for d in obs.staleness_by_rank[:keep]] == [b + [r] for r, b in enumerate(before[:keep])]
+            assert obs.consumer_stats[:keep] == [{"r": r} for r in range(keep)]
+            assert obs.consumer_stats[keep:] == [None] * (n - keep)
+    assert obs.state_dict() == {"staleness": [1, 2]}
+    other = Observations(["a"], 1)
+    other.load_state_dict({"staleness": [5]})
+    assert list(other.staleness) == [5] and other.staleness.maxlen == obs.staleness.maxlen
+
+
+def test_a_lease_book_gives_each_taker_a_new_epoch():
+    """The leases part's state: each take of a (rank, worker, replica) lease is a new epoch; holders default to
+    the token's first 8 characters."""
+    from knitdata.control.state import LeaseBook
+
+    book = LeaseBook(None)
+    a = book.take((0, 0, 0), "token-aaaa-1", "", 1.0)
+    b = book.take((0, 0, 0), "token-bbbb-2", "me", 2.0)
+    c = book.take((1, 0, 0), "token-cccc-3", "", 3.0)
+    assert (a.epoch, b.epoch, c.epoch) == (1, 2, 1) and a.holder == "token-aa" and b.holder == "me"
+    assert book.leases == {(0, 0, 0): b, (1, 0, 0): c} and book.producer_timeout_s is None
