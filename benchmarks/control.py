@@ -1,7 +1,8 @@
 """``python -m benchmarks control``: control-plane throughput, put latency, commit cost; ``--scale``: planning at cluster scale.
 
-``--scale`` times :meth:`knitdata.planner.Planner.plan` alone (metadata only, no engine): one admitted
-mini-batch of ``--trajectories`` trajectories (GRPO groups of ``--group-size``, 256 to 16,384 tokens each,
+``--scale`` times :meth:`knitdata.planner.Planner.plan` alone (metadata only, no engine; a plan's rows carry
+every micro-batch's :class:`~knitdata.planner.MicroBatchInfo`, and each timed call drops the previous plan): one
+admitted mini-batch of ``--trajectories`` trajectories (GRPO groups of ``--group-size``, 256 to 16,384 tokens each,
 about 12 bytes of payload per token) over ``--nodes`` x ``--ranks-per-node`` consumer ranks and, as a small
 reference, over ``--ref-ranks`` ranks. Each group's payloads sit on one node (consumer-aware placement),
 except every tenth group, split over two nodes. Reported per (ranks, trajectories): the median
