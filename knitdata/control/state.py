@@ -2,11 +2,12 @@
 
 :class:`PlaneState` holds what several parts of a :class:`~knitdata.control.ControlPlane` share, under one lock
 (:attr:`PlaneState.cond`): the options it was built with, admission, placement and planning, the trajectories
-held, the per-rank queues, positions and replay fingerprints, counters. What one part owns lives in that part
-(the admission part's schema and withdrawn groups, the reshape part's layout history) or in an object of one
-concern held here: :class:`Observations` (reporting), :class:`LeaseBook` (leases), :class:`Journaling`
-(durability). Each writes its own slice of a snapshot (``state_dict`` / ``load_state_dict``);
-:class:`~knitdata.control.durability.Durability` only gathers them.
+held, the per-rank queues, positions and replay fingerprints, the layout history, counters. What one part owns
+lives in that part (the admission part's schema and withdrawn groups) or in an object of one concern held here:
+:class:`~knitdata.control.observed.Observations` (reporting), :class:`LeaseBook` (leases), :class:`Journaling`
+(durability). The shared state, the admission part, the observations and the reshape part each write their own
+slice of a snapshot (``state_dict`` / ``load_state_dict``); :class:`~knitdata.control.durability.Durability`
+only gathers them.
 """
 
 from __future__ import annotations
@@ -255,7 +256,7 @@ class LeaseBook:
 
 
 class PlaneState:
-    """Everything one control plane knows, shared by its parts (use it under :attr:`cond`).
+    """What the parts of one control plane share (use it under :attr:`cond`); see the module for what they own.
 
     Args:
         config: JSON-like options: ``spec``, ``layout`` and the keys of :data:`PLANE_DEFAULTS`.
