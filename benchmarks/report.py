@@ -289,7 +289,8 @@ def _floor_sentence(acc: dict) -> str:
 
 
 @block("headline", "admission_skewed.json", "encode.json",
-       optional=("transfer_accel.json", "transfer_omni_seed_accel.json"))
+       optional=("transfer_accel.json", "transfer_omni_seed_accel.json", "transfer_omni_seed_dedup_accel.json",
+                 "agent.json"))
 def render_headline(d: dict) -> str:
     """The headline figures for README.md (the transfer ones from the accel mode), each pointing at its table."""
     out = []
@@ -304,6 +305,7 @@ def render_headline(d: dict) -> str:
             f"optimizer steps), with {g(cp, 'quota_violations', default='-')} quota violations."
         )
     out += _headline_transfer(d.get("transfer_accel.json"), d.get("transfer_omni_seed_accel.json"))
+    out += _headline_media(d.get("transfer_omni_seed_dedup_accel.json"), d.get("agent.json"))
     enc = d.get("encode.json")
     if enc:
         rows = [r for r in enc.get("results", []) if r.get("mode") == "fold" and r.get("group_size") == 8]
@@ -629,6 +631,60 @@ def render_transfer_accel_omni(d: dict) -> str:
     """The omni workload (CPU-sized default), accel mode."""
     tr = d.get("transfer_omni_accel.json")
     return render_transfer_accel_result(tr) if tr else missing("transfer_omni_accel.json")
+
+
+@block("transfer-omni-seed-media", optional=("transfer_omni_seed_dedup_accel.json",))
+def render_transfer_omni_seed_media(d: dict) -> str:
+    """Omni at the seed's size with media stored once (issue 43) against per-trajectory copies, per mode."""
+    tr = d.get("transfer_omni_seed_dedup_accel.json")
+    if not tr:
+        return missing("transfer_omni_seed_dedup_accel.json")
+    rows = []
+    for mode, e in _dict(_dict(tr.get("media")).get("by_mode")).items():
+        for run in ("dedup", "copies"):
+            r = _dict(e).get(run)
+            if not r:
+                continue
+            rows.append([f"`{mode}`", "media stored once" if run == "dedup" else "per-trajectory copies",
+                         f(r.get("bytes_stored_per_group"), ".2f", 1e-6), f(r.get("bytes_moved_per_step"), ".1f", 1e-6),
+                         f(r.get("storage_high_water_bytes"), ".2f", 1e-9), f(r.get("step_s"), ".3f"),
+                         f(r.get("wait_ms"), ".1f")])
+    lt = load_text(tr)
+    head = (f"Recorded in the result: command `{tr.get('command', '-')}`; {f(tr.get('total_s'), '.0f')} s wall"
+            + (f"; {lt}" if lt else "") + ". Copies are the same run's controls with `media_dedup=False` "
+            "(each mode alone, in the same processes).")
+    parts = [head, table(["mode", "storage", "stored MB/group", "moved MB/step", "high-water GB", "step s",
+                          "wait ms"], rows, "llrrrrr")]
+    for mode, e in _dict(_dict(tr.get("media")).get("by_mode")).items():
+        q = _dict(_dict(e).get("ratios_copies_over_dedup"))
+        if q:
+            parts.append(f"`{mode}`, copies / stored once: bytes stored per group "
+                         f"{f(q.get('bytes_stored_per_group'), '.2f', suffix='x')}, moved per step "
+                         f"{f(q.get('bytes_moved_per_step'), '.2f', suffix='x')}, storage high-water "
+                         f"{f(q.get('storage_high_water_bytes'), '.2f', suffix='x')}, step time "
+                         f"{f(q.get('step_s'), '.3f', suffix='x')}.")
+    return _join(*parts)
+
+
+def _headline_media(tr: dict | None, agent: dict | None) -> list[str]:
+    """The README headline line for media stored once (omni at the seed's size; the agent workload)."""
+    e = _dict(_dict(_dict(tr).get("media")).get("by_mode")).get("iter/shared") if tr else None
+    out = []
+    if e and e.get("dedup") and e.get("copies"):
+        a, b, q = _dict(e["dedup"]), _dict(e["copies"]), _dict(e.get("ratios_copies_over_dedup"))
+        turns = _dict(_dict(_dict(agent).get("ratios")).get("turns")) if agent else {}
+        out.append(
+            f"- Media stored and moved once (omni at the seed's size, groups of 8, `iter` + shared encoding): "
+            f"{f(a.get('bytes_stored_per_group'), '.1f', 1e-6)} MB stored per group against "
+            f"{f(b.get('bytes_stored_per_group'), '.1f', 1e-6)} MB with per-trajectory copies "
+            f"({f(q.get('bytes_stored_per_group'), '.2f', suffix='x')}), "
+            f"{f(a.get('bytes_moved_per_step'), '.1f', 1e-6)} vs {f(b.get('bytes_moved_per_step'), '.1f', 1e-6)} MB "
+            f"moved per step ({f(q.get('bytes_moved_per_step'), '.2f', suffix='x')}), storage high-water "
+            f"{f(a.get('storage_high_water_bytes'), '.2f', 1e-9)} vs {f(b.get('storage_high_water_bytes'), '.2f', 1e-9)} GB, "
+            f"step time {f(a.get('step_s'), '.3f')} vs {f(b.get('step_s'), '.3f')} s"
+            + (f"; multi-turn agent episodes as per-turn samples: {f(turns.get('moved'), '.2f', suffix='x')} fewer "
+               f"bytes moved, {f(turns.get('step_speedup'), '.2f', suffix='x')} per step" if turns else "") + ".")
+    return out
 
 
 @block("transfer-accel-omni-seed", optional=("transfer_omni_seed_accel.json",))
