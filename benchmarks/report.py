@@ -1513,7 +1513,7 @@ def render_agent(d: dict) -> str:
                      f"stored {f(q.get('stored'), '.2f', suffix='x')}, high-water {f(q.get('high_water'), '.2f', suffix='x')}, "
                      f"screenshots encoded {f(q.get('encoded'), '.2f', suffix='x')}, step time "
                      f"{f(q.get('step_speedup'), '.2f', suffix='x')}.")
-    k = next((e for e in r.get("results") or [] if e.get("run") == "knitdata"), {})
+    k: dict[str, Any] = next((e for e in r.get("results") or [] if e.get("run") == "knitdata"), {})
     if k.get("table_copied_bytes_before") is not None:
         parts.append(f"Media table: {f(k.get('table_bytes'), '.2f', 2.0**-20)} MiB, copied after preprocessing "
                      f"{f(k.get('table_copied_bytes'), '.2f', 2.0**-20)} MiB (patchify writes into it); with a "
