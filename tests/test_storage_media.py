@@ -1,4 +1,4 @@
-"""knitdata.storage.media.MediaTable: one copy per digest, exact reference counts (issue 43)."""
+"""knitdata.storage.media.MediaStore: one copy per digest, exact reference counts (issue 43)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from knitdata.errors import MediaRefError, ValidationError
 from knitdata.record import MediaItem
-from knitdata.storage.media import MediaTable
+from knitdata.storage.media import MediaStore
 
 
 def _img(seed: int, side: int = 4) -> MediaItem:
@@ -20,7 +20,7 @@ def _img(seed: int, side: int = 4) -> MediaItem:
 
 
 def test_hold_stores_once_and_returns_the_held_item():
-    t = MediaTable()
+    t = MediaStore()
     a, a2 = _img(1), _img(1)  # equal content, distinct objects
     assert a is not a2 and a.digest == a2.digest
     held, new = t.hold("t0", [a])
@@ -38,7 +38,7 @@ def test_hold_stores_once_and_returns_the_held_item():
 
 
 def test_unresolved_reference_refused_all_or_nothing():
-    t = MediaTable()
+    t = MediaStore()
     a = _img(2)
     t.hold("t0", [a])
     before = (t.stats(), t.check())
@@ -52,7 +52,7 @@ def test_unresolved_reference_refused_all_or_nothing():
 
 
 def test_plan_changes_nothing_and_agrees_with_hold():
-    t = MediaTable()
+    t = MediaStore()
     a, b = _img(4), _img(5)
     t.hold("t0", [a])
     assert t.plan("t1", [a, b, MediaItem.ref("image", b.digest)]) == b.nbytes
@@ -63,10 +63,10 @@ def test_plan_changes_nothing_and_agrees_with_hold():
 
 
 def test_resolve_copies_in_from_elsewhere():
-    other = MediaTable()
+    other = MediaStore()
     a = _img(6)
     other.hold("x", [a])
-    t = MediaTable()
+    t = MediaStore()
     held, new = t.hold("t0", [MediaItem.ref("image", a.digest)], resolve=other.get)
     assert held[0] is a and new == a.nbytes and t.copied_in == 1 and t.resolved == 1
     assert other.drop("x") == a.nbytes  # freed there; still held here (counted on both)
@@ -74,7 +74,7 @@ def test_resolve_copies_in_from_elsewhere():
 
 
 def test_mismatched_kind_or_rate_refused_and_duplicate_trajectory():
-    t = MediaTable()
+    t = MediaStore()
     clip = MediaItem("audio", tensor=torch.zeros(8), sample_rate=16000)
     t.hold("t0", [clip])
     with pytest.raises(ValidationError, match="sample rate"):
@@ -88,7 +88,7 @@ def test_mismatched_kind_or_rate_refused_and_duplicate_trajectory():
 
 
 def test_concurrent_hold_drop_keeps_counts():
-    t = MediaTable()
+    t = MediaStore()
     items = [_img(i) for i in range(4)]
 
     def work(w: int) -> None:
@@ -118,7 +118,7 @@ ops = st.lists(st.tuples(st.sampled_from(["hold", "drop"]), st.integers(0, 7),
 @given(ops)
 def test_property_matches_a_simple_model(seq):
     """Random hold/drop sequences against a model: refs per digest, bytes of distinct digests, all-or-nothing."""
-    t = MediaTable()
+    t = MediaStore()
     model: dict[str, list[int]] = {}  # trajectory -> pool indices it holds
     for op, tnum, spec in seq:
         tid = f"t{tnum}"

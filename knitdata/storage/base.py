@@ -62,7 +62,7 @@ class StorageStats:
         spilled_bytes: Their bytes (``Trajectory.nbytes``; not counted in ``used_bytes``).
         spill_puts: Payloads written to the spill store so far.
         spill_gets: Payloads read back from it so far.
-        media_items: Distinct media items held (one copy per digest; :class:`~knitdata.storage.media.MediaTable`).
+        media_items: Distinct media items held (one copy per digest; :class:`~knitdata.storage.media.MediaStore`).
         media_bytes: Their bytes, each item counted once (included in ``used_bytes``).
         media_refs: References to them: one per (trajectory, media index) held.
         media_bytes_saved: Bytes that per-trajectory copies of the media would hold beyond ``media_bytes``.

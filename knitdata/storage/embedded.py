@@ -1,7 +1,7 @@
 """The embedded storage unit: payloads held in this process, handed to consumers without a copy.
 
 Media are content-addressed (``media_dedup=True``, the default): the unit keeps one copy of each media item by
-digest in a :class:`~knitdata.storage.media.MediaTable`, and each stored trajectory refers to that copy.
+digest in a :class:`~knitdata.storage.media.MediaStore`, and each stored trajectory refers to that copy.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, cast
 from knitdata.errors import ConfigError, EngineError, MediaRefError, StoreFull, TrajectoryLostError, ValidationError
 from knitdata.record import MediaItem, Trajectory
 from knitdata.storage.base import StorageStats, StorageUnit
-from knitdata.storage.media import MediaTable, Resolver
+from knitdata.storage.media import MediaStore, Resolver
 
 _first, _second = itemgetter(0), itemgetter(1)  # of a held ``(trajectory, nbytes)`` (nbytes: its own, no media)
 
@@ -33,7 +33,7 @@ class EmbeddedStorageUnit(StorageUnit):
     trajectory)``.
 
     Media stored once (``media_dedup=True``): the unit holds one copy of each media item by digest with a count
-    of the trajectories using it (:class:`~knitdata.storage.media.MediaTable`). A trajectory is accounted its own
+    of the trajectories using it (:class:`~knitdata.storage.media.MediaStore`). A trajectory is accounted its own
     tensors plus the media it brings that the unit does not hold yet; the stored trajectory's media are the
     table's items, so :meth:`get` returns equal digests as the same object. A reference
     (:meth:`MediaItem.ref <knitdata.record.MediaItem.ref>`) is resolved at put from this unit's table, else from
@@ -92,7 +92,7 @@ class EmbeddedStorageUnit(StorageUnit):
         self._spilled_bytes = 0
         self._spill_puts = 0
         self._spill_gets = 0
-        self._media: MediaTable | None = MediaTable() if media_dedup else None
+        self._media: MediaStore | None = MediaStore() if media_dedup else None
         self.resolve: Resolver | None = resolve
 
     @property
@@ -101,7 +101,7 @@ class EmbeddedStorageUnit(StorageUnit):
         return self._media is not None
 
     @property
-    def media(self) -> MediaTable | None:
+    def media(self) -> MediaStore | None:
         """The unit's media table (``None`` with ``media_dedup=False``); read-only use (tests, drills, stats)."""
         return self._media
 
@@ -420,7 +420,7 @@ class EmbeddedStorageUnit(StorageUnit):
         return f"EmbeddedStorageUnit({self.unit_id!r}, capacity_bytes={self.capacity_bytes})"
 
 
-def _media_check(table: MediaTable | None, items: dict[str, tuple[Trajectory, int]], spilled: set[str]) -> dict[str, Any]:
+def _media_check(table: MediaStore | None, items: dict[str, tuple[Trajectory, int]], spilled: set[str]) -> dict[str, Any]:
     """:meth:`EmbeddedStorageUnit.media_check` (called under the unit's lock)."""
     if table is None:
         return {"ok": True, "pairs": 0, "refs": 0, "items": 0, "bytes": 0, "distinct_bytes": 0, "leaked": []}

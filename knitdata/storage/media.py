@@ -1,10 +1,10 @@
 """Content-addressed media of one storage unit: one copy per digest, counted references.
 
 A group's members share their prompt's image, clip or video, and an agent's turns carry the same screenshots
-turn after turn. A :class:`MediaTable` keeps one copy of each media item by its content digest
+turn after turn. A :class:`MediaStore` keeps one copy of each media item by its content digest
 (:attr:`MediaItem.digest <knitdata.record.MediaItem.digest>`) with a reference count over the trajectories
-that use it: a trajectory's stored record refers to the table's copy, :meth:`MediaTable.hold` takes a
-trajectory's references (storing the items it brings for the first time), :meth:`MediaTable.drop` gives them
+that use it: a trajectory's stored record refers to the table's copy, :meth:`MediaStore.hold` takes a
+trajectory's references (storing the items it brings for the first time), :meth:`MediaStore.drop` gives them
 back and frees an item when its last trajectory goes. A producer that knows a digest the pipeline holds puts
 :meth:`MediaItem.ref <knitdata.record.MediaItem.ref>` instead of the pixels; a reference to a digest nobody
 holds is refused with :class:`~knitdata.errors.MediaRefError`.
@@ -12,7 +12,7 @@ holds is refused with :class:`~knitdata.errors.MediaRefError`.
 Invariants (checked by ``tests/_media_checks.py`` after every scenario of the conformance suite):
 
 * the sum of the reference counts equals the number of (trajectory, media index) pairs held;
-* :attr:`MediaTable.bytes` equals the sum of the held items' bytes, each distinct digest counted once;
+* :attr:`MediaStore.bytes` equals the sum of the held items' bytes, each distinct digest counted once;
 * an item is held exactly while some trajectory refers to it (nothing freed while referenced, nothing leaked).
 
 The table has its own lock, a leaf: it never calls out while holding it (``resolve`` runs outside), so a unit
@@ -21,7 +21,7 @@ may resolve a reference from another unit's table while holding its own unit's l
 Example:
     >>> import torch
     >>> from knitdata.record import MediaItem
-    >>> table = MediaTable()
+    >>> table = MediaStore()
     >>> img = MediaItem("image", tensor=torch.zeros(3, 8, 8, dtype=torch.uint8))
     >>> held, new = table.hold("t0", [img])
     >>> held2, new2 = table.hold("t1", [MediaItem.ref("image", img.digest)])
@@ -40,7 +40,7 @@ from typing import Any
 from knitdata.errors import MediaRefError, ValidationError
 from knitdata.record import MediaItem
 
-__all__ = ["MediaTable", "Resolver"]
+__all__ = ["MediaStore", "Resolver"]
 
 #: Finds a digest this table does not hold elsewhere (another unit of the pipeline): the item, or ``None``.
 Resolver = Callable[[str], "MediaItem | None"]
@@ -55,7 +55,7 @@ class _Entry:
         self.refs = 0
 
 
-class MediaTable:
+class MediaStore:
     """One unit's media, one copy per digest, with a reference count over the trajectories using each (thread-safe).
 
     Attributes:

@@ -1,7 +1,7 @@
 """Media stored once on the Ray engine, without Ray: a unit's media table, what a client sends, and spill recovery.
 
 * :class:`UnitMedia`: the content-addressed media of one :class:`~knitdata.storage.ray_actor.StorageUnitActor`
-  (the semantics of :class:`knitdata.storage.media.MediaTable`, holding object-store refs or inline records);
+  (the semantics of :class:`knitdata.storage.media.MediaStore`, holding object-store refs or inline records);
 * :class:`MediaSender`: a client's side of a put: records written with ``encode_trajectory(..., media="refs")``,
   each distinct media item sent once per call and not at all when the unit holds it (a per-unit memory of the
   digests sent; a unit that freed one answers ``"missing:<i>"`` and the content goes again);
@@ -140,7 +140,7 @@ class SpillRecovery:
 # ------------------------------------------------------------------------------------------ a unit's media
 class UnitMedia:
     """A Ray unit's media, one record per digest with a count of the trajectories using it (the semantics of
-    :class:`knitdata.storage.media.MediaTable`, holding object-store refs or inline records instead of items).
+    :class:`knitdata.storage.media.MediaStore`, holding object-store refs or inline records instead of items).
 
     Guarded by the unit's lock (``_UnitState.cond``). Each entry is ``[held record (ObjectRef, inline numpy
     record, or _ON_DISK after a resume), accounted bytes (the item's ``nbytes``, 0 while on disk), record bytes,
@@ -234,8 +234,8 @@ class UnitMedia:
                 "media_resolved": self.resolved, "media_copied_in": self.copied_in}
 
     def check(self) -> dict[str, Any]:
-        """Recount from the per-trajectory lists (the format of :meth:`MediaTable.check
-        <knitdata.storage.media.MediaTable.check>`)."""
+        """Recount from the per-trajectory lists (the format of :meth:`MediaStore.check
+        <knitdata.storage.media.MediaStore.check>`)."""
         want: dict[str, int] = {}
         for ds in self.by_traj.values():
             for d in ds:
