@@ -56,7 +56,7 @@ import torch
 from torch import nn
 
 from benchmarks.common.models import MlpPatchEncoder, MlpVLM
-from benchmarks.common.output import command_line, write_json
+from benchmarks.common.output import command_line, pyplot, write_json
 
 __all__ = ["AgentConfig", "FORMS", "RUNS", "episodes", "run_bench", "format_table", "plot", "add_arguments", "run"]
 
@@ -358,15 +358,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: str) -> None:
     """Bytes moved and stored per step and step time, knitdata vs per-trajectory copies, per form."""
-    from knitdata.errors import OptionalDependencyError
-
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise OptionalDependencyError("matplotlib", "plot", "--plot") from e
+    plt = pyplot()
     forms = [f for f in FORMS if f in report["ratios"]]
     fig, ax = plt.subplots(1, 3, figsize=(13, 4))
     width = 0.38

@@ -50,7 +50,7 @@ import torch
 
 from benchmarks.common.cli import child_env
 from benchmarks.common.models import TransformerBackbone, TransformerPatchEncoder
-from benchmarks.common.output import write_json
+from benchmarks.common.output import pyplot, write_json
 
 __all__ = [
     "EncodeConfig",
@@ -346,15 +346,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 def plot(report: dict[str, Any], path: str) -> None:
     """Speedup per mode and the Amdahl bound against group size."""
-    from knitdata.errors import OptionalDependencyError
-
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise OptionalDependencyError("matplotlib", "plot", "--plot") from e
+    plt = pyplot()
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     res = report["results"]
     ns = sorted({r["group_size"] for r in res})

@@ -1,4 +1,4 @@
-"""Result output shared by the drivers: the command line that produced a result, strict JSON files."""
+"""Result output shared by the drivers: the command line that produced a result, strict JSON files, plots."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["command_line", "strict_json", "write_json"]
+__all__ = ["command_line", "pyplot", "strict_json", "write_json"]
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
@@ -60,3 +60,21 @@ def write_json(path: str, obj: Any, indent: int = 1, strict: bool = False) -> No
         else:
             json.dump(obj, f, indent=indent)
     print(f"wrote {path}")
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend (files only), for a benchmark's ``--plot``.
+
+    Raises:
+        OptionalDependencyError: If matplotlib is not installed (it names the ``--plot`` option).
+    """
+    from knitdata.errors import OptionalDependencyError
+
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise OptionalDependencyError("matplotlib", "plot", "--plot") from e
+    return plt
