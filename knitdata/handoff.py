@@ -350,6 +350,7 @@ class ControlSender:
         self._wake = threading.Lock()  # held while nothing is due: wake() releases it, the thread takes it
         self._wake.acquire()
         self._thread: Job | None = None  # the sender's (see knitdata.threads)
+        self._exiting = False  # the interpreter exits (knitdata.threads.stop_all): the thread ends, sends nothing
         #: Records were requested (:meth:`request`) and not relayed yet: the next :meth:`relay` wakes the thread.
         self.due = False
         self.reports = 0
@@ -479,7 +480,14 @@ class ControlSender:
     def _ensure_thread(self) -> None:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = spawn(self._run, "knitdata-sender")
+                self._exiting = False
+                self._thread = spawn(self._run, "knitdata-sender", stop=self._stop_at_exit)
+
+    def _stop_at_exit(self) -> None:
+        """Called at interpreter exit (knitdata.threads.stop_all): the thread returns without another report, so
+        that no daemon thread touches torch objects during finalization."""
+        self._exiting = True
+        self.wake()
 
     def _run(self) -> None:
         try:
@@ -492,7 +500,11 @@ class ControlSender:
     def _loop(self) -> None:
         idle = 0
         while True:
+            if self._exiting:
+                return
             if self._wake.acquire(timeout=self.heartbeat_s):
+                if self._exiting:
+                    return
                 time.sleep(_LINGER_S)  # hand-outs close together go in one call
             try:
                 self._send()

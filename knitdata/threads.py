@@ -19,17 +19,21 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 
-__all__ = ["IDLE_S", "PARKED_NAME", "Job", "spawn", "release_parked"]
+__all__ = ["IDLE_S", "PARKED_NAME", "EXIT_JOIN_S", "Job", "spawn", "release_parked", "stop_all"]
 
 #: Seconds a thread whose job ended stays parked for the next one before it exits.
 IDLE_S = 10.0
 #: The name of a parked thread.
 PARKED_NAME = "knitdata-parked"
+#: Seconds :func:`stop_all` (run at interpreter exit) waits, in all, for the running jobs to end.
+EXIT_JOIN_S = 2.0
 
 
 class Job:
@@ -41,9 +45,10 @@ class Job:
         done: Set once the function returned or raised.
     """
 
-    def __init__(self, fn: Callable[[], object], name: str) -> None:
+    def __init__(self, fn: Callable[[], object], name: str, stop: Callable[[], object] | None = None) -> None:
         self.fn: Callable[[], object] | None = fn
         self.name = name
+        self.stop = stop
         self.thread: threading.Thread | None = None
         self.done = threading.Event()
 
@@ -99,17 +104,20 @@ class _Worker:
             del fn
             self.thread.name = PARKED_NAME
             with _LOCK:  # parked before the job is done: a join() that returned finds it parked
+                _RUNNING.discard(job)
                 _PARKED.append(self)
             job.done.set()
 
 
 _PARKED: list[_Worker] = []  # the last parked on top (its stack and caches are the warmest)
+_RUNNING: set[Job] = set()  # queued or running jobs (for stop_all)
 _LOCK = threading.Lock()
 
 
 def _after_fork() -> None:  # a forked child has none of the parent's threads
     global _LOCK
     _PARKED.clear()
+    _RUNNING.clear()
     _LOCK = threading.Lock()
 
 
@@ -117,7 +125,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
 
 
-def spawn(fn: Callable[[], object], name: str) -> Job:
+def spawn(fn: Callable[[], object], name: str, stop: Callable[[], object] | None = None) -> Job:
     """Run ``fn()`` on a daemon thread named ``name``: a parked one, or a new one when none is parked.
 
     An exception ``fn`` raises goes to :func:`threading.excepthook`, as from a plain thread.
@@ -125,12 +133,14 @@ def spawn(fn: Callable[[], object], name: str) -> Job:
     Args:
         fn: What to run (it should catch what it means to keep).
         name: The thread's name while it runs ``fn``.
+        stop: Asks ``fn`` to return soon (any thread may call it): :func:`stop_all` calls it at interpreter exit.
 
     Returns:
         The :class:`Job`: ``join()`` waits for ``fn`` to finish.
     """
-    job = Job(fn, str(name))
+    job = Job(fn, str(name), stop)
     with _LOCK:
+        _RUNNING.add(job)
         worker = _PARKED.pop() if _PARKED else None
     if worker is not None:
         worker.thread.name = job.name
@@ -159,3 +169,36 @@ def release_parked() -> int:
         w.job = None
         w.go.release()
     return len(workers)
+
+
+def stop_all(timeout: float = EXIT_JOIN_S) -> int:
+    """Ask the running jobs to stop (their ``stop``), end the parked threads, and wait up to ``timeout`` seconds in
+    all for the jobs to end; returns how many are still running.
+
+    Registered with :mod:`atexit`: a script that ends without closing its pipelines (no ``shutdown()``) would
+    otherwise leave daemon threads running into interpreter finalization, where a thread that frees a tensor
+    (torch releases and retakes the GIL in its deallocator) is ended by ``pthread_exit`` inside a ``noexcept``
+    C++ frame: "terminate called without an active exception" and SIGABRT after all the work was done.
+    A job without ``stop`` is only waited for. Calling it earlier is harmless to a job that restarts on demand (the
+    control sender does); tests/test_threads.py runs it in a child process.
+    """
+    with _LOCK:
+        jobs = list(_RUNNING)
+    for job in jobs:
+        if job.stop is not None:
+            try:
+                job.stop()
+            except Exception:  # noqa: BLE001 - a stop that fails leaves that job to the bounded wait
+                pass
+    release_parked()
+    deadline = time.monotonic() + timeout
+    left = 0
+    for job in jobs:
+        if job.thread is threading.current_thread():
+            continue
+        if not job.join(max(deadline - time.monotonic(), 0.0)):
+            left += 1
+    return left
+
+
+atexit.register(stop_all)

@@ -91,3 +91,71 @@ def test_is_current_tells_the_jobs_thread() -> None:
     assert job.join(5.0) and out == [True] and not job.is_current()
     assert "done" in repr(job)
     release_parked()
+
+
+# A user's script that ends without closing its pipeline (no shutdown()): the atexit hook (threads.stop_all) must
+# stop knitdata's running jobs before interpreter finalization. Otherwise the control sender, a daemon thread, could
+# wake during finalization and free a tensor; torch's deallocator releases and retakes the GIL, and a daemon thread
+# that retakes it during finalization is ended by pthread_exit inside a noexcept C++ frame: "terminate called
+# without an active exception", SIGABRT (seen at about 1 run in 10 of tests/_checkpoint_script.py restore).
+_USER_SCRIPT = '''
+import atexit, threading
+def check():  # registered before knitdata is imported: runs after knitdata's own atexit hook
+    print("ALIVE", sorted(t.name for t in threading.enumerate()
+                          if t.name.startswith("knitdata") and t.name != "knitdata-parked"), flush=True)
+atexit.register(check)
+import torch
+from knitdata import BatchSpec, Pipeline, Trajectory
+pipe = Pipeline(BatchSpec({"math": 4}, num_minibatches=1, group_size=2), num_consumers=1, token_budget=64)
+pipe.put_many([Trajectory(id=f"t{i}", source="math", group=f"g{i // 2}", prompt_ids=torch.arange(4),
+                          response_ids=torch.arange(5), scalars={"reward": 1.0}) for i in range(8)])
+ds = pipe.dataset(0, timeout=30)
+mb = next(iter(ds))
+print("BEFORE", sorted(t.name for t in threading.enumerate() if t.name.startswith("knitdata")), flush=True)
+'''
+
+
+def _run_user_script(tmp_path) -> tuple[int, str, str]:
+    import subprocess
+
+    script = tmp_path / "user_script.py"
+    script.write_text(_USER_SCRIPT)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_a_script_ending_without_shutdown_has_no_knitdata_job_running_at_finalization(tmp_path) -> None:
+    rc, out, err = _run_user_script(tmp_path)
+    assert rc == 0, err
+    assert "BEFORE" in out and "'knitdata-sender'" in out.split("BEFORE", 1)[1].splitlines()[0], out  # it ran
+    assert "ALIVE []" in out, out
+
+
+def test_stop_all_calls_stop_ends_parked_threads_and_waits_a_bounded_time(tmp_path) -> None:
+    import subprocess
+
+    code = '''
+import threading, time
+from knitdata import threads
+quit = threading.Event()
+stoppable = threads.spawn(lambda: quit.wait(60.0), "knitdata-stoppable", stop=quit.set)
+threads.spawn(lambda: None, "knitdata-quick").join(5.0)  # its thread is parked now
+stuck = threading.Event()
+deaf = threads.spawn(lambda: stuck.wait(60.0), "knitdata-deaf")  # no stop: only waited for
+t0 = time.monotonic()
+left = threads.stop_all(0.5)
+took = time.monotonic() - t0
+print(left, stoppable.join(0.0), deaf.join(0.0), 0.4 < took < 5.0, flush=True)
+stuck.set()
+'''
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["1", "True", "False", "True"], p.stdout
+
+
+@pytest.mark.slow
+def test_scripts_ending_without_shutdown_never_abort_at_teardown(tmp_path) -> None:
+    for i in range(40):  # SIGABRT at teardown was about 1 run in 10 before threads.stop_all
+        rc, out, err = _run_user_script(tmp_path)
+        assert rc == 0 and "ALIVE []" in out, f"run {i}: rc={rc} {err[-500:]}"
