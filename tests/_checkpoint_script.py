@@ -125,6 +125,8 @@ def restore(d: str, ranks: int | None = None) -> None:
         t.join()
     print(json.dumps({"report": report.to_dict(), "after": {str(r): g for r, g in got.items()}, "put": put,
                       "in_flight": pipe.ledger.in_flight()}), flush=True)
+    # ends like a user's script, without pipe.shutdown(): knitdata.threads.stop_all (atexit) must stop the control
+    # sender before finalization (it used to abort here: "terminate called without an active exception")
 
 
 if __name__ == "__main__":
