@@ -252,6 +252,10 @@ def test_engine_selection(monkeypatch):
     spec = BatchSpec({"a": 2}, num_minibatches=1)
     monkeypatch.setitem(sys.modules, "ray", None)  # ray not installed
     monkeypatch.delitem(sys.modules, "knitdata.engines.ray", raising=False)
+    # as in a process where the Ray engine was never chosen: an earlier test of this worker may have imported it
+    from knitdata.engines.base import ENGINES
+
+    ENGINES.register_lazy("ray", "knitdata.engines.ray:RayEngine")
     with pytest.raises(OptionalDependencyError, match="ray"):
         Pipeline(spec, engine="ray")
     monkeypatch.undo()
