@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
@@ -14,14 +13,7 @@ from knitdata.errors import ConfigError, ValidationError
 from knitdata.placement import ConsumerLayout
 from knitdata.planner import PlannedMicroBatch, Planner
 from knitdata.record import TrajectoryMeta
-
-
-@dataclass(frozen=True)
-class _Admitted:
-    train_batch: int
-    index: int
-    step: int
-    trajectories: tuple
+from tests._planner_helpers import Admitted as _Admitted
 
 
 def _metas(rng: random.Random, n: int, group_size: int, nodes: list[str], max_tokens: int = 30):
@@ -355,15 +347,6 @@ def test_whole_unit_shares_match_the_reference(monkeypatch, order) -> None:
     assert all(type(mb.trajectories) is tuple for row in plan.microbatches for mb in row)
 
 
-@dataclass(frozen=True)
-class _AdmittedWithGroups:
-    train_batch: int
-    index: int
-    step: int
-    trajectories: tuple
-    group_sizes: tuple
-
-
 def _runs(metas) -> list[int]:
     sizes: list[int] = []
     for i, m in enumerate(metas):
@@ -386,7 +369,7 @@ def test_group_sizes_hint_plans_the_same(vectorize_from, case) -> None:
     planner = Planner(layout, budget, **kwargs)
     planner.vectorize_from = vectorize_from
     plain = planner.plan(_Admitted(0, 0, 0, tuple(metas)))
-    hinted = planner.plan(_AdmittedWithGroups(0, 0, 0, tuple(metas), tuple(sizes)))
+    hinted = planner.plan(_Admitted(0, 0, 0, tuple(metas), tuple(sizes)))
     assert hinted == plain
 
 
@@ -399,7 +382,7 @@ def test_wrong_group_sizes_are_refused_naming_the_group() -> None:
         for vectorize_from in (Planner.vectorize_from, 1):  # Python lists, numpy passes: the same check
             planner.vectorize_from = vectorize_from
             with pytest.raises(ValidationError, match=needle) as info:
-                planner.plan(_AdmittedWithGroups(0, 0, 0, metas, sizes))
+                planner.plan(_Admitted(0, 0, 0, metas, sizes))
             assert info.value.field == "group_sizes"
 
 

@@ -18,7 +18,6 @@ import json
 import random
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +26,11 @@ import pytest
 from knitdata.placement import ConsumerLayout
 from knitdata.planner import MicroBatchInfo, PlannedMicroBatch, Planner
 from knitdata.record import TrajectoryMeta
+from tests._planner_helpers import Admitted as _Admitted
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "planner_plans.json"
 #: Cases with at least this many trajectories are pinned by digest (the fixture stays small).
 WHOLE_BELOW = 400
-
-
-@dataclass(frozen=True)
-class _Admitted:
-    train_batch: int
-    index: int
-    step: int
-    trajectories: tuple[TrajectoryMeta, ...]
-    group_sizes: tuple[int, ...] = ()
 
 
 def _case(seed: int) -> tuple[str, Planner, _Admitted, dict[str, int] | None]:
