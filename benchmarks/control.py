@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--plot", default=None, help="(unused: no plot for this benchmark)")
     parser.add_argument("--trace", action="store_true",
-                        help="only compare tracing on vs off (knitdata.trace) on the embedded engine's put path and "
+                        help="only compare tracing on vs off (knitdata.observe.trace) on the embedded engine's put path and "
                              "trainer loop, side by side in one run")
 
 
@@ -328,7 +328,7 @@ def run_engine_point(engine: str, producers: int, size: str, count: int, batch: 
     cpu0 = cpu1 = None
     pid = None
     if engine == "ray":
-        from knitdata.engines.ray_control import RayControl
+        from knitdata.engines.ray.control import RayControl
 
         control = pipe.internals.control
         assert isinstance(control, RayControl)
@@ -461,10 +461,10 @@ def run_engines(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for engine in engines:
         if engine == "ray":
-            from knitdata.storage.ray_connect import connect
+            from knitdata.engines.ray.connect import connect
 
             connect(None)  # one local loopback Ray for the whole run
-            from knitdata.engines.ray import ray_address
+            from knitdata.engines.ray.engine import ray_address
 
             address = ray_address()
         pool = _ProducerPool(max(args.producers), str(address)) if engine == "ray" else None

@@ -137,7 +137,7 @@ def measure_overlap(host: list[torch.Tensor], dev: torch.device, repeats: int) -
 
 def _make_batches(sizes: list[int]) -> list[Any]:
     """Ragged host micro-batches (knitdata MicroBatch) of roughly the given byte sizes."""
-    from knitdata.collate import MicroBatchInfo, TokenCollator
+    from knitdata.consumer.collate import MicroBatchInfo, TokenCollator
     from knitdata.record import Trajectory
 
     coll = TokenCollator(mode="pack")
@@ -162,7 +162,7 @@ def _make_batches(sizes: list[int]) -> list[Any]:
 
 def measure_prefetcher(batches: list[Any], steps: int, dev: torch.device, depth: int) -> dict[str, Any]:
     """A training-like loop: per step get a micro-batch, check it, compute ~copy time, sync once."""
-    from knitdata.prefetch import PinnedBufferPool, Prefetcher
+    from knitdata.consumer.prefetch import PinnedBufferPool, Prefetcher
 
     refs = [b.to(dev) for b in batches]  # device references for the equality check
     torch.cuda.synchronize()
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump({"skipped": True, "reason": "CUDA not available", "torch": torch.__version__}, f, indent=1)
         return 0
 
-    from knitdata.prefetch import host_memory_stats
+    from knitdata.consumer.prefetch import host_memory_stats
 
     t_all = time.perf_counter()
     dev = torch.device("cuda", torch.cuda.current_device())

@@ -6,7 +6,7 @@ batch b is fully admitted) puts real trajectories, each group sharing one PNG im
 :class:`~knitdata.admission.ConstraintPreservingAdmission` admits mini-batches, the planner assigns them
 to two consumers, and each consumer (a thread) trains a replica of a tiny vision-language model on its
 micro-batches in ``iter`` mode, encoding each unique image once per mini-batch with
-:class:`~knitdata.encoder.SharedEncoding`. The replicas' gradients are summed at every optimizer step
+:class:`~knitdata.media.encoder.SharedEncoding`. The replicas' gradients are summed at every optimizer step
 (an in-process all-reduce), so they stay identical.
 
 The report gives architectural staleness (measured in this run, and replayed on this run's arrival
@@ -308,10 +308,10 @@ def run_demo(
     """
     from tqdm.auto import tqdm
 
-    from knitdata.collate import TokenCollator
-    from knitdata.encoder import SharedEncoding
-    from knitdata.media import patchify
-    from knitdata.multimodal import MultimodalCollator
+    from knitdata.consumer.collate import TokenCollator
+    from knitdata.media.encoder import SharedEncoding
+    from knitdata.media.multimodal import MultimodalCollator
+    from knitdata.media.process import patchify
     from knitdata.pipeline import Pipeline
 
     cfg = cfg or DemoConfig()
@@ -513,8 +513,8 @@ def _plot_timeline(
     cfg: DemoConfig,
     wall: float,
 ) -> None:
-    """Figure 1 of the demo, drawn by :func:`knitdata.trace.plot_timeline` (the code ``knitdata trace --plot`` uses)."""
-    from knitdata.trace import plot_timeline
+    """Figure 1 of the demo, drawn by :func:`knitdata.observe.trace.plot_timeline` (the code ``knitdata trace --plot`` uses)."""
+    from knitdata.observe.trace import plot_timeline
 
     plot_timeline(
         path, admissions, timeline, [(fin, m.source) for _, fin, m in arrivals], [s for s, _, _ in cfg.sources], wall,

@@ -2,7 +2,7 @@
 
 A mini-batch of ``m`` trajectories holds ``m / n`` prompt images, each shared by the ``n`` responses of its
 group (GRPO group size ``n``), shuffled into micro-batches so copies span micro-batches. The naive step encodes
-every copy in its micro-batch (forward and backward); :class:`~knitdata.encoder.SharedEncoding` encodes each
+every copy in its micro-batch (forward and backward); :class:`~knitdata.media.encoder.SharedEncoding` encodes each
 unique image once (``fold``, ``leaf``) or twice without keeping activations (``recompute``). A small vision
 encoder (a few transformer layers over patches) and a small transformer backbone run on the CPU with one
 torch thread. Measured side by side in one run (interleaved repetitions, medians):
@@ -134,8 +134,8 @@ def build_workload(cfg: EncodeConfig, n: int) -> Workload:
         cfg: The workload.
         n: Group size (responses per prompt image).
     """
-    from knitdata.media import patchify
-    from knitdata.multimodal import MultimodalCollator
+    from knitdata.media.multimodal import MultimodalCollator
+    from knitdata.media.process import patchify
     from knitdata.record import MediaItem, Trajectory
 
     if cfg.trajectories % n or cfg.trajectories % cfg.microbatch:
@@ -161,7 +161,7 @@ def build_workload(cfg: EncodeConfig, n: int) -> Workload:
 
 def run_step(w: Workload, mode: str) -> None:
     """One mini-batch forward + backward in ``mode`` (``naive``, ``backbone_only`` or a dedup mode)."""
-    from knitdata.encoder import SharedEncoding
+    from knitdata.media.encoder import SharedEncoding
 
     for p in (*w.encoder.parameters(), *w.backbone.parameters()):
         p.grad = None

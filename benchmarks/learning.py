@@ -18,7 +18,7 @@ Adam. One optimizer step per mini-batch (the trainer steps after the micro-batch
 What runs for real. Every trajectory goes through an embedded :class:`~knitdata.pipeline.Pipeline`: rollout
 puts it (with its ``gen_version``, behaviour log-probs, reward and advantage) as soon as its group
 finishes; the pipeline's admission policy decides which mini-batch it joins and when, its planner and the
-consumer's :class:`~knitdata.dataset.TrajectoryDataset` (``fetch="iter"``: a background prefetch thread
+consumer's :class:`~knitdata.consumer.dataset.TrajectoryDataset` (``fetch="iter"``: a background prefetch thread
 fetches and collates) deliver it; the trainer consumes that dataset, steps, and calls
 :meth:`~knitdata.pipeline.Pipeline.report_version`; then the new weights are synced to rollout
 (after every optimizer step). Staleness is read from what the trainer received
@@ -103,7 +103,7 @@ from torch import nn
 
 from benchmarks.sim import SCENARIOS, Scenario, SourceParams, get_scenario
 from knitdata.admission import AdmittedMiniBatch, BatchSpec
-from knitdata.collate import MicroBatch, MicroBatchInfo, TokenCollator
+from knitdata.consumer.collate import MicroBatch, MicroBatchInfo, TokenCollator
 from knitdata.errors import ConfigError, RolloutThrottled
 from knitdata.pipeline import Pipeline
 from knitdata.record import Trajectory

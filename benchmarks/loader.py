@@ -5,13 +5,13 @@
 1. ``overhead``: iterating every micro-batch of the embedded store (a fresh pipeline per repeat, puts not
    timed) against ``torch.utils.data.DataLoader(num_workers=0)`` over the same in-memory trajectories, with
    the same micro-batches (the plan's index lists as ``batch_sampler``) and the same collate
-   (:class:`~knitdata.collate.TokenCollator`); interleaved repeats (alternating order, GC off inside each
+   (:class:`~knitdata.consumer.collate.TokenCollator`); interleaved repeats (alternating order, GC off inside each
    timed pass); the median of the per-repeat wall-time ratios, in each of 5 fresh processes run one after
    another, and the median across the processes (:func:`measure_overhead_processes`: one process's figure
    moves between runs by more than its repeats do). ``overhead_ratio_vs_torch`` is the
    synchronous path (``fetch="eager"``, no background thread, like ``num_workers=0``);
    ``overhead_ratio_vs_torch_iter`` is ``fetch="iter"``: its background thread only pays off when there is
-   compute to overlap (see 3); with none, as here, :class:`knitdata.prefetch.Prefetcher` lets the consumer
+   compute to overlap (see 3); with none, as here, :class:`knitdata.consumer.prefetch.Prefetcher` lets the consumer
    pull the micro-batches itself instead of paying a thread hand-off per micro-batch. CPU-time ratios are
    reported beside (robust on a shared machine); so is the load average (at start and end).
 2. ``memcpy_GBps``: ``torch.Tensor.copy_`` of as many bytes as the payloads of 512 trajectories of 1 MiB hold,
@@ -23,7 +23,7 @@
    ``local_fetch_over_plain_collate`` are the ratios of the medians; page faults per pass are reported beside.
 3. ``modes``: exposed latency per training step for ``sample`` / ``eager`` / ``iter``. Each trajectory holds
    one PNG image; the fetch of a micro-batch includes decoding its images with pillow
-   (:func:`knitdata.media.load_image`) and token collate. A step is ``K = 4`` micro-batches; compute per
+   (:func:`knitdata.media.process.load_image`) and token collate. A step is ``K = 4`` micro-batches; compute per
    micro-batch is a one-thread float32 matmul sized to about 1.5x the measured fetch time (not a sleep).
    Exposed latency of a step = wall time inside ``next()`` over its micro-batches (no device here, so no
    H2D wait); the median over steps after 3 warm-up steps is reported, with the step time. The modes run
@@ -54,7 +54,7 @@ import torch
 
 from benchmarks.common.output import write_json
 from knitdata.admission import BatchSpec
-from knitdata.collate import MicroBatch, MicroBatchInfo, TokenCollator
+from knitdata.consumer.collate import MicroBatch, MicroBatchInfo, TokenCollator
 from knitdata.pipeline import Pipeline
 from knitdata.record import MediaItem, Trajectory
 
@@ -148,7 +148,7 @@ class DecodingCollator:
         self.tokens = TokenCollator()
 
     def __call__(self, trajs: Sequence[Trajectory], info: MicroBatchInfo | None = None) -> MicroBatch:
-        from knitdata.media import load_image
+        from knitdata.media.process import load_image
 
         mb = self.tokens(trajs, info)
         imgs = [load_image(m.data, trajectory_id=t.id, item=j) for t in trajs for j, m in enumerate(t.media)]
@@ -583,7 +583,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG plot")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (about 10-20 s)")
     parser.add_argument("--trace", action="store_true",
-                        help="only compare tracing on vs off (knitdata.trace), side by side in one run")
+                        help="only compare tracing on vs off (knitdata.observe.trace), side by side in one run")
 
 
 def run(args: argparse.Namespace) -> int:

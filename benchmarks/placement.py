@@ -3,7 +3,7 @@
 One run, one workload, both placements side by side on the Ray engine: a local
 ``ray.cluster_utils.Cluster`` with ``--nodes`` nodes (every one on 127.0.0.1, its own object store,
 dashboard off), one consumer rank per node (a Ray actor pinned to the node, iterating its
-:class:`~knitdata.dataset.TrajectoryDataset` of the Ray engine), the producer in this process. Cross-node bytes
+:class:`~knitdata.consumer.dataset.TrajectoryDataset` of the Ray engine), the producer in this process. Cross-node bytes
 are counted where they are read (Ray's object locations against the reader's node) and, separately,
 where they are put (producer's node against the unit's node). Also reported: what the planner expected
 (``planned_remote_bytes``), fetch throughput per consumer (payload bytes / seconds from its first to its
@@ -82,7 +82,7 @@ def start_cluster(nodes: int, store_mb: int = 128, cpus: int = 2) -> Any:
         ``ray.shutdown()``.
     """
     t0 = time.perf_counter()
-    from knitdata.storage.ray_connect import connect
+    from knitdata.engines.ray.connect import connect
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
@@ -232,9 +232,9 @@ def measure_fetch(nodes: list[str], *, records: int = 24, record_bytes: int = 1 
     import torch
 
     from knitdata.codec import decode_trajectory
+    from knitdata.engines.ray.connect import current_node
+    from knitdata.engines.ray.unit import RayStorageUnit, read_records
     from knitdata.record import Trajectory
-    from knitdata.storage.ray_connect import current_node
-    from knitdata.storage.ray_unit import RayStorageUnit, read_records
 
     here = current_node()
     other = next(n for n in nodes if n != here)
@@ -349,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     cluster = None
     if args.address:
-        from knitdata.storage.ray_connect import connect
+        from knitdata.engines.ray.connect import connect
 
         connect(args.address)
         nodes, startup = node_order()[: args.nodes], 0.0

@@ -4,7 +4,7 @@ One fixed multimodal RL workload (the seed's Figures 8 and 11a-c): groups of ``n
 tokens that share one ``3x448x448`` uint8 image per group, 4 consumer processes, micro-batches of 4
 trajectories, 4 micro-batches per step, one torch thread per process, warm-up steps excluded, start-up
 excluded. ``--workload omni`` gives each group a short video (an MP4 container made with PyAV, decoded and
-sampled by the consumers with ``knitdata.video``; ``--omni-video frames`` stores its frames as image items
+sampled by the consumers with ``knitdata.media.video``; ``--omni-video frames`` stores its frames as image items
 instead; 4 frames at 224 px by default on this 2-core machine; the seed's 16 at 448 px with ``--omni-seed-size``, which also defaults to 1 + 4
 steps and each mode alone) and a 30 s 16 kHz audio clip stored as FLAC bytes and decoded with soundfile; the model
 gets an audio encoder. It is delivered by
@@ -17,8 +17,8 @@ gets an audio encoder. It is delivered by
   micro-batches ahead, and (b) ``loader``: its own ``StreamingDataset`` + ``StreamingDataLoader`` (worker
   processes, ``prefetch_factor``) as its documentation recommends; both sub-figures are kept,
 * ``sample`` / ``eager`` / ``iter`` -- knitdata's fetch modes with consumers as separate processes: the Ray
-  engine (:mod:`knitdata.engines.ray`); with ``shared`` encoding the rank's
-  :class:`~knitdata.dataset.TrajectoryDataset` takes a ``media_collator``,
+  engine (:mod:`knitdata.engines.ray.engine`); with ``shared`` encoding the rank's
+  :class:`~knitdata.consumer.dataset.TrajectoryDataset` takes a ``media_collator``,
 * ``iter_embedded`` -- ``iter`` on the embedded engine (consumers are threads of one process), a reference,
 * ``floor`` -- no data system: each consumer's share of the trajectories in its own memory, its micro-batches built
   ahead by a thread with knitdata's collators, the trainer's calls a ``deque`` pop, a two-key state and an enqueued
@@ -34,7 +34,7 @@ MLP backbone) on each micro-batch (``--compute cpu``), or waits exactly what tha
 machine (``--compute accel``, the default: each consumer's compute is a sleep of its cost calibrated before the run,
 per micro-batch and encoding, so the host CPU is free during compute as on a GPU node, while fetch, decode, collate
 and every data call stay real; see :data:`COMPUTE_MEASURES`), with the media encoded per copy (``dup``: what verl
-and slime do) or once per mini-batch with :class:`~knitdata.encoder.SharedEncoding` (``shared``; on transferqueue
+and slime do) or once per mini-batch with :class:`~knitdata.media.encoder.SharedEncoding` (``shared``; on transferqueue
 too, so the 2x2 table ``end_to_end`` separates transfer and encoding effects). Exposed latency: per step, the wall
 time of every data call of the trainer -- ``next()`` for every system, plus knitdata's ``state_dict()`` and
 ``commit()`` after the optimizer step -- median over the measured steps, broken down by call: ``next()`` waiting for
@@ -141,7 +141,7 @@ def run_transfer_benchmark(
     Args:
         w: The workload (default: the fixed image one).
         modes: Subset of :data:`MODES` (run in that order).
-        shared_modes: Modes also run with :class:`~knitdata.encoder.SharedEncoding`.
+        shared_modes: Modes also run with :class:`~knitdata.media.encoder.SharedEncoding`.
         controls: Process modes (``transferqueue``, ``transferqueue_best``, ``sample``, ``eager``, ``iter``,
             ``floor``) also run alone afterwards, each with the encodings it ran with (default: every process mode
             that ran).
@@ -325,7 +325,7 @@ def run_transfer_benchmark(
                     ex = [{"metrics": {"bytes_fetched": moved if r == 0 else 0}} for r in range(len(ex))]
                 copies = x.get("media_dedup") is False
                 record(x["fetch"], enc, recs[name], ex, expected_of[x["fetch"]], "ray (consumer processes; "
-                       "knitdata.engines.ray)", control=control, interleaved=not control, via="ray_engine",
+                       "knitdata.engines.ray.engine)", control=control, interleaved=not control, via="ray_engine",
                        prepare_s=x.get("prepare_s"), storage=cluster.engine_storage(x["pipeline"], w),
                        section="media_copies" if copies else None)
             elif x["kind"] == "floor":

@@ -10,7 +10,7 @@ medians):
 * ``native``: the model's own forward with every trajectory's copy of its media
   (:meth:`~knitdata.integrations.transformers.HFMultimodalAdapter.forward_native`), forward and backward
   of every micro-batch;
-* ``fold`` / ``leaf`` / ``recompute``: :class:`~knitdata.encoder.SharedEncoding` through the adapter (unique
+* ``fold`` / ``leaf`` / ``recompute``: :class:`~knitdata.media.encoder.SharedEncoding` through the adapter (unique
   items encoded once, rows placed at the placeholders, the model's own forward and loss);
 * ``step_s``: the step's time (CPU: process CPU time with one torch thread, robust on shared cores; GPU:
   wall time between ``cuda.synchronize`` calls); ``speedup`` = native ``step_s`` / mode ``step_s``;
@@ -247,7 +247,7 @@ def _video_container(frames: int, size: int, seed: int) -> bytes:
     """A real MP4 (mpeg4) of ``frames`` random frames at 2 fps, made with PyAV."""
     import numpy as np
 
-    from knitdata.video import encode_video
+    from knitdata.media.video import encode_video
 
     rng = np.random.default_rng(seed)
     return encode_video(rng.integers(0, 256, (frames, size, size, 3), dtype=np.uint8), fps=2)
@@ -258,9 +258,9 @@ def build_workload(cfg: VLMConfig, family: str, index: int = 0) -> Workload:
     import numpy as np
 
     from knitdata.integrations.transformers import adapter_for
-    from knitdata.media import audio_item, image_item
+    from knitdata.media.process import audio_item, image_item
+    from knitdata.media.video import video_item
     from knitdata.record import Trajectory
-    from knitdata.video import video_item
 
     tokens = cfg.text_tokens[min(index, len(cfg.text_tokens) - 1)]
     model = _build_model(cfg, family, tokens)

@@ -1,6 +1,6 @@
 """MkDocs hooks for the knitdata docs (not a page: excluded in mkdocs.yml).
 
-The docstrings use Sphinx-style roles (``:class:`~knitdata.dataset.TrajectoryDataset```), which mkdocstrings
+The docstrings use Sphinx-style roles (``:class:`~knitdata.consumer.dataset.TrajectoryDataset```), which mkdocstrings
 renders literally; :func:`on_page_content` turns each into an optional cross-reference that mkdocs-autorefs
 resolves into a link when the target is documented (else plain code, without a warning).
 

@@ -133,7 +133,7 @@ class RecordingCollate:
     """The default token collate, also noting the payload bytes (``Trajectory.nbytes``) of each micro-batch."""
 
     def __init__(self) -> None:
-        from knitdata.collate import TokenCollator
+        from knitdata.consumer.collate import TokenCollator
 
         self.inner = TokenCollator()
         self.payload: dict[tuple[int, int], int] = {}

@@ -18,10 +18,10 @@ What it shows:
   group shares its prompt's image (``<|vision_start|><|image_pad|><|vision_end|>`` in the prompt, one
   placeholder per image);
 * every rank's loader (:func:`knitdata.integrations.accelerate.prepare_loader`) hands out micro-batches whose
-  ``media`` is the :class:`~knitdata.multimodal.MultimodalBatch` of the rank's share of the mini-batch:
+  ``media`` is the :class:`~knitdata.media.multimodal.MultimodalBatch` of the rank's share of the mini-batch:
   each unique image processed once by the model's processor (``adapter.media_collator()``), its
   ``image_grid_thw`` in the media table; ``adapter.collate(mb)`` turns each micro-batch into the model's inputs;
-* :class:`~knitdata.encoder.SharedEncoding` (``fold``, through ``adapter.shared_encoding()``) encodes each
+* :class:`~knitdata.media.encoder.SharedEncoding` (``fold``, through ``adapter.shared_encoding()``) encodes each
   unique image once per optimizer step with ``model.visual`` and hands each micro-batch its rows;
   ``adapter.collate`` expands each placeholder to the image's merged-patch count and ``adapter.forward``
   runs the model's own forward (its M-RoPE position ids) with those rows at the placeholders;
@@ -57,7 +57,7 @@ import torch
 
 from knitdata import Trajectory
 from knitdata.admission import BatchSpec
-from knitdata.media import image_item
+from knitdata.media.process import image_item
 
 VOCAB = 128
 IMAGE_ID, VIDEO_ID, VSTART, VEND = 120, 121, 122, 123
@@ -107,7 +107,7 @@ def tiny_omni_model(seed: int = 0) -> Any:
 
 def video_mp4(rng: np.random.Generator, frames: int = 6, side: int = 16) -> bytes:
     """A real MP4 (mpeg4) of ``frames`` random frames at 4 fps, made with PyAV."""
-    from knitdata.video import encode_video
+    from knitdata.media.video import encode_video
 
     return encode_video(rng.integers(0, 256, (frames, side, side, 3), dtype=np.uint8), fps=4)
 
@@ -143,8 +143,8 @@ def rollout_group(seed: int, batch: int, source: str, index: int, group_size: in
     media = [image_item(torch.from_numpy(rng.integers(0, 256, (3, h, w), dtype=np.uint8)))]
     marks = [VSTART, IMAGE_ID, VEND]
     if family == "qwen2_5_omni":
-        from knitdata.media import audio_item
-        from knitdata.video import video_item
+        from knitdata.media.process import audio_item
+        from knitdata.media.video import video_item
 
         media += [video_item(video_mp4(rng, frames=int(rng.integers(4, 9)))),
                   audio_item(rng.standard_normal(int(rng.integers(20, 60)) * 160).astype(np.float32), sample_rate=16000)]
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     if omni:  # both towers: model.visual (images, video frames) and model.audio_tower
         from transformers import WhisperFeatureExtractor
 
-        from knitdata.video import VideoSampling
+        from knitdata.media.video import VideoSampling
 
         adapter: Any = qwen2_5_omni(model, image_processor(), WhisperFeatureExtractor(feature_size=16),
                                     VideoSampling(fps=2.0))

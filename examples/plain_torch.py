@@ -1,7 +1,7 @@
 """knitdata in a plain PyTorch training loop (no Accelerate, no framework).
 
 One process, embedded engine (the default): a rollout producer thread puts trajectories, ``--consumers N``
-consumer threads each iterate their own :class:`~knitdata.dataset.TrajectoryDataset` through torchdata's
+consumer threads each iterate their own :class:`~knitdata.consumer.dataset.TrajectoryDataset` through torchdata's
 ``StatefulDataLoader`` and train a model replica; every trajectory reaches exactly one consumer. Threads cannot
 use DDP: :class:`~knitdata.replicas.ThreadGradientSync` starts the replicas equal and averages their gradients
 at every optimizer step, so they stay bitwise equal (``replicas equal: True`` in the output)::
@@ -269,7 +269,7 @@ def train_consumer(
     """
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from knitdata.collate import TokenCollator
+    from knitdata.consumer.collate import TokenCollator
 
     collator = TokenCollator()
     payload: dict[tuple[int, int], int] = {}

@@ -1,6 +1,6 @@
 """knitdata: moves reinforcement-learning trajectories from rollout to training.
 
-The layout follows the data's path; each stage is a module (or a package of one-concept modules):
+The layout follows the data's path; each stage is a module or a folder of one-concept modules:
 
 ==================  =========================================================================================
 stage               where
@@ -15,25 +15,26 @@ admission           :mod:`knitdata.admission` (``spec``, ``composition``, ``base
 placement           :mod:`knitdata.placement`
 planning            :mod:`knitdata.planner` (``records``: ``MicroBatchInfo``; ``core``, ``microbatches``, ``columns``)
 control plane       :mod:`knitdata.control`: ``surface`` (the control calls, declared once), ``state``, ``admit``,
-                    ``leases``, ``positions``, ``reporting``, ``ledger``, ``reshape`` and ``rankstates`` (elastic resume),
-                    ``durability``, ``journal``, ``snapshot``; ``plane`` (the ``ControlPlane`` facade)
-storage             :mod:`knitdata.storage` (``base``, ``embedded``; Ray: ``ray_connect``, ``ray_actor``,
-                    ``ray_unit``), :mod:`knitdata.spill`, :mod:`knitdata.shards` (webdataset export/replay)
-engines             :mod:`knitdata.engines` (``base``: ``Engine``, the ``ENGINES`` registry; ``options``: a new
-                    pipeline's options, checked once; ``embedded``; ``ray``, ``ray_control``); strategy tables
-                    (engines, fetch modes, admission policies, placements) are :mod:`knitdata.registry` registries
-consumer            :mod:`knitdata.dataset` (``TrajectoryDataset``), :mod:`knitdata.consumer` (its control-plane
-                    session and stages), :mod:`knitdata.fetch` (fetch modes), :mod:`knitdata.handoff` (leases,
-                    the background sender)
-collate             :mod:`knitdata.collate` (tokens), :mod:`knitdata.media`, :mod:`knitdata.video` (PyAV),
-                    :mod:`knitdata.multimodal`
-prefetch            :mod:`knitdata.prefetch`, :mod:`knitdata.staging` (pinning, side-stream copies)
-encoder             :mod:`knitdata.encoder` (``SharedEncoding``), :mod:`knitdata.replicas`
+                    ``leases``, ``positions``, ``reporting``, ``ledger``, ``reshape`` and ``rankstates`` (elastic
+                    resume), ``durability``, ``journal``, ``snapshot``; ``plane`` (the ``ControlPlane`` facade)
+storage             :mod:`knitdata.storage` (``base``: the unit protocol; ``media``: media once per digest;
+                    ``spill``), :mod:`knitdata.shards` (webdataset export/replay)
+engines             :mod:`knitdata.engines` (``base``: ``Engine``, the ``ENGINES`` registry; ``options``), one folder
+                    per engine: ``engines/embedded`` (``engine``, ``unit``), ``engines/ray`` (``engine``,
+                    ``control``, ``connect``, ``unit_actor``, ``unit``, ``media``, ``read``, ``metrics``)
+consumer            :mod:`knitdata.consumer`: ``dataset`` (``TrajectoryDataset``), ``session`` (its control-plane
+                    session and stages), ``fetch`` (fetch modes), ``collate`` (tokens), ``prefetch`` and
+                    ``staging`` (pinning, side-stream copies), ``handoff`` (leases, the background sender)
+media               :mod:`knitdata.media`: ``process`` (decode, preprocess), ``video`` (PyAV), ``multimodal``
+                    (the micro-batch's media table), ``encoder`` (``SharedEncoding``); :mod:`knitdata.replicas`
 parallel            :mod:`knitdata.parallel` (``replica_layout``: data-parallel rank and replica from a DeviceMesh)
-integrations        :mod:`knitdata.integrations` (``accelerate``, ``transformers``)
-metrics             :mod:`knitdata.metrics`
+integrations        :mod:`knitdata.integrations` (``accelerate``, ``transformers``, ``trl``, ``verl``)
+observe             :mod:`knitdata.observe` (``metrics``, ``monitor``, ``trace``)
 checkpoint          :mod:`knitdata.checkpoint` (``Pipeline.checkpoint`` / ``Pipeline.restore``, the rollout ledger)
 ==================  =========================================================================================
+
+Strategy tables (engines, fetch modes, admission policies, placements, model adapters) are
+:mod:`knitdata.registry` registries.
 
 Benchmarks, the simulator and the demo are not part of the package: they live in the repository's top-level
 ``benchmarks`` package (``python -m benchmarks <name>``).
@@ -73,26 +74,26 @@ _LAZY: dict[str, str] = {
     "Planner": "knitdata.planner",
     "Pipeline": "knitdata.pipeline",
     "ControlPlane": "knitdata.control",
-    "ray_address": "knitdata.engines.ray",
-    "TrajectoryDataset": "knitdata.dataset",
-    "TokenCollator": "knitdata.collate",
-    "MicroBatch": "knitdata.collate",
+    "ray_address": "knitdata.engines.ray.engine",
+    "TrajectoryDataset": "knitdata.consumer.dataset",
+    "TokenCollator": "knitdata.consumer.collate",
+    "MicroBatch": "knitdata.consumer.collate",
     "MicroBatchInfo": "knitdata.planner",
-    "Prefetcher": "knitdata.prefetch",
-    "MultimodalCollator": "knitdata.multimodal",
-    "MultimodalBatch": "knitdata.multimodal",
-    "MediaTable": "knitdata.multimodal",
-    "SharedEncoding": "knitdata.encoder",
-    "grad_sync": "knitdata.encoder",
-    "patchify": "knitdata.media",
-    "image_item": "knitdata.media",
-    "audio_item": "knitdata.media",
-    "video_item": "knitdata.video",
-    "VideoSampling": "knitdata.video",
+    "Prefetcher": "knitdata.consumer.prefetch",
+    "MultimodalCollator": "knitdata.media.multimodal",
+    "MultimodalBatch": "knitdata.media.multimodal",
+    "MediaTable": "knitdata.media.multimodal",
+    "SharedEncoding": "knitdata.media.encoder",
+    "grad_sync": "knitdata.media.encoder",
+    "patchify": "knitdata.media.process",
+    "image_item": "knitdata.media.process",
+    "audio_item": "knitdata.media.process",
+    "video_item": "knitdata.media.video",
+    "VideoSampling": "knitdata.media.video",
     "write_shards": "knitdata.shards",
     "read_shards": "knitdata.shards",
     "ShardDataset": "knitdata.shards",
-    "SpillStore": "knitdata.spill",
+    "SpillStore": "knitdata.storage.spill",
     "ReplicaLayout": "knitdata.parallel",
     "replica_layout": "knitdata.parallel",
     "from_process_groups": "knitdata.parallel",
@@ -127,20 +128,20 @@ if TYPE_CHECKING:  # pragma: no cover
         make_policy,
     )
     from knitdata.codec import decode_trajectory, encode_trajectory  # noqa: F401
-    from knitdata.collate import MicroBatch, TokenCollator  # noqa: F401
+    from knitdata.consumer.collate import MicroBatch, TokenCollator  # noqa: F401
+    from knitdata.consumer.dataset import TrajectoryDataset  # noqa: F401
+    from knitdata.consumer.prefetch import Prefetcher  # noqa: F401
     from knitdata.control import ControlPlane  # noqa: F401
     from knitdata.control.rankstates import merge_rank_states  # noqa: F401
-    from knitdata.dataset import TrajectoryDataset  # noqa: F401
-    from knitdata.encoder import SharedEncoding, grad_sync  # noqa: F401
-    from knitdata.engines.ray import ray_address  # noqa: F401
-    from knitdata.media import audio_item, image_item, patchify  # noqa: F401
-    from knitdata.multimodal import MediaTable, MultimodalBatch, MultimodalCollator  # noqa: F401
+    from knitdata.engines.ray.engine import ray_address  # noqa: F401
+    from knitdata.media.encoder import SharedEncoding, grad_sync  # noqa: F401
+    from knitdata.media.multimodal import MediaTable, MultimodalBatch, MultimodalCollator  # noqa: F401
+    from knitdata.media.process import audio_item, image_item, patchify  # noqa: F401
+    from knitdata.media.video import VideoSampling, video_item  # noqa: F401
     from knitdata.parallel import ReplicaLayout, from_process_groups, replica_layout  # noqa: F401
     from knitdata.pipeline import Pipeline  # noqa: F401
     from knitdata.placement import ConsumerAwarePlacement, ConsumerLayout, IndexModPlacement  # noqa: F401
     from knitdata.planner import MicroBatchInfo, Planner  # noqa: F401
-    from knitdata.prefetch import Prefetcher  # noqa: F401
     from knitdata.shards import ShardDataset, read_shards, write_shards  # noqa: F401
-    from knitdata.spill import SpillStore  # noqa: F401
     from knitdata.staleness import StalenessTracker, TokenStaleness  # noqa: F401
-    from knitdata.video import VideoSampling, video_item  # noqa: F401
+    from knitdata.storage.spill import SpillStore  # noqa: F401

@@ -44,10 +44,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from knitdata.consumer.fetch import fetch_mode
 from knitdata.control import PLANE_DEFAULTS
 from knitdata.control.ledger import Ledger
 from knitdata.errors import ConfigError, KnitdataError, StateError, StoreFull
-from knitdata.fetch import fetch_mode
 from knitdata.placement import ConsumerLayout
 from knitdata.record import MediaItem, Trajectory
 from knitdata.shards import read_shards, write_shards

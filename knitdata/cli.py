@@ -2,10 +2,10 @@
 and ``knitdata trace``.
 
 ``knitdata status --address ADDR --name NAME [--watch]`` prints a running Ray pipeline's status table
-(:mod:`knitdata.monitor`); it is part of the installed library.
+(:mod:`knitdata.observe.monitor`); it is part of the installed library.
 
 ``knitdata trace PATH [--plot OUT.png] [--out MERGED.json]`` merges the part files of a run's trace
-(:mod:`knitdata.trace`) into ``PATH`` (or ``--out``) and can draw the run's timeline; it needs no checkout.
+(:mod:`knitdata.observe.trace`) into ``PATH`` (or ``--out``) and can draw the run's timeline; it needs no checkout.
 
 The demo and the benchmarks are not part of the installed library: they live in the repository's top-level
 ``benchmarks`` package (``python -m benchmarks <name>``). Run from a checkout (an editable install, or with the
@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def trace_main(argv: Sequence[str]) -> int:
     """``knitdata trace PATH [--out OUT] [--plot PNG] [--no-merge]``: merge, then plot; returns the exit code."""
-    from knitdata import trace
     from knitdata.errors import KnitdataError
+    from knitdata.observe import trace
 
     args = build_parser().parse_args(["trace", *argv])
     try:
@@ -114,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         The process exit code: the command's, or 2 (no command, or no ``benchmarks`` package to forward to).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["status"]:  # part of the library (knitdata.monitor), not of the checkout's benchmarks
+    if argv[:1] == ["status"]:  # part of the library (knitdata.observe.monitor), not of the checkout's benchmarks
         return status_main(argv[1:])
     if argv[:1] == ["trace"]:
         return trace_main(argv[1:])
@@ -160,7 +160,7 @@ def status_main(argv: Sequence[str] | None = None) -> int:
         print("knitdata status: --interval must be positive", file=sys.stderr)
         return 2
     from knitdata.errors import KnitdataError
-    from knitdata.monitor import status_rows, status_table
+    from knitdata.observe.monitor import status_rows, status_table
     from knitdata.pipeline import Pipeline
 
     try:

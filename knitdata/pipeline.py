@@ -11,7 +11,7 @@ engines that differ only in where payload bytes live:
 Every engine has the same put path (:class:`~knitdata.producer.Producer`: validation and media decoding in the
 producer; the payload stored on the unit this process's replica of the placement picks; then one admission call,
 which on Ray the storage unit makes itself, so a put is one round trip), the same
-:class:`~knitdata.dataset.TrajectoryDataset`, state format, defaults and errors. The options are declared once
+:class:`~knitdata.consumer.dataset.TrajectoryDataset`, state format, defaults and errors. The options are declared once
 (:class:`~knitdata.engines.options.PipelineOptions`); tests, drills and benchmarks reach the engine behind the
 facade through :attr:`Pipeline.internals`.
 
@@ -34,17 +34,17 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from knitdata import checkpoint as ckpt
-from knitdata import monitor
-from knitdata import trace as tracing
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec
 from knitdata.checkpoint import CheckpointInfo, RestoreReport, RolloutLedger
-from knitdata.consumer import DEFAULT_TIMEOUT_S
+from knitdata.consumer.dataset import TrajectoryDataset
+from knitdata.consumer.session import DEFAULT_TIMEOUT_S
 from knitdata.control import RELEASE_MODES, acquire_rollout
-from knitdata.dataset import TrajectoryDataset
 from knitdata.engines.base import ENGINES, Engine
 from knitdata.engines.options import PipelineOptions
 from knitdata.errors import ConfigError, KnitdataError, PipelineClosedError
-from knitdata.metrics import ConsumerMetrics
+from knitdata.observe import monitor
+from knitdata.observe import trace as tracing
+from knitdata.observe.metrics import ConsumerMetrics
 from knitdata.placement import ConsumerLayout, Placement
 from knitdata.planner import MiniBatchPlan
 from knitdata.producer import PUT_TIMEOUT, Producer
@@ -54,7 +54,7 @@ from knitdata.storage.base import StorageUnit
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from knitdata.fetch import FetchMode
+    from knitdata.consumer.fetch import FetchMode
 
 __all__ = ["Pipeline", "PipelineClosedError", "ENGINES", "RELEASE_MODES", "DEFAULT_TIMEOUT_S", "PUT_TIMEOUT"]
 
@@ -345,7 +345,7 @@ class Pipeline:
 
     def write_trace(self) -> dict[str, Any] | None:
         """Flush this process's trace events and merge every part written so far into :attr:`trace_path`
-        (:func:`knitdata.trace.merge`, as ``knitdata trace PATH``); the merge's summary, or ``None`` without a trace."""
+        (:func:`knitdata.observe.trace.merge`, as ``knitdata trace PATH``); the merge's summary, or ``None`` without a trace."""
         if self.trace_path is None:
             return None
         if tracing.tracer is not None:
@@ -384,10 +384,10 @@ class Pipeline:
         replica: int | None = None,
         num_replicas: int | None = None,
     ) -> TrajectoryDataset:
-        """The :class:`~knitdata.dataset.TrajectoryDataset` of consumer ``rank``.
+        """The :class:`~knitdata.consumer.dataset.TrajectoryDataset` of consumer ``rank``.
 
         Its keywords are the dataset's options, declared and documented once: the fields of
-        :class:`~knitdata.consumer.DatasetOptions` (``fetch="sample" | "eager" | "iter"``, ``collate``,
+        :class:`~knitdata.consumer.session.DatasetOptions` (``fetch="sample" | "eager" | "iter"``, ``collate``,
         ``media_collator``, ``prefetch_depth``, ``device``, ``pin_memory``, ``max_minibatches``, ``timeout``,
         ``replica``, ``num_replicas``).
 
@@ -446,14 +446,14 @@ class Pipeline:
 
     def step_metrics(self, rank: int | None = None, *, prefix: str = "knitdata/") -> dict[str, float | int]:
         """:meth:`stats` as one flat ``{"knitdata/...": number}`` dict for a logger
-        (:func:`knitdata.monitor.flat_metrics`); with ``rank``, that rank's wait, bytes and staleness too. A rank's
-        trainer calls :meth:`TrajectoryDataset.step_metrics <knitdata.dataset.TrajectoryDataset.step_metrics>`."""
+        (:func:`knitdata.observe.monitor.flat_metrics`); with ``rank``, that rank's wait, bytes and staleness too. A rank's
+        trainer calls :meth:`TrajectoryDataset.step_metrics <knitdata.consumer.dataset.TrajectoryDataset.step_metrics>`."""
         if rank is not None:
             self.metrics(rank)  # checks it
         return monitor.flat_metrics(self.stats(), rank=rank, prefix=prefix)
 
     def status_table(self) -> str:
-        """This pipeline as a compact text table (``knitdata status``; :func:`~knitdata.monitor.status_table`)."""
+        """This pipeline as a compact text table (``knitdata status``; :func:`~knitdata.observe.monitor.status_table`)."""
         return monitor.status_table({"name": self.name, **self.stats()})
 
     def flush_meter(self) -> None:

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from knitdata import trace as tracing
+from knitdata.consumer.handoff import ProducerPresence
 from knitdata.control import fields_of
 from knitdata.engines.base import Engine
 from knitdata.errors import (
@@ -27,7 +27,7 @@ from knitdata.errors import (
     StoreFull,
     ValidationError,
 )
-from knitdata.handoff import ProducerPresence
+from knitdata.observe import trace as tracing
 from knitdata.placement import Placement, make_placement
 from knitdata.record import Trajectory, TrajectoryMeta
 
@@ -230,7 +230,7 @@ class Producer:
                     "truncate it, or create the pipeline with a larger token_budget",
                     trajectory_id=traj.id, field="num_tokens")
             if self.check_media and traj.media:
-                from knitdata.media import check_media_item
+                from knitdata.media.process import check_media_item
 
                 for i, item in enumerate(traj.media):
                     # a reference's content was checked when it was put; an item of a digest checked in this put

@@ -3,7 +3,7 @@ model adapters).
 
 A :class:`Registry` maps names to entries of one type (a strategy class, or a strategy object) and is the only
 table of its family: ``Pipeline(engine=...)`` reads :data:`knitdata.engines.base.ENGINES`, ``fetch=...`` reads
-:data:`knitdata.fetch.FETCH_MODES`, ``admission=...`` reads :data:`knitdata.admission.POLICIES`,
+:data:`knitdata.consumer.fetch.FETCH_MODES`, ``admission=...`` reads :data:`knitdata.admission.POLICIES`,
 ``placement=...`` reads :data:`knitdata.placement.PLACEMENTS`, and ``adapter_for(model)`` reads
 :data:`knitdata.integrations.transformers.MODEL_ADAPTERS`. Each family registers its built-in strategies where
 it defines them, and anyone may register another one the same way::

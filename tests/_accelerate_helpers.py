@@ -73,7 +73,7 @@ def token_loss_sum(model: torch.nn.Module, mb: Any) -> torch.Tensor:
 
 def reference_grads(trajs: list[Trajectory]) -> dict[str, torch.Tensor]:
     """Gradient of the mean token loss over ``trajs`` (one process, no DDP)."""
-    from knitdata.collate import TokenCollator
+    from knitdata.consumer.collate import TokenCollator
 
     model = TinyLM()
     mb = TokenCollator()(trajs)

@@ -559,7 +559,7 @@ def replicas(engine: str, n_groups: int = 8, dp: int = 2, num_replicas: int = 2,
     With ``num_workers``, each replica iterates through ``StatefulDataLoader`` worker processes (Ray engine).
     Every replica commits its last state when it is done (with workers only explicit commits release).
     """
-    from knitdata.dataset import find_states
+    from knitdata.consumer.dataset import find_states
 
     spec = spec_for(n_groups)
     trajs = workload(n_groups)
@@ -894,7 +894,7 @@ def main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     import ray
 
-    from knitdata.storage.ray_connect import connect
+    from knitdata.engines.ray.connect import connect
 
     connect(a.address)
     try:

@@ -19,7 +19,7 @@ What runs (``tests/test_docs.py``):
 Placeholders. The docs use a few names that stand for the reader's own code (``my_rollout_engine()``,
 ``model``, ``loss_sum``...). A setup defines each of them as the smallest real thing that fits (a generator of
 valid trajectories for the block's ``spec``, a tiny ``torch`` model, a filled pipeline); nothing knitdata does is
-replaced. The exceptions, named where they are defined: ``DDP`` and ``fully_shard`` in the ``knitdata.encoder``
+replaced. The exceptions, named where they are defined: ``DDP`` and ``fully_shard`` in the ``knitdata.media.encoder``
 examples are plain (single-process) wrappers; ``tests/test_encoder_distributed.py`` runs those patterns across
 gloo ranks.
 
@@ -57,7 +57,7 @@ FENCE = re.compile(r"^(\s*)```python\s*$")
 class Block:
     """One code example: where it is, its code, and how to run it."""
 
-    where: str  # "README.md:42" or "knitdata.encoder (module):3"
+    where: str  # "README.md:42" or "knitdata.media.encoder (module):3"
     code: str
     mode: str = "run"  # "run", "skip", "continue" or "doctest"
     setup: str = "default"
@@ -452,7 +452,7 @@ def doc_accelerate(ns: dict[str, Any]) -> None:
 
 
 class _PlainWrapper(torch.nn.Module):
-    """``DDP`` in the ``knitdata.encoder`` examples: wraps the model as ``.module`` (one process, no reduction)."""
+    """``DDP`` in the ``knitdata.media.encoder`` examples: wraps the model as ``.module`` (one process, no reduction)."""
 
     def __init__(self, module: torch.nn.Module, **_: Any) -> None:
         super().__init__()
@@ -524,10 +524,10 @@ def tiny_llava(seed: int = 0, dtype: torch.dtype = torch.float64) -> dict[str, A
 
 #: Placeholders per docstring (its name as doctest reports it: ``module``, ``module.Class``, ...).
 DOCSTRING_SETUPS: dict[str, Callable[[dict[str, Any]], None]] = {
-    "knitdata.multimodal": doc_multimodal,
-    "knitdata.storage.embedded.EmbeddedStorageUnit": doc_storage_unit,
+    "knitdata.media.multimodal": doc_multimodal,
+    "knitdata.engines.embedded.unit.EmbeddedStorageUnit": doc_storage_unit,
     "knitdata.integrations.accelerate": doc_accelerate,
-    "knitdata.encoder": doc_encoder,
+    "knitdata.media.encoder": doc_encoder,
 }
 #: Placeholders of one block of a docstring, by the first line of its code.
 BLOCK_SETUPS: dict[str, Callable[[dict[str, Any]], None]] = {

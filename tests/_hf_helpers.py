@@ -12,7 +12,7 @@ import traceback
 import numpy as np
 import torch
 
-from knitdata.media import audio_item, image_item
+from knitdata.media.process import audio_item, image_item
 from knitdata.record import Trajectory
 
 # token ids of the tiny vocabularies (128 tokens)
@@ -126,7 +126,7 @@ def tiny_feature_extractor():
 
 def tiny_video(frames: int = 6, size: tuple[int, int] = (16, 24), seed: int = 0, fmt: str = "mp4") -> bytes:
     """A real container (mp4 with mpeg4, or webm with vp8) of random frames at 4 fps, made with PyAV."""
-    from knitdata.video import encode_video
+    from knitdata.media.video import encode_video
 
     rng = np.random.default_rng(seed)
     return encode_video(rng.integers(0, 256, (frames, size[0], size[1], 3), dtype=np.uint8), fps=4, fmt=fmt)
@@ -200,8 +200,8 @@ def dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from knitdata.encoder import grad_sync
     from knitdata.integrations.transformers import qwen2_5_vl
+    from knitdata.media.encoder import grad_sync
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: dict = {}

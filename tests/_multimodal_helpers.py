@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from knitdata.encoder import SharedEncoding
-from knitdata.multimodal import MultimodalBatch, MultimodalCollator
+from knitdata.media.encoder import SharedEncoding
+from knitdata.media.multimodal import MultimodalBatch, MultimodalCollator
 from knitdata.record import MediaItem, Trajectory
 
 D_IN, D = 6, 8
@@ -216,8 +216,8 @@ def dist_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from knitdata.encoder import SharedEncoding, grad_sync
-    from knitdata.multimodal import MediaTable
+    from knitdata.media.encoder import SharedEncoding, grad_sync
+    from knitdata.media.multimodal import MediaTable
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: dict = {}

@@ -101,7 +101,7 @@ def paused_attach(name: str, address: str, where: str) -> None:
     import ray
 
     from knitdata import Pipeline
-    from knitdata.engines.ray_control import RayControl
+    from knitdata.engines.ray.control import RayControl
 
     def pause() -> None:
         _say(paused=where)

@@ -65,7 +65,7 @@ def coordinator_node(name: str) -> str:
     """The node id the coordinator of pipeline ``name`` runs on."""
     import ray
 
-    from knitdata.engines.ray import coordinator_name
+    from knitdata.engines.ray.engine import coordinator_name
 
     return str(ray.get(ray.get_actor(coordinator_name(name), namespace="knitdata").call.remote("info"))["node"])
 

@@ -199,10 +199,10 @@ def units_basic(extra: int = 20_000) -> dict[str, Any]:
     """Units on two nodes read from the driver's node (zero-copy, counters), and backpressure."""
     import ray
 
+    from knitdata.engines.ray.connect import current_node
+    from knitdata.engines.ray.metrics import TransferMeter
+    from knitdata.engines.ray.unit import RayStorageUnit, read_records
     from knitdata.errors import StoreFull
-    from knitdata.storage.ray_connect import current_node
-    from knitdata.storage.ray_metrics import TransferMeter
-    from knitdata.storage.ray_unit import RayStorageUnit, read_records
 
     nodes = _nodes()
     trajs = [make_traj(i, extra=extra) for i in range(6)]
@@ -548,8 +548,8 @@ def coordinator_killed(journal_root: str, n_groups: int = 24, kills: int = 2, co
     import ray
 
     from knitdata import Pipeline
-    from knitdata.engines.ray import coordinator_name
-    from knitdata.storage.ray_connect import NAMESPACE
+    from knitdata.engines.ray.connect import NAMESPACE
+    from knitdata.engines.ray.engine import coordinator_name
 
     name = f"ck-{os.getpid()}"
     pipe = Pipeline(_spec(2 * n_groups), num_consumers=2, engine="ray", token_budget=128, capacity_bytes=64 << 20,
@@ -641,8 +641,8 @@ def whole_job_resume(spill_root: str, pipeline: str, state: dict[str, Any], trac
 def one_round_trip(n_groups: int = 12) -> dict[str, Any]:
     """Puts on two nodes: how many calls each put makes, where the payloads land, every trajectory once."""
     from knitdata import Pipeline
+    from knitdata.engines.ray.unit import RayStorageUnit
     from knitdata.placement import ConsumerAwarePlacement, ConsumerLayout
-    from knitdata.storage.ray_unit import RayStorageUnit
 
     nodes = _nodes()[:2]
     trajs = workload(n_groups, 2, extra=2_000)
@@ -746,7 +746,7 @@ def traced_run(trace: str, n_groups: int = 16, compute_s: float = 0.0, put_every
     counts = ray.get(runs, timeout=150)
     pipe.shutdown()
     seconds = time.monotonic() - t0
-    from knitdata import trace as tracing
+    from knitdata.observe import trace as tracing
 
     offsets = []
     for part in tracing.parts(trace):
@@ -772,7 +772,7 @@ def main(argv: list[str]) -> int:
     if a.cmd == "serve":
         _serve(a.nodes, a.cpus, a.store_mb)
         return 0
-    from knitdata.storage.ray_connect import connect
+    from knitdata.engines.ray.connect import connect
 
     os.environ["KD_RAY_ADDRESS"] = a.address
     connect(a.address)

@@ -82,10 +82,10 @@ def media_units() -> dict[str, Any]:
     import ray
 
     from knitdata.codec import decode_trajectory, encode_media, encode_trajectory
+    from knitdata.engines.ray.metrics import TransferMeter
+    from knitdata.engines.ray.unit import RayStorageUnit, decode_records, read_records
+    from knitdata.engines.ray.unit_actor import SpillRecovery
     from knitdata.record import MediaItem
-    from knitdata.storage.ray_actor import SpillRecovery
-    from knitdata.storage.ray_metrics import TransferMeter
-    from knitdata.storage.ray_unit import RayStorageUnit, decode_records, read_records
 
     nodes = rh._nodes()
     units = RayStorageUnit.create_many([("u0", nodes[0]), ("u1", nodes[1])], 1 << 24, prefix="media")
@@ -180,7 +180,7 @@ def media_units() -> dict[str, Any]:
 def media_resume() -> dict[str, Any]:
     """A whole-job restart from a unit's write-through spill: the new unit rebuilds the media counts of the
     unreleased payloads from the spilled records and media samples, serves them, and frees them exactly."""
-    from knitdata.storage.ray_unit import RayStorageUnit
+    from knitdata.engines.ray.unit import RayStorageUnit
 
     nodes = rh._nodes()
     spill_root = tempfile.mkdtemp(prefix="kd-media-resume-")
@@ -271,9 +271,9 @@ def media_faults(spill_root: str, n_groups: int = 6, group_size: int = 4, kills:
 
     from knitdata import Pipeline
     from knitdata.admission import BatchSpec
-    from knitdata.engines.ray import coordinator_name
+    from knitdata.engines.ray.connect import NAMESPACE
+    from knitdata.engines.ray.engine import coordinator_name
     from knitdata.placement import ConsumerLayout
-    from knitdata.storage.ray_connect import NAMESPACE
 
     out: dict[str, Any] = {}
     spec = BatchSpec({"math": group_size * 2}, num_minibatches=1, group_size=group_size)
@@ -341,7 +341,7 @@ def media_faults(spill_root: str, n_groups: int = 6, group_size: int = 4, kills:
 
 
 def _eager() -> Any:
-    from knitdata.fetch import fetch_mode
+    from knitdata.consumer.fetch import fetch_mode
 
     return fetch_mode("eager")
 

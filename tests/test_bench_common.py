@@ -110,7 +110,7 @@ def test_trace_ab_compares_off_on_and_off_again_and_counts_the_tracers_work() ->
     import time
 
     from benchmarks.common.trace_ab import compare, format_line
-    from knitdata import trace as tracing
+    from knitdata.observe import trace as tracing
 
     seen: list[bool] = []
 

@@ -242,7 +242,7 @@ def test_smoke_run_every_mode(tmp_path):
     assert res["exactly_once_all_runs"] is True
     # SharedEncoding on the Ray engine: its TrajectoryDataset with a media_collator
     shared_iter = [r for r in res["runs"] if r["mode"] == "iter" and r.get("encoding") == "shared"]
-    assert shared_iter and "knitdata.engines.ray" in shared_iter[0].get("engine", ""), shared_iter
+    assert shared_iter and "knitdata.engines.ray.engine" in shared_iter[0].get("engine", ""), shared_iter
     assert plot.stat().st_size > 0
 
 
@@ -269,7 +269,7 @@ def test_omni_workload_defaults_fit_the_model():
 
 
 def test_omni_group_shares_a_video_and_a_flac_clip():
-    from knitdata.media import load_audio
+    from knitdata.media.process import load_audio
 
     g = workload.make_group(OMNI_SMALL, 0, 1)
     kinds = [m.kind for m in g[0].media]
@@ -648,7 +648,7 @@ def test_omni_container_workload_is_decoded_by_the_consumers():
     """--omni-video container: one MP4 per group, decoded with PyAV; dup and shared give the same gradients, the
     container is decoded once per unique video with shared encoding, and transferqueue's rows decode alike."""
     pytest.importorskip("av")
-    from knitdata.video import probe_video
+    from knitdata.media.video import probe_video
 
     g = workload.make_group(OMNI_MP4, 0, 1)
     assert [m.kind for m in g[0].media] == ["video", "audio"] and OMNI_MP4.media_kinds == ("video", "audio")

@@ -1,4 +1,4 @@
-"""Tests of knitdata.collate: pad/pack layouts, round trips, dtypes, empty batches, device movement."""
+"""Tests of knitdata.consumer.collate: pad/pack layouts, round trips, dtypes, empty batches, device movement."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitdata.collate import MicroBatch, MicroBatchInfo, TokenCollator
+from knitdata.consumer.collate import MicroBatch, MicroBatchInfo, TokenCollator
 from knitdata.errors import ConfigError, FieldTypeError, ValidationError
 from knitdata.record import Trajectory
 
@@ -270,8 +270,8 @@ def test_microbatch_equality_is_documented_and_exact() -> None:
 
 
 def test_microbatch_equality_covers_info_and_media() -> None:
-    from knitdata.media import image_item, patchify
-    from knitdata.multimodal import MultimodalCollator
+    from knitdata.media.multimodal import MultimodalCollator
+    from knitdata.media.process import image_item, patchify
 
     img = image_item(torch.randint(0, 255, (3, 28, 28), dtype=torch.uint8))
     trajs = [_traj(i) for i in range(2)]

@@ -285,7 +285,7 @@ def test_the_ray_client_holds_proxies_of_the_parts_types_and_the_coordinator_tak
     from knitdata.control.plane import PARTS
     from knitdata.control.positions import Positions
     from knitdata.control.surface import CONTROL_CALLS
-    from knitdata.engines.ray_control import Coordinator, Plumbing, RayControl
+    from knitdata.engines.ray.control import Coordinator, Plumbing, RayControl
     from knitdata.errors import ConfigError
 
     # the coordinator's two entry points; the waiting one runs in the "wait" concurrency group
@@ -335,8 +335,8 @@ def test_the_ray_client_holds_proxies_of_the_parts_types_and_the_coordinator_tak
 
 
 def test_stats_report_sources_admission_delay_and_the_journal(tmp_path):
-    """What knitdata.monitor reads: per source quota/put/admitted/ready, put-to-admission delay, the journal."""
-    from knitdata.monitor import status_table
+    """What knitdata.observe.monitor reads: per source quota/put/admitted/ready, put-to-admission delay, the journal."""
+    from knitdata.observe.monitor import status_table
 
     assert _plane().reporting.stats()["journal"] is None
     plane = ControlPlane(_config(), UNITS, lambda u, ids, wait: None, journal=Journal(tmp_path / "j", fsync_every_s=0))

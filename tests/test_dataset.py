@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from knitdata.admission import BatchSpec
-from knitdata.collate import MicroBatch, TokenCollator
+from knitdata.consumer.collate import MicroBatch, TokenCollator
 from knitdata.errors import ConfigError, EngineError, FencedError, StateError
 from knitdata.pipeline import Pipeline
 from knitdata.placement import ConsumerLayout
@@ -60,7 +60,7 @@ def test_fetch_modes_yield_the_same_microbatches(workload):
 
 
 def test_iter_reads_per_microbatch_from_an_engine_whose_reads_copy():
-    from knitdata.fetch import fetch_mode
+    from knitdata.consumer.fetch import fetch_mode
 
     class Copying:
         copy_free_reads = False
@@ -225,7 +225,7 @@ def test_iter_prepares_the_next_share_while_the_current_mini_batch_computes(work
 
 
 def test_real_multimodal_collator_smoke():
-    mm = pytest.importorskip("knitdata.multimodal")
+    mm = pytest.importorskip("knitdata.media.multimodal")
     from knitdata.record import MediaItem, Trajectory
 
     img = MediaItem("image", tensor=torch.randint(0, 255, (3, 4, 4), dtype=torch.uint8))
@@ -565,11 +565,11 @@ def test_another_staleness_bound_alone_does_not_refuse_a_state(workload):
 
 # ---------------------------------------------------------------------------------------------- issue 42: structure
 def test_the_dataset_and_its_iterator_touch_no_private_field_of_another_object():
-    """One owner of a rank's position (knitdata.consumer.RankPosition): in knitdata/dataset.py no ``x._name`` is
+    """One owner of a rank's position (knitdata.consumer.session.RankPosition): in knitdata/consumer/dataset.py no ``x._name`` is
     written, and none read, where ``x`` is not ``self`` (22 such reaches before issue 42)."""
     import ast
 
-    import knitdata.dataset as mod
+    import knitdata.consumer.dataset as mod
 
     tree = ast.parse(open(mod.__file__).read())
     reaches = []
@@ -579,7 +579,7 @@ def test_the_dataset_and_its_iterator_touch_no_private_field_of_another_object()
             kind = "write" if isinstance(node.ctx, (ast.Store, ast.Del)) else "read"
             reaches.append(f"line {node.lineno}: {kind} {ast.unparse(node)}")
     assert reaches == [], reaches
-    assert "hasattr(" not in open(mod.__file__).read()  # the source's interface is declared (knitdata.fetch.Source)
+    assert "hasattr(" not in open(mod.__file__).read()  # the source's interface is declared (knitdata.consumer.fetch.Source)
 
 
 def _args_doc(func, names) -> dict[str, str]:
@@ -625,8 +625,8 @@ def test_the_dataset_options_are_declared_once():
     import dataclasses
     import inspect
 
-    from knitdata.consumer import DEFAULT_TIMEOUT_S, DatasetOptions
-    from knitdata.dataset import TrajectoryDataset
+    from knitdata.consumer.dataset import TrajectoryDataset
+    from knitdata.consumer.session import DEFAULT_TIMEOUT_S, DatasetOptions
     from knitdata.pipeline import DEFAULT_TIMEOUT_S as PIPELINE_TIMEOUT
 
     fields = [(f.name, str(f.type), f.default) for f in dataclasses.fields(DatasetOptions)]
@@ -640,7 +640,7 @@ def test_the_dataset_options_are_declared_once():
         assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params), func
         # the dataset documents them (its Args); Pipeline.dataset points to DatasetOptions instead of repeating them
         assert _args_doc(documented, names) == (docs if documented is TrajectoryDataset else {}), func
-    assert ":class:`~knitdata.consumer.DatasetOptions`" in (inspect.getdoc(Pipeline.dataset) or "")
+    assert ":class:`~knitdata.consumer.session.DatasetOptions`" in (inspect.getdoc(Pipeline.dataset) or "")
     assert DEFAULT_TIMEOUT_S == PIPELINE_TIMEOUT == DatasetOptions.timeout == 1800.0
     # one validation for both
     with pytest.raises(ConfigError, match="prefetch_depth"):
@@ -653,7 +653,7 @@ def test_the_dataset_options_are_declared_once():
 def test_the_position_is_owned_by_one_object_shared_with_the_iterator():
     """The dataset's state comes from its RankPosition, which its iterator moves (hand-outs) and the producing
     thread stamps; a fresh pass resumes there."""
-    from knitdata.consumer import RankPosition
+    from knitdata.consumer.session import RankPosition
 
     wl = make_workload(random.Random(5), num_sources=1, group_size=2, num_minibatches=2,
                        groups_per_minibatch_per_source=2, train_batches=2)

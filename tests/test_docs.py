@@ -124,10 +124,10 @@ def test_the_harness_finds_the_examples_it_must_run() -> None:
                 nxt = next(ln for ln in lines[i + 1:] if ln.strip())
                 assert nxt.strip() == "```python", f"{path.name}:{i + 1}: a marker must come right before ```python"
     assert len(harness.markdown_blocks(ROOT / "README.md")) >= 2
-    import knitdata.encoder
     import knitdata.integrations.transformers as hf
+    import knitdata.media.encoder
 
-    assert len([b for b in harness.docstring_blocks(knitdata.encoder) if b.mode == "run"]) == 2  # DDP and FSDP2
+    assert len([b for b in harness.docstring_blocks(knitdata.media.encoder) if b.mode == "run"]) == 2  # DDP and FSDP2
     codes = [b.code for b in harness.docstring_blocks(hf)]
     assert len(codes) == 2 and "adapter_for(model)" in codes[0] and "pad_sequence" in codes[1]
     assert all(s in harness.SETUPS for s in ("default", "consumer", "resume", "multimodal", "qwen"))

@@ -27,9 +27,9 @@ from _multimodal_helpers import (  # noqa: E402
     zero,
 )
 
-from knitdata.encoder import MODES, SharedEncoding, SharedMiniBatch, check_independence, grad_sync  # noqa: E402
 from knitdata.errors import ConfigError, StateError  # noqa: E402
-from knitdata.multimodal import MediaTable, MultimodalCollator  # noqa: E402
+from knitdata.media.encoder import MODES, SharedEncoding, SharedMiniBatch, check_independence, grad_sync  # noqa: E402
+from knitdata.media.multimodal import MediaTable, MultimodalCollator  # noqa: E402
 from knitdata.record import MediaItem, Trajectory  # noqa: E402
 
 
@@ -377,7 +377,7 @@ def test_recompute_reencodes_under_the_autocast_state_of_the_forward(mode):
     torch.manual_seed(0)
     table_vals = torch.randn(7, D_IN)
     table = MediaTable("image", table_vals, torch.tensor([0, 3, 7]), ("a", "b"))
-    from knitdata.multimodal import MediaOccurrences, MultimodalBatch
+    from knitdata.media.multimodal import MediaOccurrences, MultimodalBatch
 
     occ = [
         {"image": MediaOccurrences(torch.tensor([0, 1, 0]), torch.tensor([0, 1, 2]), torch.tensor([0, 0, 0]))},
@@ -427,7 +427,7 @@ def test_out_rows_sees_the_table_metadata_and_excludes_out_lengths():
             h = self.lin(values)
             return torch.cat([h[int(a) : int(a) + int(k)] for a, k in zip(offsets[:-1], keep)])
 
-    from knitdata.multimodal import MediaOccurrences, MultimodalBatch
+    from knitdata.media.multimodal import MediaOccurrences, MultimodalBatch
 
     enc = Pool()
     table = MediaTable("image", torch.randn(7, D_IN, dtype=torch.float64), torch.tensor([0, 3, 7]), ("a", "b"),

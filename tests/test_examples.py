@@ -36,7 +36,7 @@ STOP_AFTER = 3  # optimizer steps (mini-batches) before the simulated stop
 
 def _ray_engine_available() -> bool:
     try:
-        return importlib.util.find_spec("ray") is not None and importlib.util.find_spec("knitdata.engines.ray") is not None
+        return importlib.util.find_spec("ray") is not None and importlib.util.find_spec("knitdata.engines.ray.engine") is not None
     except ModuleNotFoundError:
         return False
 

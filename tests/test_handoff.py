@@ -1,4 +1,4 @@
-"""knitdata.handoff: where a relayed report is made (inline for a control plane in this process, else by the
+"""knitdata.consumer.handoff: where a relayed report is made (inline for a control plane in this process, else by the
 sender's thread) and that a report that fails inline loses nothing."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from knitdata.handoff import ControlSender
+from knitdata.consumer.handoff import ControlSender
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _reliability_helpers import wait_until  # noqa: E402

@@ -41,9 +41,9 @@ from _hf_helpers import (  # noqa: E402
 
 from knitdata.errors import ConfigError, MediaError  # noqa: E402
 from knitdata.integrations.transformers import adapter_for, qwen2_5_omni, qwen3_vl  # noqa: E402
-from knitdata.media import audio_item, image_item  # noqa: E402
+from knitdata.media.process import audio_item, image_item  # noqa: E402
+from knitdata.media.video import VideoSampling, video_item  # noqa: E402
 from knitdata.record import Trajectory  # noqa: E402
-from knitdata.video import VideoSampling, video_item  # noqa: E402
 
 MODES = ["fold", "leaf", "recompute"]
 

@@ -360,7 +360,7 @@ def test_scale_mean_loss_gives_the_minibatch_token_mean_across_ranks(models, fam
 
 
 def test_scale_mean_loss_edge_cases():
-    from knitdata.collate import MicroBatchInfo
+    from knitdata.consumer.collate import MicroBatchInfo
     from knitdata.errors import ValidationError
     from knitdata.integrations.transformers import scale_mean_loss
 

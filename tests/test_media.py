@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from knitdata.errors import MediaError
-from knitdata.media import (
+from knitdata.media.process import (
     MediaProcessor,
     audio_item,
     image_item,
@@ -188,7 +188,7 @@ def test_check_media_item_refuses_what_a_consumer_could_not_decode() -> None:
     from PIL import Image
 
     from knitdata.errors import MediaError
-    from knitdata.media import check_media_item
+    from knitdata.media.process import check_media_item
     from knitdata.record import MediaItem as _Item
 
     buf = _io.BytesIO()
@@ -219,7 +219,7 @@ def _video(**kw) -> bytes:
 @pytest.mark.parametrize("fmt", ["mp4", "webm"])
 def test_video_container_decoded_and_sampled(fmt, tmp_path):
     pytest.importorskip("av")
-    from knitdata.video import VideoSampling, load_video, video_item
+    from knitdata.media.video import VideoSampling, load_video, video_item
 
     data = _video(frames=8, size=(16, 24), fmt=fmt)  # 8 frames at 4 fps: 2 s
     frames, fps = load_video(data, VideoSampling(fps=2.0))
@@ -235,7 +235,7 @@ def test_video_container_decoded_and_sampled(fmt, tmp_path):
 
 
 def test_video_sampling_rules():
-    from knitdata.video import VideoSampling
+    from knitdata.media.video import VideoSampling
 
     s = VideoSampling(fps=2.0, min_frames=2, max_frames=8, frame_factor=2)
     assert s.count(100, 10.0) == 8 and s.count(3, 0.5) == 2 and s.count(30, 2.6) == 4
@@ -251,8 +251,8 @@ def test_video_sampling_rules():
 @pytest.mark.parametrize("fmt", ["mp4", "webm"])
 def test_bad_video_containers_refused_naming_trajectory_and_item(fmt):
     pytest.importorskip("av")
-    from knitdata.media import check_media_item
-    from knitdata.video import video_item
+    from knitdata.media.process import check_media_item
+    from knitdata.media.video import video_item
 
     data = _video(frames=8, fmt=fmt)
     for bad, what in ((data[: len(data) // 2], "truncated"), (b"\x00" * 64 + data[64:], "corrupt header"),
@@ -282,7 +282,7 @@ def test_video_refused_at_put_not_at_training():
 def test_one_video_shared_by_a_group_is_decoded_once_per_minibatch():
     pytest.importorskip("av")
     from knitdata import MultimodalCollator, Trajectory
-    from knitdata.video import VideoSampling, video_item
+    from knitdata.media.video import VideoSampling, video_item
 
     a, b = video_item(_video(frames=8, seed=1)), video_item(_video(frames=8, seed=2))
     trajs = [Trajectory(id=f"g{g}r{r}", source="s", group=f"g{g}", prompt_ids=torch.tensor([1]),
@@ -304,7 +304,7 @@ def test_one_video_shared_by_a_group_is_decoded_once_per_minibatch():
 @given(total=st.integers(1, 400), duration=st.floats(0.05, 120.0), fps=st.floats(0.1, 30.0),
        num=st.integers(1, 64), factor=st.integers(1, 4), by_rate=st.booleans())
 def test_video_sampling_properties(total, duration, fps, num, factor, by_rate):
-    from knitdata.video import VideoSampling
+    from knitdata.media.video import VideoSampling
 
     s = VideoSampling(fps=fps, frame_factor=factor) if by_rate else VideoSampling(fps=None, num_frames=num,
                                                                                   frame_factor=factor)
@@ -317,8 +317,8 @@ def test_video_sampling_properties(total, duration, fps, num, factor, by_rate):
 
 def test_video_frames_items_and_encode_errors():
     pytest.importorskip("av")
-    from knitdata.media import check_media_item
-    from knitdata.video import encode_video, load_video, video_item
+    from knitdata.media.process import check_media_item
+    from knitdata.media.video import encode_video, load_video, video_item
 
     frames = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8)
     item = video_item(frames)

@@ -1,4 +1,4 @@
-"""knitdata.metrics: the per-step series of ConsumerMetrics (wait and exposed data wait per optimizer step)."""
+"""knitdata.observe.metrics: the per-step series of ConsumerMetrics (wait and exposed data wait per optimizer step)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from knitdata.metrics import ConsumerMetrics
+from knitdata.observe.metrics import ConsumerMetrics
 
 waits = st.lists(st.tuples(st.floats(0, 5), st.floats(0, 1), st.booleans()), max_size=60)
 

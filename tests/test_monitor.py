@@ -1,4 +1,4 @@
-"""knitdata.monitor: flat per-step metrics (dataset, pipeline) and the status table, in-process and as
+"""knitdata.observe.monitor: flat per-step metrics (dataset, pipeline) and the status table, in-process and as
 ``python -m knitdata status`` against a running Ray pipeline (a separate process, the way docs/observe.md says)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knitdata import BatchSpec, Pipeline, Trajectory
-from knitdata.monitor import PREFIX, flat_metrics, status_rows, status_table
+from knitdata.observe.monitor import PREFIX, flat_metrics, status_rows, status_table
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _multimodal_helpers import make_layout  # noqa: E402
 
 from knitdata.errors import MediaError  # noqa: E402
-from knitdata.media import MediaProcessor, ProcessedMedia, audio_item, image_item, patchify, processed_digest  # noqa: E402
-from knitdata.multimodal import EqualInputs, MediaTable, MultimodalCollator  # noqa: E402
+from knitdata.media.multimodal import EqualInputs, MediaTable, MultimodalCollator  # noqa: E402
+from knitdata.media.process import MediaProcessor, ProcessedMedia, audio_item, image_item, patchify, processed_digest  # noqa: E402
 from knitdata.record import MediaItem, Trajectory  # noqa: E402
 
 

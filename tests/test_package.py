@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 
@@ -96,7 +97,7 @@ def test_control_plane_and_metadata_layers_do_not_import_engines_or_payload_code
     low = ("knitdata.admission", "knitdata.staleness", "knitdata.placement", "knitdata.planner", "knitdata.control")
     for mod in [m for m in graph if m.startswith(low)]:
         for dep in graph[mod]:
-            assert not dep.startswith(("knitdata.engines", "knitdata.storage", "knitdata.pipeline", "knitdata.dataset")), (mod, dep)
+            assert not dep.startswith(("knitdata.engines", "knitdata.storage", "knitdata.pipeline", "knitdata.consumer.dataset")), (mod, dep)
 
 
 def test_no_import_circles() -> None:
@@ -133,13 +134,13 @@ def test_the_package_holds_the_library_only() -> None:
 #: Where a room of the library is larger than the size guide (files ~700 lines, classes ~400, functions ~100),
 #: and why. Anything else over the guide fails the test below.
 SIZE_EXCEPTIONS: dict[str, str] = {
-    "knitdata/encoder.py": "one concept (SharedEncoding and its four modes); 26 lines over",
-    "knitdata/spill.py:SpillStore": "one store: append, read, release, recover its own shards",
+    "knitdata/media/encoder.py": "one concept (SharedEncoding and its four modes); 26 lines over",
+    "knitdata/storage/spill.py:SpillStore": "one store: append, read, release, recover its own shards",
     "knitdata/planner/core.py:_assign": "the locality-then-balance assignment loop, one algorithm",
     "knitdata/planner/core.py:_assign_small": "the same for small layouts, one algorithm",
-    "knitdata/storage/ray_read.py:read_records": "52 of its 152 lines are its docstring; one request per unit, "
+    "knitdata/engines/ray/read.py:read_records": "52 of its 152 lines are its docstring; one request per unit, "
                                                  "records and media fetched with one ray.get",
-    "knitdata/trace.py": "one concept, a trace's part files: recording them, gathering them across hosts, merging "
+    "knitdata/observe/trace.py": "one concept, a trace's part files: recording them, gathering them across hosts, merging "
                          "and drawing them (55 lines over; 187 of its lines are docstrings and comments)",
 }
 
@@ -226,35 +227,66 @@ def test_benchmarks_use_only_the_public_api() -> None:
 
 
 #: The layers of docs/concepts.md ("Architecture: the layers"), top first: a module imports only from its own
-#: layer or below.
+#: layer or below. An entry names a module or a folder of ``knitdata`` (dotted); the longest entry that names a
+#: module decides its layer, so a folder can hold stages of two layers (the consumer side: its fetch modes,
+#: prefetcher and sender sit below the engines that use them, its dataset and session above).
 LAYERS: list[tuple[str, ...]] = [
-    ("integrations", "encoder", "replicas", "parallel"),
-    ("pipeline", "producer", "dataset", "consumer", "collate", "multimodal", "media", "video", "rollout", "checkpoint"),
+    ("integrations", "media.encoder", "replicas", "parallel"),
+    ("pipeline", "producer", "checkpoint", "rollout", "consumer.dataset", "consumer.session", "consumer.collate",
+     "media.multimodal", "media.process", "media.video"),
     ("engines",),
-    ("fetch", "handoff", "prefetch", "staging"),
-    ("storage", "spill", "shards"),
+    ("consumer.fetch", "consumer.handoff", "consumer.prefetch", "consumer.staging"),
+    ("storage", "shards"),
     ("control",),
     ("admission", "placement", "planner", "staleness"),
-    ("record", "codec", "metrics", "monitor", "errors", "trace", "threads", "registry"),
+    ("record", "codec", "observe", "errors", "threads", "registry"),
 ]
+
+#: Folders whose ``__init__`` only documents the folder (its modules are reached by their own names).
+DOC_ONLY_PACKAGES = ("consumer", "media", "observe", "engines.embedded", "engines.ray")
+
+
+def layer_of(mod: str) -> int | None:
+    """The index in :data:`LAYERS` of module ``mod`` (``knitdata.x.y``), or None for the package root and the CLI."""
+    rel = mod.split(".", 1)[1] if "." in mod else ""
+    if rel in ("", "cli", "__main__") or rel in DOC_ONLY_PACKAGES:
+        return None
+    best: tuple[int, int] | None = None
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (rel == name or rel.startswith(name + ".")) and (best is None or len(name) > best[0]):
+                best = (len(name), i)
+    assert best is not None, f"{mod} is in no layer of LAYERS (add it, and to docs/concepts.md)"
+    return best[1]
 
 
 def test_imports_point_down_the_layers() -> None:
-    def layer(mod: str) -> int | None:
-        parts = mod.split(".")
-        if len(parts) == 1 or parts[1] in ("cli", "__main__"):
-            return None
-        found = [i for i, names in enumerate(LAYERS) if parts[1] in names]
-        assert found, f"{mod} is in no layer of LAYERS (add it, and to docs/concepts.md)"
-        return found[0]
-
     up = []
     for mod, deps in sorted(_knitdata_imports().items()):
         for dep in sorted(deps):
-            a, b = layer(mod), layer(dep)
+            a, b = layer_of(mod), layer_of(dep)
             if a is not None and b is not None and b < a:
                 up.append(f"{mod} -> {dep}")
     assert up == [], up
+
+
+def test_folders_follow_the_data_path() -> None:
+    """Each stage of a micro-batch's path has a folder, and the package root keeps only what every layer shares and
+    the facade: a newcomer finds the consumer side, media, each engine and observing by their folder names."""
+    import pathlib
+
+    root = pathlib.Path(knitdata.__file__).parent
+    for folder in ("consumer", "media", "observe", "engines/embedded", "engines/ray", "storage", "control",
+                   "admission", "planner"):
+        assert (root / folder / "__init__.py").is_file(), folder
+    assert not list((root / "storage").glob("ray_*.py")), "the Ray engine's units live in engines/ray"
+    flat = sorted(p.stem for p in root.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(flat) <= 16, flat
+    for name in DOC_ONLY_PACKAGES:
+        init = root / name.replace(".", "/") / "__init__.py"
+        tree = ast.parse(init.read_text())
+        assert ast.get_docstring(tree), name
+        assert not [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))], f"{name}/__init__ imports"
 
 
 def test_no_installed_package_shadows_the_test_suite() -> None:

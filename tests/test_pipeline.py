@@ -251,11 +251,11 @@ def test_engine_selection(monkeypatch):
 
     spec = BatchSpec({"a": 2}, num_minibatches=1)
     monkeypatch.setitem(sys.modules, "ray", None)  # ray not installed
-    monkeypatch.delitem(sys.modules, "knitdata.engines.ray", raising=False)
+    monkeypatch.delitem(sys.modules, "knitdata.engines.ray.engine", raising=False)
     # as in a process where the Ray engine was never chosen: an earlier test of this worker may have imported it
     from knitdata.engines.base import ENGINES
 
-    ENGINES.register_lazy("ray", "knitdata.engines.ray:RayEngine")
+    ENGINES.register_lazy("ray", "knitdata.engines.ray.engine:RayEngine")
     with pytest.raises(OptionalDependencyError, match="ray"):
         Pipeline(spec, engine="ray")
     monkeypatch.undo()
@@ -273,7 +273,7 @@ def test_an_engine_registered_by_name_is_accepted():
     """Engines are a registry: a name registered by the user selects its class (here the embedded one again)."""
     from knitdata.engines.base import ENGINES
 
-    ENGINES.register_lazy("in_process_again", "knitdata.engines.embedded:EmbeddedEngine")
+    ENGINES.register_lazy("in_process_again", "knitdata.engines.embedded.engine:EmbeddedEngine")
     assert ENGINES.names()[:2] == ("embedded", "ray") and "in_process_again" in ENGINES
     pipe = Pipeline(BatchSpec({"a": 2}, num_minibatches=1), engine="in_process_again", num_consumers=1)
     for i in range(2):

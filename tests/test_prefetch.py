@@ -1,4 +1,4 @@
-"""Tests of knitdata.prefetch: ordering, bounded depth, exact state, errors, shutdown, overlap, staging."""
+"""Tests of knitdata.consumer.prefetch: ordering, bounded depth, exact state, errors, shutdown, overlap, staging."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitdata.collate import MicroBatch, MicroBatchInfo, TokenCollator
+from knitdata.consumer.collate import MicroBatch, MicroBatchInfo, TokenCollator
+from knitdata.consumer.prefetch import PinnedBufferPool, Prefetcher, PrefetchQueue, map_tensors
+from knitdata.consumer.staging import staged_copy as _staged_copy
 from knitdata.errors import ConfigError, StateError
-from knitdata.prefetch import PinnedBufferPool, Prefetcher, PrefetchQueue, map_tensors
 from knitdata.record import Trajectory
-from knitdata.staging import staged_copy as _staged_copy
 
 
 class CountingSource:
@@ -443,7 +443,7 @@ def test_cuda_code_path_with_fake_streams(monkeypatch: pytest.MonkeyPatch, use_p
     the real thing is tested above and by benchmarks/cuda_check.py on a GPU)."""
     import contextlib
 
-    import knitdata.prefetch as kp
+    import knitdata.consumer.prefetch as kp
 
     main_stream = _FakeStream()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -452,7 +452,7 @@ def test_cuda_code_path_with_fake_streams(monkeypatch: pytest.MonkeyPatch, use_p
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main_stream)
-    real = kp.CudaTransfer  # the prefetcher's name of knitdata.staging.CudaTransfer
+    real = kp.CudaTransfer  # the prefetcher's name of knitdata.consumer.staging.CudaTransfer
     monkeypatch.setattr(kp, "CudaTransfer", lambda dev, pin, pool, stats: real(torch.device("cpu"), False, pool, stats))
     pool = PinnedBufferPool(pin=False, min_size=1 << 10) if use_pool else None
     batches = _ragged_batches(5)

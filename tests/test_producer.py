@@ -89,7 +89,7 @@ def test_media_checked_once_per_digest_and_references_not_decoded(monkeypatch: p
     import torch
     from PIL import Image
 
-    import knitdata.media as media_mod
+    import knitdata.media.process as media_mod
     from knitdata.errors import MediaRefError
     from knitdata.record import MediaItem, Trajectory
 

@@ -234,7 +234,7 @@ def test_a_process_inside_attach_gets_a_knitdata_error_when_the_creator_dies() -
 # ------------------------------------------------------------------------- the decision, without a cluster
 def _stub_probe(monkeypatch: pytest.MonkeyPatch, answer: str) -> tuple[Any, list[bool]]:
     """``ray_connect`` with ``probe_gcs`` answering ``answer``; the list records whether each probe sent a token."""
-    from knitdata.storage import ray_connect
+    from knitdata.engines.ray import connect as ray_connect
 
     sent: list[bool] = []
 

@@ -26,18 +26,18 @@ ray = pytest.importorskip("ray")
 # ------------------------------------------------------------------------------------ without a cluster
 def test_import_without_ray_and_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     for mod in list(sys.modules):
-        if mod == "ray" or mod.startswith("ray.") or mod.startswith("knitdata.storage.ray_") or mod == "knitdata.engines.ray":
+        if mod == "ray" or mod.startswith("ray.") or (mod.startswith("knitdata.engines.ray.") and mod != "knitdata.engines.ray.metrics"):
             monkeypatch.delitem(sys.modules, mod)
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     import knitdata
 
     importlib.reload(knitdata)
-    for name in ("knitdata.engines.ray", "knitdata.storage.ray_unit"):
+    for name in ("knitdata.engines.ray.engine", "knitdata.engines.ray.unit"):
         with pytest.raises(OptionalDependencyError) as ei:
             importlib.import_module(name)
         assert ei.value.package == "ray" and ei.value.extra == "ray"
         assert "pip install 'knitdata[ray]'" in str(ei.value)
-    importlib.import_module("knitdata.storage.ray_metrics")  # pure Python: no Ray needed
+    importlib.import_module("knitdata.engines.ray.metrics")  # pure Python: no Ray needed
     from knitdata.admission import BatchSpec
     from knitdata.pipeline import Pipeline
 
@@ -46,7 +46,7 @@ def test_import_without_ray_and_clear_error(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_transfer_meter_counts_and_merges() -> None:
-    from knitdata.storage.ray_metrics import TransferMeter
+    from knitdata.engines.ray.metrics import TransferMeter
 
     a, b = TransferMeter(), TransferMeter(max_steps=2)
     a.record_read(100, cross=True, mode="iter", placement="index_mod", step=0)

@@ -7,9 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from knitdata.admission import POLICIES, AdmissionPolicy, BatchSpec, FifoAdmission, make_policy
+from knitdata.consumer.fetch import FETCH_MODES, FetchMode, SampleFetch, fetch_mode
 from knitdata.engines.base import ENGINES, Engine
 from knitdata.errors import ConfigError, OptionalDependencyError
-from knitdata.fetch import FETCH_MODES, FetchMode, SampleFetch, fetch_mode
 from knitdata.placement import PLACEMENTS, IndexModPlacement, Placement, make_placement
 from knitdata.registry import Registry
 

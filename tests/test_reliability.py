@@ -7,7 +7,7 @@ What each group proves:
   killed by an asynchronous exception while it is blocked on a full store: nothing half-stored is ever
   admitted or delivered, nothing stays orphaned in a unit, the pipeline's counts agree with the units', the
   same trajectory can be put again, and every accepted trajectory is delivered exactly once.
-* **Spill writer killed mid-write.** A producer *process* writing to a :class:`~knitdata.spill.SpillStore`
+* **Spill writer killed mid-write.** A producer *process* writing to a :class:`~knitdata.storage.spill.SpillStore`
   (the Ray units' write-through spill) is SIGKILLed in the middle of a write, deterministically (inside
   ``os.writev``) and at a random moment: recovery shows only whole samples, equal to what was put, including
   every put the child saw acknowledged.
@@ -48,7 +48,7 @@ from benchmarks.soak import Ledger, SoakConfig, consume_with_restarts, run_soak
 from knitdata.errors import FieldTypeError, MediaError, StoreFull, ValidationError
 from knitdata.pipeline import Pipeline
 from knitdata.record import MediaItem
-from knitdata.spill import SpillStore
+from knitdata.storage.spill import SpillStore
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _reliability_helpers import (  # noqa: E402
@@ -187,7 +187,7 @@ _CHILD_SPILL = """
 import os, signal, sys
 sys.path.insert(0, {tests!r})
 from _reliability_helpers import traj
-from knitdata.spill import SpillStore
+from knitdata.storage.spill import SpillStore
 d, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 store = SpillStore(d, max_bytes=1 << 30, shard_maxsize={shard_maxsize})
 i = 0
@@ -491,7 +491,7 @@ _BAD_KINDS = ["float_prompt", "2d_response", "empty_response", "mask_length", "n
     consumers=st.integers(1, 2),
 )
 def test_malformed_trajectories_rejected_by_id_good_ones_delivered_once(good, bad, seed, fetch, consumers):
-    from knitdata.multimodal import MultimodalCollator
+    from knitdata.media.multimodal import MultimodalCollator
 
     rng = random.Random(seed)
     items = [("good", i) for i in range(good)] + [(k, 1000 + j) for j, k in enumerate(bad)]
@@ -542,7 +542,7 @@ def test_malformed_media_rejected_at_put_by_id(kind):
         pipe.put(bad)
     assert ei.value.trajectory_id == bad.id
     pipe.put(traj(1, image=_PNG))
-    from knitdata.multimodal import MultimodalCollator
+    from knitdata.media.multimodal import MultimodalCollator
 
     assert drain(pipe, media_collator=MultimodalCollator()) == Counter({"t0": 1, "t1": 1})
 
@@ -551,7 +551,7 @@ def test_malformed_media_rejected_at_put_by_id(kind):
                                   "audio_without_rate"])
 def test_media_processor_names_the_trajectory_of_bad_media(kind):
     """What a put-time check would call today: the error names the trajectory and the item."""
-    from knitdata.media import MediaProcessor
+    from knitdata.media.process import MediaProcessor
 
     bad = _bad_media(kind, 1000)
     with pytest.raises(MediaError) as ei:

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitdata.collate import TokenCollator
+from knitdata.consumer.collate import TokenCollator
 from knitdata.errors import RolloutOutputError
 from knitdata.rollout import MultiTurn, RolloutGroup, RolloutSample, from_openai
 

@@ -353,7 +353,7 @@ def test_compressed_shard_member_claiming_gigabytes_fails_fast(tmp_path, monkeyp
 
 
 def test_spill_shards_crafted_on_disk_cannot_run_code(tmp_path):
-    from knitdata.spill import SpillStore
+    from knitdata.storage.spill import SpillStore
 
     evil, marker = _evil(tmp_path)
     d = tmp_path / "spill"
@@ -413,7 +413,7 @@ def test_loader_states_are_json_and_crafted_states_are_refused(tmp_path):
 
 def test_ray_connect_defaults_are_loopback_only_and_dashboard_off(monkeypatch):
     ray = pytest.importorskip("ray")
-    from knitdata.storage import ray_connect
+    from knitdata.engines.ray import connect as ray_connect
 
     calls: list[dict] = []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -437,7 +437,7 @@ def test_ray_connect_defaults_are_loopback_only_and_dashboard_off(monkeypatch):
 
 def test_ray_engine_default_binding_is_documented():
     pytest.importorskip("ray")
-    from knitdata.engines import ray as ray_engine
+    from knitdata.engines.ray import engine as ray_engine
 
-    doc = (ray_engine.__doc__ or "") + (knitdata.storage.ray_connect.connect.__doc__ or "")
+    doc = (ray_engine.__doc__ or "") + (knitdata.engines.ray.connect.connect.__doc__ or "")
     assert "127.0.0.1" in doc and "dashboard" in doc.lower()

@@ -1,4 +1,4 @@
-"""Tests for knitdata.spill: bounded random-access spill store in tar shards, rotation, recovery, threads."""
+"""Tests for knitdata.storage.spill: bounded random-access spill store in tar shards, rotation, recovery, threads."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from _shards_helpers import make_traj, trajectories  # noqa: E402
 
 from knitdata.errors import CodecError, ConfigError, StoreFull, ValidationError  # noqa: E402
 from knitdata.shards import read_shards  # noqa: E402
-from knitdata.spill import SpillStore, recover  # noqa: E402
+from knitdata.storage.spill import SpillStore, recover  # noqa: E402
 
 
 def _disk(d) -> int:

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from knitdata.engines.embedded.unit import EmbeddedStorageUnit
 from knitdata.errors import ConfigError, EngineError, StoreFull, TrajectoryLostError, ValidationError
 from knitdata.storage.base import StorageUnit
-from knitdata.storage.embedded import EmbeddedStorageUnit
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _ondemand_helpers import make_traj  # noqa: E402
@@ -160,7 +160,7 @@ def test_concurrent_producers_and_consumer_lose_nothing():
 
 
 def test_spill_takes_what_does_not_fit_and_reads_it_back(tmp_path):
-    from knitdata.spill import SpillStore
+    from knitdata.storage.spill import SpillStore
 
     one = make_traj(0, "s", "g", extra_bytes=64).nbytes
     u = EmbeddedStorageUnit("n0", 2 * one, spill=SpillStore(tmp_path / "n0", max_bytes=1 << 20))
@@ -180,7 +180,7 @@ def test_spill_takes_what_does_not_fit_and_reads_it_back(tmp_path):
 
 
 def test_spill_full_falls_back_to_waiting(tmp_path):
-    from knitdata.spill import SpillStore
+    from knitdata.storage.spill import SpillStore
 
     one = make_traj(0, "s", "g", extra_bytes=4000).nbytes
     probe = SpillStore(tmp_path / "probe", max_bytes=1 << 20)
@@ -300,7 +300,7 @@ def test_reference_resolved_from_another_unit_counted_on_both():
 
 
 def test_spilled_trajectories_keep_their_media_in_memory(tmp_path):
-    from knitdata.spill import SpillStore
+    from knitdata.storage.spill import SpillStore
 
     img, group = _media_group(6, refs=True, side=16)
     own = group[1].nbytes

@@ -1,4 +1,4 @@
-"""knitdata.storage.ray_media without Ray: a Ray unit's media table (exact counts under any sequence of holds and
+"""knitdata.engines.ray.media without Ray: a Ray unit's media table (exact counts under any sequence of holds and
 drops) and what a client sends per put call (each distinct item once, nothing the unit holds, content again after
 a "missing" answer, references resolved elsewhere or refused)."""
 
@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knitdata.codec import decode_media, decode_trajectory
+from knitdata.engines.ray.media import MediaSender, UnitMedia, content_bytes, media_spill_id, resolved_from_spill
 from knitdata.errors import MediaRefError, ValidationError
 from knitdata.record import MediaItem, Trajectory
-from knitdata.storage.ray_media import MediaSender, UnitMedia, content_bytes, media_spill_id, resolved_from_spill
 
 
 def _item(seed: int, n: int = 12) -> MediaItem:

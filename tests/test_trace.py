@@ -1,4 +1,4 @@
-"""Tests of knitdata.trace: a trace of an embedded run and of a 2-node Ray run, checked against Chrome's
+"""Tests of knitdata.observe.trace: a trace of an embedded run and of a 2-node Ray run, checked against Chrome's
 trace-event format (the JSON Perfetto opens), merged on one clock, and drawn as the timeline figure."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitdata import trace as tracing
 from knitdata.errors import CodecError
+from knitdata.observe import trace as tracing
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -27,7 +27,7 @@ def test_mypy_clean() -> None:
 _WRONG = '''
 from knitdata import Pipeline
 from knitdata.engines.base import Engine
-from knitdata.engines.ray_control import RayControl
+from knitdata.engines.ray.control import RayControl
 
 
 def calls(pipe: Pipeline, engine: Engine, ray_control: RayControl) -> None:
@@ -41,7 +41,7 @@ def calls(pipe: Pipeline, engine: Engine, ray_control: RayControl) -> None:
 _RIGHT = '''
 from knitdata import Pipeline
 from knitdata.engines.base import Engine
-from knitdata.engines.ray_control import RayControl
+from knitdata.engines.ray.control import RayControl
 
 
 def calls(pipe: Pipeline, engine: Engine, ray_control: RayControl) -> int:

@@ -157,7 +157,7 @@ class _TQDecode:
 
     ``dup``: per kind the encoder inputs of every row (each row's media processed, audio decoded from its FLAC
     bytes with soundfile); ``shared``: a step's micro-batches become trajectories whose media a
-    :class:`~knitdata.multimodal.MultimodalCollator` (provenance keys) collates once per unique item.
+    :class:`~knitdata.media.multimodal.MultimodalCollator` (provenance keys) collates once per unique item.
     """
 
     def __init__(self, w: TransferWorkload, cfg: VLMConfig):
@@ -204,7 +204,7 @@ class _TQDecode:
     def dup(self, td: Any, index: int, k: int) -> StepItem:
         """One micro-batch with every row's own media processed (``dup`` encoding)."""
         if self._proc is None:
-            from knitdata.media import MediaProcessor
+            from knitdata.media.process import MediaProcessor
 
             self._proc = MediaProcessor(preprocess(self.w, self.cfg))
         tidx, input_ids, media, moved = self._rows(td)
@@ -219,9 +219,9 @@ class _TQDecode:
                      nbytes, moved)
 
     def shared(self, tds: Sequence[Any]) -> list[StepItem]:
-        """A step's micro-batches with one :class:`~knitdata.multimodal.MultimodalBatch` (``shared``)."""
+        """A step's micro-batches with one :class:`~knitdata.media.multimodal.MultimodalBatch` (``shared``)."""
         if self._coll is None:
-            from knitdata.multimodal import MultimodalCollator
+            from knitdata.media.multimodal import MultimodalCollator
 
             self._coll = MultimodalCollator(preprocess(self.w, self.cfg), key="provenance")
         w = self.w

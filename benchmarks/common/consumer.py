@@ -127,7 +127,7 @@ class _Trainer:
         self.kinds = self.model.kinds
         self.shared = None
         if encoding == "shared":
-            from knitdata.encoder import SharedEncoding
+            from knitdata.media.encoder import SharedEncoding
 
             merge = {"image": cfg.merge, "video": cfg.merge, "audio": cfg.audio_merge}
             out_rows = None
@@ -435,8 +435,8 @@ class _DupCollator:
     over): per kind a tensor ``{kind}_inputs`` of the concatenated encoder inputs."""
 
     def __init__(self, w: TransferWorkload, cfg: VLMConfig):
-        from knitdata.collate import TokenCollator
-        from knitdata.media import MediaProcessor
+        from knitdata.consumer.collate import TokenCollator
+        from knitdata.media.process import MediaProcessor
 
         self.tokens = TokenCollator()
         self.proc = MediaProcessor(preprocess(w, cfg))
@@ -457,8 +457,8 @@ class _DupCollator:
 def dataset_kwargs(w: TransferWorkload, cfg: VLMConfig, encoding: str) -> dict[str, Any]:
     if encoding == "dup":
         return {"collate": _DupCollator(w, cfg)}
-    from knitdata.collate import TokenCollator
-    from knitdata.multimodal import MultimodalCollator
+    from knitdata.consumer.collate import TokenCollator
+    from knitdata.media.multimodal import MultimodalCollator
 
     return {"collate": TokenCollator(), "media_collator": MultimodalCollator(preprocess(w, cfg))}
 

@@ -125,11 +125,11 @@ PROCESS_MODES_ENGINE = (
 
 
 def attach_dataset(job: Mapping[str, Any], rank: int, w: TransferWorkload, cfg: VLMConfig) -> Any:
-    """The :class:`~knitdata.dataset.TrajectoryDataset` of ``rank`` in a consumer process (Ray engine).
+    """The :class:`~knitdata.consumer.dataset.TrajectoryDataset` of ``rank`` in a consumer process (Ray engine).
 
     Attaches to the driver's Ray cluster (loopback only) and to the pipeline's coordinator by name.
     """
-    from knitdata.storage import ray_connect
+    from knitdata.engines.ray import connect as ray_connect
 
     ray_connect.connect(job["ray_address"], loopback_only=True)
     from knitdata.pipeline import Pipeline
@@ -166,7 +166,7 @@ class RayCluster:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
 
-        from knitdata.storage import ray_connect
+        from knitdata.engines.ray import connect as ray_connect
 
         if ray.is_initialized():
             raise EngineError("Ray is already initialized in this process; the transfer benchmark starts its own")

@@ -154,8 +154,8 @@ def _preimport() -> None:
     """Import what the jobs need while the driver starts its servers (start-up, not measured)."""
     import importlib
 
-    for mod in ("knitdata.collate", "knitdata.multimodal", "knitdata.encoder", "knitdata.dataset",
-                "knitdata.prefetch", "transfer_queue", "knitdata.engines.ray"):
+    for mod in ("knitdata.consumer.collate", "knitdata.media.multimodal", "knitdata.media.encoder", "knitdata.consumer.dataset",
+                "knitdata.consumer.prefetch", "transfer_queue", "knitdata.engines.ray.engine"):
         try:
             importlib.import_module(mod)
         except Exception:  # optional extras; the job reports what it really lacks

@@ -138,7 +138,7 @@ class _Block(nn.Module):
 class VisionEncoder(nn.Module):
     """Patch rows in, one output row per ``merge`` patch rows out; no interaction across images.
 
-    Called as ``encoder(values, offsets)`` (the :class:`~knitdata.encoder.SharedEncoding` convention):
+    Called as ``encoder(values, offsets)`` (the :class:`~knitdata.media.encoder.SharedEncoding` convention):
     ``values`` ``[sum of patches, C * p * p]`` float, ``offsets`` ``int64 [U + 1]``; every image has the
     same patch count here. The omni workload's audio encoder is the same stack over 50 ms sample rows
     (``layers``/``merge`` given explicitly).
@@ -230,7 +230,7 @@ class TinyVLM(nn.Module):
 
 
 def _patchify_fn(cfg: VLMConfig, w: TransferWorkload) -> Callable[[torch.Tensor], torch.Tensor]:
-    from knitdata.media import patchify
+    from knitdata.media.process import patchify
 
     return patchify(cfg.patch, size=(w.item_shape[1], w.item_shape[2]))
 
@@ -256,7 +256,7 @@ class _VideoPatches:
     """Video preprocessing of the omni workload with containers: the decoded frames' patches, frame after frame
     (a picklable callable ``fn(frames uint8 [T, C, H, W], fps)``)."""
 
-    #: With ``out`` (the collator's table, see :meth:`knitdata.media.MediaProcessor.process`) the frames' patches
+    #: With ``out`` (the collator's table, see :meth:`knitdata.media.process.MediaProcessor.process`) the frames' patches
     #: are written there directly (frame 0 through one temporary), not patched, concatenated and copied again.
     accepts_out = True
 

@@ -160,7 +160,7 @@ class CheckingCollate:
     """Wraps the default collate: verifies every payload, keeps only ids (the soak does not train)."""
 
     def __init__(self, bad: list[str], lock: threading.Lock) -> None:
-        from knitdata.collate import TokenCollator
+        from knitdata.consumer.collate import TokenCollator
 
         self._inner = TokenCollator()
         self._bad = bad
@@ -464,8 +464,8 @@ def run_soak(cfg: SoakConfig, *, progress: bool = True, engine_options: dict[str
     def killer() -> None:
         import ray
 
-        from knitdata.engines.ray import coordinator_name
-        from knitdata.storage.ray_connect import NAMESPACE
+        from knitdata.engines.ray.connect import NAMESPACE
+        from knitdata.engines.ray.engine import coordinator_name
 
         actor = ray.get_actor(coordinator_name(engine_options["name"]), namespace=NAMESPACE)
         while not killer_stop.wait(kill_coordinator_every_s):

@@ -107,7 +107,7 @@ class _Tail:
 def _xproc_job(conn: Any) -> dict[str, Any] | None:
     """Import what a worker needs (while the driver starts Ray), then wait for its job (a plain dict)."""
     torch.set_num_threads(1)
-    import knitdata.engines.ray  # noqa: F401 - imports Ray too
+    import knitdata.engines.ray.engine  # noqa: F401 - imports Ray too
     import knitdata.pipeline  # noqa: F401
 
     try:
@@ -405,9 +405,9 @@ def run_soak_processes(cfg: SoakConfig, *, num_producers: int = 1, progress: boo
     def killer() -> None:
         import ray
 
-        from knitdata.engines.ray import coordinator_name
-        from knitdata.engines.ray_control import RayControl
-        from knitdata.storage.ray_connect import NAMESPACE
+        from knitdata.engines.ray.connect import NAMESPACE
+        from knitdata.engines.ray.control import RayControl
+        from knitdata.engines.ray.engine import coordinator_name
 
         actor = ray.get_actor(coordinator_name(name), namespace=NAMESPACE)
         control = pipe.internals.control

@@ -1,7 +1,7 @@
 """Tracing on vs off, side by side in one run: the ``--trace`` comparison of ``bench loader`` and ``bench control``.
 
 :func:`compare` runs one measurement function with this process's tracer off, on (a fresh trace file per run,
-:mod:`knitdata.trace`) and off again (an A/A control: what two identical untraced runs differ by on this machine),
+:mod:`knitdata.observe.trace`) and off again (an A/A control: what two identical untraced runs differ by on this machine),
 interleaved, each taking each position of a round equally often. It reports the median of the per-round ratios of
 wall time (on over off, and off again over off) with a bootstrap 90% interval of that median, the same for process
 CPU time (every thread, the trace's writer included), the load average at start and end, and the tracer's own
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from knitdata import trace as tracing
+from knitdata.observe import trace as tracing
 
 __all__ = ["compare", "format_line", "record_cost_us", "TARGET_MAX_RATIO"]
 

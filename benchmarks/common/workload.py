@@ -87,7 +87,7 @@ class TransferWorkload:
         video_frames: Frames per video (omni).
         frame_px: Frame side in pixels (omni).
         video_container: Omni: the video is one MP4 container (mpeg4, 2 fps, made with PyAV) instead of its frames
-            as image items; consumers decode it with PyAV (``knitdata.video``: once per unique video per
+            as image items; consumers decode it with PyAV (``knitdata.media.video``: once per unique video per
             mini-batch with shared encoding, once per copy with dup) and sample all its frames (an even count).
         audio_seconds: Audio clip length in seconds (omni).
         audio_rate: Audio sample rate in Hz (omni).
@@ -273,7 +273,7 @@ def _group_media(w: TransferWorkload, step: int, g: int, gen: torch.Generator) -
         return [MediaItem("image", tensor=torch.randint(0, 256, w.image_shape, dtype=torch.uint8, generator=gen))]
     frames = torch.randint(0, 256, (w.video_frames, *w.item_shape), dtype=torch.uint8, generator=gen)
     if w.video_container:
-        from knitdata.video import encode_video
+        from knitdata.media.video import encode_video
 
         items = [MediaItem("video", data=encode_video(frames, fps=2))]
     else:

@@ -12,12 +12,12 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
-from knitdata import trace as tracing
 from knitdata.control.journal import Journal, dumps_strict, loads_strict, recovery_plan
 from knitdata.control.reshape import snapshot_layout
 from knitdata.control.snapshot import decode_snapshot
 from knitdata.control.state import SNAPSHOT_FORMAT, PlaneState
 from knitdata.errors import CodecError, ConfigError, KnitdataError, StateError
+from knitdata.observe import trace as tracing
 from knitdata.placement import ConsumerLayout
 
 __all__ = ["Durability", "REMOVED_OPS", "SNAPSHOT_KEYS", "StateSlice"]
@@ -79,7 +79,7 @@ class Durability:
         replayed call makes, and after a snapshot the last :data:`~knitdata.control.state.RECENT_RELEASES` ids
         released before it.
 
-        With tracing on (:mod:`knitdata.trace`) the recovery is recorded as a ``restart`` span (args ``journal``,
+        With tracing on (:mod:`knitdata.observe.trace`) the recovery is recorded as a ``restart`` span (args ``journal``,
         ``replayed``, ``snapshot``).
 
         Returns:

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
-from knitdata import trace as tracing
-from knitdata.metrics import TransferMeter
+from knitdata.observe import trace as tracing
+from knitdata.observe.metrics import TransferMeter
 from knitdata.record import TrajectoryMeta
 from knitdata.staleness import PutLog, StalenessSplit, TokenStaleness
 

@@ -16,10 +16,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from knitdata import trace as tracing
 from knitdata.control.state import FP_KEEP, PlaneState, Replicas
 from knitdata.control.surface import Part, control_call, control_part
 from knitdata.errors import ConfigError, StateError, ValidationError
+from knitdata.observe import trace as tracing
 
 __all__ = ["Positions", "check_verifications", "mismatch_message"]
 

@@ -20,7 +20,7 @@ __all__ = ["MERGED_FORMAT", "RANK_STATE_FORMAT", "PLANNING_KEYS", "CUT_KEYS", "m
 
 #: ``format`` of a merged state (:func:`merge_rank_states`).
 MERGED_FORMAT = "knitdata.MergedRankStates"
-#: ``format`` of the rank states it merges (:class:`knitdata.dataset.TrajectoryDataset` states).
+#: ``format`` of the rank states it merges (:class:`knitdata.consumer.dataset.TrajectoryDataset` states).
 RANK_STATE_FORMAT = "knitdata.TrajectoryDataset"
 _MERGED_VERSION = 1
 #: The pipeline options that decide how admitted trajectories are cut into micro-batches: a rank state carries them

@@ -10,7 +10,7 @@ from typing import Any
 
 from knitdata.control.state import PRODUCER_TTL_S, PlaneState
 from knitdata.control.surface import Part, control_call, control_part
-from knitdata.metrics import summarize
+from knitdata.observe.metrics import summarize
 
 __all__ = ["Reporting", "missing_text", "producers_gone", "incomplete_message", "observation", "journal_summary"]
 
@@ -104,14 +104,14 @@ class Reporting(Part):
 
     @control_call(fire_and_forget=True)
     def report_consumer(self, rank: int, stats: Mapping[str, Any]) -> None:
-        """A consumer's metrics summary (:meth:`knitdata.metrics.ConsumerMetrics.to_dict`), for :meth:`stats`."""
+        """A consumer's metrics summary (:meth:`knitdata.observe.metrics.ConsumerMetrics.to_dict`), for :meth:`stats`."""
         self.s.check_rank(rank)
         with self.s.cond:
             self.s.observed.consumer_stats[rank] = dict(stats)
 
     @control_call(fire_and_forget=True)
     def report_transfer(self, meter: Mapping[str, Any]) -> None:
-        """Add a process's transfer counters (:meth:`knitdata.metrics.TransferMeter.to_dict`) to the totals."""
+        """Add a process's transfer counters (:meth:`knitdata.observe.metrics.TransferMeter.to_dict`) to the totals."""
         self.s.observed.transfer.merge(meter)
 
     @control_call()

@@ -22,11 +22,11 @@ from itertools import repeat
 from operator import attrgetter, is_, itemgetter
 from typing import Any, cast
 
-from knitdata import trace as tracing
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.control.journal import Journal
 from knitdata.control.observed import Observations
 from knitdata.errors import ConfigError, KnitdataError, PipelineClosedError
+from knitdata.observe import trace as tracing
 from knitdata.placement import ConsumerLayout, make_placement
 from knitdata.planner import MiniBatchPlan, Planner
 from knitdata.record import TrajectoryMeta
@@ -66,7 +66,7 @@ DELIVERED_MEMORY = 1 << 16
 WITHDRAWN_MEMORY = 1 << 16
 #: Seconds after its last renewal after which an iterator's lease counts as expired: a newer iterator of the same
 #: rank (and worker) then takes it over without the old one's consent (a consumer process died or froze). A live
-#: consumer renews its lease every :data:`~knitdata.handoff.HEARTBEAT_S` from a background thread and gives it up
+#: consumer renews its lease every :data:`~knitdata.consumer.handoff.HEARTBEAT_S` from a background thread and gives it up
 #: at once when a newer iterator asks for it; it hands nothing out past its own, shorter, local deadline.
 LEASE_TTL_S = 3.0
 #: Seconds without a report after which a producer process counts as gone (it died without close()).
@@ -132,7 +132,7 @@ def fenced_message(rank: int, worker: int, by: str, replica: int = 0) -> str:
 
 def entry_fingerprint(prev: str, info: Mapping[str, Any]) -> str:
     """The fingerprint of a rank's prefix ending in one micro-batch: a 64-bit BLAKE2b digest (hex) chained over
-    ``prev`` (the prefix before it) and the micro-batch's :class:`~knitdata.collate.MicroBatchInfo` dict: its
+    ``prev`` (the prefix before it) and the micro-batch's :class:`~knitdata.consumer.collate.MicroBatchInfo` dict: its
     position, its mini-batch's token, trajectory and loss-token counts, and its trajectory ids in order (one
     C-level join per micro-batch: about 7 ms for 64,000 trajectories on 8,000 ranks)."""
     text = (f"{prev}\x1e{info['minibatch']}.{info['microbatch']}.{info['num_microbatches']}\x1e{info['global_tokens']}."

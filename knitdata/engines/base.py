@@ -16,11 +16,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from knitdata.consumer.fetch import FetchMode
+from knitdata.consumer.handoff import HEARTBEAT_S, ControlSender
 from knitdata.control.plane import Control, ControlPlane
 from knitdata.errors import ConfigError, EngineError, ValidationError
-from knitdata.fetch import FetchMode
-from knitdata.handoff import HEARTBEAT_S, ControlSender
-from knitdata.metrics import ConsumerMetrics, TransferMeter
+from knitdata.observe.metrics import ConsumerMetrics, TransferMeter
 from knitdata.placement import ConsumerLayout
 from knitdata.record import Trajectory
 from knitdata.registry import Registry
@@ -31,8 +31,8 @@ __all__ = ["Engine", "ENGINES"]
 #: The engine classes by name (``Pipeline(engine=name)``), imported when first chosen: ``"embedded"`` and ``"ray"``,
 #: then any registered since (``ENGINES.register_lazy(name, "module:Class")`` or ``ENGINES.register(name, cls)``).
 ENGINES: Registry[type[Engine]] = Registry("engine", accepts=lambda e: isinstance(e, type) and issubclass(e, Engine))
-ENGINES.register_lazy("embedded", "knitdata.engines.embedded:EmbeddedEngine")
-ENGINES.register_lazy("ray", "knitdata.engines.ray:RayEngine")
+ENGINES.register_lazy("embedded", "knitdata.engines.embedded.engine:EmbeddedEngine")
+ENGINES.register_lazy("ray", "knitdata.engines.ray.engine:RayEngine")
 
 
 class Engine(abc.ABC):
@@ -102,7 +102,7 @@ class Engine(abc.ABC):
 
     @property
     def sender(self) -> ControlSender:
-        """This process's :class:`~knitdata.handoff.ControlSender` of the pipeline (made on first use)."""
+        """This process's :class:`~knitdata.consumer.handoff.ControlSender` of the pipeline (made on first use)."""
         if self._sender is None:
             self._sender = ControlSender(self.control.leasing, heartbeat_s=self.heartbeat_s, inline=self.in_process)
         return self._sender
@@ -270,7 +270,7 @@ class Engine(abc.ABC):
 
     def flush_trace(self) -> None:
         """Write the trace events recorded so far by this process (and, on engines with servers, by them)."""
-        from knitdata import trace
+        from knitdata.observe import trace
 
         if trace.tracer is not None:
             trace.tracer.flush()

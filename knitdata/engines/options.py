@@ -13,11 +13,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from knitdata import trace as tracing
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.control import PLANE_DEFAULTS, RELEASE_MODES
 from knitdata.engines.base import ENGINES, Engine
 from knitdata.errors import ConfigError
+from knitdata.observe import trace as tracing
 from knitdata.placement import PLACEMENTS, ConsumerLayout, Placement, make_placement
 from knitdata.planner import MiniBatchPlan
 
@@ -55,7 +55,7 @@ class PipelineOptions:
             also written through, so payloads of a dead unit are recovered).
         spill_bytes: Disk budget per unit when spilling.
         release: When a payload leaves storage. A consumer *commits* a position with
-            :meth:`~knitdata.dataset.TrajectoryDataset.commit` (after saving its state); payloads before a
+            :meth:`~knitdata.consumer.dataset.TrajectoryDataset.commit` (after saving its state); payloads before a
             committed position are released. ``"step"``: also commit automatically when the rank starts its next
             mini-batch (one iterator per rank; with DataLoader worker processes only explicit commits count), so a
             consumer that crashes mid-step and restores its last step-boundary state receives that step again.
@@ -92,7 +92,7 @@ class PipelineOptions:
             ``None``: none): every process of the pipeline writes a part file ``<trace>.<role>.<host>-<pid>.json``
             (on Ray the coordinator, the units and each process that attaches, too), merged into ``trace`` by
             :meth:`~knitdata.pipeline.Pipeline.shutdown` or ``knitdata trace PATH`` (Chrome trace-event JSON;
-            :mod:`knitdata.trace`).
+            :mod:`knitdata.observe.trace`).
 
     Example:
         >>> from knitdata.admission import BatchSpec

@@ -4,14 +4,14 @@
 ``Accelerator._prepare_one``: only ``isinstance(obj, DataLoader)`` objects are touched). Over an
 ``IterableDataset`` it either dispatches batches from rank 0 or makes every rank read the whole stream and
 keep ``1/N`` of it: a rank-aware knitdata dataset would be silently cut. :class:`AcceleratedLoader`
-therefore *wraps* a :class:`~knitdata.dataset.TrajectoryDataset` instead of subclassing ``DataLoader``;
+therefore *wraps* a :class:`~knitdata.consumer.dataset.TrajectoryDataset` instead of subclassing ``DataLoader``;
 ``prepare()`` returns it unchanged (it is neither a DataLoader, a module, an optimizer nor a scheduler), and
 you do not need to pass it to ``prepare()`` at all. What it does the Accelerate way:
 
 * **Rank and world** come from Accelerate's state (``accelerator.process_index`` / ``num_processes``, the
   same values as :class:`accelerate.PartialState`); the pipeline must have exactly that many consumers.
 * **Device placement**: each micro-batch goes through :func:`accelerate.utils.send_to_device`, which calls
-  :meth:`knitdata.collate.MicroBatch.to` (media included). With ``fetch="iter"`` on CUDA the copy already
+  :meth:`knitdata.consumer.collate.MicroBatch.to` (media included). With ``fetch="iter"`` on CUDA the copy already
   happens on the prefetch thread (side stream), and ``send_to_device`` is then a no-op.
 * **Gradient accumulation** follows the plan, not a fixed ``gradient_accumulation_steps``: the micro-batches
   of one mini-batch are ``info.microbatch = 0..K-1`` and ``info.is_last`` marks the optimizer step (K is
@@ -34,7 +34,7 @@ you do not need to pass it to ``prepare()`` at all. What it does the Accelerate 
   all ranks, accelerate#3080: neither fits per-rank loader state.)
 
 * **Metrics**: with ``log_every=N`` (or :func:`log_metrics`) the dataset's per-step figures
-  (:meth:`~knitdata.dataset.TrajectoryDataset.step_metrics`: staleness, exposed data wait, bytes, admission delay,
+  (:meth:`~knitdata.consumer.dataset.TrajectoryDataset.step_metrics`: staleness, exposed data wait, bytes, admission delay,
   store fill, spills, flat keys under ``knitdata/``) go to ``accelerator.log``, so to every tracker the
   Accelerator was built with (``log_with="tensorboard"``, ``"wandb"``...).
 
@@ -75,8 +75,8 @@ from typing import TYPE_CHECKING, Any
 from knitdata.errors import ConfigError, StateError, ValidationError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from knitdata.collate import MicroBatch, MicroBatchInfo
-    from knitdata.dataset import TrajectoryDataset
+    from knitdata.consumer.collate import MicroBatch, MicroBatchInfo
+    from knitdata.consumer.dataset import TrajectoryDataset
 
 __all__ = [
     "AcceleratedLoader",
@@ -154,8 +154,8 @@ class AcceleratedLoader:
     dataset of this process's rank.
 
     Args:
-        dataset: The :class:`~knitdata.dataset.TrajectoryDataset` (or any iterable of
-            :class:`~knitdata.collate.MicroBatch` with ``state_dict``/``load_state_dict``/``set_epoch``) of
+        dataset: The :class:`~knitdata.consumer.dataset.TrajectoryDataset` (or any iterable of
+            :class:`~knitdata.consumer.collate.MicroBatch` with ``state_dict``/``load_state_dict``/``set_epoch``) of
             rank ``accelerator.process_index``.
         accelerator: The :class:`accelerate.Accelerator` of the training loop.
         device_placement: Move each micro-batch to ``accelerator.device`` with ``send_to_device``.
@@ -269,7 +269,7 @@ class AcceleratedLoader:
 
     @property
     def last_info(self) -> MicroBatchInfo | None:
-        """The :class:`~knitdata.collate.MicroBatchInfo` of the micro-batch last handed out."""
+        """The :class:`~knitdata.consumer.collate.MicroBatchInfo` of the micro-batch last handed out."""
         return self._last_info
 
     def close(self) -> None:
@@ -295,7 +295,7 @@ class AcceleratedLoader:
             mb: The micro-batch, or its info.
 
         Raises:
-            ValidationError: The micro-batch carries no :class:`~knitdata.collate.MicroBatchInfo`.
+            ValidationError: The micro-batch carries no :class:`~knitdata.consumer.collate.MicroBatchInfo`.
         """
         info = self._info(mb)
         models = model if isinstance(model, (tuple, list)) else (model,)
@@ -370,7 +370,7 @@ class AcceleratedLoader:
             set_epoch(self._epoch)
         last = state.get("last_info")
         if last is not None:
-            from knitdata.collate import MicroBatchInfo
+            from knitdata.consumer.collate import MicroBatchInfo
 
             self._last_info = MicroBatchInfo.from_dict(last)
         else:
@@ -595,7 +595,7 @@ def log_metrics(accelerator: Any, dataset: Any, step: int | None = None, *, main
                 **metrics_kwargs: Any) -> dict[str, float | int]:
     """Log a rank's knitdata figures through ``accelerator.log`` (TensorBoard, Weights & Biases, ... trackers).
 
-    The figures are the dataset's ``step_metrics()`` (:meth:`knitdata.dataset.TrajectoryDataset.step_metrics`):
+    The figures are the dataset's ``step_metrics()`` (:meth:`knitdata.consumer.dataset.TrajectoryDataset.step_metrics`):
     flat keys under ``knitdata/`` (staleness, exposed data wait, bytes, admission delay, store fill, spills, what a
     staleness bound dropped). ``accelerator.log`` writes on the main process only, so by default the other ranks
     skip the control-plane call and return ``{}``.
@@ -603,7 +603,7 @@ def log_metrics(accelerator: Any, dataset: Any, step: int | None = None, *, main
     Args:
         accelerator: The :class:`accelerate.Accelerator` (its trackers set up with ``log_with`` and
             ``init_trackers``).
-        dataset: The rank's :class:`~knitdata.dataset.TrajectoryDataset`, or an :class:`AcceleratedLoader`.
+        dataset: The rank's :class:`~knitdata.consumer.dataset.TrajectoryDataset`, or an :class:`AcceleratedLoader`.
         step: The step to log at (the optimizer step; e.g. ``mb.info.minibatch``).
         main_process_only: Only the main process reads and logs the figures.
         **metrics_kwargs: Passed to ``step_metrics`` (``flush``, ``units``, ``prefix``).

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from knitdata.collate import MicroBatch, MicroBatchInfo
-from knitdata.encoder import SharedEncoding
+from knitdata.consumer.collate import MicroBatch, MicroBatchInfo
 from knitdata.errors import ConfigError, MediaError, OptionalDependencyError, ValidationError
-from knitdata.multimodal import MediaTable, MultimodalBatch, MultimodalCollator
+from knitdata.media.encoder import SharedEncoding
+from knitdata.media.multimodal import MediaTable, MultimodalBatch, MultimodalCollator
 from knitdata.record import MediaItem, Trajectory
 
 try:
@@ -126,7 +126,7 @@ class HFMultimodalAdapter:
         return int(self.out_rows(table)[0])
 
     def media_collator(self, key: str = "provenance") -> MultimodalCollator:
-        """A :class:`~knitdata.multimodal.MultimodalCollator` processing with the model's processor.
+        """A :class:`~knitdata.media.multimodal.MultimodalCollator` processing with the model's processor.
 
         Args:
             key: ``"provenance"`` (GRPO groups share their media) or ``"digest"``.
@@ -134,11 +134,11 @@ class HFMultimodalAdapter:
         return MultimodalCollator({self.kind: self.preprocess}, key=key)
 
     def shared_encoding(self, mode: str = "fold", **kwargs: Any) -> SharedEncoding:
-        """A :class:`~knitdata.encoder.SharedEncoding` of the model's tower.
+        """A :class:`~knitdata.media.encoder.SharedEncoding` of the model's tower.
 
         Args:
             mode: ``"fold"``, ``"leaf"``, ``"recompute"`` or ``"naive"``.
-            **kwargs: More :class:`~knitdata.encoder.SharedEncoding` arguments (``chunk_items``, ``dummy``...).
+            **kwargs: More :class:`~knitdata.media.encoder.SharedEncoding` arguments (``chunk_items``, ``dummy``...).
         """
         kwargs.setdefault("dummy_input", self.dummy_input())
         return SharedEncoding(
@@ -155,7 +155,7 @@ class HFMultimodalAdapter:
     ) -> dict[str, torch.Tensor]:
         """Text inputs of micro-batch ``i``: placeholders expanded per item, right-padded.
 
-        Takes what the dataset yields: a :class:`~knitdata.collate.MicroBatch` of a dataset built with
+        Takes what the dataset yields: a :class:`~knitdata.consumer.collate.MicroBatch` of a dataset built with
         ``media_collator=adapter.media_collator()`` (``batch`` is then its ``media``, ``i`` its
         ``info.microbatch``; padded or packed token layout, any ``pad_id``). Or the micro-batch's
         trajectories, with ``batch`` and ``i``. Every prompt must hold one ``placeholder_id`` per media item of
@@ -168,7 +168,7 @@ class HFMultimodalAdapter:
         Args:
             micro_batch: The dataset's micro-batch, or micro-batch ``i``'s trajectories in the order given to
                 the media collator.
-            batch: The mini-batch's :class:`~knitdata.multimodal.MultimodalBatch` (default: ``micro_batch.media``).
+            batch: The mini-batch's :class:`~knitdata.media.multimodal.MultimodalBatch` (default: ``micro_batch.media``).
             i: The micro-batch (default: ``micro_batch.info.microbatch``).
             pad_to_multiple_of: Pad the sequence length up to a multiple of this.
 
@@ -289,7 +289,7 @@ class HFMultimodalAdapter:
 
         Args:
             inputs: :meth:`collate`'s output for micro-batch ``i``.
-            batch: The mini-batch's :class:`~knitdata.multimodal.MultimodalBatch` (on the model's device).
+            batch: The mini-batch's :class:`~knitdata.media.multimodal.MultimodalBatch` (on the model's device).
             i: The micro-batch.
             **kwargs: More model forward arguments.
         """
@@ -356,7 +356,7 @@ def scale_mean_loss(
         loss: ``out.loss`` of the model's forward on ``inputs``.
         inputs: The forward's inputs (:meth:`HFMultimodalAdapter.collate`): its ``labels`` and
             ``attention_mask`` give ``n``.
-        micro_batch: The dataset's micro-batch, or its :class:`~knitdata.collate.MicroBatchInfo`.
+        micro_batch: The dataset's micro-batch, or its :class:`~knitdata.consumer.collate.MicroBatchInfo`.
         world_size: Data-parallel ranks whose gradients are averaged (``torch.distributed``'s world size, or the
             number of consumer threads).
         ignore_index: The label of tokens outside the loss.

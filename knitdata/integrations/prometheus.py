@@ -1,7 +1,7 @@
 """A Prometheus exposition of a pipeline's figures, on request (optional extra: ``pip install knitdata[observe]``).
 
 :func:`serve` starts an HTTP server (``prometheus_client``'s, on a daemon thread) whose ``/metrics`` reads the
-pipeline's :meth:`~knitdata.Pipeline.stats` at every scrape and exposes :func:`knitdata.monitor.flat_metrics` as
+pipeline's :meth:`~knitdata.Pipeline.stats` at every scrape and exposes :func:`knitdata.observe.monitor.flat_metrics` as
 gauges: ``knitdata/staleness/math/p95`` becomes ``knitdata_staleness_p95{source="math"}``, ``knitdata/store/fill``
 ``knitdata_store_fill``, ``knitdata/starved/agent`` (a staleness bound's starvation signal)
 ``knitdata_starved{source="agent"}``. It listens on the loopback interface unless told otherwise (``addr="0.0.0.0"`` exposes
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from knitdata.errors import ConfigError, KnitdataError, OptionalDependencyError
-from knitdata.monitor import flat_metrics
+from knitdata.observe.monitor import flat_metrics
 
 __all__ = ["MetricsServer", "serve", "collect"]
 
@@ -43,7 +43,7 @@ def _name(parts: list[str]) -> str:
 def collect(stats: Mapping[str, Any], *, rank: int | None = None) -> dict[str, list[tuple[dict[str, str], float]]]:
     """The gauges of one scrape: ``{metric name: [(labels, value), ...]}`` from a stats dict.
 
-    A path component of a :func:`~knitdata.monitor.flat_metrics` key that names a source becomes the label
+    A path component of a :func:`~knitdata.observe.monitor.flat_metrics` key that names a source becomes the label
     ``source``; the rest, joined by ``_``, the name (characters Prometheus does not allow become ``_``).
     """
     bound = stats.get("staleness_bound")

@@ -13,7 +13,7 @@ from torch import nn
 
 from knitdata.errors import ConfigError, MediaError, OptionalDependencyError
 from knitdata.integrations.hf_adapter import HFMultimodalAdapter, device_of, unwrap_model
-from knitdata.multimodal import MediaTable
+from knitdata.media.multimodal import MediaTable
 
 try:
     import transformers

@@ -7,7 +7,7 @@ Built by :func:`knitdata.integrations.transformers.adapter_for` from ``model.con
 encoder (``model.visual``, for images and video frames; the Qwen2.5-VL tower) and the audio encoder
 (``model.audio_tower``). :meth:`Qwen2_5OmniAdapter.shared_encoding` wraps them as
 ``{"image": visual, "video": visual, "audio": audio_tower}`` in one
-:class:`~knitdata.encoder.SharedEncoding`: each unique image, video and clip of a mini-batch is encoded once.
+:class:`~knitdata.media.encoder.SharedEncoding`: each unique image, video and clip of a mini-batch is encoded once.
 Per-item metadata in ``MediaTable.meta``: ``image_grid_thw``, ``video_grid_thw`` and
 ``video_second_per_grid`` (the temporal patch size over the sampled frame rate, as the model's processor
 computes it) and an audio clip's ``feature_length`` (its valid mel frames; the table stores only those, as
@@ -24,7 +24,7 @@ forward never uses it (its own duplicated path neither), and DDP with ``find_unu
 shared encoding's ``fold`` wants with one wrapper) fails on a parameter without a gradient.
 
 **Video frames** are decoded with PyAV (the ``video`` extra) and sampled by the collator's
-:class:`~knitdata.video.VideoSampling`; they are resized and normalized with the model's own image
+:class:`~knitdata.media.video.VideoSampling`; they are resized and normalized with the model's own image
 processor frame by frame (``temporal_patch_size=1``) and grouped into temporal patches in the layout of
 ``transformers``' ``Qwen2VLVideoProcessor`` (which needs ``torchvision``; the frames' resampling is then
 PIL's bicubic instead of torchvision's).
@@ -32,7 +32,7 @@ PIL's bicubic instead of torchvision's).
 **Qwen3-VL.** ``Qwen3VLForConditionalGeneration``'s vision tower returns, besides the merged rows, one
 feature map per deepstack layer, which the language model adds to its first hidden states at the image
 positions. :meth:`Qwen3VLAdapter.encoder_call` returns them all as one tuple, so
-:class:`~knitdata.encoder.SharedEncoding` deduplicates them together and the deepstack mergers get exact
+:class:`~knitdata.media.encoder.SharedEncoding` deduplicates them together and the deepstack mergers get exact
 gradients too; the forward passes them through the model's ``mm_encoder_outputs`` hook
 (``deepstack_features``).
 
@@ -48,12 +48,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from knitdata.encoder import SharedEncoding
 from knitdata.errors import ConfigError, MediaError, OptionalDependencyError
 from knitdata.integrations.hf_adapter import HFMultimodalAdapter, device_of, unwrap_model
 from knitdata.integrations.qwen import Qwen2_5_VLAdapter, default_image_processor
-from knitdata.multimodal import MediaTable, MultimodalBatch, MultimodalCollator
-from knitdata.video import VideoSampling
+from knitdata.media.encoder import SharedEncoding
+from knitdata.media.multimodal import MediaTable, MultimodalBatch, MultimodalCollator
+from knitdata.media.video import VideoSampling
 
 try:
     from transformers.modeling_outputs import BaseModelOutputWithPooling
@@ -226,7 +226,7 @@ class Qwen2_5OmniAdapter(HFMultimodalAdapter):
         return self.dummy_inputs()["image"]
 
     def shared_encoding(self, mode: str = "fold", **kwargs: Any) -> SharedEncoding:
-        """A :class:`~knitdata.encoder.SharedEncoding` of both towers (``{"image", "video", "audio"}``).
+        """A :class:`~knitdata.media.encoder.SharedEncoding` of both towers (``{"image", "video", "audio"}``).
 
         ``rows(i, kind)`` then gives one kind's rows; :meth:`rows` gathers all three for :meth:`forward`.
         """

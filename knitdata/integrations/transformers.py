@@ -7,7 +7,7 @@ An adapter ties one ``transformers`` model to knitdata's multimodal path without
    per-item metadata the encoder needs in the media table (``table.meta``): Qwen2-VL's ``image_grid_thw``,
    an audio clip's valid feature length.
 2. **Encoding**: :meth:`HFMultimodalAdapter.shared_encoding` wraps the model's own tower in
-   :class:`~knitdata.encoder.SharedEncoding` (``fold``/``leaf``/``recompute``/``naive``), with the right call
+   :class:`~knitdata.media.encoder.SharedEncoding` (``fold``/``leaf``/``recompute``/``naive``), with the right call
    and output rows (Qwen2.5-VL: ``patches / merge_size**2`` rows after the 2x2 patch merger; Qwen2-Audio:
    ``((L - 1) // 2 + 1 - 2) // 2 + 1`` rows for ``L`` valid mel frames, after the projector).
 3. **Text**: :meth:`HFMultimodalAdapter.collate` builds each micro-batch's ``input_ids`` (right-padded),
@@ -33,7 +33,7 @@ images with deepstack features; see :mod:`knitdata.integrations.qwen_omni`), thr
 (dispatch on ``model.config.model_type``), :func:`qwen2_5_vl`, :func:`qwen2_audio`, :func:`qwen2_5_omni` or
 :func:`qwen3_vl`. Their towers treat items independently (per-item ``cu_seqlens`` windows and full
 attention in the Qwen2.5-VL vision tower; per-clip attention masks in the Qwen2-Audio encoder), the
-exactness condition of :class:`~knitdata.encoder.SharedEncoding`. Tested in float64 on tiny random-init
+exactness condition of :class:`~knitdata.media.encoder.SharedEncoding`. Tested in float64 on tiny random-init
 configs against the duplicated native path: Qwen2.5-VL's RMSNorm computes in float32 even in a float64
 model, so the gradients agree to about 1e-6 relative (``GRAD_RTOL``), not to float64 rounding.
 
@@ -97,7 +97,7 @@ for mb in pipe.dataset(0, media_collator=adapter.media_collator()):
 
 Under DDP (one process per rank, ranks attached to a Ray-engine pipeline), wrap the model in
 ``DistributedDataParallel`` before building the adapter, run each micro-batch's forward and backward inside
-``grad_sync(model, enabled=mb.info.is_last)`` (:func:`knitdata.encoder.grad_sync`), and pass the world size.
+``grad_sync(model, enabled=mb.info.is_last)`` (:func:`knitdata.media.encoder.grad_sync`), and pass the world size.
 An empty micro-batch (``mb.is_empty``, a padding step) still gets a one-row dummy input from
 :meth:`HFMultimodalAdapter.collate`, whose loss :func:`scale_mean_loss` scales to zero, so that the ranks'
 all-reduces line up.
@@ -147,12 +147,12 @@ from typing import Any
 import torch  # noqa: F401 - with nn, SharedEncoding and MultimodalCollator: the names the recipe above uses
 from torch import nn
 
-from knitdata.encoder import SharedEncoding  # noqa: F401
 from knitdata.errors import ConfigError
 from knitdata.integrations.hf_adapter import GRAD_RTOL, HFMultimodalAdapter, scale_mean_loss, unwrap_model
 from knitdata.integrations.qwen import ADAPTERS, Qwen2_5_VLAdapter, Qwen2AudioAdapter, qwen2_5_vl, qwen2_audio
 from knitdata.integrations.qwen_omni import Qwen2_5OmniAdapter, Qwen3VLAdapter, qwen2_5_omni, qwen3_vl
-from knitdata.multimodal import MultimodalCollator  # noqa: F401
+from knitdata.media.encoder import SharedEncoding  # noqa: F401
+from knitdata.media.multimodal import MultimodalCollator  # noqa: F401
 from knitdata.registry import Registry
 
 __all__ = [

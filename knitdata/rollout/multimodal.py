@@ -8,7 +8,7 @@ keeps the media themselves (shared encoding encodes each unique item once per mi
 processor at collate time: its metadata such as ``image_grid_thw`` is computed there, and audio keeps its sampling
 rate in the item) and *one* placeholder per item in ``prompt_ids``, expanded again by the collate
 (:meth:`knitdata.integrations.hf_adapter.HFMultimodalAdapter.collate`). :func:`attach_media` does both: it builds
-the items (:func:`knitdata.media.image_item`, :func:`knitdata.media.audio_item`) and collapses each run of a
+the items (:func:`knitdata.media.process.image_item`, :func:`knitdata.media.process.audio_item`) and collapses each run of a
 placeholder token into one, checking that the prompt holds one run per item of each kind. Items of one kind that
 follow each other without a token between them cannot be told apart this way (Qwen models put vision start/end
 tokens around each image): such a prompt is refused.
@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import torch
 
 from knitdata.errors import MediaError, RolloutOutputError
-from knitdata.media import audio_item, image_item
+from knitdata.media.process import audio_item, image_item
 from knitdata.record import MEDIA_KINDS, MediaItem
 from knitdata.rollout.sample import RolloutGroup, RolloutSample
 

@@ -12,7 +12,7 @@ gradient pass each run the vision tower on every copy. :class:`SharedEncodingGRP
   policy, or the reference model) and hands every row its image's rows through the model's own hook for
   precomputed encoder outputs (Qwen2.5-VL / Qwen3-VL ``mm_encoder_outputs``);
 * **gradient pass**: the micro-batches of one optimizer step share one
-  :class:`~knitdata.encoder.SharedEncoding` mini-batch: the distinct images are encoded once with autograd,
+  :class:`~knitdata.media.encoder.SharedEncoding` mini-batch: the distinct images are encoded once with autograd,
   every micro-batch gets its occurrences' rows, and the encoder gradient of every micro-batch is applied once
   (``fold``: with the last micro-batch's backward, so DDP reduces it with the rest). Loss and gradients are those
   of TRL alone (to rounding: the vision tower treats images independently).
@@ -41,11 +41,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from knitdata.encoder import MODES, SharedMiniBatch
 from knitdata.errors import ConfigError, OptionalDependencyError, StateError
 from knitdata.integrations.hf_adapter import HFMultimodalAdapter
 from knitdata.integrations.transformers import adapter_for
-from knitdata.multimodal import MediaOccurrences, MediaTable, MultimodalBatch, segment_rows
+from knitdata.media.encoder import MODES, SharedMiniBatch
+from knitdata.media.multimodal import MediaOccurrences, MediaTable, MultimodalBatch, segment_rows
 from knitdata.record import tensor_digest
 
 try:
@@ -123,7 +123,7 @@ class DedupImageProcessor:
 
     The output equals the wrapped processor's on the whole list (``pixel_values`` rows repeated per copy,
     ``image_grid_thw`` per copy), since such processors treat images one by one. The last call's distinct images are
-    kept as a :class:`~knitdata.multimodal.MediaTable` (:attr:`last_table`) with each copy's item
+    kept as a :class:`~knitdata.media.multimodal.MediaTable` (:attr:`last_table`) with each copy's item
     (:attr:`last_index`). Anything else is the wrapped processor's (attributes are forwarded).
 
     Args:
@@ -228,7 +228,7 @@ class SharedEncodingGRPOTrainer(GRPOTrainer):
     Args:
         *args: ``GRPOTrainer``'s positional arguments.
         shared_encoding: ``"fold"`` (default), ``"leaf"`` or ``"recompute"``: the
-            :class:`~knitdata.encoder.SharedEncoding` mode of the gradient pass (``leaf``/``recompute`` need the
+            :class:`~knitdata.media.encoder.SharedEncoding` mode of the gradient pass (``leaf``/``recompute`` need the
             vision tower wrapped on its own under DDP); ``"naive"``: TRL's own path everywhere (for A/B checks).
         **kwargs: ``GRPOTrainer``'s keyword arguments.
 

@@ -1,8 +1,8 @@
 """The Ray storage-unit actor (one per training node, payloads in its node's object store) and spill recovery.
 
 :class:`StorageUnitActor` holds the payloads of one unit as codec records; clients talk to it through
-:class:`knitdata.storage.ray_unit.RayStorageUnit`. :class:`SpillRecovery` serves a dead unit's payloads from its
-write-through spill shards. See :mod:`knitdata.storage.ray_unit` for the memory bound and the failure model.
+:class:`knitdata.engines.ray.unit.RayStorageUnit`. :class:`SpillRecovery` serves a dead unit's payloads from its
+write-through spill shards. See :mod:`knitdata.engines.ray.unit` for the memory bound and the failure model.
 Importing this module without Ray installed raises :class:`~knitdata.errors.OptionalDependencyError`.
 """
 
@@ -14,19 +14,19 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from knitdata import trace as tracing
 from knitdata.errors import EngineError, OptionalDependencyError, StoreFull
+from knitdata.observe import trace as tracing
 
 try:
     import ray
 except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in tests
-    raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.storage.ray_actor)") from _e
+    raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.engines.ray.unit_actor)") from _e
 
 import numpy as np
 
 from knitdata.codec import decode_trajectory, encode_media, encode_trajectory
-from knitdata.storage.ray_connect import current_node
-from knitdata.storage.ray_media import (
+from knitdata.engines.ray.connect import current_node
+from knitdata.engines.ray.media import (
     MEDIA_SPILL_PREFIX,
     SpillRecovery,
     UnitMedia,
@@ -58,7 +58,7 @@ class _UnitState:
         self.node = current_node()
         self.spill: Any = None
         if spill_dir:
-            from knitdata.spill import SpillStore
+            from knitdata.storage.spill import SpillStore
 
             max_bytes = spill_bytes if spill_bytes is not None else 4 * capacity_bytes + (64 << 20)
             directory = spill_directory(spill_dir, unit_id)
@@ -263,7 +263,7 @@ class StorageUnitActor:
         self._control = control
 
     def start_trace(self, path: str) -> float:
-        """Trace this unit's process into ``path`` (:mod:`knitdata.trace`), its clock offset measured against the
+        """Trace this unit's process into ``path`` (:mod:`knitdata.observe.trace`), its clock offset measured against the
         coordinator (set by :meth:`set_control` first); returns the offset in microseconds."""
         tr = tracing.start(path, f"unit-{self._s.node_name or self._s.unit_id}")
         if self._control is None:
@@ -278,7 +278,7 @@ class StorageUnitActor:
 
     def trace_parts(self, path: str, known: dict[str, int]) -> dict[str, bytes]:
         """The part files of the trace ``path`` on this unit's node that ``known`` (the merging host's
-        :func:`knitdata.trace.part_sizes`) lacks or holds shorter: every process of this node traces there."""
+        :func:`knitdata.observe.trace.part_sizes`) lacks or holds shorter: every process of this node traces there."""
         return tracing.parts_missing_from(path, known)
 
     def put_admit(self, recs: list[tuple[Any, ...]], items: list[Any],

@@ -25,8 +25,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from knitdata import trace as tracing
 from knitdata.errors import CodecError, ConfigError, StoreFull, ValidationError
+from knitdata.observe import trace as tracing
 from knitdata.record import Trajectory
 from knitdata.shards import MAX_JSON_BYTES, decode_sample, encode_sample, write_shards
 

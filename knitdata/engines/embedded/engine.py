@@ -8,15 +8,15 @@ from operator import itemgetter
 from typing import Any
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch
+from knitdata.consumer.fetch import FetchMode
 from knitdata.control import ControlPlane
 from knitdata.engines.base import Engine
+from knitdata.engines.embedded.unit import EmbeddedStorageUnit
 from knitdata.errors import ConfigError
-from knitdata.fetch import FetchMode
 from knitdata.placement import ConsumerLayout
 from knitdata.planner import MiniBatchPlan
 from knitdata.record import MediaItem, Trajectory
 from knitdata.storage.base import StorageUnit
-from knitdata.storage.embedded import EmbeddedStorageUnit
 
 __all__ = ["EmbeddedEngine"]
 
@@ -27,7 +27,7 @@ class EmbeddedEngine(Engine):
     """Units in this process; producers and consumers are threads. No servers.
 
     Media are stored once per unit (``config["media_dedup"]``, default ``True``; see
-    :class:`~knitdata.storage.embedded.EmbeddedStorageUnit`). A media reference put on a unit that does not hold
+    :class:`~knitdata.engines.embedded.unit.EmbeddedStorageUnit`). A media reference put on a unit that does not hold
     its digest is resolved from another unit of the pipeline that does (placement keeps a group on one unit, but a
     later turn may land elsewhere): the item is held by both units, counted on both, freed on each with its last
     trajectory there. A digest no unit holds is refused with :class:`~knitdata.errors.MediaRefError`.
@@ -36,7 +36,7 @@ class EmbeddedEngine(Engine):
         layout: Consumers by node (one unit per node, its id the node name).
         config: The control plane's options.
         capacity_bytes: Capacity of each unit.
-        spill_dir: Give each unit a :class:`~knitdata.spill.SpillStore` in ``spill_dir/<unit id>``.
+        spill_dir: Give each unit a :class:`~knitdata.storage.spill.SpillStore` in ``spill_dir/<unit id>``.
         spill_bytes: Disk budget of each unit's spill store.
         policy: An admission policy object (instead of the one named in ``config``).
         on_plan: Called as ``on_plan(admitted, plan)`` for each planned mini-batch.
@@ -63,7 +63,7 @@ class EmbeddedEngine(Engine):
         for node in layout.nodes:
             spill = None
             if spill_dir is not None:
-                from knitdata.spill import SpillStore
+                from knitdata.storage.spill import SpillStore
 
                 spill = SpillStore(os.path.join(os.fspath(spill_dir), node), max_bytes=spill_bytes)
             units[node] = EmbeddedStorageUnit(node, capacity_bytes, spill=spill,

@@ -18,14 +18,14 @@ from knitdata.errors import ConfigError, OptionalDependencyError, TrajectoryLost
 try:
     import ray
 except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in tests
-    raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.storage.ray_read)") from _e
+    raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.engines.ray.read)") from _e
 
 import numpy as np
 
 from knitdata.codec import decode_media, decode_trajectory
+from knitdata.engines.ray.connect import current_node, host_gone_error, ray_get
+from knitdata.engines.ray.metrics import TransferMeter
 from knitdata.record import MediaItem, Trajectory
-from knitdata.storage.ray_connect import current_node, host_gone_error, ray_get
-from knitdata.storage.ray_metrics import TransferMeter
 
 __all__ = ["read_records", "decode_records", "LOST_ERRORS", "LOST_OR_TIMEOUT"]
 

@@ -108,7 +108,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from knitdata.errors import ConfigError, StateError
-from knitdata.multimodal import MediaTable, MultimodalBatch, segment_rows
+from knitdata.media.multimodal import MediaTable, MultimodalBatch, segment_rows
 
 __all__ = ["MODES", "SharedEncoding", "SharedMiniBatch", "grad_sync", "check_independence", "default_call"]
 
@@ -347,13 +347,13 @@ class SharedEncoding:
         call: ``fn(encoder, table) -> output``; default ``encoder(table.values, table.offsets)``.
         out_lengths: For encoders whose output rows per item differ from the input rows (e.g. a 2x2 patch
             merger): ``fn(input lengths int64 [U]) -> output lengths [U]``.
-        out_rows: Like ``out_lengths`` but given the whole :class:`~knitdata.multimodal.MediaTable`, for output
+        out_rows: Like ``out_lengths`` but given the whole :class:`~knitdata.media.multimodal.MediaTable`, for output
             lengths that depend on per-item metadata (``table.meta``, e.g. an audio clip's valid frames):
             ``fn(table) -> output lengths int64 [U]``. Give at most one of the two.
         grad_dtype: Dtype of the gradient buffers ``G``; default float32, or the output dtype if wider.
         chunk_items: ``recompute``: items per re-encode chunk (``None``: all at once). Under FSDP the chunk
             count is agreed across ranks (an all-reduce) and padded with zero-gradient encodes.
-        dummy_input: Per kind (or one) :class:`~knitdata.multimodal.MediaTable` encoded with a zero gradient
+        dummy_input: Per kind (or one) :class:`~knitdata.media.multimodal.MediaTable` encoded with a zero gradient
             on a rank whose mini-batch holds no item of that kind, e.g. ``MediaTable.empty_like(...)``.
         dummy: Whether to run that dummy encode: ``"auto"`` (when ``torch.distributed`` has > 1 rank),
             ``True`` or ``False``.
@@ -409,7 +409,7 @@ class SharedEncoding:
         """Open the encoding of one mini-batch (one optimizer step); use as a context manager.
 
         Args:
-            batch: This consumer's :class:`~knitdata.multimodal.MultimodalBatch` (already on the device).
+            batch: This consumer's :class:`~knitdata.media.multimodal.MultimodalBatch` (already on the device).
 
         Returns:
             A :class:`SharedMiniBatch`; entering it encodes (fold/leaf/recompute).

@@ -42,7 +42,7 @@ class EmbeddedStorageUnit(StorageUnit):
     back and frees an item with its last trajectory. ``media_dedup=False``: each trajectory keeps its own media,
     accounted in full, and references are refused (the per-trajectory-copies baseline).
 
-    With a ``spill`` store (:class:`knitdata.spill.SpillStore`), a payload that does not fit in memory is
+    With a ``spill`` store (:class:`knitdata.storage.spill.SpillStore`), a payload that does not fit in memory is
     written to disk instead of making the producer wait (while the spill store has room; when it is full too,
     ``put`` waits for memory as without one). Spilled payloads are read back (one positional read and a
     decode) on ``get`` and deleted on ``release``; they do not count in ``used_bytes``, so the memory bound

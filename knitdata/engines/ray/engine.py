@@ -4,23 +4,23 @@ Pieces (all on one Ray cluster):
 
 * one **coordinator** actor (:class:`CoordinatorActor`) hosting :class:`knitdata.control.ControlPlane`, the
   very class the embedded engine calls directly; its methods take and return JSON-like values only;
-* one **storage unit** actor per training node (:class:`~knitdata.storage.ray_actor.StorageUnitActor`, hard node
+* one **storage unit** actor per training node (:class:`~knitdata.engines.ray.unit_actor.StorageUnitActor`, hard node
   affinity), payloads as codec records in that node's object store (no pickle), read zero-copy on the node;
 * any number of processes holding a :class:`RayEngine` handle (the pipeline's creator, producers, torchrun
   ranks, DataLoader workers), attached by the pipeline's name: payload bytes go straight between them and the
   units, never through the coordinator.
 
-Binding: :func:`~knitdata.storage.ray_connect.connect` with ``address=None`` starts a local Ray bound to
+Binding: :func:`~knitdata.engines.ray.connect.connect` with ``address=None`` starts a local Ray bound to
 ``127.0.0.1`` with the dashboard off (or uses the Ray this process is already attached to); with an address
 it attaches there and, with ``loopback_only=True`` (the default), refuses a cluster with a non-loopback node.
 Before attaching to an address it applies this user's Ray token for a Ray of this user on this machine (Ray's
-token authentication) or fails within seconds naming what to set (:func:`~knitdata.storage.ray_connect.prepare_auth`).
+token authentication) or fails within seconds naming what to set (:func:`~knitdata.engines.ray.connect.prepare_auth`).
 
-Host watch: every attached process watches the cluster's GCS port (:func:`~knitdata.storage.ray_connect.watch_host`);
+Host watch: every attached process watches the cluster's GCS port (:func:`~knitdata.engines.ray.connect.watch_host`);
 when the Ray the creator started is gone, calls of the pipeline raise :class:`~knitdata.errors.EngineError`
 ("the host of knitdata pipeline ... is gone") within seconds instead of hanging until Ray ends the process; a
 process still inside :meth:`RayEngine.attach` when the creator dies gets that error too, within
-:data:`~knitdata.storage.ray_connect.HOST_GONE_S` seconds of the cluster refusing connections.
+:data:`~knitdata.engines.ray.connect.HOST_GONE_S` seconds of the cluster refusing connections.
 """
 
 from __future__ import annotations
@@ -36,18 +36,12 @@ from knitdata.errors import ConfigError, EngineError, OptionalDependencyError
 try:
     import ray
 except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in tests
-    raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.engines.ray)") from _e
+    raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.engines.ray.engine)") from _e
 
-from knitdata import trace as tracing
 from knitdata.codec import decode_trajectory
+from knitdata.consumer.fetch import FetchMode
 from knitdata.engines.base import Engine
-from knitdata.engines.ray_control import CoordinatorActor, RayControl
-from knitdata.fetch import FetchMode
-from knitdata.metrics import TransferMeter
-from knitdata.placement import ConsumerLayout
-from knitdata.record import MediaItem, Trajectory
-from knitdata.storage.base import StorageUnit
-from knitdata.storage.ray_connect import (
+from knitdata.engines.ray.connect import (
     NAMESPACE,
     alive_nodes,
     attaching,
@@ -59,8 +53,14 @@ from knitdata.storage.ray_connect import (
     hosts_cluster,
     watch_host,
 )
-from knitdata.storage.ray_read import decode_records, read_records
-from knitdata.storage.ray_unit import RayStorageUnit
+from knitdata.engines.ray.control import CoordinatorActor, RayControl
+from knitdata.engines.ray.read import decode_records, read_records
+from knitdata.engines.ray.unit import RayStorageUnit
+from knitdata.observe import trace as tracing
+from knitdata.observe.metrics import TransferMeter
+from knitdata.placement import ConsumerLayout
+from knitdata.record import MediaItem, Trajectory
+from knitdata.storage.base import StorageUnit
 
 __all__ = ["RayEngine", "coordinator_name", "ray_address", "resolve_nodes", "MEDIA_CACHE_STEPS"]
 
@@ -211,7 +211,7 @@ class RayEngine(Engine):
         segment (``0``: never), so a restart replays at most that many records. ``resume``: a
         whole-job restart (every process of the run gone): the coordinator replays the dead run's journal and the
         new units serve its unreleased payloads from the spill shards (the same ``spill_dir``). ``trace``: the
-        coordinator, the units and every process that attaches record a trace there (:mod:`knitdata.trace`).
+        coordinator, the units and every process that attaches record a trace there (:mod:`knitdata.observe.trace`).
 
         Raises:
             EngineError: A pipeline of that name already runs, or the actors did not start.

@@ -1,6 +1,6 @@
 """Media stored once on the Ray engine, without Ray: a unit's media table, what a client sends, and spill recovery.
 
-* :class:`UnitMedia`: the content-addressed media of one :class:`~knitdata.storage.ray_actor.StorageUnitActor`
+* :class:`UnitMedia`: the content-addressed media of one :class:`~knitdata.engines.ray.unit_actor.StorageUnitActor`
   (the semantics of :class:`knitdata.storage.media.MediaStore`, holding object-store refs or inline records);
 * :class:`MediaSender`: a client's side of a put: records written with ``encode_trajectory(..., media="refs")``,
   each distinct media item sent once per call and not at all when the unit holds it (a per-unit memory of the
@@ -34,7 +34,7 @@ SENT_DIGESTS_MAX = 1 << 16
 
 # --------------------------------------------------------------------------------------------- spill
 def spill_directory(spill_dir: str | os.PathLike[str], unit_id: str) -> str:
-    """The :class:`~knitdata.spill.SpillStore` directory of one unit under a shared ``spill_dir``."""
+    """The :class:`~knitdata.storage.spill.SpillStore` directory of one unit under a shared ``spill_dir``."""
     return os.path.join(os.fspath(spill_dir), unit_id.replace("/", "_"))
 
 
@@ -53,7 +53,7 @@ def media_sample(item: MediaItem) -> Trajectory:
     import torch
 
     one = torch.zeros(1, dtype=torch.int32)
-    return Trajectory(id=media_spill_id(item.digest), source="knitdata.media", group=item.digest, prompt_ids=one,
+    return Trajectory(id=media_spill_id(item.digest), source="knitdata.media.process", group=item.digest, prompt_ids=one,
                       response_ids=one, media=[item])
 
 
@@ -82,9 +82,9 @@ class SpillRecovery:
     """Serves the payloads of dead units from their write-through spill shards (thread-safe).
 
     Each unit with a ``spill_dir`` writes every accepted payload through to a
-    :class:`knitdata.spill.SpillStore` (webdataset tar shards) in ``spill_directory(spill_dir, unit_id)``
+    :class:`knitdata.storage.spill.SpillStore` (webdataset tar shards) in ``spill_directory(spill_dir, unit_id)``
     and releases it there too. After the unit's actor dies, this opens the store once
-    (:meth:`SpillStore.open <knitdata.spill.SpillStore.open>` rebuilds exactly the unreleased samples) and
+    (:meth:`SpillStore.open <knitdata.storage.spill.SpillStore.open>` rebuilds exactly the unreleased samples) and
     returns records by id. Open it in one process only (the coordinator): opening rewrites the release log.
 
     Args:
@@ -98,7 +98,7 @@ class SpillRecovery:
 
     def records(self, unit_id: str, traj_ids: Sequence[str]) -> dict[str, bytes]:
         """Codec records of the ids found in the unit's spill (absent ids are left out)."""
-        from knitdata.spill import SpillStore
+        from knitdata.storage.spill import SpillStore
 
         with self._lock:
             store = self._stores.get(unit_id)
@@ -118,7 +118,7 @@ class SpillRecovery:
 
     def held(self, unit_id: str, traj_ids: Sequence[str]) -> list[str]:
         """The ids of ``traj_ids`` the unit's spill holds (recoverable), without reading them."""
-        from knitdata.spill import SpillStore
+        from knitdata.storage.spill import SpillStore
 
         with self._lock:
             store = self._stores.get(unit_id)

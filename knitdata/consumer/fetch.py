@@ -10,7 +10,7 @@ protocol). The built-in modes:
 * ``sample``: one storage request per trajectory, when the micro-batch is asked for (baseline);
 * ``eager``: the consumer's whole share of the mini-batch before its first micro-batch;
 * ``iter``: the next micro-batches are fetched, decoded, collated (and pinned / copied to a device) on a
-  background thread (:class:`knitdata.prefetch.Prefetcher`) while the current one computes; from an engine
+  background thread (:class:`knitdata.consumer.prefetch.Prefetcher`) while the current one computes; from an engine
   whose reads copy nothing (the embedded engine) the share is read at once, as ``eager`` does.
 
 >>> fetch_mode("sample").requests([["t0", "u0", 10], ["t1", "u0", 20]])
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from knitdata.registry import Registry
 
 if TYPE_CHECKING:  # pragma: no cover
-    from knitdata.prefetch import PrefetchQueue
+    from knitdata.consumer.prefetch import PrefetchQueue
 
 __all__ = ["Source", "FetchMode", "SampleFetch", "EagerFetch", "IterFetch", "FETCH_MODES", "fetch_mode"]
 
@@ -39,13 +39,13 @@ T_co = TypeVar("T_co", covariant=True)
 
 class Source(Protocol[T_co]):
     """What the consumer takes its micro-batches from, whatever the fetch mode (:meth:`FetchMode.prepare`):
-    :class:`knitdata.consumer.Production` (made on the caller's thread) or a :class:`knitdata.prefetch.Prefetcher`
+    :class:`knitdata.consumer.session.Production` (made on the caller's thread) or a :class:`knitdata.consumer.prefetch.Prefetcher`
     over it (made ahead on a background thread).
 
     Attributes:
         last_wait_s: Seconds the last ``next()`` was blocked until its item was ready (made on the caller's
             thread: the whole call).
-        queue: Items prepared ahead that the consumer may pop itself (:meth:`~knitdata.prefetch.PrefetchQueue.pop`:
+        queue: Items prepared ahead that the consumer may pop itself (:meth:`~knitdata.consumer.prefetch.PrefetchQueue.pop`:
             one frame instead of ``next()``'s), or ``None``.
         on_wait: Called on the consumer's thread right before ``next()`` blocks for an item made on another
             thread (``None``: nothing).
@@ -133,7 +133,7 @@ class EagerFetch(FetchMode):
 
 
 class IterFetch(FetchMode):
-    """``iter``: micro-batches prepared ahead on a background thread (:class:`~knitdata.prefetch.Prefetcher`)."""
+    """``iter``: micro-batches prepared ahead on a background thread (:class:`~knitdata.consumer.prefetch.Prefetcher`)."""
 
     name = "iter"
 
@@ -144,8 +144,8 @@ class IterFetch(FetchMode):
         return bool(engine.copy_free_reads)
 
     def prepare(self, source: Source[Any], *, depth: int, device: Any, pin_memory: bool | None) -> Source[Any]:
-        """A :class:`~knitdata.prefetch.Prefetcher` over ``source``."""
-        from knitdata.prefetch import Prefetcher
+        """A :class:`~knitdata.consumer.prefetch.Prefetcher` over ``source``."""
+        from knitdata.consumer.prefetch import Prefetcher
 
         return Prefetcher(source, depth=depth, device=device, pin_memory=pin_memory)
 

@@ -1,24 +1,24 @@
 """One consumer's view of the pipeline: an ``IterableDataset`` of its micro-batches in plan order, any engine.
 
-:class:`TrajectoryDataset` yields the :class:`~knitdata.collate.MicroBatch` es of one rank, each with its
-:class:`~knitdata.collate.MicroBatchInfo` (``.info``), waiting (up to ``timeout``) until the next mini-batch is
+:class:`TrajectoryDataset` yields the :class:`~knitdata.consumer.collate.MicroBatch` es of one rank, each with its
+:class:`~knitdata.consumer.collate.MicroBatchInfo` (``.info``), waiting (up to ``timeout``) until the next mini-batch is
 admitted and ending once the pipeline is closed and drained (or after ``max_minibatches`` per iteration).
 It reads the plan from the control plane and the payloads from the storage units through the engine
 (:class:`knitdata.engines.Engine`), so the same class serves the embedded and the Ray engine. Payloads are
-fetched only when needed, as the fetch mode (:mod:`knitdata.fetch`) says:
+fetched only when needed, as the fetch mode (:mod:`knitdata.consumer.fetch`) says:
 
 * ``sample``: one storage request per trajectory, when the micro-batch is asked for (baseline);
 * ``eager``: the consumer's whole share of the mini-batch before its first micro-batch;
 * ``iter``: the next micro-batches are fetched, decoded, collated (and pinned / copied to ``device``) on a
-  background thread (:class:`knitdata.prefetch.Prefetcher`) while the current one computes, across
+  background thread (:class:`knitdata.consumer.prefetch.Prefetcher`) while the current one computes, across
   mini-batch boundaries.
 
-The control-plane calls of a rank go through its :class:`~knitdata.consumer.ConsumerSession`; a micro-batch goes
-through the stages of :mod:`knitdata.consumer` (plan, read, collate, media, metrics), the same on every engine.
+The control-plane calls of a rank go through its :class:`~knitdata.consumer.session.ConsumerSession`; a micro-batch goes
+through the stages of :mod:`knitdata.consumer.session` (plan, read, collate, media, metrics), the same on every engine.
 
-With a ``media_collator`` (e.g. :class:`~knitdata.multimodal.MultimodalCollator`) the share of each mini-batch
+With a ``media_collator`` (e.g. :class:`~knitdata.media.multimodal.MultimodalCollator`) the share of each mini-batch
 is fetched at its first micro-batch and every micro-batch's ``media`` is the
-:class:`~knitdata.multimodal.MultimodalBatch` of the whole share (``media.for_microbatch(info.microbatch)``
+:class:`~knitdata.media.multimodal.MultimodalBatch` of the whole share (``media.for_microbatch(info.microbatch)``
 selects its rows). After a resume in the middle of a mini-batch the table covers the remaining micro-batches
 only (the earlier ones are empty lists).
 
@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import IterableDataset, get_worker_info
 
-from knitdata import trace as tracing
-from knitdata.consumer import (
+from knitdata.consumer.fetch import FETCH_MODES, FetchMode
+from knitdata.consumer.session import (
     ConsumerSession,
     DatasetOptions,
     MediaStage,
@@ -61,15 +61,15 @@ from knitdata.consumer import (
 from knitdata.control.rankstates import MERGED_FORMAT, collect_states, planning_guard, planning_of
 from knitdata.engines.base import Engine
 from knitdata.errors import ConfigError, EngineError, KnitdataError, StateError
-from knitdata.fetch import FETCH_MODES, FetchMode
-from knitdata.metrics import PENDING_LIMIT, ConsumerMetrics
+from knitdata.observe import trace as tracing
+from knitdata.observe.metrics import PENDING_LIMIT, ConsumerMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from knitdata.collate import MicroBatch
-    from knitdata.fetch import Source
-    from knitdata.prefetch import PrefetchQueue
+    from knitdata.consumer.collate import MicroBatch
+    from knitdata.consumer.fetch import Source
+    from knitdata.consumer.prefetch import PrefetchQueue
 
 __all__ = ["TrajectoryDataset", "FETCH_MODES", "STATE_FORMAT", "find_states", "commit_point"]
 
@@ -136,10 +136,10 @@ class TrajectoryDataset(IterableDataset):
         engine: The pipeline's engine.
         rank: The consumer.
         fetch: ``"sample"``, ``"eager"`` or ``"iter"``, the name of another registered
-            :class:`~knitdata.fetch.FetchMode`, or a :class:`~knitdata.fetch.FetchMode`.
-        collate: ``collate(trajectories, info) -> MicroBatch``; default :class:`~knitdata.collate.TokenCollator`.
+            :class:`~knitdata.consumer.fetch.FetchMode`, or a :class:`~knitdata.consumer.fetch.FetchMode`.
+        collate: ``collate(trajectories, info) -> MicroBatch``; default :class:`~knitdata.consumer.collate.TokenCollator`.
         media_collator: ``media_collator(list_of_micro_batches) -> MultimodalBatch`` (e.g.
-            :class:`~knitdata.multimodal.MultimodalCollator`): the media table of the rank's share of each
+            :class:`~knitdata.media.multimodal.MultimodalCollator`): the media table of the rank's share of each
             mini-batch; ``None``: no media table.
         prefetch_depth: Micro-batches prepared ahead in ``iter`` mode. With a ``media_collator`` at least a
             mini-batch's micro-batches plus one: the next share (payloads and media table) is prepared while the
@@ -156,7 +156,7 @@ class TrajectoryDataset(IterableDataset):
             every replica of every rank must pass the same number).
 
     Attributes:
-        metrics: The rank's :class:`~knitdata.metrics.ConsumerMetrics` in this process.
+        metrics: The rank's :class:`~knitdata.observe.metrics.ConsumerMetrics` in this process.
     """
 
     def __init__(
@@ -184,7 +184,7 @@ class TrajectoryDataset(IterableDataset):
                                  num_replicas=num_replicas)
         mode = options.validate(rank)
         if collate is None:
-            from knitdata.collate import TokenCollator
+            from knitdata.consumer.collate import TokenCollator
 
             collate = TokenCollator()
         self.engine = engine
@@ -442,7 +442,7 @@ class TrajectoryDataset(IterableDataset):
         """Send this process's queued hand-out records and commits to the control plane now, and wait for it.
 
         They are sent on their own, off the trainer's thread: soon after a commit or a hand-out that frees storage,
-        else with the heartbeat (:data:`~knitdata.handoff.HEARTBEAT_S`). ``Pipeline.stats()`` sends them first;
+        else with the heartbeat (:data:`~knitdata.consumer.handoff.HEARTBEAT_S`). ``Pipeline.stats()`` sends them first;
         call this before reading the control plane's view of this rank some other way (unit memory, a test).
         """
         self.session.flush()
@@ -452,7 +452,7 @@ class TrajectoryDataset(IterableDataset):
 
         Call it once per optimizer step (after the micro-batch with ``info.is_last``) and log it where the trainer
         logs (``accelerator.log``, ``SummaryWriter.add_scalar``, ``wandb.log``). The keys are those of
-        :func:`knitdata.monitor.flat_metrics` for this rank: staleness (mean, p95, worst; overall, per source and
+        :func:`knitdata.observe.monitor.flat_metrics` for this rank: staleness (mean, p95, worst; overall, per source and
         of this rank), this rank's exposed data wait in its last step (``knitdata/data_wait_s``), bytes it read
         locally and from other nodes, seconds from put to admission, store fill and spills, and what a staleness
         bound dropped. It costs one control-plane call (plus one per storage unit with ``units``; on the Ray engine
@@ -466,7 +466,7 @@ class TrajectoryDataset(IterableDataset):
         Returns:
             ``{key: int | float}``, every value finite.
         """
-        from knitdata.monitor import flat_metrics
+        from knitdata.observe.monitor import flat_metrics
 
         if flush:
             self.session.flush()
@@ -502,11 +502,11 @@ class TrajectoryDataset(IterableDataset):
 class _ConsumerIterator(Iterator["MicroBatch"]):
     """One pass over a consumer's (worker's) micro-batches; records each one as it is handed out.
 
-    It holds the (rank, worker) lease (:class:`~knitdata.handoff.ConsumerLease`): taking it fences an older
+    It holds the (rank, worker) lease (:class:`~knitdata.consumer.handoff.ConsumerLease`): taking it fences an older
     iterator of the rank, and the position starts after the last micro-batch that one handed out. ``__next__``
     takes the next micro-batch (in ``iter`` mode from the prefetch queue) and records it in the lease; the
-    process's :class:`~knitdata.handoff.ControlSender` tells the control plane. The producing stages
-    (:class:`knitdata.consumer.Production`, run on the prefetch thread in ``iter`` mode) hold neither this iterator nor
+    process's :class:`~knitdata.consumer.handoff.ControlSender` tells the control plane. The producing stages
+    (:class:`knitdata.consumer.session.Production`, run on the prefetch thread in ``iter`` mode) hold neither this iterator nor
     the dataset, so an abandoned iterator is collected and its ``__del__`` stops the thread and ends the lease.
     """
 

@@ -6,7 +6,7 @@ CRC32, never pickle) and sends the record as a ``numpy.uint8`` array; the actor 
 object lives in the object store of the unit's node and is owned by the unit. A consumer asks the unit
 for the :class:`ray.ObjectRef` s of the ids it needs and ``ray.get`` s them: on the same node that is a
 read-only view of shared memory (no copy), decoded with ``decode_trajectory(buf, copy=False)``; on another
-node Ray pulls the object once over the network, and :class:`~knitdata.storage.ray_metrics.TransferMeter`
+node Ray pulls the object once over the network, and :class:`~knitdata.engines.ray.metrics.TransferMeter`
 counts those bytes as cross-node (the Ray node holding the object -- its owning unit's node, or Ray's
 object locations on request -- against the reader's node).
 
@@ -15,26 +15,26 @@ Memory bound: a unit accounts each payload by ``Trajectory.nbytes`` and accepts 
 answers ``"full"`` and the client waits for room (:meth:`RayStorageUnit.put` with ``timeout``), then raises
 :class:`~knitdata.errors.StoreFull`. Object store memory per node must exceed the unit's capacity plus
 what consumers on the node pull in from other nodes. With a spill directory, a payload past the capacity
-is kept only in the unit's :class:`~knitdata.spill.SpillStore` (webdataset tar shards, bounded on disk)
+is kept only in the unit's :class:`~knitdata.storage.spill.SpillStore` (webdataset tar shards, bounded on disk)
 and reloaded into the object store, for that read only, when a consumer fetches it.
 
 Media stored once (``media_dedup=True``, the default): a record carries its media as references
 (``encode_trajectory(traj, media="refs")``) and the unit keeps one record per media digest
 (:func:`~knitdata.codec.encode_media`, in its node's object store or inline when small) with a count of the
-payloads using it (:class:`~knitdata.storage.ray_media.UnitMedia`); a payload is accounted its own bytes plus
+payloads using it (:class:`~knitdata.engines.ray.media.UnitMedia`); a payload is accounted its own bytes plus
 the items it brings that the unit does not hold yet. A client sends each distinct item once per call and not at
-all when it sent it before (:class:`~knitdata.storage.ray_media.MediaSender`; a unit that freed it since
+all when it sent it before (:class:`~knitdata.engines.ray.media.MediaSender`; a unit that freed it since
 answers "missing" and the content goes again); a producer's :meth:`MediaItem.ref
 <knitdata.record.MediaItem.ref>` is resolved here, from another unit (:attr:`RayStorageUnit.resolve`), or
 refused with :class:`~knitdata.errors.MediaRefError`. A read fetches each distinct item a request lacks once
-(:func:`~knitdata.storage.ray_read.read_records` with ``media``).
+(:func:`~knitdata.engines.ray.read.read_records` with ``media``).
 
 Failure: if a unit's actor dies, every payload it owned is gone from Ray (owner died), its media with it. Reads then raise
 :class:`~knitdata.errors.TrajectoryLostError` naming the lost ids, unless a ``recover`` callback (e.g. a
 spill written through, see :class:`SpillRecovery`) returns them.
 
 Connecting to Ray (binding, token authentication, the host watch, bounded gets) is in
-:mod:`knitdata.storage.ray_connect`. Importing this module without Ray installed raises :class:`~knitdata.errors.OptionalDependencyError`.
+:mod:`knitdata.engines.ray.connect`. Importing this module without Ray installed raises :class:`~knitdata.errors.OptionalDependencyError`.
 """
 
 from __future__ import annotations
@@ -60,23 +60,23 @@ try:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in tests
-    raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.storage.ray_unit)") from _e
+    raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.engines.ray.unit)") from _e
 
 import numpy as np
 
 from knitdata.codec import encode_trajectory
-from knitdata.record import MediaItem, Trajectory
-from knitdata.storage.base import StorageStats, StorageUnit
-from knitdata.storage.ray_actor import StorageUnitActor
-from knitdata.storage.ray_connect import (
+from knitdata.engines.ray.connect import (
     NAMESPACE,
     current_node,
     host_gone_error,
     ray_get,
 )
-from knitdata.storage.ray_media import MediaSender, as_record_array, content_bytes
-from knitdata.storage.ray_metrics import TransferMeter
-from knitdata.storage.ray_read import LOST_ERRORS, LOST_OR_TIMEOUT, decode_records, read_records
+from knitdata.engines.ray.media import MediaSender, as_record_array, content_bytes
+from knitdata.engines.ray.metrics import TransferMeter
+from knitdata.engines.ray.read import LOST_ERRORS, LOST_OR_TIMEOUT, decode_records, read_records
+from knitdata.engines.ray.unit_actor import StorageUnitActor
+from knitdata.record import MediaItem, Trajectory
+from knitdata.storage.base import StorageStats, StorageUnit
 
 __all__ = ["RayStorageUnit", "read_records", "decode_records"]
 
@@ -191,7 +191,7 @@ class RayStorageUnit(StorageUnit):
             prefix: Name prefix of the actor (one pipeline's actors share it).
             node_name: The node's name in the consumer layout (default: the Ray node id).
             spill_bytes: Disk bound of the spill store (default ``4 * capacity_bytes + 64 MiB``).
-            spill_dir: Write accepted payloads through to a :class:`~knitdata.spill.SpillStore` under this shared
+            spill_dir: Write accepted payloads through to a :class:`~knitdata.storage.spill.SpillStore` under this shared
                 directory (recovery after the unit dies, see :class:`SpillRecovery`); payloads past the
                 memory capacity then stay on disk only and are reloaded on fetch.
             media_dedup: Keep one copy of each media item by digest with counted references (``False``: each

@@ -11,7 +11,7 @@
   (:func:`attaching`) a GCS that refuses connections for :data:`HOST_GONE_S` seconds counts as gone.
 * :func:`alive_nodes`, :func:`current_node`, :func:`current_address`, :func:`hosts_cluster`: where this process is.
 
-Used by the storage units (:mod:`knitdata.storage.ray_unit`) and the Ray engine; imports no engine.
+Used by the storage units (:mod:`knitdata.engines.ray.unit`) and the Ray engine; imports no engine.
 Importing this module without Ray installed raises :class:`~knitdata.errors.OptionalDependencyError`.
 """
 
@@ -32,7 +32,7 @@ from knitdata.errors import EngineError, OptionalDependencyError
 try:
     import ray
 except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in tests
-    raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.storage.ray_connect)") from _e
+    raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.engines.ray.connect)") from _e
 
 __all__ = [
     "LOOPBACK",

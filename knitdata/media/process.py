@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from knitdata.errors import MediaError
+from knitdata.media.video import VideoSampling, check_frames, load_video, probe_video, video_key
 from knitdata.record import MediaItem, tensor_digest
-from knitdata.video import VideoSampling, check_frames, load_video, probe_video, video_key
 
 __all__ = [
     "ImageSource",
@@ -456,7 +456,7 @@ class MediaProcessor:
         """The content key of an item, the same in every process: a video's :func:`video_key` (container bytes and
         sampling: no hashing of its frames), else :func:`processed_digest` (its processed input hashed). The
         collator's ``key="digest"`` finds equal inputs by comparing them instead
-        (:class:`~knitdata.multimodal.EqualInputs`)."""
+        (:class:`~knitdata.media.multimodal.EqualInputs`)."""
         if item.kind == "video" and item.data is not None:
             return video_key(item, self.video_sampling)
         return processed_digest(processed)

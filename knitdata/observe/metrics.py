@@ -320,7 +320,7 @@ class TransferMeter:
 
 @dataclass
 class PrefetchStats:
-    """What a :class:`~knitdata.prefetch.Prefetcher` measured. Consumer-side fields are updated in ``__next__`` (items
+    """What a :class:`~knitdata.consumer.prefetch.Prefetcher` measured. Consumer-side fields are updated in ``__next__`` (items
     the consumer pulled itself are folded in when the stats are read); producer-side ones on the background thread.
 
     Attributes:

@@ -11,11 +11,11 @@ per key, and returns a :class:`MultimodalBatch`:
   the item's index in that trajectory's media.
 
 The tables are built without a second copy of the processed inputs: each kind's values are preallocated for its
-distinct items and a preprocessing that can (:func:`~knitdata.media.patchify`; see
-:meth:`~knitdata.media.MediaProcessor.process`'s ``out``) writes each item straight into them;
+distinct items and a preprocessing that can (:func:`~knitdata.media.process.patchify`; see
+:meth:`~knitdata.media.process.MediaProcessor.process`'s ``out``) writes each item straight into them;
 :attr:`MultimodalBatch.pack_stats` counts the bytes written in place and the bytes copied.
 
-:class:`~knitdata.encoder.SharedEncoding` encodes each table once and hands every micro-batch its rows.
+:class:`~knitdata.media.encoder.SharedEncoding` encodes each table once and hands every micro-batch its rows.
 
 Example (``micro_batch_1`` holds a trajectory of a new group, then one of ``micro_batch_0``'s group):
     >>> from knitdata import MultimodalCollator, patchify
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from knitdata.errors import MediaError
-from knitdata.media import MediaProcessor, ProcessedMedia, provenance_key
+from knitdata.media.process import MediaProcessor, ProcessedMedia, provenance_key
+from knitdata.media.video import VideoSampling
 from knitdata.record import Trajectory, tensor_digest
-from knitdata.video import VideoSampling
 
 __all__ = ["MediaTable", "MediaOccurrences", "MultimodalBatch", "MultimodalCollator", "EqualInputs", "KEY_MODES",
            "segment_rows"]
@@ -82,8 +82,8 @@ class MediaTable:
         values: ``[sum of lengths, *feature_shape]``: item ``u`` is ``values[offsets[u]:offsets[u + 1]]``.
         offsets: ``int64 [U + 1]``, starting at 0.
         keys: The ``U`` keys: with ``key="digest"`` the raw key of the row's first item
-            (:meth:`~knitdata.media.MediaProcessor.raw_key`: its kind, sample rate and content digest; a video's
-            :func:`~knitdata.video.video_key`), with ``key="provenance"`` its ``(group, index)``.
+            (:meth:`~knitdata.media.process.MediaProcessor.raw_key`: its kind, sample rate and content digest; a video's
+            :func:`~knitdata.media.video.video_key`), with ``key="provenance"`` its ``(group, index)``.
         sample_rates: ``int64 [U]`` for audio, else ``None``.
         meta: Per-item metadata the model's processor returned with each item, stacked per name: each tensor
             has ``U`` rows (e.g. Qwen2-VL's ``image_grid_thw`` ``int64 [U, 3]``, an audio clip's valid
@@ -311,7 +311,7 @@ def _signature(pm: ProcessedMedia) -> tuple[Any, ...]:
 class EqualInputs:
     """The processed inputs seen so far, each under a key: finds the one equal to a new input, if any.
 
-    Equal means what :func:`~knitdata.media.processed_digest` identifies (kind, sample rate, dtype, shape, bytes and
+    Equal means what :func:`~knitdata.media.process.processed_digest` identifies (kind, sample rate, dtype, shape, bytes and
     metadata), found by comparing instead of hashing: inputs are grouped by their signature (those fields but the
     bytes, plus :data:`_SAMPLED` evenly spaced values), so a new input is compared in full (a byte comparison) only
     with the inputs that agree on it. Equal inputs always agree on it: none is missed. Should more than
@@ -320,7 +320,7 @@ class EqualInputs:
 
     Example:
         >>> import torch
-        >>> from knitdata.media import ProcessedMedia
+        >>> from knitdata.media.process import ProcessedMedia
         >>> same = EqualInputs()
         >>> same.key(ProcessedMedia("image", torch.ones(4, 8)), "a")
         'a'
@@ -460,7 +460,7 @@ class MultimodalCollator:
     """Build a :class:`MultimodalBatch` from one consumer's micro-batches of one mini-batch.
 
     Args:
-        preprocess: Per kind, the model's preprocessing callable (see :class:`~knitdata.media.MediaProcessor`),
+        preprocess: Per kind, the model's preprocessing callable (see :class:`~knitdata.media.process.MediaProcessor`),
             e.g. ``{"image": patchify(14, size=(224, 224))}``.
         key: ``"digest"`` (default): an item is found by its raw content digest (:attr:`MediaItem.digest
             <knitdata.record.MediaItem.digest>`, computed when the item was made and carried through storage:
@@ -473,9 +473,9 @@ class MultimodalCollator:
             screenshots under the same index once they diverge, and such a group is refused
             (:class:`~knitdata.errors.MediaError` naming the group and the index): use ``"digest"``.
         image_mode: Pillow mode images are converted to.
-        processor: A ready :class:`~knitdata.media.MediaProcessor` (overrides ``preprocess``/``image_mode``/
+        processor: A ready :class:`~knitdata.media.process.MediaProcessor` (overrides ``preprocess``/``image_mode``/
             ``video_sampling``).
-        video_sampling: How video frames are sampled (:class:`~knitdata.video.VideoSampling`; default 2 per
+        video_sampling: How video frames are sampled (:class:`~knitdata.media.video.VideoSampling`; default 2 per
             second). A video's digest key covers its container bytes and this sampling.
 
     Raises:

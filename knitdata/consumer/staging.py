@@ -1,6 +1,6 @@
 """Tensors of a prefetched item: walking them, pinning, pinned staging buffers and side-stream device copies.
 
-The host-to-device path of :class:`knitdata.prefetch.Prefetcher` (see its module for the design): on the prefetch
+The host-to-device path of :class:`knitdata.consumer.prefetch.Prefetcher` (see its module for the design): on the prefetch
 thread an item's tensors are pinned (or packed into one reused pinned buffer of a :class:`PinnedBufferPool`),
 copied with ``non_blocking=True`` on a side stream (:class:`CudaTransfer`), and the copy's event is handed to the
 consumer's stream.
@@ -36,7 +36,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], opaque: Ca
     """Apply ``fn`` to every tensor of a nested structure and rebuild it.
 
     Walks tensors, mappings, lists, tuples (named tuples included) and dataclass instances (e.g.
-    :class:`~knitdata.collate.MicroBatch`). Containers in which nothing changed are returned as is (not
+    :class:`~knitdata.consumer.collate.MicroBatch`). Containers in which nothing changed are returned as is (not
     copied).
     Anything else (or nesting deeper than 8) goes to ``opaque`` (default: returned unchanged).
 
@@ -280,7 +280,7 @@ class CudaTransfer:
         device: The CUDA device.
         pin: Pin items first.
         pool: Stage into this pool's pinned buffers instead.
-        stats: The prefetcher's :class:`~knitdata.metrics.PrefetchStats` (``pin_s``, ``copy_s``,
+        stats: The prefetcher's :class:`~knitdata.observe.metrics.PrefetchStats` (``pin_s``, ``copy_s``,
             ``bytes_copied`` are added to).
     """
 

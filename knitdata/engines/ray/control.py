@@ -20,7 +20,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from knitdata import trace as tracing
 from knitdata.control import ControlCall, ControlPlane
 from knitdata.control.admit import Admission
 from knitdata.control.journal import Journal
@@ -31,15 +30,16 @@ from knitdata.control.reporting import Reporting
 from knitdata.control.reshape import Reshaping
 from knitdata.control.surface import CONTROL_CALLS, control_call, control_part, remote_part
 from knitdata.errors import EngineError, KnitdataError, OptionalDependencyError
+from knitdata.observe import trace as tracing
 
 try:
     import ray
 except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in tests
-    raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.engines.ray)") from _e
+    raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.engines.ray.engine)") from _e
 
-from knitdata.storage.ray_actor import SpillRecovery
-from knitdata.storage.ray_connect import check_host, host_gone_error, ray_get
-from knitdata.storage.ray_unit import RayStorageUnit
+from knitdata.engines.ray.connect import check_host, host_gone_error, ray_get
+from knitdata.engines.ray.unit import RayStorageUnit
+from knitdata.engines.ray.unit_actor import SpillRecovery
 
 __all__ = ["Coordinator", "CoordinatorActor", "Plumbing", "RayControl", "AdmitMeter"]
 
@@ -91,7 +91,7 @@ class Plumbing:
 
     @control_call()
     def clock(self) -> float:
-        """This actor's trace clock (:func:`knitdata.trace.now_us`): the reference every process's offset is
+        """This actor's trace clock (:func:`knitdata.observe.trace.now_us`): the reference every process's offset is
         measured against."""
         return tracing.now_us()
 

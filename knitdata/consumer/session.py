@@ -1,18 +1,18 @@
 """The consumer's side of the pipeline: its dialogue with the control plane, and the stages of a micro-batch.
 
-:class:`ConsumerSession` is everything a :class:`~knitdata.dataset.TrajectoryDataset` asks the control plane for
+:class:`ConsumerSession` is everything a :class:`~knitdata.consumer.dataset.TrajectoryDataset` asks the control plane for
 one rank (where to start, lease, verify, seek, commit, the end-of-pass report); the hand-outs themselves go through
-the iterator's :class:`~knitdata.handoff.ConsumerLease` and the process's
-:class:`~knitdata.handoff.ControlSender`, off the trainer's thread.
+the iterator's :class:`~knitdata.consumer.handoff.ConsumerLease` and the process's
+:class:`~knitdata.consumer.handoff.ControlSender`, off the trainer's thread.
 
 A micro-batch goes through composed stages, the same on every engine up to the engine's ``read``:
 
 * :class:`PlanStage`: the worker's next plan entry (``engine.next_entries``, a mini-batch's entries at a time);
 * :class:`ReadStage`: its payloads (``engine.read``, decoded), grouped into reads by the
-  :class:`~knitdata.fetch.FetchMode`: per micro-batch, or the worker's whole share of the mini-batch at once;
+  :class:`~knitdata.consumer.fetch.FetchMode`: per micro-batch, or the worker's whole share of the mini-batch at once;
 * collate: ``collate(trajectories, info) -> MicroBatch``;
 * :class:`MediaStage`: the media table of the share (with a ``media_collator``);
-* metrics: :meth:`~knitdata.metrics.ConsumerMetrics.record_fetch`.
+* metrics: :meth:`~knitdata.observe.metrics.ConsumerMetrics.record_fetch`.
 
 :class:`Production` runs them in order; the fetch mode decides where (``iter``: on a prefetch thread). Where a
 rank stands (what was handed out, what ``state_dict`` reports, what the producing thread stamps) is one
@@ -29,18 +29,18 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
-from knitdata import trace as tracing
-from knitdata.collate import MicroBatchInfo
+from knitdata.consumer.collate import MicroBatchInfo
+from knitdata.consumer.fetch import FetchMode, fetch_mode
+from knitdata.consumer.handoff import ConsumerLease
 from knitdata.control.plane import LEASE_TTL_S
 from knitdata.engines.base import Engine
 from knitdata.errors import ConfigError, DataTimeoutError, FencedError
-from knitdata.fetch import FetchMode, fetch_mode
-from knitdata.handoff import ConsumerLease
+from knitdata.observe import trace as tracing
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from knitdata.metrics import ConsumerMetrics
+    from knitdata.observe.metrics import ConsumerMetrics
 
 __all__ = ["ConsumerSession", "PlanStage", "ReadStage", "MediaStage", "Production", "RankPosition", "DatasetOptions",
            "DEFAULT_TIMEOUT_S", "POLL_S"]
@@ -101,7 +101,7 @@ class ConsumerSession:
         """Release the rank's payloads before ``upto``: queued for the sender, or sent now (``wait``: the count).
 
         ``relayed``: a live iterator of the rank relays the sender's wake (see
-        :meth:`~knitdata.handoff.ControlSender.request`), so the caller's thread makes no system call.
+        :meth:`~knitdata.consumer.handoff.ControlSender.request`), so the caller's thread makes no system call.
         """
         sender = self.engine.sender
         if not wait:
@@ -314,7 +314,7 @@ class MediaStage:
 
 class Production:
     """The micro-batches of a plan, made on the calling thread: read, collate, media, metrics (the
-    :class:`~knitdata.fetch.Source` of ``sample`` and ``eager``; ``iter`` runs it on a prefetch thread).
+    :class:`~knitdata.consumer.fetch.Source` of ``sample`` and ``eager``; ``iter`` runs it on a prefetch thread).
 
     Each item is ``(entry, micro-batch, is_last, empty, position)``: ``is_last`` (the micro-batch ends its
     mini-batch), ``empty`` (it holds no trajectory) and ``position`` (``stamp(entry, n)`` for the n-th entry of this
@@ -378,16 +378,16 @@ DEFAULT_TIMEOUT_S = 1800.0
 @dataclass(frozen=True)
 class DatasetOptions:
     """How one rank's dataset fetches, collates and waits: the keywords of
-    :class:`~knitdata.dataset.TrajectoryDataset` and :meth:`Pipeline.dataset <knitdata.pipeline.Pipeline.dataset>`,
+    :class:`~knitdata.consumer.dataset.TrajectoryDataset` and :meth:`Pipeline.dataset <knitdata.pipeline.Pipeline.dataset>`,
     declared once. Both keep a real signature (defaults visible in the reference); ``tests/test_dataset.py`` checks
     that their names, annotations, defaults and ``Args`` entries are these fields', so they cannot drift apart.
 
     Attributes:
         fetch: ``"sample"``, ``"eager"`` or ``"iter"``, the name of another registered
-            :class:`~knitdata.fetch.FetchMode`, or a :class:`~knitdata.fetch.FetchMode`.
-        collate: ``collate(trajectories, info) -> MicroBatch``; default :class:`~knitdata.collate.TokenCollator`.
+            :class:`~knitdata.consumer.fetch.FetchMode`, or a :class:`~knitdata.consumer.fetch.FetchMode`.
+        collate: ``collate(trajectories, info) -> MicroBatch``; default :class:`~knitdata.consumer.collate.TokenCollator`.
         media_collator: ``media_collator(list_of_micro_batches) -> MultimodalBatch`` (e.g.
-            :class:`~knitdata.multimodal.MultimodalCollator`): the media table of the rank's share of each
+            :class:`~knitdata.media.multimodal.MultimodalCollator`): the media table of the rank's share of each
             mini-batch; ``None``: no media table.
         prefetch_depth: Micro-batches prepared ahead in ``iter`` mode. With a ``media_collator`` at least a
             mini-batch's micro-batches plus one: the next share (payloads and media table) is prepared while the

@@ -14,7 +14,7 @@ engine and in any process that can reach the pipeline:
   (:func:`knitdata.cli.status_main`).
 
 Example:
-    >>> from knitdata.monitor import flat_metrics
+    >>> from knitdata.observe.monitor import flat_metrics
     >>> m = flat_metrics({"staleness": {"count": 2, "mean": 0.5, "p50": 0.5, "p95": 1.0, "max": 1.0}})
     >>> m["knitdata/staleness/max"]
     1.0
@@ -44,7 +44,7 @@ def _num(x: Any) -> float | int:
 
 
 def _summary(out: dict[str, float | int], key: str, summ: Any) -> None:
-    """``key/mean``, ``key/p95``, ``key/max`` and ``key/count`` of a :func:`knitdata.metrics.summarize` dict."""
+    """``key/mean``, ``key/p95``, ``key/max`` and ``key/count`` of a :func:`knitdata.observe.metrics.summarize` dict."""
     if not isinstance(summ, Mapping):
         return
     for f in ("mean", "p95", "max", "count"):
@@ -89,7 +89,7 @@ def flat_metrics(stats: Mapping[str, Any], *, rank: int | None = None, consumer:
     Args:
         stats: A stats dict (missing parts are skipped).
         rank: The rank whose consumer metrics and staleness to report (``stats["consumers"][rank]``).
-        consumer: The rank's :meth:`knitdata.metrics.ConsumerMetrics.to_dict`, overriding ``stats``'s.
+        consumer: The rank's :meth:`knitdata.observe.metrics.ConsumerMetrics.to_dict`, overriding ``stats``'s.
         prefix: Put before every key.
 
     Returns:

@@ -1,6 +1,6 @@
 """Background prefetch with exact state, pinned staging and side-stream host-to-device copies.
 
-(The tensor side, pinning, staging buffers and device copies, is in :mod:`knitdata.staging`.)
+(The tensor side, pinning, staging buffers and device copies, is in :mod:`knitdata.consumer.staging`.)
 
 :class:`Prefetcher` pulls items from an iterator on one background thread into a bounded queue (``depth``)
 while the consumer computes. Right after each item is produced it snapshots the source's state
@@ -55,9 +55,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from knitdata.errors import ConfigError, StateError
-from knitdata.metrics import PrefetchStats
-from knitdata.staging import (
+from knitdata.consumer.staging import (
     CudaTransfer,
     PinnedBufferPool,
     collect_tensors,
@@ -66,9 +64,11 @@ from knitdata.staging import (
     move_tensors,
     pin_tensors,
 )
+from knitdata.errors import ConfigError, StateError
+from knitdata.observe.metrics import PrefetchStats
 from knitdata.threads import Job, spawn
 
-# PinnedBufferPool, map_tensors and host_memory_stats live in knitdata.staging, PrefetchStats in knitdata.metrics;
+# PinnedBufferPool, map_tensors and host_memory_stats live in knitdata.consumer.staging, PrefetchStats in knitdata.observe.metrics;
 # also here as before those splits
 __all__ = ["Prefetcher", "PrefetchQueue", "PrefetchStats", "PinnedBufferPool", "map_tensors", "host_memory_stats"]
 
@@ -95,7 +95,7 @@ class PrefetchQueue:
 
     A consumer on a hot path may take a prepared item itself with :meth:`pop` instead of calling
     ``next(prefetcher)`` (one Python frame instead of several, which right after a trainer's compute is most of the
-    cost of a pop): ``knitdata``'s dataset iterator (:mod:`knitdata.dataset`) does, and the prefetcher's own
+    cost of a pop): ``knitdata``'s dataset iterator (:mod:`knitdata.consumer.dataset`) does, and the prefetcher's own
     ``__next__`` starts with it. Everything else is the prefetcher's: fields below ``items`` are guarded by
     ``cond`` (its lock is reentrant: a finalizer run by the garbage collector on a thread that holds it must not
     deadlock), except the ones :meth:`pop` writes (only the consumer pops; the thread only appends).
