@@ -17,7 +17,6 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from knitdata import trace as tracing
 from knitdata.admission import AdmittedMiniBatch
 from knitdata.control.positions import check_verifications
 from knitdata.control.reshape import note_planned, route
@@ -31,6 +30,7 @@ from knitdata.errors import (
     RolloutThrottled,
     ValidationError,
 )
+from knitdata.observe import trace as tracing
 from knitdata.planner import MiniBatchPlan
 from knitdata.record import TrajectoryMeta
 
