@@ -77,7 +77,7 @@ def _step(plane: Any, i: int, group_size: int, batch: int) -> None:
                 if not entries:
                     break
                 for e in entries:
-                    plane.positions.handed(rank, e["j"], e["minibatch"], e["microbatch"])
+                    plane.positions.handed(rank, e.j, e.minibatch, e.microbatch)
     if (i + 1) % batch == 0:
         plane.positions.report_version(plane.state.version + 1)
 

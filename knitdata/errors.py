@@ -28,7 +28,7 @@ __all__ = [
     "OptionalDependencyError",
     "RolloutOutputError",
     "RolloutThrottled",
-]
+]  # the error hierarchy only (re-exported by the package); ERROR_CLASSES and error_class are reached as errors.*
 
 
 class KnitdataError(Exception):
@@ -222,3 +222,24 @@ class RolloutThrottled(KnitdataError, TimeoutError):
 
     The message says the capacity per source and what admission waits for.
     """
+
+
+#: Every error class a control plane may name in an answer (a refusal of a put), by class name: the explicit table
+#: :func:`error_class` reads (no attribute lookup on this module).
+ERROR_CLASSES: dict[str, type[KnitdataError]] = {
+    cls.__name__: cls for cls in (
+        KnitdataError, ValidationError, FieldTypeError, CodecError, ConfigError, QuotaInfeasibleError, StoreFull,
+        StateError, EngineError, PipelineClosedError, FencedError, DataTimeoutError, IncompleteStreamError,
+        TrajectoryLostError, MediaError, MediaRefError, OptionalDependencyError, RolloutOutputError, RolloutThrottled)
+}
+
+
+def error_class(name: str) -> type[KnitdataError]:
+    """The knitdata error class called ``name`` (:data:`ERROR_CLASSES`); :class:`KnitdataError` for another name
+    (a newer control plane's class, or a builtin error's name).
+
+    Example:
+        >>> error_class("StoreFull").__name__, error_class("KeyError").__name__
+        ('StoreFull', 'KnitdataError')
+    """
+    return ERROR_CLASSES.get(name, KnitdataError)

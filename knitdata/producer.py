@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from knitdata.consumer.handoff import ProducerPresence
 from knitdata.control import fields_of
+from knitdata.control.records import Refusal
 from knitdata.engines.base import Engine
 from knitdata.errors import (
     EngineError,
@@ -86,16 +87,10 @@ class PutRouter:
                 out[i] = TrajectoryMeta.from_dict(a)
         if ans.get("exception") is not None:
             raise ans["exception"]
-        if ans["errors"]:
-            import knitdata.errors as errors_mod
-
-            tid, cls_name, message, field = ans["errors"][0]
-            cls = getattr(errors_mod, cls_name, KnitdataError)
-            more = f" ({len(ans['errors']) - 1} more refused in this batch)" if len(ans["errors"]) > 1 else ""
-            if cls in (ValidationError, FieldTypeError):
-                prefix = f"trajectory {tid!r}: " + (f"field {field!r}: " if field is not None else "")
-                raise cls(message.removeprefix(prefix) + more, trajectory_id=tid, field=field)
-            raise cls(message + more)
+        refused = ans["errors"]
+        if refused:  # Refusal rows (plain lists when they crossed JSON)
+            more = f" ({len(refused) - 1} more refused in this batch)" if len(refused) > 1 else ""
+            raise Refusal(*refused[0]).to_exception(more)
 
 
 class Producer:

@@ -76,7 +76,7 @@ class Producer:
 
 def _decisions(p: ControlPlane) -> dict[str, Any]:
     return {"planned": list(p.state.planned), "seq": p.state.seq,
-            "entries": [[(q[j]["minibatch"], q[j]["microbatch"], q[j]["items"]) for j in sorted(q)] for q in p.state.queues],
+            "entries": [[(q[j].minibatch, q[j].microbatch, q[j].items) for j in sorted(q)] for q in p.state.queues],
             "live": {k: (m.location, m.seq) for k, m in p.state.live.items()}, "pending": sorted(p.state.pending),
             "placement": p.state.placement.state_dict(), "counts": dict(p.state.counts)}
 
@@ -242,7 +242,7 @@ def test_journaled_calls_are_recorded_once_at_the_outermost_call(tmp_path):
     plane.admission.admit_batches("node0", batches)  # calls admit_many inside: recorded as one admit_batches
     e = next(r for r in range(3) if plane.state.planned[r])
     got = plane.leasing.next_entries(e, 0, 0.0)["entries"]
-    recs = [[x["j"], x["minibatch"], x["microbatch"], 0] for x in got]
+    recs = [[x.j, x.minibatch, x.microbatch, 0] for x in got]
     plane.leasing.report([[e, 0, "tok", recs, False]], [[e, 1]], 4)  # not journaled itself: what it applies is
     plane.reporting.stats()  # not journaled
     assert [op for op, _a in Journal.read(path)] == ["admit_batches", "handed_many", "commit", "report_version"]
@@ -376,9 +376,9 @@ def test_released_ids_are_remembered_newest_last_and_fingerprints_pruned_oldest_
             if "entries" not in ans:
                 break
             for e in ans["entries"]:
-                p.positions.handed(rank, e["j"], e["minibatch"], e["microbatch"])
-                order += [it[0] for it in e["items"]]
-                j = e["j"] + 1
+                p.positions.handed(rank, e.j, e.minibatch, e.microbatch)
+                order += [it[0] for it in e.items]
+                j = e.j + 1
         p.positions.commit(rank, j)
         ends.append(j)
     ids = [i for _u, batch in released for i in batch]
@@ -400,7 +400,7 @@ def _stream_entries(p: ControlPlane) -> list[list[dict[str, Any]]]:
             if "entries" not in ans:
                 break
             entries += ans["entries"]
-            j = entries[-1]["j"] + 1
+            j = entries[-1].j + 1
         out.append(entries)
     return out
 
@@ -450,8 +450,8 @@ def test_hand_outs_reported_in_any_batches_leave_the_plane_as_one_at_a_time(cuts
             if bumps[k % len(bumps)]:
                 version += 1
                 one.positions.report_version(version)
-            one.positions.handed(rank, e["j"], e["minibatch"], e["microbatch"])
-            chunk.append([e["j"], e["minibatch"], e["microbatch"], e["j"], version])
+            one.positions.handed(rank, e.j, e.minibatch, e.microbatch)
+            chunk.append([e.j, e.minibatch, e.microbatch, e.j, version])
             if cuts[k % len(cuts)]:
                 batched.positions.handed_many(rank, chunk)
                 chunk = []
@@ -459,8 +459,8 @@ def test_hand_outs_reported_in_any_batches_leave_the_plane_as_one_at_a_time(cuts
         if chunk:
             batched.positions.handed_many(rank, chunk)
         if rows:
-            one.positions.commit(rank, rows[-1]["j"] + 1)
-            batched.positions.commit(rank, rows[-1]["j"] + 1)
+            one.positions.commit(rank, rows[-1].j + 1)
+            batched.positions.commit(rank, rows[-1].j + 1)
     a, b = _handout_view(one, sinks[0]), _handout_view(batched, sinks[1])
     assert a == b
     assert sorted(i for ids in a["released"].values() for i in ids) == sorted(t.id for t in trajs)

@@ -121,9 +121,9 @@ class ControlPlaneMachine(RuleBasedStateMachine):
             if "entries" not in ans:
                 return
             e = ans["entries"][0]
-            assert e["j"] == j
-            self.taken += [x[0] for x in e["items"]]
-            p.positions.handed_many(r, [[j, e["minibatch"], e["microbatch"], self._cap(r), -1]])
+            assert e.j == j
+            self.taken += [x[0] for x in e.items]
+            p.positions.handed_many(r, [[j, e.minibatch, e.microbatch, self._cap(r), -1]])
 
     @rule()
     def save(self) -> None:
@@ -209,7 +209,7 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         for r, q in enumerate(self.plane.state.queues):
             for j, e in q.items():
                 if j >= self.plane.state.position[r]:
-                    again = [x[0] for x in e["items"] if x[0] in taken]
+                    again = [x[0] for x in e.items if x[0] in taken]
                     assert not again, f"rank {r} entry {j} would deliver {again} again"
 
     @invariant()
@@ -237,8 +237,8 @@ class ControlPlaneMachine(RuleBasedStateMachine):
                         if "entries" not in ans:
                             break
                         e = ans["entries"][0]
-                        self.taken += [x[0] for x in e["items"]]
-                        self.plane.positions.handed_many(r, [[e["j"], e["minibatch"], e["microbatch"], 0, -1]])
+                        self.taken += [x[0] for x in e.items]
+                        self.plane.positions.handed_many(r, [[e.j, e.minibatch, e.microbatch, 0, -1]])
                 dropped = {m.id for m in self.plane.state.pending.values()}
                 assert rep["dropped_trajectories"] == len(dropped)
                 assert len(self.taken) == len(set(self.taken)), "a trajectory was taken twice"

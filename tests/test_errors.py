@@ -17,6 +17,14 @@ def test_every_error_derives_from_the_root_and_a_builtin(name: str) -> None:
     assert getattr(knitdata, name) is cls
 
 
+def test_error_class_is_an_explicit_table_of_the_hierarchy() -> None:
+    assert set(errors.ERROR_CLASSES) == set(errors.__all__)
+    for name in errors.__all__:
+        assert errors.error_class(name) is getattr(errors, name)
+    for other in ("KeyError", "Exception", "error_class", "ERROR_CLASSES", "__class__"):
+        assert errors.error_class(other) is errors.KnitdataError
+
+
 def test_messages_name_trajectory_field_and_item() -> None:
     e = errors.ValidationError("must be finite", trajectory_id="t7", field="scalars.reward")
     assert str(e) == "trajectory 't7': field 'scalars.reward': must be finite"

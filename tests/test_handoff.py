@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 
 from knitdata.consumer.handoff import ControlSender
+from knitdata.control.records import PlanEntry
+from knitdata.planner import MicroBatchInfo
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _reliability_helpers import wait_until  # noqa: E402
@@ -48,7 +50,7 @@ def _hand_out(sender: ControlSender, n: int) -> Any:
     """A lease of rank 0 that hands out ``n`` micro-batches of one mini-batch, then asks for a report."""
     lease, _ = sender.acquire(0, 0, "tok", wait_s=1.0)
     for j in range(n):
-        lease.take_out({"j": j, "minibatch": 0, "microbatch": j}, time.perf_counter())
+        lease.take_out(_entry(j, 0, j), time.perf_counter())
     sender.request()
     return lease
 
@@ -88,8 +90,9 @@ def test_a_report_that_fails_inline_is_sent_again_by_the_thread_in_order():
     lease.end()
 
 
-def _entry(j: int, minibatch: int, microbatch: int) -> dict[str, int]:
-    return {"j": j, "minibatch": minibatch, "microbatch": microbatch}
+def _entry(j: int, minibatch: int, microbatch: int) -> PlanEntry:
+    info = MicroBatchInfo(0, 0, minibatch, 0, microbatch, microbatch + 1, True, 0, 0)
+    return PlanEntry(j, minibatch, microbatch, info)
 
 
 @pytest.mark.parametrize("mode", ["auto_step", "send_each", "neither"])
@@ -130,7 +133,7 @@ def test_the_position_counts_hand_outs_not_yet_reported():
     assert lease.taken == 3 and lease.last is entries[-1]
     assert control.records() == []  # read without a report
     lease.hand_out(_entry(3, 1, 0))
-    assert lease.position() == ({"j": 3, "minibatch": 1, "microbatch": 0}, 4)
+    assert lease.position() == (_entry(3, 1, 0), 4)
     lease.end()
     assert [r[0] for r in control.records()] == [0, 1, 2, 3]
 

@@ -44,7 +44,7 @@ def _drive(plane: ControlPlane, n: int) -> None:
     for rank in range(plane.state.layout.num_consumers):
         got = plane.leasing.next_entries(rank, 0, 0.0)
         for e in got.get("entries", []):
-            plane.positions.handed(rank, e["j"], e["minibatch"], e["microbatch"])
+            plane.positions.handed(rank, e.j, e.minibatch, e.microbatch)
     plane.positions.commit(0, 1)
     plane.positions.report_version(1)
 
@@ -52,7 +52,7 @@ def _drive(plane: ControlPlane, n: int) -> None:
 def _state(p: ControlPlane) -> dict:
     s = p.state
     return {"planned": s.planned, "committed": s.committed, "position": s.position, "seq": s.seq,
-            "queues": [sorted(q) for q in s.queues], "entries": [[q[j]["items"] for j in sorted(q)] for q in s.queues],
+            "queues": [sorted(q) for q in s.queues], "entries": [[q[j].items for j in sorted(q)] for q in s.queues],
             "live": sorted(s.live), "pending": sorted(s.pending), "version": s.version, "schema": p.admission.schema,
             "placement": s.placement.state_dict()}
 
@@ -181,7 +181,7 @@ class _Driver:
         if kind == "report":  # a consumer process's report: hand-outs, a commit and a version, journaled one by one
             rank = x % plane.state.layout.num_consumers
             got = plane.leasing.next_entries(rank, plane.positions.start_point(rank)["next"], 0.0)
-            recs = [[e["j"], e["minibatch"], e["microbatch"], e["j"]] for e in got.get("entries", [])[:2]]
+            recs = [[e.j, e.minibatch, e.microbatch, e.j] for e in got.get("entries", [])[:2]]
             return plane.leasing.report([[rank, 0, f"tok{rank}", recs, False]], [[rank, plane.state.position[rank]]], plane.state.version)
         if kind == "withdraw":
             return plane.admission.withdraw(f"g{x % (self.next_id // 2 + 1)}")
@@ -191,7 +191,7 @@ class _Driver:
             rank = x % plane.state.layout.num_consumers
             got = plane.leasing.next_entries(rank, plane.positions.start_point(rank)["next"], 0.0)
             for e in got.get("entries", [])[: 1 + x % 3]:
-                plane.positions.handed(rank, e["j"], e["minibatch"], e["microbatch"])
+                plane.positions.handed(rank, e.j, e.minibatch, e.microbatch)
             return got
         if kind == "commit":
             rank = x % plane.state.layout.num_consumers

@@ -173,10 +173,10 @@ def _drain(plane: ControlPlane, rank: int, start: int, upto: int | None = None) 
         if "entries" not in ans:
             break
         for e in ans["entries"]:
-            if upto is not None and e["j"] >= upto:
+            if upto is not None and e.j >= upto:
                 break
-            out.append([x[0] for x in e["items"]])
-            j = e["j"] + 1
+            out.append([x[0] for x in e.items])
+            j = e.j + 1
     return out
 
 

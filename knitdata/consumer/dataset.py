@@ -59,6 +59,7 @@ from knitdata.consumer.session import (
     ReadStage,
 )
 from knitdata.control.rankstates import MERGED_FORMAT, collect_states, planning_guard, planning_of
+from knitdata.control.records import PlanEntry
 from knitdata.engines.base import Engine
 from knitdata.errors import ConfigError, EngineError, KnitdataError, StateError
 from knitdata.observe import trace as tracing
@@ -586,11 +587,11 @@ class _ConsumerIterator(Iterator["MicroBatch"]):
             self._trace(tracing.tracer, entry, t0, t1)
         return mb
 
-    def _trace(self, tr: tracing.Tracer, entry: Mapping[str, Any], t0: float, t1: float) -> None:
+    def _trace(self, tr: tracing.Tracer, entry: PlanEntry, t0: float, t1: float) -> None:
         """Record the trainer's wait in ``next()`` (``t0``..``t1``, perf_counter; the hand-out is at its end) and
         the compute since the previous hand-out."""
         start, end = t0 * 1e6, t1 * 1e6  # perf_counter() is the trace clock (in seconds)
-        args = {"rank": self._rank, "step": entry["minibatch"], "microbatch": entry["microbatch"], "j": entry["j"]}
+        args = {"rank": self._rank, "step": entry.minibatch, "microbatch": entry.microbatch, "j": entry.j}
         if self._handed_at is not None:
             tr.span("compute", "trainer", self._handed_at, start, {"rank": self._rank})
         tr.span("wait", "trainer", start, end, args)  # the merge derives the hand-out at its end

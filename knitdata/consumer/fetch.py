@@ -1,6 +1,6 @@
 """Fetch modes: how a consumer groups its micro-batches' payloads into reads, registered by name.
 
-A :class:`FetchMode` says, for the items ``[id, unit, nbytes]`` of a plan entry, how they are grouped into storage
+A :class:`FetchMode` says, for the items (:class:`~knitdata.control.records.ItemRef`) of a plan entry, how they are grouped into storage
 requests (:meth:`FetchMode.groups`, used by every engine's ``read``), how those requests are counted
 (:meth:`FetchMode.requests`), whether the worker's whole share of a mini-batch is read at its first micro-batch
 (:attr:`FetchMode.whole_share`) and whether micro-batches are prepared on a background thread
@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from knitdata.control.records import ItemRef
 from knitdata.registry import Registry
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -31,8 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["Source", "FetchMode", "SampleFetch", "EagerFetch", "IterFetch", "FETCH_MODES", "fetch_mode"]
 
-#: Items of a plan entry: ``[trajectory id, unit id, nbytes]``.
-Items = Sequence[Sequence[Any]]
+#: Items of a plan entry (:class:`~knitdata.control.records.ItemRef`: trajectory id, unit id, nbytes).
+Items = Sequence[ItemRef]
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -98,7 +99,7 @@ class FetchMode:
 
     def requests(self, items: Items) -> int:
         """Storage requests that reading ``items`` takes (default: one per unit)."""
-        return len({it[1] for it in items})
+        return len({it.unit for it in items})
 
     def prepare(self, source: Source[Any], *, depth: int, device: Any, pin_memory: bool | None) -> Source[Any]:
         """The source the consumer takes micro-batches from, given the one that makes them on the caller's thread.

@@ -36,6 +36,7 @@ from typing import Any
 
 from knitdata.control.leases import Leases
 from knitdata.control.plane import fenced_message
+from knitdata.control.records import Fenced, HandOut, LeaseNews, PlanEntry, ProducerNews
 from knitdata.errors import EngineError, FencedError, KnitdataError
 from knitdata.threads import Job, spawn
 
@@ -95,7 +96,7 @@ class ConsumerLease:
         self.auto_step = False
         self.cap: int | None = None
         self._version = sender.local_version
-        self._pos: tuple[dict[str, Any] | None, int] = (None, 0)  # (last entry taken out, how many), as of _seal
+        self._pos: tuple[PlanEntry | None, int] = (None, 0)  # (last entry taken out, how many), as of _seal
         self._fence_message: str | None = None
         self._sender = sender
         #: The process's :class:`ControlSender` (the stage that prepares micro-batches relays its wakes).
@@ -105,9 +106,9 @@ class ConsumerLease:
         # entries taken out (and cap/version changes), not yet turned into records: appended without a lock by the
         # trainer (hand_out) and by set_cap()/set_version(), popped under the lock by _seal (deque ops are atomic)
         self._out: collections.deque[Any] = collections.deque()
-        self.hand_out: Callable[[dict[str, Any]], None] = self._out.append
+        self.hand_out: Callable[[PlanEntry], None] = self._out.append
         self._checked = 0  # the first entries of _out that relay() looked at (reset when _seal empties it)
-        self._records: list[list[int]] = []
+        self._records: list[HandOut] = []
         self.deadline = time.perf_counter() + _LOCAL_SHARE * ttl_s - (time.monotonic() - sent_at)
         self._ended = False
 
@@ -117,15 +118,15 @@ class ConsumerLease:
         return self.position()[1]
 
     @property
-    def last(self) -> dict[str, Any] | None:
+    def last(self) -> PlanEntry | None:
         """The last entry taken out (``None``: none yet)."""
         return self.position()[0]
 
-    def take_out(self, entry: dict[str, Any], now: float) -> None:
+    def take_out(self, entry: PlanEntry, now: float) -> None:
         """Hand micro-batch ``entry`` out to the trainer (its thread; no control call, no lock).
 
         Args:
-            entry: The plan entry (``j``, ``minibatch``, ``microbatch``, ``info``, ``fp``).
+            entry: The plan entry.
             now: ``time.perf_counter()`` of the caller.
 
         Raises:
@@ -151,7 +152,7 @@ class ConsumerLease:
                 due = False
                 for i in range(self._checked, n):
                     e = out[i]
-                    if type(e) is not tuple and (each or e["microbatch"] == 0):
+                    if type(e) is not tuple and (each or e.microbatch == 0):
                         due = True
                         break
                 self._checked = n
@@ -179,16 +180,16 @@ class ConsumerLease:
                 else:
                     version = e[1]
                 continue
-            j = e["j"]
-            recs.append([j, e["minibatch"], e["microbatch"], 0 if not auto else j if cap is None else min(j, cap),
-                         version])
+            j = e.j
+            recs.append(HandOut(j, e.minibatch, e.microbatch, 0 if not auto else j if cap is None else min(j, cap),
+                                version))
             last = e
             taken += 1
         self._checked = 0
         self.cap, self._version = cap, version
         self._pos = (last, taken)
 
-    def position(self) -> tuple[dict[str, Any] | None, int]:
+    def position(self) -> tuple[PlanEntry | None, int]:
         """``(last entry taken out, how many)``: the hand-outs not yet sent are counted, not turned into records
         (that is the sender's work). The dataset's iterator keeps its own copy for ``state_dict()`` (no lock)."""
         with self._lock:  # nothing pops meanwhile; appends (the sender's set_version) only ever extend the right
@@ -240,12 +241,12 @@ class ConsumerLease:
             self.deadline = float("-inf")  # the next hand-out raises FencedError
         self._sender.wake()
 
-    def give_back(self, records: list[list[int]]) -> None:
+    def give_back(self, records: list[HandOut]) -> None:
         """Records a failed report took: they are sent again first (called by the sender)."""
         with self._lock:
             self._records[:0] = records
 
-    def take(self) -> tuple[list[list[int]], bool]:
+    def take(self) -> tuple[list[HandOut], bool]:
         """The records to send and whether to let the lease go (called by the sender)."""
         with self._lock:
             self._seal()
@@ -341,7 +342,7 @@ class ControlSender:
         self._queued: collections.deque[tuple[int, int, int]] = collections.deque()  # commits not merged yet
         self._version: int | None = None
         self._producers: weakref.WeakValueDictionary[str, ProducerPresence] = weakref.WeakValueDictionary()
-        self._gone: list[list[Any]] = []  # producers whose handle was dropped: reported not alive once
+        self._gone: list[ProducerNews] = []  # producers whose handle was dropped: reported not alive once
         #: The last version this process reported (``-1``: none): hand-outs carry it, so that their staleness is
         #: measured against the version the trainer had, whenever their record arrives.
         self.local_version = -1
@@ -415,7 +416,7 @@ class ControlSender:
 
     def _dropped(self, producer_id: str, holder: str) -> None:
         with self._lock:
-            self._gone.append([producer_id, holder, False])
+            self._gone.append(ProducerNews(producer_id, holder, False))
 
     def report_version(self, version: int) -> None:
         """Queue the trainer's new policy version (sent after the hand-outs queued before it)."""
@@ -546,15 +547,14 @@ class ControlSender:
             commits = sorted(self._commits.items())
             self._commits.clear()
             version, self._version = self._version, None
-            producers = [[p.producer_id, p.holder, p.alive] for p in list(self._producers.values())]
+            producers = [ProducerNews(p.producer_id, p.holder, p.alive) for p in list(self._producers.values())]
             producers += self._gone
             self._gone = []
         batch = []
         taken = []
         for lease in leases:
             recs, release = lease.take()
-            batch.append([lease.rank, lease.worker, lease.token, recs, release]
-                         + ([lease.replica] if lease.replica else []))
+            batch.append(LeaseNews(lease.rank, lease.worker, lease.token, recs, release, lease.replica))
             taken.append((lease, recs, release))
         if not batch and not commits and version is None and not producers:
             return
@@ -566,7 +566,7 @@ class ControlSender:
             self._restore(taken, commits, version, producers)
             raise
         self.reports += 1
-        fenced = {str(f[2]): str(f[3]) for f in ans.get("fenced", [])}
+        fenced = {f.token: f.by for f in map(Fenced._make, ans.get("fenced", ()))}
         done = []
         for lease, _recs, release in taken:
             by = fenced.get(lease.token)
@@ -583,9 +583,9 @@ class ControlSender:
                 for token in done:
                     self._leases.pop(token, None)
 
-    def _restore(self, taken: list[tuple[ConsumerLease, list[list[int]], bool]],
+    def _restore(self, taken: list[tuple[ConsumerLease, list[HandOut], bool]],
                  commits: list[tuple[tuple[int, int], int]],
-                 version: int | None, producers: list[list[Any]]) -> None:
+                 version: int | None, producers: list[ProducerNews]) -> None:
         """Put back what an unsent report took: sent again next time, in order."""
         for lease, recs, _release in taken:
             lease.give_back(recs)
@@ -594,4 +594,4 @@ class ControlSender:
                 self._commits[key] = max(upto, self._commits.get(key, 0))
             if self._version is None:
                 self._version = version
-            self._gone[:0] = [p for p in producers if not p[2] and p[0] not in self._producers]
+            self._gone[:0] = [p for p in producers if not p.alive and p.pid not in self._producers]

@@ -33,6 +33,7 @@ from knitdata.consumer.collate import MicroBatchInfo
 from knitdata.consumer.fetch import FetchMode, fetch_mode
 from knitdata.consumer.handoff import ConsumerLease
 from knitdata.control.plane import LEASE_TTL_S
+from knitdata.control.records import ItemRef, PlanEntry
 from knitdata.engines.base import Engine
 from knitdata.errors import ConfigError, DataTimeoutError, FencedError
 from knitdata.observe import trace as tracing
@@ -48,7 +49,7 @@ __all__ = ["ConsumerSession", "PlanStage", "ReadStage", "MediaStage", "Productio
 #: Seconds each wait for the next entries lasts before checking for a stop (and the dataset's timeout).
 POLL_S = 1.0
 
-_unit, _nbytes = itemgetter(1), itemgetter(2)  # of a plan entry's item ``[id, unit, nbytes]``
+_unit, _nbytes = itemgetter(1), itemgetter(2)  # of a plan entry's item (ItemRef: id, unit, nbytes)
 
 
 class ConsumerSession:
@@ -147,10 +148,10 @@ class PlanStage:
         self.timeout = timeout
         self.max_minibatches = max_minibatches
         self.end = end
-        self.cache: dict[int, dict[str, Any]] = {}  # entries of the current mini-batch from j on, by j
+        self.cache: dict[int, PlanEntry] = {}  # entries of the current mini-batch from j on, by j
         self.last_step: int | None = None  # the mini-batch of the last entry returned
 
-    def next(self) -> dict[str, Any] | None:
+    def next(self) -> PlanEntry | None:
         """The next entry of this worker, or ``None`` at the end of the pass (or when stopped).
 
         At the first micro-batch of a mini-batch it waits (up to the dataset's timeout, in :data:`POLL_S` slices) for
@@ -185,11 +186,11 @@ class PlanStage:
                     raise
                 if "entries" in ans:
                     for entry in ans["entries"]:
-                        cache[int(entry["j"])] = entry
+                        cache[entry.j] = entry
                 elif ans.get("end"):
                     return None
         e = cache.pop(j)
-        step = e["minibatch"]
+        step = e.minibatch
         if self.end is None and self.max_minibatches is not None:
             self.end = step + self.max_minibatches
         if self.end is not None and step >= self.end:
@@ -220,20 +221,20 @@ class ReadStage:
         self.share_fetch = fetch if fetch.whole_share else fetch_mode("eager")  # how a share is read
         self.local_units = engine.local_units(rank)
         self.share: dict[int, list[Any]] = {}  # the trajectories of each entry (j) of the share read last
-        self.rows: list[dict[str, Any]] | None = None
+        self.rows: list[PlanEntry] | None = None
         self.row_batches: list[list[Any]] | None = None
         self.nbytes = self.local = self.requests = self.trajectories = 0
 
-    def read(self, e: dict[str, Any]) -> list[Any]:
+    def read(self, e: PlanEntry) -> list[Any]:
         """The trajectories of entry ``e``, in order."""
-        items = e["items"]
+        items = e.items
         self.rows = self.row_batches = None
         if not self.whole_share:
-            batch = self.engine.read(items, fetch=self.fetch, step=e["minibatch"]) if items else []
+            batch = self.engine.read(items, fetch=self.fetch, step=e.minibatch) if items else []
             self.trajectories = len(batch)
             self._count(items, self.fetch)
             return batch
-        j = e["j"]
+        j = e.j
         if not items:  # padding: reads nothing
             self.nbytes = self.local = self.requests = self.trajectories = 0
             return []
@@ -247,23 +248,23 @@ class ReadStage:
         for k in sorted(cache):
             if (k - j) % nw == 0:
                 rows.append(cache[k])
-        every: list[Sequence[Any]] = []
+        every: list[ItemRef] = []
         for x in rows:
-            every += x["items"]
-        trajs = self.engine.read(every, fetch=self.share_fetch, step=e["minibatch"])
+            every += x.items
+        trajs = self.engine.read(every, fetch=self.share_fetch, step=e.minibatch)
         # each entry's trajectories, sliced from the one read in entry order
         batches, k = [], 0
         for x in rows:
-            n = k + len(x["items"])
+            n = k + len(x.items)
             batches.append(trajs[k:n])
             k = n
-        self.share = dict(zip([x["j"] for x in rows[1:]], batches[1:]))
+        self.share = dict(zip([x.j for x in rows[1:]], batches[1:]))
         self.trajectories = len(trajs)
         self.rows, self.row_batches = rows, batches
         self._count(every, self.share_fetch)
         return batches[0]
 
-    def _count(self, items: Sequence[Sequence[Any]], fetch: FetchMode) -> None:
+    def _count(self, items: Sequence[ItemRef], fetch: FetchMode) -> None:
         nbytes = int(sum(map(_nbytes, items)))
         units = set(map(_unit, items))
         local_units = self.local_units
@@ -272,7 +273,7 @@ class ReadStage:
         elif units.isdisjoint(local_units):
             local = 0
         else:
-            local = int(sum([it[2] for it in items if it[1] in local_units]))
+            local = int(sum([it.nbytes for it in items if it.unit in local_units]))
         self.nbytes, self.local = nbytes, local
         self.requests = fetch.requests(items)
 
@@ -295,11 +296,11 @@ class MediaStage:
         self.grow: weakref.WeakMethod[Any] | None = None
         self.media: Any = None
 
-    def attach(self, mb: Any, e: dict[str, Any], row_batches: list[list[Any]] | None, info: MicroBatchInfo) -> None:
+    def attach(self, mb: Any, e: PlanEntry, row_batches: list[list[Any]] | None, info: MicroBatchInfo) -> None:
         """Give ``mb`` the share's media table (built when a new share was read: the trajectories of each of its
         entries, ``row_batches``, from entry ``e`` on)."""
         if row_batches is not None:
-            groups: list[list[Any]] = [[] for _ in range(int(e["microbatch"]))]
+            groups: list[list[Any]] = [[] for _ in range(e.microbatch)]
             groups += row_batches
             self.media = self.collator(groups)
             set_depth = self.grow() if self.grow is not None else None
@@ -330,7 +331,7 @@ class Production:
 
     def __init__(self, plan: PlanStage, reader: ReadStage, collate: Callable[..., Any], media: MediaStage | None,
                  metrics: ConsumerMetrics, stop: threading.Event,
-                 stamp: Callable[[dict[str, Any], int], tuple[Any, ...]] | None = None) -> None:
+                 stamp: Callable[[PlanEntry, int], tuple[Any, ...]] | None = None) -> None:
         self.plan, self.reader, self.collate, self.media = plan, reader, collate, media
         self.metrics, self.stop, self.stamp = metrics, stop, stamp
         self.n = 0
@@ -339,14 +340,14 @@ class Production:
     def __iter__(self) -> Production:
         return self
 
-    def __next__(self) -> tuple[dict[str, Any], Any, bool, bool, tuple[Any, ...]]:
+    def __next__(self) -> tuple[PlanEntry, Any, bool, bool, tuple[Any, ...]]:
         plan, reader = self.plan, self.reader
         ts = time.perf_counter()
         if self.stop.is_set() or (e := plan.next()) is None:
             raise StopIteration
         t0 = time.perf_counter()
         batch = reader.read(e)
-        info = MicroBatchInfo.from_plan_entry(e["info"])  # written by the control plane: trusted
+        info = e.info
         mb = self.collate(batch, info)
         if self.media is not None:
             self.media.attach(mb, e, reader.row_batches, info)
@@ -356,11 +357,11 @@ class Production:
         tr = tracing.tracer
         if tr is not None:  # perf_counter() is the trace clock (in seconds)
             tr.span("fetch", "consumer", t0 * 1e6, t1 * 1e6,
-                    {"rank": plan.rank, "step": e["minibatch"], "microbatch": e["microbatch"], "bytes": reader.nbytes,
+                    {"rank": plan.rank, "step": e.minibatch, "microbatch": e.microbatch, "bytes": reader.nbytes,
                      "local_bytes": reader.local, "requests": reader.requests})
         self.n = n = self.n + 1
         self.last_wait_s = t1 - ts
-        return e, mb, info.is_last, not e["items"], (e, n) if self.stamp is None else self.stamp(e, n)
+        return e, mb, info.is_last, not e.items, (e, n) if self.stamp is None else self.stamp(e, n)
 
     def close(self) -> None:
         """Nothing more is made."""
@@ -500,17 +501,17 @@ class RankPosition:
         self.handed, self.synced = (None, 0, None), 0
         return self.next
 
-    def stamp(self, e: dict[str, Any], n: int) -> tuple[Any, ...]:
+    def stamp(self, e: PlanEntry, n: int) -> tuple[Any, ...]:
         """The position once entry ``e`` (the pass's ``n``-th) is handed out, made on the producing thread:
         ``(e, n, (fixed, state))``, ``state`` as ``state_dict`` returns it but for end, epoch and count (set when
         taken); ``(e, n, None)`` while :attr:`fixed` is not known or ``e`` has no fingerprint."""
-        fixed, fp = self.fixed, e.get("fp")
+        fixed, fp = self.fixed, e.fp
         if fixed is None or fp is None:
             return e, n, None
-        j, mb = e["j"], e["minibatch"]
+        j, mb = e.j, e.minibatch
         state = fixed[2].copy()
         state["next"] = j + fixed[1][1]
-        state["minibatch"], state["microbatch"] = (mb + 1, 0) if e["info"]["is_last"] else (mb, e["microbatch"] + 1)
+        state["minibatch"], state["microbatch"] = (mb + 1, 0) if e.info.is_last else (mb, e.microbatch + 1)
         state["end_minibatch"] = state["epoch"] = state["handed_out"] = None
         state["fingerprint"], state["fingerprint_length"] = fp, j + 1
         return e, n, (fixed, state)
@@ -539,11 +540,11 @@ class RankPosition:
                 return
             self.handed_out += taken - self.synced
             self.synced = taken
-            j = last["j"]
+            j = last.j
             self.next = j + self.worker[1]
-            self.at = (last["minibatch"] + 1, 0) if last["info"]["is_last"] else (last["minibatch"], last["microbatch"] + 1)
-            if last.get("fp") is not None:
-                self.fingerprint = (j + 1, last["fp"])
+            self.at = (last.minibatch + 1, 0) if last.info.is_last else (last.minibatch, last.microbatch + 1)
+            if last.fp is not None:
+                self.fingerprint = (j + 1, last.fp)
             if self.end is None and end is not None:
                 self.end = end
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from knitdata.control.positions import Positions
+from knitdata.control.records import Fenced, LeaseNews, PlanEntry, ProducerNews
 from knitdata.control.reporting import incomplete_message, producers_gone
 from knitdata.control.state import LEASE_TTL_S, Lease, PlaneState, fenced_message
 from knitdata.control.surface import Part, control_call, control_part
@@ -91,28 +92,28 @@ class Leases(Part):
                 s.cond.wait(min(0.05, deadline - now))
 
     @control_call()
-    def report(self, leases: Sequence[Sequence[Any]], commits: Sequence[Sequence[int]] = (),
-               version: int | None = None, producers: Sequence[Sequence[Any]] = ()) -> dict[str, Any]:
+    def report(self, leases: Sequence[LeaseNews], commits: Sequence[Sequence[int]] = (),
+               version: int | None = None, producers: Sequence[ProducerNews] = ()) -> dict[str, Any]:
         """One consumer process's news, sent off the trainer's thread: hand-outs, lease renewals, commits, version.
 
         Args:
-            leases: ``[rank, worker, token, records, release(, replica)]`` per live iterator of the process (replica
-                0 when left out): ``records`` are
-                ``[j, minibatch, microbatch, auto_upto]`` of the micro-batches it handed out since its last report
+            leases: :class:`~knitdata.control.records.LeaseNews` per live iterator of the process (a row without
+                its replica is replica 0): its ``records`` are the
+                :class:`~knitdata.control.records.HandOut` s of the micro-batches it handed out since its last report
                 (applied as :meth:`~knitdata.control.positions.Positions.handed_many` while ``token`` holds the
                 lease, ignored otherwise), then the lease is renewed, or ended when ``release`` is true.
             commits: ``[rank, upto(, replica)]`` (as :meth:`~knitdata.control.positions.Positions.commit`).
             version: The trainer's new policy version (as
                 :meth:`~knitdata.control.positions.Positions.report_version`), applied last.
-            producers: ``[producer id, holder, alive]`` of the producers in the process: ``alive`` is false once
-                every thread that put through it ended (see ``producer_timeout_s``).
+            producers: :class:`~knitdata.control.records.ProducerNews` of the producers in the process: ``alive``
+                is false once every thread that put through it ended (see ``producer_timeout_s``).
 
         Returns:
-            ``{"fenced": [[rank, worker, token, newer holder], ...]}``: the iterators that must stop (a newer one
+            ``{"fenced": [Fenced(rank, worker, token, newer holder), ...]}``: the iterators that must stop (a newer one
             asked for their lease: they let go with ``release``; or it was taken over).
         """
         s = self.s
-        fenced: list[list[Any]] = []
+        fenced: list[Fenced] = []
         with s.cond:
             now = time.monotonic()
             for pid, holder, alive in producers or ():
@@ -128,7 +129,7 @@ class Leases(Part):
                     cur = s.lease_book.take(key, str(token), "", now)
                 if cur is None or cur.token != token:
                     by = "a newer iterator" if cur is None else f"{cur.holder} (lease epoch {cur.epoch})"
-                    fenced.append([rank, worker, token, by])
+                    fenced.append(Fenced(rank, worker, token, by))
                     continue
                 if records:
                     self.positions.handed_many(rank, records, replica)
@@ -136,7 +137,7 @@ class Leases(Part):
                     del s.lease_book.leases[key]
                     s.cond.notify_all()
                 elif cur.fence_by is not None:
-                    fenced.append([rank, worker, token, cur.fence_by])
+                    fenced.append(Fenced(rank, worker, token, cur.fence_by))
                 else:
                     cur.renewed = now
             for rank, upto, *more in commits or ():
@@ -200,7 +201,7 @@ class Leases(Part):
         cur.renewed = time.monotonic()
         return cur
 
-    def _entries(self, rank: int, j: int) -> list[dict[str, Any]]:
+    def _entries(self, rank: int, j: int) -> list[PlanEntry]:
         """The queued entries ``j..`` of ``rank`` up to the end of ``j``'s mini-batch."""
         s = self.s
         q = s.queues[rank]
@@ -211,7 +212,7 @@ class Leases(Part):
         first = q[j]
         out = [first]
         k = j + 1
-        while k in q and q[k]["minibatch"] == first["minibatch"]:
+        while k in q and q[k].minibatch == first.minibatch:
             out.append(q[k])
             k += 1
         return out

@@ -242,7 +242,7 @@ class Ledger(Part):
             where: dict[str, set[int]] = {}
             for r, q in enumerate(s.queues):
                 for e in q.values():
-                    for tid, u, _n in e["items"]:
+                    for tid, u, _n in e.items:
                         if u in wanted:
                             where.setdefault(tid, set()).add(r)
             groups: dict[str, dict[str, Any]] = {}

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
+from knitdata.control.records import PlanEntry
 from knitdata.observe import trace as tracing
 from knitdata.observe.metrics import TransferMeter
 from knitdata.record import TrajectoryMeta
@@ -61,7 +62,7 @@ class Observations:
         """Continue from a checked snapshot ``d`` (the per-rank slots are sized by :meth:`resize`)."""
         self.staleness = deque(d["staleness"], maxlen=self.staleness.maxlen)
 
-    def record_handouts(self, rank: int, handouts: Sequence[tuple[Mapping[str, Any], int]], planned: Mapping[int, Any],
+    def record_handouts(self, rank: int, handouts: Sequence[tuple[PlanEntry, int]], planned: Mapping[int, Any],
                         held_metas: Callable[[Iterable[str]], list[TrajectoryMeta]], put_log: PutLog) -> None:
         """Staleness of entries of ``rank`` handed out to a trainer, ``(entry, policy version)`` in hand-out order
         (a report's hand-outs up to its next release, recorded together): per trajectory, overall, per rank, per
@@ -77,12 +78,12 @@ class Observations:
                 return
         gens: list[int] = []
         for e, _v in handouts:
-            gens += e["info"]["gen_versions"]
+            gens += e.info.gen_versions
         values = list(map(version.__sub__, gens))
         self.staleness.extend(values)
         self.staleness_by_rank[rank].extend(values)
         by_source = self.staleness_by_source
-        sums = [planned.get(e["j"], False) for e, _v in handouts]
+        sums = [planned.get(e.j, False) for e, _v in handouts]
         now = time.monotonic()
         split = self.staleness_split
         before = split.totals() if tracing.tracer is not None else None
@@ -100,7 +101,7 @@ class Observations:
             return
         ids: list[str] = []
         for e, _v in handouts:
-            ids += map(_first, e["items"])
+            ids += map(_first, e.items)
         metas = held_metas(ids)
         self.token_staleness.record(version, metas)
         split.record_sums(version, now, put_log.sums(metas))

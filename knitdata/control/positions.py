@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from knitdata.control.records import HandOut, PlanEntry
 from knitdata.control.state import FP_KEEP, PlaneState, Replicas
 from knitdata.control.surface import Part, control_call, control_part
 from knitdata.errors import ConfigError, StateError, ValidationError
@@ -29,8 +30,8 @@ def mismatch_message(s: PlaneState, rank: int, length: int, where: str) -> str:
     e = s.queues[rank].get(length - 1)
     last = ""
     if e is not None:
-        ids = [x[0] for x in e["items"]]
-        last = (f"; this pipeline planned mini-batch {e['minibatch']} micro-batch {e['microbatch']} there with "
+        ids = [x.id for x in e.items]
+        last = (f"; this pipeline planned mini-batch {e.minibatch} micro-batch {e.microbatch} there with "
                 f"trajectories {ids[:8]}" + (" ..." if len(ids) > 8 else ""))
     return (f"rank {rank}: the saved state ({where or f'after {length} micro-batches'}) was taken in a run whose "
             f"first {length} micro-batches of rank {rank} differ from this pipeline's (other trajectory ids, "
@@ -140,15 +141,16 @@ class Positions(Part):
         """Entry ``j`` of ``rank`` was handed out to the trainer (staleness; release per ``release``: with
         ``"step"`` and ``auto_commit`` the entries before a mini-batch's first micro-batch are released)."""
         self.s.check_rank(rank)
-        pending: list[tuple[dict[str, Any], int]] = []
+        pending: list[tuple[PlanEntry, int]] = []
         with self.s.cond:
             self.s.policy.note_handed(rank, j)
             self._handed(rank, j, microbatch, j if auto_commit else 0, -1, 0, pending)
             self.s.record_handouts(rank, pending)
 
     @control_call(journaled=True)
-    def handed_many(self, rank: int, records: Sequence[Sequence[Any]], replica: int = 0) -> None:
-        """:meth:`handed` for ``[j, minibatch, microbatch, auto_upto, version]`` records of ``rank``, in order.
+    def handed_many(self, rank: int, records: Sequence[HandOut], replica: int = 0) -> None:
+        """:meth:`handed` for the :class:`~knitdata.control.records.HandOut` records of ``rank``, in order (a journal
+        replays them as their JSON arrays ``[j, minibatch, microbatch, auto_upto(, version)]``: read by position).
 
         ``auto_upto``: with ``release="step"``, when ``j`` starts a mini-batch, release the rank's entries below
         ``min(j, auto_upto)`` (the consumer's last saved position caps it; ``0``: release nothing). ``version``: the
@@ -158,9 +160,9 @@ class Positions(Part):
         """
         self.check_replica(rank, replica)
         s = self.s
-        pending: list[tuple[dict[str, Any], int]] = []  # hand-outs whose staleness is not recorded yet
+        pending: list[tuple[PlanEntry, int]] = []  # hand-outs whose staleness is not recorded yet
         with s.cond:
-            for rec in records:
+            for rec in records:  # by position: a HandOut, or its array replayed from a journal
                 j, microbatch, auto_upto = int(rec[0]), int(rec[2]), int(rec[3])
                 v = int(rec[4]) if len(rec) > 4 else -1
                 msg = s.policy.note_handed(rank, j, v)  # the bound learns the trainer's versions from it
@@ -170,7 +172,7 @@ class Positions(Part):
             s.record_handouts(rank, pending)
 
     def _handed(self, rank: int, j: int, microbatch: int, auto_upto: int, version: int, replica: int,
-                pending: list[tuple[dict[str, Any], int]]) -> None:
+                pending: list[tuple[PlanEntry, int]]) -> None:
         """Apply one hand-out. Its staleness joins ``pending``, recorded together before the next release (which
         forgets the trajectories released) or by the caller at the end."""
         s = self.s
@@ -198,7 +200,7 @@ class Positions(Part):
         if j + 1 > s.position[rank]:
             s.position[rank] = j + 1
 
-    def _record(self, rank: int, pending: list[tuple[dict[str, Any], int]]) -> None:
+    def _record(self, rank: int, pending: list[tuple[PlanEntry, int]]) -> None:
         """Record the staleness of the ``pending`` hand-outs now (a release follows) and empty it."""
         self.s.record_handouts(rank, pending)
         pending.clear()

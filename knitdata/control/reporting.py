@@ -123,10 +123,10 @@ class Reporting(Part):
             for r, q in enumerate(s.queues):
                 n = nb = 0
                 for e in q.values():
-                    mine = [x for x in e["items"] if x[1] == unit]
+                    mine = [x for x in e.items if x.unit == unit]
                     if mine:
                         n += 1
-                        nb += sum(int(x[2]) for x in mine)
+                        nb += sum(x.nbytes for x in mine)
                 if n:
                     reps = "" if s.replicas is None or s.replicas.num == 1 else (
                         f"; its replicas committed up to {s.replicas.committed[r]}, handed out up to "

@@ -211,7 +211,7 @@ def _check_closed(s: PlaneState, c: _Closed, plan: MiniBatchPlan, off: int) -> N
         for i, pmb in enumerate(row):
             if chain is None or want is None or off + i >= want[0]:
                 break
-            chain = entry_fingerprint(chain, pmb.info.to_dict())
+            chain = entry_fingerprint(chain, pmb.info.__dict__)
             if off + i + 1 == want[0] and chain != want[1]:
                 err = StateError(
                     f"rank {r} of the {c.n}-rank layout the states were saved with: its first {want[0]} micro-batches "
@@ -470,7 +470,7 @@ class Reshaping(Part):
                         if e is None:
                             raise StateError(f"rank {r}: micro-batch {j} after its state's position {pos[r]} was "
                                              "already released; it cannot be resumed here")
-                        rest.extend(s.live_metas(e["items"]))
+                        rest.extend(s.live_metas(e.items))
             work.append((mb, _canonical(rest)) if rest else (mb, ()))
         for r, p in enumerate(pos):  # the handed-out micro-batches leave storage now
             s.commit_upto(r, p)
@@ -583,12 +583,11 @@ def _records_from_queues(s: PlaneState) -> dict[int, list[Any]]:
     found: dict[int, list[Any]] = {}
     for q in s.queues:
         for e in q.values():
-            info = e["info"]
-            rec = found.setdefault(int(e["minibatch"]), [info, [], int(e["j"]) - int(info["microbatch"]),
-                                                        int(info["num_microbatches"]), 0])
-            rec[1].extend(s.live_metas(e["items"]))
+            info = e.info
+            rec = found.setdefault(e.minibatch, [info, [], e.j - info.microbatch, info.num_microbatches, 0])
+            rec[1].extend(s.live_metas(e.items))
             rec[4] += 1
-    return {m: [AdmittedMiniBatch(int(info["train_batch"]), int(info["minibatch_in_batch"]), m, _canonical(metas)), None, off,
+    return {m: [AdmittedMiniBatch(info.train_batch, info.minibatch_in_batch, m, _canonical(metas)), None, off,
                 k, refs] for m, (info, metas, off, k, refs) in found.items()}
 
 

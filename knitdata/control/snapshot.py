@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from knitdata import errors
+from knitdata.control.records import ItemRef, PlanEntry
 from knitdata.control.state import Replicas
 from knitdata.errors import KnitdataError, StateError
 from knitdata.planner import MicroBatchInfo
@@ -112,7 +113,7 @@ def _digest(x: Any, where: str) -> str | None:
     return x
 
 
-def _entry(x: Any, where: str, rank: int, units: Mapping[str, str], fmt: int) -> dict[str, Any]:
+def _entry(x: Any, where: str, rank: int, units: Mapping[str, str], fmt: int) -> PlanEntry:
     e = _dict(x, where)
     keys = {"j", "minibatch", "microbatch", "info", "items"} | ({"fp"} if fmt >= 2 else set())
     if set(e) != keys:
@@ -134,9 +135,8 @@ def _entry(x: Any, where: str, rank: int, units: Mapping[str, str], fmt: int) ->
             raise _bad(w, "[trajectory id, unit, bytes]", it)
         if not _is_unit(it[1], units):
             raise _bad(f"{w}[1]", f"a storage unit of {sorted(units)}", it[1])
-        items.append([_str(it[0], f"{w}[0]"), it[1], _int(it[2], f"{w}[2]")])
-    return {"j": j, "minibatch": mb, "microbatch": mi, "info": info, "items": items,
-            "fp": _digest(e.get("fp"), f"{where}.fp")}
+        items.append(ItemRef(_str(it[0], f"{w}[0]"), it[1], _int(it[2], f"{w}[2]")))
+    return PlanEntry(j, mb, mi, parsed, items, _digest(e.get("fp"), f"{where}.fp"))
 
 
 def _close_report(x: Any, where: str) -> dict[str, Any] | None:
@@ -182,11 +182,11 @@ def _putting(x: Any, units: Mapping[str, str]) -> list[tuple[str, str, Trajector
 
 
 def _queues(x: Any, units: Mapping[str, str], fmt: int, committed: list[int],
-            planned: list[int]) -> list[list[dict[str, Any]]]:
+            planned: list[int]) -> list[list[PlanEntry]]:
     queues = []
     for r, q in enumerate(_list(x, "queues")):
         entries = [_entry(e, f"queues[{r}][{k}]", r, units, fmt) for k, e in enumerate(_list(q, f"queues[{r}]"))]
-        js = [e["j"] for e in entries]
+        js = [e.j for e in entries]
         if js != sorted(set(js)) or any(not committed[r] <= j < planned[r] for j in js):
             raise _bad(f"queues[{r}]", f"entries in increasing order within committed..planned "
                        f"({committed[r]}..{planned[r]})", js)

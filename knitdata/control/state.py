@@ -25,10 +25,11 @@ from typing import Any, cast
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.control.journal import Journal
 from knitdata.control.observed import Observations
+from knitdata.control.records import ItemRef, PlanEntry, item_refs
 from knitdata.errors import ConfigError, KnitdataError, PipelineClosedError
 from knitdata.observe import trace as tracing
 from knitdata.placement import ConsumerLayout, make_placement
-from knitdata.planner import MiniBatchPlan, Planner
+from knitdata.planner import MicroBatchInfo, MiniBatchPlan, Planner
 from knitdata.record import TrajectoryMeta
 from knitdata.staleness import PutLog, TokenStaleness
 
@@ -36,7 +37,7 @@ __all__ = ["PlaneState", "Lease", "LeaseBook", "Journaling", "RELEASE_MODES", "P
            "DELIVERED_MEMORY", "WITHDRAWN_MEMORY", "PUT_LOG_PRUNE", "FP_KEEP", "FP_EMPTY", "RECENT_RELEASES", "SNAPSHOT_FORMAT",
            "fields_of", "entry_fingerprint", "fenced_message", "Replicas", "RecentIds"]
 
-_first = itemgetter(0)  # the trajectory id of a queue item ``[id, unit, nbytes]``
+_first = itemgetter(0)  # the trajectory id of a queue item (ItemRef)
 _location = attrgetter("location")
 _seq = attrgetter("seq")
 #: The put log is pruned (stamps of trajectories no longer held forgotten) when it holds this many stamps, or twice
@@ -303,7 +304,7 @@ class PlaneState:
         self.put_tokens: dict[str, str] = {}  # live id -> token of the admit_many call that put it (retries)
         self.pending: dict[str, TrajectoryMeta] = {}  # admitted to the policy, not in a mini-batch yet
         self.loss: dict[str, int] = {}
-        self.queues: list[dict[int, dict[str, Any]]] = [{} for _ in range(n)]
+        self.queues: list[dict[int, PlanEntry]] = [{} for _ in range(n)]
         #: The token staleness sums of each queued entry (:meth:`~knitdata.staleness.TokenStaleness.sums`), made when
         #: it is planned, so that its hand-out does not visit its trajectories; not in snapshots (an entry restored
         #: or reshaped has none: its hand-out visits them).
@@ -375,7 +376,7 @@ class PlaneState:
             "delivered": list(self.delivered),
             "live": list(live) if raw_metas else [m.to_dict() for m in live], "put_tokens": dict(self.put_tokens),
             "pending": list(pending) if raw_metas else [m.to_dict() for m in pending], "loss": dict(self.loss),
-            "queues": [[q[j] for j in sorted(q)] for q in self.queues],
+            "queues": [[q[j].to_json() for j in sorted(q)] for q in self.queues],
             "planned": list(self.planned), "committed": list(self.committed), "position": list(self.position),
             "closed": self.closed, "close_report": self.close_report, "error": err, "version": self.version,
             "counts": dict(self.counts), "rejected_by_cause": dict(self.rejected_by_cause),
@@ -399,7 +400,7 @@ class PlaneState:
         self.put_tokens = d["put_tokens"]
         self.pending = {m.id: self.live.get(m.id, m) for m in d["pending"]}
         self.loss = d["loss"]
-        self.queues = [{e["j"]: e for e in q} for q in d["queues"]]
+        self.queues = [{e.j: e for e in q} for q in d["queues"]]  # PlanEntry (decode_snapshot built them)
         self.entry_sums = [{} for _ in self.queues]
         self.planned, self.committed, self.position = d["planned"], d["committed"], d["position"]
         self.closed, self.close_report, self.error = d["closed"], d["close_report"], d["error"]
@@ -486,7 +487,7 @@ class PlaneState:
         for u, ids in list(self.recent_releases):
             self.releaser(u, list(ids), False)
 
-    def live_metas(self, items: Iterable[Sequence[Any]]) -> list[TrajectoryMeta]:
+    def live_metas(self, items: Iterable[ItemRef]) -> list[TrajectoryMeta]:
         """The metas of the queue items ``[id, unit, nbytes]`` still held (released ones left out), in order."""
         return self.held_metas(map(_first, items))
 
@@ -497,20 +498,20 @@ class PlaneState:
             return [m for m in found if m is not None]
         return cast("list[TrajectoryMeta]", found)
 
-    def record_handouts(self, rank: int, handouts: Sequence[tuple[Mapping[str, Any], int]]) -> None:
+    def record_handouts(self, rank: int, handouts: Sequence[tuple[PlanEntry, int]]) -> None:
         """Record the staleness of entries of ``rank`` handed out (:meth:`Observations.record_handouts`)."""
         self.observed.record_handouts(rank, handouts, self.entry_sums[rank], self.held_metas, self.put_log)
 
-    def unqueue(self, rank: int, j: int) -> dict[str, Any] | None:
+    def unqueue(self, rank: int, j: int) -> PlanEntry | None:
         """Take entry ``j`` out of ``rank``'s queue (``None``: not queued), keeping its mini-batch's record count."""
         e = self.queues[rank].pop(j, None)
         self.entry_sums[rank].pop(j, None)
         if e is not None:
-            rec = self.mb_records.get(e["minibatch"])
+            rec = self.mb_records.get(e.minibatch)
             if rec is not None:
                 rec[4] -= 1
                 if rec[4] <= 0:
-                    del self.mb_records[e["minibatch"]]
+                    del self.mb_records[e.minibatch]
         return e
 
     def skip_gaps(self, rank: int) -> None:
@@ -524,7 +525,7 @@ class PlaneState:
         """Release entry ``j`` of ``rank`` (if still queued) and advance the committed position over gaps."""
         e = self.unqueue(rank, j)
         if e is not None:
-            self.release_ids(list(map(_first, e["items"])), delivered=True)
+            self.release_ids(list(map(_first, e.items)), delivered=True)
         self.skip_gaps(rank)
         self.prune_fps(rank)
 
@@ -540,7 +541,7 @@ class PlaneState:
                 e = self.unqueue(rank, j)
                 if e is not None:
                     n += 1
-                    ids += map(_first, e["items"])
+                    ids += map(_first, e.items)
             if ids:
                 self.release_ids(ids, delivered=True)
             self.committed[rank] = top
@@ -561,9 +562,9 @@ class PlaneState:
         for pmb in row:
             j = self.planned[rank]
             self.planned[rank] = j + 1
-            info = pmb.info.to_dict()
+            info: MicroBatchInfo = pmb.info
             if chain is not None:
-                chain = entry_fingerprint(chain, info)
+                chain = entry_fingerprint(chain, info.__dict__)  # the info's fields (what to_dict() would copy)
                 fps[j + 1] = chain
                 if j == 0 and rank == 0 and self.run_mark is None:
                     self.run_mark = chain
@@ -571,13 +572,11 @@ class PlaneState:
                 self.release_ids([m.id for m in pmb.trajectories], delivered=True)
                 continue
             metas = pmb.trajectories
-            self.queues[rank][j] = {
-                "j": j, "minibatch": info["minibatch"], "microbatch": info["microbatch"], "info": info,
-                "items": [[m.id, m.location, m.nbytes] for m in metas], "fp": chain,
-            }
+            self.queues[rank][j] = PlanEntry(j, info.minibatch, info.microbatch, info,
+                                             item_refs(metas), chain)
             token_sums = TokenStaleness.sums(metas)
             self.entry_sums[rank][j] = None if token_sums is None else (token_sums, self.put_log.sums(metas))
-            rec = self.mb_records.get(info["minibatch"])
+            rec = self.mb_records.get(info.minibatch)
             if rec is not None:
                 rec[4] += 1
         self.chain[rank] = chain

@@ -19,6 +19,7 @@ from typing import Any
 from knitdata.consumer.fetch import FetchMode
 from knitdata.consumer.handoff import HEARTBEAT_S, ControlSender
 from knitdata.control.plane import Control, ControlPlane
+from knitdata.control.records import ItemRef
 from knitdata.errors import ConfigError, EngineError, ValidationError
 from knitdata.observe.metrics import ConsumerMetrics, TransferMeter
 from knitdata.placement import ConsumerLayout
@@ -190,8 +191,8 @@ class Engine(abc.ABC):
         return frozenset(u for u, unit in self.units.items() if unit.node == node)
 
     @abc.abstractmethod
-    def read(self, items: Sequence[Sequence[Any]], *, fetch: FetchMode, step: int) -> list[Trajectory]:
-        """Payloads of ``items`` (``[id, unit, nbytes]`` entries of a plan) in order, decoded.
+    def read(self, items: Sequence[ItemRef], *, fetch: FetchMode, step: int) -> list[Trajectory]:
+        """Payloads of ``items`` (the :class:`~knitdata.control.records.ItemRef` s of plan entries) in order, decoded.
 
         Each group of ``fetch.groups(items)`` is read with one request per unit; bytes are counted under
         ``fetch.name`` and ``step``.

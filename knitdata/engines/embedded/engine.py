@@ -10,6 +10,7 @@ from typing import Any
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch
 from knitdata.consumer.fetch import FetchMode
 from knitdata.control import ControlPlane
+from knitdata.control.records import ItemRef
 from knitdata.engines.base import Engine
 from knitdata.engines.embedded.unit import EmbeddedStorageUnit
 from knitdata.errors import ConfigError
@@ -20,7 +21,7 @@ from knitdata.storage.base import StorageUnit
 
 __all__ = ["EmbeddedEngine"]
 
-_first, _unit = itemgetter(0), itemgetter(1)  # of a plan entry's item ``[id, unit, nbytes]``
+_first, _unit = itemgetter(0), itemgetter(1)  # of a plan entry's item (ItemRef: id, unit, nbytes)
 
 
 class EmbeddedEngine(Engine):
@@ -112,14 +113,14 @@ class EmbeddedEngine(Engine):
         """The storage units by id."""
         return self._units
 
-    def read(self, items: Sequence[Sequence[Any]], *, fetch: FetchMode, step: int) -> list[Trajectory]:
+    def read(self, items: Sequence[ItemRef], *, fetch: FetchMode, step: int) -> list[Trajectory]:
         """Payloads in order; one ``get`` per unit and group of ``fetch.groups(items)`` (no copy)."""
         groups = fetch.groups(items)
         if len(groups) == 1:
             return self._get(groups[0])
         return [t for group in groups for t in self._get(group)]
 
-    def _get(self, items: Sequence[Sequence[Any]]) -> list[Trajectory]:
+    def _get(self, items: Sequence[ItemRef]) -> list[Trajectory]:
         units = self._units
         held = set(map(_unit, items))
         if len(held) == 1:  # the common case (one unit per node): one get, no regrouping

@@ -40,6 +40,7 @@ except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in t
 
 from knitdata.codec import decode_trajectory
 from knitdata.consumer.fetch import FetchMode
+from knitdata.control.records import ItemRef
 from knitdata.engines.base import Engine
 from knitdata.engines.ray.connect import (
     NAMESPACE,
@@ -275,7 +276,7 @@ class RayEngine(Engine):
         """The storage units by id (actor handles)."""
         return self._units
 
-    def read(self, items: Sequence[Sequence[Any]], *, fetch: FetchMode, step: int) -> list[Trajectory]:
+    def read(self, items: Sequence[ItemRef], *, fetch: FetchMode, step: int) -> list[Trajectory]:
         """Records from the units (zero-copy on the same node), spill recovery for a dead unit, decoded.
 
         Each group of ``fetch.groups(items)`` is one request per unit; bytes are counted under ``fetch.name``.
