@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from knitdata.consumer.handoff import ControlSender
-from knitdata.control.records import PlanEntry
+from knitdata.control.records import LeaseGrant, PlanEntry
 from knitdata.planner import MicroBatchInfo
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -27,8 +27,8 @@ class FakeControl:
         self.fail_first = fail_first
         self.lock = threading.Lock()
 
-    def lease(self, rank: int, worker: int, token: str, wait_s: float, holder: str, *more: Any) -> dict[str, Any]:
-        return {"epoch": 1, "ttl_s": 3.0, "next": 0, "fp": None}
+    def lease(self, rank: int, worker: int, token: str, wait_s: float, holder: str, *more: Any) -> LeaseGrant:
+        return LeaseGrant(1, 3.0, 0, None)
 
     def report(self, leases: list[list[Any]], commits: list[list[int]], version: int | None,
                producers: list[list[Any]]) -> dict[str, Any]:

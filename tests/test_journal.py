@@ -180,7 +180,7 @@ class _Driver:
                                                             f"token-{i}"]])
         if kind == "report":  # a consumer process's report: hand-outs, a commit and a version, journaled one by one
             rank = x % plane.state.layout.num_consumers
-            got = plane.leasing.next_entries(rank, plane.positions.start_point(rank)["next"], 0.0)
+            got = plane.leasing.next_entries(rank, plane.positions.start_point(rank).next, 0.0)
             recs = [[e.j, e.minibatch, e.microbatch, e.j] for e in got.get("entries", [])[:2]]
             return plane.leasing.report([[rank, 0, f"tok{rank}", recs, False]], [[rank, plane.state.position[rank]]], plane.state.version)
         if kind == "withdraw":
@@ -189,7 +189,7 @@ class _Driver:
             return plane.positions.report_version(plane.state.version + x % 2)
         if kind == "hand":
             rank = x % plane.state.layout.num_consumers
-            got = plane.leasing.next_entries(rank, plane.positions.start_point(rank)["next"], 0.0)
+            got = plane.leasing.next_entries(rank, plane.positions.start_point(rank).next, 0.0)
             for e in got.get("entries", [])[: 1 + x % 3]:
                 plane.positions.handed(rank, e.j, e.minibatch, e.microbatch)
             return got

@@ -154,7 +154,7 @@ def test_replica_positions_survive_a_control_plane_snapshot():
     snap = json.loads(json.dumps(pipe.internals.control.state_dict()))
     assert snap["replicas"]["num"] == 2 and snap["replicas"]["committed"][1] == [0, 1]
     plane = ControlPlane.from_state_dict(snap, lambda unit, ids, wait: None)
-    assert plane.state.replicas.to_dict() == snap["replicas"] and plane.positions.start_point(1, 1)["next"] == 1
+    assert plane.state.replicas.to_dict() == snap["replicas"] and plane.positions.start_point(1, 1).next == 1
     bad = {**snap, "replicas": {**snap["replicas"], "committed": [[0, 0], [2, 2]]}}
     with pytest.raises(knitdata.StateError, match="replicas.committed"):
         ControlPlane.from_state_dict(bad, lambda unit, ids, wait: None)
@@ -179,7 +179,7 @@ def test_replica_calls_are_journaled_and_recovered(tmp_path):
     b.recover(str(tmp_path / "j"))
     assert b.state.replicas.to_dict() == a.state.replicas.to_dict()
     assert b.state.replicas.committed[0] == [1, 1, 2] and b.state.committed[0] == a.state.committed[0] == 1
-    assert [b.positions.start_point(0, k)["next"] for k in range(3)] == [1, 1, 2]
+    assert [b.positions.start_point(0, k).next for k in range(3)] == [1, 1, 2]
     with pytest.raises(ConfigError, match="disagrees"):
         b.positions.register_replicas(2)
 

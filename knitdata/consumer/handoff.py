@@ -36,7 +36,7 @@ from typing import Any
 
 from knitdata.control.leases import Leases
 from knitdata.control.plane import fenced_message
-from knitdata.control.records import Fenced, HandOut, LeaseNews, PlanEntry, ProducerNews
+from knitdata.control.records import Fenced, HandOut, LeaseGrant, LeaseNews, PlanEntry, ProducerNews
 from knitdata.errors import EngineError, FencedError, KnitdataError
 from knitdata.threads import Job, spawn
 
@@ -359,12 +359,12 @@ class ControlSender:
 
     # ------------------------------------------------------------------ leases
     def acquire(self, rank: int, worker: int, token: str, *, wait_s: float,
-                replica: int = 0) -> tuple[ConsumerLease, dict[str, Any]]:
+                replica: int = 0) -> tuple[ConsumerLease, LeaseGrant]:
         """Take the lease of ``(rank, worker)`` (of ``replica``) for ``token`` (fencing an older holder); returns it
         and the plane's answer (``next``, ``fp``: where the rank's new iterator starts)."""
         t0 = time.monotonic()  # the lease's local deadline counts from the request
         ans = self._control.lease(rank, worker, token, wait_s, holder_name(), replica)
-        lease = ConsumerLease(self, rank, worker, token, int(ans["epoch"]), float(ans["ttl_s"]), t0, replica)
+        lease = ConsumerLease(self, rank, worker, token, int(ans.epoch), float(ans.ttl_s), t0, replica)
         with self._lock:
             self._leases[token] = lease
         self._ensure_thread()

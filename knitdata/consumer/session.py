@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
 from typing import TYPE_CHECKING, Any
@@ -33,7 +33,7 @@ from knitdata.consumer.collate import MicroBatchInfo
 from knitdata.consumer.fetch import FetchMode, fetch_mode
 from knitdata.consumer.handoff import ConsumerLease
 from knitdata.control.plane import LEASE_TTL_S
-from knitdata.control.records import ItemRef, PlanEntry
+from knitdata.control.records import ItemRef, LeaseGrant, PlanEntry, StartPoint
 from knitdata.engines.base import Engine
 from knitdata.errors import ConfigError, DataTimeoutError, FencedError
 from knitdata.observe import trace as tracing
@@ -124,9 +124,9 @@ class ConsumerSession:
             pass
 
 
-def _start(ans: Mapping[str, Any], worker: int, num_workers: int) -> tuple[int, tuple[int, str] | None]:
-    base = int(ans["next"])
-    fp = None if ans.get("fp") is None else (base, str(ans["fp"]))
+def _start(ans: StartPoint | LeaseGrant, worker: int, num_workers: int) -> tuple[int, tuple[int, str] | None]:
+    base = int(ans.next)
+    fp = None if ans.fp is None else (base, str(ans.fp))
     return base + ((worker - base) % num_workers), fp
 
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from knitdata.control.positions import Positions
-from knitdata.control.records import Fenced, LeaseNews, PlanEntry, ProducerNews
+from knitdata.control.records import ConsumerId, Fenced, LeaseGrant, LeaseNews, PlanEntry, ProducerNews
 from knitdata.control.reporting import incomplete_message, producers_gone
 from knitdata.control.state import LEASE_TTL_S, Lease, PlaneState, fenced_message
 from knitdata.control.surface import Part, control_call, control_part
@@ -41,7 +41,7 @@ class Leases(Part):
 
     @control_call(waits="wait_s")
     def lease(self, rank: int, worker: int, token: str, wait_s: float = 0.0, holder: str = "",
-              replica: int = 0) -> dict[str, Any]:
+              replica: int = 0) -> LeaseGrant:
         """Make ``token`` the one live iterator of ``(rank, worker)`` (of ``replica``), fencing an older one.
 
         A live older holder is asked to give the lease up: it stops handing out, sends its last hand-out records
@@ -57,16 +57,15 @@ class Leases(Part):
             replica: The rank's tensor/pipeline-parallel replica (0 without replicas).
 
         Returns:
-            ``{"epoch": lease epoch, "ttl_s": LEASE_TTL_S, "next": where the rank's (replica's) new iterator starts
-            (after the last micro-batch handed out), "fp": the fingerprint of the micro-batches before it (or
-            None)}``.
+            The lease epoch, its time to live (:data:`LEASE_TTL_S`), where the rank's (replica's) new iterator starts
+            (after the last micro-batch handed out) and the fingerprint of the micro-batches before it (or None).
 
         Raises:
             EngineError: The older holder neither let go nor expired within ``wait_s``.
         """
         s = self.s
         self.positions.check_replica(rank, replica)
-        key = (rank, worker, replica)
+        key = ConsumerId(rank, worker, replica)
         deadline = time.monotonic() + wait_s
         with s.cond:
             while True:
@@ -78,7 +77,7 @@ class Leases(Part):
                     else:
                         cur.renewed = now
                     p = s.start(rank, replica)
-                    return {"epoch": cur.epoch, "ttl_s": LEASE_TTL_S, "next": p, "fp": s.fp(rank, p)}
+                    return LeaseGrant(cur.epoch, LEASE_TTL_S, p, s.fp(rank, p))
                 if cur.fence_by is None:
                     cur.fence_by = f"{holder or token[:8]} (lease epoch {s.lease_book.epochs.get(key, 0) + 1})"
                     s.cond.notify_all()
@@ -123,7 +122,7 @@ class Leases(Part):
             for rank, worker, token, records, release, *more in leases:
                 replica = int(more[0]) if more else 0
                 self.positions.check_replica(rank, replica)
-                key = (rank, worker, replica)
+                key = ConsumerId(rank, worker, replica)
                 cur = s.lease_book.leases.get(key)
                 if cur is None and not release:  # the plane restarted (leases are not journaled): held again
                     cur = s.lease_book.take(key, str(token), "", now)
@@ -190,7 +189,7 @@ class Leases(Part):
     def _hold(self, rank: int, worker: int, token: str, replica: int = 0) -> Lease:
         """Renew ``token``'s lease of ``(rank, worker)`` (taken again after a restart), or raise FencedError."""
         s = self.s
-        key = (rank, worker, replica)
+        key = ConsumerId(rank, worker, replica)
         cur = s.lease_book.leases.get(key)
         if cur is None:  # the plane restarted (leases are not journaled): held again
             cur = s.lease_book.take(key, token, "", time.monotonic())

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
-from knitdata.control.records import HandOut, PlanEntry
+from knitdata.control.records import HandOut, PlanEntry, StartPoint
 from knitdata.control.state import FP_KEEP, PlaneState, Replicas
 from knitdata.control.surface import Part, control_call, control_part
 from knitdata.errors import ConfigError, StateError, ValidationError
@@ -264,9 +263,9 @@ class Positions(Part):
                 raise StateError(mismatch_message(s, rank, length, where))
 
     @control_call()
-    def start_point(self, rank: int, replica: int = 0) -> dict[str, Any]:
-        """``{"next": where a new dataset of ``rank`` (its ``replica``) starts, after the last micro-batch handed out
-        to it, "fp": fingerprint of the micro-batches before it (None: unknown)}``.
+    def start_point(self, rank: int, replica: int = 0) -> StartPoint:
+        """Where a new dataset of ``rank`` (its ``replica``) starts, after the last micro-batch handed out to it, and
+        the fingerprint of the micro-batches before it (``None``: unknown).
 
         A consumer that crashed restores its saved state instead (:meth:`seek`), which may go back to the rank's
         committed position.
@@ -274,7 +273,7 @@ class Positions(Part):
         self.check_replica(rank, replica)
         with self.s.cond:
             p = self.s.start(rank, replica)
-            return {"next": p, "fp": self.s.fp(rank, p)}
+            return StartPoint(p, self.s.fp(rank, p))
 
     @control_call(journaled=True)
     def report_version(self, version: int) -> None:

@@ -31,7 +31,8 @@ from knitdata.errors import FieldTypeError, KnitdataError, ValidationError, erro
 from knitdata.planner.records import MicroBatchInfo
 from knitdata.record import TrajectoryMeta
 
-__all__ = ["ItemRef", "HandOut", "PlanEntry", "LeaseNews", "ProducerNews", "Fenced", "ConsumerId", "Refusal", "item_refs"]
+__all__ = ["ItemRef", "HandOut", "PlanEntry", "LeaseNews", "ProducerNews", "Fenced", "ConsumerId", "StartPoint", "LeaseGrant",
+           "Refusal", "item_refs"]
 
 
 class ItemRef(NamedTuple):
@@ -83,6 +84,35 @@ class ConsumerId(NamedTuple):
     rank: int
     worker: int
     replica: int = 0
+
+
+class StartPoint(NamedTuple):
+    """Where a new iterator of a rank (replica) starts: after the last micro-batch handed out to it.
+
+    Attributes:
+        next: The rank's entry index to start at.
+        fp: The replay fingerprint of the rank's micro-batches before it (``None``: unknown).
+    """
+
+    next: int
+    fp: str | None
+
+
+class LeaseGrant(NamedTuple):
+    """A lease taken (:meth:`~knitdata.control.leases.Leases.lease`): its epoch and time to live, and where the
+    rank's (replica's) new iterator starts (as :class:`StartPoint`).
+
+    Attributes:
+        epoch: The lease epoch.
+        ttl_s: Seconds the lease lives without a renewal.
+        next: The rank's entry index to start at.
+        fp: The replay fingerprint of the rank's micro-batches before it (``None``: unknown).
+    """
+
+    epoch: int
+    ttl_s: float
+    next: int
+    fp: str | None
 
 
 class LeaseNews(NamedTuple):

@@ -477,7 +477,7 @@ class Reshaping(Part):
         s.mb_records.clear()
         for lease in s.lease_book.leases.values():
             lease.fence_by = f"a reshape onto {layout.num_consumers} ranks"
-        for key in [k for k in s.lease_book.leases if k[0] >= layout.num_consumers]:
+        for key in [k for k in s.lease_book.leases if k.rank >= layout.num_consumers]:
             del s.lease_book.leases[key]
         first = s.planned[0] if s.planned else 0
         if closes:

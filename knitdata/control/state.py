@@ -25,7 +25,7 @@ from typing import Any, cast
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.control.journal import Journal
 from knitdata.control.observed import Observations
-from knitdata.control.records import ItemRef, PlanEntry, item_refs
+from knitdata.control.records import ConsumerId, ItemRef, PlanEntry, item_refs
 from knitdata.errors import ConfigError, KnitdataError, PipelineClosedError
 from knitdata.observe import trace as tracing
 from knitdata.placement import ConsumerLayout, make_placement
@@ -242,13 +242,13 @@ class LeaseBook:
     """
 
     def __init__(self, producer_timeout_s: float | None) -> None:
-        self.leases: dict[tuple[int, int, int], Lease] = {}  # (rank, worker, replica) -> its live iterator
-        self.epochs: dict[tuple[int, int, int], int] = {}
+        self.leases: dict[ConsumerId, Lease] = {}  # (rank, worker, replica) -> its live iterator
+        self.epochs: dict[ConsumerId, int] = {}
         # producers that put here: id -> [holder, last report, any of its putting threads alive, when they ended]
         self.producers: dict[str, list[Any]] = {}
         self.producer_timeout_s = producer_timeout_s
 
-    def take(self, key: tuple[int, int, int], token: str, holder: str, now: float) -> Lease:
+    def take(self, key: ConsumerId, token: str, holder: str, now: float) -> Lease:
         """Give the lease of ``key`` to ``token`` under a new epoch."""
         epoch = self.epochs.get(key, 0) + 1
         self.epochs[key] = epoch
