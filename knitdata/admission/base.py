@@ -461,7 +461,9 @@ class AdmissionPolicy(StatefulAdmission, abc.ABC):
 
         Preference: oldest ``gen_version`` at the head of the source's queue (with a bound: the earliest to expire,
         ``gen_version + eta_s``), then the source furthest behind its linear target ``(k+1) q_s / M``, then arrival
-        order.
+        order. In wait mode the earliest to expire is counted from the first later step whose deadline taking the
+        group relieves: a group that the steps up to its own last step must take of its source anyway (their lower
+        bounds, what the quota forces) leaves this step's slot to another source's group that must join by then.
         """
         etas = self._bound.etas if self._bound is not None else dict.fromkeys(self._Q, 0)
         taken: list[ReadyGroup] = []
@@ -472,9 +474,10 @@ class AdmissionPolicy(StatefulAdmission, abc.ABC):
             x[s] = n
         left = self._mm - len(taken)
         k1, M, step = self._k + 1, self._M, self.step
-        heap: list[tuple[int, int, float, int, str]] = []
+        heap: list[tuple[int, int, int, float, int, str]] = []
         b = self._bound
         wait = b is not None and b.on_stale == "wait" and b.offset is not None and b.mode != "unknown"
+        forced = self._forced(self._remaining(), self._M - self._k - 1) if wait else {}
 
         def push(s: str) -> None:
             if x[s] < hi[s]:
@@ -482,11 +485,19 @@ class AdmissionPolicy(StatefulAdmission, abc.ABC):
                 if h is not None:
                     behind = k1 * self._Q[s] / M - (self._admitted[s] + x[s])
                     surplus = 0  # wait mode: among groups due by the same step, the source most over its floor
+                    urgent = 0  # wait mode: the first step after this one whose deadline the group relieves
                     if wait:
                         assert b is not None and b.offset is not None
                         d = h.version + etas[s] - b.offset
-                        surplus = b.committed(s, step, d) - x[s] - (d - step) * self._bounds[s][0]
-                    heapq.heappush(heap, (h.version + etas[s], -surplus, -behind, h.seq, s))
+                        # (the groups taken are no longer ready: committed() counts only the rest)
+                        surplus = b.committed(s, step, d) - (d - step) * self._bounds[s][0]
+                        row = forced[s]
+                        urgent = max(d - step, len(row))
+                        for n in range(max(0, d - step), len(row)):
+                            if b.committed(s, step, step + n) > row[n]:
+                                urgent = n
+                                break
+                    heapq.heappush(heap, (urgent, h.version + etas[s], -surplus, -behind, h.seq, s))
 
         for s in self._Q:
             push(s)

@@ -239,17 +239,25 @@ class WaitSchedule:
             low = max(low, self.committed(source, step, step + n) - later - min(n1 * per_step, max(0, left)))
         return low
 
-    def room(self, step: int, size: int, windows: Mapping[str, int],
-             floors: Mapping[str, int] | None = None) -> dict[str, int]:
+    def room(self, step: int, size: int, windows: Mapping[str, int], floors: Mapping[str, int] | None = None,
+             forced: Mapping[str, Sequence[int]] | None = None) -> dict[str, int]:
         """Wait mode: per source ``s``, how many more groups whose last step is ``step + windows[s] - 1`` the steps
         from ``step`` on can still hold beside every committed group (ready, reserved or incomplete) of any source
         that must join by then or later: ``min`` over ``d >= that last step`` of the ``(d - step + 1) * size``
-        slots minus, per source, its committed groups whose last step is in ``step..d`` or its per-step lower
-        bound (``floors``, groups) times the steps, whichever is more (``s``'s own unfilled lower-bound slots are
-        its to use). O(S^2 eta log n)."""
+        slots minus, per source, its committed groups whose last step is in ``step..d`` or what those steps must
+        take of it anyway, whichever is more (``s``'s own unfilled forced slots are its to use). What ``k`` steps
+        from ``step`` on must take of ``x``: ``forced[x][k]`` (its lower bounds, what its quota forces), else (and
+        beyond that row) its per-step lower bound ``floors[x]`` (groups) a step. O(S^2 eta log n)."""
         if self.offset is None or self.mode == _UNKNOWN or self.on_stale != "wait":
             return {s: 1 << 62 for s in windows}
         floors = floors or {}
+
+        def must(x: str, k: int) -> int:
+            row = forced.get(x) if forced is not None else None
+            if not row:
+                return k * floors.get(x, 0)
+            return row[k] if k < len(row) else row[-1] + (k - len(row) + 1) * floors.get(x, 0)
+
         top = max(self.etas.values()) + FUTURE_SLACK
         far = 1 << 40
         counts = [{s: self.committed(s, step, step + n) for s in self.sources} for n in range(top + 1)]
@@ -263,19 +271,21 @@ class WaitSchedule:
             for n in range(min(w - 1, top + 1), top + 2):
                 steps = n + 1 if n <= top else max(w, top + 2)
                 c = counts[n]
-                taken = sum(max(c[x], steps * floors.get(x, 0)) for x in self.sources)
-                free = steps * size - taken + max(0, steps * floors.get(s, 0) - c[s])
+                taken = sum(max(c[x], must(x, steps)) for x in self.sources)
+                free = steps * size - taken + max(0, must(s, steps) - c[s])
                 best = free if best is None else min(best, free)
             out[s] = max(0, best or 0)
         return out
 
-    def short(self, step: int, size: int, forced: Mapping[str, Sequence[int]] | None = None) -> bool:
+    def short(self, step: int, size: int, forced: Mapping[str, Sequence[int]] | None = None,
+              most: Mapping[str, int] | None = None) -> bool:
         """Wait mode: whether ``step`` (``size`` groups) must wait for a reserved or incomplete group. For each later
         step ``d = step + n``, the committed groups of each source ``x`` that must join by ``d`` (``E_x``), or what
         the ``n`` steps after this one must take of ``x`` anyway (``forced[x][n]``: its per-step lower bounds and
         what its quota forces), whichever is more, must fit those ``n * size`` slots; this step has to take the
-        excess from the groups that must join by ``d``, and waits when the ready ones cannot cover it (once every
-        committed group arrived they always can, so waiting ends). O(S eta log n)."""
+        excess from the groups that must join by ``d`` (at most ``most[x]`` of source ``x``: its per-step upper
+        bound and what its quota leaves), and waits when the ready ones cannot cover it but all of them, once
+        arrived, can (so waiting ends). O(S eta log n)."""
         if self.offset is None or self.mode == _UNKNOWN:
             return False
         for n in range(max(self.etas.values()) + FUTURE_SLACK + 1):
@@ -284,8 +294,11 @@ class WaitSchedule:
             excess = sum(max(e, must[s]) for s, e in due.items()) - n * size
             if excess <= 0 or excess > size:
                 continue  # fits, or cannot fit whatever this step takes
-            can = sum(min(self.committed(s, step, step + n, True), max(0, due[s] - must[s])) for s in self.sources)
-            if can < excess:
+            top = {s: max(0, due[s] - must[s]) if most is None else min(max(0, due[s] - must[s]), most[s])
+                   for s in self.sources}
+            if sum(top.values()) < excess:
+                continue  # cannot fit even once every committed group arrived: waiting would not help
+            if sum(min(self.committed(s, step, step + n, True), top[s]) for s in self.sources) < excess:
                 return True
         return False
 

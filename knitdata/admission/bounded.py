@@ -118,7 +118,9 @@ class BoundedAdmission:
         cum = self._plan_cum()
         K = len(cum) - 1
         floors = {s: lo for s, (lo, _) in self._bounds.items()}
-        room = bound.room(t, self._mm, windows, floors)  # wait mode: beside the committed groups of every source
+        # wait mode: beside the committed groups of every source and what the steps must take of each anyway
+        room = bound.room(t, self._mm, windows, floors,
+                          self._forced(self._remaining(), self._M - self._k - 1, inclusive=True))
         have = {s: self._ready_n[s] + self._pending_groups[s] + bound.reserved[s] for s in self._Q}
         need = self._needed(have)
         out: dict[str, int] = {}
@@ -136,14 +138,20 @@ class BoundedAdmission:
         return out, room, nows
 
     def _needed(self, have: Mapping[str, int]) -> dict[str, int]:
-        """Groups of each source the next step cannot be admitted without, beyond the ``have`` committed ones:
-        what its composition limits require of the source, or, when the committed groups of all sources cannot
-        fill it, the source's share of the plan (train batch and linear target override this)."""
+        """Groups of each source the next step cannot be admitted without, beyond the ``have`` committed ones: the
+        step takes what its composition limits require of each source and the committed groups it can hold; what
+        that leaves empty goes, first come first served, to the sources short of their share of the plan. So a
+        source whose slot a committed group of another source fills gets nothing (a group started for it would
+        expire). Train batch and linear target override this."""
         K, rem = self._M - self._k - 1, self._remaining()
-        col = self._plan_cum()[1] if self._M > self._k else dict.fromkeys(self._Q, 0)
-        short = self._mm - sum(min(have[s], self._bounds[s][1], rem[s] - K * self._bounds[s][0]) for s in self._Q)
-        return {s: max(0, max(self._bounds[s][0], rem[s] - K * self._bounds[s][1]) - have[s],
-                        col[s] - have[s] if short > 0 else 0) for s in self._Q}
+        col = self._plan_cum()[1]
+        x: dict[str, int] = {}
+        for s, R in rem.items():
+            L, H = self._bounds[s]
+            lo, hi = max(L, R - K * H), min(H, R - K * L)
+            x[s] = max(lo, min(have[s], hi))
+        left = max(0, self._mm - sum(x.values()))
+        return {s: max(0, x[s] - have[s]) + min(left, max(0, col[s] - x[s])) for s in self._Q}
 
     def _plan_cum(self) -> list[dict[str, int]]:
         """Cumulative groups per source of the rest of the current train batch as the policy plans it (cached)."""
@@ -181,11 +189,32 @@ class BoundedAdmission:
                     f"within max_staleness {bound.etas[s]}: its window of {bound.etas[s] + 1} steps holds at most "
                     f"{most} (quota {self._Q[s]} per train batch of {self._M} mini-batches); reserve fewer at a time",
                     field=f"counts.{s}")
-        caps, room, now = self._capacity(version)
+        if self.preserves_quotas and sum(1 for n in want.values() if n) > 1:
+            return self._reserve_each(want, version)
+        caps, room, _ = self._capacity(version)
         total = None
-        if want and (len(want) > 1 or not self.preserves_quotas):  # the sources share the room of the steps
-            total = min(room[s] for s in want) + sum(min(n, now[s]) for s, n in want.items())
+        if want and not self.preserves_quotas:  # fifo: the sources share one room
+            total = min(room[s] for s in want)
         return bound.reserve(want, caps, version, total)
+
+    def _reserve_each(self, want: Mapping[str, int], version: int) -> bool:
+        """Reserve groups of several sources one at a time, each within the capacity the ones before leave (they
+        share the steps' room, and what the next step needs), all or nothing."""
+        bound = self._need_bound()
+        saved = dict(bound.reserved), {s: list(v) for s, v in bound.outstanding.items()}
+        left = {s: n for s, n in want.items() if n}
+        while left:
+            took = False
+            for s in list(left):
+                if bound.reserve({s: 1}, self._capacity(version)[0], version):
+                    took = True
+                    left[s] -= 1
+                    if not left[s]:
+                        del left[s]
+            if not took:
+                bound.reserved, bound.outstanding = saved
+                return False
+        return True
 
     def unreserve(self, counts: Mapping[str, int]) -> None:
         """Give back reservations of prompts that will not be generated (floored at 0)."""
@@ -249,6 +278,24 @@ class BoundedAdmission:
             return False
         t = self.step
         return any((not self.preserves_quotas or self._Q[s] > self._admitted[s]) and b.due(t, s) for s in self._Q)
+
+    def _forced(self, rem: Mapping[str, int], K: int, inclusive: bool = False) -> dict[str, list[int]]:
+        """Per source, what the ``n`` steps after this one (``inclusive``: this one and the ``n - 1`` after it; ``n``
+        up to the bound's reach) must take of it whatever this step takes: its lower bounds, and in this train batch
+        what its quota leaves no room to put later (``rem``: left of each quota, ``K``: steps after this one in the
+        train batch)."""
+        assert self._bound is not None
+        top = max(self._bound.etas.values()) + 3
+        span = K + 1 if inclusive else K  # the steps of the train batch that n counts from
+        out: dict[str, list[int]] = {}
+        for s, R in rem.items():
+            L, H = self._bounds[s]
+            row = [max(n * L, R - (span - n + (0 if inclusive else 1)) * H) if n <= span else 0
+                   for n in range(top + 1)]
+            for n in range(span + 1, top + 1):
+                row[n] = row[span] + (n - span) * L
+            out[s] = [max(0, x) for x in row]
+        return out
 
     def _need_bound(self) -> StalenessBound:
         if self._bound is None:

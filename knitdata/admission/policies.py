@@ -175,25 +175,12 @@ class ConstraintPreservingAdmission(AdmissionPolicy):
         if lim is None:
             return None
         b = self._bound
-        if b is not None and b.on_stale == "wait" and b.short(self.step, self._mm, self._forced(rem, K)):
-            return None  # a reserved group of some source must join this step to meet its bound: wait for it
+        if b is not None and b.on_stale == "wait":
+            most = {s: min(H, rem[s] - K * L) for s, (L, H) in self._bounds.items()}  # this step, ready or not
+            if b.short(self.step, self._mm, self._forced(rem, K), most):
+                return None  # a reserved group of some source must join this step to meet its bound: wait for it
         lim2 = self._committed(rem, K, *lim)
         return None if lim2 is None else self._compose(*lim2)
-
-
-    def _forced(self, rem: dict[str, int], K: int) -> dict[str, list[int]]:
-        """Per source, what the ``n`` steps after this one (``n`` up to the bound's reach) must take of it whatever
-        this step takes: its lower bounds, and in this train batch what its quota leaves no room to put later."""
-        assert self._bound is not None
-        top = max(self._bound.etas.values()) + 2
-        out: dict[str, list[int]] = {}
-        for s, R in rem.items():
-            L, H = self._bounds[s]
-            row = [max(n * L, R - (K - n + 1) * H) if n <= K else 0 for n in range(top + 1)]
-            for n in range(K + 1, top + 1):
-                row[n] = row[K] + (n - K) * L
-            out[s] = [max(0, x) for x in row]
-        return out
 
 
 #: The admission policy classes by name (``Pipeline(admission=name)``, :func:`make_policy`), the four built-in ones
