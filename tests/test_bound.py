@@ -320,6 +320,35 @@ def test_wait_counts_a_sources_upper_bound_when_a_step_must_wait_for_a_reserved_
     assert p.take_dropped() == []
 
 
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.integers(0, 2**31), st.sampled_from(["train_batch", "linear_target", "constraint_preserving"]),
+       st.lists(st.integers(0, 2), min_size=3, max_size=3))
+def test_reserving_several_sources_is_all_or_nothing(seed: int, policy: str, ask: list[int]) -> None:
+    """A reservation of several sources either takes all of it (each group within the capacity the ones before it
+    left) or changes nothing (the reservations and the capacity stay as they were)."""
+    rng = random.Random(seed)
+    c = draw_case(rng, policy=policy, mode="wait", order="global", bounds=True)
+    p = make_policy(c.policy, c.spec, max_staleness=c.eta, on_stale="wait", version_offset=c.offset,
+                    continuous=True)
+    sources = [s for s in c.spec.sources if c.spec.quotas[s]]
+    for i in range(rng.randint(0, 6)):  # some reserved, some delivered
+        s = rng.choice(sources)
+        if p.reserve({s: 1}, c.offset) and rng.random() < 0.5:
+            p.offer(meta(f"g{i}", s, c.offset))
+            p.poll()
+    want = {s: n for s, n in zip(sources, ask) if n}
+    before, cap = p.bound_stats()["reserved"], p.rollout_capacity(c.offset)
+    try:
+        ok = p.reserve(want, c.offset)
+    except ValidationError:
+        return  # more than a window can ever hold
+    after = p.bound_stats()["reserved"]
+    if ok:
+        assert after == {s: before[s] + want.get(s, 0) for s in before}
+    else:
+        assert after == before and p.rollout_capacity(c.offset) == cap
+
+
 @pytest.mark.parametrize("policy", ["train_batch", "constraint_preserving"])
 def test_wait_composition_leaves_a_group_its_own_lower_bound_absorbs_for_later(policy: str) -> None:
     """c takes at least 1 group a step: of its two groups due by step 1, step 1 takes one anyway, so step 0 takes one
