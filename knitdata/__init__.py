@@ -103,7 +103,16 @@ _LAZY: dict[str, str] = {
 __all__ = ["__version__", "Trajectory", "TrajectoryMeta", "MediaItem", *errors.__all__, *_LAZY]
 
 
+#: Modules reachable from the package root by their short names (``from knitdata import trace``), kept where they
+#: were before the modules moved into folders.
+_MODULES = {"trace": "knitdata.observe.trace"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        mod = importlib.import_module(_MODULES[name])
+        globals()[name] = mod
+        return mod
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'knitdata' has no attribute {name!r}")
@@ -113,7 +122,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_MODULES))
 
 
 if TYPE_CHECKING:  # pragma: no cover

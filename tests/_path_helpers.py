@@ -55,11 +55,22 @@ def _key(code: Any) -> str:
     return f"{rel}:{name}"
 
 
+def _full_key(code: Any) -> str:
+    return f"{code.co_filename[len(PKG):].replace(os.sep, '/')}:{getattr(code, 'co_qualname', code.co_name)}"
+
+
 class StopCounter:
-    """Profiles every thread while active; :meth:`paths` splits the events into micro-batch paths."""
+    """Profiles every thread while active; :meth:`paths` splits the events into micro-batch paths.
+
+    Besides the stops (an engine or control-plane call counted once), it records the *walk*: every distinct knitdata
+    function a micro-batch's path enters, the engine's and the control plane's own frames included (in this process),
+    and the *rooms*: the modules of those functions. A function entered many times (a record decoded per trajectory)
+    is one stop of the walk."""
 
     def __init__(self) -> None:
         self.events: dict[int, list[tuple[str, str, int]]] = {}  # thread -> (event, key, frame id)
+        self.inner: dict[tuple[int, int], list[str]] = {}  # (thread, index of a boundary call) -> functions inside
+        self._inner_of: dict[int, list[str]] = {}  # thread -> the list its current boundary frame fills
         self.main = threading.get_ident()
         self.next_marks: list[tuple[int, int]] = []  # (start, end) event indices of each next(it) on the trainer
         self._skip: dict[int, int] = {}  # thread -> id of the boundary frame whose inner frames are not counted
@@ -75,11 +86,17 @@ class StopCounter:
         if skip is not None:
             if event == "return" and id(frame) == skip:
                 del self._skip[tid]
+                self._inner_of.pop(tid, None)
                 self.events.setdefault(tid, []).append(("return", _key(code), id(frame)))
+            elif event == "call" and tid in self._inner_of:
+                self._inner_of[tid].append(_full_key(code))
             return
+        evs = self.events.setdefault(tid, [])
         if event == "call" and (code.co_filename.startswith(BOUNDARY) or code.co_qualname in _RELAYS):
             self._skip[tid] = id(frame)
-        self.events.setdefault(tid, []).append((event, _key(code), id(frame)))
+            if code.co_qualname not in _RELAYS:  # the relay's report is no step of the micro-batch's walk
+                self._inner_of[tid] = self.inner.setdefault((tid, len(evs)), [_full_key(code)])
+        evs.append((event, _key(code), id(frame)))
 
     def __enter__(self) -> StopCounter:
         threading.setprofile(self._prof)
@@ -98,9 +115,10 @@ class StopCounter:
         return item
 
     def paths(self) -> dict[str, Any]:
-        """``{"paths": [stops of each read], "trainer": [...], "trainer_waited": [...]}``: the stops of each ``next(it)``
-        without a read, split by whether it waited for the prefetcher."""
+        """``{"paths": [stops of each read], "walks": [functions of each read], "trainer": [...], "trainer_waited":
+        [...]}``: the stops of each ``next(it)`` without a read, split by whether it waited for the prefetcher."""
         paths: list[list[str]] = []
+        walks: list[list[str]] = []
         for tid, evs in self.events.items():
             # another thread's first frames are its loop: the pooled thread's (knitdata.threads), then the prefetcher's
             base = 0 if tid == self.main else 1 + sum(1 for ev, key, _f in evs[:8] if ev == "call" and key.startswith("threads.py:"))
@@ -121,6 +139,12 @@ class StopCounter:
                                 default=i)
                 start = read_call if start is None else min(start, read_call)
                 paths.append([k for e, k, _f in evs[start:read_call + 1] if e == "call"])
+                walk: list[str] = []
+                for k in range(start, read_call + 1):
+                    if evs[k][0] != "call" or evs[k][1].endswith(_RELAYS):
+                        continue
+                    walk.extend(self.inner.get((tid, k), [evs[k][1]]))
+                walks.append(list(dict.fromkeys(walk)))
                 prev_ret = i
         main = self.events.get(self.main, [])
         trainer = []  # in iter mode: the trainer pops prefetched micro-batches
@@ -128,9 +152,9 @@ class StopCounter:
         for a, b in self.next_marks:
             keys = [k for e, k, _f in main[a:b] if e == "call"]
             if not any("produce" in k or k == "engine.read" for k in keys):  # it only handed out
-                slow = any(k.endswith(_RELAYS) or k == "prefetch.py:Prefetcher.__next__" for k in keys)
+                slow = any(k.endswith(_RELAYS) or k == "consumer/prefetch.py:Prefetcher.__next__" for k in keys)
                 (waited if slow else trainer).append(keys)
-        return {"paths": paths, "trainer": trainer, "trainer_waited": waited}
+        return {"paths": paths, "walks": walks, "trainer": trainer, "trainer_waited": waited}
 
 
 def measure(pipe: Any, fetch: str, n: int = 12) -> dict[str, Any]:
@@ -153,6 +177,8 @@ def measure(pipe: Any, fetch: str, n: int = 12) -> dict[str, Any]:
     out = sc.paths()
     out["microbatches"] = got
     out["max_stops"] = max((len(p) for p in out["paths"]), default=0)
+    out["max_walk"] = max((len(w) for w in out["walks"]), default=0)
+    out["max_rooms"] = max((len({k.split(":")[0] for k in w}) for w in out["walks"]), default=0)
     out["files"] = sorted({k.split(":")[0] for p in out["paths"] for k in p})
     out["max_trainer_stops"] = max((len(p) for p in out["trainer"]), default=0)
     out["max_trainer_waited_stops"] = max((len(p) for p in out["trainer_waited"]), default=0)

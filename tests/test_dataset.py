@@ -433,7 +433,7 @@ def test_close_from_another_thread_ends_a_blocked_pass_cleanly(fetch):
 #: mini-batch, kept off the trainer's thread in iter mode): the lease's relay looks at the hand-outs since its last
 #: call and wakes the sender's thread, or, for a control plane in this process, makes the report itself (the plane's
 #: business, like an engine call: one stop); not a stop of the read path.
-RELAY = "handoff.py:ConsumerLease.relay"
+RELAY = "consumer/handoff.py:ConsumerLease.relay"
 
 
 def _suffixes(res: dict) -> set[tuple[str, ...]]:
@@ -442,19 +442,19 @@ def _suffixes(res: dict) -> set[tuple[str, ...]]:
     out = set()
     for p in res["paths"]:
         assert p[-1] == "engine.read", p
-        assert "consumer.py:Production.__next__" in p, p
-        suffix = p[p.index("consumer.py:Production.__next__"):]
+        assert "consumer/session.py:Production.__next__" in p, p
+        suffix = p[p.index("consumer/session.py:Production.__next__"):]
         if RELAY in suffix:
             i = suffix.index(RELAY)
-            assert suffix[i - 1] == "consumer.py:PlanStage.next" and suffix.count(RELAY) == 1, p
+            assert suffix[i - 1] == "consumer/session.py:PlanStage.next" and suffix.count(RELAY) == 1, p
         out.add(tuple(s for s in suffix if s != RELAY))
     return out
 
 
 #: A micro-batch's read path: the stages, then the engine (one control call at a mini-batch's first micro-batch).
-SHARE_READ = ("consumer.py:Production.__next__", "consumer.py:PlanStage.next", "engine.next_entries", "consumer.py:ReadStage.read",
+SHARE_READ = ("consumer/session.py:Production.__next__", "consumer/session.py:PlanStage.next", "engine.next_entries", "consumer/session.py:ReadStage.read",
               "engine.read")
-MICROBATCH_READ = ("consumer.py:Production.__next__", "consumer.py:PlanStage.next", "consumer.py:ReadStage.read", "engine.read")
+MICROBATCH_READ = ("consumer/session.py:Production.__next__", "consumer/session.py:PlanStage.next", "consumer/session.py:ReadStage.read", "engine.read")
 
 
 def _check_stops(res: dict, copy_free: bool = True) -> None:
@@ -469,8 +469,8 @@ def _check_stops(res: dict, copy_free: bool = True) -> None:
         # on the queue when it empties it), nothing else (4 before issue 22: the lease's take_out and the sender's
         # request; 1 or 2 before issue 42, with the fast pop written in the iterator as well as in the prefetcher)
         assert r["max_trainer_stops"] <= 2, (fetch, r["trainer"])
-        it_next = "dataset.py:_ConsumerIterator.__next__"
-        assert all(p == [it_next, "prefetch.py:PrefetchQueue.pop"] for p in r["trainer"]), r["trainer"]
+        it_next = "consumer/dataset.py:_ConsumerIterator.__next__"
+        assert all(p == [it_next, "consumer/prefetch.py:PrefetchQueue.pop"] for p in r["trainer"]), r["trainer"]
         # one that found nothing prepared at its first look goes through the prefetcher's next(), which relays the
         # hand-outs before it blocks (its on_wait), then counts its wait: iterator, pop, relay, hand-out, stats (no
         # relay when the item came before it blocked: a race a busy CI machine wins sometimes)
