@@ -260,10 +260,12 @@ def test_model_wait_no_drop_in_start_order_with_bounds_former_gap() -> None:
 
 # the start-order drops a wider search of the model found (draw_case seed, policy, order; run_case(batches=4,
 # rounds=100)): the first three on the code before the fixes of the four tests below, the fourth on a first version
-# of the composition fix (it counted the groups it took twice), the last once the first three were fixed (the room)
+# of the composition fix (it counted the groups it took twice), the fifth once the first three were fixed (the room),
+# the last three on the code before the fixes (in the same search of 100,000 cases that found the fifth there)
 WAIT_GAP_CASES = [(1422456566, "constraint_preserving", "global"), (195171026, "constraint_preserving", "global"),
                   (1527003203, "train_batch", "global"), (1251842464, "constraint_preserving", "per_source"),
-                  (949458379, "constraint_preserving", "per_source")]
+                  (949458379, "constraint_preserving", "per_source"), (1374955092, "constraint_preserving", "per_source"),
+                  (1688900409, "constraint_preserving", "global"), (731418952, "constraint_preserving", "global")]
 
 
 @pytest.mark.parametrize("seed,policy,order", WAIT_GAP_CASES)
