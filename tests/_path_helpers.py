@@ -46,9 +46,12 @@ BOUNDARY = (PKG + "engines" + os.sep, PKG + "control" + os.sep)
 _RELAYS = ("ConsumerLease.relay", "ControlSender.relay")
 
 
-def _key(code: Any) -> str:
+def _key(code: Any, frame: Any = None) -> str:
     rel = code.co_filename[len(PKG):].replace(os.sep, "/")
     name = getattr(code, "co_qualname", code.co_name)
+    if rel == "engines/ray/control.py" and name.startswith("RayControl.bind.") and frame is not None:
+        # a control call made through the Ray proxy: named as the part's method it stands for
+        return f"control.{frame.f_locals.get('name', code.co_name)}"
     if code.co_filename.startswith(BOUNDARY):
         # the engine's own class is engine-specific: compare by method name
         return f"engine.{code.co_name}" if rel.startswith("engines/") else f"control.{code.co_name}"
@@ -59,13 +62,30 @@ def _full_key(code: Any) -> str:
     return f"{code.co_filename[len(PKG):].replace(os.sep, '/')}:{getattr(code, 'co_qualname', code.co_name)}"
 
 
+#: Rooms that serve a walk rather than lead it: entering one is a stop, what it calls inside is not (decoding a
+#: record: the codec's and the record's checks; counting: the metrics).
+SERVICES = tuple(PKG + s for s in ("codec.py", "record.py", "observe" + os.sep))
+
+
+def _walk_stop(frame: Any) -> bool:
+    """Whether a function entered inside the engine or the control plane is a stop of the walk: not a comprehension's
+    frame (Python 3.11 gives them their own), not called from inside a service room."""
+    code = frame.f_code
+    if code.co_name.startswith("<"):
+        return False
+    back = frame.f_back
+    while back is not None and not back.f_code.co_filename.startswith(PKG):  # a dataclass's generated __init__
+        back = back.f_back
+    return back is None or not back.f_code.co_filename.startswith(SERVICES)
+
+
 class StopCounter:
     """Profiles every thread while active; :meth:`paths` splits the events into micro-batch paths.
 
     Besides the stops (an engine or control-plane call counted once), it records the *walk*: every distinct knitdata
     function a micro-batch's path enters, the engine's and the control plane's own frames included (in this process),
     and the *rooms*: the modules of those functions. A function entered many times (a record decoded per trajectory)
-    is one stop of the walk."""
+    is one stop of the walk, and so is a room that serves it (:data:`SERVICES`) with what it calls inside."""
 
     def __init__(self) -> None:
         self.events: dict[int, list[tuple[str, str, int]]] = {}  # thread -> (event, key, frame id)
@@ -87,8 +107,8 @@ class StopCounter:
             if event == "return" and id(frame) == skip:
                 del self._skip[tid]
                 self._inner_of.pop(tid, None)
-                self.events.setdefault(tid, []).append(("return", _key(code), id(frame)))
-            elif event == "call" and tid in self._inner_of:
+                self.events.setdefault(tid, []).append(("return", _key(code, frame), id(frame)))
+            elif event == "call" and tid in self._inner_of and _walk_stop(frame):
                 self._inner_of[tid].append(_full_key(code))
             return
         evs = self.events.setdefault(tid, [])
@@ -96,7 +116,7 @@ class StopCounter:
             self._skip[tid] = id(frame)
             if code.co_qualname not in _RELAYS:  # the relay's report is no step of the micro-batch's walk
                 self._inner_of[tid] = self.inner.setdefault((tid, len(evs)), [_full_key(code)])
-        evs.append((event, _key(code), id(frame)))
+        evs.append((event, _key(code, frame), id(frame)))
 
     def __enter__(self) -> StopCounter:
         threading.setprofile(self._prof)

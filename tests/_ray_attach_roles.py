@@ -116,14 +116,20 @@ def paused_attach(name: str, address: str, where: str) -> None:
 
         ray.get_actor = get_actor
     else:
-        real_send = RayControl.send
+        real_bind = RayControl.bind
 
-        def send(self: Any, call: Any, args: Any) -> Any:
-            if call.name == where:
+        def bind(self: Any, call: Any) -> Any:  # the function the proxies call for `call`
+            made = real_bind(self, call)
+            if call.name != where:
+                return made
+
+            def paused_call(*args: Any, **kwargs: Any) -> Any:
                 pause()
-            return real_send(self, call, args)
+                return made(*args, **kwargs)
 
-        RayControl.send = send  # type: ignore[method-assign]
+            return paused_call
+
+        RayControl.bind = bind  # type: ignore[method-assign]
     t0 = time.perf_counter()
     try:
         Pipeline.attach(name, address=address)

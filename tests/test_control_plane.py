@@ -279,7 +279,7 @@ def test_a_control_call_is_declared_in_one_place_and_only_once():
             CONTROL_CALLS.pop(n, None)
 
 
-def test_the_ray_client_holds_proxies_of_the_parts_types_and_the_coordinator_takes_every_call():
+def test_the_ray_client_holds_proxies_of_the_parts_types_and_the_coordinator_takes_every_call(monkeypatch):
     pytest.importorskip("ray")
     from knitdata.control import SURFACE
     from knitdata.control.plane import PARTS
@@ -295,25 +295,29 @@ def test_the_ray_client_holds_proxies_of_the_parts_types_and_the_coordinator_tak
     assert {"info", "unit_handles", "recover", "recoverable", "kill_unit", "flush_trace", "shutdown", "clock",
             "admit_cpu"} == plumbing and not plumbing & set(SURFACE)
 
-    sent: list = []
+    sent: list = []  # the calls whose answer the client waited for: (method, call, args, time bound)
+    submitted: list = []  # every call submitted to the actor
 
     class Method:
         def __init__(self, name):
             self.name = name
 
         def remote(self, *a):
-            sent.append((self.name, a))
-            return "ref"
+            submitted.append((self.name, a))
+            return (self.name, a)  # the "object ref" of the call
 
     class Actor:  # what a Ray actor handle looks like to the client: method.remote(*args)
         call, call_waiting = Method("call"), Method("call_waiting")
 
-    class Client(RayControl):
-        def _call_once(self, method, name, args, timeout):
-            sent.append((method.name, name, args, round(timeout)))
-            return "answer"
+    def ray_get(ref, timeout=None):  # the client's bounded wait for an answer
+        method, (name, *args) = ref
+        sent.append((method, name, tuple(args), round(timeout)))
+        return "answer"
 
-    c = Client(Actor(), "p", 1.0)
+    import knitdata.engines.ray.control as ray_control
+
+    monkeypatch.setattr(ray_control, "ray_get", ray_get)
+    c = RayControl(Actor(), "p", 1.0)
     for part, cls in PARTS.items():
         assert isinstance(getattr(c, part), cls), part
     assert isinstance(c.plumbing, Plumbing)
@@ -325,8 +329,9 @@ def test_the_ray_client_holds_proxies_of_the_parts_types_and_the_coordinator_tak
     assert c.plumbing.info() == "answer"
     assert sent == [("call_waiting", "lease", (0, 1, "tok", 5.0, "", 0), 6), ("call_waiting", "next_entries",
                                                                              (1, 7, 2.0), 3),
-                    ("call", "stats", (), 1), ("call", ("handed", 0, 1, 0, 0)), ("call", "commit", (0, 3, 1), 1),
-                    ("call", "info", (), 1)]
+                    ("call", "stats", (), 1), ("call", "commit", (0, 3, 1), 1), ("call", "info", (), 1)]
+    assert ("call", ("handed", 0, 1, 0, 0)) in submitted  # fire and forget: submitted, never waited for
+    assert [s[1][0] for s in submitted] == ["lease", "next_entries", "stats", "handed", "commit", "info"]
     assert isinstance(c.positions, Positions) and type(c.positions).__name__ == "PositionsProxy"
     with pytest.raises(ConfigError, match="check_replica is not a control call"):
         c.positions.check_replica(0, 0)  # a part's own helper works on state in another process

@@ -452,9 +452,26 @@ def _suffixes(res: dict) -> set[tuple[str, ...]]:
 
 
 #: A micro-batch's read path: the stages, then the engine (one control call at a mini-batch's first micro-batch).
-SHARE_READ = ("consumer/session.py:Production.__next__", "consumer/session.py:PlanStage.next", "engine.next_entries", "consumer/session.py:ReadStage.read",
+SHARE_READ = ("consumer/session.py:Production.__next__", "consumer/session.py:PlanStage.next", "control.next_entries",
+              "consumer/session.py:ReadStage.read",
               "engine.read")
 MICROBATCH_READ = ("consumer/session.py:Production.__next__", "consumer/session.py:PlanStage.next", "consumer/session.py:ReadStage.read", "engine.read")
+
+
+#: The walk (every distinct knitdata function a micro-batch's read enters, the engine's and the control plane's
+#: frames in this process included; see tests/_path_helpers.py) at most, per engine and fetch mode. Ray was 22 stops
+#: through 12 rooms before issue 42's second step (the proxy's send, the transport's send, wait_of, _call_once,
+#: check_host, Engine.next_entries, the control property, step_media, the unit's actor property, current_node per
+#: read); iter's first micro-batch adds the prefetcher's two frames when the trainer's thread makes it.
+MAX_WALK = {"embedded": {"sample": 16, "eager": 16, "iter": 18}, "ray": {"sample": 12, "eager": 12, "iter": 14}}
+MAX_ROOMS = {"embedded": 11, "ray": 10}
+
+
+def _check_walk(res: dict, engine: str) -> None:
+    for fetch, limit in MAX_WALK[engine].items():
+        r = res[fetch]
+        assert r["max_walk"] <= limit, (engine, fetch, max(r["walks"], key=len))
+        assert r["max_rooms"] <= MAX_ROOMS[engine], (engine, fetch, max(r["walks"], key=len))
 
 
 def _check_stops(res: dict, copy_free: bool = True) -> None:
@@ -494,7 +511,9 @@ def _embedded_stops() -> dict:
 
 
 def test_a_microbatch_path_is_short_on_the_embedded_engine():
-    _check_stops(_embedded_stops())
+    res = _embedded_stops()
+    _check_stops(res)
+    _check_walk(res, "embedded")
 
 
 @pytest.mark.ray
@@ -506,6 +525,7 @@ def test_a_microbatch_path_is_the_same_on_the_ray_engine():
     ray_res = run_json_subprocess([PY, os.path.join(os.path.dirname(__file__), "_path_helpers.py"), "ray"],
                                   "micro-batch path on the Ray engine", timeout_s=300)
     _check_stops(ray_res, copy_free=False)
+    _check_walk(ray_res, "ray")
     emb = _embedded_stops()
     assert _suffixes(ray_res["sample"]) == _suffixes(emb["sample"])
     # iter: the embedded engine reads a share at once (its reads copy nothing), the Ray engine micro-batch by one

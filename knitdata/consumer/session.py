@@ -7,7 +7,8 @@ the iterator's :class:`~knitdata.consumer.handoff.ConsumerLease` and the process
 
 A micro-batch goes through composed stages, the same on every engine up to the engine's ``read``:
 
-* :class:`PlanStage`: the worker's next plan entry (``engine.next_entries``, a mini-batch's entries at a time);
+* :class:`PlanStage`: the worker's next plan entry (``engine.control.leasing.next_entries``, a
+  mini-batch's entries at a time);
 * :class:`ReadStage`: its payloads (``engine.read``, decoded), grouped into reads by the
   :class:`~knitdata.consumer.fetch.FetchMode`: per micro-batch, or the worker's whole share of the mini-batch at once;
 * collate: ``collate(trajectories, info) -> MicroBatch``;
@@ -179,8 +180,8 @@ class PlanStage:
                     wait = min(wait, left)
                 try:
                     lease = self.lease
-                    ans = (self.engine.next_entries(self.rank, j, wait, lease.token, lease.worker) if not lease.replica
-                           else self.engine.next_entries(self.rank, j, wait, lease.token, lease.worker, lease.replica))
+                    ans = self.engine.control.leasing.next_entries(self.rank, j, wait, lease.token, lease.worker,
+                                                                   lease.replica)
                 except FencedError as err:
                     self.lease.fence("a newer iterator", str(err))  # nothing prefetched is handed out any more
                     raise

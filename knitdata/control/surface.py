@@ -26,7 +26,7 @@ from typing import Any, Protocol, TypeVar
 from knitdata.control.state import PlaneState
 from knitdata.errors import ConfigError, KnitdataError
 
-__all__ = ["ControlCall", "CONTROL_CALLS", "Part", "Transport", "control_call", "control_part", "remote_part"]
+__all__ = ["ControlCall", "CONTROL_CALLS", "Part", "Transport", "control_call", "control_part", "positional", "remote_part"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C", bound=type)
@@ -170,20 +170,28 @@ class Transport(Protocol):
         """Make ``call`` with positional ``args`` and return its result (``None`` at once for a fire-and-forget
         call)."""
 
+    def bind(self, call: ControlCall) -> Callable[..., Any]:
+        """The function that makes ``call`` with the arguments of the part's method (positional or keyword), in one
+        frame: :func:`remote_part` puts it on the proxy, so a remote call is that frame and the transport's wait."""
+
+
+def positional(call: ControlCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """``args`` and ``kwargs`` of ``call`` (as the part's method takes them) as positional arguments, defaults
+    filled in: the far side of a transport takes positional arguments."""
+    bound = call.signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return tuple(bound.args)
+
 
 _PROXIES: dict[type, type] = {}
 
 
 def _proxy_method(call: ControlCall, impl: Callable[..., Any]) -> Callable[..., Any]:
     """The proxy's method for ``call``: its arguments made positional, then sent through the proxy's transport."""
-    sig = call.signature
-
     @functools.wraps(impl)
     def send(self: Any, *args: Any, **kwargs: Any) -> Any:
         if kwargs:  # the far side takes positional arguments: bind keywords to their places
-            bound = sig.bind(*args, **kwargs)
-            bound.apply_defaults()
-            args = bound.args
+            args = positional(call, args, kwargs)
         return self._transport.send(call, args)
 
     return send
@@ -226,6 +234,14 @@ def proxy_class(part: type) -> type:
 
 def remote_part(part: type[P], transport: Transport) -> P:
     """A proxy of ``part`` (its type, for the type checker and ``isinstance``) whose control calls go through
-    ``transport``."""
+    ``transport``: each is the transport's bound function for it (:meth:`Transport.bind`), set on the proxy, so a
+    remote call takes one frame before the transport's wait (the class's methods, which send through
+    :meth:`Transport.send`, stay for ``type(proxy).method(proxy, ...)``)."""
     proxy: P = proxy_class(part)(transport)
+    own = vars(proxy)
+    for klass in part.__mro__[:-1]:
+        for name, value in vars(klass).items():
+            call = CONTROL_CALLS.get(name)
+            if call is not None and name not in own and getattr(value, "__control_call__", None) is not None:
+                own[name] = transport.bind(call)
     return proxy

@@ -72,6 +72,9 @@ class Engine(abc.ABC):
     copy_free_reads: bool = False
     #: Seconds between the lease renewals of this process's consumers (how fast an older iterator lets go).
     heartbeat_s: float = HEARTBEAT_S
+    #: The control plane's parts (in this process, or proxies of the same types): set by the engine when it is
+    #: built (an attribute, not a property: a control call is the part's method, with no frame before it).
+    control: Control
 
     def __init__(self, layout: ConsumerLayout, config: Mapping[str, Any]) -> None:
         self.layout = layout
@@ -107,11 +110,6 @@ class Engine(abc.ABC):
         if self._sender is None:
             self._sender = ControlSender(self.control.leasing, heartbeat_s=self.heartbeat_s, inline=self.in_process)
         return self._sender
-
-    @property
-    @abc.abstractmethod
-    def control(self) -> Control:
-        """The control plane's parts (in this process, or proxies of the same types)."""
 
     @property
     @abc.abstractmethod
@@ -200,12 +198,6 @@ class Engine(abc.ABC):
         Raises:
             TrajectoryLostError: Naming every payload that could be neither read nor recovered.
         """
-
-    def next_entries(self, rank: int, j: int, wait_s: float, token: str, worker: int,
-                     replica: int = 0) -> dict[str, Any]:
-        """The plan entries of ``rank`` from ``j`` to the end of its mini-batch (see
-        :meth:`knitdata.control.leases.Leases.next_entries`), waiting up to ``wait_s``."""
-        return self.control.leasing.next_entries(rank, j, wait_s, token, worker, replica)
 
     def report_consumer(self, rank: int, stats: Mapping[str, Any]) -> None:
         """A consumer's iterator ended: report its metrics and this process's transfer counters."""

@@ -44,6 +44,7 @@ class EmbeddedEngine(Engine):
     """
 
     kind = "embedded"
+    control: ControlPlane
     in_process = True
     copy_free_reads = True  # a read is a lookup of the producer's own objects (a spilled one is decoded, as in eager)
     heartbeat_s = 0.1  # in-process reports are cheap: an older iterator lets go within 0.1 s
@@ -72,7 +73,7 @@ class EmbeddedEngine(Engine):
         for u in units.values():  # a reference to media another unit holds is copied in from it (counted on both)
             u.resolve = self._resolver(u.unit_id, units)  # type: ignore[attr-defined]
         self._units = units
-        self._control = ControlPlane(config, {u: unit.node for u, unit in units.items()},
+        self.control = ControlPlane(config, {u: unit.node for u, unit in units.items()},
                                      lambda u, ids, wait: units[u].release(ids), policy=policy, on_plan=on_plan)
 
     @classmethod
@@ -99,14 +100,9 @@ class EmbeddedEngine(Engine):
 
         return resolve
 
-    @property
-    def control(self) -> ControlPlane:
-        """The control plane (in this process)."""
-        return self._control
-
     def local_plane(self) -> ControlPlane:
         """The control plane (it lives in this process)."""
-        return self._control
+        return self.control
 
     @property
     def units(self) -> Mapping[str, StorageUnit]:

@@ -28,7 +28,7 @@ from knitdata.control.ledger import Ledger
 from knitdata.control.positions import Positions
 from knitdata.control.reporting import Reporting
 from knitdata.control.reshape import Reshaping
-from knitdata.control.surface import CONTROL_CALLS, control_call, control_part, remote_part
+from knitdata.control.surface import CONTROL_CALLS, control_call, control_part, positional, remote_part
 from knitdata.errors import EngineError, KnitdataError, OptionalDependencyError
 from knitdata.observe import trace as tracing
 
@@ -37,7 +37,7 @@ try:
 except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in tests
     raise OptionalDependencyError("ray", "ray", "the Ray engine (knitdata.engines.ray.engine)") from _e
 
-from knitdata.engines.ray.connect import check_host, host_gone_error, ray_get
+from knitdata.engines.ray.connect import host_gone_error, ray_get
 from knitdata.engines.ray.unit import RayStorageUnit
 from knitdata.engines.ray.unit_actor import SpillRecovery
 
@@ -289,42 +289,55 @@ class RayControl:
     def send(self, call: ControlCall, args: tuple[Any, ...]) -> Any:
         """Make ``call`` on the coordinator with positional ``args`` and return its result (``None`` at once for a
         fire-and-forget call); retried while Ray restarts the coordinator, within the bound."""
-        if call.fire_and_forget:
-            self._actor.call.remote(call.name, *args)
-            return None
-        method = self._actor.call if call.waits is None else self._actor.call_waiting
-        deadline = time.monotonic() + self._timeout_s + call.wait_of(args)
-        while True:
-            try:
-                return self._call_once(method, call.name, args, max(0.1, deadline - time.monotonic()))
-            except ray.exceptions.ActorUnavailableError:  # restarting (journaled): retry within the bound
-                if time.monotonic() >= deadline:
-                    raise
-                time.sleep(0.2)
+        return self.bind(call)(*args)
 
-    def _call_once(self, method: Any, name: str, args: tuple[Any, ...], timeout: float) -> Any:
-        check_host()
-        fut = method.remote(name, *args)
-        try:
-            return ray_get(fut, timeout=timeout)
-        except ray.exceptions.RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            if not isinstance(cause, KnitdataError):
-                cause = e.as_instanceof_cause()
-            if isinstance(cause, KnitdataError):
-                raise cause from None
-            raise
-        except ray.exceptions.ActorUnavailableError:
-            raise
-        except ray.exceptions.RayActorError as e:
-            gone = host_gone_error()
-            if gone is not None:
-                raise gone from e
-            raise EngineError(
-                f"the coordinator of pipeline {self._name!r} is gone: the process that created the pipeline owns it "
-                "and has most likely exited (or the coordinator died without a journal). Keep the creator alive until "
-                "every consumer has finished, or create the pipeline with engine_options={'detached': True} (and "
-                f"'journal_dir' so that Ray restarts a crashed coordinator). Ray said: {e}") from e
-        except ray.exceptions.GetTimeoutError as e:
-            raise EngineError(f"the coordinator of pipeline {self._name!r} did not answer {name}() within "
-                              f"{timeout:.0f} s") from e
+    def bind(self, call: ControlCall) -> Callable[..., Any]:
+        """The function making ``call`` on the coordinator (the proxies' methods, see
+        :func:`~knitdata.control.surface.remote_part`): one frame, then the bounded wait for the answer."""
+        name, waits, index, default = call.name, call.waits is not None, call.wait_index, call.wait_default
+        if call.fire_and_forget:
+            def fire(*args: Any, **kwargs: Any) -> None:
+                if kwargs:
+                    args = positional(call, args, kwargs)
+                self._actor.call.remote(name, *args)
+
+            return fire
+
+        def make(*args: Any, **kwargs: Any) -> Any:
+            if kwargs:
+                args = positional(call, args, kwargs)
+            wait = (float(args[index]) if len(args) > index else default) if waits else 0.0
+            deadline = time.monotonic() + self._timeout_s + wait
+            while True:
+                timeout = max(0.1, deadline - time.monotonic())
+                actor = self._actor
+                try:
+                    # ray_get checks the host watch first (a cluster found gone raises within a second)
+                    return ray_get((actor.call_waiting if waits else actor.call).remote(name, *args),
+                                   timeout=timeout)
+                except ray.exceptions.RayTaskError as e:
+                    cause = getattr(e, "cause", None)
+                    if not isinstance(cause, KnitdataError):
+                        cause = e.as_instanceof_cause()
+                    if isinstance(cause, KnitdataError):
+                        raise cause from None
+                    raise
+                except ray.exceptions.ActorUnavailableError:  # restarting (journaled): retry within the bound
+                    if time.monotonic() >= deadline:
+                        raise
+                    time.sleep(0.2)
+                except ray.exceptions.RayActorError as e:
+                    gone = host_gone_error()
+                    if gone is not None:
+                        raise gone from e
+                    raise EngineError(
+                        f"the coordinator of pipeline {self._name!r} is gone: the process that created the pipeline "
+                        "owns it and has most likely exited (or the coordinator died without a journal). Keep the "
+                        "creator alive until every consumer has finished, or create the pipeline with "
+                        "engine_options={'detached': True} (and 'journal_dir' so that Ray restarts a crashed "
+                        f"coordinator). Ray said: {e}") from e
+                except ray.exceptions.GetTimeoutError as e:
+                    raise EngineError(f"the coordinator of pipeline {self._name!r} did not answer {name}() within "
+                                      f"{timeout:.0f} s") from e
+
+        return make

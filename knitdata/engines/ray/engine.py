@@ -120,6 +120,7 @@ class RayEngine(Engine):
     """
 
     kind = "ray"
+    control: RayControl
     supports_worker_processes = True
     shutdown_on_exit = True
     #: The ``engine_options`` :meth:`build` takes.
@@ -146,15 +147,16 @@ class RayEngine(Engine):
             self.loopback_only = loopback_only
             self.timeout_s = timeout_s
             self._actor = actor
-            self._control = RayControl(actor, name, timeout_s)
-            info = self._control.plumbing.info()
+            self.control = RayControl(actor, name, timeout_s)
+            info = self.control.plumbing.info()
             super().__init__(ConsumerLayout.from_dict(info["config"]["layout"]), info["config"])
             self.info = info
             watch_host(name, creator_hosts=bool(info.get("creator_hosts")))
             if info.get("trace"):  # the pipeline is traced: this process too, on the coordinator's clock
-                tracing.start(str(info["trace"]), "process").sync(self._control.plumbing.clock)
-            handles = self._control.plumbing.unit_handles()
+                tracing.start(str(info["trace"]), "process").sync(self.control.plumbing.clock)
+            handles = self.control.plumbing.unit_handles()
         self.meter = TransferMeter()
+        self._here = current_node()  # this process's Ray node: what a read's bytes count as local or cross-node to
         placement = str(info["config"].get("placement", ""))
         self._units = {u: RayStorageUnit.from_handle(actor, desc, meter=self.meter, placement=placement)
                        for u, (actor, desc) in handles.items()}
@@ -267,11 +269,6 @@ class RayEngine(Engine):
         return engine
 
     @property
-    def control(self) -> RayControl:
-        """Forwarder to the coordinator actor."""
-        return self._control
-
-    @property
     def units(self) -> Mapping[str, StorageUnit]:
         """The storage units by id (actor handles)."""
         return self._units
@@ -288,30 +285,26 @@ class RayEngine(Engine):
         recover = self._recover if self.info.get("spill_dir") else None
         placement = str(self.config.get("placement", ""))
         units = self._units
-        media = self.step_media(step)
+        media: dict[str, MediaItem] | None = None  # the media this process read for this step, by digest
+        if self.config.get("media_dedup", True):
+            if step < 0:
+                media = {}
+            else:
+                with self._media_lock:  # steps older than the MEDIA_CACHE_STEPS newest are let go
+                    steps = self._media_steps
+                    media = steps.get(step)
+                    if media is None:
+                        media = steps[step] = {}
+                        for old in sorted(steps)[:-MEDIA_CACHE_STEPS]:
+                            del steps[old]
         recs: list[Any] = []
         for group in fetch.groups(items):
             recs += read_records([(tid, units[u]) for tid, u, _n in group], meter=self.meter, mode=fetch.name,
-                                 placement=placement, step=step, recover=recover, media=media)
+                                 placement=placement, step=step, recover=recover, media=media,
+                                 here=self._here)
         if media is None:
             return [decode_trajectory(r, copy=False) for r in recs]
         return decode_records(recs, media)
-
-    def step_media(self, step: int) -> dict[str, MediaItem] | None:
-        """The media this process read for step ``step`` (by digest; a fresh dict for ``step < 0``; ``None`` when
-        media are not stored once). Steps older than the :data:`MEDIA_CACHE_STEPS` newest are let go."""
-        if not self.config.get("media_dedup", True):
-            return None
-        if step < 0:
-            return {}
-        with self._media_lock:
-            steps = self._media_steps
-            media = steps.get(step)
-            if media is None:
-                media = steps[step] = {}
-                for old in sorted(steps)[:-MEDIA_CACHE_STEPS]:
-                    del steps[old]
-            return media
 
     def _resolver(self, unit_id: str) -> Any:
         def resolve(digest: str) -> Any:
@@ -325,7 +318,7 @@ class RayEngine(Engine):
         return resolve
 
     def _recover(self, unit: RayStorageUnit, ids: list[str]) -> Mapping[str, Any]:
-        return self._control.plumbing.recover(unit.unit_id, ids)
+        return self.control.plumbing.recover(unit.unit_id, ids)
 
     def flush_meter(self) -> None:
         """Send this process's put/read byte counters to the coordinator (and zero them here); waits for it."""
@@ -336,7 +329,7 @@ class RayEngine(Engine):
         try:  # waited for (the control surface sends it fire-and-forget): a stats() right after counts it
             ray.get(self._actor.call.remote("report_transfer", d), timeout=self.timeout_s)
         except ray.exceptions.RayActorError:
-            self._control.reporting.report_transfer(d)  # restarting: sent as usual (a timed-out call still lands)
+            self.control.reporting.report_transfer(d)  # restarting: sent as usual (a timed-out call still lands)
         except ray.exceptions.GetTimeoutError:
             pass
 
@@ -344,17 +337,17 @@ class RayEngine(Engine):
         """The ids of ``ids`` that the spill shards of the dead units ``unit_ids`` still hold (none without spill)."""
         if not self.info.get("spill_dir"):
             return []
-        return self._control.plumbing.recoverable(list(unit_ids), list(ids))
+        return self.control.plumbing.recoverable(list(unit_ids), list(ids))
 
     def kill_unit(self, unit_id: str) -> None:
         """Kill one storage unit's actor (failure drills and tests): its payloads are lost unless spilled."""
-        self._control.plumbing.kill_unit(unit_id)
+        self.control.plumbing.kill_unit(unit_id)
 
     def flush_trace(self) -> None:
         """Write the trace events recorded so far by this process, the coordinator and the units; then copy the
         part files written on other hosts (each node's unit sends what this host lacks) next to the trace."""
         super().flush_trace()
-        self._control.plumbing.flush_trace()
+        self.control.plumbing.flush_trace()
         path = self.info.get("trace")
         if not path:
             return
@@ -374,7 +367,7 @@ class RayEngine(Engine):
     def shutdown(self) -> None:
         """Close the pipeline and kill its actors."""
         try:
-            self._control.plumbing.shutdown()
+            self.control.plumbing.shutdown()
         finally:
             ray.kill(self._actor, no_restart=True)
 

@@ -50,6 +50,7 @@ def read_records(
     timeout_s: float = 120.0,
     locate: str = "owner",
     media: dict[str, MediaItem] | None = None,
+    here: str | None = None,
 ) -> list[Any]:
     """Fetch the records of ``(trajectory id, unit)`` pairs in one request per unit, in order.
 
@@ -75,6 +76,7 @@ def read_records(
         timeout_s: Bound on each Ray call (a dead node never hangs the reader).
         media: The reader's media by digest, filled in place with the items fetched (``None``: records as stored,
             the references of records written with ``media="refs"`` left unresolved).
+        here: This process's Ray node id (looked up when ``None``; an engine passes the one it looked up once).
         locate: Where an object is, for the counters: ``"owner"`` (default): the Ray node of the unit that
             owns it, where its primary copy lives (exact as long as each payload is read once per node, which
             is how the planner hands them out); ``"ray"``: ``ray.experimental.get_object_locations``, which
@@ -88,6 +90,8 @@ def read_records(
     Raises:
         TrajectoryLostError: Naming every id that could be neither read nor recovered.
     """
+    if here is None:
+        here = current_node()
     by_unit: dict[str, tuple[Any, list[int]]] = {}
     for idx, (_tid, unit) in enumerate(items):
         by_unit.setdefault(unit.unit_id, (unit, []))[1].append(idx)
@@ -116,7 +120,7 @@ def read_records(
                 if isinstance(obj, np.ndarray):  # a small item, inline in the unit's reply
                     media[d] = decode_media(obj.data, copy=False)
                     if meter is not None:
-                        meter.record_read(int(n), cross=current_node() != unit.ray_node, mode=mode,
+                        meter.record_read(int(n), cross=here != unit.ray_node, mode=mode,
                                           placement=placement, step=step)
                 else:
                     refs.append(obj)
@@ -130,14 +134,13 @@ def read_records(
             elif isinstance(a[0], np.ndarray):  # a small record, inline in the unit's reply
                 out[p] = a[0]
                 if meter is not None:
-                    meter.record_read(int(a[1]), cross=current_node() != unit.ray_node, mode=mode, placement=placement,
+                    meter.record_read(int(a[1]), cross=here != unit.ray_node, mode=mode, placement=placement,
                                       step=step)
             else:
                 refs.append(a[0])
                 ref_pos.append(p)
                 ref_len.append(int(a[1]))
     if refs:
-        here = current_node()
         locations: dict[Any, Any] = {}
         if locate == "ray":
             for r in refs:  # one object per call: the narrowest use of the call

@@ -150,6 +150,8 @@ class RayStorageUnit(StorageUnit):
 
     def __init__(self, handle: _Handle, *, meter: TransferMeter | None = None, placement: str = "") -> None:
         self._h = handle
+        #: The Ray actor handle.
+        self.actor: Any = handle.actor
         self.unit_id = handle.unit_id
         self.node = handle.node_name
         self.ray_node = handle.node
@@ -286,11 +288,6 @@ class RayStorageUnit(StorageUnit):
         h = self._h
         return {"unit_id": h.unit_id, "node": h.node, "node_name": h.node_name, "capacity_bytes": h.capacity_bytes,
                 "spill": h.spill, "media_dedup": h.media_dedup}
-
-    @property
-    def actor(self) -> Any:
-        """The Ray actor handle."""
-        return self._h.actor
 
     @property
     def spill_dir(self) -> str | None:
