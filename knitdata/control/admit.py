@@ -19,6 +19,7 @@ from typing import Any
 
 from knitdata.admission import AdmittedMiniBatch
 from knitdata.control.positions import check_verifications
+from knitdata.control.records import Refusal
 from knitdata.control.reshape import note_planned, route
 from knitdata.control.state import WITHDRAWN_MEMORY
 from knitdata.control.surface import Part, control_call, control_part
@@ -159,8 +160,8 @@ class Admission(Part):
                 a string unique to this put.
 
         Returns:
-            ``{"accepted": [metadata dict or None per item], "errors": [[traj_id, error class name, message,
-            field], ...], "placement": placement view, "seq": next arrival index}``. Refused items (``None``) are
+            ``{"accepted": [metadata dict or None per item], "errors": [Refusal(traj_id, error class name, message,
+            field), ...], "placement": placement view, "seq": next arrival index}``. Refused items (``None``) are
             not held by the plane: the unit drops their payloads.
 
         Raises:
@@ -171,7 +172,7 @@ class Admission(Part):
         if unit not in s.unit_nodes:
             raise ConfigError(f"unknown storage unit {unit!r}; the units are {list(s.unit_nodes)[:8]}")
         accepted: list[dict[str, Any] | None] = [None] * len(items)
-        errors: list[list[Any]] = []
+        errors: list[Refusal] = []
         with s.cond:
             fresh = self._check_batch(items, accepted, errors)
             if errors:  # refused with the batch: the good ones too (retried ones stay accepted)
@@ -185,7 +186,7 @@ class Admission(Part):
             return ans
 
     def _check_batch(self, items: Sequence[Sequence[Any]], accepted: list[dict[str, Any] | None],
-                     errors: list[list[Any]]) -> list[int]:
+                     errors: list[Refusal]) -> list[int]:
         """Every check of a batch, no state changed; fills ``accepted`` for retried items and ``errors``; returns
         the indices of the new items."""
         s = self.s
@@ -202,7 +203,7 @@ class Admission(Part):
                 s.check_open()
                 self._check_put(meta, tid, seen, schema)
             except KnitdataError as e:
-                errors.append([tid, type(e).__name__, str(e), getattr(e, "field", None)])
+                errors.append(Refusal.of(tid, e))
                 s.count_rejected(rejection_cause(e))
                 continue
             seen.add(tid)
@@ -212,14 +213,14 @@ class Admission(Part):
         return fresh
 
     def _admit_checked(self, unit: str, items: Sequence[Sequence[Any]], fresh: list[int],
-                       accepted: list[dict[str, Any] | None], errors: list[list[Any]]) -> BaseException | None:
+                       accepted: list[dict[str, Any] | None], errors: list[Refusal]) -> BaseException | None:
         """Place, admit and plan the checked items ``fresh`` of a batch; returns what stopped admission, if any."""
         s = self.s
         raised: BaseException | None = None
         for k in fresh:
             meta, loss, token = items[k]
             if raised is not None:  # admission stopped (or a hook failed) after an earlier item: not admitted
-                errors.append([str(meta["id"]), type(raised).__name__, str(raised), None])
+                errors.append(Refusal(str(meta["id"]), type(raised).__name__, str(raised)))
                 continue
             m = TrajectoryMeta.from_dict({**{x: v for x, v in meta.items() if x != "fields"}, "seq": s.seq,
                                           "location": unit})
@@ -232,12 +233,12 @@ class Admission(Part):
                     raise
             except KnitdataError as e:
                 s.count_rejected(rejection_cause(e))
-                errors.append([m.id, type(e).__name__, str(e), getattr(e, "field", None)])
+                errors.append(Refusal.of(m.id, e))
                 continue
             except BaseException as e:  # not admitted, nor anything after it; the producer gets the error
                 raised = e
                 s.count_rejected(type(e).__name__)
-                errors.append([m.id, type(e).__name__, str(e), None])
+                errors.append(Refusal(m.id, type(e).__name__, str(e)))
                 continue
             s.seq += 1
             fields = meta.get("fields")
@@ -257,7 +258,7 @@ class Admission(Part):
                 self.poll()
             except BaseException as e:  # this item is admitted; the producer gets the error
                 raised = e
-                errors.insert(0, [m.id, type(e).__name__, str(e), None])
+                errors.insert(0, Refusal(m.id, type(e).__name__, str(e)))
         return raised
 
     def _check_put(self, meta: Mapping[str, Any], tid: str, batch: set[str], schema: Mapping[str, Any] | None) -> None:
