@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -24,6 +25,8 @@ import torch
 from knitdata.errors import ConfigError, FieldTypeError, ValidationError
 from knitdata.planner.records import MicroBatchInfo
 from knitdata.record import Trajectory
+
+_id_of = attrgetter("id")
 
 __all__ = ["MicroBatchInfo", "MicroBatch", "TokenCollator", "COLLATE_MODES"]
 
@@ -309,7 +312,8 @@ class TokenCollator:
             raise FieldTypeError(f"expected a MicroBatchInfo, got {type(info).__name__}", field="info")
         if not trajs:
             return self.empty(info)
-        if info is not None and info.trajectory_ids and tuple(t.id for t in trajs) != info.trajectory_ids:
+        # a C map, no generator frame: the dataset passes every micro-batch's info (a plain DataLoader passes none)
+        if info is not None and info.trajectory_ids and tuple(map(_id_of, trajs)) != info.trajectory_ids:
             raise ValidationError("info.trajectory_ids do not match the trajectories collated", field="info")
 
         b = len(trajs)
