@@ -73,7 +73,7 @@ def _step(plane: Any, i: int, group_size: int, batch: int) -> None:
     if (i + 1) % group_size == 0:
         for rank in range(plane.state.layout.num_consumers):
             while True:
-                entries = plane.leasing.next_entries(rank, plane.state.position[rank], 0.0).get("entries")
+                entries = plane.leasing.next_entries(rank, plane.state.position[rank], 0.0).entries
                 if not entries:
                     break
                 for e in entries:

@@ -437,7 +437,7 @@ def test_a_journal_replay_learns_the_same_offset(tmp_path) -> None:
         for i in range(16):
             put(a, i, 100)
     for rank in range(2):
-        for e in a.leasing.next_entries(rank, 0, 0.0).get("entries", []):
+        for e in a.leasing.next_entries(rank, 0, 0.0).entries:
             a.positions.handed(rank, e.j, e.minibatch, e.microbatch)
     a.positions.report_version(101)
     assert a.reporting.stats()["staleness_bound"]["offset"] == 100
@@ -486,7 +486,7 @@ def test_the_offset_is_learned_from_the_version_a_hand_out_carries() -> None:
             t = Trajectory(id=f"t{i}", source="a", group=f"g{i}", gen_version=100, prompt_ids=torch.arange(4),
                            response_ids=torch.arange(8))
             plane.admission.admit_many("node0", [[{**t.meta().to_dict(), "fields": fields_of({}, {})}, 8, f"k{i}"]])
-    (e,) = plane.leasing.next_entries(0, 0, 0.0)["entries"]
+    (e,) = plane.leasing.next_entries(0, 0, 0.0).entries
     plane.positions.handed_many(0, [[e.j, e.minibatch, e.microbatch, 0, 100]])  # step 0 under 100
     plane.positions.report_version(101)
     st_ = plane.reporting.stats()["staleness_bound"]

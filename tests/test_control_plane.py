@@ -241,7 +241,7 @@ def test_journaled_calls_are_recorded_once_at_the_outermost_call(tmp_path):
     batches = [[[_meta(_traj(2 * k + i)), 8, f"b{k}-{i}"] for i in range(2)] for k in range(4)]
     plane.admission.admit_batches("node0", batches)  # calls admit_many inside: recorded as one admit_batches
     e = next(r for r in range(3) if plane.state.planned[r])
-    got = plane.leasing.next_entries(e, 0, 0.0)["entries"]
+    got = plane.leasing.next_entries(e, 0, 0.0).entries
     recs = [[x.j, x.minibatch, x.microbatch, 0] for x in got]
     plane.leasing.report([[e, 0, "tok", recs, False]], [[e, 1]], 4)  # not journaled itself: what it applies is
     plane.reporting.stats()  # not journaled
@@ -378,9 +378,9 @@ def test_released_ids_are_remembered_newest_last_and_fingerprints_pruned_oldest_
         j = 0
         while True:
             ans = p.leasing.next_entries(rank, j, 1.0)
-            if "entries" not in ans:
+            if not ans.entries:
                 break
-            for e in ans["entries"]:
+            for e in ans.entries:
                 p.positions.handed(rank, e.j, e.minibatch, e.microbatch)
                 order += [it[0] for it in e.items]
                 j = e.j + 1
@@ -390,7 +390,7 @@ def test_released_ids_are_remembered_newest_last_and_fingerprints_pruned_oldest_
     assert sorted(ids) == sorted(order) == sorted(t.id for t in trajs)  # each released once
     assert list(p.state.delivered) == ids[-5:]  # the newest five, oldest first
     for rank, j in enumerate(ends):
-        fps = p.state.fps[rank]
+        fps = p.state.replay.fps[rank]
         assert list(fps) == sorted(fps) and min(fps) >= j - 2  # nothing far below the committed position
     assert not p.state.live
 
@@ -402,9 +402,9 @@ def _stream_entries(p: ControlPlane) -> list[list[dict[str, Any]]]:
         entries, j = [], 0
         while True:
             ans = p.leasing.next_entries(rank, j, 1.0)
-            if "entries" not in ans:
+            if not ans.entries:
                 break
-            entries += ans["entries"]
+            entries += ans.entries
             j = entries[-1].j + 1
         out.append(entries)
     return out

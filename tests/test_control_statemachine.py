@@ -118,9 +118,9 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         for _ in range(count):
             j = p.state.position[r]
             ans = p.leasing.next_entries(r, j, 0.0)
-            if "entries" not in ans:
+            if not ans.entries:
                 return
-            e = ans["entries"][0]
+            e = ans.entries[0]
             assert e.j == j
             self.taken += [x[0] for x in e.items]
             p.positions.handed_many(r, [[j, e.minibatch, e.microbatch, self._cap(r), -1]])
@@ -144,7 +144,7 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         """The plane's process dies; a new plane recovers from the journal (and its snapshot)."""
         if compact:
             self.plane.compact()
-        cfg = _config(self.n) if self.plane.state.segments is None else {**_config(1), "layout": self.plane.state.base_layout}
+        cfg = _config(self.n) if self.plane.state.replay.segments is None else {**_config(1), "layout": self.plane.state.base_layout}
         plane = ControlPlane(cfg, UNITS, lambda u, ids, wait: None, on_plan=self._on_plan,
                              journal=Journal(self.path, compact_every=0, fsync_every_s=3600))
         plane.recover(self.path)
@@ -234,9 +234,9 @@ class ControlPlaneMachine(RuleBasedStateMachine):
                             ans = self.plane.leasing.next_entries(r, self.plane.state.position[r], 0.0)
                         except IncompleteStreamError:  # drained; the close report names what was dropped
                             break
-                        if "entries" not in ans:
+                        if not ans.entries:
                             break
-                        e = ans["entries"][0]
+                        e = ans.entries[0]
                         self.taken += [x[0] for x in e.items]
                         self.plane.positions.handed_many(r, [[e.j, e.minibatch, e.microbatch, 0, -1]])
                 dropped = {m.id for m in self.plane.state.pending.values()}

@@ -43,7 +43,7 @@ def _drive(plane: ControlPlane, n: int) -> None:
     plane.admission.withdraw("gx")
     for rank in range(plane.state.layout.num_consumers):
         got = plane.leasing.next_entries(rank, 0, 0.0)
-        for e in got.get("entries", []):
+        for e in got.entries:
             plane.positions.handed(rank, e.j, e.minibatch, e.microbatch)
     plane.positions.commit(0, 1)
     plane.positions.report_version(1)
@@ -181,7 +181,7 @@ class _Driver:
         if kind == "report":  # a consumer process's report: hand-outs, a commit and a version, journaled one by one
             rank = x % plane.state.layout.num_consumers
             got = plane.leasing.next_entries(rank, plane.positions.start_point(rank).next, 0.0)
-            recs = [[e.j, e.minibatch, e.microbatch, e.j] for e in got.get("entries", [])[:2]]
+            recs = [[e.j, e.minibatch, e.microbatch, e.j] for e in got.entries[:2]]
             return plane.leasing.report([[rank, 0, f"tok{rank}", recs, False]], [[rank, plane.state.position[rank]]], plane.state.version)
         if kind == "withdraw":
             return plane.admission.withdraw(f"g{x % (self.next_id // 2 + 1)}")
@@ -190,7 +190,7 @@ class _Driver:
         if kind == "hand":
             rank = x % plane.state.layout.num_consumers
             got = plane.leasing.next_entries(rank, plane.positions.start_point(rank).next, 0.0)
-            for e in got.get("entries", [])[: 1 + x % 3]:
+            for e in got.entries[: 1 + x % 3]:
                 plane.positions.handed(rank, e.j, e.minibatch, e.microbatch)
             return got
         if kind == "commit":

@@ -170,9 +170,9 @@ def _drain(plane: ControlPlane, rank: int, start: int, upto: int | None = None) 
     j = start
     while upto is None or j < upto:
         ans = plane.leasing.next_entries(rank, j, 0.0)
-        if "entries" not in ans:
+        if not ans.entries:
             break
-        for e in ans["entries"]:
+        for e in ans.entries:
             if upto is not None and e.j >= upto:
                 break
             out.append([x[0] for x in e.items])

@@ -185,10 +185,9 @@ class PlanStage:
                 except FencedError as err:
                     self.lease.fence("a newer iterator", str(err))  # nothing prefetched is handed out any more
                     raise
-                if "entries" in ans:
-                    for entry in ans["entries"]:
-                        cache[entry.j] = entry
-                elif ans.get("end"):
+                for entry in ans.entries:
+                    cache[entry.j] = entry
+                if ans.end:
                     return None
         e = cache.pop(j)
         step = e.minibatch

@@ -17,13 +17,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from knitdata.control.positions import Positions
-from knitdata.control.records import ConsumerId, Fenced, LeaseGrant, LeaseNews, PlanEntry, ProducerNews
+from knitdata.control.records import ConsumerId, Fenced, LeaseGrant, LeaseNews, NextEntries, PlanEntry, ProducerNews
 from knitdata.control.reporting import incomplete_message, producers_gone
 from knitdata.control.state import LEASE_TTL_S, Lease, PlaneState, fenced_message
 from knitdata.control.surface import Part, control_call, control_part
 from knitdata.errors import EngineError, FencedError, IncompleteStreamError, StateError
 
 __all__ = ["Leases"]
+
+_END = NextEntries(end=True)  # closed and drained
+_WAIT = NextEntries()  # nothing within the wait
 
 
 @control_part("leasing")
@@ -150,12 +153,13 @@ class Leases(Part):
 
     @control_call(waits="timeout_s")
     def next_entries(self, rank: int, j: int, timeout_s: float, token: str | None = None,
-                     worker: int = 0, replica: int = 0) -> dict[str, Any]:
+                     worker: int = 0, replica: int = 0) -> NextEntries:
         """Entries ``j..`` up to the end of ``j``'s mini-batch, waiting up to ``timeout_s`` (the same for every
         replica of ``rank``; ``token`` must hold the lease of ``(rank, worker)`` of ``replica``).
 
         Returns:
-            ``{"entries": [...]}``, ``{"end": True}`` (closed and drained), or ``{"wait": True}`` (nothing yet).
+            The entries; none and ``end`` when the stream is closed and drained; none and not ``end`` when nothing
+            came within ``timeout_s``.
 
         Raises:
             StateError: Entry ``j`` was committed and released. IncompleteStreamError: The stream ended with
@@ -172,18 +176,18 @@ class Leases(Part):
                 if s.error is not None:
                     raise s.error
                 if j < s.planned[rank]:
-                    return {"entries": self._entries(rank, j)}
+                    return NextEntries(self._entries(rank, j))
                 if s.closed:
                     rep = s.close_report or {}
                     if rep.get("dropped_trajectories"):
                         raise IncompleteStreamError(incomplete_message(rep))
-                    return {"end": True}
+                    return _END
                 gone = producers_gone(s)
                 if gone is not None:
                     raise IncompleteStreamError(gone)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return {"wait": True}
+                    return _WAIT
                 s.cond.wait(remaining)
 
     def _hold(self, rank: int, worker: int, token: str, replica: int = 0) -> Lease:

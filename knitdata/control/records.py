@@ -32,7 +32,7 @@ from knitdata.planner.records import MicroBatchInfo
 from knitdata.record import TrajectoryMeta
 
 __all__ = ["ItemRef", "HandOut", "PlanEntry", "LeaseNews", "ProducerNews", "Fenced", "ConsumerId", "StartPoint", "LeaseGrant",
-           "Refusal", "item_refs"]
+           "NextEntries", "Refusal", "item_refs"]
 
 
 class ItemRef(NamedTuple):
@@ -134,6 +134,15 @@ class LeaseNews(NamedTuple):
     records: Sequence[HandOut]
     release: bool
     replica: int = 0
+
+
+class NextEntries(NamedTuple):
+    """The answer of :meth:`~knitdata.control.leases.Leases.next_entries`: the queued entries from the one asked for
+    to the end of its mini-batch; none and ``end`` once the stream is closed and drained; none and not ``end`` when
+    nothing came within the wait (ask again)."""
+
+    entries: Sequence[PlanEntry] = ()
+    end: bool = False
 
 
 class ProducerNews(NamedTuple):
