@@ -44,10 +44,11 @@ def check_verifications(s: PlaneState) -> None:
     Raises:
         StateError: A mismatch (the pipeline stops with it).
     """
-    for rank, v in enumerate(s.verify_at):
+    pending = s.replay.verify_at
+    for rank, v in enumerate(pending):
         if v is None or v[0] > s.planned[rank]:
             continue
-        s.verify_at[rank] = None
+        pending[rank] = None
         have = s.fp(rank, v[0])
         if have is not None and have != v[1]:
             err = StateError(mismatch_message(s, rank, v[0], v[2]))
@@ -252,11 +253,11 @@ class Positions(Part):
         length = int(length)
         with s.cond:
             if length > s.planned[rank]:
-                s.verify_at[rank] = (length, str(fp), str(where))
+                s.replay.verify_at[rank] = (length, str(fp), str(where))
                 return
             have = s.fp(rank, length)
             if have is None:
-                if s.chain[rank] is None or length < s.committed[rank] - FP_KEEP:
+                if s.replay.chain[rank] is None or length < s.committed[rank] - FP_KEEP:
                     return  # unknown here (an old snapshot, or far below the committed position): not checkable
                 raise StateError(f"rank {rank}: no fingerprint of its first {length} micro-batches")
             if have != fp:

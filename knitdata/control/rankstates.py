@@ -10,7 +10,7 @@ import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from knitdata.control.state import FP_EMPTY
+from knitdata.control.fingerprints import FP_EMPTY
 from knitdata.errors import KnitdataError, StateError
 from knitdata.placement import ConsumerLayout
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from knitdata.admission import AdmittedMiniBatch
+from knitdata.control.fingerprints import FP_EMPTY, entry_fingerprint
 from knitdata.control.rankstates import (
     canon,
     check_merged,
@@ -37,7 +38,7 @@ from knitdata.control.rankstates import (
     layout_runs,
     merge_rank_states,
 )
-from knitdata.control.state import FP_EMPTY, PlaneState, entry_fingerprint
+from knitdata.control.state import PlaneState
 from knitdata.control.surface import Part, control_call, control_part
 from knitdata.errors import KnitdataError, StateError
 from knitdata.placement import ConsumerLayout
@@ -180,7 +181,7 @@ def route(s: PlaneState, mb: AdmittedLike) -> tuple[MiniBatchPlan | None, tuple[
         StateError: A closed segment's micro-batches differ from the fingerprints of the states it was closed
             with (the refill put other trajectories, or in another order); the pipeline stops with it.
     """
-    seg: Segments | None = s.segments
+    seg: Segments | None = s.replay.segments
     if seg is None:
         return s.planner.plan(mb, s.loss), None
     if mb.step < seg.root_whole:
@@ -227,12 +228,12 @@ def note_planned(s: PlaneState, mb: AdmittedLike, plan: MiniBatchPlan, items: tu
                  off: int) -> None:
     """Record a mini-batch planned in the current segment (before its entries are queued at ``off``), so that a
     live reshape can re-plan it; the first mini-batch planned whole fixes where the segment's remainders end."""
-    seg: Segments | None = s.segments
+    seg: Segments | None = s.replay.segments
     if seg is not None and items is None and seg.first_whole is None:
         seg.first_whole = int(mb.step)
         seg.remainder_entries = off
-        seg.remainder_fps = [s.fps[r].get(off) for r in range(s.layout.num_consumers)]
-    s.mb_records[int(mb.step)] = [mb, items, off, plan.num_microbatches, 0]
+        seg.remainder_fps = [s.replay.fps[r].get(off) for r in range(s.layout.num_consumers)]
+    s.replay.mb_records[int(mb.step)] = [mb, items, off, plan.num_microbatches, 0]
 
 
 # ----------------------------------------------------------------------------------------------- the part
@@ -260,11 +261,12 @@ class Reshaping(Part):
         s = self.s
         s.check_rank(rank)
         with s.cond:
-            seg: Segments | None = s.segments
+            seg: Segments | None = s.replay.segments
             runs = layout_runs(s.layout)
             if seg is None:
-                return {"layout": runs, "history": None, "remainder": None, "run": s.run_mark}
-            return {"layout": runs, "history": seg.history(), "remainder": seg.remainder(rank), "run": s.run_mark}
+                return {"layout": runs, "history": None, "remainder": None, "run": s.replay.run_mark}
+            return {"layout": runs, "history": seg.history(), "remainder": seg.remainder(rank),
+                    "run": s.replay.run_mark}
 
     @control_call(journaled=True)
     def install_history(self, history: Mapping[str, Any]) -> None:
@@ -277,7 +279,7 @@ class Reshaping(Part):
         """
         s = self.s
         with s.cond:
-            seg: Segments | None = s.segments
+            seg: Segments | None = s.replay.segments
             if seg is not None and canon(seg.history()) == canon(history):
                 return
             if seg is not None or s.counts["admitted_minibatches"]:
@@ -318,16 +320,17 @@ class Reshaping(Part):
         check_merged(merged)
         key = canon(merged)
         with s.cond:
-            seg: Segments | None = s.segments
+            seg: Segments | None = s.replay.segments
             if seg is not None and seg.applied == key and (layout is None or ConsumerLayout.from_dict(layout) == s.layout):
                 return {"num_consumers": s.layout.num_consumers, "replanned": 0, "segments": len(seg.closed) + 1}
             new_layout = s.layout if layout is None else ConsumerLayout.from_dict(layout)
             n_old = int(merged["num_consumers"])
             hist = merged.get("history")
-            fresh = seg is None and not s.counts["admitted_minibatches"] and not s.mb_records
+            fresh = seg is None and not s.counts["admitted_minibatches"] and not s.replay.mb_records
             run = merged.get("run")
-            if run is not None and s.run_mark is not None and run != s.run_mark:
-                raise StateError(f"the merged state's run (mark {run}) is not this pipeline's (mark {s.run_mark}): "
+            mark = s.replay.run_mark
+            if run is not None and mark is not None and run != mark:
+                raise StateError(f"the merged state's run (mark {run}) is not this pipeline's (mark {mark}): "
                                  "states of another run (its first micro-batch differs: other puts or planning)")
             if hist is not None:
                 self._check_history(hist)
@@ -381,8 +384,8 @@ class Reshaping(Part):
             else:
                 replanned = self._reshape_live(merged, new_seg, new_layout, closes)
             new_seg.applied = key
-            if s.run_mark is None:  # the run goes on here: its states keep its mark
-                s.run_mark = run
+            if s.replay.run_mark is None:  # the run goes on here: its states keep its mark
+                s.replay.run_mark = run
             return {"num_consumers": new_layout.num_consumers, "replanned": replanned,
                     "segments": len(new_seg.closed) + 1}
 
@@ -402,15 +405,13 @@ class Reshaping(Part):
     def _install(self, seg: Segments) -> None:
         """Make ``seg`` the plane's history; the current segment's ranks start at its offset (fresh plane)."""
         s = self.s
-        s.segments = seg
+        s.replay.segments = seg
         self._set_layout(ConsumerLayout.from_dict(seg.current["layout"]))
         off = int(seg.current.get("offset", 0))
         start = seg.current.get("start_fps")
         for r in range(s.layout.num_consumers):
             s.planned[r] = s.committed[r] = s.position[r] = off
-            chain = FP_EMPTY if off == 0 else (None if start is None else start[r])
-            s.chain[r] = chain
-            s.fps[r] = {off: chain} if chain is not None else {}
+            s.replay.start_at(r, off, FP_EMPTY if off == 0 else (None if start is None else start[r]))
 
     def _set_layout(self, layout: ConsumerLayout, force: bool = False) -> None:
         s = self.s
@@ -423,9 +424,7 @@ class Reshaping(Part):
         s.queues = [{} for _ in range(n)]
         s.entry_sums = [{} for _ in range(n)]
         s.planned, s.committed, s.position = [0] * n, [0] * n, [0] * n
-        s.chain = [FP_EMPTY] * n
-        s.fps = [{0: FP_EMPTY} for _ in range(n)]
-        s.verify_at = [None] * n
+        s.replay.reset(n)
         s.observed.resize(n, reset=True)
         s.replicas = None  # the new ranks' replicas register again (their first dataset does)
 
@@ -457,8 +456,9 @@ class Reshaping(Part):
         pos = [int(p) for p in merged["positions"]]
         top = max(pos)
         work: list[tuple[Any, tuple[TrajectoryMeta, ...] | None]] = []
-        for m in sorted(s.mb_records):
-            mb, items, off, k, _refs = s.mb_records[m]
+        records = s.replay.mb_records
+        for m in sorted(records):
+            mb, items, off, k, _refs = records[m]
             if off >= top:  # untouched: passes on as it was planned here
                 work.append((mb, items))
                 continue
@@ -474,7 +474,7 @@ class Reshaping(Part):
             work.append((mb, _canonical(rest)) if rest else (mb, ()))
         for r, p in enumerate(pos):  # the handed-out micro-batches leave storage now
             s.commit_upto(r, p)
-        s.mb_records.clear()
+        records.clear()
         for lease in s.lease_book.leases.values():
             lease.fence_by = f"a reshape onto {layout.num_consumers} ranks"
         for key in [k for k in s.lease_book.leases if k.rank >= layout.num_consumers]:
@@ -483,7 +483,7 @@ class Reshaping(Part):
         if closes:
             c = new_seg.closed[-1]
             c.counter = max(first, c.top)  # later mini-batches were never handed out in that layout
-        s.segments = new_seg
+        s.replay.segments = new_seg
         self._set_layout(layout, force=True)
         n = 0
         for mb, items in work:
@@ -512,11 +512,12 @@ def _old_layout(merged: Mapping[str, Any], plane_layout: ConsumerLayout) -> Cons
 def snapshot_part(s: PlaneState) -> dict[str, Any] | None:
     """The reshape part of a control-plane snapshot (``None`` for a plane never reshaped with nothing queued):
     the current layout, the segments with their run-time counters, and the records of the queued mini-batches."""
-    seg: Segments | None = s.segments
+    seg: Segments | None = s.replay.segments
     records = [[m, mb.train_batch, mb.index, [t.to_dict() for t in mb.trajectories],
                 list(getattr(mb, "group_sizes", ()) or ()), None if items is None else [t.id for t in items], off, k,
-                refs] for m, (mb, items, off, k, refs) in sorted(s.mb_records.items())]
-    out: dict[str, Any] = {"layout": s.layout.to_dict(), "records": records, "segments": None, "run": s.run_mark}
+                refs] for m, (mb, items, off, k, refs) in sorted(s.replay.mb_records.items())]
+    out: dict[str, Any] = {"layout": s.layout.to_dict(), "records": records, "segments": None,
+                           "run": s.replay.run_mark}
     if seg is not None:
         out["segments"] = {
             "history": seg.history(), "counters": [[c.counter, list(c.chains)] for c in seg.closed],
@@ -548,7 +549,7 @@ def load_snapshot_part(s: PlaneState, part: Any) -> None:
     """
     layout = snapshot_layout(part)
     if layout is None:  # a snapshot of format 1 or 2: never reshaped; records rebuilt from the queues
-        s.mb_records, s.segments = _records_from_queues(s), None
+        s.replay.mb_records, s.replay.segments = _records_from_queues(s), None
         _adopt_layout(s, ConsumerLayout.from_dict(s.base_layout))
         return
     try:
@@ -570,9 +571,9 @@ def load_snapshot_part(s: PlaneState, part: Any) -> None:
             seg.remainder_fps, seg.applied = segp["remainder_fps"], segp["applied"]
     except (KeyError, TypeError, ValueError, IndexError, KnitdataError) as e:
         raise StateError(f"control-plane snapshot: bad reshape part ({type(e).__name__}: {e})") from e
-    s.mb_records = records
-    s.segments = seg
-    s.run_mark = part.get("run") if isinstance(part.get("run"), str) else None
+    replay = s.replay
+    replay.mb_records, replay.segments = records, seg
+    replay.run_mark = part.get("run") if isinstance(part.get("run"), str) else None
     _adopt_layout(s, layout)
 
 

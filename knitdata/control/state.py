@@ -2,17 +2,18 @@
 
 :class:`PlaneState` holds what several parts of a :class:`~knitdata.control.ControlPlane` share, under one lock
 (:attr:`PlaneState.cond`): the options it was built with, admission, placement and planning, the trajectories
-held, the per-rank queues, positions and replay fingerprints, the layout history, counters. What one part owns
-lives in that part (the admission part's schema and withdrawn groups) or in an object of one concern held here:
+held, the per-rank queues and positions, counters. What one part owns lives in that part (the admission part's
+schema and withdrawn groups) or in an object of one concern held here:
 :class:`~knitdata.control.observed.Observations` (reporting), :class:`LeaseBook` (leases), :class:`Journaling`
-(durability). The shared state, the admission part, the observations and the reshape part each write their own
-slice of a snapshot (``state_dict`` / ``load_state_dict``); :class:`~knitdata.control.durability.Durability`
-only gathers them.
+(durability), :class:`~knitdata.control.fingerprints.ReplayMarks` (the replay fingerprints, the run's mark and the
+layout history: planning, positions and the reshape part). The shared state, the admission part, the
+observations and the reshape part each write their own slice of a snapshot (``state_dict`` /
+``load_state_dict``; the replay marks' slice through the shared state's);
+:class:`~knitdata.control.durability.Durability` only gathers them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections import deque
@@ -23,6 +24,7 @@ from operator import attrgetter, is_, itemgetter
 from typing import Any, cast
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
+from knitdata.control.fingerprints import FP_EMPTY, ReplayMarks, entry_fingerprint
 from knitdata.control.journal import Journal
 from knitdata.control.observed import Observations
 from knitdata.control.records import ConsumerId, ItemRef, PlanEntry, item_refs
@@ -75,8 +77,6 @@ PRODUCER_TTL_S = 10.0
 #: Prefix fingerprints of a rank's micro-batches kept below its committed position (states of DataLoader workers
 #: may lie up to ``num_workers - 1`` micro-batches below it).
 FP_KEEP = 64
-#: The fingerprint of an empty prefix.
-FP_EMPTY = "0" * 16
 #: How many released trajectory ids a snapshot keeps, to send their releases again after a recovery.
 RECENT_RELEASES = 8192
 #: The version of :meth:`ControlPlane.state_dict`'s format (2 adds the replay fingerprints, 3 the reshape part:
@@ -129,16 +129,6 @@ def fenced_message(rank: int, worker: int, by: str, replica: int = 0) -> str:
     return (f"rank {rank_s} (worker {worker}) was taken over by a newer iterator ({by}) while this one was alive: this "
             "iterator stops here, and the micro-batches it had not handed out go to the newer one (each rank has one "
             "consumer; if this process was replaced, let it exit)")
-
-
-def entry_fingerprint(prev: str, info: Mapping[str, Any]) -> str:
-    """The fingerprint of a rank's prefix ending in one micro-batch: a 64-bit BLAKE2b digest (hex) chained over
-    ``prev`` (the prefix before it) and the micro-batch's :class:`~knitdata.consumer.collate.MicroBatchInfo` dict: its
-    position, its mini-batch's token, trajectory and loss-token counts, and its trajectory ids in order (one
-    C-level join per micro-batch: about 7 ms for 64,000 trajectories on 8,000 ranks)."""
-    text = (f"{prev}\x1e{info['minibatch']}.{info['microbatch']}.{info['num_microbatches']}\x1e{info['global_tokens']}."
-            f"{info['global_trajectories']}.{info['global_loss_tokens']}\x1e" + "\x1f".join(info["trajectory_ids"]))
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
 def fields_of(scalars: Iterable[str], tensors: Mapping[str, str]) -> dict[str, Any]:
@@ -315,18 +305,9 @@ class PlaneState:
         self.lease_book = LeaseBook(cfg.get("producer_timeout_s"))  # leases and producers (Leases writes them)
         # tensor/pipeline-parallel replicas of each rank (None: one consumer per rank, until a dataset registers them)
         self.replicas: Replicas | None = None
-        # replay fingerprints: the chained digest of each rank's micro-batches (entry_fingerprint)
-        self.chain: list[str | None] = [FP_EMPTY] * n  # digest of the rank's planned prefix (None: unknown)
-        self.fps: list[dict[int, str | None]] = [{0: FP_EMPTY} for _ in range(n)]  # prefix length -> digest
-        self.verify_at: list[tuple[int, str, str] | None] = [None] * n  # pending check (length, digest, state)
-        # elastic resume (knitdata.control.reshape): the layout history once reshaped (a Segments), and per
-        # mini-batch with queued entries [admitted, remainder planned or None, first entry, K, entries queued]
-        self.segments: Any = None
-        #: The run's mark: the fingerprint of rank 0's first micro-batch (what its puts and planning made of the
-        #: run's start, the same in every replica of a deterministic pipeline); rank states carry it, so that
-        #: states of two runs are told apart. Kept through a reshape (from the merged state) and in snapshots.
-        self.run_mark: str | None = None
-        self.mb_records: dict[int, list[Any]] = {}
+        #: Replay fingerprints, the run's mark, the layout history and the queued mini-batches' records (planning
+        #: extends them, positions check against them, the reshape part rewrites them).
+        self.replay = ReplayMarks(n)
         self.closed = False
         self.close_report: dict[str, Any] | None = None
         self.error: KnitdataError | None = None
@@ -366,7 +347,7 @@ class PlaneState:
     # ------------------------------------------------------------------------------------ snapshot slice
     def state_dict(self, raw_metas: bool = False) -> dict[str, Any]:
         """The shared part of a snapshot (call under :attr:`cond`): admission and placement, the held and pending
-        trajectories, queues, positions and replay fingerprints, counters, the end of stream and the recent
+        trajectories, queues, positions and replay fingerprints (:meth:`ReplayMarks.state_dict`), counters, the end of stream and the recent
         releases (see :meth:`~knitdata.control.durability.Durability.state_dict`; ``raw_metas``: metas as
         objects)."""
         err = None if self.error is None else {"type": type(self.error).__name__, "message": str(self.error)}
@@ -381,8 +362,7 @@ class PlaneState:
             "closed": self.closed, "close_report": self.close_report, "error": err, "version": self.version,
             "counts": dict(self.counts), "rejected_by_cause": dict(self.rejected_by_cause),
             "recent_releases": [[u, list(ids)] for u, ids in self.recent_releases],
-            "chains": list(self.chain), "fps": [[[k, v] for k, v in fps.items()] for fps in self.fps],
-            "verify_at": [None if v is None else list(v) for v in self.verify_at],
+            **self.replay.state_dict(),
             **({} if self.replicas is None else {"replicas": self.replicas.to_dict()}),
         }
 
@@ -409,7 +389,7 @@ class PlaneState:
         self.rejected_by_cause = d["rejected_by_cause"]
         self.recent_releases = deque((u, ids) for u, ids in d["recent_releases"])
         self.recent_ids = sum(len(ids) for _u, ids in self.recent_releases)
-        self.chain, self.fps, self.verify_at = d["chains"], d["fps"], d["verify_at"]
+        self.replay.load_state_dict(d)
         self.replicas = d.get("replicas")
 
     # ------------------------------------------------------------------------------------ checks
@@ -507,11 +487,12 @@ class PlaneState:
         e = self.queues[rank].pop(j, None)
         self.entry_sums[rank].pop(j, None)
         if e is not None:
-            rec = self.mb_records.get(e.minibatch)
+            records = self.replay.mb_records
+            rec = records.get(e.minibatch)
             if rec is not None:
                 rec[4] -= 1
                 if rec[4] <= 0:
-                    del self.mb_records[e.minibatch]
+                    del records[e.minibatch]
         return e
 
     def skip_gaps(self, rank: int) -> None:
@@ -558,7 +539,8 @@ class PlaneState:
 
     def queue_row(self, rank: int, row: Sequence[Any]) -> None:
         """Append the planned micro-batches ``row`` to ``rank``'s entries (released at once below its commit)."""
-        fps, chain = self.fps[rank], self.chain[rank]
+        replay = self.replay
+        fps, chain, records = replay.fps[rank], replay.chain[rank], replay.mb_records
         for pmb in row:
             j = self.planned[rank]
             self.planned[rank] = j + 1
@@ -566,8 +548,8 @@ class PlaneState:
             if chain is not None:
                 chain = entry_fingerprint(chain, info.__dict__)  # the info's fields (what to_dict() would copy)
                 fps[j + 1] = chain
-                if j == 0 and rank == 0 and self.run_mark is None:
-                    self.run_mark = chain
+                if j == 0 and rank == 0 and replay.run_mark is None:
+                    replay.run_mark = chain
             if j < self.committed[rank]:  # the rank restored past it: release at once
                 self.release_ids([m.id for m in pmb.trajectories], delivered=True)
                 continue
@@ -576,17 +558,18 @@ class PlaneState:
                                              item_refs(metas), chain)
             token_sums = TokenStaleness.sums(metas)
             self.entry_sums[rank][j] = None if token_sums is None else (token_sums, self.put_log.sums(metas))
-            rec = self.mb_records.get(info.minibatch)
+            rec = records.get(info.minibatch)
             if rec is not None:
                 rec[4] += 1
-        self.chain[rank] = chain
+        replay.chain[rank] = chain
         self.prune_fps(rank)
 
     def forget_if_unqueued(self, minibatch: int) -> None:
         """Drop the record of ``minibatch`` when none of its entries is queued (all released at once)."""
-        rec = self.mb_records.get(minibatch)
+        records = self.replay.mb_records
+        rec = records.get(minibatch)
         if rec is not None and rec[4] <= 0:
-            del self.mb_records[minibatch]
+            del records[minibatch]
 
     # ------------------------------------------------------------------------------------ positions
     def start(self, rank: int, replica: int = 0) -> int:
@@ -599,19 +582,8 @@ class PlaneState:
 
     def prune_fps(self, rank: int) -> None:
         """Forget the prefix fingerprints of ``rank`` far below its committed position (no state lies there)."""
-        fps = self.fps[rank]
-        floor = min(self.committed[rank], self.planned[rank]) - FP_KEEP
-        while fps:  # lengths are inserted in increasing order: the oldest first, one at a time
-            k = next(iter(fps))
-            if k >= floor:
-                break
-            del fps[k]
+        self.replay.prune(rank, min(self.committed[rank], self.planned[rank]) - FP_KEEP)
 
     def fp(self, rank: int, length: int) -> str | None:
         """The fingerprint of ``rank``'s first ``length`` micro-batches, if known here."""
-        fp = self.fps[rank].get(length)
-        if fp is None and length > self.planned[rank]:
-            v = self.verify_at[rank]
-            if v is not None and v[0] == length:
-                return v[1]
-        return fp
+        return self.replay.get(rank, length, self.planned[rank])
