@@ -171,7 +171,8 @@ class StopCounter:
         waited = []  # ... or waits for the next one
         for a, b in self.next_marks:
             keys = [k for e, k, _f in main[a:b] if e == "call"]
-            if not any("produce" in k or k == "engine.read" for k in keys):  # it only handed out
+            # it only handed out (a next() that made its item inline ran the production stages: not a trainer stop)
+            if not any(k.endswith("Production.__next__") or k == "engine.read" for k in keys):
                 slow = any(k.endswith(_RELAYS) or k == "consumer/prefetch.py:Prefetcher.__next__" for k in keys)
                 (waited if slow else trainer).append(keys)
         return {"paths": paths, "walks": walks, "trainer": trainer, "trainer_waited": waited}

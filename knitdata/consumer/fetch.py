@@ -13,9 +13,11 @@ protocol). The built-in modes:
   background thread (:class:`knitdata.consumer.prefetch.Prefetcher`) while the current one computes; from an engine
   whose reads copy nothing (the embedded engine) the share is read at once, as ``eager`` does.
 
->>> fetch_mode("sample").requests([["t0", "u0", 10], ["t1", "u0", 20]])
+>>> from knitdata.control.records import ItemRef
+>>> share = [ItemRef("t0", "u0", 10), ItemRef("t1", "u0", 20)]
+>>> fetch_mode("sample").requests(share)
 2
->>> fetch_mode("iter").requests([["t0", "u0", 10], ["t1", "u0", 20]])
+>>> fetch_mode("iter").requests(share)
 1
 """
 
