@@ -184,6 +184,8 @@ def positional(call: ControlCall, args: tuple[Any, ...], kwargs: dict[str, Any])
 
 
 _PROXIES: dict[type, type] = {}
+#: The control calls of each part that has a proxy class, by name (what :func:`remote_part` binds).
+_CALLS_OF: dict[type, dict[str, ControlCall]] = {}
 
 
 def _proxy_method(call: ControlCall, impl: Callable[..., Any]) -> Callable[..., Any]:
@@ -212,6 +214,7 @@ def proxy_class(part: type) -> type:
     if cls is not None:
         return cls
     methods: dict[str, Any] = {}
+    calls: dict[str, ControlCall] = {}  # the part's control calls, by name (a subclass's override wins)
     for klass in reversed(part.__mro__[:-1]):
         for name, value in vars(klass).items():
             if name.startswith("_") or not callable(value):
@@ -219,8 +222,10 @@ def proxy_class(part: type) -> type:
             call = CONTROL_CALLS.get(name)
             if call is not None and getattr(value, "__control_call__", None) is not None:
                 methods[name] = _proxy_method(call, value)
+                calls[name] = call
             else:
                 methods[name] = _refusal(part, name)
+                calls.pop(name, None)
 
     def __init__(self: Any, transport: Transport) -> None:
         self._transport = transport
@@ -229,6 +234,7 @@ def proxy_class(part: type) -> type:
         **methods, "__init__": __init__, "__module__": part.__module__,
         "__doc__": f"A remote :class:`{part.__module__}.{part.__name__}`: its control calls sent through a transport."})
     _PROXIES[part] = cls
+    _CALLS_OF[part] = calls
     return cls
 
 
@@ -238,10 +244,5 @@ def remote_part(part: type[P], transport: Transport) -> P:
     remote call takes one frame before the transport's wait (the class's methods, which send through
     :meth:`Transport.send`, stay for ``type(proxy).method(proxy, ...)``)."""
     proxy: P = proxy_class(part)(transport)
-    own = vars(proxy)
-    for klass in part.__mro__[:-1]:
-        for name, value in vars(klass).items():
-            call = CONTROL_CALLS.get(name)
-            if call is not None and name not in own and getattr(value, "__control_call__", None) is not None:
-                own[name] = transport.bind(call)
+    vars(proxy).update((name, transport.bind(call)) for name, call in _CALLS_OF[part].items())
     return proxy
