@@ -697,3 +697,21 @@ def test_the_position_is_owned_by_one_object_shared_with_the_iterator():
         rest = list(ds)
         assert len(rest) >= 1 and ds.state_dict()["handed_out"] == 1 + len(rest)
         pipe.shutdown()
+
+
+def test_a_pass_end_on_an_in_process_plane_makes_no_metrics_summary(workload, monkeypatch):
+    """An in-process plane is read with this process's live metrics, so the end of a pass summarizes nothing (a
+    summary sorts every series of the metrics' window: 3 ms at a full window on this machine, at every pass end);
+    ``stats()`` still shows the rank's figures."""
+    from knitdata.observe.metrics import ConsumerMetrics
+
+    summaries = []
+    real = ConsumerMetrics.to_dict
+    monkeypatch.setattr(ConsumerMetrics, "to_dict", lambda self: summaries.append(self.rank) or real(self))
+    pipe = _fed(workload.spec, workload.trajs, num_consumers=2, token_budget=12)
+    for fetch, rank in (("eager", 0), ("iter", 1)):
+        n = sum(1 for _ in pipe.dataset(rank, fetch=fetch))
+        assert n > 0 and summaries == [], (fetch, summaries)
+    consumers = pipe.stats()["consumers"]
+    assert [c["microbatches"] for c in consumers] == [pipe.metrics(0).microbatches, pipe.metrics(1).microbatches]
+    assert all(c["microbatches"] > 0 for c in consumers)

@@ -117,8 +117,13 @@ class ConsumerSession:
         self.engine.sender.flush()
 
     def end(self, lease: ConsumerLease, metrics: ConsumerMetrics) -> None:
-        """An iterator ended: its last records, then the lease goes; the rank's metrics are reported (best effort)."""
+        """An iterator ended: its last records, then the lease goes; the rank's metrics are reported (best effort) to
+        a control plane in another process. A plane in this process is read with this process's live metrics
+        (:meth:`~knitdata.engines.base.Engine.stats`), so no summary is made at each pass end (it sorts every
+        series of the metrics' window)."""
         lease.end()
+        if self.engine.in_process:
+            return
         try:
             self.engine.report_consumer(self.rank, metrics.to_dict())
         except Exception:  # noqa: BLE001 - best effort: the control plane is gone (shutdown)
