@@ -14,6 +14,9 @@
    compute to overlap (see 3); with none, as here, :class:`knitdata.consumer.prefetch.Prefetcher` lets the consumer
    pull the micro-batches itself instead of paying a thread hand-off per micro-batch. CPU-time ratios are
    reported beside (robust on a shared machine); so is the load average (at start and end).
+   ``overhead_phases`` (:func:`measure_phases`): where a pass goes on each side, ``iter()``, the first ``next()``,
+   each later micro-batch and the ``next()`` that ends the pass, with the token collate and with a collate that
+   does nothing; so the overhead reads as paid once per pass or per micro-batch.
 2. ``memcpy_GBps``: ``torch.Tensor.copy_`` of as many bytes as the payloads of 512 trajectories of 1 MiB hold,
    in 128 MiB pieces between warm buffers; ``local_fetch_GBps``: those bytes handed out per second by the embedded
    loader (``iter``, timed from ``iter()`` to the end) with a collate that copies each micro-batch's payloads into
@@ -42,12 +45,13 @@ if not __package__:  # ``python benchmarks/loader.py``: import the ``benchmarks`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import argparse
+import functools
 import gc
 import io
 import platform
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import torch
@@ -69,6 +73,7 @@ __all__ = [
     "measure_overhead",
     "measure_overhead_processes",
     "measure_bandwidth",
+    "measure_phases",
     "measure_modes",
     "format_table",
     "MODES",
@@ -296,6 +301,80 @@ def measure_overhead_processes(n: int = 1024, *, processes: int = 5, repeats: in
             "cpu_ratio_vs_torch": across("cpu_ratio_vs_torch"), "per_process": runs}
 
 
+def _plain(collate: Callable[..., Any], items: Sequence[Trajectory]) -> Any:
+    """A DataLoader's ``collate_fn``: ``collate`` without a micro-batch info."""
+    return collate(items)
+
+
+def measure_phases(trajs: Sequence[Trajectory], *, repeats: int = 15, minibatches: int = 4,
+                   token_budget: int = 4096) -> dict[str, Any]:
+    """Where a pass's time goes on each side of :func:`measure_overhead` (same micro-batches, interleaved repeats,
+    GC off inside each pass): ``start`` (``iter()``), ``first`` (the first ``next()``), ``steady`` (the other
+    micro-batches' ``next()`` calls, together and ``per_microbatch``) and ``end`` (the ``next()`` that raises
+    ``StopIteration``), medians in microseconds; with the token collate (``token``) and with a collate that does
+    nothing (``none``: what is left is each loader's own bookkeeping). ``overhead_us``: knitdata minus the plain
+    DataLoader, per phase; ``fixed_share``: of knitdata's overhead per pass (token collate), the part paid once per
+    pass (start, first and end beyond a steady micro-batch).
+    """
+    plans: list = []
+    _fed_pipeline(trajs, minibatches, token_budget, plans)
+    index = {t.id: i for i, t in enumerate(trajs)}
+    batches = [[index[i] for i in mb.trajectory_ids] for p in plans for mb in p.microbatches[0]]
+    collates: dict[str, Any] = {"token": TokenCollator(), "none": lambda items, info=None: len(items)}
+    sides = ("torch", "eager", "iter")
+
+    def phases(loader: Any) -> tuple[float, float, float, float, int]:
+        pc = time.perf_counter
+        gc.disable()
+        try:
+            t0 = pc()
+            it = iter(loader)
+            t1 = pc()
+            next(it)
+            t2 = pc()
+            n = 1
+            for _ in it:
+                n += 1
+                t3 = pc()
+            t4 = pc()
+        finally:
+            gc.enable()
+        return t1 - t0, t2 - t1, t3 - t2, t4 - t3, n
+
+    samples: dict[str, dict[str, list[tuple[float, float, float, float, int]]]] = {c: {s: [] for s in sides}
+                                                                                 for c in collates}
+    for r in range(repeats + 1):  # the first round warms up
+        for cname, collate in collates.items():
+            order = sides if r % 2 == 0 else sides[::-1]
+            for side in order:
+                gc.collect()
+                if side == "torch":
+                    loader: Any = torch.utils.data.DataLoader(_ListDataset(trajs), batch_sampler=batches,
+                                                              num_workers=0, collate_fn=functools.partial(_plain, collate))
+                else:
+                    loader = _fed_pipeline(trajs, minibatches, token_budget).dataset(0, fetch=side, collate=collate)
+                got = phases(loader)
+                assert got[4] == len(batches)
+                if r:
+                    samples[cname][side].append(got)
+    out: dict[str, Any] = {"repeats": repeats, "microbatches": len(batches)}
+    for cname in collates:
+        table: dict[str, dict[str, float]] = {}
+        for side in sides:
+            rows = samples[cname][side]
+            med = [statistics.median(x[k] for x in rows) * 1e6 for k in range(4)]
+            table[side] = {"start": med[0], "first": med[1], "steady": med[2], "end": med[3],
+                           "per_microbatch": med[2] / max(1, len(batches) - 1),
+                           "total": statistics.median(sum(x[:4]) for x in rows) * 1e6}
+        over = {side: {k: table[side][k] - table["torch"][k] for k in table["torch"]} for side in ("eager", "iter")}
+        out[cname] = {"phases_us": table, "overhead_us": over}
+    tok = out["token"]["overhead_us"]
+    out["fixed_share"] = {side: (tok[side]["start"] + tok[side]["end"]
+                                 + tok[side]["first"] - tok[side]["per_microbatch"]) / tok[side]["total"]
+                          for side in ("eager", "iter") if tok[side]["total"] > 0}
+    return out
+
+
 def measure_bandwidth(trajs: Sequence[Trajectory], *, repeats: int = 7, minibatches: int = 4,
                       token_budget: int = 64, chunk_bytes: int = 128 << 20) -> dict[str, Any]:
     """Local fetch against memcpy and against the same collate without knitdata, interleaved in each repeat.
@@ -456,6 +535,27 @@ def _fmt_load(load: Sequence[float] | None) -> str:
     return "n/a" if not load else "/".join(f"{x:.2f}" for x in load)
 
 
+def _phase_lines(ph: dict[str, Any] | None) -> list[str]:
+    """The phase breakdown's lines of :func:`format_table` (none for a document without it)."""
+    if not ph:
+        return []
+    lines = [f"where a pass goes (medians over {ph['repeats']} interleaved repeats, us; knitdata minus torch):",
+             f"  {'collate':<8}{'side':<7}{'start':>8}{'first':>8}{'per mb':>8}{'end':>8}{'total':>9}"]
+    for cname in ("token", "none"):
+        tab, over = ph[cname]["phases_us"], ph[cname]["overhead_us"]
+        lines.append(f"  {cname:<8}{'torch':<7}" + "".join(f"{tab['torch'][k]:>8.1f}" for k in
+                                                          ("start", "first", "per_microbatch", "end"))
+                     + f"{tab['torch']['total']:>9.0f}")
+        for side in ("eager", "iter"):
+            lines.append(f"  {'':<8}{'+' + side:<7}" + "".join(f"{over[side][k]:>8.1f}" for k in
+                                                              ("start", "first", "per_microbatch", "end"))
+                         + f"{over[side]['total']:>9.0f}")
+    share = ph.get("fixed_share") or {}
+    lines.append("  paid once per pass (start, first beyond a steady micro-batch, end), of the overhead: "
+                 + ", ".join(f"{k} {v:.0%}" for k, v in share.items()))
+    return lines
+
+
 def format_table(doc: dict[str, Any]) -> str:
     """The table printed by ``python -m benchmarks loader``."""
     ov = doc["overhead"]
@@ -473,6 +573,7 @@ def format_table(doc: dict[str, Any]) -> str:
         "process CPU time)",
         f"  load average at start {_fmt_load(doc.get('load_average_start'))}, at end {_fmt_load(doc.get('load_average'))} "
         f"({doc['machine']['cpus']} CPUs)",
+        *_phase_lines(doc.get("overhead_phases")),
         f"bandwidth over {doc['bandwidth_bytes'] / 2**20:.0f} MiB of 1 MiB payloads (interleaved, medians): memcpy "
         f"{doc['memcpy_GBps']:.2f} GB/s; the same collate without knitdata {doc['plain_collate_GBps']:.2f} GB/s; "
         f"local fetch (iter, one copy per byte) {doc['local_fetch_GBps']:.2f} GB/s = "
@@ -527,6 +628,7 @@ def run_all(*, quick: bool = False, progress: bool = True) -> dict[str, Any]:
     n_img = (3 + 6) * 16 if quick else (3 + 12) * 16
     overhead = measure_overhead_processes(n_text, processes=3 if quick else 5, repeats=11 if quick else 31,
                                           progress=progress)
+    phases = measure_phases(make_token_trajectories(n_text), repeats=5 if quick else 15)
     big = make_payload_trajectories(64 if quick else 512)
     big_bytes = sum(t.nbytes for t in big)
     bandwidth = measure_bandwidth(big, repeats=5 if quick else 9)
@@ -551,6 +653,7 @@ def run_all(*, quick: bool = False, progress: bool = True) -> dict[str, Any]:
         "local_fetch_over_plain_collate": bandwidth["local_fetch_over_plain_collate"],
         "bandwidth": bandwidth,
         "overhead": overhead,
+        "overhead_phases": phases,
         "modes": modes,
         "iter_exposed_over_eager": modes["iter"]["exposed_latency_s"] / modes["eager"]["exposed_latency_s"],
         # issue 22: both overhead ratios <= 1.05, local fetch >= 80% of memcpy

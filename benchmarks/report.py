@@ -939,6 +939,9 @@ def render_encode_n8(d: dict) -> str:
 # ----------------------------------------------------------------------------------------------- loader
 
 
+_PHASES = ("start", "first", "per_microbatch", "end", "total")
+
+
 @block("loader", "loader.json")
 def render_loader(d: dict) -> str:
     """Loader overhead vs a plain DataLoader, bandwidth, and exposed latency per fetch mode."""
@@ -962,6 +965,21 @@ def render_loader(d: dict) -> str:
              + (f" ({f(r.get('local_fetch_over_memcpy'), '.0f', 100)}% of memcpy; the same copying collate without "
                 f"knitdata {f(r.get('plain_collate_GBps'))} GB/s, interleaved)." if r.get('plain_collate_GBps') is not None
                 else ".")]
+    ph = r.get("overhead_phases")
+    if isinstance(ph, dict) and isinstance(g(ph, "token", "phases_us"), dict):
+        prow = []
+        for cname, what in (("token", "token collate"), ("none", "a collate that does nothing")):
+            tab, over = g(ph, cname, "phases_us") or {}, g(ph, cname, "overhead_us") or {}
+            prow.append([f"torch DataLoader, {what}"] + [f(g(tab, "torch", k), ".1f") for k in _PHASES])
+            prow += [[f"knitdata {side} minus torch, {what}"] + [f(g(over, side, k), ".1f") for k in _PHASES]
+                     for side in ("eager", "iter")]
+        share = ph.get("fixed_share") or {}
+        parts.append(
+            f"Where a pass goes (medians over {ph.get('repeats', '-')} interleaved repeats, microseconds): `iter()`, the "
+            "first `next()`, each later micro-batch, the `next()` that ends the pass, and the pass. Of knitdata's "
+            "overhead (token collate), the part paid once per pass: "
+            + ", ".join(f"{k} {f(v, '.0f', 100)}%" for k, v in share.items()) + ".\n\n"
+            + table(["", "start", "first", "per micro-batch", "end", "pass"], prow, "lrrrrr"))
     mp = g(r, "modes", "params") or {}
     mrows = []
     eager = _num(g(r, "modes", "eager", "exposed_latency_s"))

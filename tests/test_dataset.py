@@ -299,6 +299,16 @@ def test_loader_benchmark_functions_smoke():
     for key in ("ratio_vs_torch", "cpu_ratio_vs_torch", "median_s"):  # the median across the processes
         for mode, v in ovp[key].items():
             assert min(r[key][mode] for r in ovp["per_process"]) <= v <= max(r[key][mode] for r in ovp["per_process"])
+    ph = bench.measure_phases(bench.make_token_trajectories(24, max_len=80), repeats=2)
+    n = ph["microbatches"]
+    for cname in ("token", "none"):
+        tab = ph[cname]["phases_us"]
+        for side in ("torch", "eager", "iter"):  # the phases add up to the pass (medians of each: within rounding)
+            row = tab[side]
+            assert min(row.values()) >= 0 and row["per_microbatch"] * max(1, n - 1) == pytest.approx(row["steady"])
+        for side in ("eager", "iter"):
+            assert ph[cname]["overhead_us"][side]["end"] == pytest.approx(tab[side]["end"] - tab["torch"]["end"])
+    assert set(ph["fixed_share"]) <= {"eager", "iter"}
     modes = bench.measure_modes(bench.make_image_trajectories(4 * 4 * 4, tokens=40, side=16), per_microbatch=4, k=4,
                                 warmup=3)
     assert all(modes[m]["exposed_latency_s"] >= 0 for m in bench.MODES)
