@@ -149,7 +149,8 @@ class ControlPlane:
         self.reporting = Reporting(s)
         self.reshaping = Reshaping(s)
         # a snapshot: the shared state's slice, then the admission and reshape parts' own and the observations'
-        self.durability = Durability(s, self._replay, JOURNALED_OPS, (self.admission, s.observed, self.reshaping))
+        self.durability = Durability(s, self._replay, JOURNALED_OPS,
+                                     (s.replay, self.admission, s.observed, self.reshaping))
         self.ledger = Ledger(s, self.durability.state_dict, self.durability.load_state_dict)
         #: The journaled calls by name, bound to their parts (the journal records a call by its name).
         self._ops: dict[str, Callable[..., Any]] = {

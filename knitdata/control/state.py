@@ -6,10 +6,9 @@ held, the per-rank queues and positions, counters. What one part owns lives in t
 schema and withdrawn groups) or in an object of one concern held here:
 :class:`~knitdata.control.observed.Observations` (reporting), :class:`LeaseBook` (leases), :class:`Journaling`
 (durability), :class:`~knitdata.control.fingerprints.ReplayMarks` (the replay fingerprints, the run's mark and the
-layout history: planning, positions and the reshape part). The shared state, the admission part, the
-observations and the reshape part each write their own slice of a snapshot (``state_dict`` /
-``load_state_dict``; the replay marks' slice through the shared state's);
-:class:`~knitdata.control.durability.Durability` only gathers them.
+layout history: planning, positions and the reshape part). The shared state, the replay marks, the admission
+part, the observations and the reshape part each write their own slice of a snapshot (``state_dict`` /
+``load_state_dict``); :class:`~knitdata.control.durability.Durability` only gathers them.
 """
 
 from __future__ import annotations
@@ -347,8 +346,8 @@ class PlaneState:
     # ------------------------------------------------------------------------------------ snapshot slice
     def state_dict(self, raw_metas: bool = False) -> dict[str, Any]:
         """The shared part of a snapshot (call under :attr:`cond`): admission and placement, the held and pending
-        trajectories, queues, positions and replay fingerprints (:meth:`ReplayMarks.state_dict`), counters, the end of stream and the recent
-        releases (see :meth:`~knitdata.control.durability.Durability.state_dict`; ``raw_metas``: metas as
+        trajectories, queues, positions, counters, the end of stream and the recent releases (the replay
+        fingerprints are :attr:`replay`'s own slice, :meth:`ReplayMarks.state_dict`) (see :meth:`~knitdata.control.durability.Durability.state_dict`; ``raw_metas``: metas as
         objects)."""
         err = None if self.error is None else {"type": type(self.error).__name__, "message": str(self.error)}
         live, pending = self.live.values(), self.pending.values()
@@ -362,7 +361,6 @@ class PlaneState:
             "closed": self.closed, "close_report": self.close_report, "error": err, "version": self.version,
             "counts": dict(self.counts), "rejected_by_cause": dict(self.rejected_by_cause),
             "recent_releases": [[u, list(ids)] for u, ids in self.recent_releases],
-            **self.replay.state_dict(),
             **({} if self.replicas is None else {"replicas": self.replicas.to_dict()}),
         }
 
@@ -389,7 +387,6 @@ class PlaneState:
         self.rejected_by_cause = d["rejected_by_cause"]
         self.recent_releases = deque((u, ids) for u, ids in d["recent_releases"])
         self.recent_ids = sum(len(ids) for _u, ids in self.recent_releases)
-        self.replay.load_state_dict(d)
         self.replicas = d.get("replicas")
 
     # ------------------------------------------------------------------------------------ checks
