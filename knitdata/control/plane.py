@@ -148,7 +148,8 @@ class ControlPlane:
         self.leasing = Leases(s, self.positions)
         self.reporting = Reporting(s)
         self.reshaping = Reshaping(s)
-        # a snapshot: the shared state's slice, then the admission and reshape parts' own and the observations'
+        # a snapshot: the shared state's slice, then the replay marks', the admission part's, the observations' and
+        # the reshape part's own
         self.durability = Durability(s, self._replay, JOURNALED_OPS,
                                      (s.replay, self.admission, s.observed, self.reshaping))
         self.ledger = Ledger(s, self.durability.state_dict, self.durability.load_state_dict)

@@ -346,9 +346,9 @@ class PlaneState:
     # ------------------------------------------------------------------------------------ snapshot slice
     def state_dict(self, raw_metas: bool = False) -> dict[str, Any]:
         """The shared part of a snapshot (call under :attr:`cond`): admission and placement, the held and pending
-        trajectories, queues, positions, counters, the end of stream and the recent releases (the replay
-        fingerprints are :attr:`replay`'s own slice, :meth:`ReplayMarks.state_dict`) (see :meth:`~knitdata.control.durability.Durability.state_dict`; ``raw_metas``: metas as
-        objects)."""
+        trajectories, queues, positions, counters, the end of stream and the recent releases (see
+        :meth:`~knitdata.control.durability.Durability.state_dict`; ``raw_metas``: metas as objects). The replay
+        fingerprints are :attr:`replay`'s own slice (:meth:`ReplayMarks.state_dict`)."""
         err = None if self.error is None else {"type": type(self.error).__name__, "message": str(self.error)}
         live, pending = self.live.values(), self.pending.values()
         return {

@@ -21,22 +21,24 @@ __all__ = ["TransferMeter", "ConsumerMetrics", "PrefetchStats", "summarize", "PE
 PENDING_LIMIT = 1024
 #: Series at least this long are summarized with ``numpy.partition`` (shorter ones: a sort is as fast).
 _PARTITION_FROM = 64
+_FLOATS = {float}
 
 
 def summarize(values: Iterable[float]) -> dict[str, float]:
     """Count, mean, p50, p95 and max of ``values`` (zeros when empty).
 
     A long series of floats (a metrics window holds up to 10,000) has its order statistics picked by
-    ``numpy.partition`` instead of a full sort (about 3x faster at 10,000); the figures are the same values.
+    ``numpy.partition`` instead of a full sort (about 2x faster at 10,000); the figures are the same values.
     """
     v = values if type(values) is list else list(values)
     n = len(v)
     if not n:
         return {"count": 0, "mean": 0.0, "p50": 0.0, "p95": 0.0, "max": 0.0}
     lo, hi, i95 = (n - 1) // 2, n // 2, min(n - 1, int(round(0.95 * (n - 1))))
-    if n >= _PARTITION_FROM and all(type(x) is float for x in v):
+    at: Any
+    if n >= _PARTITION_FROM and set(map(type, v)) == _FLOATS:  # (a map of a C function: no bytecode per value)
         picked = np.partition(np.array(v, dtype=np.float64), sorted({lo, hi, i95, n - 1}))
-        at = picked.tolist()
+        at = {k: float(picked[k]) for k in (lo, hi, i95, n - 1)}  # the four order statistics, as Python floats
     else:
         at = sorted(v)
     return {
