@@ -21,7 +21,7 @@ from knitdata.admission import AdmittedMiniBatch
 from knitdata.control.positions import check_verifications
 from knitdata.control.records import Refusal
 from knitdata.control.reshape import note_planned, route
-from knitdata.control.state import WITHDRAWN_MEMORY
+from knitdata.control.state import WITHDRAWN_MEMORY, PlaneState
 from knitdata.control.surface import Part, control_call, control_part
 from knitdata.errors import (
     ConfigError,
@@ -126,7 +126,7 @@ def trace_admitted(tr: tracing.Tracer, mb: AdmittedMiniBatch, plan: MiniBatchPla
 class Admission(Part):
     """The producer side of one plane: puts, admission and planning, withdrawals, in-flight counts, close."""
 
-    def __init__(self, s: Any) -> None:
+    def __init__(self, s: PlaneState) -> None:
         super().__init__(s)
         s.admission_poll = self.poll  # a version report can free admission (the bound learned its offset)
         #: The schema of the first trajectory put (every later one must match it).
