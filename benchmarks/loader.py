@@ -331,7 +331,7 @@ def measure_phases(trajs: Sequence[Trajectory], *, repeats: int = 15, minibatche
             it = iter(loader)
             t1 = pc()
             next(it)
-            t2 = pc()
+            t2 = t3 = pc()
             n = 1
             for _ in it:
                 n += 1
