@@ -303,7 +303,7 @@ def test_loader_benchmark_functions_smoke():
     n = ph["microbatches"]
     for cname in ("token", "none"):
         tab = ph[cname]["phases_us"]
-        for side in ("torch", "eager", "iter"):  # the phases add up to the pass (medians of each: within rounding)
+        for side in ("torch", "eager", "iter"):  # per micro-batch: the steady phase over the later micro-batches
             row = tab[side]
             assert min(row.values()) >= 0 and row["per_microbatch"] * max(1, n - 1) == pytest.approx(row["steady"])
         for side in ("eager", "iter"):
@@ -711,7 +711,7 @@ def test_the_position_is_owned_by_one_object_shared_with_the_iterator():
 
 def test_a_pass_end_on_an_in_process_plane_makes_no_metrics_summary(workload, monkeypatch):
     """An in-process plane is read with this process's live metrics, so the end of a pass summarizes nothing (a
-    summary sorts every series of the metrics' window: 3 ms at a full window on this machine, at every pass end);
+    summary orders every series of the metrics' window: milliseconds at a full window, at every pass end);
     ``stats()`` still shows the rank's figures."""
     from knitdata.observe.metrics import ConsumerMetrics
 
