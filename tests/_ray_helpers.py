@@ -344,6 +344,33 @@ def placement_nodes(n_groups: int = 48, extra: int = 25_000) -> dict[str, Any]:
     return out
 
 
+@scenario
+def ray_shut_down_first(n: int = 4) -> dict[str, Any]:
+    """``ray.shutdown()`` while a pipeline still lives here (its producer's presence keeps the sender's heartbeat
+    going): the heartbeats that follow raise a knitdata error on the sender's thread instead of starting a new Ray
+    from it (which made Ray end the process, exit status 1), and a control call made then names the pipeline."""
+    import ray
+
+    from knitdata.admission import BatchSpec
+    from knitdata.consumer.handoff import HEARTBEAT_S
+    from knitdata.errors import EngineError
+    from knitdata.pipeline import Pipeline
+
+    pipe = Pipeline(BatchSpec({"math": n}, num_minibatches=2), engine="ray", token_budget=1024,
+                    engine_options={"address": os.environ["KD_RAY_ADDRESS"], "name": f"shut-{os.getpid()}",
+                                    "nodes": _nodes()[:1]})
+    for i in range(n):
+        pipe.put(make_traj(i, group=f"g{i}"))
+    ray.shutdown()
+    time.sleep(4 * HEARTBEAT_S)  # heartbeats while Ray is down
+    try:
+        pipe.stats_light()
+        error = None
+    except EngineError as e:
+        error = str(e)
+    return {"error": error, "ray_up": ray.is_initialized()}
+
+
 def _gloo_rank(rank: int, world: int, port: int, name: str, address: str, outdir: str) -> None:
     import torch
     import torch.distributed as dist

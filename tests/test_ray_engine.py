@@ -93,6 +93,40 @@ def _flat(rows: list[list[str]]) -> list[str]:
     return [i for row in rows for i in row]
 
 
+def test_a_control_call_without_ray_raises_instead_of_starting_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Ray shut down in this process a control call (a sender's heartbeat, a fire-and-forget call) raises a
+    knitdata error naming the pipeline and the call, and reaches no actor: Ray's auto-init would start a new Ray
+    from that thread, and Ray then ends the process."""
+    ray = pytest.importorskip("ray")
+    from knitdata.engines.ray.control import RayControl
+    from knitdata.errors import EngineError
+
+    sent: list[tuple] = []
+
+    class _Method:
+        def remote(self, *args: object) -> None:
+            sent.append(args)
+
+    class _Actor:
+        call = call_waiting = _Method()
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    control = RayControl(_Actor(), "demo", timeout_s=1.0)
+    with pytest.raises(EngineError, match=r"pipeline 'demo'.*ray\.shutdown\(\).*'report' was not sent"):
+        control.leasing.report([], [], None, [])
+    with pytest.raises(EngineError, match=r"'report_transfer' was not sent"):  # fire-and-forget
+        control.reporting.report_transfer({})
+    assert sent == []
+
+
+def test_ray_shut_down_under_a_live_pipeline_ends_the_process_normally(cluster: ClusterProcess) -> None:
+    """ray.shutdown() while a pipeline lives: the driver exits 0 (run_scenario checks it), its control calls raise."""
+    r = run_scenario(cluster.address, "ray_shut_down_first", timeout_s=120)
+    assert r["ray_up"] is False  # the heartbeats did not start a new Ray
+    assert r["error"].startswith("pipeline 'shut-") and "Ray is not running in this process" in r["error"]
+    assert "was not sent" in r["error"]  # (the flush of this process's reports that stats_light() sends first)
+
+
 def test_units_zero_copy_backpressure_counters(cluster: ClusterProcess) -> None:
     r = run_scenario(cluster.address, "units_basic", timeout_s=150)
     assert r["node"] == r["nodes"][0]  # the driver runs on the head node

@@ -291,6 +291,14 @@ class RayControl:
         fire-and-forget call); retried while Ray restarts the coordinator, within the bound."""
         return self.bind(call)(*args)
 
+    def _ray_down(self, call: str) -> EngineError:
+        """The error of a control call made while Ray is not running in this process (``ray.shutdown()`` was called):
+        the call is not made, since a Ray call there starts a new Ray, which then ends the process."""
+        return EngineError(
+            f"pipeline {self._name!r}: Ray is not running in this process (ray.shutdown() was called, or Ray was "
+            f"never started here), so the control call {call!r} was not sent. Shut the pipeline down "
+            "(pipe.shutdown()) before ray.shutdown(), or keep Ray up while the pipeline's datasets and producers live")
+
     def bind(self, call: ControlCall) -> Callable[..., Any]:
         """The function making ``call`` on the coordinator (the proxies' methods, see
         :func:`~knitdata.control.surface.remote_part`): one frame, then the bounded wait for the answer."""
@@ -299,6 +307,8 @@ class RayControl:
             def fire(*args: Any, **kwargs: Any) -> None:
                 if kwargs:
                     args = positional(call, args, kwargs)
+                if not ray.is_initialized():
+                    raise self._ray_down(name)
                 self._actor.call.remote(name, *args)
 
             return fire
@@ -306,6 +316,8 @@ class RayControl:
         def make(*args: Any, **kwargs: Any) -> Any:
             if kwargs:
                 args = positional(call, args, kwargs)
+            if not ray.is_initialized():  # an actor call would start a new Ray here (Ray then ends the process)
+                raise self._ray_down(name)
             wait = (float(args[index]) if len(args) > index else default) if waits else 0.0
             deadline = time.monotonic() + self._timeout_s + wait
             while True:
