@@ -317,6 +317,7 @@ def test_the_ray_client_holds_proxies_of_the_parts_types_and_the_coordinator_tak
     import knitdata.engines.ray.control as ray_control
 
     monkeypatch.setattr(ray_control, "ray_get", ray_get)
+    monkeypatch.setattr(ray_control.ray, "is_initialized", lambda: True)  # a client in a process that runs Ray
     c = RayControl(Actor(), "p", 1.0)
     for part, cls in PARTS.items():
         assert isinstance(getattr(c, part), cls), part
