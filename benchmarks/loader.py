@@ -175,6 +175,27 @@ def _fed_pipeline(trajs: Sequence[Trajectory], minibatches: int, token_budget: i
     return pipe
 
 
+def _planned_batches(trajs: Sequence[Trajectory], minibatches: int, token_budget: int) -> list[list[int]]:
+    """The micro-batches a pipeline plans for ``trajs`` (rank 0), as index lists into ``trajs``: the
+    ``batch_sampler`` that gives a plain DataLoader the same micro-batches."""
+    plans: list = []
+    _fed_pipeline(trajs, minibatches, token_budget, plans)
+    index = {t.id: i for i, t in enumerate(trajs)}
+    return [[index[i] for i in mb.trajectory_ids] for p in plans for mb in p.microbatches[0]]
+
+
+def _plain(collate: Callable[..., Any], items: Sequence[Trajectory]) -> Any:
+    """A DataLoader's ``collate_fn``: ``collate`` without a micro-batch info."""
+    return collate(items)
+
+
+def _torch_loader(trajs: Sequence[Trajectory], batches: list[list[int]], collate: Callable[..., Any]) -> Any:
+    """``DataLoader(num_workers=0)`` over ``trajs`` with ``batches`` as its batch sampler and ``collate`` (called
+    without a micro-batch info)."""
+    return torch.utils.data.DataLoader(_ListDataset(trajs), batch_sampler=batches, num_workers=0,
+                                       collate_fn=functools.partial(_plain, collate))
+
+
 class _ListDataset(torch.utils.data.Dataset):
     def __init__(self, items: Sequence[Trajectory]) -> None:
         self.items = list(items)
@@ -189,10 +210,7 @@ class _ListDataset(torch.utils.data.Dataset):
 def measure_overhead(trajs: Sequence[Trajectory], *, repeats: int = 5, minibatches: int = 4,
                      token_budget: int = 4096, progress: bool = True) -> dict[str, Any]:
     """Interleaved repeats: plain DataLoader vs knitdata (iter and eager) over the same micro-batches."""
-    plans: list = []
-    _fed_pipeline(trajs, minibatches, token_budget, plans)
-    index = {t.id: i for i, t in enumerate(trajs)}
-    batches = [[index[i] for i in mb.trajectory_ids] for p in plans for mb in p.microbatches[0]]
+    batches = _planned_batches(trajs, minibatches, token_budget)
     collate = TokenCollator()
     nbytes = sum(t.nbytes for t in trajs)
 
@@ -208,9 +226,7 @@ def measure_overhead(trajs: Sequence[Trajectory], *, repeats: int = 5, minibatch
         return dt, dc
 
     def torch_once() -> tuple[float, float]:
-        dl = torch.utils.data.DataLoader(_ListDataset(trajs), batch_sampler=batches, num_workers=0,
-                                         collate_fn=lambda items: collate(items))
-        return timed(dl)
+        return timed(_torch_loader(trajs, batches, collate))
 
     def knit_once(fetch: str) -> tuple[float, float]:
         pipe = _fed_pipeline(trajs, minibatches, token_budget)
@@ -301,11 +317,6 @@ def measure_overhead_processes(n: int = 1024, *, processes: int = 5, repeats: in
             "cpu_ratio_vs_torch": across("cpu_ratio_vs_torch"), "per_process": runs}
 
 
-def _plain(collate: Callable[..., Any], items: Sequence[Trajectory]) -> Any:
-    """A DataLoader's ``collate_fn``: ``collate`` without a micro-batch info."""
-    return collate(items)
-
-
 def measure_phases(trajs: Sequence[Trajectory], *, repeats: int = 15, minibatches: int = 4,
                    token_budget: int = 4096) -> dict[str, Any]:
     """Where a pass's time goes on each side of :func:`measure_overhead` (same micro-batches, interleaved repeats,
@@ -316,10 +327,7 @@ def measure_phases(trajs: Sequence[Trajectory], *, repeats: int = 15, minibatche
     DataLoader, per phase; ``fixed_share``: of knitdata's overhead per pass (token collate), the part paid once per
     pass (start, first and end beyond a steady micro-batch).
     """
-    plans: list = []
-    _fed_pipeline(trajs, minibatches, token_budget, plans)
-    index = {t.id: i for i, t in enumerate(trajs)}
-    batches = [[index[i] for i in mb.trajectory_ids] for p in plans for mb in p.microbatches[0]]
+    batches = _planned_batches(trajs, minibatches, token_budget)
     collates: dict[str, Any] = {"token": TokenCollator(), "none": lambda items, info=None: len(items)}
     sides = ("torch", "eager", "iter")
 
@@ -349,8 +357,7 @@ def measure_phases(trajs: Sequence[Trajectory], *, repeats: int = 15, minibatche
             for side in order:
                 gc.collect()
                 if side == "torch":
-                    loader: Any = torch.utils.data.DataLoader(_ListDataset(trajs), batch_sampler=batches,
-                                                              num_workers=0, collate_fn=functools.partial(_plain, collate))
+                    loader: Any = _torch_loader(trajs, batches, collate)
                 else:
                     loader = _fed_pipeline(trajs, minibatches, token_budget).dataset(0, fetch=side, collate=collate)
                 got = phases(loader)
@@ -390,10 +397,7 @@ def measure_bandwidth(trajs: Sequence[Trajectory], *, repeats: int = 7, minibatc
     """
     import resource
 
-    plans: list = []
-    _fed_pipeline(trajs, minibatches, token_budget, plans)
-    index = {t.id: i for i, t in enumerate(trajs)}
-    batches = [[index[i] for i in mb.trajectory_ids] for p in plans for mb in p.microbatches[0]]
+    batches = _planned_batches(trajs, minibatches, token_budget)
     nbytes = sum(t.nbytes for t in trajs)
     chunk = max(1, min(chunk_bytes, nbytes))
     copies = max(1, round(nbytes / chunk))
