@@ -296,9 +296,13 @@ class Admission(Part):
         with self.s.cond:
             return {"placement": self.s.placement.view(), "seq": self.s.seq}
 
-    @control_call(fire_and_forget=True)
+    @control_call()
     def note_rejected(self, traj_id: str | None, cause: str) -> None:
-        """A put refused before it reached the plane (validation in the producer): counted by ``cause``."""
+        """A put refused before it reached the plane (validation in the producer): counted by ``cause``.
+
+        A waited call, not fire-and-forget: a refusal is rare, and a ``stats()`` read right after the put raised
+        counts it (a remote coordinator runs calls on several threads, so a fired call could land after the read).
+        """
         with self.s.cond:
             self.s.count_rejected(cause)
 
