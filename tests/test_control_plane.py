@@ -251,6 +251,18 @@ def test_journaled_calls_are_recorded_once_at_the_outermost_call(tmp_path):
     assert fresh.state_dict() == plane.state_dict()
 
 
+def test_only_reports_are_fire_and_forget():
+    """A remote coordinator runs calls on several threads, so a fired call may land after a later waited one: only
+    calls whose effect a caller never reads back at once (the consumers' reports, folded later) may be fired.
+    ``note_rejected`` was fired until a ``stats()`` read right after a refused put missed it on Ray."""
+    import knitdata.control  # noqa: F401 - registers the parts
+    from knitdata.control.surface import CONTROL_CALLS
+
+    fired = sorted(name for name, c in CONTROL_CALLS.items() if c.fire_and_forget and not name.endswith("_for_test"))
+    assert fired == ["handed", "report_consumer", "report_transfer"]
+    assert not CONTROL_CALLS["note_rejected"].fire_and_forget
+
+
 def test_a_control_call_is_declared_in_one_place_and_only_once():
     from knitdata.control.surface import CONTROL_CALLS, Part, control_call, control_part
     from knitdata.errors import ConfigError
