@@ -4,12 +4,16 @@ The control plane queues a :class:`PlanEntry` per micro-batch of a rank, whose p
 consumer process reports :class:`LeaseNews` (with the :class:`HandOut` s of each live iterator) and
 :class:`ProducerNews`, and hears back which iterators are :class:`Fenced`; a refused put comes back as a
 :class:`Refusal`, which rebuilds its exception (:meth:`Refusal.to_exception`) from :func:`knitdata.errors.error_class`.
+The one-round-trip put answers :class:`Admitted` (the plane's answer) inside :class:`Stored` (the unit's); a
+producer's replica of the placement starts from a :class:`PlacementView`.
 
 They become JSON only at the journal, the snapshot and the Ray hop. The row-like ones are
 :class:`~typing.NamedTuple` s: typed for mypy, as cheap as a tuple to build and read, and ``json.dumps`` writes
 each as the same array the journal and the snapshots always held, so old journals replay and snapshots stay
 byte for byte. :class:`PlanEntry` is a slotted record with :meth:`PlanEntry.to_json` / :meth:`PlanEntry.from_json`
-for the snapshot.
+for the snapshot. :class:`Admitted` and :class:`Stored` are slotted records that are never JSON: a journal records
+the put's arguments, not its answer, and the Ray hop pickles them (module-level classes; a
+:class:`~knitdata.record.TrajectoryMeta` is rebuilt where it is loaded, with that process's hash in ``packed``).
 
 Example:
     >>> import json
@@ -32,7 +36,7 @@ from knitdata.planner.records import MicroBatchInfo
 from knitdata.record import TrajectoryMeta
 
 __all__ = ["ItemRef", "HandOut", "PlanEntry", "LeaseNews", "ProducerNews", "Fenced", "ConsumerId", "StartPoint", "LeaseGrant",
-           "NextEntries", "Refusal", "item_refs"]
+           "NextEntries", "Refusal", "PlacementView", "Admitted", "Stored", "item_refs"]
 
 
 class ItemRef(NamedTuple):
@@ -250,3 +254,63 @@ class PlanEntry:
             if isinstance(e, ValidationError):
                 raise
             raise ValidationError(f"bad plan entry {dict(d)!r}: {e!r}", field="entry") from e
+
+
+class PlacementView(NamedTuple):
+    """The placement as a producer's replica follows it (:meth:`~knitdata.control.admit.Admission.placement_view`).
+
+    Attributes:
+        placement: The placement's view (:meth:`~knitdata.placement.Placement.view`).
+        seq: The next arrival index.
+    """
+
+    placement: dict[str, Any]
+    seq: int
+
+
+@dataclass(slots=True)
+class Admitted:
+    """The answer of the one-round-trip put (:meth:`~knitdata.control.admit.Admission.admit_many`).
+
+    Attributes:
+        accepted: Per item of the call, in order: its metadata as the plane holds it (``seq`` and ``location``
+            set), or ``None`` when refused (the plane does not hold it: the unit drops its payload).
+        errors: The refusals, the error that stopped admission first.
+        placement: The placement's view after the call (:meth:`~knitdata.placement.Placement.view`), for the
+            producer's replica.
+        seq: The next arrival index.
+        exception: In process only: an exception that is no :class:`~knitdata.errors.KnitdataError` (an ``on_plan``
+            hook's), which the producer re-raises after taking the answer.
+
+    Example:
+        >>> meta = TrajectoryMeta("t1", "math", "g1", num_tokens=9, nbytes=64, location="node0", seq=0)
+        >>> ans = Admitted([meta, None], [Refusal("t2", "ValidationError", "trajectory 't2': field 'id': taken", "id")],
+        ...                {"load": {"node0": 64}}, 1)
+        >>> [m.id for m in ans.accepted if m is not None], ans.errors[0].to_exception()
+        (['t1'], ValidationError("trajectory 't2': field 'id': taken"))
+    """
+
+    accepted: list[TrajectoryMeta | None]
+    errors: list[Refusal]
+    placement: dict[str, Any]
+    seq: int
+    exception: BaseException | None = None
+
+
+@dataclass(slots=True)
+class Stored:
+    """The answer of a storage unit's one-round-trip put
+    (:meth:`~knitdata.storage.base.StorageUnit.put_admit`).
+
+    Attributes:
+        stored: The first ``stored`` payloads were stored and offered; the rest were not stored (the unit was full).
+        admit: The plane's answer for them, ``None`` when nothing was stored.
+        status: How storing ended: ``"ok"`` (all stored) or ``"full"``; a Ray unit's actor also answers ``"dup"``,
+            ``"closed"``, ``"missing:<i>"`` or ``"kind:<i>"``, after which nothing of the batch is kept.
+        index: The position of the first payload not stored.
+    """
+
+    stored: int
+    admit: Admitted | None
+    status: str = "ok"
+    index: int = 0
