@@ -4,8 +4,9 @@
 ``put_many`` delegate to it): it checks each trajectory in the producer (type, fields, token budget, media
 decoding), stores each payload on the unit this process's replica picks, and waits for room when that unit is full.
 :class:`PutRouter` picks the storage unit of each put from this process's replica of the pipeline's placement (the
-control plane's last view, followed with every answer), so that a put is one round trip to its unit, and turns the
-plane's answer into :class:`~knitdata.record.TrajectoryMeta` s or the error it names.
+control plane's last view, followed with every answer), so that a put is one round trip to its unit, and takes the
+plane's answer (:class:`~knitdata.control.records.Admitted`): its :class:`~knitdata.record.TrajectoryMeta` s, or the
+error it names.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Literal
 
 from knitdata.consumer.handoff import ProducerPresence
 from knitdata.control import fields_of
-from knitdata.control.records import Refusal
+from knitdata.control.records import Admitted
 from knitdata.engines.base import Engine
 from knitdata.errors import (
     EngineError,
@@ -63,7 +64,8 @@ class PutRouter:
             if self._replica is None:
                 units = list(self.engine.units)
                 self._replica = make_placement(str(self.engine.config.get("placement", "consumer_aware")), units)
-                self._follow_locked(self.engine.control.admission.placement_view())
+                view = self.engine.control.admission.placement_view()
+                self._follow_locked(view.placement, view.seq)
             seq = self._next_seq
             out = []
             for i, m in enumerate(metas):
@@ -72,25 +74,26 @@ class PutRouter:
                 out.append(self._replica.place(tm))
             return out
 
-    def _follow_locked(self, view: Mapping[str, Any]) -> None:
+    def _follow_locked(self, placement: Mapping[str, Any], seq: int) -> None:
         assert self._replica is not None
-        self._replica.follow(view["placement"])
-        self._next_seq = max(self._next_seq, int(view["seq"]))
+        self._replica.follow(placement)
+        self._next_seq = max(self._next_seq, int(seq))
 
-    def take(self, ans: Mapping[str, Any], idx: Sequence[int], out: list[TrajectoryMeta | None]) -> None:
-        """Record the plane's answer for ``idx``; raise its first error (the others stay accepted)."""
+    def take(self, ans: Admitted, idx: Sequence[int], out: list[TrajectoryMeta | None]) -> None:
+        """Record the plane's answer for ``idx`` (its metadata into ``out``); raise its first error (the others stay
+        accepted)."""
         with self._lock:
             if self._replica is not None:
-                self._follow_locked(ans)
-        for i, a in zip(idx, ans["accepted"]):
-            if a is not None:
-                out[i] = TrajectoryMeta.from_dict(a)
-        if ans.get("exception") is not None:
-            raise ans["exception"]
-        refused = ans["errors"]
-        if refused:  # Refusal rows (plain lists when they crossed JSON)
+                self._follow_locked(ans.placement, ans.seq)
+        for i, m in zip(idx, ans.accepted):
+            if m is not None:
+                out[i] = m
+        if ans.exception is not None:
+            raise ans.exception
+        refused = ans.errors
+        if refused:
             more = f" ({len(refused) - 1} more refused in this batch)" if len(refused) > 1 else ""
-            raise Refusal(*refused[0]).to_exception(more)
+            raise refused[0].to_exception(more)
 
 
 class Producer:
@@ -144,9 +147,9 @@ class Producer:
                 except MediaRefError as e:  # a reference to media no unit holds: nothing of the batch stored
                     plane.admission.note_rejected(e.trajectory_id, "media")
                     raise
-                n = res["stored"]
-                if res["admit"] is not None:
-                    self._router.take(res["admit"], rest[:n], out)
+                n = res.stored
+                if res.admit is not None:
+                    self._router.take(res.admit, rest[:n], out)
                 rest = rest[n:]
                 if rest:  # the unit is full: wait for room with a blocking put of the next one
                     self._put_waiting(unit_id, trajs, items, rest, wait, out)
@@ -196,7 +199,7 @@ class Producer:
         except BaseException:
             unit.release([trajs[k].id])
             raise
-        if ans["accepted"][0] is None:
+        if ans.accepted[0] is None:
             unit.release([trajs[k].id])
         self._router.take(ans, [k], out)
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from knitdata.admission import BatchSpec
 from knitdata.control import ControlPlane, fields_of
 from knitdata.control.journal import Journal
+from knitdata.control.records import PlacementView
 from knitdata.errors import ConfigError
 from knitdata.placement import ConsumerLayout, make_placement
 from knitdata.record import Trajectory, TrajectoryMeta
@@ -54,8 +55,8 @@ class Producer:
         self.plane = plane
         self.replica = make_placement(name, list(UNITS))
         view = plane.admission.placement_view()
-        self.replica.follow(view["placement"])
-        self.seq = view["seq"]
+        self.replica.follow(view.placement)
+        self.seq = view.seq
         self.calls = 0
 
     def put_many(self, trajs: list[Trajectory]) -> dict[str, Any]:
@@ -67,10 +68,10 @@ class Producer:
         for unit, items in by_unit.items():
             ans = self.plane.admission.admit_many(unit, items)
             self.calls += 1
-            self.replica.follow(ans["placement"])
-            self.seq = ans["seq"]
-            out["accepted"] += ans["accepted"]
-            out["errors"] += ans["errors"]
+            self.replica.follow(ans.placement)
+            self.seq = ans.seq
+            out["accepted"] += ans.accepted
+            out["errors"] += ans.errors
         return out
 
 
@@ -121,8 +122,8 @@ def test_one_bad_trajectory_refuses_its_whole_batch_and_is_counted():
     for batch, bad, field in cases:
         before = _decisions(plane)
         ans = plane.admission.admit_many("node0", [[_meta(t), 8, f"x-{t.id}-{k}"] for k, t in enumerate(batch)])
-        assert ans["accepted"] == [None, None]  # the unit drops both payloads
-        assert [e[0] for e in ans["errors"]] == [bad] and ans["errors"][0][3] == field
+        assert ans.accepted == [None, None]  # the unit drops both payloads
+        assert [e.trajectory_id for e in ans.errors] == [bad] and ans.errors[0].field == field
         after = _decisions(plane)
         assert after["live"] == before["live"] and after["seq"] == before["seq"]
     st_ = plane.reporting.stats()
@@ -135,16 +136,16 @@ def test_a_retried_call_is_answered_as_the_first_one(tmp_path):
     items = [[_meta(_traj(i)), 8, f"tok{i}"] for i in range(2)]
     first = plane.admission.admit_many("node1", items)
     again = plane.admission.admit_many("node1", items)  # the coordinator restarted before its answer arrived
-    assert again["accepted"] == first["accepted"] and not again["errors"]
+    assert again.accepted == first.accepted and not again.errors
     assert plane.reporting.stats()["puts"] == 2
     # the same ids under new tokens are a new put: duplicates
     other = plane.admission.admit_many("node1", [[it[0], 8, "new"] for it in items])
-    assert [e[3] for e in other["errors"]] == ["id", "id"]
+    assert [e.field for e in other.errors] == ["id", "id"]
     # a restarted coordinator replays the journal into the same decisions
     fresh = ControlPlane(_config(), UNITS, lambda u, ids, wait: None)
     fresh.recover(str(tmp_path / "j"))
     assert _decisions(fresh)["live"] == _decisions(plane)["live"]
-    assert fresh.admission.admit_many("node1", items)["accepted"] == first["accepted"]
+    assert fresh.admission.admit_many("node1", items).accepted == first.accepted
 
 
 def test_admit_many_refuses_an_unknown_unit_and_reports_the_view():
@@ -152,9 +153,10 @@ def test_admit_many_refuses_an_unknown_unit_and_reports_the_view():
     with pytest.raises(ConfigError, match="unknown storage unit 'nowhere'"):
         plane.admission.admit_many("nowhere", [[_meta(_traj(0)), 8, "t"]])
     ans = plane.admission.admit_many("node2", [[_meta(_traj(0)), 8, "t"]])
-    assert ans["accepted"][0]["location"] == "node2" and ans["seq"] == 1
-    assert ans["placement"]["load"]["node2"] == _traj(0).nbytes
-    assert plane.admission.placement_view() == {"placement": ans["placement"], "seq": 1}
+    got = ans.accepted[0]
+    assert isinstance(got, TrajectoryMeta) and got.location == "node2" and got.seq == 0 and ans.seq == 1
+    assert ans.placement["load"]["node2"] == _traj(0).nbytes
+    assert plane.admission.placement_view() == PlacementView(ans.placement, 1)
 
 
 def test_a_truncated_view_still_names_the_least_loaded_unit():
@@ -177,7 +179,7 @@ def test_admit_batches_decides_each_batch_on_its_own_as_separate_calls_would():
     one_by_one = [a.admission.admit_many("node0", x) for x in batches]
     together = b.admission.admit_batches("node0", batches)
     assert together == one_by_one
-    assert [x["accepted"] == [None, None] for x in together] == [False, True, False, False]
+    assert [x.accepted == [None, None] for x in together] == [False, True, False, False]
     assert _decisions(a) == _decisions(b)
 
 

@@ -107,8 +107,8 @@ class ControlPlaneMachine(RuleBasedStateMachine):
                         "num_tokens": 4 + (i * 7 + lengths) % 28, "nbytes": 16, "fields": fields_of(["r"], {})}
                 items.append([meta, 0, f"tok{i}"])
             ans = self.plane.admission.admit_many("node0", items)
-            self.puts += [it for it, ok in zip(items, ans["accepted"]) if ok is not None]
-            assert not ans["errors"], ans["errors"]
+            self.puts += [it for it, ok in zip(items, ans.accepted) if ok is not None]
+            assert not ans.errors, ans.errors
 
     @rule(rank=st.integers(0, 7), count=st.integers(1, 6))
     def hand_out(self, rank: int, count: int) -> None:
@@ -192,7 +192,7 @@ class ControlPlaneMachine(RuleBasedStateMachine):
         for k in range(0, len(self.puts), 2):
             ans = plane.admission.admit_many("node0", [[m, loss, f"again{self.incarnation}-{tok}"]
                                              for m, loss, tok in self.puts[k:k + 2]])
-            assert not ans["errors"], ans["errors"]
+            assert not ans.errors, ans.errors
         self.taken = list(self.saved["taken"])
         self.segment += 1
         self.saved = {"states": self._states(), "taken": list(self.taken), "segment": self.segment}

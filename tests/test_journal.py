@@ -81,7 +81,7 @@ def test_a_retried_put_after_a_restart_is_accepted_once(tmp_path):
     b = ControlPlane(_config(), {"node0": "node0", "node1": "node1"}, lambda u, ids, wait: None)
     b.recover(str(path))
     again = _put(b, t)  # the caller never saw the answer and retries
-    assert again["accepted"] == first["accepted"] and not again["errors"]
+    assert again.accepted == first.accepted and not again.errors
     assert len(b.state.pending) == 1
 
 

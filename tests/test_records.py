@@ -4,20 +4,29 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import pickle
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from knitdata.control.records import (
+    Admitted,
     ConsumerId,
     Fenced,
     HandOut,
     ItemRef,
     LeaseNews,
+    PlacementView,
     PlanEntry,
     ProducerNews,
     Refusal,
+    Stored,
     item_refs,
 )
 from knitdata.errors import FieldTypeError, KnitdataError, StoreFull, ValidationError
@@ -140,3 +149,80 @@ def test_the_consumer_side_reads_plan_entries_by_attribute() -> None:
     assert {k: v for k, v in reads.items() if v} == {}
     assert _entry_key_reads('e["minibatch"]; e.get("fp"); s["minibatch"] = 1') == ["line 1: ['minibatch']",
                                                                                   "line 1: .get('fp')"]
+
+
+def _put_answer() -> Stored:
+    metas = [TrajectoryMeta(f"t{i}", "math", "g0", gen_version=1, num_tokens=9 + i, nbytes=64, location="node0", seq=i)
+             for i in range(2)]
+    refused = Refusal("t9", "ValidationError", "trajectory 't9': field 'id': was already put", "id")
+    return Stored(3, Admitted([metas[0], None, metas[1]], [refused], {"load": {"node0": 128}}, 2), "full", 3)
+
+
+#: Loads pickled put answers (hex lines on stdin) in a process with another string hash, as a Ray worker does.
+_LOAD_ELSEWHERE = """
+import pickle, sys
+from knitdata.record import PACKED_META
+for line in sys.stdin.read().split():
+    res = pickle.loads(bytes.fromhex(line))
+    metas = [m for m in res.admit.accepted if m is not None]
+    print(type(res).__name__, type(res.admit).__name__, type(res.admit.errors[0]).__name__, res.stored, res.status,
+          res.admit.seq, [m.id for m in metas], res.admit.errors[0].to_exception(),
+          all(m.packed == PACKED_META.pack(m.num_tokens, m.nbytes, m.seq, hash(m.id)) for m in metas))
+"""
+
+
+def test_the_put_answers_cross_a_process_as_typed_records_with_that_process_hash() -> None:
+    """The Ray hop pickles the put's answers (the unit actor gets the coordinator's :class:`Admitted`, the client the
+    actor's :class:`Stored`): they arrive as the same records, each meta's ``packed`` rebuilt with the loading
+    process's hash of its id (a meta never carries another process's hash)."""
+    res = _put_answer()
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
+    blobs = [pickle.dumps(res), cloudpickle.dumps(res)]
+    for blob in blobs:
+        back = pickle.loads(blob)
+        assert back == res and type(back.admit) is Admitted and type(back.admit.errors[0]) is Refusal
+        assert all(type(m) is TrajectoryMeta for m in back.admit.accepted if m is not None)
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", _LOAD_ELSEWHERE], input="\n".join(b.hex() for b in blobs), env=env,
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()
+    assert out == ["Stored Admitted Refusal 3 full 2 ['t0', 't1'] trajectory 't9': field 'id': was already put True"] * 2
+
+
+def test_a_put_answer_compares_by_value_and_is_never_json() -> None:
+    """A retried put answers as the first time (equal records); the journal records the call's arguments only, so the
+    answers have no JSON form."""
+    assert _put_answer() == _put_answer() and _put_answer().admit != Admitted([], [], {}, 2)
+    with pytest.raises(TypeError):
+        json.dumps(_put_answer())
+    assert PlacementView({"load": {}}, 4) == ({"load": {}}, 4) and json.dumps(PlacementView({}, 4)) == "[{}, 4]"
+
+
+#: The put path's modules, and the keys of the put's former answer dicts (``admit_many``, ``put_admit``,
+#: ``placement_view``).
+PUT_PATH = ("producer.py", "storage/base.py", "engines/ray/unit.py", "engines/ray/unit_actor.py", "control/admit.py",
+            "engines/ray/control.py")
+ANSWER_KEYS = {"accepted", "errors", "placement", "seq", "exception", "stored", "admit", "status", "index"}
+
+
+def _answer_key_reads(source: str) -> list[str]:
+    """Reads of a put answer's former keys in ``source``: ``x["seq"]`` (loaded) and ``x.get("exception")`` (not a
+    config's ``.get``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load)
+                and isinstance(node.slice, ast.Constant) and node.slice.value in ANSWER_KEYS):
+            found.append(f"line {node.lineno}: [{node.slice.value!r}]")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
+              and not (isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "config")
+              and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in ANSWER_KEYS):
+            found.append(f"line {node.lineno}: .get({node.args[0].value!r})")
+    return found
+
+
+def test_the_put_path_reads_its_answers_by_attribute() -> None:
+    """The put path reads no answer of the put by string key (17 such reads by this count at 5557260, before the
+    records: 10 in producer.py, 5 in engines/ray/unit.py, 1 each in storage/base.py and engines/ray/unit_actor.py)."""
+    reads = {p: _answer_key_reads((ROOT / "knitdata" / p).read_text()) for p in PUT_PATH}
+    assert {k: v for k, v in reads.items() if v} == {}
+    assert _answer_key_reads('a["accepted"]; a.get("exception"); e.config.get("placement"); d["seq"] = 1') == [
+        "line 1: ['accepted']", "line 1: .get('exception')"]

@@ -162,7 +162,7 @@ def _fill(plane: ControlPlane, n: int = 32, order: list[int] | None = None) -> N
         meta = {"id": tid, "source": "ab"[(i // 2) % 2], "group": f"g{i // 2}", "gen_version": 0,
                 "num_tokens": 4 + (i * 7) % 30, "nbytes": 10, "fields": fields_of(["r"], {})}
         ans = plane.admission.admit_many("node0", [[meta, 0, f"tok{i}"]])
-        assert ans["accepted"][0] is not None, ans
+        assert ans.accepted[0] is not None, ans
 
 
 def _drain(plane: ControlPlane, rank: int, start: int, upto: int | None = None) -> list[list[str]]:
@@ -295,7 +295,7 @@ def _fill_tolerant(plane: ControlPlane, order: list[int]) -> None:
     for i in order:
         meta = {"id": f"t{i}", "source": "ab"[(i // 2) % 2], "group": f"g{i // 2}", "gen_version": 0,
                 "num_tokens": 4 + (i * 7) % 30, "nbytes": 10, "fields": fields_of(["r"], {})}
-        if plane.admission.admit_many("node0", [[meta, 0, f"tok{i}"]])["errors"]:
+        if plane.admission.admit_many("node0", [[meta, 0, f"tok{i}"]]).errors:
             return
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from knitdata.admission import AdmittedMiniBatch
 from knitdata.control.positions import check_verifications
-from knitdata.control.records import Refusal
+from knitdata.control.records import Admitted, PlacementView, Refusal
 from knitdata.control.reshape import note_planned, route
 from knitdata.control.state import WITHDRAWN_MEMORY, PlaneState
 from knitdata.control.surface import Part, control_call, control_part
@@ -145,7 +145,7 @@ class Admission(Part):
         self.withdrawn = OrderedDict.fromkeys(d["withdrawn"])
 
     @control_call(journaled=True)
-    def admit_many(self, unit: str, items: Sequence[Sequence[Any]]) -> dict[str, Any]:
+    def admit_many(self, unit: str, items: Sequence[Sequence[Any]]) -> Admitted:
         """The one-round-trip put: payloads already stored on ``unit`` are checked, placed there and admitted.
 
         The producer chose ``unit`` with a replica of the placement (:meth:`placement_view`), stored the
@@ -160,9 +160,9 @@ class Admission(Part):
                 a string unique to this put.
 
         Returns:
-            ``{"accepted": [metadata dict or None per item], "errors": [Refusal(traj_id, error class name, message,
-            field), ...], "placement": placement view, "seq": next arrival index}``. Refused items (``None``) are
-            not held by the plane: the unit drops their payloads.
+            :class:`~knitdata.control.records.Admitted`: the :class:`~knitdata.record.TrajectoryMeta` (or ``None``)
+            of each item, the :class:`~knitdata.control.records.Refusal` s, the placement view and the next arrival
+            index. Refused items (``None``) are not held by the plane: the unit drops their payloads.
 
         Raises:
             ConfigError: An unknown unit.
@@ -171,21 +171,20 @@ class Admission(Part):
         s = self.s
         if unit not in s.unit_nodes:
             raise ConfigError(f"unknown storage unit {unit!r}; the units are {list(s.unit_nodes)[:8]}")
-        accepted: list[dict[str, Any] | None] = [None] * len(items)
+        accepted: list[TrajectoryMeta | None] = [None] * len(items)
         errors: list[Refusal] = []
         with s.cond:
             fresh = self._check_batch(items, accepted, errors)
             if errors:  # refused with the batch: the good ones too (retried ones stay accepted)
                 if fresh:
                     s.count_rejected("batch", len(fresh))
-                return {"accepted": accepted, "errors": errors, **self.placement_view()}
+                return Admitted(accepted, errors, s.placement.view(), s.seq)
             raised = self._admit_checked(unit, items, fresh, accepted, errors)
-            ans = {"accepted": accepted, "errors": errors, **self.placement_view()}
-            if raised is not None and not isinstance(raised, KnitdataError):
-                ans["exception"] = raised  # in-process only (an on_plan hook): re-raised by the pipeline
-            return ans
+            # a non-knitdata exception (an on_plan hook's) goes to the pipeline in process, re-raised there
+            return Admitted(accepted, errors, s.placement.view(), s.seq,
+                            None if raised is None or isinstance(raised, KnitdataError) else raised)
 
-    def _check_batch(self, items: Sequence[Sequence[Any]], accepted: list[dict[str, Any] | None],
+    def _check_batch(self, items: Sequence[Sequence[Any]], accepted: list[TrajectoryMeta | None],
                      errors: list[Refusal]) -> list[int]:
         """Every check of a batch, no state changed; fills ``accepted`` for retried items and ``errors``; returns
         the indices of the new items."""
@@ -198,7 +197,7 @@ class Admission(Part):
             try:
                 done = s.live.get(tid)
                 if done is not None and s.put_tokens.get(tid) == token:
-                    accepted[k] = done.to_dict()  # a retried call (the coordinator restarted before answering)
+                    accepted[k] = done  # a retried call (the coordinator restarted before answering)
                     continue
                 s.check_open()
                 self._check_put(meta, tid, seen, schema)
@@ -213,7 +212,7 @@ class Admission(Part):
         return fresh
 
     def _admit_checked(self, unit: str, items: Sequence[Sequence[Any]], fresh: list[int],
-                       accepted: list[dict[str, Any] | None], errors: list[Refusal]) -> BaseException | None:
+                       accepted: list[TrajectoryMeta | None], errors: list[Refusal]) -> BaseException | None:
         """Place, admit and plan the checked items ``fresh`` of a batch; returns what stopped admission, if any."""
         s = self.s
         raised: BaseException | None = None
@@ -253,7 +252,7 @@ class Admission(Part):
             row = s.observed.source_counts.get(m.source)
             if row is not None:
                 row["puts"] += 1
-            accepted[k] = m.to_dict()
+            accepted[k] = m
             try:
                 self.poll()
             except BaseException as e:  # this item is admitted; the producer gets the error
@@ -279,9 +278,12 @@ class Admission(Part):
         check_schema(tid, meta.get("fields"), schema)
 
     @control_call(journaled=True)
-    def admit_batches(self, unit: str, batches: Sequence[Sequence[Sequence[Any]]]) -> list[dict[str, Any]]:
+    def admit_batches(self, unit: str, batches: Sequence[Sequence[Sequence[Any]]]) -> list[Admitted]:
         """:meth:`admit_many` for several independent batches stored on ``unit`` (concurrent puts a unit sends
         together), in order, under one lock; each batch is refused or admitted on its own.
+
+        Returns:
+            The :class:`~knitdata.control.records.Admitted` of each batch, in order.
 
         Raises:
             ConfigError: An unknown unit. QuotaInfeasibleError: As :meth:`admit_many`.
@@ -290,11 +292,11 @@ class Admission(Part):
             return [self.admit_many(unit, b) for b in batches]
 
     @control_call()
-    def placement_view(self) -> dict[str, Any]:
-        """``{"placement": view, "seq": next arrival index}`` for a producer's placement replica (see
+    def placement_view(self) -> PlacementView:
+        """The placement's view and the next arrival index, for a producer's placement replica (see
         :meth:`admit_many`)."""
         with self.s.cond:
-            return {"placement": self.s.placement.view(), "seq": self.s.seq}
+            return PlacementView(self.s.placement.view(), self.s.seq)
 
     @control_call()
     def note_rejected(self, traj_id: str | None, cause: str) -> None:

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from knitdata.codec import encode_trajectory
+from knitdata.control.records import Admitted, Stored
 from knitdata.errors import StoreFull, ValidationError
 from knitdata.record import Trajectory
 
@@ -160,7 +161,7 @@ class StorageUnit(abc.ABC):
         return True
 
     def put_admit(self, trajs: Sequence[Trajectory], items: Sequence[Sequence[Any]],
-                  admit: Callable[[str, list[Any]], dict[str, Any]]) -> dict[str, Any]:
+                  admit: Callable[[str, list[Any]], Admitted]) -> Stored:
         """The one-round-trip put: store the payloads that fit now, in order, then admit them in one control call.
 
         The control plane's :meth:`~knitdata.control.admit.Admission.admit_many` answers for the stored prefix;
@@ -173,8 +174,9 @@ class StorageUnit(abc.ABC):
             admit: ``admit(unit_id, items)``: the control plane's ``admit_many``.
 
         Returns:
-            ``{"stored": n, "admit": answer or None}``: the first ``n`` were stored and offered (``n`` is less
-            than ``len(trajs)`` when the unit is full; the rest were not stored).
+            :class:`~knitdata.control.records.Stored`: the first ``stored`` were stored and offered (fewer than
+            ``len(trajs)`` when the unit is full, status ``"full"``; the rest were not stored), and the plane's
+            :class:`~knitdata.control.records.Admitted` for them (``None`` when nothing was stored).
 
         Raises:
             ValidationError: An id is already held by this unit (nothing of the batch is kept).
@@ -192,17 +194,18 @@ class StorageUnit(abc.ABC):
         except BaseException:  # interrupted: the one in progress may be stored too
             self.release([t.id for t in trajs[:n + 1]])
             raise
+        status = "ok" if n == len(trajs) else "full"
         if n == 0:
-            return {"stored": 0, "admit": None}
+            return Stored(0, None, status, 0)
         try:
             ans = admit(self.unit_id, [list(x) for x in items[:n]])
         except BaseException:
             self.release([t.id for t in trajs[:n]])
             raise
-        refused = [t.id for t, a in zip(trajs, ans["accepted"]) if a is None]
+        refused = [t.id for t, a in zip(trajs, ans.accepted) if a is None]
         if refused:
             self.release(refused)
-        return {"stored": n, "admit": ans}
+        return Stored(n, ans, status, n)
 
     @abc.abstractmethod
     def get(self, ids: Sequence[str]) -> list[Trajectory]:

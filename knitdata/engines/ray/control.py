@@ -26,6 +26,7 @@ from knitdata.control.journal import Journal
 from knitdata.control.leases import Leases
 from knitdata.control.ledger import Ledger
 from knitdata.control.positions import Positions
+from knitdata.control.records import Admitted
 from knitdata.control.reporting import Reporting
 from knitdata.control.reshape import Reshaping
 from knitdata.control.surface import CONTROL_CALLS, control_call, control_part, positional, remote_part
@@ -168,7 +169,8 @@ class Coordinator:
     """Hosts the pipeline's :class:`~knitdata.control.ControlPlane` and :class:`Plumbing`, and owns its
     storage-unit actors (the class of :data:`CoordinatorActor`).
 
-    Every call takes and returns JSON-like values (metadata only).
+    Every call takes and returns metadata only: JSON-like values or the control plane's records
+    (:mod:`knitdata.control.records`, module-level classes that Ray pickles as they are).
 
     Args:
         setup: Name, config, nodes, capacity, spill directory, journal, trace path, ...
@@ -227,7 +229,7 @@ class Coordinator:
         return self.call(name, *args)
 
     # the calls the units make on this actor directly (the one-round-trip put), metered ---------------------
-    def admit_many(self, unit: str, items: list[Any]) -> dict[str, Any]:
+    def admit_many(self, unit: str, items: list[Any]) -> Admitted:
         """See :meth:`knitdata.control.admit.Admission.admit_many` (called by the storage units)."""
         c0 = time.thread_time()
         try:
@@ -235,7 +237,7 @@ class Coordinator:
         finally:
             self._meter.add(time.thread_time() - c0, len(items))
 
-    def admit_batches(self, unit: str, batches: list[Any]) -> list[dict[str, Any]]:
+    def admit_batches(self, unit: str, batches: list[Any]) -> list[Admitted]:
         """See :meth:`knitdata.control.admit.Admission.admit_batches` (called by the storage units)."""
         c0 = time.thread_time()
         try:

@@ -65,6 +65,7 @@ except ImportError as _e:  # pragma: no cover - exercised by monkeypatching in t
 import numpy as np
 
 from knitdata.codec import encode_trajectory
+from knitdata.control.records import Admitted, Stored
 from knitdata.engines.ray.connect import (
     NAMESPACE,
     current_node,
@@ -369,13 +370,17 @@ class RayStorageUnit(StorageUnit):
         return ok
 
     def put_admit(self, trajs: Sequence[Trajectory], items: Sequence[Sequence[Any]],
-                  admit: Callable[[str, list[Any]], dict[str, Any]] | None = None) -> dict[str, Any]:
+                  admit: Callable[[str, list[Any]], Admitted] | None = None) -> Stored:
         """The one-round-trip put (see :meth:`StorageUnit.put_admit`): the unit's actor stores the records that
         fit now and makes the admission call to the coordinator itself; ``admit`` is unused.
 
         Each distinct media item goes once per call (not at all when the unit holds it already); when the unit
         lacks one (freed since, or a reference), nothing of the batch is kept and the batch goes again with the
         content (or a reference's item found in another unit).
+
+        Returns:
+            The actor's :class:`~knitdata.control.records.Stored` (status ``"ok"``, or ``"full"`` when only the
+            first ``stored`` fit), its :class:`~knitdata.control.records.Admitted` carried through.
 
         Raises:
             ValidationError: An id is already held by this unit. EngineError: The unit is closed.
@@ -387,29 +392,28 @@ class RayStorageUnit(StorageUnit):
         for attempt in range(_MEDIA_ATTEMPTS):
             recs, content = self._media.encode(trajs, resend=attempt > 0, extra=extra)
             try:
-                res = ray_get(self._h.actor.put_admit.remote(recs, listed, content))
+                res: Stored = ray_get(self._h.actor.put_admit.remote(recs, listed, content))
             except ray.exceptions.RayTaskError as e:
                 raise _knitdata_cause(e) from None
             except _LOST_ERRORS as e:
                 raise host_gone_error() or TrajectoryLostError(
                     f"storage unit {self.unit_id!r} is dead; the puts were not stored",
                     trajectory_ids=[r[0] for r in recs]) from e
-            status = str(res["status"])
+            status = res.status
             if not status.startswith(("missing:", "kind:")):
                 break
-            extra.update(self._media.fix(status, trajs[res["index"]], self.resolve))
+            extra.update(self._media.fix(status, trajs[res.index], self.resolve))
         else:
             raise EngineError(f"storage unit {self.unit_id!r} kept reporting media of this put missing after "
                               f"{_MEDIA_ATTEMPTS} attempts; retry the put")
         if status == "dup":
-            raise ValidationError(f"already held by storage unit {self.unit_id!r}", trajectory_id=recs[res["index"]][0],
+            raise ValidationError(f"already held by storage unit {self.unit_id!r}", trajectory_id=recs[res.index][0],
                                   field="id")
         if status == "closed":
             raise EngineError(f"storage unit {self.unit_id!r} is closed; create a new pipeline to put more")
-        stored = int(res["stored"])
-        _count_puts(self, recs[:stored], content)
-        self._media.mark_sent(recs[:stored])
-        return {"stored": stored, "admit": res["admit"]}
+        _count_puts(self, recs[:res.stored], content)
+        self._media.mark_sent(recs[:res.stored])
+        return res
 
     def put_record(self, traj_id: str, record: Any, nbytes: int, *, timeout: float | None = None) -> int:
         """Store one codec record (its media inline: not shared), waiting up to ``timeout`` seconds for room.

@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from knitdata.control.records import Admitted, Stored
 from knitdata.errors import EngineError, OptionalDependencyError, StoreFull
 from knitdata.observe import trace as tracing
 
@@ -282,15 +283,16 @@ class StorageUnitActor:
         return tracing.parts_missing_from(path, known)
 
     def put_admit(self, recs: list[tuple[Any, ...]], items: list[Any],
-                  content: Mapping[str, Sequence[Any]] | None = None) -> dict[str, Any]:
+                  content: Mapping[str, Sequence[Any]] | None = None) -> Stored:
         """The one-round-trip put: store the records that fit now, then admit them with one coordinator call.
 
         See :meth:`knitdata.storage.base.StorageUnit.put_admit`. Records the coordinator refused are dropped.
 
         Returns:
-            ``{"stored": n, "status": "ok" | "full" | "dup" | "closed" | "missing:<i>" | "kind:<i>", "index":
-            position of the first record not stored, "admit": the coordinator's answer or None}``; after
-            ``"dup"``, ``"closed"``, ``"missing:<i>"`` or ``"kind:<i>"`` nothing of the batch is kept (nothing
+            :class:`~knitdata.control.records.Stored`: the records stored and admitted, the coordinator's
+            :class:`~knitdata.control.records.Admitted` (or ``None``), the status (``"ok"``, ``"full"``, ``"dup"``,
+            ``"closed"``, ``"missing:<i>"`` or ``"kind:<i>"``) and the position of the first record not stored;
+            after ``"dup"``, ``"closed"``, ``"missing:<i>"`` or ``"kind:<i>"`` nothing of the batch is kept (nothing
             admitted: the client resends the batch with the media content, or refuses it).
         """
         t0 = tracing.now_us() if tracing.tracer is not None else 0.0
@@ -303,20 +305,20 @@ class StorageUnitActor:
         ids = [r[0] for r in recs[:n]]
         if status in ("dup", "closed") or status.startswith(("missing:", "kind:")):
             self.release(ids)
-            return {"stored": 0, "status": status, "index": n, "admit": None}
+            return Stored(0, None, status, n)
         if n == 0:
-            return {"stored": 0, "status": status, "index": 0, "admit": None}
+            return Stored(0, None, status, 0)
         try:
             ans = self._admit(items[:n])
         except BaseException:
             self.release(ids)
             raise
-        refused = [tid for tid, a in zip(ids, ans["accepted"]) if a is None]
+        refused = [tid for tid, a in zip(ids, ans.accepted) if a is None]
         if refused:
             self.release(refused)
-        return {"stored": n, "status": status, "index": n, "admit": ans}
+        return Stored(n, ans, status, n)
 
-    def _admit(self, items: list[Any]) -> dict[str, Any]:
+    def _admit(self, items: list[Any]) -> Admitted:
         """Admit one put's items; concurrent puts share one coordinator call (a group commit)."""
         gc = self._gc
         box: dict[str, Any] = {}
@@ -344,12 +346,13 @@ class StorageUnitActor:
         return self._answer(box)
 
     @staticmethod
-    def _answer(box: Mapping[str, Any]) -> dict[str, Any]:
+    def _answer(box: Mapping[str, Any]) -> Admitted:
         if "err" in box:
             raise box["err"]
-        return dict(box["ans"])
+        ans: Admitted = box["ans"]  # this put's own answer (the coordinator answers each batch of a call apart)
+        return ans
 
-    def _call_admit(self, batches: list[Any]) -> list[dict[str, Any]]:
+    def _call_admit(self, batches: list[Any]) -> list[Admitted]:
         control = self._control
         if control is None:
             raise EngineError(f"storage unit {self._s.unit_id!r} has no coordinator yet; retry the put")
