@@ -7,13 +7,14 @@ consumer process reports :class:`LeaseNews` (with the :class:`HandOut` s of each
 The one-round-trip put answers :class:`Admitted` (the plane's answer) inside :class:`Stored` (the unit's); a
 producer's replica of the placement starts from a :class:`PlacementView`.
 
-They become JSON only at the journal, the snapshot and the Ray hop. The row-like ones are
+They become JSON only at the journal and the snapshot (the Ray hop pickles them as they are: module-level
+classes). The row-like ones are
 :class:`~typing.NamedTuple` s: typed for mypy, as cheap as a tuple to build and read, and ``json.dumps`` writes
 each as the same array the journal and the snapshots always held, so old journals replay and snapshots stay
 byte for byte. :class:`PlanEntry` is a slotted record with :meth:`PlanEntry.to_json` / :meth:`PlanEntry.from_json`
-for the snapshot. :class:`Admitted` and :class:`Stored` are slotted records that are never JSON: a journal records
-the put's arguments, not its answer, and the Ray hop pickles them (module-level classes; a
-:class:`~knitdata.record.TrajectoryMeta` is rebuilt where it is loaded, with that process's hash in ``packed``).
+for the snapshot. :class:`Admitted` and :class:`Stored` are slotted records that are never JSON (a journal records
+the put's arguments, not its answer); a :class:`~knitdata.record.TrajectoryMeta` they carry across Ray is rebuilt
+where it is loaded, with that process's hash in ``packed``.
 
 Example:
     >>> import json
