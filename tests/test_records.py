@@ -128,15 +128,17 @@ def test_item_refs_are_the_metas_id_unit_and_bytes() -> None:
     assert all(type(r) is ItemRef for r in refs) and refs[1].unit == "node1"
 
 
-def _entry_key_reads(source: str) -> list[str]:
-    """Reads of a plan entry's former dict keys in ``source``: ``x["j"]`` (loaded, not stored) and ``x.get("fp")``."""
+def _key_reads(source: str, keys: set[str]) -> list[str]:
+    """Reads of the string keys ``keys`` in ``source``: ``x["j"]`` (loaded, not stored) and ``x.get("fp")`` (not a
+    config's ``.get``)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load)
-                and isinstance(node.slice, ast.Constant) and node.slice.value in ENTRY_KEYS):
+                and isinstance(node.slice, ast.Constant) and node.slice.value in keys):
             found.append(f"line {node.lineno}: [{node.slice.value!r}]")
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-              and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in ENTRY_KEYS):
+              and not (isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "config")
+              and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in keys):
             found.append(f"line {node.lineno}: .get({node.args[0].value!r})")
     return found
 
@@ -144,10 +146,10 @@ def _entry_key_reads(source: str) -> list[str]:
 def test_the_consumer_side_reads_plan_entries_by_attribute() -> None:
     """The consumer side (knitdata/consumer) reads no plan entry by string key (35 such reads by this count at
     09a9e70, before the records, with the start point's ``next``/``fp``; the state dicts it writes are stores)."""
-    reads = {p.name: _entry_key_reads(p.read_text()) for p in sorted((ROOT / "knitdata" / "consumer").glob("*.py"))}
+    reads = {p.name: _key_reads(p.read_text(), ENTRY_KEYS) for p in sorted((ROOT / "knitdata" / "consumer").glob("*.py"))}
     assert {k: v for k, v in reads.items() if v} == {}
-    assert _entry_key_reads('e["minibatch"]; e.get("fp"); s["minibatch"] = 1') == ["line 1: ['minibatch']",
-                                                                                  "line 1: .get('fp')"]
+    assert _key_reads('e["minibatch"]; e.get("fp"); s["minibatch"] = 1', ENTRY_KEYS) == [
+        "line 1: ['minibatch']", "line 1: .get('fp')"]
 
 
 def _put_answer() -> Stored:
@@ -203,25 +205,10 @@ PUT_PATH = ("producer.py", "storage/base.py", "engines/ray/unit.py", "engines/ra
 ANSWER_KEYS = {"accepted", "errors", "placement", "seq", "exception", "stored", "admit", "status", "index"}
 
 
-def _answer_key_reads(source: str) -> list[str]:
-    """Reads of a put answer's former keys in ``source``: ``x["seq"]`` (loaded) and ``x.get("exception")`` (not a
-    config's ``.get``)."""
-    found = []
-    for node in ast.walk(ast.parse(source)):
-        if (isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load)
-                and isinstance(node.slice, ast.Constant) and node.slice.value in ANSWER_KEYS):
-            found.append(f"line {node.lineno}: [{node.slice.value!r}]")
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-              and not (isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "config")
-              and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value in ANSWER_KEYS):
-            found.append(f"line {node.lineno}: .get({node.args[0].value!r})")
-    return found
-
-
 def test_the_put_path_reads_its_answers_by_attribute() -> None:
     """The put path reads no answer of the put by string key (17 such reads by this count at 5557260, before the
     records: 10 in producer.py, 5 in engines/ray/unit.py, 1 each in storage/base.py and engines/ray/unit_actor.py)."""
-    reads = {p: _answer_key_reads((ROOT / "knitdata" / p).read_text()) for p in PUT_PATH}
+    reads = {p: _key_reads((ROOT / "knitdata" / p).read_text(), ANSWER_KEYS) for p in PUT_PATH}
     assert {k: v for k, v in reads.items() if v} == {}
-    assert _answer_key_reads('a["accepted"]; a.get("exception"); e.config.get("placement"); d["seq"] = 1') == [
+    assert _key_reads('a["accepted"]; a.get("exception"); e.config.get("placement"); d["seq"] = 1', ANSWER_KEYS) == [
         "line 1: ['accepted']", "line 1: .get('exception')"]
