@@ -185,6 +185,7 @@ def test_resume_without_the_worker_state_or_with_another_spec_is_refused(tmp_pat
     ({"token_budget": 64}, "token_budget=64"),
     ({"weight_sync_steps": 2}, "weight_sync_steps=2"),
     ({"num_generations": 4}, "num_generations=4"),
+    ({"max_staleness": 0}, "max_staleness=0"),  # hung: TRL's loader reads the next step before its weights exist
 ])
 def test_trainer_settings_that_break_step_boundaries_are_refused(over: dict[str, Any], words: str) -> None:
     with pytest.raises(ConfigError, match=words.replace("(", r"\(")):

@@ -246,6 +246,10 @@ class KnitdataRolloutWorker:
         if int(args.weight_sync_steps) != 1:
             problems.append(f"weight_sync_steps={args.weight_sync_steps}: the bound counts one TRL version per step; "
                             f"set weight_sync_steps=1")
+        if int(args.max_staleness) < 1:
+            problems.append(f"max_staleness={args.max_staleness}: TRL's data loader reads a step's first samples "
+                            f"before the previous step's weights exist, so a bound of 0 waits forever; set "
+                            f"max_staleness >= 1")
         if int(args.num_generations) != self.spec.group_size:
             problems.append(f"num_generations={args.num_generations} differs from the spec's group_size "
                             f"{self.spec.group_size}")
