@@ -291,3 +291,16 @@ def test_microbatch_equality_covers_info_and_media() -> None:
     assert a == b
     b.info = MicroBatchInfo(**{**info.to_dict(), "global_tokens": 11})
     assert a != b
+
+
+def test_a_tensor_that_breaks_response_alignment_is_named_not_an_aligned_one() -> None:
+    # old_logprobs one longer than t3's response: t0 and t2 follow their responses, t3 does not (the error
+    # named t2 before, whose tensor is right)
+    def traj(tid: str, rlen: int, lp_len: int) -> Trajectory:
+        return Trajectory(id=tid, source="math", group="g", prompt_ids=torch.arange(2), response_ids=torch.arange(rlen),
+                          tensors={"old_logprobs": torch.zeros(lp_len)})
+
+    with pytest.raises(ValidationError, match="not 1-D of its response length") as e:
+        TokenCollator()([traj("t0", 3, 3), traj("t2", 4, 4), traj("t3", 2, 3)])
+    assert e.value.trajectory_id == "t3" and e.value.field == "tensors.old_logprobs"
+    assert "(2)" in str(e.value) and "'t0'" in str(e.value)

@@ -418,6 +418,16 @@ class TokenCollator:
             elif all(v.shape == vals[0].shape for v in vals):
                 out[name] = torch.stack([v.to(dtype) for v in vals])
             else:
+                follows = [v.dim() == 1 and v.numel() == r for v, r in zip(vals, rlens)]
+                if any(follows):  # some follow their responses: the culprit is one that does not
+                    bad, good = follows.index(False), follows.index(True)
+                    raise ValidationError(
+                        f"shape {tuple(vals[bad].shape)} is not 1-D of its response length ({rlens[bad]}), while "
+                        f"that of trajectory {trajs[good].id!r} does; extra tensors must either follow "
+                        "the response tokens or have one shape in every trajectory",
+                        trajectory_id=trajs[bad].id,
+                        field=fname,
+                    )
                 bad = next(i for i, v in enumerate(vals) if v.shape != vals[0].shape)
                 raise ValidationError(
                     f"shape {tuple(vals[bad].shape)} differs from {tuple(vals[0].shape)} (trajectory "
