@@ -196,7 +196,8 @@ class KnitdataRolloutWorker:
         self.metrics_queue: queue.Queue[Any] = queue.Queue()
         #: Pass it to the trainer: ``AsyncGRPOTrainer(..., callbacks=[worker.callback])``.
         self.callback = KnitdataTRLCallback(self)
-        #: One record per optimizer step of this run, in order (what the trainer read; see :class:`StepRecord`).
+        #: One record per optimizer step of this run, in order (what the trainer read; see :class:`StepRecord`). The
+        #: last may be partial: a step TRL's loader started reading ahead (after ``train()``: one that never trained).
         self.history: list[StepRecord] = []
         #: The pipeline (made by :meth:`start`).
         self.pipeline: Pipeline | None = None
