@@ -249,3 +249,19 @@ def test_import_without_trl_names_the_extra() -> None:
             "    print(type(e).__name__, e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
     assert out.startswith("OptionalDependencyError") and "pip install 'knitdata[trl]'" in out, out
+
+
+def test_a_nan_reward_counts_as_unscored_as_in_trls_own_worker() -> None:
+    # TRL's AsyncRolloutWorker turns None into NaN and sums with nansum: a function's NaN is a None. The worker
+    # stopped the run instead ("field 'scalars.advantage': must be finite, got nan")
+    def half_nan(completion_ids: Any, source: Any, **kw: Any) -> list[float]:
+        return [float("nan") if i == 0 else float(len(c)) for i, c in enumerate(completion_ids)]
+
+    engine = ScriptedEngine()
+    spec = BatchSpec({"a": 4, "b": 4}, num_minibatches=2, group_size=2)
+    worker = KnitdataRolloutWorker(spec, {s: [[1, i, 7] for i in range(40)] for s in ("a", "b")}, engine,
+                                   [half_nan, reward], max_new_tokens=5)
+    steps, _ = _train(worker, engine, _args(), steps=2)
+    assert [rec.per_source for rec in worker.history[:2]] == [{"a": 2, "b": 2}] * 2
+    advantages = torch.cat([batch["advantages"].flatten() for step in steps for batch in step])
+    assert torch.isfinite(advantages).all()

@@ -154,7 +154,7 @@ class KnitdataRolloutWorker:
         engine: Generates (``version``, ``generate``); :class:`~knitdata.integrations.trl.engine.HFGenerationEngine`
             is also the trainer's ``weight_transfer``.
         reward_funcs: TRL-style reward functions ``f(prompts, completions, completion_ids, source, **columns)``
-            returning one float (or ``None``) per completion; summed.
+            returning one float (or ``None``; NaN counts as ``None``, as in TRL) per completion; summed.
         processing_class: Tokenizer (string prompts, decoded completions for the reward functions).
         max_new_tokens: Longest response.
         chunk_tokens: Tokens per generation round: a response still running at a round's end is continued in the
@@ -424,7 +424,7 @@ class KnitdataRolloutWorker:
                 raise ConfigError(f"reward function {getattr(f, '__name__', f)!r} returned {len(out)} rewards for "
                                   f"the {n} completions of group {group.request_id!r}")
             for i, r in enumerate(out):
-                if r is not None:
+                if r is not None and not math.isnan(r):  # NaN is None, as in TRL's worker (nansum)
                     total[i] += float(r)
                     scored[i] = True
         rewards = np.where(scored, total, np.nan)
