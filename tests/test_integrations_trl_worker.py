@@ -265,3 +265,16 @@ def test_a_nan_reward_counts_as_unscored_as_in_trls_own_worker() -> None:
     assert [rec.per_source for rec in worker.history[:2]] == [{"a": 2, "b": 2}] * 2
     advantages = torch.cat([batch["advantages"].flatten() for step in steps for batch in step])
     assert torch.isfinite(advantages).all()
+
+
+def test_a_second_train_on_a_stopped_worker_is_refused_at_start() -> None:
+    # trainer.train() twice: TRL starts its rollout worker once per trainer and stops it at the end of train(), so
+    # the second run waited for TRL's heartbeat (300 s), then failed with a message about admission
+    engine = ScriptedEngine()
+    worker = _worker(engine)
+    _train(worker, engine, _args(), steps=1)
+    with pytest.raises(StateError, match="new KnitdataRolloutWorker"):
+        worker.configure(_args(), NS(global_step=0))  # the callback, at the second train's begin
+    worker.update_model_version(engine.version)      # the same trainer: TRL's model_version goes on
+    with pytest.raises(StateError, match="new KnitdataRolloutWorker"):
+        worker.start()

@@ -233,8 +233,10 @@ class KnitdataRolloutWorker:
 
         Raises:
             ConfigError: A setting that would break the step boundaries or the bound (the message names it).
-            StateError: Resuming without the worker's state, or a state of another spec.
+            StateError: Resuming without the worker's state, or a state of another spec; the worker was stopped (a
+                second ``train()``: TRL starts its rollout worker once per trainer).
         """
+        self._check_not_stopped()
         world = int(getattr(args, "world_size", 1) or 1)
         per_step = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps) * world
         problems = []
@@ -264,6 +266,11 @@ class KnitdataRolloutWorker:
         if path is not None:
             self._load(os.path.join(path, STATE_FILE), self._start_step)
         self._configured = True
+
+    def _check_not_stopped(self) -> None:
+        if self._stop.is_set():  # TRL starts its rollout worker once per trainer, and stops it at the end of train()
+            raise StateError("this KnitdataRolloutWorker ran a train() and was stopped: build a new trainer with a new "
+                             "KnitdataRolloutWorker (and a fresh engine) for each train() call, as for a resume")
 
     def _load(self, file: str, step: int) -> None:
         try:
@@ -306,7 +313,13 @@ class KnitdataRolloutWorker:
 
     # ------------------------------------------------------------------ TRL's RolloutWorkerProtocol
     def start(self) -> None:
-        """Build the pipeline at TRL's current version and start the producer and feeder threads."""
+        """Build the pipeline at TRL's current version and start the producer and feeder threads.
+
+        Raises:
+            StateError: The worker was stopped (it ran a ``train()``): it runs once; build a new one per run.
+            ConfigError: The worker's callback was not given to the trainer.
+        """
+        self._check_not_stopped()
         if not self._configured or self.max_staleness is None:
             raise ConfigError("the worker's callback did not run: AsyncGRPOTrainer(..., callbacks=[worker.callback])")
         if getattr(self.engine, "version", self._version) != self._version:
