@@ -403,9 +403,10 @@ def fencing(engine: str, n_groups: int = 16, fetch: str = "iter") -> dict[str, A
 # ---------------------------------------------------------------------------------------------- replays
 @scenario
 def replay(engine: str, n_groups: int = 16, save_after: int = 3, reorder: bool = True,
-           fetch: str = "iter") -> dict[str, Any]:
+           fetch: str = "iter", short: int | None = None) -> dict[str, Any]:
     """A new job refilled with the puts of one train batch in another order than the run that saved the
-    state: refused with an error that names the rank; the same order resumes as before (control)."""
+    state: refused with an error that names the rank; the same order resumes as before (control). ``short``: the
+    refill puts only the first ``short`` trajectories (then closes)."""
     spec = spec_for(n_groups)
     trajs = workload(n_groups)
     pipe = make_pipeline(engine, spec)
@@ -425,6 +426,8 @@ def replay(engine: str, n_groups: int = 16, save_after: int = 3, reorder: bool =
         gs = spec.group_size
         first = [refill[i:i + gs] for i in range(0, per_batch, gs)]
         refill[:per_batch] = [t for grp in reversed(first) for t in grp]
+    if short is not None:
+        refill = refill[:short]
     pipe2 = make_pipeline(engine, spec)
     ds2 = pipe2.dataset(0, fetch=fetch)
     ds2.load_state_dict(state)

@@ -112,6 +112,18 @@ def test_a_reordered_refill_is_refused(engine, request):
     assert len(ids) == len(set(ids)) == 32
 
 
+@pytest.mark.parametrize("engine", ENGINES_RAY_SLOW)
+def test_a_refill_shorter_than_the_saved_position_is_refused(engine, request):
+    """A new job refilled with fewer puts than the run that saved the state (its rollout log was cut): the rank gets
+    a StateError naming it, the saved position and how far the refill got, not a silent empty pass."""
+    res = run_on(engine, request, "replay", reorder=False, save_after=5, short=8)
+    assert res["put_error"][0] == "no error", res["put_error"]
+    assert res["error"][0] == "StateError", res
+    msg = res["error"][3]
+    assert "rank 0" in msg and "before the position" in msg and "fewer trajectories" in msg, msg
+    assert res["rest"] == []
+
+
 # ----------------------------------------------------------------------------------------------- rollback
 @pytest.mark.parametrize("engine", ENGINES)
 def test_rollback_to_the_last_saved_state_with_the_defaults(engine, request):

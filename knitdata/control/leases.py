@@ -29,6 +29,20 @@ _END = NextEntries(end=True)  # closed and drained
 _WAIT = NextEntries()  # nothing within the wait
 
 
+def _short_refill(s: PlaneState, rank: int) -> str | None:
+    """The message when the closed stream planned fewer micro-batches of ``rank`` than the position of the state it
+    loaded (a new job refilled with fewer puts than the run that saved it, or closed early), else ``None``."""
+    pending = s.replay.verify_at[rank]
+    saved = max(s.committed[rank], 0 if pending is None else pending[0])
+    if saved <= s.planned[rank]:
+        return None
+    where = f" ({pending[2]})" if pending is not None and pending[2] else ""
+    return (f"rank {rank}: the stream ended after {s.planned[rank]} micro-batches of this rank, before the position "
+            f"{saved} of the state it loaded{where}: the refill put fewer trajectories than the run that saved the "
+            "state (or closed early), so the micro-batches after it cannot be told apart from others. Put the same "
+            "trajectories in the same order as that run, or start without loading the state")
+
+
 @control_part("leasing")
 class Leases(Part):
     """The consumer side of one plane: leases, the entries a rank's iterator takes, and consumer reports.
@@ -162,9 +176,10 @@ class Leases(Part):
             came within ``timeout_s``.
 
         Raises:
-            StateError: Entry ``j`` was committed and released. IncompleteStreamError: The stream ended with
-                trajectories that were never admitted. FencedError: ``token`` no longer holds the lease of
-                ``(rank, worker)``. The admission error that stopped the pipeline.
+            StateError: Entry ``j`` was committed and released, or the stream ended before the position of a
+                state the rank loaded (a refill shorter than the run that saved it). IncompleteStreamError: The
+                stream ended with trajectories that were never admitted. FencedError: ``token`` no longer holds the
+                lease of ``(rank, worker)``. The admission error that stopped the pipeline.
         """
         s = self.s
         self.positions.check_replica(rank, replica)
@@ -181,6 +196,9 @@ class Leases(Part):
                     rep = s.close_report or {}
                     if rep.get("dropped_trajectories"):
                         raise IncompleteStreamError(incomplete_message(rep))
+                    short = _short_refill(s, rank)
+                    if short is not None:
+                        raise StateError(short)
                     return _END
                 gone = producers_gone(s)
                 if gone is not None:
