@@ -492,3 +492,42 @@ def test_the_offset_is_learned_from_the_version_a_hand_out_carries() -> None:
     st_ = plane.reporting.stats()["staleness_bound"]
     assert st_["offset"] == 100 and st_["offset_mode"] == "learned" and plane.state.error is None
     assert plane.reporting.stats()["admitted_minibatches"] == 2  # step 1 (1 stale) no longer held
+
+
+def test_a_new_job_resumed_from_a_state_learns_the_offset_from_the_steps_the_state_finished() -> None:
+    """Case 3 (a new job refilled with the same puts) with a bound: the trainer reports its restored version before
+    the refill, as the docs say. The steps the loaded state finished count as done, so the first report learns offset
+    0, not 2 (it learned 2: the refill's steps 0-1 then looked 2 versions staler, their groups were dropped, and the
+    replay check failed with a StateError about other puts)."""
+    spec = BatchSpec({"math": 4, "code": 4}, num_minibatches=2, group_size=2)  # a group of each per step
+
+    def log() -> list[Trajectory]:  # steps 0-1 generated under version 0, step 2 under version 1
+        return [Trajectory(id=f"g{g}-{k}", source=("math", "code")[g % 2], group=f"g{g}", gen_version=int(g >= 4),
+                           prompt_ids=torch.arange(3), response_ids=torch.arange(4)) for g in range(6) for k in (0, 1)]
+
+    first = Pipeline(spec, token_budget=256, max_staleness=1)
+    ds = first.dataset(0, timeout=10)
+    first.report_version(0)
+    for t in log()[:8]:
+        first.put(t)
+    version, it = 0, iter(ds)
+    while version < 2:
+        mb = next(it)
+        if mb.info.is_last:
+            version += 1
+            first.report_version(version)
+    state = ds.state_dict()
+    first.shutdown()
+
+    job = Pipeline(spec, token_budget=256, max_staleness=1)
+    resumed = job.dataset(0, timeout=10)
+    resumed.load_state_dict(state)
+    job.report_version(version)  # the restored version, before the refill
+    for t in log():
+        job.put(t)
+    job.close()
+    got = [mb.info.minibatch for mb in resumed]
+    b = job.stats()["staleness_bound"]
+    assert got and set(got) == {2}
+    assert (b["offset"], b["offset_mode"], sum(b["dropped_groups"].values())) == (0, "learned", 0)
+    job.shutdown()

@@ -347,6 +347,7 @@ class StalenessBound(WaitSchedule):
         self.max_reported: int | None = None
         self.entries: list[int] | None = [0]
         self.pre: dict[str, int] = {}  # rank -> its position after what it handed out before any version report
+        self.resumed: dict[str, int] = {}  # rank -> the steps a state it loaded had finished (before any report)
         self.worst: dict[str, list[Any]] = {}  # source -> [step - version, trajectory id] admitted before a report
         self.streak: dict[str, int] = dict.fromkeys(quotas, 0)  # groups dropped since the source's last admission
         self.warned: set[str] = set()  # sources a starvation warning named
@@ -387,7 +388,7 @@ class StalenessBound(WaitSchedule):
         if self.entries is not None:
             self.entries.append(self.entries[-1] + int(microbatches))
             if len(self.entries) > ENTRIES_MEMORY:
-                self.entries, self.worst, self.pre = None, {}, {}
+                self.entries, self.worst, self.pre, self.resumed = None, {}, {}, {}
 
     def note_handed(self, rank: int, position: int) -> None:
         """Rank ``rank`` handed out the micro-batches before ``position`` before its process reported any version
@@ -397,9 +398,20 @@ class StalenessBound(WaitSchedule):
             if position > self.pre.get(key, 0):
                 self.pre[key] = position
 
+    def note_resumed(self, rank: int, steps: int) -> None:
+        """Rank ``rank`` loaded a state saved after ``steps`` finished steps (a new job refilled with the same puts:
+        its trainer finished them in the job that saved the state). Kept until the first report, which counts them
+        as done (the trainer reports the restored version before the refill has planned those steps again)."""
+        if self.entries is not None:
+            key = str(rank)
+            if steps > self.resumed.get(key, 0):
+                self.resumed[key] = steps
+
     def done_before_report(self, ranks: int) -> tuple[int, int]:
-        """The fewest and most steps ``ranks`` ranks finished before their processes reported a version."""
-        done = [self.steps_done(self.pre.get(str(r), 0)) for r in range(ranks)] or [0]
+        """The fewest and most steps ``ranks`` ranks finished before their processes reported a version: by their
+        hand-outs, or by the state each loaded (:meth:`note_resumed`)."""
+        done = [max(self.steps_done(self.pre.get(str(r), 0)), self.resumed.get(str(r), 0))
+                for r in range(ranks)] or [0]
         return min(done), max(done)
 
     def steps_done(self, position: int) -> int:
@@ -444,7 +456,7 @@ class StalenessBound(WaitSchedule):
     def _settle(self, off_lo: int, off_hi: int, how: str) -> str | None:
         """Learn (or check) the offset from the trainer's versions: ``off_lo`` the highest it can be, ``off_hi`` the
         lowest."""
-        self.entries, self.pre = None, {}
+        self.entries, self.pre, self.resumed = None, {}, {}
         err = None
         if self.mode == _GIVEN:
             if self.offset is not None and off_hi > self.offset:
@@ -545,7 +557,8 @@ class StalenessBound(WaitSchedule):
                 "versions": {"offset": self.offset, "mode": self.mode, "hold": self.hold,
                              "max_reported": self.max_reported, "entries": self.entries,
                              "worst": dict(self.worst), "streak": dict(self.streak), "pre": dict(self.pre),
-                             "outstanding": {s: list(v) for s, v in self.outstanding.items()}}}
+                             "outstanding": {s: list(v) for s, v in self.outstanding.items()},
+                             **({"resumed": dict(self.resumed)} if self.resumed else {})}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (settings already checked by the policy; a state without ``versions``, of an
@@ -579,6 +592,7 @@ class StalenessBound(WaitSchedule):
                          if s in self.etas}
                 streak = {s: _int(v["streak"].get(s, 0), f"versions.streak.{s}") for s in self.sources}
                 pre = {str(r): _int(n, "versions.pre") for r, n in v.get("pre", {}).items()}
+                resumed = {str(r): _int(n, "versions.resumed") for r, n in v.get("resumed", {}).items()}
                 outstanding = {s: sorted(_int(x, f"versions.outstanding.{s}", None)
                                          for x in v.get("outstanding", {}).get(s, [])) for s in self.sources}
                 if (offset is None) != (mode == _UNKNOWN) or (entries is not None and not entries):
@@ -589,6 +603,6 @@ class StalenessBound(WaitSchedule):
         if v is not None:
             self.offset, self.mode, self.hold, self.max_reported = offset, mode, hold, top
             self.entries, self.worst, self.streak = entries, worst, streak
-            self.outstanding, self.pre = outstanding, pre
+            self.outstanding, self.pre, self.resumed = outstanding, pre, resumed
         else:  # an older release's state: its offset was given; no first report to check
             self.entries = None

@@ -263,6 +263,12 @@ class BoundedAdmission:
             return None
         return self._bound.note_handout(j, version)
 
+    def note_resumed(self, rank: int, steps: int) -> None:
+        """Rank ``rank`` loaded a state saved after ``steps`` finished mini-batches: until the first version report
+        the bound counts them as steps its trainer finished (see :meth:`done_before_report`)."""
+        if self._bound is not None:
+            self._bound.note_resumed(rank, steps)
+
     def done_before_report(self, ranks: int) -> tuple[int, int]:
         """The fewest and most admitted steps ``ranks`` ranks finished before their first version report."""
         return (0, 0) if self._bound is None else self._bound.done_before_report(ranks)

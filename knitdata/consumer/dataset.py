@@ -407,6 +407,8 @@ class TrajectoryDataset(IterableDataset):
                                handed)
         if nw == 1:
             self.session.seek(nxt)
+        if mb is not None:  # the trainer finished the mini-batches before it (the bound's first version report)
+            self.session.resumed_at(mb)
 
     def commit(self, state: Mapping[str, Any] | None = None, *, wait: bool = False) -> int | None:
         """Commit a position: this rank's payloads before it are released from storage.

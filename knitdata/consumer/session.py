@@ -95,6 +95,11 @@ class ConsumerSession:
         """Check that the rank's first ``length`` micro-batches have fingerprint ``fp`` (else ``StateError``)."""
         self.engine.control.positions.verify(self.rank, length, fp, where)
 
+    def resumed_at(self, minibatch: int) -> None:
+        """The rank loaded a state saved before or inside mini-batch ``minibatch`` (the staleness bound counts the
+        mini-batches before it as finished until the trainer's first version report)."""
+        self.engine.control.positions.resumed_at(self.rank, minibatch)
+
     def seek(self, j: int) -> None:
         """The rank (its replica) continues at micro-batch ``j`` (a state was loaded)."""
         self.engine.control.positions.seek(self.rank, j, self.replica)

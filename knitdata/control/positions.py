@@ -231,6 +231,18 @@ class Positions(Part):
                 self.s.position[rank] = max(reps.position[rank])
 
     @control_call(journaled=True)
+    def resumed_at(self, rank: int, minibatch: int) -> None:
+        """``rank`` loaded a state saved before or inside mini-batch ``minibatch``: its trainer finished the
+        mini-batches before it in the run that saved the state. Until the trainer's first :meth:`report_version`,
+        the staleness bound counts them as finished (a new job refilled with the same puts reports its restored
+        version before the refill planned them again: the bound learns the offset ``version - minibatch``)."""
+        self.s.check_rank(rank)
+        if isinstance(minibatch, bool) or not isinstance(minibatch, int) or minibatch < 0:
+            raise ValidationError(f"minibatch must be a non-negative int, got {minibatch!r}", field="minibatch")
+        with self.s.cond:
+            self.s.policy.note_resumed(rank, minibatch)
+
+    @control_call(journaled=True)
     def verify(self, rank: int, length: int, fp: str, where: str = "") -> None:
         """Check that ``rank``'s first ``length`` micro-batches have the fingerprint ``fp`` (of a saved state).
 
