@@ -304,3 +304,31 @@ def test_a_tensor_that_breaks_response_alignment_is_named_not_an_aligned_one() -
         TokenCollator()([traj("t0", 3, 3), traj("t2", 4, 4), traj("t3", 2, 3)])
     assert e.value.trajectory_id == "t3" and e.value.field == "tensors.old_logprobs"
     assert "(2)" in str(e.value) and "'t0'" in str(e.value)
+
+
+def test_a_declared_layout_does_not_depend_on_the_response_lengths() -> None:
+    """A fixed-size per-trajectory vector (4) was aligned [B, T] when every response of the micro-batch had 4
+    tokens and stacked [B, 4] otherwise (new-user audit): declared ``"stack"`` it is [B, 4] in both; declared
+    ``"token"``, a misfit is refused naming the trajectory and field."""
+    def t(i: int, rlen: int, emb: torch.Tensor | None = None) -> Trajectory:
+        return Trajectory(id=f"t{i}", source="s", group="g", prompt_ids=torch.arange(2), response_ids=torch.arange(rlen),
+                          tensors={"emb": torch.arange(4.0) if emb is None else emb})
+
+    undeclared = TokenCollator()
+    assert tuple(undeclared([t(0, 4), t(1, 4)]).tensors["emb"].shape) == (2, 6)  # the data-dependent rule
+    assert tuple(undeclared([t(0, 4), t(1, 5)]).tensors["emb"].shape) == (2, 4)
+    stack = TokenCollator(tensor_layouts={"emb": "stack"})
+    for lens in ([4, 4], [4, 5], [3, 4]):
+        out = stack([t(i, n) for i, n in enumerate(lens)]).tensors["emb"]
+        assert tuple(out.shape) == (2, 4) and torch.equal(out[1], torch.arange(4.0))
+    token = TokenCollator(tensor_layouts={"emb": "token"})
+    assert tuple(token([t(0, 4), t(1, 4)]).tensors["emb"].shape) == (2, 6)
+    with pytest.raises(ValidationError, match=r"declared layout 'token'") as e:
+        token([t(0, 4), t(1, 5)])
+    assert (e.value.trajectory_id, e.value.field) == ("t1", "tensors.emb")
+    with pytest.raises(ValidationError, match=r"declared layout 'stack'") as e:
+        stack([t(0, 4), t(1, 4, torch.zeros(3))])
+    assert (e.value.trajectory_id, e.value.field) == ("t1", "tensors.emb")
+    with pytest.raises(ConfigError, match="tensor_layouts"):
+        TokenCollator(tensor_layouts={"emb": "rows"})
+    assert "tensor_layouts={'emb': 'stack'}" in repr(stack)

@@ -28,10 +28,12 @@ from knitdata.record import Trajectory
 
 _id_of = attrgetter("id")
 
-__all__ = ["MicroBatchInfo", "MicroBatch", "TokenCollator", "COLLATE_MODES"]
+__all__ = ["MicroBatchInfo", "MicroBatch", "TokenCollator", "COLLATE_MODES", "TENSOR_LAYOUTS"]
 
 #: Layouts :class:`TokenCollator` produces.
 COLLATE_MODES: tuple[str, ...] = ("pad", "pack")
+#: The layouts an extra tensor can be declared with (:class:`TokenCollator` ``tensor_layouts``).
+TENSOR_LAYOUTS: tuple[str, ...] = ("token", "stack")
 
 #: Fill value of ``tensors["token_versions"]`` outside responses (prompt and padding).
 NO_VERSION: int = -1
@@ -255,29 +257,50 @@ class TokenCollator:
         pad_to_multiple_of: Round the padded length up to a multiple of this (pad mode: ``T``; pack mode:
             the packed row ``N``, the tail being padding outside every sequence: ``cu_seqlens[-1]`` stays the
             number of real tokens).
+        tensor_layouts: The layout of named extra tensors, declared: ``"token"`` (1-D of the response's length
+            in every trajectory, aligned with ``input_ids``) or ``"stack"`` (one shape in every trajectory,
+            stacked ``[B, ...]``). A tensor that does not fit its declared layout is refused, naming the
+            trajectory and field. Undeclared names follow the rule below.
 
     Extra tensors (``Trajectory.tensors``): a field that is 1-D with the response's length in *every*
     trajectory is aligned with ``input_ids`` like ``loss_mask`` (zeros on prompt and padding); otherwise
     the values are stacked ``[B, ...]`` when all shapes agree. A fixed-size vector whose size happens to
-    equal every response length is therefore aligned: store such fields as ``[1, k]`` to force stacking.
+    equal every response length of a micro-batch is therefore aligned there and stacked elsewhere: declare it
+    (``tensor_layouts={"emb": "stack"}``) so that its layout does not depend on the data.
     Dtypes are promoted across trajectories. Per-token ``token_versions`` (if any trajectory has them)
     become ``tensors["token_versions"]`` (``gen_version`` where a trajectory has none, -1 off responses).
 
+    Example:
+        >>> import torch
+        >>> from knitdata import Trajectory
+        >>> ts = [Trajectory(id=f"t{i}", source="s", group="g", prompt_ids=torch.arange(2),
+        ...                  response_ids=torch.arange(4), tensors={"emb": torch.zeros(4)}) for i in range(2)]
+        >>> tuple(TokenCollator()(ts).tensors["emb"].shape), tuple(TokenCollator(tensor_layouts={"emb": "stack"})(ts).tensors["emb"].shape)
+        ((2, 6), (2, 4))
+
     Raises:
-        ConfigError: Unknown mode or a non-positive ``pad_to_multiple_of``.
+        ConfigError: Unknown mode, a non-positive ``pad_to_multiple_of`` or an unknown layout.
     """
 
-    def __init__(self, pad_id: int = 0, mode: str = "pad", pad_to_multiple_of: int | None = None):
+    def __init__(self, pad_id: int = 0, mode: str = "pad", pad_to_multiple_of: int | None = None,
+                 tensor_layouts: Mapping[str, str] | None = None):
         if mode not in COLLATE_MODES:
             raise ConfigError(f"unknown collate mode {mode!r}; use one of {COLLATE_MODES}")
         if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
             raise ConfigError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}")
+        layouts = dict(tensor_layouts or {})
+        for name, layout in layouts.items():
+            if layout not in TENSOR_LAYOUTS:
+                raise ConfigError(f"tensor_layouts[{name!r}] must be one of {TENSOR_LAYOUTS}, got {layout!r}")
         self.pad_id = int(pad_id)
         self.mode = mode
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.tensor_layouts = layouts
 
     def __repr__(self) -> str:
-        return f"TokenCollator(pad_id={self.pad_id}, mode={self.mode!r}, pad_to_multiple_of={self.pad_to_multiple_of})"
+        more = f", tensor_layouts={self.tensor_layouts}" if self.tensor_layouts else ""
+        return (f"TokenCollator(pad_id={self.pad_id}, mode={self.mode!r}, "
+                f"pad_to_multiple_of={self.pad_to_multiple_of}{more})")
 
     def _round(self, n: int) -> int:
         m = self.pad_to_multiple_of
@@ -363,7 +386,7 @@ class TokenCollator:
             loss_mask=loss_mask,
             cu_seqlens=cu_seqlens,
             scalars=self._scalars(trajs),
-            tensors=self._tensors(trajs, shape, slot, plens, rlens),
+            tensors=self._tensors(trajs, shape, slot, plens, rlens, self.tensor_layouts),
             info=info,
             prompt_lengths=torch.tensor(plens, dtype=torch.int64),
             response_lengths=torch.tensor(rlens, dtype=torch.int64),
@@ -389,7 +412,8 @@ class TokenCollator:
 
     @staticmethod
     def _tensors(
-        trajs: Sequence[Trajectory], shape: tuple[int, int], slot: Any, plens: list[int], rlens: list[int]
+        trajs: Sequence[Trajectory], shape: tuple[int, int], slot: Any, plens: list[int], rlens: list[int],
+        layouts: Mapping[str, str],
     ) -> dict[str, torch.Tensor]:
         names: list[str] = []
         for t in trajs:
@@ -409,7 +433,23 @@ class TokenCollator:
             dtype = vals[0].dtype
             for v in vals[1:]:
                 dtype = torch.promote_types(dtype, v.dtype)
-            if all(v.dim() == 1 and v.numel() == r for v, r in zip(vals, rlens)):
+            declared = layouts.get(name)
+            if declared is not None:
+                if declared == "token":
+                    follows = [v.dim() == 1 and v.numel() == r for v, r in zip(vals, rlens)]
+                    bad = follows.index(False) if False in follows else -1
+                    want = f"1-D of its response length ({rlens[bad]})"
+                else:
+                    bad = next((i for i, v in enumerate(vals) if v.shape != vals[0].shape), -1)
+                    want = f"of the shape {tuple(vals[0].shape)} of trajectory {trajs[0].id!r}"
+                if bad >= 0:
+                    raise ValidationError(
+                        f"shape {tuple(vals[bad].shape)} is not {want}, as its declared layout {declared!r} "
+                        "(tensor_layouts) requires",
+                        trajectory_id=trajs[bad].id,
+                        field=fname,
+                    )
+            if declared != "stack" and all(v.dim() == 1 and v.numel() == r for v, r in zip(vals, rlens)):
                 aligned = torch.zeros(shape, dtype=dtype)
                 for i, v in enumerate(vals):
                     row, cols = slot(i, plens[i], plens[i] + rlens[i])
