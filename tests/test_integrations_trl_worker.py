@@ -278,3 +278,40 @@ def test_a_second_train_on_a_stopped_worker_is_refused_at_start() -> None:
     worker.update_model_version(engine.version)      # the same trainer: TRL's model_version goes on
     with pytest.raises(StateError, match="new KnitdataRolloutWorker"):
         worker.start()
+
+
+def test_hf_generation_engine_leaves_the_process_rng_alone_and_repeats_its_samples() -> None:
+    # new-user audit: generate reseeded the process-wide RNG (torch.manual_seed per call), from the worker's thread,
+    # so the user's torch.manual_seed no longer decided the trainer's random numbers
+    import transformers
+
+    from knitdata.integrations.trl import HFGenerationEngine
+
+    cfg = transformers.Qwen2Config(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    engine = HFGenerationEngine(model, pad_token_id=0, eos_token_id=2, seed=7)
+    torch.manual_seed(1234)
+    alone = torch.rand(5)
+    torch.manual_seed(1234)
+    first = engine.generate([[5, 6], [7]], n=3, max_new_tokens=6, request_ids=["r0", "r1"])
+    assert torch.equal(torch.rand(5), alone)  # the user's seed still decides the stream
+    # the samples come from the engine's seed and call count, whatever the process RNG holds
+    torch.manual_seed(999)
+    again = HFGenerationEngine(model, pad_token_id=0, eos_token_id=2, seed=7).generate(
+        [[5, 6], [7]], n=3, max_new_tokens=6, request_ids=["r0", "r1"])
+    assert [[s.response_ids.tolist() for s in g.samples] for g in again] == \
+        [[s.response_ids.tolist() for s in g.samples] for g in first]
+    other = HFGenerationEngine(model, pad_token_id=0, eos_token_id=2, seed=8).generate(
+        [[5, 6], [7]], n=3, max_new_tokens=6, request_ids=["r0", "r1"])
+    assert [[s.response_ids.tolist() for s in g.samples] for g in other] != \
+        [[s.response_ids.tolist() for s in g.samples] for g in first]
+    # sampled, not greedy: 6 responses of up to 6 tokens over 48 ids are not all alike
+    assert len({tuple(s.response_ids.tolist()) for g in first for s in g.samples}) > 1
+    for g, prompt in zip(first, ([5, 6], [7])):  # the behaviour log-probs are still the policy's own
+        for s in g.samples:
+            with torch.no_grad():
+                logits = model(torch.tensor([[*prompt, *s.response_ids.tolist()]])).logits[0, len(prompt) - 1:-1]
+            ref = torch.log_softmax(logits, -1).gather(1, s.response_ids[:, None])[:, 0]
+            torch.testing.assert_close(s.logprobs, ref, atol=1e-5, rtol=0)

@@ -42,7 +42,10 @@ class HFGenerationEngine:
         eos_token_id: End-of-sequence id(s); default the model's generation config.
         temperature: Sampling temperature (keep it equal to ``AsyncGRPOConfig.temperature``: the trainer's
             log-probs use it).
-        seed: Seed of the sampling generator (each call draws from one ``torch.Generator`` in this engine).
+        seed: Seed of the sampling generator: call ``k`` of :meth:`generate` draws from its own
+            ``torch.Generator`` seeded from ``seed`` and ``k``, so an engine's samples repeat from its seed and
+            call count alone, and the process-wide RNG (the trainer's dropout and sampling, the user's
+            ``torch.manual_seed``) is never drawn from nor reseeded.
 
     Attributes:
         version: How many weight syncs this engine received: TRL's ``model_version`` of the weights it holds
@@ -107,6 +110,15 @@ class HFGenerationEngine:
                  request_ids: Sequence[str]) -> list[RolloutGroup]:
         """Sample ``n`` responses of at most ``max_new_tokens`` to each prompt with the weights held now.
 
+        Sampling is the Gumbel-max trick inside ``generate``'s greedy search: a logits processor adds Gumbel noise
+        drawn from this call's own ``torch.Generator`` to the log-probs ``log_softmax(logits / temperature)`` and
+        the argmax of the sum is a sample from that distribution. ``generate(do_sample=True)`` would draw from the
+        process-wide RNG (``torch.multinomial`` without a generator), which the trainer uses at the same time from
+        its own thread; ``torch.random.fork_rng`` around the call would not help, as it saves and restores that
+        global state while the trainer thread draws from it (the trainer's draws in between would come from this
+        engine's seed and be rolled back). The behaviour log-probs are the clean ``log_softmax(logits /
+        temperature)`` of the chosen tokens, without the noise.
+
         Returns:
             One :class:`~knitdata.rollout.RolloutGroup` per prompt; each sample's ``version`` is :attr:`version`;
             a response cut at ``max_new_tokens`` is ``truncated``.
@@ -118,15 +130,39 @@ class HFGenerationEngine:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
         with self._lock:
             self._calls += 1
-            torch.manual_seed(self._seed * 1_000_003 + self._calls)
+            sampler = _GumbelSampler(self._seed * 1_000_003 + self._calls, self.temperature)
             eos = {} if self.eos_token_id is None else {"eos_token_id": self.eos_token_id}
             with torch.no_grad():
-                out = self.model.generate(ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
-                                          temperature=self.temperature, max_new_tokens=int(max_new_tokens),
-                                          num_return_sequences=int(n), return_dict_in_generate=True,
-                                          output_scores=True, pad_token_id=self.pad_token_id, **eos)
-                scores = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+                # greedy search returns one sequence per row: each prompt's n rows side by side, as
+                # num_return_sequences would lay them out
+                out = self.model.generate(ids.repeat_interleave(int(n), dim=0),
+                                          attention_mask=mask.repeat_interleave(int(n), dim=0), do_sample=False,
+                                          temperature=None, top_k=None, top_p=None, logits_processor=[sampler],
+                                          max_new_tokens=int(max_new_tokens),
+                                          return_dict_in_generate=True, output_scores=True,
+                                          pad_token_id=self.pad_token_id, **eos)
+                scores = self.model.compute_transition_scores(out.sequences, tuple(sampler.logprobs),
+                                                              normalize_logits=False)
             version = self.version
         return from_hf_generate(out, prompt_ids=ids, attention_mask=mask, request_ids=list(request_ids),
                                 num_return_sequences=int(n), transition_scores=scores, model=self.model,
                                 eos_token_id=self.eos_token_id, version=version)
+
+
+class _GumbelSampler:
+    """A ``generate`` logits processor: records ``log_softmax(scores / temperature)`` and returns it plus Gumbel
+    noise from its own ``torch.Generator`` (greedy search over the sum samples from the tempered distribution)."""
+
+    def __init__(self, seed: int, temperature: float) -> None:
+        self.seed, self.temperature = seed, temperature
+        self.logprobs: list[torch.Tensor] = []
+        self._generator: torch.Generator | None = None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._generator is None:
+            self._generator = torch.Generator(device=scores.device).manual_seed(self.seed)
+        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        self.logprobs.append(logp)
+        u = torch.rand(logp.shape, generator=self._generator, device=logp.device, dtype=torch.float32)
+        u.clamp_(min=torch.finfo(torch.float32).tiny)  # finite noise: a -inf log-prob stays -inf, never chosen
+        return logp - torch.log(-torch.log(u))
