@@ -314,8 +314,12 @@ class Pipeline:
         """Call ``fn(version, monotonic_time)`` on every :meth:`report_version` of this process."""
         self._engine.add_version_listener(fn)
 
-    def close(self) -> dict[str, Any]:
+    def close(self, *, warn: bool = True) -> dict[str, Any]:
         """End of stream: no more puts; consumers finish the admitted mini-batches and stop. Idempotent.
+
+        Args:
+            warn: Warn when stored trajectories were never admitted (``False`` for an owner that closes on purpose
+                with work generated ahead, and reports the returned figures itself).
 
         Returns:
             What was dropped (``dropped_trajectories``, ``dropped_groups``, ``by_source``): stored, never admitted (an
@@ -325,7 +329,7 @@ class Pipeline:
         report = dict(self._engine.control.admission.close())
         self._producer.close()  # a closed pipeline needs no producer presence
         self._engine.on_close()
-        if report.get("dropped_trajectories") and not self._closed_here:
+        if warn and report.get("dropped_trajectories") and not self._closed_here:
             warnings.warn(
                 f"knitdata: pipeline closed with {report['dropped_trajectories']} trajectories never admitted "
                 f"(groups {report['dropped_groups'][:10]}, by source {report['by_source']})", stacklevel=2)

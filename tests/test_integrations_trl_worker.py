@@ -315,3 +315,24 @@ def test_hf_generation_engine_leaves_the_process_rng_alone_and_repeats_its_sampl
                 logits = model(torch.tensor([[*prompt, *s.response_ids.tolist()]])).logits[0, len(prompt) - 1:-1]
             ref = torch.log_softmax(logits, -1).gather(1, s.response_ids[:, None])[:, 0]
             torch.testing.assert_close(s.logprobs, ref, atol=1e-5, rtol=0)
+
+
+def test_a_normal_end_does_not_warn_and_reports_what_was_generated_ahead() -> None:
+    # new-user audit: stop() at the end of every normal train() warned "pipeline closed with N trajectories never
+    # admitted" about the groups generated ahead of the last step (here: 4 trajectories of source a)
+    spec = BatchSpec({"a": 8, "b": 4}, num_minibatches=2, group_size=2)
+    left = []
+    for _ in range(4):  # how much is generated ahead is timing: run until some was, at most 4 times
+        engine = ScriptedEngine(delay=0.01)
+        worker = KnitdataRolloutWorker(spec, {s: [[1, i, 7] for i in range(40)] for s in ("a", "b")}, engine,
+                                       reward, max_new_tokens=5, chunk_tokens=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _train(worker, engine, _args(per_device_train_batch_size=3), steps=3)
+        assert not [w for w in caught if "never admitted" in str(w.message)], [str(w.message) for w in caught]
+        report = worker.closed_report  # reported where a user reads it, not warned
+        assert report is not None and report["dropped_trajectories"] == sum(report["by_source"].values())
+        left.append(report["dropped_trajectories"])
+        if left[-1]:
+            break
+    assert left[-1] > 0, left

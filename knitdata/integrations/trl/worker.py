@@ -30,6 +30,7 @@ trained before the checkpoint are not generated again, every other one is (nothi
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import queue
@@ -50,6 +51,8 @@ from knitdata.errors import ConfigError, PipelineClosedError, RolloutThrottled, 
 from knitdata.pipeline import Pipeline
 from knitdata.record import Trajectory
 from knitdata.rollout import RolloutGroup, SegmentBuffer
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["GenerationEngine", "StepRecord", "KnitdataRolloutWorker", "KnitdataTRLCallback", "STATE_FILE",
            "trained_prompts"]
@@ -203,6 +206,9 @@ class KnitdataRolloutWorker:
         self.pipeline: Pipeline | None = None
         self.max_staleness: int | None = None
         self.dropped_by_trainer = 0  # samples TRL's staleness check would drop (kept 0 by the bound)
+        #: What :meth:`stop` found stored but never admitted (``Pipeline.close``'s report: ``dropped_trajectories``,
+        #: ``dropped_groups``, ``by_source``): the groups generated ahead of the last step; ``None`` before it.
+        self.closed_report: dict[str, Any] | None = None
         self._cond = threading.Condition()
         self._version = 0
         self._version0 = 0
@@ -338,12 +344,21 @@ class KnitdataRolloutWorker:
             t.start()
 
     def stop(self) -> None:
-        """Stop both threads and shut the pipeline down. Idempotent."""
+        """Stop both threads and shut the pipeline down. Idempotent.
+
+        TRL calls it when ``train()`` ends: the groups generated ahead of the last step are never admitted by
+        design, so this close does not warn about them (a thread's failure still does); what was left is in
+        :attr:`closed_report` and logged at INFO level.
+        """
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
         if self.pipeline is not None:
-            self.pipeline.close()
+            report = self.pipeline.close(warn=self._error is not None)
+            if self.closed_report is None:
+                self.closed_report = report
+                _log.info("knitdata rollout worker stopped with %s trajectories generated ahead, never admitted "
+                          "(by source %s)", report.get("dropped_trajectories", 0), report.get("by_source", {}))
         for t in self._threads:
             t.join(timeout=30)
         if self.pipeline is not None:
