@@ -189,7 +189,7 @@ class MediaItem:
         return len(self.data)  # type: ignore[arg-type]
 
 
-def _check_1d_int(tid: str, name: str, t: Any, *, allow_empty: bool) -> None:
+def _check_1d_int(tid: str, name: str, t: Any, *, allow_empty: bool, token_ids: bool = False) -> None:
     if not isinstance(t, torch.Tensor):
         raise FieldTypeError(f"expected a 1-D integer torch.Tensor, got {type(t).__name__}", trajectory_id=tid, field=name)
     if t.dtype not in _INT_DTYPES:
@@ -198,6 +198,10 @@ def _check_1d_int(tid: str, name: str, t: Any, *, allow_empty: bool) -> None:
         raise ValidationError(f"expected a 1-D tensor, got shape {tuple(t.shape)}", trajectory_id=tid, field=name)
     if not allow_empty and t.numel() == 0:
         raise ValidationError("must not be empty", trajectory_id=tid, field=name)
+    if token_ids and t.numel() and t.is_signed() and int(t.min()) < 0:  # one reduction; the position only on error
+        pos = int(torch.nonzero(t < 0)[0, 0])
+        raise ValidationError(f"token ids must be >= 0, got {int(t[pos])} at position {pos}", trajectory_id=tid,
+                              field=name)
 
 
 def _scalar_value(v: Any) -> float:
@@ -238,8 +242,8 @@ class Trajectory:
         id: Unique id of the trajectory (non-empty string, no ``.`` or ``/``: it becomes a shard key).
         source: Where the prompt came from (e.g. ``"math"``).
         group: Group id (GRPO: the n responses of one prompt share it).
-        prompt_ids: 1-D integer tensor of prompt token ids (may be empty).
-        response_ids: 1-D integer tensor of response token ids (non-empty).
+        prompt_ids: 1-D integer tensor of prompt token ids, each >= 0 (may be empty).
+        response_ids: 1-D integer tensor of response token ids, each >= 0 (non-empty).
         gen_version: Policy version that generated it; under partial rollout the oldest among its tokens.
         loss_mask: 1-D mask over the response tokens (bool, integer or float); all ones when ``None``.
         token_versions: Optional 1-D integer tensor of per-response-token policy versions.
@@ -288,8 +292,8 @@ class Trajectory:
             raise ValidationError(
                 f"must be a non-negative int, got {self.gen_version!r}", trajectory_id=tid, field="gen_version"
             )
-        _check_1d_int(tid, "prompt_ids", self.prompt_ids, allow_empty=True)
-        _check_1d_int(tid, "response_ids", self.response_ids, allow_empty=False)
+        _check_1d_int(tid, "prompt_ids", self.prompt_ids, allow_empty=True, token_ids=True)
+        _check_1d_int(tid, "response_ids", self.response_ids, allow_empty=False, token_ids=True)
         n = self.response_ids.numel()
         if self.loss_mask is not None:
             m = self.loss_mask

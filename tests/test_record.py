@@ -42,6 +42,9 @@ def make(**kw) -> Trajectory:
         ({"prompt_ids": torch.zeros(2, 2, dtype=torch.long)}, ValidationError, "prompt_ids"),
         ({"response_ids": torch.tensor([], dtype=torch.long)}, ValidationError, "response_ids"),
         ({"response_ids": torch.tensor([0.5, 1.0])}, FieldTypeError, "response_ids"),
+        ({"prompt_ids": torch.tensor([1, -1, 3])}, ValidationError, "prompt_ids"),  # new-user audit: accepted
+        ({"response_ids": torch.tensor([-1, 3])}, ValidationError, "response_ids"),
+        ({"response_ids": torch.tensor([4, -7], dtype=torch.int32)}, ValidationError, "response_ids"),
         ({"loss_mask": torch.ones(3)}, ValidationError, "loss_mask"),
         ({"loss_mask": [1, 1]}, FieldTypeError, "loss_mask"),
         ({"loss_mask": torch.tensor([1.0, math.nan])}, ValidationError, "loss_mask"),
