@@ -344,12 +344,9 @@ class KnitdataRolloutWorker:
             t.start()
 
     def stop(self) -> None:
-        """Stop both threads and shut the pipeline down. Idempotent.
-
-        TRL calls it when ``train()`` ends: the groups generated ahead of the last step are never admitted by
-        design, so this close does not warn about them (a thread's failure still does); what was left is in
-        :attr:`closed_report` and logged at INFO level.
-        """
+        """Stop both threads and shut the pipeline down. Idempotent. TRL calls it when ``train()`` ends: the groups
+        generated ahead of the last step are never admitted by design, so it does not warn about them (a thread's
+        failure does); they are in :attr:`closed_report` and an INFO log."""
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
