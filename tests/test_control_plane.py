@@ -552,3 +552,38 @@ def test_a_lease_book_gives_each_taker_a_new_epoch():
     c = book.take((1, 0, 0), "token-cccc-3", "", 3.0)
     assert (a.epoch, b.epoch, c.epoch) == (1, 2, 1) and a.holder == "token-aa" and b.holder == "me"
     assert book.leases == {(0, 0, 0): b, (1, 0, 0): c} and book.producer_timeout_s is None
+
+
+def test_acquire_rollout_for_a_version_out_of_the_bound_raises_at_once() -> None:
+    # new-user audit: acquire_rollout(version=0) with the trainer at version 3 and max_staleness=1 can never get room
+    # (the window only shrinks), yet it waited the whole timeout (10 s) and said "the trainer must advance first"
+    import time
+
+    import torch
+
+    from knitdata import Pipeline
+    from knitdata.errors import ValidationError
+
+    pipe = Pipeline(BatchSpec({"math": 2}, num_minibatches=1, group_size=1), max_staleness=1, on_stale="wait",
+                    num_consumers=1, token_budget=64)
+    try:
+        pipe.report_version(0)
+        it = iter(pipe.dataset(0, timeout=10))
+        for step in range(3):
+            pipe.acquire_rollout("math", 2, timeout=5)
+            for k in range(2):
+                pipe.put(Trajectory(id=f"s{step}-{k}", source="math", group=f"s{step}-{k}",
+                                    prompt_ids=torch.arange(2), response_ids=torch.arange(3), gen_version=step))
+            next(it)
+            pipe.report_version(step + 1)
+        assert pipe.rollout_capacity(0) == {"math": 0}
+        t0 = time.monotonic()
+        with pytest.raises(ValidationError) as exc:
+            pipe.acquire_rollout("math", 1, version=0, timeout=10)
+        assert time.monotonic() - t0 < 2
+        msg = str(exc.value)
+        assert all(w in msg for w in ("'math'", "version 0", "version 3", "max_staleness 1")), msg
+        assert "must advance" not in msg
+        pipe.acquire_rollout("math", 1, version=3, timeout=5)  # a current version still gets room
+    finally:
+        pipe.close()

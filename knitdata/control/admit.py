@@ -86,13 +86,17 @@ def acquire_rollout(engine: Any, want: Mapping[str, int], version: int | None = 
         RolloutThrottled: No room within ``timeout`` (the trainer has not advanced: it waits for other sources, or
             the consumers stopped); the message gives the capacity and what admission waits for.
         ValidationError: At once, when ``want`` asks for more groups of a source than its bound's window of
-            ``eta_s + 1`` steps can ever hold (waiting would be in vain).
+            ``eta_s + 1`` steps can ever hold, or ``version`` is already too old for a source's bound (the message
+            names the source, the version, the trainer's and ``max_staleness``): waiting would be in vain.
         ConfigError: The pipeline has no ``max_staleness``.
     """
     plane = engine.control
     if dict(engine.config["admission_options"]).get("on_stale", "drop") != "wait":
         plane.admission.rollout_capacity(version)  # raises without a bound
         return
+    out_of_reach = plane.admission.rollout_out_of_reach(dict(want), version)
+    if out_of_reach is not None:
+        raise ValidationError(out_of_reach, field="version")
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = poll_s
     while not plane.admission.reserve_rollout(dict(want), version):
@@ -392,6 +396,27 @@ class Admission(Part):
         :meth:`~knitdata.admission.AdmissionPolicy.reserve`."""
         with self.s.cond:
             return self.s.policy.reserve(dict(counts), self._version(version))
+
+    @control_call()
+    def rollout_out_of_reach(self, counts: Mapping[str, int], version: int | None = None) -> str | None:
+        """Why ``counts`` can never be reserved with policy ``version`` (``None`` when it may fit, now or later): a
+        source whose bound's window ``version + max_staleness + 1 - offset - step`` is already <= 0 with the
+        trainer's offset known (given or learned); the step only grows, so waiting cannot help."""
+        with self.s.cond:
+            policy = self.s.policy
+            stats = policy.bound_stats()
+            if stats is None or stats["offset"] is None or stats["offset_mode"] not in ("given", "learned"):
+                return None
+            v, step, offset = self._version(version), policy.step, int(stats["offset"])
+            for src, n in counts.items():
+                eta = stats["max_staleness_by_source"].get(src)
+                if not n or eta is None or v + int(eta) + 1 - offset - step > 0:
+                    continue
+                return (f"source {src!r} cannot start prompts with policy version {v}: the trainer is at version "
+                        f"{offset + step} (step {step}, version offset {offset}) and max_staleness {eta} admits groups of "
+                        f"version >= {offset + step - int(eta)} from now on; waiting cannot help (the step only "
+                        f"grows): generate with newer weights")
+        return None
 
     @control_call(journaled=True)
     def unreserve_rollout(self, counts: Mapping[str, int]) -> None:
