@@ -562,7 +562,7 @@ def test_acquire_rollout_for_a_version_out_of_the_bound_raises_at_once() -> None
     import torch
 
     from knitdata import Pipeline
-    from knitdata.errors import ValidationError
+    from knitdata.errors import RolloutThrottled
 
     pipe = Pipeline(BatchSpec({"math": 2}, num_minibatches=1, group_size=1), max_staleness=1, on_stale="wait",
                     num_consumers=1, token_budget=64)
@@ -578,7 +578,7 @@ def test_acquire_rollout_for_a_version_out_of_the_bound_raises_at_once() -> None
             pipe.report_version(step + 1)
         assert pipe.rollout_capacity(0) == {"math": 0}
         t0 = time.monotonic()
-        with pytest.raises(ValidationError) as exc:
+        with pytest.raises(RolloutThrottled) as exc:  # at once: retry with newer weights
             pipe.acquire_rollout("math", 1, version=0, timeout=10)
         assert time.monotonic() - t0 < 2
         msg = str(exc.value)

@@ -84,10 +84,11 @@ def acquire_rollout(engine: Any, want: Mapping[str, int], version: int | None = 
 
     Raises:
         RolloutThrottled: No room within ``timeout`` (the trainer has not advanced: it waits for other sources, or
-            the consumers stopped); the message gives the capacity and what admission waits for.
+            the consumers stopped); the message gives the capacity and what admission waits for. At once, without
+            waiting, when ``version`` is already too old for a source's bound (the message names the source, the
+            version, the trainer's and ``max_staleness``): retry with newer weights.
         ValidationError: At once, when ``want`` asks for more groups of a source than its bound's window of
-            ``eta_s + 1`` steps can ever hold, or ``version`` is already too old for a source's bound (the message
-            names the source, the version, the trainer's and ``max_staleness``): waiting would be in vain.
+            ``eta_s + 1`` steps can ever hold (waiting would be in vain).
         ConfigError: The pipeline has no ``max_staleness``.
     """
     plane = engine.control
@@ -96,7 +97,7 @@ def acquire_rollout(engine: Any, want: Mapping[str, int], version: int | None = 
         return
     out_of_reach = plane.admission.rollout_out_of_reach(dict(want), version)
     if out_of_reach is not None:
-        raise ValidationError(out_of_reach, field="version")
+        raise RolloutThrottled(out_of_reach)  # a throttle: a caller that retries with newer weights still can
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = poll_s
     while not plane.admission.reserve_rollout(dict(want), version):
