@@ -171,6 +171,25 @@ class BoundedAdmission:
     def _remaining(self) -> dict[str, int]:
         return {s: self._Q[s] - self._admitted[s] for s in self._Q}
 
+    def out_of_reach(self, counts: Mapping[str, int], version: int) -> str | None:
+        """Why ``counts`` can never be reserved with policy ``version`` (``None`` when it may fit, now or later): a
+        source asked for whose bound's window (:meth:`StalenessBound.window
+        <knitdata.admission.bound.StalenessBound.window>`) is already empty with the trainer's offset known (given
+        or learned); the step only grows, so waiting cannot help. ``None`` without a bound."""
+        b = self._bound
+        if b is None or b.offset is None or b.stats()["offset_mode"] not in ("given", "learned"):
+            return None
+        t = self.step
+        for src, n in counts.items():
+            if not n or src not in b.etas or b.window(version, src, t) > 0:
+                continue
+            eta = b.etas[src]
+            return (f"source {src!r} cannot start prompts with policy version {version}: the trainer is at version "
+                    f"{b.offset + t} (step {t}, version offset {b.offset}) and max_staleness {eta} admits groups of "
+                    f"version >= {b.offset + t - eta} from now on; waiting cannot help (the step only grows): "
+                    "generate with newer weights")
+        return None
+
     def reserve(self, counts: Mapping[str, int], version: int) -> bool:
         """Reserve ``counts`` groups per source to start with ``version`` if :meth:`rollout_capacity` has room for all
         (all or nothing); a reservation ends when a new group of that source arrives, or with :meth:`unreserve`.

@@ -404,20 +404,7 @@ class Admission(Part):
         source whose bound's window ``version + max_staleness + 1 - offset - step`` is already <= 0 with the
         trainer's offset known (given or learned); the step only grows, so waiting cannot help."""
         with self.s.cond:
-            policy = self.s.policy
-            stats = policy.bound_stats()
-            if stats is None or stats["offset"] is None or stats["offset_mode"] not in ("given", "learned"):
-                return None
-            v, step, offset = self._version(version), policy.step, int(stats["offset"])
-            for src, n in counts.items():
-                eta = stats["max_staleness_by_source"].get(src)
-                if not n or eta is None or v + int(eta) + 1 - offset - step > 0:
-                    continue
-                return (f"source {src!r} cannot start prompts with policy version {v}: the trainer is at version "
-                        f"{offset + step} (step {step}, version offset {offset}) and max_staleness {eta} admits groups of "
-                        f"version >= {offset + step - int(eta)} from now on; waiting cannot help (the step only "
-                        f"grows): generate with newer weights")
-        return None
+            return self.s.policy.out_of_reach(dict(counts), self._version(version))
 
     @control_call(journaled=True)
     def unreserve_rollout(self, counts: Mapping[str, int]) -> None:
