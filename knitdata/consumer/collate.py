@@ -433,23 +433,23 @@ class TokenCollator:
             dtype = vals[0].dtype
             for v in vals[1:]:
                 dtype = torch.promote_types(dtype, v.dtype)
+            follows = [v.dim() == 1 and v.numel() == r for v, r in zip(vals, rlens)]  # each follows its response
             declared = layouts.get(name)
             if declared is not None:
                 if declared == "token":
-                    follows = [v.dim() == 1 and v.numel() == r for v, r in zip(vals, rlens)]
                     bad = follows.index(False) if False in follows else -1
-                    want = f"1-D of its response length ({rlens[bad]})"
                 else:
                     bad = next((i for i, v in enumerate(vals) if v.shape != vals[0].shape), -1)
-                    want = f"of the shape {tuple(vals[0].shape)} of trajectory {trajs[0].id!r}"
                 if bad >= 0:
+                    want = (f"1-D of its response length ({rlens[bad]})" if declared == "token"
+                            else f"of the shape {tuple(vals[0].shape)} of trajectory {trajs[0].id!r}")
                     raise ValidationError(
                         f"shape {tuple(vals[bad].shape)} is not {want}, as its declared layout {declared!r} "
                         "(tensor_layouts) requires",
                         trajectory_id=trajs[bad].id,
                         field=fname,
                     )
-            if declared != "stack" and all(v.dim() == 1 and v.numel() == r for v, r in zip(vals, rlens)):
+            if declared != "stack" and all(follows):
                 aligned = torch.zeros(shape, dtype=dtype)
                 for i, v in enumerate(vals):
                     row, cols = slot(i, plens[i], plens[i] + rlens[i])
@@ -458,7 +458,6 @@ class TokenCollator:
             elif all(v.shape == vals[0].shape for v in vals):
                 out[name] = torch.stack([v.to(dtype) for v in vals])
             else:
-                follows = [v.dim() == 1 and v.numel() == r for v, r in zip(vals, rlens)]
                 if any(follows):  # some follow their responses: the culprit is one that does not
                     bad, good = follows.index(False), follows.index(True)
                     raise ValidationError(
