@@ -239,7 +239,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("storage", "shards"),
     ("control",),
     ("admission", "placement", "planner", "staleness"),
-    ("record", "codec", "observe", "errors", "threads", "registry"),
+    ("record", "codec", "observe", "errors", "threads", "reclaim", "registry"),
 ]
 
 #: Folders whose ``__init__`` only documents the folder (its modules are reached by their own names).

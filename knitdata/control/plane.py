@@ -61,6 +61,7 @@ from knitdata.control.state import (
 from knitdata.control.surface import CONTROL_CALLS, ControlCall
 from knitdata.errors import KnitdataError, StateError
 from knitdata.planner import MiniBatchPlan
+from knitdata.reclaim import Graveyard
 
 __all__ = ["Control", "ControlPlane", "SURFACE", "JOURNALED_OPS", "FIRE_AND_FORGET", "RELEASE_MODES", "PLANE_DEFAULTS",
            "LEASE_TTL_S", "PRODUCER_TTL_S", "fenced_message", "entry_fingerprint", "fields_of"]
@@ -126,6 +127,8 @@ class ControlPlane:
         on_plan: Called as ``on_plan(admitted, plan)`` after each mini-batch is planned (in-process only).
         journal: Record every state-changing call here (:class:`~knitdata.control.journal.Journal`), so that
             :meth:`recover` can rebuild the state after a restart.
+        graveyard: Keep what a release forgets (metadata, plan entries) there, to be freed later off the releasing
+            thread (:class:`~knitdata.reclaim.Graveyard`; ``None``: freed at release). In-process only.
 
     Raises:
         ConfigError: Inconsistent options.
@@ -140,8 +143,10 @@ class ControlPlane:
         policy: AdmissionPolicy | None = None,
         on_plan: Callable[[AdmittedMiniBatch, MiniBatchPlan], None] | None = None,
         journal: Journal | None = None,
+        graveyard: Graveyard | None = None,
     ) -> None:
-        s = PlaneState(config, unit_nodes, releaser, policy=policy, on_plan=on_plan, journal=journal)
+        s = PlaneState(config, unit_nodes, releaser, policy=policy, on_plan=on_plan, journal=journal,
+                       graveyard=graveyard)
         self.state = s
         self.admission = Admission(s)
         self.positions = Positions(s)

@@ -31,6 +31,7 @@ from knitdata.errors import ConfigError, KnitdataError, PipelineClosedError
 from knitdata.observe import trace as tracing
 from knitdata.placement import ConsumerLayout, make_placement
 from knitdata.planner import MicroBatchInfo, MiniBatchPlan, Planner
+from knitdata.reclaim import Graveyard
 from knitdata.record import TrajectoryMeta
 from knitdata.staleness import PutLog, TokenStaleness
 
@@ -143,6 +144,10 @@ class RecentIds:
     stays, this costs less per id than an ``OrderedDict`` (whose linked nodes are allocated, then freed, one per
     id). An id added again keeps its first place.
 
+    :meth:`add_many` only queues the batch (the trainer's thread releases a mini-batch: no hashing there); the
+    first read (``in``, ``len``, iteration; a producer's put asks ``in``) adds the queued batches in order, as
+    many ``add_many`` calls would have, and so does an ``add_many`` that queues more than ``limit`` ids.
+
     Args:
         limit: How many ids are remembered.
         ids: The first ids, oldest first.
@@ -159,10 +164,25 @@ class RecentIds:
         self._set: set[str] = set()
         self._chunks: deque[list[str]] = deque()
         self._n = 0
-        self.add_many(list(ids))
+        self._queued: list[Sequence[str]] = []  # batches added, not folded in yet (in order)
+        self._queued_n = 0
+        self._add(list(ids))
 
     def add_many(self, ids: Sequence[str]) -> None:
-        """Remember ``ids`` (those not remembered already, in order); forget the oldest beyond the limit."""
+        """Remember ``ids`` (those not remembered already, in order); forget the oldest beyond the limit.
+
+        ``ids`` is kept as it is until the next read: pass a sequence nobody changes afterwards (a new list)."""
+        self._queued.append(ids)
+        self._queued_n += len(ids)
+        if self._queued_n > self.limit:
+            self._fold()
+
+    def _fold(self) -> None:
+        queued, self._queued, self._queued_n = self._queued, [], 0
+        for ids in queued:
+            self._add(ids)
+
+    def _add(self, ids: Sequence[str]) -> None:
         seen = self._set
         if seen.isdisjoint(ids):
             before = len(seen)
@@ -188,13 +208,19 @@ class RecentIds:
                 self._n -= excess
 
     def __contains__(self, tid: object) -> bool:
+        if self._queued:
+            self._fold()
         return tid in self._set
 
     def __len__(self) -> int:
+        if self._queued:
+            self._fold()
         return self._n
 
     def __iter__(self) -> Iterator[str]:
         """The ids, oldest first."""
+        if self._queued:
+            self._fold()
         for chunk in list(self._chunks):
             yield from chunk
 
@@ -255,6 +281,8 @@ class PlaneState:
         policy: An admission policy object to use instead of ``config["admission"]``.
         on_plan: Called as ``on_plan(admitted, plan)`` after each mini-batch is planned.
         journal: Where journaled calls are recorded (or ``None``).
+        graveyard: Released metadata and plan entries are kept there and freed later, off the releasing thread
+            (:mod:`knitdata.reclaim`; ``None``: freed at release).
 
     Raises:
         ConfigError: Inconsistent options.
@@ -263,7 +291,7 @@ class PlaneState:
     def __init__(self, config: Mapping[str, Any], unit_nodes: Mapping[str, str],
                  releaser: Callable[[str, list[str], bool], Any], *, policy: AdmissionPolicy | None = None,
                  on_plan: Callable[[AdmittedMiniBatch, MiniBatchPlan], None] | None = None,
-                 journal: Journal | None = None) -> None:
+                 journal: Journal | None = None, graveyard: Graveyard | None = None) -> None:
         cfg = {**PLANE_DEFAULTS, **dict(config)}
         self.config = cfg
         self.base_layout = cfg["layout"]  # the layout the plane was built with (a reshape changes config["layout"])
@@ -281,6 +309,8 @@ class PlaneState:
                                locality=self.placement.consumer_aware,
                                balance_tolerance=float(cfg["balance_tolerance"]), unit_nodes=self.unit_nodes)
         self.releaser = releaser
+        #: Where released metadata and plan entries go to be freed later (``None``: freed at release).
+        self._graveyard = graveyard
         self.on_plan = on_plan
         self.cond = threading.Condition(threading.RLock())
         n = self.layout.num_consumers
@@ -431,8 +461,14 @@ class PlaneState:
             metas = [m for m in popped if m is not None]
         else:
             held, metas = ids, cast("list[TrajectoryMeta]", popped)
-        _drain(map(self.loss.pop, ids, repeat(None)))
-        _drain(map(self.put_tokens.pop, ids, repeat(None)))
+        grave = self._graveyard
+        if grave is None:
+            _drain(map(self.loss.pop, ids, repeat(None)))
+            _drain(map(self.put_tokens.pop, ids, repeat(None)))
+        else:  # freed later, off this thread (see knitdata.reclaim)
+            grave.bury(popped)
+            grave.bury(list(map(self.put_tokens.pop, ids, repeat(None))))
+            _drain(map(self.loss.pop, ids, repeat(None)))  # ints: nothing worth deferring
         if not held:
             return
         if delivered:  # remembered in order; the oldest beyond DELIVERED_MEMORY forgotten
@@ -504,6 +540,9 @@ class PlaneState:
         e = self.unqueue(rank, j)
         if e is not None:
             self.release_ids(list(map(_first, e.items)), delivered=True)
+            if self._graveyard is not None:
+                self._graveyard.bury([e])
+            del e
         self.skip_gaps(rank)
         self.prune_fps(rank)
 
@@ -515,13 +554,18 @@ class PlaneState:
         if top > start:
             # the entries' payloads are released together (one release per unit), in entry order
             ids: list[str] = []
+            entries: list[PlanEntry] = []
             for j in range(start, top):
                 e = self.unqueue(rank, j)
                 if e is not None:
-                    n += 1
+                    entries.append(e)
                     ids += map(_first, e.items)
+            n = len(entries)
             if ids:
                 self.release_ids(ids, delivered=True)
+            if self._graveyard is not None:  # the entries (their items and infos) are freed later, off this thread
+                self._graveyard.bury(entries)
+            del entries
             self.committed[rank] = top
             self.skip_gaps(rank)
         # positions past what is planned yet (a restore before the refill): released as they are planned

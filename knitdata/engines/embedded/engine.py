@@ -16,6 +16,7 @@ from knitdata.engines.embedded.unit import EmbeddedStorageUnit
 from knitdata.errors import ConfigError
 from knitdata.placement import ConsumerLayout
 from knitdata.planner import MiniBatchPlan
+from knitdata.reclaim import Graveyard
 from knitdata.record import MediaItem, Trajectory
 from knitdata.storage.base import StorageUnit
 
@@ -61,6 +62,9 @@ class EmbeddedEngine(Engine):
         on_plan: Callable[[AdmittedMiniBatch, MiniBatchPlan], None] | None = None,
     ) -> None:
         super().__init__(layout, config)
+        #: What the trainer's thread releases (metadata, plan entries, payloads) is freed at the next put, at
+        #: ``stats()``, at shutdown or past the graveyard's limit (:mod:`knitdata.reclaim`).
+        self.graveyard = grave = Graveyard()
         units: dict[str, StorageUnit] = {}
         for node in layout.nodes:
             spill = None
@@ -69,12 +73,13 @@ class EmbeddedEngine(Engine):
 
                 spill = SpillStore(os.path.join(os.fspath(spill_dir), node), max_bytes=spill_bytes)
             units[node] = EmbeddedStorageUnit(node, capacity_bytes, spill=spill,
-                                              media_dedup=bool(config.get("media_dedup", True)))
+                                              media_dedup=bool(config.get("media_dedup", True)), graveyard=grave)
         for u in units.values():  # a reference to media another unit holds is copied in from it (counted on both)
             u.resolve = self._resolver(u.unit_id, units)  # type: ignore[attr-defined]
         self._units = units
         self.control = ControlPlane(config, {u: unit.node for u, unit in units.items()},
-                                     lambda u, ids, wait: units[u].release(ids), policy=policy, on_plan=on_plan)
+                                     lambda u, ids, wait: units[u].release(ids), policy=policy, on_plan=on_plan,
+                                     graveyard=grave)
 
     @classmethod
     def build(cls, layout: ConsumerLayout, config: Mapping[str, Any], capacity_bytes: int, *,
@@ -130,6 +135,16 @@ class EmbeddedEngine(Engine):
     def on_close(self) -> None:
         """Close the units: producers waiting for room wake up and fail."""
         self.close_units()
+
+    def stats(self) -> dict[str, Any]:
+        """:meth:`Engine.stats <knitdata.engines.base.Engine.stats>`, after freeing what releases left to free (this
+        thread: a caller reading the store's figures gets its memory back first)."""
+        self.graveyard.free()
+        return super().stats()
+
+    def shutdown(self) -> None:
+        """Free what releases left to free."""
+        self.graveyard.free()
 
     def __getstate__(self) -> Any:
         from knitdata.errors import EngineError

@@ -15,6 +15,7 @@ from operator import itemgetter
 from typing import Any, cast
 
 from knitdata.errors import ConfigError, EngineError, MediaRefError, StoreFull, TrajectoryLostError, ValidationError
+from knitdata.reclaim import Graveyard
 from knitdata.record import MediaItem, Trajectory
 from knitdata.storage.base import StorageStats, StorageUnit
 from knitdata.storage.media import MediaStore, Resolver
@@ -60,6 +61,8 @@ class EmbeddedStorageUnit(StorageUnit):
         media_dedup: Keep one copy of each media item (see above); ``False``: per-trajectory copies.
         resolve: Finds a media digest this unit does not hold in another unit of the pipeline (``None``: none);
             the engine sets :attr:`resolve` after building its units.
+        graveyard: Released payloads wait there to be freed by the next put, not by the releasing thread (``used_bytes``
+            drops at release; :mod:`knitdata.reclaim`). ``None``: freed at release.
 
     Example:
         >>> unit = EmbeddedStorageUnit("node0", capacity_bytes=1 << 20)
@@ -68,7 +71,7 @@ class EmbeddedStorageUnit(StorageUnit):
     """
 
     def __init__(self, unit_id: str, capacity_bytes: int, *, node: str | None = None, spill: Any = None,
-                 media_dedup: bool = True, resolve: Resolver | None = None) -> None:
+                 media_dedup: bool = True, resolve: Resolver | None = None, graveyard: Graveyard | None = None) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ConfigError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         self.unit_id = unit_id
@@ -94,6 +97,7 @@ class EmbeddedStorageUnit(StorageUnit):
         self._spill_gets = 0
         self._media: MediaStore | None = MediaStore() if media_dedup else None
         self.resolve: Resolver | None = resolve
+        self.graveyard = graveyard if graveyard is not None else Graveyard(limit=0)  # limit 0: freed at release
 
     @property
     def media_dedup(self) -> bool:
@@ -151,6 +155,7 @@ class EmbeddedStorageUnit(StorageUnit):
         Raises:
             MediaRefError: A media reference neither this unit nor another of the pipeline holds (nothing stored).
         """
+        self.graveyard.free()  # what releases left to free goes before anything new is held
         with self._cond:
             self._check_new(traj.id)
             own, media_new = self._need_locked(traj)
@@ -194,6 +199,7 @@ class EmbeddedStorageUnit(StorageUnit):
                         break
                     self._cond.wait(remaining)
                 self._put_wait += time.perf_counter() - t0
+                self.graveyard.free()  # woken by a release: what it left to free goes first
                 if self._closed:
                     raise EngineError(f"storage unit {self.unit_id!r} was closed while a put waited for room")
                 if not self._fits(own + media_new):
@@ -341,6 +347,7 @@ class EmbeddedStorageUnit(StorageUnit):
         freed = 0
         with self._cond:
             popped = list(map(self._items.pop, ids, repeat(None)))
+            self.graveyard.bury(popped)  # freed at the next put (or at once, limit 0)
             table = self._media
             if None not in popped:  # the common case: every payload held in memory (C maps, no loop)
                 freed = sum(map(_second, cast("list[tuple[Trajectory, int]]", popped)))
