@@ -487,14 +487,15 @@ class TrajectoryDataset(IterableDataset):
     # ------------------------------------------------------------------ internals
     def ended(self, it: _ConsumerIterator) -> None:
         """Iterator ``it`` finished its pass: with ``release="step"`` its position is committed (a mini-batch
-        boundary)."""
+        boundary). The commit is queued for the report the iterator's lease sends as it ends, right after this (no
+        wake-up of the sender's thread, which would compete with that report for the interpreter lock)."""
         with self.position.lock:
             current = self._active is not None and self._active() is it
             if current:
                 self._active = None
             upto = self.position.ended(current, self.engine.release == "step")
         if upto is not None:
-            self.session.commit(upto, wait=False)
+            self.session.commit(upto, wait=False, relayed=True)
 
     def __repr__(self) -> str:
         rep = "" if self.replica is None else f", replica={self.replica} of {self.num_replicas}"
