@@ -106,7 +106,7 @@ def test_stats_and_shutdown_free_what_releases_left() -> None:
         refs.append(weakref.ref(t))
         pipe.put(t)
         del t
-    assert sum(mb.num_sequences for mb in pipe.dataset(0, fetch="iter", max_minibatches=1)) == 2
+    assert sum(mb.num_sequences for mb in pipe.dataset(0, fetch="eager", max_minibatches=1)) == 2
     pipe.dataset(0).flush()
     gc.collect()
     assert all(r() is not None for r in refs)  # kept for the next put
