@@ -6,8 +6,9 @@ plane's lock. The bookkeeping has to happen there; freeing the objects does not:
 entry's records and, in real use, its payload's tensors (several per trajectory, each a call into the allocator)
 are work nobody waits for. A :class:`Graveyard` keeps what was released, and frees it
 
-* at the next put (a producer's thread), before anything is stored: so memory held never exceeds what the store held
-  at its last put, the bound the store's capacity already states;
+* at the next put (a producer's thread), before anything is stored: the store and its graveyard together hold no
+  more than the store held at its last put (after it, releases only move payloads from one to the other; a release
+  made while a put runs may land after that put's free), within the bound the store's capacity states;
 * when ``Pipeline.stats()`` or ``Pipeline.shutdown()`` is called, or the engine is dropped;
 * at once, on the releasing thread, when more than :attr:`Graveyard.limit` objects are waiting (a trainer draining
   a closed stream, with no put to come).
