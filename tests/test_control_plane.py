@@ -487,40 +487,6 @@ def test_hand_outs_reported_in_any_batches_leave_the_plane_as_one_at_a_time(cuts
 
 
 # ------------------------------------------------------------------------------------ the delivered-ids memory
-@settings(max_examples=200, deadline=None)
-@given(limit=st.integers(1, 12),
-       batches=st.lists(st.lists(st.sampled_from([f"t{i}" for i in range(30)]), max_size=8), max_size=25),
-       read_every=st.integers(1, 6))
-def test_recent_ids_match_an_ordered_dict_bounded_to_its_limit(limit, batches, read_every):
-    """RecentIds (the plane's memory of delivered ids) behaves as the OrderedDict it replaced: ids in first-added
-    order, an id added again keeps its place, the oldest beyond the limit forgotten; and a copy made from its
-    order (a snapshot's list) is the same memory. Batches are queued until the next read (or past the limit):
-    read after every ``read_every`` batches, any read sees them all."""
-    from collections import OrderedDict
-
-    from knitdata.control.state import RecentIds
-
-    model: OrderedDict[str, None] = OrderedDict()
-    mem = RecentIds(limit)
-    for k, batch in enumerate(batches):
-        for tid in batch:
-            model[tid] = None
-        while len(model) > limit:
-            model.popitem(last=False)
-        mem.add_many(list(batch))
-        if (k + 1) % read_every:
-            continue
-        read = k // read_every % 3  # each kind of read folds the queued batches
-        if read == 0:
-            assert all((f"t{i}" in mem) == (f"t{i}" in model) for i in range(30))
-        elif read == 1:
-            assert len(mem) == len(model)
-        assert list(mem) == list(model) and len(mem) == len(model)
-    assert list(mem) == list(model)
-    again = RecentIds(limit, list(mem))
-    assert list(again) == list(mem)
-
-
 @settings(max_examples=60, deadline=None)
 @given(sizes=st.lists(st.integers(0, 9), min_size=1, max_size=6), reset_at=st.integers(0, 6))
 def test_observations_keep_one_slot_per_rank_across_resizes(sizes, reset_at):

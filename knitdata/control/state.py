@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, is_, itemgetter
@@ -24,6 +24,7 @@ from typing import Any, cast
 
 from knitdata.admission import AdmissionPolicy, AdmittedMiniBatch, BatchSpec, make_policy
 from knitdata.control.fingerprints import FP_EMPTY, ReplayMarks, entry_fingerprint
+from knitdata.control.held import HeldTrajectories, RecentIds
 from knitdata.control.journal import Journal
 from knitdata.control.observed import Observations
 from knitdata.control.records import ConsumerId, ItemRef, PlanEntry, item_refs
@@ -45,7 +46,6 @@ _seq = attrgetter("seq")
 #: The put log is pruned (stamps of trajectories no longer held forgotten) when it holds this many stamps, or twice
 #: as many as after the last pruning.
 PUT_LOG_PRUNE = 4096
-_drain: Callable[[Iterable[Any]], None] = deque(maxlen=0).extend  # runs an iterator of C calls to its end, keeping nothing
 
 #: When payloads leave storage (see :mod:`knitdata.control.plane`).
 RELEASE_MODES: tuple[str, ...] = ("step", "commit", "handout")
@@ -136,95 +136,6 @@ def fields_of(scalars: Iterable[str], tensors: Mapping[str, str]) -> dict[str, A
     return {"scalars": sorted(scalars), "tensors": {k: str(v) for k, v in sorted(tensors.items())}}
 
 
-class RecentIds:
-    """The last ``limit`` distinct ids added, oldest first: a bounded ordered set.
-
-    Ids come and go a batch at a time (a micro-batch's released trajectories): a batch is one C ``set.update`` and
-    a list kept for the order, and the oldest are forgotten a batch at a time. At its bound, where a long run
-    stays, this costs less per id than an ``OrderedDict`` (whose linked nodes are allocated, then freed, one per
-    id). An id added again keeps its first place.
-
-    :meth:`add_many` only queues the batch (the trainer's thread releases a mini-batch: no hashing there); the
-    first read (``in``, ``len``, iteration; a producer's put asks ``in``) adds the queued batches in order, as
-    many ``add_many`` calls would have, and so does an ``add_many`` that queues more than ``limit`` ids.
-
-    Args:
-        limit: How many ids are remembered.
-        ids: The first ids, oldest first.
-
-    Example:
-        >>> r = RecentIds(3, ["a", "b"])
-        >>> r.add_many(["c", "a", "d"])
-        >>> list(r), "a" in r, len(r)
-        (['b', 'c', 'd'], False, 3)
-    """
-
-    def __init__(self, limit: int, ids: Iterable[str] = ()) -> None:
-        self.limit = int(limit)
-        self._set: set[str] = set()
-        self._chunks: deque[list[str]] = deque()
-        self._n = 0
-        self._queued: list[Sequence[str]] = []  # batches added, not folded in yet (in order)
-        self._queued_n = 0
-        self._add(list(ids))
-
-    def add_many(self, ids: Sequence[str]) -> None:
-        """Remember ``ids`` (those not remembered already, in order); forget the oldest beyond the limit.
-
-        ``ids`` is kept as it is until the next read: pass a sequence nobody changes afterwards (a new list)."""
-        self._queued.append(ids)
-        self._queued_n += len(ids)
-        if self._queued_n > self.limit:
-            self._fold()
-
-    def _fold(self) -> None:
-        queued, self._queued, self._queued_n = self._queued, [], 0
-        for ids in queued:
-            self._add(ids)
-
-    def _add(self, ids: Sequence[str]) -> None:
-        seen = self._set
-        if seen.isdisjoint(ids):
-            before = len(seen)
-            seen.update(ids)
-            chunk = list(ids) if len(seen) - before == len(ids) else list(dict.fromkeys(ids))
-        else:
-            chunk = [i for i in dict.fromkeys(ids) if i not in seen]
-            seen.update(chunk)
-        if not chunk:
-            return
-        self._chunks.append(chunk)
-        self._n += len(chunk)
-        while self._n > self.limit:
-            old = self._chunks[0]
-            excess = self._n - self.limit
-            if len(old) <= excess:
-                self._chunks.popleft()
-                seen.difference_update(old)
-                self._n -= len(old)
-            else:
-                seen.difference_update(old[:excess])
-                self._chunks[0] = old[excess:]
-                self._n -= excess
-
-    def __contains__(self, tid: object) -> bool:
-        if self._queued:
-            self._fold()
-        return tid in self._set
-
-    def __len__(self) -> int:
-        if self._queued:
-            self._fold()
-        return self._n
-
-    def __iter__(self) -> Iterator[str]:
-        """The ids, oldest first."""
-        if self._queued:
-            self._fold()
-        for chunk in list(self._chunks):
-            yield from chunk
-
-
 @dataclass
 class Journaling:
     """The journal of a plane and the bookkeeping of journaled calls (owned by
@@ -282,7 +193,9 @@ class PlaneState:
         on_plan: Called as ``on_plan(admitted, plan)`` after each mini-batch is planned.
         journal: Where journaled calls are recorded (or ``None``).
         graveyard: Released metadata and plan entries are kept there and freed later, off the releasing thread
-            (:mod:`knitdata.reclaim`; ``None``: freed at release).
+            (:mod:`knitdata.reclaim`; ``None``: freed at release). One that keeps (the embedded engine's) also
+            leaves a commit's trajectories to be forgotten at the next read of the held tables
+            (:mod:`knitdata.control.held`).
 
     Raises:
         ConfigError: Inconsistent options.
@@ -309,8 +222,10 @@ class PlaneState:
                                locality=self.placement.consumer_aware,
                                balance_tolerance=float(cfg["balance_tolerance"]), unit_nodes=self.unit_nodes)
         self.releaser = releaser
-        #: Where released metadata and plan entries go to be freed later (``None``: freed at release).
-        self._graveyard = graveyard
+        #: The trajectories held (live, put tokens, loss tokens) and what commits left to forget.
+        self._held = HeldTrajectories(graveyard)
+        #: Where released metadata and plan entries go to be freed later (limit 0: freed at release).
+        self._graveyard = self._held.graveyard
         self.on_plan = on_plan
         self.cond = threading.Condition(threading.RLock())
         n = self.layout.num_consumers
@@ -319,10 +234,7 @@ class PlaneState:
         self._seq = 0
         self.seq = 0
         self.delivered = RecentIds(DELIVERED_MEMORY)  # released after planning
-        self.live: dict[str, TrajectoryMeta] = {}  # stored and not released
-        self.put_tokens: dict[str, str] = {}  # live id -> token of the admit_many call that put it (retries)
         self.pending: dict[str, TrajectoryMeta] = {}  # admitted to the policy, not in a mini-batch yet
-        self.loss: dict[str, int] = {}
         self.queues: list[dict[int, PlanEntry]] = [{} for _ in range(n)]
         #: The token staleness sums of each queued entry (:meth:`~knitdata.staleness.TokenStaleness.sums`), made when
         #: it is planned, so that its hand-out does not visit its trajectories; not in snapshots (an entry restored
@@ -373,6 +285,26 @@ class PlaneState:
             log.restart(value)
         self._seq = value
 
+    @property
+    def live(self) -> dict[str, TrajectoryMeta]:
+        """The trajectories stored and not released, by id (:class:`~knitdata.control.held.HeldTrajectories`)."""
+        return self._held.live
+
+    @property
+    def put_tokens(self) -> dict[str, str]:
+        """The token of the ``admit_many`` call that put each held trajectory (a retried call is recognised)."""
+        return self._held.put_tokens
+
+    @property
+    def loss(self) -> dict[str, int]:
+        """The loss-mask tokens of each held trajectory."""
+        return self._held.loss
+
+    def settle(self) -> None:
+        """Forget now what commits left to forget (every read of :attr:`live`, :attr:`put_tokens` or :attr:`loss`
+        does it first; call under :attr:`cond`)."""
+        self._held.settle()
+
     # ------------------------------------------------------------------------------------ snapshot slice
     def state_dict(self, raw_metas: bool = False) -> dict[str, Any]:
         """The shared part of a snapshot (call under :attr:`cond`): admission and placement, the held and pending
@@ -404,10 +336,8 @@ class PlaneState:
         self.placement = placement
         self.seq = d["seq"]
         self.delivered = RecentIds(self.delivered.limit, d["delivered"])
-        self.live = {m.id: m for m in d["live"]}
-        self.put_tokens = d["put_tokens"]
+        self._held.load({m.id: m for m in d["live"]}, d["put_tokens"], d["loss"])
         self.pending = {m.id: self.live.get(m.id, m) for m in d["pending"]}
-        self.loss = d["loss"]
         self.queues = [{e.j: e for e in q} for q in d["queues"]]  # PlanEntry (decode_snapshot built them)
         self.entry_sums = [{} for _ in self.queues]
         self.planned, self.committed, self.position = d["planned"], d["committed"], d["position"]
@@ -451,24 +381,16 @@ class PlaneState:
         """Forget the trajectories ``ids`` still held and ask their units to drop the payloads (``delivered``:
         remember their ids, to refuse a retried put). Ids not held are skipped. ``ids``: a new list (kept).
 
-        This runs once per micro-batch handed out: each pass over the ids is a ``map`` of a C function (no
-        bytecode per trajectory) while every id is held by one unit, as on the embedded engine and on a node.
+        Each pass over the ids is a ``map`` of a C function (no bytecode per trajectory) while every id is held by
+        one unit, as on the embedded engine and on a node. A commit releases with :meth:`release_delivered`.
         """
-        popped: list[TrajectoryMeta | None] = list(map(self.live.pop, ids, repeat(None)))
+        popped = self._held.pop(ids)  # (their metadata and put tokens are freed later, see knitdata.reclaim)
         metas: list[TrajectoryMeta]
         if any(map(is_, popped, repeat(None))):  # some already released (a restore, a withdrawn group): held ones
             held = [i for i, m in zip(ids, popped) if m is not None]
             metas = [m for m in popped if m is not None]
         else:
             held, metas = ids, cast("list[TrajectoryMeta]", popped)
-        grave = self._graveyard
-        if grave is None:
-            _drain(map(self.loss.pop, ids, repeat(None)))
-            _drain(map(self.put_tokens.pop, ids, repeat(None)))
-        else:  # freed later, off this thread (see knitdata.reclaim)
-            grave.bury(popped)
-            grave.bury(list(map(self.put_tokens.pop, ids, repeat(None))))
-            _drain(map(self.loss.pop, ids, repeat(None)))  # ints: nothing worth deferring
         if not held:
             return
         if delivered:  # remembered in order; the oldest beyond DELIVERED_MEMORY forgotten
@@ -483,6 +405,34 @@ class PlaneState:
                 u = m.location
                 if u is not None:
                     by_unit.setdefault(u, []).append(mid)
+        self._drop_payloads(by_unit, delivered)
+
+    def release_delivered(self, ids: list[str]) -> None:
+        """:meth:`release_ids` of the trajectories of committed entries (``delivered``; each released once): the units
+        drop the payloads and the counts move now; with a graveyard that keeps (the embedded engine) the held
+        tables forget them at their next read (:meth:`HeldTrajectories.forget_later
+        <knitdata.control.held.HeldTrajectories.forget_later>`): the trainer's thread, which commits, does one
+        membership test per trajectory and the units' release. ``ids``: a new list (kept)."""
+        held = self._held.forget_later(ids)
+        if held is None:
+            self.release_ids(ids, delivered=True)
+            return
+        if not held:
+            return
+        self.delivered.add_many(held)
+        if len(self.unit_nodes) == 1:  # the common case: one unit, no metadata visited
+            by_unit = {next(iter(self.unit_nodes)): held}
+        else:
+            by_unit = {}
+            for mid in held:
+                u = self._held.location(mid)
+                if u is not None:
+                    by_unit.setdefault(u, []).append(mid)
+        self._drop_payloads(by_unit, True)
+        self._held.settle_over_limit()
+
+    def _drop_payloads(self, by_unit: dict[str, list[str]], delivered: bool) -> None:
+        """Ask each unit to drop the payloads of its released ids; count them and keep them for a resend."""
         tr = tracing.tracer
         for u, uids in by_unit.items():
             if tr is not None:
@@ -539,9 +489,8 @@ class PlaneState:
         """Release entry ``j`` of ``rank`` (if still queued) and advance the committed position over gaps."""
         e = self.unqueue(rank, j)
         if e is not None:
-            self.release_ids(list(map(_first, e.items)), delivered=True)
-            if self._graveyard is not None:
-                self._graveyard.bury([e])
+            self.release_delivered(list(map(_first, e.items)))
+            self._graveyard.bury([e])
             del e
         self.skip_gaps(rank)
         self.prune_fps(rank)
@@ -562,9 +511,8 @@ class PlaneState:
                     ids += map(_first, e.items)
             n = len(entries)
             if ids:
-                self.release_ids(ids, delivered=True)
-            if self._graveyard is not None:  # the entries (their items and infos) are freed later, off this thread
-                self._graveyard.bury(entries)
+                self.release_delivered(ids)
+            self._graveyard.bury(entries)  # the entries (their items and infos) are freed later, off this thread
             del entries
             self.committed[rank] = top
             self.skip_gaps(rank)

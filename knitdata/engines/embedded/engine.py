@@ -138,12 +138,18 @@ class EmbeddedEngine(Engine):
 
     def stats(self) -> dict[str, Any]:
         """:meth:`Engine.stats <knitdata.engines.base.Engine.stats>`, after freeing what releases left to free (this
-        thread: a caller reading the store's figures gets its memory back first)."""
+        thread: a caller reading the store's figures gets its memory back first; what the control plane's read of its
+        tables forgets meanwhile is freed right after)."""
         self.graveyard.free()
-        return super().stats()
+        out = super().stats()
+        self.graveyard.free()
+        return out
 
     def shutdown(self) -> None:
-        """Free what releases left to free."""
+        """Forget and free what releases left to forget and free."""
+        state = self.control.state
+        with state.cond:
+            state.settle()
         self.graveyard.free()
 
     def __getstate__(self) -> Any:
