@@ -6,9 +6,9 @@
    timed) against ``torch.utils.data.DataLoader(num_workers=0)`` over the same in-memory trajectories, with
    the same micro-batches (the plan's index lists as ``batch_sampler``) and the same collate
    (:class:`~knitdata.consumer.collate.TokenCollator`); interleaved repeats (alternating order, GC off inside each
-   timed pass); the median of the per-repeat wall-time ratios, in each of 5 fresh processes run one after
+   timed pass); the median of the per-repeat wall-time ratios, in each of 11 fresh processes run one after
    another, and the median across the processes (:func:`measure_overhead_processes`: one process's figure
-   moves between runs by more than its repeats do). ``overhead_ratio_vs_torch`` is the
+   moves between runs by more than its repeats do; their quartiles are reported beside). ``overhead_ratio_vs_torch`` is the
    synchronous path (``fetch="eager"``, no background thread, like ``num_workers=0``);
    ``overhead_ratio_vs_torch_iter`` is ``fetch="iter"``: its background thread only pays off when there is
    compute to overlap (see 3); with none, as here, :class:`knitdata.consumer.prefetch.Prefetcher` lets the consumer
@@ -272,8 +272,10 @@ def measure_overhead_processes(n: int = 1024, *, processes: int = 5, repeats: in
                                token_budget: int = 4096, progress: bool = True) -> dict[str, Any]:
     """:func:`measure_overhead` in ``processes`` fresh interpreters, one after another; medians across them.
 
-    One process's ratio moves between runs by more than its repeats' spread (heap layout, where the threads land):
-    the median over fresh processes is the figure reported. Each child builds the same ``n`` trajectories
+    One process's ratio moves between runs by more than its repeats' spread (heap layout, where the threads land;
+    on the 2-core benchmark machine the per-process ratios of one run spread over about 0.98-1.08, with an
+    interquartile range of about 0.03): the median over fresh processes is the figure reported, over enough of them
+    (11 in a full run) that it moves less than a percent between runs. Each child builds the same ``n`` trajectories
     (:func:`make_token_trajectories`) and prints its result as JSON.
 
     Returns:
@@ -310,11 +312,17 @@ def measure_overhead_processes(n: int = 1024, *, processes: int = 5, repeats: in
     def across(key: str) -> dict[str, float]:
         return {k: statistics.median(r[key][k] for r in runs) for k in runs[0][key]}
 
+    def quartiles(xs: list[float]) -> list[float]:
+        return statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
+
     first = runs[0]
     return {"processes": processes, "repeats": repeats, "trajectories": first["trajectories"],
             "microbatches": first["microbatches"], "payload_bytes": first["payload_bytes"],
             "median_s": across("median_s"), "ratio_vs_torch": across("ratio_vs_torch"),
-            "cpu_ratio_vs_torch": across("cpu_ratio_vs_torch"), "per_process": runs}
+            "cpu_ratio_vs_torch": across("cpu_ratio_vs_torch"),
+            # the spread of the per-process ratios: [first quartile, median, third quartile]
+            "ratio_quartiles": {m: quartiles([r["ratio_vs_torch"][m] for r in runs]) for m in first["ratio_vs_torch"]},
+            "per_process": runs}
 
 
 def measure_phases(trajs: Sequence[Trajectory], *, repeats: int = 15, minibatches: int = 4,
@@ -575,6 +583,8 @@ def format_table(doc: dict[str, Any]) -> str:
         f"{ov['cpu_ratio_vs_torch']['eager']:>11.3f}",
         "  (ratio: median over processes of the median over repeats of wall-time ratios; cpu ratio: the same with "
         "process CPU time)",
+        *[f"  {m} ratio across the processes: quartiles {q[0]:.3f} / {q[1]:.3f} / {q[2]:.3f}"
+          for m, q in (ov.get("ratio_quartiles") or {}).items()],
         f"  load average at start {_fmt_load(doc.get('load_average_start'))}, at end {_fmt_load(doc.get('load_average'))} "
         f"({doc['machine']['cpus']} CPUs)",
         *_phase_lines(doc.get("overhead_phases")),
@@ -630,7 +640,7 @@ def run_all(*, quick: bool = False, progress: bool = True) -> dict[str, Any]:
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     n_text = 512 if quick else 1024
     n_img = (3 + 6) * 16 if quick else (3 + 12) * 16
-    overhead = measure_overhead_processes(n_text, processes=3 if quick else 5, repeats=11 if quick else 31,
+    overhead = measure_overhead_processes(n_text, processes=3 if quick else 11, repeats=11 if quick else 21,
                                           progress=progress)
     phases = measure_phases(make_token_trajectories(n_text), repeats=5 if quick else 15)
     big = make_payload_trajectories(64 if quick else 512)

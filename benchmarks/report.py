@@ -959,7 +959,10 @@ def render_loader(d: dict) -> str:
              f"{ov.get('repeats', '-')} interleaved repeats"
              + (f" in each of {ov['processes']} fresh processes (medians across them)" if ov.get("processes") else "")
              + (f"; target ratio <= {tgt}" if tgt is not None else "") + ":",
-             table(["loader", "median s", "ratio", "cpu ratio"], rows, "lrrr"),
+             table(["loader", "median s", "ratio", "cpu ratio"], rows, "lrrr")
+             + ("\n\nThe ratio across the processes (first quartile / median / third quartile): " + "; ".join(
+                 f"{m} {' / '.join(f(x, '.3f') for x in q)}" for m, q in ov["ratio_quartiles"].items()) + "."
+                if ov.get("ratio_quartiles") else ""),
              f"Bandwidth over {f(r.get('bandwidth_bytes'), '.0f', 1 / MiB)} MiB of 1 MiB payloads: memcpy "
              f"{f(r.get('memcpy_GBps'))} GB/s, local fetch (one copy per byte) {f(r.get('local_fetch_GBps'))} GB/s"
              + (f" ({f(r.get('local_fetch_over_memcpy'), '.0f', 100)}% of memcpy; the same copying collate without "

@@ -299,6 +299,8 @@ def test_loader_benchmark_functions_smoke():
     for key in ("ratio_vs_torch", "cpu_ratio_vs_torch", "median_s"):  # the median across the processes
         for mode, v in ovp[key].items():
             assert min(r[key][mode] for r in ovp["per_process"]) <= v <= max(r[key][mode] for r in ovp["per_process"])
+    for mode, (q1, q2, q3) in ovp["ratio_quartiles"].items():  # the spread across the processes
+        assert q1 <= q2 <= q3 and q2 == pytest.approx(ovp["ratio_vs_torch"][mode])
     ph = bench.measure_phases(bench.make_token_trajectories(24, max_len=80), repeats=2)
     n = ph["microbatches"]
     for cname in ("token", "none"):
