@@ -273,9 +273,9 @@ def measure_overhead_processes(n: int = 1024, *, processes: int = 5, repeats: in
     """:func:`measure_overhead` in ``processes`` fresh interpreters, one after another; medians across them.
 
     One process's ratio moves between runs by more than its repeats' spread (heap layout, where the threads land;
-    on the 2-core benchmark machine the per-process ratios of one run spread over about 0.98-1.08, with an
-    interquartile range of about 0.03): the median over fresh processes is the figure reported, over enough of them
-    (11 in a full run) that it moves less than a percent between runs. Each child builds the same ``n`` trajectories
+    on the 2-core benchmark machine the per-process ratios of one run have spread over as much as 0.98-1.08): the
+    median over fresh processes is the figure reported (11 of them in a full run, 5 before), with the quartiles
+    across them beside it (``ratio_quartiles``). Each child builds the same ``n`` trajectories
     (:func:`make_token_trajectories`) and prints its result as JSON.
 
     Returns:
