@@ -344,4 +344,11 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
+    code = main()
+    # DDP keeps the gloo process group alive after end_training() / destroy_process_group() (torch 2.x): its worker
+    # threads live on into the interpreter's teardown, where one that drops the last reference to a finished
+    # collective's tensors aborts the process now and then ("terminate called without an active exception",
+    # SIGABRT) after everything was written. Everything is flushed and closed by now: skip that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
