@@ -477,8 +477,11 @@ class Prefetcher(Iterator[T], Generic[T]):
                     sh.fast = not inline and not sh.stop
                     if sh.parked == "turn":
                         cond.notify_all()
-                    elif sh.parked == "start":
-                        _signal(sh.room)
+                    elif sh.parked == "start":  # (_signal, inlined: no frame on the trainer's thread)
+                        try:
+                            sh.room.release()
+                        except RuntimeError:  # already signalled
+                            pass
             try:
                 while True:
                     if sh.items:
@@ -525,7 +528,10 @@ class Prefetcher(Iterator[T], Generic[T]):
                     if not sh.inline and sh.parked == "turn":
                         cond.notify_all()
                     elif not sh.inline and sh.parked == "start":
-                        _signal(sh.room)
+                        try:
+                            sh.room.release()
+                        except RuntimeError:  # already signalled
+                            pass
                     sh.in_next = False
                     sh.left_at = time.perf_counter()
         assert entry is not None  # taken from the queue or made by _make above
