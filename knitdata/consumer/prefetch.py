@@ -240,7 +240,7 @@ def _produce(sh: PrefetchQueue) -> None:
     if sh.inline:
         # the consumer pulls its first items itself: nothing to do before it has been away for _IDLE_S. Wait for that
         # in one C call first: the thread took the GIL from the consumer to start, and gives it back with the least
-        # Python (about 0.1 ms less on the first micro-batch of a pass, ``measure_phases`` of ``bench loader``).
+        # Python (the first micro-batch of a pass pays the thread's start: ``measure_phases`` in ``bench loader``).
         # close(), set_depth() and a switch to threaded mode signal ``room``.
         sh.parked = "start"
         sh.room.acquire(timeout=_IDLE_S)
