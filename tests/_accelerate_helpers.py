@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import traceback
 import zlib
 from pathlib import Path
@@ -149,6 +150,12 @@ def ddp_worker(rank: int, world: int, port: int, out_dir: str) -> None:
     except BaseException:  # report, never hang the parent
         result["error"] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    # the result is written: skip the interpreter's teardown, where torch's gloo threads (kept alive by DDP after
+    # end_training) abort the process now and then (docs/troubleshooting.md, "terminate called without an active
+    # exception"); the examples end the same way
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def two_loaders_phase(ckpt: str, phase: str, out: str) -> None:
