@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from knitdata.consumer.collate import MicroBatch, MicroBatchInfo, TokenCollator
 import knitdata.consumer.prefetch as prefetch_mod
+from knitdata.consumer.collate import MicroBatch, MicroBatchInfo, TokenCollator
 from knitdata.consumer.prefetch import PinnedBufferPool, Prefetcher, PrefetchQueue, map_tensors
 from knitdata.consumer.staging import staged_copy as _staged_copy
 from knitdata.errors import ConfigError, StateError
