@@ -14,7 +14,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import knitdata.consumer.prefetch as prefetch_mod
 from knitdata.consumer.collate import MicroBatch, MicroBatchInfo, TokenCollator
 from knitdata.consumer.prefetch import PinnedBufferPool, Prefetcher, PrefetchQueue, map_tensors
 from knitdata.consumer.staging import staged_copy as _staged_copy
@@ -549,31 +548,6 @@ def test_inline_when_nothing_to_overlap_thread_when_compute() -> None:
         next(pf)
     assert _wait_until(lambda: src.i == 10 + 3 + 1)
     assert list(pf) == [i * 10 for i in range(10, 40)]
-
-
-def test_the_threads_first_wait_in_inline_mode_ends_on_close_and_on_a_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inline mode starts with the thread in one C-level wait (``parked == "start"``) until the consumer has been
-    away for ``_IDLE_S``. close() ends that wait, and so does a switch to threaded mode (a consumer that computes
-    between items gets them made ahead at once). ``_IDLE_S`` is made 30 s here: only a signal can end the wait."""
-    monkeypatch.setattr(prefetch_mod, "_IDLE_S", 30.0)
-    main = threading.get_ident()
-    src = GuardedSource(50)
-    pf = Prefetcher(src, depth=2, inline_below_s=10.0)
-    assert [next(pf) for _ in range(3)] == [0, 10, 20]
-    assert _wait_until(lambda: pf.queue.parked == "start")
-    t0 = time.perf_counter()
-    pf.close()
-    assert pf.queue.job is not None and pf.queue.job.join(2.0) and time.perf_counter() - t0 < 2.0
-    assert src.threads.count(main) == len(src.threads) == 3  # nothing was made on the thread
-    # a consumer that computes between items: after a few, its pace switches to threaded mode, which wakes the thread
-    src = GuardedSource(12)
-    pf = Prefetcher(src, depth=2, inline_below_s=0.002)
-    got = []
-    for x in pf:
-        got.append(x)
-        time.sleep(0.01)
-    assert got == [i * 10 for i in range(12)]
-    assert src.threads.count(main) < len(src.threads)  # some were made ahead on the thread, well before 30 s
 
 
 def test_stats_count_items_pulled_inline() -> None:

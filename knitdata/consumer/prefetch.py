@@ -107,8 +107,7 @@ class PrefetchQueue:
         left_at: ``time.perf_counter()`` when the consumer last took an item.
         period: The consumer's time per item at its last pop (0: not known yet).
         popped: Items the consumer popped itself (counted as handed out with a zero wait).
-        parked: What the thread waits for: ``"start"`` (its first wait in inline mode, on ``room``), ``"turn"``,
-            ``"room"`` or ``"handoff"`` (``None``: it runs).
+        parked: What the thread waits for: ``"turn"``, ``"room"`` or ``"handoff"`` (``None``: it runs).
     """
 
     def __init__(self, source: Iterator[Any], state_fn: Callable[[], dict] | None, depth: int,
@@ -238,17 +237,8 @@ def _room_check_s(sh: PrefetchQueue) -> float:
 
 
 def _produce(sh: PrefetchQueue) -> None:
-    if sh.inline:
-        # the consumer pulls its first items itself: nothing to do before it has been away for _IDLE_S. Wait for that
-        # in one C call first: the thread took the GIL from the consumer to start, and gives it back with the least
-        # Python (the first micro-batch of a pass pays the thread's start: ``measure_phases`` in ``bench loader``).
-        # close(), set_depth() and a switch to threaded mode signal ``room``.
-        sh.parked = "start"
-        sh.room.acquire(timeout=_IDLE_S)
-        sh.parked = None
     # a pooled thread (knitdata.threads) keeps thread-local torch state between jobs: start from a new thread's
-    if not torch.is_grad_enabled():
-        torch.set_grad_enabled(True)
+    torch.set_grad_enabled(True)
     cond = sh.cond
     while True:
         with cond:
@@ -451,11 +441,6 @@ class Prefetcher(Iterator[T], Generic[T]):
                     sh.fast = not inline and not sh.stop
                     if sh.parked == "turn":
                         cond.notify_all()
-                    elif sh.parked == "start":  # (_signal, inlined: no frame on the trainer's thread)
-                        try:
-                            sh.room.release()
-                        except RuntimeError:  # already signalled
-                            pass
             try:
                 while True:
                     if sh.items:
@@ -501,11 +486,6 @@ class Prefetcher(Iterator[T], Generic[T]):
                     sh.finished = sh.finished or last
                     if not sh.inline and sh.parked == "turn":
                         cond.notify_all()
-                    elif not sh.inline and sh.parked == "start":
-                        try:
-                            sh.room.release()
-                        except RuntimeError:  # already signalled
-                            pass
                     sh.in_next = False
                     sh.left_at = time.perf_counter()
         assert entry is not None  # taken from the queue or made by _make above
